@@ -1,0 +1,70 @@
+# Each target bootstraps a local virtualenv in $(VENV) on first use and reinstalls
+# only when pyproject.toml changes (stamp files inside the venv).
+#
+#   make run   [ARGS="--max-new-tokens 32 ..."]   transformers-cb generate
+#   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/
+#   make lint                                     ruff check + ruff format --check
+#   make bench [ARGS="..."]                       benchmarks/throughput.py
+#
+# Without a working nvidia-smi, torch is installed as $(TORCH_CPU) first so that pip
+# does not pull a multi-GB CUDA build; with one, plain $(TORCH_GPU).
+
+PYTHON ?= python3
+VENV ?= .venv
+ARGS ?=
+TORCH_CPU ?= torch==2.13.0
+TORCH_GPU ?= torch
+PIP_ARGS ?=
+
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+
+.PHONY: install install-test run test lint format bench clean-venv
+
+install: $(VENV)/.installed-run
+
+install-test: $(VENV)/.installed-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed-torch: | $(BIN)/python
+	@if nvidia-smi >/dev/null 2>&1; then \
+		echo "NVIDIA GPU found: installing $(TORCH_GPU)"; \
+		$(PIP) install $(PIP_ARGS) "$(TORCH_GPU)"; \
+	else \
+		echo "No NVIDIA GPU: installing $(TORCH_CPU) first (CPU build)"; \
+		$(PIP) install $(PIP_ARGS) "$(TORCH_CPU)"; \
+	fi
+	touch $@
+
+$(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-torch
+	$(PIP) install $(PIP_ARGS) -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-torch
+	$(PIP) install $(PIP_ARGS) -e ".[test]"
+	touch $@
+
+run: $(VENV)/.installed-run
+	$(BIN)/transformers-cb generate $(ARGS)
+
+# pytest exits 5 when it collects no tests; that is a failure here, never swallowed.
+test: $(VENV)/.installed-test
+	@rc=0; $(BIN)/python -m pytest $(ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(VENV)/.installed-test
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(VENV)/.installed-run
+	$(BIN)/python benchmarks/throughput.py $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

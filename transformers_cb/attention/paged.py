@@ -1,0 +1,72 @@
+"""Glue shared by the paged backends: write the step's new K/V, then attend group by group.
+
+A backend only supplies `attend(q, k, v, mask, is_causal, scale)` over dense
+per-group tensors; the paging (slot writes and gathers) lives here once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .metadata import AttentionMetadata
+
+# attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
+#        is_causal, scale) -> [B, H, Q, D]
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool, float], torch.Tensor]
+
+METADATA_KWARG = "cb_attention_metadata"
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`cache[slots]` as `[*slots.shape, Hkv, D]` through one index_select."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    metadata: AttentionMetadata,
+    scale: float,
+    attend: Attend,
+) -> torch.Tensor:
+    """Args: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` of the packed step.
+
+    Returns `[1, T, H, D]`, the layout transformers' attention functions return.
+    """
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]
+    new_values = value[0].transpose(0, 1)
+    metadata.cache.write(layer_idx, metadata.slot_mapping, new_keys, new_values)
+    key_cache, value_cache = metadata.cache.layer(layer_idx)
+    out = torch.empty_like(q)  # [T, H, D]
+    for group in metadata.decode_groups:
+        q_group = q[group.q_start : group.q_end].unsqueeze(2)  # [B, H, 1, D]
+        k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
+        v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
+        o = attend(q_group, k_group, v_group, group.kv_mask, False, scale)  # [B, H, 1, D]
+        out[group.q_start : group.q_end] = o.squeeze(2)
+    for group in metadata.prefill_groups:
+        rows = slice(group.q_start, group.q_end)
+        q_group = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        if group.kv_slots is None:
+            # First chunk of a sequence: its whole KV is this chunk, plain causal attention.
+            k_group = new_keys[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Q, D]
+            v_group = new_values[rows].transpose(0, 1).unsqueeze(0)
+            o = attend(q_group, k_group, v_group, None, group.q_end - group.q_start > 1, scale)
+        else:
+            k_group = _gather(key_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v_group = _gather(value_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)
+            o = attend(q_group, k_group, v_group, group.mask, False, scale)
+        out[rows] = o[0].transpose(0, 1)
+    return out.unsqueeze(0)
+
+
+def unsupported_kwargs(kwargs: dict) -> None:
+    """Refuse attention variants this backend does not implement, instead of ignoring them."""
+    for name in ("sliding_window", "softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"paged attention with {name}={kwargs[name]!r} is not implemented yet")

@@ -1,0 +1,48 @@
+"""Pure-torch reference paged attention: slow, obvious, and the oracle for every backend.
+
+Same signature as a varlen flash kernel with block tables: queries are packed
+`[T, H, D]`, request `i` owns queries `cu_seqlens_q[i]:cu_seqlens_q[i+1]` and
+attends causally (bottom-right aligned) to its first `seq_lens_k[i]` KV tokens,
+found through `block_table[i]`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Args: query `[T, H, D]`; key/value cache `[num_slots, Hkv, D]`. Returns `[T, H, D]` in query dtype."""
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i in range(len(seq_lens_k)):
+        q_start, q_end = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+        kv_len = int(seq_lens_k[i])
+        positions = torch.arange(kv_len)
+        slots = block_table[i, positions // page_size].long() * page_size + positions % page_size
+        k = key_cache[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = value_cache[slots].float().repeat_interleave(group, dim=1)
+        q = query[q_start:q_end].float()  # [Q, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos = torch.arange(kv_len - (q_end - q_start), kv_len)[:, None]
+        allowed = positions[None, :] <= q_pos
+        if sliding_window is not None:
+            allowed &= positions[None, :] > q_pos - sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

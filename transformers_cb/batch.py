@@ -1,0 +1,143 @@
+"""Packing a `ScheduledBatch` into the varlen tensors of one forward pass.
+
+Token order inside the step: decodes first, sorted by KV length (longest first)
+and split into groups whose padded size stays within `DECODE_PADDING_BOUND` of
+their real size; then each prefill chunk. `entry_order` maps back to the
+scheduler's entry order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention.metadata import AttentionMetadata, DecodeGroup, PrefillGroup
+from .cache.block_table import BlockTables
+from .cache.paged_cache import PagedKVCache
+from .scheduler import ScheduledBatch, ScheduledRequest
+
+# A decode group may do at most this much more attention work than its real KV lengths need.
+DECODE_PADDING_BOUND = 1.25
+
+
+@dataclass
+class PackedStep:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [S]: packed positions whose logits are sampled
+    sampling_entries: list[ScheduledRequest]  # the S entries, in logits order
+    metadata: AttentionMetadata
+
+
+def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> list[tuple[int, int]]:
+    """Split descending `kv_lens` into [start, end) runs with `len * max <= bound * sum`."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, length in enumerate(kv_lens):
+        if i > start and (i - start + 1) * kv_lens[start] > bound * (total + length):
+            groups.append((start, i))
+            start, total = i, 0
+        total += length
+    if start < len(kv_lens):
+        groups.append((start, len(kv_lens)))
+    return groups
+
+
+class BatchPacker:
+    """Builds `PackedStep`s; owns the persistent block tables of running requests."""
+
+    def __init__(self, cache: PagedKVCache, max_pages_per_request: int, device: torch.device) -> None:
+        self.cache = cache
+        self.page_size = cache.page_size
+        self.device = device
+        self.block_tables = BlockTables(max_pages_per_request, device)
+        self._page_offsets = torch.arange(self.page_size, device=device)
+
+    def release(self, requests: list) -> None:
+        for request in requests:
+            self.block_tables.release(request)
+
+    def pack(self, batch: ScheduledBatch) -> PackedStep:
+        decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
+        prefills = [e for e in batch.entries if e.num_tokens > 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for entry in ordered:
+            input_ids.extend(entry.request.all_token_ids[entry.start : entry.end])
+            positions.extend(range(entry.start, entry.end))
+        rows = torch.tensor([self.block_tables.sync(e.request) for e in ordered], dtype=torch.int64)
+        rows = rows.to(self.device)
+        seq_lens_k = torch.tensor([e.end for e in ordered], dtype=torch.int64, device=self.device)
+        q_lens = torch.tensor([e.num_tokens for e in ordered], dtype=torch.int64, device=self.device)
+        max_pages = -(-max(e.end for e in ordered) // self.page_size)
+        block_table = self.block_tables.table[rows, :max_pages]  # [N, max_pages]
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        # slot = page_id * page_size + offset, for each new token. [T]
+        token_rows = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), q_lens)
+        slot_mapping = block_table[token_rows, position_ids // self.page_size] * self.page_size + (
+            position_ids % self.page_size
+        )
+        cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32, device=self.device)
+        cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
+        metadata = AttentionMetadata(
+            cache=self.cache,
+            slot_mapping=slot_mapping,
+            decode_groups=self._decode_groups(decodes, block_table, seq_lens_k),
+            prefill_groups=self._prefill_groups(prefills, len(decodes), block_table),
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens_k=seq_lens_k.to(torch.int32),
+            block_table=block_table.to(torch.int32),
+            max_seqlen_q=max(e.num_tokens for e in ordered),
+            max_seqlen_k=max(e.end for e in ordered),
+        )
+        sampling, logits_indices, offset = [], [], 0
+        for entry in ordered:
+            offset += entry.num_tokens
+            if entry.samples:
+                sampling.append(entry)
+                logits_indices.append(offset - 1)
+        return PackedStep(
+            input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
+            position_ids=position_ids.unsqueeze(0),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            sampling_entries=sampling,
+            metadata=metadata,
+        )
+
+    def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Slots of the first `kv_len` tokens for each row of `block_table_rows` `[B, P]` -> `[B, kv_len]`."""
+        slots = block_table_rows[:, :, None] * self.page_size + self._page_offsets  # [B, P, page_size]
+        return slots.reshape(block_table_rows.shape[0], -1)[:, :kv_len]
+
+    def _decode_groups(
+        self, decodes: list[ScheduledRequest], block_table: torch.Tensor, seq_lens_k: torch.Tensor
+    ) -> list[DecodeGroup]:
+        groups = []
+        for start, end in group_decodes([e.end for e in decodes]):
+            kv_len = decodes[start].end
+            num_pages = -(-kv_len // self.page_size)
+            kv_slots = self._slots(block_table[start:end, :num_pages], kv_len)  # [B, L]
+            kv_mask = None
+            if decodes[end - 1].end != kv_len:
+                arange = torch.arange(kv_len, device=self.device)
+                kv_mask = (arange[None, :] < seq_lens_k[start:end, None]).view(end - start, 1, 1, kv_len)
+            groups.append(DecodeGroup(start, end, kv_slots, kv_mask))
+        return groups
+
+    def _prefill_groups(
+        self, prefills: list[ScheduledRequest], first_row: int, block_table: torch.Tensor
+    ) -> list[PrefillGroup]:
+        groups, q_start = [], first_row
+        for i, entry in enumerate(prefills, start=first_row):
+            q_end = q_start + entry.num_tokens
+            kv_slots = mask = None
+            if entry.start > 0:
+                num_pages = -(-entry.end // self.page_size)
+                kv_slots = self._slots(block_table[i : i + 1, :num_pages], entry.end)[0]  # [L]
+                mask = torch.ones(entry.num_tokens, entry.end, dtype=torch.bool, device=self.device)
+                mask = mask.tril(entry.start).view(1, 1, entry.num_tokens, entry.end)
+            groups.append(PrefillGroup(q_start, q_end, entry.start, kv_slots, mask))
+            q_start = q_end
+        return groups

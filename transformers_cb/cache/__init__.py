@@ -1,0 +1,1 @@
+"""The paged KV cache: pages (`pool`), page policies (`allocator`), tensors (`paged_cache`)."""

@@ -1,0 +1,187 @@
+"""`ContinuousBatchingConfig`: the hardware-side settings (memory, scheduling, kernels).
+
+Validation only lives here. Sizing that depends on the model and the device
+(`num_blocks`, `max_batch_tokens`, ...) is resolved in `cache/sizing.py` into a
+separate object, so the user's config is never mutated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
+MIN_PAGE_SIZE = 4
+
+
+def _check_range(name: str, value: Any, allowed: str, ok: bool) -> None:
+    if not ok:
+        raise ValueError(f"ContinuousBatchingConfig.{name}={value!r} is invalid: allowed {allowed}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Hardware-side settings of continuous batching. See `docs/config.md` for every field.
+
+    Fields whose feature is not built yet are accepted when they leave the feature
+    off and raise `NotImplementedError` naming the feature when they turn it on.
+    """
+
+    page_size: int = 256
+    num_blocks: int | None = None
+    max_memory_percent: float | None = None
+    max_batch_tokens: int | None = None
+    max_requests_per_batch: int | None = None
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    allow_block_sharing: bool = True
+    cpu_offload_space: float | None = 0.0
+    cpu_offload_space_safety_threshold: float = 0.8
+    return_logprobs: bool = False
+    per_request_processors: bool = False
+    use_cuda_graph: bool | None = None
+    q_padding_interval_size: int = 64
+    kv_padding_interval_size: int = 16384
+    use_async_batching: bool = False
+    default_compile_level: int = 0
+    varlen_compile_config: Any = None
+    decode_compile_config: Any = None
+    max_blocks_per_request: int | None = None
+    auto_switch_to_flash: bool = True
+    cpu_group_timeout: float | None = 300.0
+    seed: int | None = None
+    max_queue_size: int = 0
+    block_size: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None:
+            warnings.warn(
+                "ContinuousBatchingConfig.block_size is deprecated, use page_size instead",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.page_size = self.block_size
+            self.block_size = None
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `ValueError` naming the field, value and allowed range for any invalid value,
+        and `NotImplementedError` for features this release does not provide."""
+        _check_range("page_size", self.page_size, f"an int >= {MIN_PAGE_SIZE}", _is_int(self.page_size))
+        _check_range(
+            "page_size", self.page_size, f"an int >= {MIN_PAGE_SIZE}", self.page_size >= MIN_PAGE_SIZE
+        )
+        for name in ("num_blocks", "max_batch_tokens", "max_requests_per_batch"):
+            value = getattr(self, name)
+            _check_range(
+                name, value, "None (auto) or an int >= 1", value is None or (_is_int(value) and value >= 1)
+            )
+        value = self.max_memory_percent
+        _check_range(
+            "max_memory_percent",
+            value,
+            "None (auto) or a number in (0, 1]",
+            value is None or (_is_number(value) and 0 < value <= 1),
+        )
+        _check_range(
+            "scheduler_type",
+            self.scheduler_type,
+            f"one of {SCHEDULER_TYPES}",
+            self.scheduler_type in SCHEDULER_TYPES,
+        )
+        value = self.safety_margin
+        _check_range(
+            "safety_margin",
+            value,
+            "None (scheduler default) or a number in [0, 1]",
+            value is None or (_is_number(value) and 0 <= value <= 1),
+        )
+        value = self.cpu_offload_space
+        _check_range(
+            "cpu_offload_space",
+            value,
+            "None or a number >= 0 (GiB)",
+            value is None or (_is_number(value) and value >= 0),
+        )
+        value = self.cpu_offload_space_safety_threshold
+        _check_range(
+            "cpu_offload_space_safety_threshold",
+            value,
+            "a number in (0, 1]",
+            _is_number(value) and 0 < value <= 1,
+        )
+        for name in ("q_padding_interval_size", "kv_padding_interval_size"):
+            value = getattr(self, name)
+            _check_range(name, value, "an int >= 1", _is_int(value) and value >= 1)
+        value = self.default_compile_level
+        _check_range("default_compile_level", value, "an int in 0..3", _is_int(value) and 0 <= value <= 3)
+        value = self.max_blocks_per_request
+        _check_range(
+            "max_blocks_per_request",
+            value,
+            "None (auto) or an int >= 0",
+            value is None or (_is_int(value) and value >= 0),
+        )
+        value = self.cpu_group_timeout
+        _check_range(
+            "cpu_group_timeout",
+            value,
+            "None or a number > 0 (seconds)",
+            value is None or (_is_number(value) and value > 0),
+        )
+        _check_range("seed", self.seed, "None or an int", self.seed is None or _is_int(self.seed))
+        _check_range("max_queue_size", self.max_queue_size, "an int >= 0", _is_int(self.max_queue_size))
+        _check_range("max_queue_size", self.max_queue_size, "an int >= 0", self.max_queue_size >= 0)
+        for name in (
+            "allow_block_sharing",
+            "return_logprobs",
+            "per_request_processors",
+            "use_async_batching",
+            "auto_switch_to_flash",
+        ):
+            value = getattr(self, name)
+            _check_range(name, value, "a bool", isinstance(value, bool))
+        _check_range(
+            "use_cuda_graph",
+            self.use_cuda_graph,
+            "None or a bool",
+            self.use_cuda_graph in (None, True, False),
+        )
+        self._check_unbuilt_features()
+
+    def _check_unbuilt_features(self) -> None:
+        unbuilt = {
+            "cpu_offload_space (CPU offload of evicted KV pages)": self.cpu_offload_space != 0.0,
+            "per_request_processors (per-request sampling processors)": self.per_request_processors,
+            "use_cuda_graph (CUDA graphs)": bool(self.use_cuda_graph),
+            "use_async_batching (async batching)": self.use_async_batching,
+            "default_compile_level (torch.compile)": self.default_compile_level != 0,
+            "varlen_compile_config / decode_compile_config (torch.compile)": (
+                self.varlen_compile_config is not None or self.decode_compile_config is not None
+            ),
+            "max_blocks_per_request (flash decode fast path)": bool(self.max_blocks_per_request),
+        }
+        for feature, requested in unbuilt.items():
+            if requested:
+                raise NotImplementedError(f"ContinuousBatchingConfig.{feature} is not implemented yet")
+
+    @property
+    def resolved_safety_margin(self) -> float:
+        if self.safety_margin is not None:
+            return float(self.safety_margin)
+        return DEFAULT_SAFETY_MARGIN[self.scheduler_type]
+
+    def copy(self, **changes: Any) -> ContinuousBatchingConfig:
+        """A validated copy with `changes` applied; the original is untouched."""
+        return dataclasses.replace(self, **changes)

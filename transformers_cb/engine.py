@@ -1,0 +1,226 @@
+"""The engine: one object that owns the scheduler, the cache and the runner.
+
+`generate_batch` and the background manager both drive the same `step()`; the
+loop around it is theirs (blocking vs. threaded), the step is shared.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from .batch import BatchPacker
+from .cache.allocator import FullAttentionAllocator
+from .cache.paged_cache import PagedKVCache
+from .cache.sizing import ModelShape, Sizing, resolve_sizing
+from .config import ContinuousBatchingConfig
+from .requests import Request, RequestStatus
+from .runner import ModelRunner
+from .sampling import Sampler, check_generation_config
+from .scheduler import Scheduler, make_policy
+from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    finished: list[Request] = field(default_factory=list)  # ended this step (any final status)
+    progressed: list[Request] = field(default_factory=list)  # got a new token this step, still running
+    num_tokens: int = 0
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    failed_steps: int = 0
+
+
+def resolve_generation_config(
+    model: PreTrainedModel, generation_config: GenerationConfig | None
+) -> GenerationConfig:
+    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`)."""
+    model_config = getattr(model, "generation_config", None) or GenerationConfig()
+    if generation_config is None:
+        return copy.deepcopy(model_config)
+    resolved = copy.deepcopy(generation_config)
+    resolved.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:
+        resolved.update(**defaults(), defaults_only=True)
+    return resolved
+
+
+def check_model_supported(config: Any) -> None:
+    text_config = config.get_text_config()
+    layer_types = getattr(text_config, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layer_types)
+    if not layer_types and getattr(text_config, "sliding_window", None) is not None:
+        sliding = getattr(text_config, "use_sliding_window", True)
+    if sliding:
+        raise NotImplementedError(
+            "models with sliding-window or non-full attention layers are not supported yet"
+        )
+    for name in ("attn_logit_softcapping",):
+        if getattr(text_config, name, None) is not None:
+            raise NotImplementedError(f"attention with {name} is not supported yet")
+
+
+class Engine:
+    """Args:
+    model: a transformers causal LM whose attention is (or will be switched to) a paged backend.
+    generation_config: defaults of every request (the caller's object is copied, never mutated).
+    cb_config: hardware-side settings.
+    workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        generation_config: GenerationConfig | None,
+        cb_config: ContinuousBatchingConfig | None,
+        workload: list[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+        self.cb_config.validate()
+        self.generation_config = resolve_generation_config(model, generation_config)
+        check_generation_config(self.generation_config)
+        check_model_supported(model.config)
+        self.shape = ModelShape.from_config(model.config)
+        first_param = next(model.parameters())
+        self.device, self.dtype = first_param.device, first_param.dtype
+        self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
+        self.cache = PagedKVCache(
+            num_layers=self.shape.num_layers,
+            num_pages=self.sizing.num_pages,
+            page_size=self.sizing.page_size,
+            num_kv_heads=self.shape.num_kv_heads,
+            head_dim=self.shape.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        allocator = FullAttentionAllocator(self.cache.pool, self.sizing.page_size)
+        self.scheduler = Scheduler(
+            allocator,
+            max_batch_tokens=self.sizing.max_batch_tokens,
+            max_requests_per_batch=self.sizing.max_requests_per_batch,
+            safety_margin=self.cb_config.resolved_safety_margin,
+            policy=make_policy(self.cb_config.scheduler_type),
+        )
+        self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device)
+        sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
+        self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
+        self.counters = EngineCounters()
+        self._auto_ids = itertools.count()
+
+    # -- requests ------------------------------------------------------------
+    def default_max_new_tokens(self, num_prompt_tokens: int) -> int | None:
+        config = self.generation_config
+        if config.max_new_tokens is not None:
+            return config.max_new_tokens
+        if config.max_length is not None:
+            return config.max_length - num_prompt_tokens
+        return None
+
+    def new_request_id(self, taken: Any = ()) -> str:
+        while True:
+            request_id = f"req_{next(self._auto_ids)}"
+            if request_id not in taken:
+                return request_id
+
+    def build_request(
+        self,
+        input_ids: Any,
+        request_id: str,
+        max_new_tokens: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        streaming: bool = False,
+        label: str | None = None,
+    ) -> Request:
+        """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input."""
+        label = label or f"request {request_id!r}"
+        prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
+        if max_new_tokens is None:
+            max_new_tokens = self.default_max_new_tokens(len(prompt))
+            if max_new_tokens is None:
+                raise ValueError(
+                    f"{label}: no max_new_tokens given and the generation config has no max_length"
+                )
+        max_new_tokens = as_max_new_tokens(max_new_tokens, label)
+        total = len(prompt) + max_new_tokens
+        if total > self.shape.max_position_embeddings:
+            raise ValueError(
+                f"{label}: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
+                f"the model's max_position_embeddings ({self.shape.max_position_embeddings})"
+            )
+        if eos_token_id is None:
+            eos_token_id = self.generation_config.eos_token_id
+        request = Request(
+            request_id=request_id,
+            prompt_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=as_eos_token_ids(eos_token_id, label),
+            streaming=streaming,
+        )
+        needed = self.scheduler.allocator.max_pages(request.max_total_tokens)
+        if needed > self.sizing.num_pages:
+            raise ValueError(
+                f"{label}: needs {needed} KV pages of {self.sizing.page_size} tokens but the cache has only "
+                f"{self.sizing.num_pages}; raise num_blocks or lower max_new_tokens"
+            )
+        return request
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        self.scheduler.finish(request, status, error)
+        self.packer.release([request])
+
+    # -- one step ----------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Schedule and run one forward pass. A failure fails only the requests of this step."""
+        batch = self.scheduler.schedule()
+        self.packer.release(batch.preempted)
+        result = StepResult(finished=list(batch.failed))
+        if not batch.entries:
+            return result
+        self.counters.steps += 1
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as error:  # noqa: BLE001 - recorded on every request of the step
+            logger.exception("continuous batching step failed; failing its %d requests", len(batch.entries))
+            self.counters.failed_steps += 1
+            message = f"step failed: {type(error).__name__}: {error}"
+            for entry in batch.entries:
+                self.finish(entry.request, RequestStatus.FAILED, message)
+                result.finished.append(entry.request)
+            return result
+        for entry in batch.entries:
+            if entry.num_tokens == 1 and entry.request.generated_ids:
+                self.counters.decode_tokens += 1
+            else:
+                self.counters.prefill_tokens += entry.num_tokens
+        finished = self.scheduler.update(batch, sampled)
+        self.packer.release(finished)
+        self.counters.generated_tokens += len(sampled)
+        result.finished.extend(finished)
+        done = {id(r) for r in finished}
+        result.progressed = [e.request for e in batch.entries if e.samples and id(e.request) not in done]
+        result.num_tokens = batch.num_tokens
+        return result
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

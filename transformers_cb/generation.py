@@ -1,0 +1,132 @@
+"""`generate_batch`: run many prompts to completion with continuous batching, in the caller's thread.
+
+NOTE: the loop runs in the caller's thread on purpose. A forward issued from a
+fresh OS thread does not inherit the caller's torch thread settings
+(`torch.set_num_threads` is per-thread OpenMP state, and grad / inference mode
+are thread-local), and its new OpenMP team competes with the caller's team,
+whose workers keep spinning after each parallel region: measured 1.9-3x
+slower on 2 cores. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel
+
+from .attention.selection import paged_attention
+from .config import ContinuousBatchingConfig
+from .engine import Engine, resolve_generation_config
+from .requests import GenerationOutput, Request
+
+
+def take_cb_config(
+    generation_config: GenerationConfig | None, continuous_batching_config: ContinuousBatchingConfig | None
+) -> ContinuousBatchingConfig | None:
+    """The deprecated `GenerationConfig.continuous_batching_config` still works, with a FutureWarning."""
+    legacy = getattr(generation_config, "continuous_batching_config", None) if generation_config else None
+    if legacy is None:
+        return continuous_batching_config
+    warnings.warn(
+        "Setting continuous_batching_config on GenerationConfig is deprecated; pass "
+        "continuous_batching_config= to generate_batch / init_continuous_batching instead",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if continuous_batching_config is not None:
+        return continuous_batching_config
+    if isinstance(legacy, dict):
+        return ContinuousBatchingConfig(**legacy)
+    return legacy
+
+
+def _per_request(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name}: got {len(value)} values for {count} inputs")
+        return list(value)
+    return [value] * count
+
+
+def generate_batch(
+    self: PreTrainedModel,
+    inputs: Sequence[Sequence[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    progress_bar: bool = True,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt of `inputs` and block until all are finished or failed.
+
+    Args:
+        inputs: token-id lists (or 1D tensors), one per request.
+        generation_config: sampling/stopping settings (default: the model's); never mutated.
+        continuous_batching_config: hardware-side settings; never mutated.
+        progress_bar: show a tqdm bar of finished requests and generated tokens/s.
+        max_new_tokens (kwarg): an int for all requests, or a list with one value per input.
+        eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
+
+    Returns:
+        `{request_id: GenerationOutput}` in input order; request ids are `"req_<index>"`.
+
+    Raises:
+        ValueError: naming the input index, for an empty prompt, an out-of-vocabulary token id,
+            `max_new_tokens <= 0`, a request longer than the model's context or the whole cache, or a wrong type.
+    """
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
+    cb_config = take_cb_config(generation_config, continuous_batching_config)
+    unknown = set(kwargs) - {"max_new_tokens", "eos_token_id"}
+    if unknown:
+        raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(unknown)}")
+    max_new = _per_request(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
+    eos_ids = [kwargs.get("eos_token_id")] * len(inputs)
+    if not inputs:
+        return {}
+    workload = _workload(self, generation_config, inputs, max_new)
+    engine = Engine(self, generation_config, cb_config, workload=workload)
+    requests = [
+        engine.build_request(ids, f"req_{i}", max_new[i], eos_ids[i], label=f"inputs[{i}]")
+        for i, ids in enumerate(inputs)
+    ]
+    with paged_attention(self), torch.inference_mode():
+        for request in requests:
+            engine.add(request)
+        _run_to_completion(engine, requests, progress_bar)
+    return {request.request_id: request.to_output() for request in requests}
+
+
+def _workload(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None,
+    inputs: Sequence[Sequence[int]],
+    max_new: list[int | None],
+) -> list[int]:
+    """Rough max KV length of each request, to size the cache; `Engine.build_request` validates."""
+    resolved = resolve_generation_config(model, generation_config)
+    workload = []
+    for ids, limit in zip(inputs, max_new, strict=False):
+        num_prompt = len(ids) if hasattr(ids, "__len__") else 1
+        if limit is None:
+            limit = resolved.max_new_tokens
+        if limit is None:
+            limit = (resolved.max_length or 0) - num_prompt
+        workload.append(num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1))
+    return workload
+
+
+def _run_to_completion(engine: Engine, requests: list[Request], progress_bar: bool) -> None:
+    start = time.perf_counter()
+    with tqdm(total=len(requests), disable=not progress_bar, desc="generate_batch", unit="req") as bar:
+        while engine.has_work():
+            result = engine.step()
+            if result.finished:
+                bar.update(len(result.finished))
+            elapsed = time.perf_counter() - start
+            if progress_bar and elapsed > 0:
+                bar.set_postfix(tok_s=f"{engine.counters.generated_tokens / elapsed:.1f}", refresh=False)

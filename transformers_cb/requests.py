@@ -1,0 +1,162 @@
+"""Request state, its status enum, and the `GenerationOutput` handed to users.
+
+A request is phase-free: its progress is two counters. `num_computed_tokens`
+counts tokens whose KV is in the cache; `all_token_ids` is prompt + generated.
+The tokens still to run are `all_token_ids[num_computed_tokens:]`:
+
+    |<------------- all_token_ids ------------->|
+    |<-- num_computed_tokens -->|<- remaining ->|
+    prefill: remaining = rest of the prompt (maybe split into chunks)
+    decode:  remaining = 1 (the last sampled token)
+    after preemption: num_computed_tokens = 0, remaining = everything
+
+A step that runs the last remaining token produces the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that `status >= FINISHED` means the request is over."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    EVICTED = 3
+    FINISHED = 10
+    FAILED = 11
+    CANCELLED = 12
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED
+
+
+_ACTIVE = {RequestStatus.PREFILLING, RequestStatus.DECODING}
+_ENDS = {RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED}
+ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.PENDING: _ACTIVE | {RequestStatus.FAILED, RequestStatus.CANCELLED},
+    RequestStatus.PREFILLING: _ACTIVE | {RequestStatus.EVICTED} | _ENDS,
+    RequestStatus.DECODING: _ACTIVE | {RequestStatus.EVICTED} | _ENDS,
+    RequestStatus.EVICTED: _ACTIVE | {RequestStatus.FAILED, RequestStatus.CANCELLED},
+    RequestStatus.FINISHED: set(),
+    RequestStatus.FAILED: set(),
+    RequestStatus.CANCELLED: set(),
+}
+
+
+@dataclass
+class GenerationOutput:
+    """What a user receives for one request (final, or partial when streaming)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int]
+    status: RequestStatus
+    logprobs: list[float] | None = None
+    error: str | None = None
+    finish_reason: str | None = None
+    created_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from submission to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.created_time
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state of one sequence. Only the engine mutates it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    streaming: bool = False
+    status: RequestStatus = RequestStatus.PENDING
+    generated_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    error: str | None = None
+    finish_reason: str | None = None
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids: list[int] = list(self.prompt_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens whose KV is not computed yet (what the next steps must run)."""
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Upper bound of tokens whose KV this request can ever hold."""
+        return self.num_prompt_tokens + self.max_new_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def set_status(self, status: RequestStatus) -> None:
+        if status == self.status:
+            return
+        assert status in ALLOWED_TRANSITIONS[self.status], (
+            f"{self.request_id}: {self.status.name} -> {status.name}"
+        )
+        self.status = status
+
+    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        if not self.generated_ids:
+            self.first_token_time = time.perf_counter()
+        self.generated_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
+
+    def stop_reason(self) -> str | None:
+        """'eos' or 'length' once the last token ends the request, else None."""
+        if self.generated_ids and self.generated_ids[-1] in self.eos_token_ids:
+            return "eos"
+        if len(self.generated_ids) >= self.max_new_tokens:
+            return "length"
+        return None
+
+    def to_output(self) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            generated_tokens=list(self.generated_ids),
+            status=self.status,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            error=self.error,
+            finish_reason=self.finish_reason,
+            created_time=self.created_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+        )

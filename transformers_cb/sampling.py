@@ -1,0 +1,82 @@
+"""Turning a step's logits into tokens: greedy, or temperature / top-k / top-p sampling.
+
+Only the `GenerationConfig` options listed in `SUPPORTED_DEFAULTS` may differ
+from their neutral value; anything else raises instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+# GenerationConfig options whose processors are not built yet, with their neutral values.
+UNSUPPORTED_NEUTRAL = {
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "bad_words_ids": (None,),
+    "sequence_bias": (None,),
+    "stop_strings": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "min_p": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+    "encoder_repetition_penalty": (None, 1.0),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1.0),
+    "watermarking_config": (None,),
+}
+
+
+def check_generation_config(config: GenerationConfig) -> None:
+    for name, neutral in UNSUPPORTED_NEUTRAL.items():
+        value = getattr(config, name, None)
+        if value not in neutral:
+            raise NotImplementedError(
+                f"GenerationConfig.{name}={value!r} is not supported by transformers_cb yet"
+            )
+
+
+class Sampler:
+    """Samples one token per row of `[S, vocab]` logits, with the config's processors."""
+
+    def __init__(self, config: GenerationConfig, seed: int | None, device: torch.device) -> None:
+        self.do_sample = bool(config.do_sample)
+        self.processors = LogitsProcessorList()
+        if self.do_sample:
+            if config.temperature is not None and config.temperature != 1.0:
+                self.processors.append(TemperatureLogitsWarper(config.temperature))
+            if config.top_k is not None and config.top_k != 0:
+                self.processors.append(TopKLogitsWarper(config.top_k))
+            if config.top_p is not None and config.top_p < 1.0:
+                self.processors.append(TopPLogitsWarper(config.top_p))
+        self.generator = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, with_logprobs: bool) -> tuple[list[int], list[float] | None]:
+        """Args: logits `[S, vocab]` float32. Returns S token ids and, if asked, their log-probabilities."""
+        scores = self.processors(None, logits) if len(self.processors) else logits
+        if self.do_sample:
+            probs = scores.softmax(dim=-1)
+            tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
+        else:
+            tokens = scores.argmax(dim=-1)
+        logprobs = None
+        if with_logprobs:
+            logprobs = scores.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
+        return tokens.tolist(), logprobs

@@ -1,0 +1,264 @@
+"""The step scheduler: which requests run how many tokens in the next forward pass.
+
+The scheduler works on plain data (requests, page ids) and never touches a
+tensor: `schedule()` returns a `ScheduledBatch`, the runner executes it, and
+`update()` applies the sampled tokens. Policies (`fifo`, `prefill_first`)
+only change the order in which candidates get the step's token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from .cache.allocator import FullAttentionAllocator
+from .requests import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step runs the request's last known token, so it yields a new one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    entries: list[ScheduledRequest]
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.entries)
+
+    @property
+    def sampling_entries(self) -> list[ScheduledRequest]:
+        return [entry for entry in self.entries if entry.samples]
+
+
+class SchedulingPolicy:
+    """FIFO: requests already running first (in admission order), then waiting ones."""
+
+    name = "fifo"
+
+    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
+        yield from list(running)
+        yield from list(waiting)
+
+
+class PrefillFirstPolicy(SchedulingPolicy):
+    """Prefill chunks first (running, then newly admitted), decodes get what is left."""
+
+    name = "prefill_first"
+
+    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
+        decoding = [r for r in running if r.status == RequestStatus.DECODING]
+        yield from [r for r in running if r.status != RequestStatus.DECODING]
+        yield from list(waiting)
+        yield from decoding
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {"fifo": SchedulingPolicy, "prefill_first": PrefillFirstPolicy}
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduler_type {name!r}: supported {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the request <-> page bookkeeping.
+
+    Args:
+        allocator: page policy for the cache (one per attention type).
+        max_batch_tokens: query tokens per step.
+        max_requests_per_batch: requests per step.
+        safety_margin: new requests are admitted only while the free fraction of
+            pages is at least this (unless nothing runs).
+        policy: candidate ordering.
+    """
+
+    def __init__(
+        self,
+        allocator: FullAttentionAllocator,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        safety_margin: float,
+        policy: SchedulingPolicy,
+    ) -> None:
+        self.allocator = allocator
+        self.pool = allocator.pool
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.safety_margin = safety_margin
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
+    # -- one step ------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next step. May preempt running requests (in `preempted`) and fail
+        requests that can never fit the cache (in `failed`, already finished)."""
+        budget = self.max_batch_tokens
+        scheduled: dict[int, ScheduledRequest] = {}
+        batch = ScheduledBatch(entries=[])
+        admitting = True
+        for request in self.policy.candidates(self.running, self.waiting):
+            if budget == 0 or len(scheduled) == self.max_requests_per_batch:
+                break
+            if request.is_finished or request in batch.preempted:
+                continue
+            wanted = min(request.num_remaining_tokens, budget)
+            num_tokens = self.allocator.num_fitting_tokens(request, wanted)
+            if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
+                # FIFO admission: once one waiting request cannot start, later ones wait too.
+                admitting = admitting and num_tokens > 0 and self._admits()
+                if not admitting:
+                    if not self.running and num_tokens == 0:
+                        self._fail_unfittable(request, batch)
+                        admitting = True
+                    continue
+                assert self.allocator.allocate(request, num_tokens), f"{request.request_id}: {num_tokens=}"
+                self.waiting.remove(request)
+                self.running.append(request)
+            elif num_tokens > 0:
+                assert self.allocator.allocate(request, num_tokens), f"{request.request_id}: {num_tokens=}"
+            elif self._allocate_or_preempt(request, wanted, scheduled, batch):
+                num_tokens = wanted
+            else:
+                continue
+            request.set_status(
+                RequestStatus.DECODING
+                if request.generated_ids and request.num_remaining_tokens == 1
+                else RequestStatus.PREFILLING
+            )
+            scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens)
+            budget -= num_tokens
+        # Entries follow the running list: stable admission order.
+        batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
+        return batch
+
+    def _admits(self) -> bool:
+        if not self.running:
+            return True
+        return self.pool.num_free_pages / self.pool.num_pages >= self.safety_margin
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_tokens: int,
+        scheduled: dict[int, ScheduledRequest],
+        batch: ScheduledBatch,
+    ) -> bool:
+        """Allocate for a running request, preempting the newest unscheduled ones as needed.
+
+        Returns False if `request` itself had to be preempted or failed.
+        """
+        while not self.allocator.allocate(request, num_tokens):
+            victims = [r for r in self.running if id(r) not in scheduled and r is not request]
+            if victims:
+                self._preempt(victims[-1], batch)
+            elif scheduled:
+                self._preempt(request, batch)
+                return False
+            else:
+                self._fail_unfittable(request, batch)
+                return False
+        return True
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """Free the pages of `request`; it will recompute prompt + generated tokens later."""
+        self.allocator.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.set_status(RequestStatus.EVICTED)
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        batch.preempted.append(request)
+
+    def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
+        total = self.pool.num_pages
+        self.finish(
+            request,
+            RequestStatus.FAILED,
+            error=(
+                f"request {request.request_id!r} needs more KV pages than the cache has "
+                f"({self.allocator.max_pages(request.num_tokens)} > {total})"
+            ),
+        )
+        batch.failed.append(request)
+
+    # -- results -----------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: list[tuple[int, float | None]]) -> list[Request]:
+        """Advance every scheduled request; `sampled[i]` is (token, logprob) of the i-th sampling entry.
+
+        Returns the requests that finished in this step.
+        """
+        finished: list[Request] = []
+        samples = iter(sampled)
+        for entry in batch.entries:
+            request = entry.request
+            request.num_computed_tokens = entry.end
+            if not entry.samples:
+                continue
+            token_id, logprob = next(samples)
+            request.append_token(token_id, logprob)
+            reason = request.stop_reason()
+            if reason is not None:
+                request.finish_reason = reason
+                self.finish(request, RequestStatus.FINISHED)
+                finished.append(request)
+        return finished
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """The single exit of a request: frees its pages, stamps the time, removes it from the queues."""
+        if request.is_finished:
+            return
+        self.allocator.free(request)
+        request.error = error
+        if status != RequestStatus.FINISHED and request.finish_reason is None:
+            request.finish_reason = status.name.lower()
+        request.set_status(status)
+        request.finish_time = time.perf_counter()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity([r.page_ids for r in self.live_requests()])
+        for request in self.running:
+            assert request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING), request.status
+            needed = self.allocator.max_pages(request.num_computed_tokens)
+            assert len(request.page_ids) >= needed, (
+                f"{request.request_id}: {len(request.page_ids)=} {needed=}"
+            )
+        for request in self.waiting:
+            assert not request.page_ids, f"waiting {request.request_id} holds pages"

@@ -1,0 +1,55 @@
+"""Checking user input before any work starts; every error names the input it is about."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def as_token_ids(value: Any, label: str, vocab_size: int) -> list[int]:
+    """`value` as a list of token ids in [0, vocab_size), or `ValueError` naming `label`."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.is_floating_point():
+            raise ValueError(
+                f"{label}: expected a 1D integer tensor of token ids, got shape {tuple(value.shape)}"
+            )
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"{label}: expected a list of token ids, got {type(value).__name__}")
+    if len(value) == 0:
+        raise ValueError(f"{label}: empty prompt (at least one token id is needed)")
+    ids = []
+    for position, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            if hasattr(token, "__index__") and not isinstance(token, bool):
+                token = int(token)
+            else:
+                raise ValueError(f"{label}: token at position {position} is {token!r}, not an int")
+        if not 0 <= token < vocab_size:
+            raise ValueError(
+                f"{label}: token id {token} at position {position} is outside the vocabulary [0, {vocab_size})"
+            )
+        ids.append(token)
+    return ids
+
+
+def as_max_new_tokens(value: Any, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label}: max_new_tokens must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{label}: max_new_tokens must be >= 1, got {value}")
+    return value
+
+
+def as_eos_token_ids(value: Any, label: str) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return frozenset([value])
+    if isinstance(value, Sequence) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return frozenset(value)
+    raise ValueError(f"{label}: eos_token_id must be an int or a list of ints, got {value!r}")
