@@ -213,12 +213,13 @@ class Engine:
                 self.counters.decode_tokens += 1
             else:
                 self.counters.prefill_tokens += entry.num_tokens
+        sampling = [entry.request for entry in batch.entries if entry.samples]
         finished = self.scheduler.update(batch, sampled)
         self.packer.release(finished)
         self.counters.generated_tokens += len(sampled)
         result.finished.extend(finished)
         done = {id(r) for r in finished}
-        result.progressed = [e.request for e in batch.entries if e.samples and id(e.request) not in done]
+        result.progressed = [request for request in sampling if id(request) not in done]
         result.num_tokens = batch.num_tokens
         return result
 

@@ -1,0 +1,1 @@
+"""Command-line interface for transformers_cb (``transformers-cb generate``)."""
