@@ -1,0 +1,20 @@
+"""Conformance-suite fixtures."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The models here are tiny: one intra-op thread is as fast as two on an idle machine and many times
+# faster on a busy one (OpenMP workers spin-wait for cores held by other processes).
+CONFORMANCE_THREADS = int(os.environ.get("CB_CONFORMANCE_THREADS", "1"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_threads():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(CONFORMANCE_THREADS)
+    yield
+    torch.set_num_threads(saved)

@@ -1,0 +1,64 @@
+"""The user-facing checker (`python -m conformance.check_model`) on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.common import build_tiny_model
+from transformers_cb import conformance_check
+from transformers_cb.scheduler import Scheduler
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-qwen2")
+    model = build_tiny_model("qwen2", seed=3)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(path)
+    return path
+
+
+def test_check_model_command_passes(tiny_checkpoint: Path) -> None:
+    """The documented command, in a subprocess, on a healthy model: exit 0 and a PASS table."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "conformance.check_model", "--model", str(tiny_checkpoint)]
+    command += ["--prompts", "4", "--max-new-tokens", "6", "--max-prompt-len", "40", "--attn", "paged|sdpa"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASS: generate_batch matches generate()" in result.stdout, result.stdout
+    table = result.stdout.split("\n")
+    assert any(line.startswith("setting") for line in table), result.stdout
+    assert sum("PASS" in line for line in table) >= 4, result.stdout  # one row per setting + verdict
+    assert "FAIL" not in result.stdout
+
+
+def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys) -> None:
+    """A broken engine (eviction that forgets generated tokens) makes the check fail with exit 1 and
+    print both token sequences."""
+    original = Scheduler._preempt
+
+    def broken_preempt(self, request, batch):
+        original(self, request, batch)
+        if request.generated_ids:
+            request.generated_ids[-1] = (request.generated_ids[-1] + 1) % 100 + 3
+            request.all_token_ids[-1] = request.generated_ids[-1]
+
+    monkeypatch.setattr(Scheduler, "_preempt", broken_preempt)
+    argv = ["--model", str(tiny_checkpoint), "--prompts", "6", "--max-new-tokens", "8", "--attn", "sdpa"]
+    assert conformance_check.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: generate_batch does NOT match generate()" in out, out
+    assert "tight cache" in out and "first difference" in out and "generate_batch():" in out, out
+
+
+def test_check_model_rejects_bad_arguments(tiny_checkpoint: Path) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        conformance_check.main(["--model", str(tiny_checkpoint), "--prompts", "0"])
+    assert excinfo.value.code == 2

@@ -1,0 +1,262 @@
+"""Every paged kernel against the pure-torch reference kernel, on packed steps built like the engine's.
+
+A step is a `PagedKVCache` with random contents, requests on shuffled non-contiguous pages, and the
+`BatchPacker`'s metadata. `paged_attention` writes the step's new K/V, then attends; the reference reads
+the same cache afterwards through tables built here from the requests' own page ids (and the packer's
+tables are checked equal to those).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conformance.common import TOLERANCES, KernelStep, assert_close, build_kernel_step
+from transformers_cb.attention import PAGED_BACKENDS
+from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
+from transformers_cb.attention.reference import reference_paged_attention
+from transformers_cb.attention.sdpa import sdpa_attend
+from transformers_cb.batch import DECODE_PADDING_BOUND, group_decodes
+
+ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
+
+
+class _Layer(torch.nn.Module):
+    layer_idx = 0
+
+
+def run_kernel(step: KernelStep, kernel: str) -> torch.Tensor:
+    """`kernel`: an `attend` name (through `paged_attention`) or a registered backend name (through its
+    `attn_implementation` forward, as the model calls it). Returns `[1, T, H, D]`."""
+    if kernel in ATTENDS:
+        return paged_attention(
+            step.query, step.key, step.value, 0, step.metadata, step.scale, ATTENDS[kernel]
+        )
+    out, _ = PAGED_BACKENDS[kernel](
+        _Layer(),
+        step.query,
+        step.key,
+        step.value,
+        None,
+        scaling=step.scale,
+        **{METADATA_KWARG: step.metadata},
+    )
+    return out
+
+
+# (num_heads, num_kv_heads, head_dim): MHA, GQA 2 and 4, MQA; head dims 16/32/64.
+HEADS = [(4, 4, 16), (4, 2, 32), (8, 2, 64), (8, 4, 16), (4, 1, 32), (8, 1, 64)]
+
+
+def expected_tables(step: KernelStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cu_seqlens_q, seq_lens_k, block_table in packed order, from the requests themselves."""
+    q_lens = [step.seqs[i][1] for i in step.packed_order]
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens_k = torch.tensor([sum(step.seqs[i]) for i in step.packed_order], dtype=torch.int32)
+    width = max(len(step.requests[i].page_ids) for i in step.packed_order)
+    block_table = torch.zeros(len(step.seqs), width, dtype=torch.int32)
+    for row, i in enumerate(step.packed_order):
+        pages = step.requests[i].page_ids
+        block_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+    return cu_seqlens_q, seq_lens_k, block_table
+
+
+def check_kernel(step: KernelStep, kernel: str) -> None:
+    metadata = step.metadata
+    cu_seqlens_q, seq_lens_k, block_table = expected_tables(step)
+    assert torch.equal(metadata.cu_seqlens_q.cpu(), cu_seqlens_q), (metadata.cu_seqlens_q, cu_seqlens_q)
+    assert torch.equal(metadata.seq_lens_k.cpu(), seq_lens_k), (metadata.seq_lens_k, seq_lens_k)
+    for row in range(len(step.seqs)):
+        used = -(-int(seq_lens_k[row]) // step.page_size)
+        assert torch.equal(metadata.block_table[row, :used].cpu(), block_table[row, :used]), f"row {row}"
+    assert metadata.max_seqlen_q == max(q for _, q in step.seqs)
+    assert metadata.max_seqlen_k == max(p + q for p, q in step.seqs)
+
+    out = run_kernel(step, kernel)  # [1, T, H, D]
+    assert out.shape == (1, step.query.shape[2], step.query.shape[1], step.query.shape[3])
+
+    # The new K/V landed exactly at the requests' own slots, and nothing else changed.
+    keys, values = step.cache.layer(0)
+    new_keys = step.key[0].transpose(0, 1)  # [T, Hkv, D]
+    new_values = step.value[0].transpose(0, 1)
+    expected_keys = step.initial_keys.clone()
+    for row, i in enumerate(step.packed_order):
+        past, q = step.seqs[i]
+        rows = slice(int(cu_seqlens_q[row]), int(cu_seqlens_q[row + 1]))
+        slots = step.slots(i, past + q)[past:]
+        assert torch.equal(keys[slots], new_keys[rows]), f"request {i}: new keys not at its slots"
+        assert torch.equal(values[slots], new_values[rows]), f"request {i}: new values not at its slots"
+        expected_keys[slots] = new_keys[rows]
+    assert torch.equal(keys, expected_keys), "the step wrote K outside its new tokens' slots"
+
+    expected = reference_paged_attention(
+        step.query[0].transpose(0, 1),
+        keys,
+        values,
+        cu_seqlens_q,
+        seq_lens_k,
+        block_table,
+        step.page_size,
+        step.scale,
+    )
+    atol, rtol = TOLERANCES[step.query.dtype]
+    shape = f"seqs={step.seqs} packed_order={step.packed_order} page_size={step.page_size}"
+    heads = f"H={step.query.shape[1]} Hkv={step.key.shape[1]} D={step.query.shape[3]} {step.query.dtype}"
+    assert_close(out[0], expected, atol, rtol, msg=f"{kernel} vs reference, {shape}, {heads}")
+    # The reference fed with the packer's own tables agrees too.
+    from_metadata = reference_paged_attention(
+        step.query[0].transpose(0, 1),
+        keys,
+        values,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens_k,
+        metadata.block_table,
+        step.page_size,
+        step.scale,
+    )
+    assert torch.equal(from_metadata, expected)
+
+
+P = 8  # page size of the hand-written cases
+CASES = {
+    "decode_kv1": [(0, 1)],
+    "decode_kv_multiple_of_page": [(2 * P - 1, 1)],
+    "decode_opens_new_page": [(2 * P, 1)],
+    "prefill_exactly_one_page": [(0, P)],
+    "prefill_three_pages": [(0, 3 * P)],
+    "prefill_partial_page": [(0, P + 3)],
+    "chunk_starts_mid_page": [(P + 3, P + 2)],
+    "chunk_starts_on_page_boundary": [(2 * P, P)],
+    "chunk_ends_on_page_boundary": [(3, 2 * P - 3)],
+    "one_token_chunk_mid_prompt": [(5, 1), (P, 1)],
+    "equal_decodes_no_padding": [(20, 1), (20, 1), (20, 1)],
+    "mixed_decode_groups_and_chunks": [
+        (3, 1),
+        (P + 3, P + 2),
+        (100, 1),
+        (0, 7),
+        (90, 1),
+        (20, 1),
+        (4, 1),
+        (2 * P, P),
+        (4, 1),
+        (31, 1),
+    ],
+}
+
+
+@pytest.mark.parametrize("attend_name", sorted(ATTENDS))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-Hkv{h[1]}-D{h[2]}")
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_reference(case: str, heads: tuple[int, int, int], attend_name: str) -> None:
+    num_heads, num_kv_heads, head_dim = heads
+    step = build_kernel_step(
+        CASES[case], P, num_heads, num_kv_heads, head_dim, seed=sorted(CASES).index(case)
+    )
+    check_kernel(step, attend_name)
+
+
+@pytest.mark.parametrize("backend", sorted(PAGED_BACKENDS))
+@pytest.mark.parametrize(
+    "case", ["decode_kv_multiple_of_page", "chunk_starts_mid_page", "mixed_decode_groups_and_chunks"]
+)
+def test_registered_backend_matches_reference(case: str, backend: str) -> None:
+    """Every registered `paged|...` attention function, called as the model calls it."""
+    step = build_kernel_step(CASES[case], P, 8, 2, 32, seed=3)
+    check_kernel(step, backend)
+
+
+@pytest.mark.parametrize("attend_name", sorted(ATTENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_kernel_low_precision(page_size: int, dtype: torch.dtype, attend_name: str) -> None:
+    seqs = [(37, 1), (5, 1), (page_size + 1, 2 * page_size), (0, 9), (60, 1)]
+    step = build_kernel_step(seqs, page_size, 8, 2, 32, dtype=dtype, seed=7)
+    check_kernel(step, attend_name)
+
+
+@st.composite
+def step_shapes(draw) -> tuple:
+    page_size = draw(st.sampled_from([4, 8, 16]))
+    heads = draw(st.sampled_from(HEADS))
+    seqs = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["decode", "first_chunk", "later_chunk"]))
+        aligned = draw(st.booleans())
+        past = 0 if kind == "first_chunk" else draw(st.integers(0 if kind == "decode" else 1, 80))
+        if aligned and past:
+            past = max(page_size, past - past % page_size)  # starts exactly on a page boundary
+        q_len = 1 if kind == "decode" else draw(st.integers(2, 40))
+        seqs.append((past, q_len))
+    seed = draw(st.integers(0, 2**16))
+    attend = draw(st.sampled_from(sorted(ATTENDS)))
+    return seqs, page_size, heads, seed, attend
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(step_shapes())
+def test_kernel_matches_reference_random_steps(shape) -> None:
+    seqs, page_size, (num_heads, num_kv_heads, head_dim), seed, attend_name = shape
+    step = build_kernel_step(seqs, page_size, num_heads, num_kv_heads, head_dim, seed=seed)
+    check_kernel(step, attend_name)
+
+
+# -- decode grouping ----------------------------------------------------------------------------------
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    st.lists(st.integers(1, 5000), max_size=40).map(lambda xs: sorted(xs, reverse=True)),
+    st.sampled_from([1.0, 1.1, DECODE_PADDING_BOUND, 2.0]),
+)
+def test_group_decodes_bound_and_cover(kv_lens: list[int], bound: float) -> None:
+    groups = group_decodes(kv_lens, bound)
+    # The groups cover every index once, in order, without empty groups.
+    assert [i for start, end in groups for i in range(start, end)] == list(range(len(kv_lens)))
+    assert all(end > start for start, end in groups)
+    for start, end in groups:
+        lens = kv_lens[start:end]
+        assert len(lens) * max(lens) <= bound * sum(lens) + 1e-9, (lens, bound)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=24),
+    st.sampled_from([4, 16, 64]),
+    st.integers(0, 2**16),
+)
+def test_decode_groups_never_mix_requests(kv_lens: list[int], page_size: int, seed: int) -> None:
+    """Each decode row attends exactly to its own request's slots (the rest masked), and the padded
+    attention work stays within the padding bound of the real KV work."""
+    step = build_kernel_step([(n - 1, 1) for n in kv_lens], page_size, 4, 2, 16, seed=seed)
+    metadata = step.metadata
+    assert not metadata.prefill_groups
+    covered, work = [], 0
+    for group in metadata.decode_groups:
+        batch, width = group.kv_slots.shape
+        assert batch == group.q_end - group.q_start
+        lens = [sum(step.seqs[step.packed_order[row]]) for row in range(group.q_start, group.q_end)]
+        assert width == max(lens)
+        work += batch * width
+        for b, row in enumerate(range(group.q_start, group.q_end)):
+            i = step.packed_order[row]
+            n = lens[b]
+            assert torch.equal(group.kv_slots[b, :n].cpu(), step.slots(i, n)), f"row {row} reads foreign KV"
+            if group.kv_mask is None:
+                assert n == width
+            else:
+                mask = group.kv_mask[b, 0, 0].cpu()
+                assert mask[:n].all() and not mask[n:].any(), f"row {row}: mask {mask.int().tolist()} for {n}"
+        covered.extend(range(group.q_start, group.q_end))
+    assert covered == list(range(len(kv_lens)))
+    assert work <= DECODE_PADDING_BOUND * sum(kv_lens) + 1e-9, (work, sum(kv_lens))
+    # Decodes are packed longest first.
+    packed_lens = [kv_lens[i] for i in step.packed_order]
+    assert packed_lens == sorted(kv_lens, reverse=True)

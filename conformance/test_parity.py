@@ -1,0 +1,206 @@
+"""Greedy parity: `generate_batch` equals plain `generate()` run on each prompt alone, token for token.
+
+Model families x attention backends x page sizes x token budgets (chunked prefill or not) x cache size
+(auto, or just enough for the largest request so that requests are evicted and recomputed). The
+`generate()` references are computed once per family and shared by every combination. A difference is
+a failure unless the reference's logits show a genuine floating-point near-tie at that position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from conformance.common import (
+    BACKENDS,
+    FAMILIES,
+    ReferenceCache,
+    build_tiny_model,
+    check_parity,
+    compare_tokens,
+    greedy_config,
+    prompts_of_lengths,
+    random_prompts,
+    run_batch,
+    tight_num_blocks,
+    vocab_size,
+)
+from transformers_cb import GenerationOutput, RequestStatus
+from transformers_cb.conformance_check import next_token_logits
+
+MAX_NEW_TOKENS = 12
+PAGE_SIZES = (4, 16, 256)
+BUDGETS = (16, None)  # 16 forces chunked prefill; None is the library default
+
+
+@dataclass
+class Family:
+    name: str
+    model: PreTrainedModel
+    references: ReferenceCache
+    prompts: list[list[int]]  # 8 prompts of 1..40 tokens
+    # For eviction with 256-token pages: long prompts that cross a page while decoding.
+    long_prompts: list[list[int]]
+
+    def tight_prompts(self, page_size: int) -> list[list[int]]:
+        return self.prompts if page_size < 64 else self.long_prompts
+
+    @contextmanager
+    def backend(self, attn_implementation: str) -> Iterator[PreTrainedModel]:
+        self.model.set_attn_implementation(attn_implementation)
+        try:
+            yield self.model
+        finally:
+            self.model.set_attn_implementation("sdpa")
+
+
+@pytest.fixture(scope="module")
+def _families() -> dict[str, Family]:
+    return {}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request, _families: dict[str, Family]) -> Family:
+    """The family's model and its generate() references, built once per module."""
+    name = request.param
+    if name not in _families:
+        model = build_tiny_model(name, seed=0)
+        vocab = vocab_size(model)
+        # Three requests fit in 3 pages of 256; the first crosses a page while the third is still
+        # running, so the third is evicted.
+        long_prompts = prompts_of_lengths([250, 3, 248, 9], vocab, seed=11)
+        _families[name] = Family(
+            name,
+            model,
+            ReferenceCache(model, MAX_NEW_TOKENS),
+            random_prompts(8, vocab, 1, 40, seed=1),
+            long_prompts,
+        )
+    return _families[name]
+
+
+def _context(family: Family, backend: str, **cb_kwargs) -> str:
+    settings = ", ".join(f"{k}={v}" for k, v in cb_kwargs.items())
+    return f"{family.name} / attn_implementation={backend!r} / {settings}"
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget{b}")
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_parity(family: Family, backend: str, page_size: int, budget: int | None) -> None:
+    references = [family.references.get(p) for p in family.prompts]
+    with family.backend(backend) as model:
+        outputs, _ = run_batch(
+            model, family.prompts, greedy_config(MAX_NEW_TOKENS), page_size=page_size, max_batch_tokens=budget
+        )
+        check_parity(
+            model,
+            family.prompts,
+            outputs,
+            references,
+            _context(family, backend, page_size=page_size, max_batch_tokens=budget),
+        )
+        assert model.config._attn_implementation == backend, "generate_batch did not restore the backend"
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"budget{b}")
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_parity_under_eviction(
+    family: Family, backend: str, page_size: int, budget: int | None
+) -> None:
+    """A cache just big enough for the largest request: requests are evicted and recomputed."""
+    prompts = family.tight_prompts(page_size)
+    num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, page_size)
+    references = [family.references.get(p) for p in prompts]
+    with family.backend(backend) as model:
+        outputs, preemptions = run_batch(
+            model,
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=page_size,
+            max_batch_tokens=budget,
+            num_blocks=num_blocks,
+        )
+        context = _context(
+            family, backend, page_size=page_size, max_batch_tokens=budget, num_blocks=num_blocks
+        )
+        assert preemptions, f"{context}: no request was evicted; the test does not exercise eviction"
+        check_parity(model, prompts, outputs, references, context)
+
+
+EOS_SOURCES = ("generation_config", "model_generation_config", "list")
+
+
+@pytest.mark.parametrize("eos_source", EOS_SOURCES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_parity_with_eos(family: Family, backend: str, eos_source: str) -> None:
+    """eos = the 4th greedy token of prompt 0: requests that hit it stop and include it, like generate()."""
+    eos = family.references.get(family.prompts[0])[3]
+    model = family.model
+    if eos_source == "generation_config":
+        config, model_eos, eos_ids = greedy_config(MAX_NEW_TOKENS, eos), None, [eos]
+    elif eos_source == "model_generation_config":  # taken from the model when the config has none
+        config, model_eos, eos_ids = (
+            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+            eos,
+            [eos],
+        )
+    else:  # several eos ids
+        eos_ids = [vocab_size(model) - 1, eos]
+        config, model_eos = greedy_config(MAX_NEW_TOKENS, eos_ids), None
+    references = [family.references.get(p, eos_token_id=eos_ids) for p in family.prompts]
+    assert len(references[0]) <= 4 and references[0][-1] == eos, references[0]
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = model_eos
+    try:
+        with family.backend(backend):
+            for page_size, budget in [(4, 16), (256, None)]:
+                outputs, _ = run_batch(
+                    model, family.prompts, config, page_size=page_size, max_batch_tokens=budget
+                )
+                context = _context(family, backend, page_size=page_size, max_batch_tokens=budget, eos=eos_ids)
+                check_parity(model, family.prompts, outputs, references, context)
+                for i, expected in enumerate(references):
+                    output = outputs[f"req_{i}"]
+                    stopped_at_eos = expected[-1] in eos_ids
+                    assert output.finish_reason == ("eos" if stopped_at_eos else "length"), (
+                        context,
+                        i,
+                        output,
+                    )
+                    assert output.status == RequestStatus.FINISHED
+                assert outputs["req_0"].generated_tokens[-1] == eos
+    finally:
+        model.generation_config.eos_token_id = saved
+
+
+def test_near_ties_are_detected_not_hidden() -> None:
+    """An exact logit tie between two tokens is reported as a near-tie (xfail); any other difference fails."""
+    model = build_tiny_model("llama", seed=5)
+    prompt = random_prompts(1, vocab_size(model), 10, 10, seed=5)[0]
+    logits = next_token_logits(model, prompt)
+    top, low = int(logits.argmax()), int(logits.argmin())
+    twin = (top + 1) % vocab_size(model)
+    with torch.no_grad():
+        model.lm_head.weight[twin] = model.lm_head.weight[top]
+    tie = compare_tokens(model, "req_0", prompt, [top, 5], [twin, 5])
+    assert tie is not None and tie.index == 0 and tie.is_near_tie and tie.margin == 0.0, tie
+    real = compare_tokens(model, "req_0", prompt, [top, 5], [low, 5])
+    assert real is not None and not real.is_near_tie and real.margin > 1e-3, real
+    shorter = compare_tokens(model, "req_0", prompt, [top, 5], [top])
+    assert shorter is not None and shorter.index == 1 and not shorter.is_near_tie
+    assert compare_tokens(model, "req_0", prompt, [top, 5], [top, 5]) is None
+
+    def outputs(tokens):
+        return {"req_0": GenerationOutput("req_0", prompt, tokens, RequestStatus.FINISHED)}
+
+    with pytest.raises(pytest.xfail.Exception, match="near-ties"):
+        check_parity(model, [prompt], outputs([twin, 5]), [[top, 5]], "tie")
+    with pytest.raises(pytest.fail.Exception, match="NOT a near-tie"):
+        check_parity(model, [prompt], outputs([low, 5]), [[top, 5]], "real")

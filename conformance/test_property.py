@@ -1,0 +1,108 @@
+"""Property test: for random workloads and cache settings, every request finishes exactly once and
+equals `generate()` on its prompt alone.
+
+Random prompt lengths, per-request max_new_tokens, page size, token budget (down to 1 token per step),
+number of pages (down to just enough for the largest request), scheduler and backend. The engine's
+page-pool integrity check runs after every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from unittest import mock
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from conformance.common import (
+    ReferenceCache,
+    build_tiny_model,
+    check_parity,
+    greedy_config,
+    prompts_of_lengths,
+    run_batch,
+    vocab_size,
+)
+from transformers_cb import RequestStatus
+from transformers_cb.engine import Engine
+from transformers_cb.scheduler import Scheduler
+
+MAX_NEW_TOKENS = 10
+MODEL = build_tiny_model("llama", seed=1)
+REFERENCES = ReferenceCache(MODEL, MAX_NEW_TOKENS)
+
+
+@st.composite
+def workloads(draw) -> dict:
+    lengths = draw(st.lists(st.integers(1, 48), min_size=2, max_size=8))
+    max_new = draw(st.lists(st.integers(1, MAX_NEW_TOKENS), min_size=len(lengths), max_size=len(lengths)))
+    page_size = draw(st.sampled_from([4, 8, 16, 64]))
+    needed = max(math.ceil((n + m) / page_size) for n, m in zip(lengths, max_new, strict=True))
+    total = sum(math.ceil((n + m) / page_size) for n, m in zip(lengths, max_new, strict=True))
+    return {
+        "lengths": lengths,
+        "max_new": max_new,
+        "seed": draw(st.integers(0, 2**16)),
+        "page_size": page_size,
+        "max_batch_tokens": draw(st.one_of(st.none(), st.integers(1, 64))),
+        # Half the time within two pages of the minimum, where evictions are frequent.
+        "num_blocks": draw(
+            st.one_of(st.integers(needed, needed + 2), st.integers(needed, max(needed, total + 1)))
+        ),
+        "scheduler_type": draw(st.sampled_from(["fifo", "prefill_first"])),
+        "backend": draw(st.sampled_from(["paged|sdpa", "paged|eager"])),
+    }
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(workloads())
+def test_every_request_finishes_once_and_matches_generate(workload: dict) -> None:
+    prompts = prompts_of_lengths(workload["lengths"], vocab_size(MODEL), workload["seed"])
+    max_new = workload["max_new"]
+    references = [REFERENCES.get(p, m) for p, m in zip(prompts, max_new, strict=True)]
+    finishes: Counter[str] = Counter()
+    checked_steps = []
+    original_finish, original_step = Scheduler.finish, Engine.step
+
+    def finish(self, request, status, error=None):
+        if not request.is_finished:
+            finishes[request.request_id] += 1
+        return original_finish(self, request, status, error)
+
+    def step(self):
+        result = original_step(self)
+        self.check_integrity()
+        checked_steps.append(result)
+        return result
+
+    MODEL.set_attn_implementation(workload["backend"])
+    try:
+        with mock.patch.object(Scheduler, "finish", finish), mock.patch.object(Engine, "step", step):
+            outputs, preempted = run_batch(
+                MODEL,
+                prompts,
+                greedy_config(MAX_NEW_TOKENS),
+                max_new_tokens=max_new,
+                page_size=workload["page_size"],
+                max_batch_tokens=workload["max_batch_tokens"],
+                num_blocks=workload["num_blocks"],
+                scheduler_type=workload["scheduler_type"],
+            )
+    finally:
+        MODEL.set_attn_implementation("sdpa")
+    assert checked_steps, "the engine's integrity check never ran"
+    event("evictions" if preempted else "no eviction")
+    ids = [f"req_{i}" for i in range(len(prompts))]
+    assert list(outputs) == ids, f"{workload}: returned ids {list(outputs)}"
+    assert finishes == Counter(ids), f"{workload}: finish counts {dict(finishes)}"
+    for i, output in enumerate(outputs.values()):
+        assert output.status == RequestStatus.FINISHED, (workload, output)
+        assert len(output.generated_tokens) == max_new[i], (workload, i, output.generated_tokens)
+    check_parity(MODEL, prompts, outputs, references, context=str(workload))
