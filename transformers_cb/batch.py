@@ -62,45 +62,46 @@ class BatchPacker:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]
         ordered = decodes + prefills
+        page_size = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
+        cu_seqlens_q = [0]
+        sampling, logits_indices = [], []
         for entry in ordered:
-            input_ids.extend(entry.request.all_token_ids[entry.start : entry.end])
-            positions.extend(range(entry.start, entry.end))
+            request, start, end = entry.request, entry.start, entry.end
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            # slot = page_id * page_size + offset, one page segment at a time.
+            position = start
+            while position < end:
+                page_index, offset = divmod(position, page_size)
+                segment_end = min(end, (page_index + 1) * page_size)
+                first_slot = request.page_ids[page_index] * page_size + offset
+                slots.extend(range(first_slot, first_slot + segment_end - position))
+                position = segment_end
+            cu_seqlens_q.append(cu_seqlens_q[-1] + entry.num_tokens)
+            if entry.samples:
+                sampling.append(entry)
+                logits_indices.append(cu_seqlens_q[-1] - 1)
         rows = torch.tensor([self.block_tables.sync(e.request) for e in ordered], dtype=torch.int64)
-        rows = rows.to(self.device)
+        max_seqlen_k = max(e.end for e in ordered)
+        block_table = self.block_tables.table[rows.to(self.device), : -(-max_seqlen_k // page_size)]  # [N, P]
         seq_lens_k = torch.tensor([e.end for e in ordered], dtype=torch.int64, device=self.device)
-        q_lens = torch.tensor([e.num_tokens for e in ordered], dtype=torch.int64, device=self.device)
-        max_pages = -(-max(e.end for e in ordered) // self.page_size)
-        block_table = self.block_tables.table[rows, :max_pages]  # [N, max_pages]
-        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        # slot = page_id * page_size + offset, for each new token. [T]
-        token_rows = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), q_lens)
-        slot_mapping = block_table[token_rows, position_ids // self.page_size] * self.page_size + (
-            position_ids % self.page_size
-        )
-        cu_seqlens_q = torch.zeros(len(ordered) + 1, dtype=torch.int32, device=self.device)
-        cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
         metadata = AttentionMetadata(
             cache=self.cache,
-            slot_mapping=slot_mapping,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             decode_groups=self._decode_groups(decodes, block_table, seq_lens_k),
             prefill_groups=self._prefill_groups(prefills, len(decodes), block_table),
-            cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=self.device),
             seq_lens_k=seq_lens_k.to(torch.int32),
             block_table=block_table.to(torch.int32),
             max_seqlen_q=max(e.num_tokens for e in ordered),
-            max_seqlen_k=max(e.end for e in ordered),
+            max_seqlen_k=max_seqlen_k,
         )
-        sampling, logits_indices, offset = [], [], 0
-        for entry in ordered:
-            offset += entry.num_tokens
-            if entry.samples:
-                sampling.append(entry)
-                logits_indices.append(offset - 1)
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
-            position_ids=position_ids.unsqueeze(0),
+            position_ids=torch.tensor([positions], dtype=torch.int64, device=self.device),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             sampling_entries=sampling,
             metadata=metadata,
@@ -109,7 +110,8 @@ class BatchPacker:
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
         """Slots of the first `kv_len` tokens for each row of `block_table_rows` `[B, P]` -> `[B, kv_len]`."""
         slots = block_table_rows[:, :, None] * self.page_size + self._page_offsets  # [B, P, page_size]
-        return slots.reshape(block_table_rows.shape[0], -1)[:, :kv_len]
+        # Contiguous once here, so every layer's gather can flatten it without a copy.
+        return slots.reshape(block_table_rows.shape[0], -1)[:, :kv_len].contiguous()
 
     def _decode_groups(
         self, decodes: list[ScheduledRequest], block_table: torch.Tensor, seq_lens_k: torch.Tensor

@@ -235,6 +235,8 @@ class Scheduler:
                 request.finish_reason = reason
                 self.finish(request, RequestStatus.FINISHED)
                 finished.append(request)
+            else:
+                request.set_status(RequestStatus.DECODING)
         return finished
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
