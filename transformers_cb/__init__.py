@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from .config import ContinuousBatchingConfig
+from .manager import ContinuousBatchingManager
 from .plugin import install, is_installed, uninstall
 from .requests import GenerationOutput, RequestStatus
+from .results import ManagerDeadError
+from .stats import ManagerStats
 
 __all__ = [
     "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
     "GenerationOutput",
+    "ManagerDeadError",
+    "ManagerStats",
     "RequestStatus",
     "install",
     "is_installed",

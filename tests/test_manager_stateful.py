@@ -1,0 +1,231 @@
+"""A hypothesis state machine over one ContinuousBatchingManager per example.
+
+Rules: add (plain / streaming left unclaimed / streaming claimed by a handler), cancel (known or
+unknown ids), get_result (any, or a given id), stop (graceful or hard, blocking or not), start. At teardown the
+manager is drained (started if needed, stopped gracefully, unclaimed streams claimed late, the
+queue emptied) and the invariants are checked:
+- every submitted id received exactly one final result (queue, handler or stream);
+- finished greedy outputs equal plain `generate()`; cancelled / hard-stopped ones are prefixes of it;
+- streamed partials grow by one token and are prefixes of the final;
+- no page leaks: the pool is consistent and all pages are free once the thread is stopped.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
+
+MAX_NEW = 8
+TIMEOUT = 30.0
+PROMPTS = random_prompts([3, 6, 9, 12, 17], seed=7)
+
+
+def _model(seed: int = 0):
+    model = tiny_llama(seed=seed)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+MODEL = _model()  # driven by the managers (switched to paged attention while a thread runs)
+REFERENCE_MODEL = _model()  # same weights, only ever runs plain generate()
+_REFERENCES: dict[int, list[int]] = {}
+
+
+def reference(prompt_index: int, max_new_tokens: int) -> list[int]:
+    """Greedy `generate()` on a separate copy of the weights; shorter runs are prefixes (no eos)."""
+    if prompt_index not in _REFERENCES:
+        _REFERENCES[prompt_index] = greedy_reference(REFERENCE_MODEL, PROMPTS[prompt_index], MAX_NEW)
+    return _REFERENCES[prompt_index][:max_new_tokens]
+
+
+def _drain_stream(manager, request_id: str) -> list[GenerationOutput]:
+    """`request_id_iter` in a helper thread so that a bug fails instead of hanging."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["outputs"] = list(manager.request_id_iter(request_id))
+        except BaseException as error:  # noqa: BLE001 - re-raised below
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(TIMEOUT)
+    assert not thread.is_alive(), f"request_id_iter({request_id!r}) hangs"
+    if "error" in box:
+        raise box["error"]
+    return box["outputs"]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = MODEL.init_continuous_batching(
+            continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=24)
+        )
+        self.accepting = True  # a new manager queues submissions until start()
+        self.requests: dict[str, tuple[int, int, str]] = {}  # id -> (prompt index, max_new, mode)
+        self.taken: dict[str, GenerationOutput] = {}  # finals taken with get_result
+        self.handled: dict[str, list[GenerationOutput]] = {}  # outputs delivered to handlers
+        self.cancel_requested: set[str] = set()
+        self.submitted_before_hard_stop: set[str] = set()
+
+    # -- rules --------------------------------------------------------------------------
+    @rule(
+        prompt=st.integers(0, len(PROMPTS) - 1),
+        max_new=st.integers(1, MAX_NEW),
+        mode=st.sampled_from(["plain", "stream", "handler"]),
+        named=st.booleans(),
+    )
+    def add(self, prompt: int, max_new: int, mode: str, named: bool) -> None:
+        request_id = f"mine-{len(self.requests)}" if named else None
+        rid = self.manager.add_request(
+            PROMPTS[prompt], request_id=request_id, max_new_tokens=max_new, streaming=mode != "plain"
+        )
+        if not self.accepting:
+            assert rid is None, "a stopped manager refuses submissions"
+            return
+        assert rid is not None and rid not in self.requests
+        assert request_id is None or rid == request_id
+        self.requests[rid] = (prompt, max_new, mode)
+        if mode == "handler":
+            outputs: list[GenerationOutput] = []
+            self.handled[rid] = outputs
+            self.manager.register_result_handler(rid, outputs.append)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def cancel(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        self.cancel_requested.add(rid)
+        self.manager.cancel_request(rid)  # finished already: only a warning
+
+    @rule()
+    def cancel_unknown(self) -> None:
+        self.manager.cancel_request("never-submitted")
+
+    @rule()
+    def get_any_result(self) -> None:
+        self._take(self.manager.get_result(timeout=0.02), None)
+
+    @precondition(lambda self: self.requests)
+    @rule(data=st.data())
+    def get_result_for(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.requests)))
+        self._take(self.manager.get_result(request_id=rid, timeout=0.02), rid)
+
+    @rule(hard=st.booleans(), block=st.booleans())
+    def stop(self, hard: bool, block: bool) -> None:
+        self.manager.stop(block=block, hard_stop=hard, timeout=TIMEOUT)
+        self.accepting = False
+        if hard:
+            self.submitted_before_hard_stop |= set(self.requests)
+        if block:
+            assert not self.manager.is_running()
+            self._check_pages()
+
+    @rule()
+    def start(self) -> None:
+        self.manager.start()
+        assert self.manager.is_running()
+        self.accepting = True
+
+    @invariant()
+    def stats_are_consistent(self) -> None:
+        stats = self.manager.stats()
+        assert stats.finished + stats.failed + stats.cancelled <= len(self.requests)
+        assert 0 <= stats.pages_in_use <= stats.pages_total
+
+    # -- helpers ------------------------------------------------------------------------
+    def _take(self, output: GenerationOutput | None, wanted: str | None) -> None:
+        if output is None:
+            return
+        assert wanted is None or output.request_id == wanted
+        assert output.is_finished()
+        assert output.request_id not in self.taken, "second final result"
+        assert self.requests[output.request_id][2] != "handler", "a claimed request reached the queue"
+        self.taken[output.request_id] = output
+
+    def _check_pages(self) -> None:
+        """Only when the thread is stopped: nothing else touches the engine then."""
+        engine = self.manager.engine
+        engine.check_integrity()
+        if not engine.has_work():
+            assert engine.cache.pool.num_free_pages == engine.cache.pool.num_pages
+
+    def _check_final(self, rid: str, final: GenerationOutput) -> None:
+        prompt, max_new, _mode = self.requests[rid]
+        assert final.request_id == rid
+        assert final.prompt_ids == PROMPTS[prompt]
+        expected = reference(prompt, max_new)
+        if final.status == RequestStatus.FINISHED:
+            assert final.generated_tokens == expected, rid
+        elif final.status == RequestStatus.CANCELLED:
+            assert rid in self.cancel_requested
+            assert final.generated_tokens == expected[: len(final.generated_tokens)]
+        else:
+            assert final.status == RequestStatus.FAILED, final
+            assert rid in self.submitted_before_hard_stop and "RuntimeError" in final.error
+            assert final.generated_tokens == expected[: len(final.generated_tokens)]
+
+    @staticmethod
+    def _check_stream(outputs: list[GenerationOutput]) -> None:
+        *partials, final = outputs
+        assert final.is_finished() and not any(p.is_finished() for p in partials)
+        assert [len(p.generated_tokens) for p in partials] == list(range(1, len(partials) + 1))
+        for partial in partials:
+            assert final.generated_tokens[: len(partial.generated_tokens)] == partial.generated_tokens
+
+    def teardown(self) -> None:
+        manager = self.manager
+        try:
+            if not manager.is_running():
+                manager.start()
+            manager.stop(timeout=TIMEOUT)  # graceful: everything queued completes
+            assert not manager.is_running()
+            self._check_pages()
+
+            finals: Counter[str] = Counter(self.taken.keys())
+            for rid, (_prompt, _max_new, mode) in self.requests.items():
+                if mode == "stream" and rid not in self.taken:
+                    outputs = _drain_stream(manager, rid)  # a late claim replays partials + final
+                    self._check_stream(outputs)
+                    finals[rid] += 1
+                    self._check_final(rid, outputs[-1])
+                elif mode == "handler":
+                    outputs = self.handled[rid]
+                    assert outputs, f"handler of {rid} got nothing"
+                    self._check_stream(outputs)
+                    finals[rid] += 1
+                    self._check_final(rid, outputs[-1])
+            while (output := manager.get_result(timeout=1)) is not None:
+                assert output.request_id not in self.taken, "second final result"
+                self.taken[output.request_id] = output
+                finals[output.request_id] += 1
+            for rid, output in self.taken.items():
+                self._check_final(rid, output)
+            assert finals == Counter(self.requests.keys()), "every submitted id gets exactly one final result"
+            assert manager.stats().finished + manager.stats().failed + manager.stats().cancelled == len(
+                self.requests
+            )
+        finally:
+            if manager.engine is not None:
+                manager.stop(hard_stop=True, timeout=TIMEOUT)
+                manager.destroy()
+
+
+ManagerMachine.TestCase.settings = settings(
+    max_examples=15,
+    stateful_step_count=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestManagerStateMachine = ManagerMachine.TestCase

@@ -1,0 +1,52 @@
+"""Observability: `ManagerStats` snapshots and a recent-throughput window."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ManagerStats:
+    queued: int
+    running: int
+    finished: int
+    failed: int
+    cancelled: int
+    preemptions: int
+    pages_in_use: int
+    pages_total: int
+    prefill_tokens: int
+    decode_tokens: int
+    prefix_cache_hit_rate: float
+    tokens_per_second: float
+
+
+class ThroughputWindow:
+    """Generated tokens per second over the last `window_s` seconds."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._events: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, num_tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._events.append((now, num_tokens))
+            self._trim(now)
+
+    def rate(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._trim(now)
+            if not self._events:
+                return 0.0
+            span = max(now - self._events[0][0], 1e-3)
+            return sum(n for _, n in self._events) / span
+
+    def _trim(self, now: float) -> None:
+        while self._events and self._events[0][0] < now - self.window_s:
+            self._events.popleft()
