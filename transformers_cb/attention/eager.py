@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .paged import METADATA_KWARG, paged_attention, unsupported_kwargs
+from .paged import make_paged_forward
 
 
 def eager_attend(
@@ -64,19 +64,6 @@ def eager_attention_forward(
     return out, probs
 
 
-def eager_paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    metadata = kwargs.pop(METADATA_KWARG, None)
-    if metadata is None:
-        return eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    unsupported_kwargs(kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged_attention(query, key, value, module.layer_idx, metadata, scale, eager_attend), None
+eager_paged_attention_forward = make_paged_forward(
+    eager_attend, eager_attention_forward, "eager_paged_attention_forward"
+)

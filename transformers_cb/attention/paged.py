@@ -65,6 +65,36 @@ def paged_attention(
     return out.unsqueeze(0)
 
 
+def make_paged_forward(attend: Attend, fallback: Callable, name: str) -> Callable:
+    """The function registered in transformers' `AttentionInterface` for one paged backend.
+
+    Inside continuous batching (metadata in the kwargs) it runs `paged_attention` with `attend`;
+    otherwise (e.g. plain `generate()` on a paged model) it behaves like `fallback`.
+    """
+
+    def forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        metadata = kwargs.pop(METADATA_KWARG, None)
+        if metadata is None:
+            return fallback(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        unsupported_kwargs(kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return paged_attention(query, key, value, module.layer_idx, metadata, scale, attend), None
+
+    forward.__name__ = forward.__qualname__ = name
+    return forward
+
+
 def unsupported_kwargs(kwargs: dict) -> None:
     """Refuse attention variants this backend does not implement, instead of ignoring them."""
     for name in ("sliding_window", "softcap", "s_aux", "sinks"):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .paged import METADATA_KWARG, paged_attention, unsupported_kwargs
+from .paged import make_paged_forward
 
 
 def sdpa_attend(
@@ -22,22 +22,6 @@ def sdpa_attend(
     )
 
 
-def sdpa_paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    metadata = kwargs.pop(METADATA_KWARG, None)
-    if metadata is None:
-        # Not inside continuous batching (e.g. plain `generate()`): behave like `sdpa`.
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-    unsupported_kwargs(kwargs)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return paged_attention(query, key, value, module.layer_idx, metadata, scale, sdpa_attend), None
+sdpa_paged_attention_forward = make_paged_forward(
+    sdpa_attend, sdpa_attention_forward, "sdpa_paged_attention_forward"
+)
