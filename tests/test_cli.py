@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_cb.cli.main import InputError, main, parse_requests
+from transformers_cb.cli.inputs import InputError, parse_requests
+from transformers_cb.cli.main import main
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

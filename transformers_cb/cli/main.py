@@ -13,28 +13,17 @@ import json
 import re
 import sys
 import time
-from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
+
+from .inputs import CliRequest, InputError, read_requests, tokenize_requests
 
 EXIT_OK = 0
 EXIT_REQUEST_FAILED = 1
 EXIT_BAD_INPUT = 2
 
-DEMO_PROMPTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Continuous batching lets a server admit new requests at every step.",
-    "Once upon a time, in a small village by the sea,",
-    "The capital of France is",
-    "A paged KV cache stores keys and values in fixed-size blocks.",
-)
-
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-class InputError(ValueError):
-    """A problem with the user's input file; reported with exit code 2."""
 
 
 @dataclass
@@ -49,16 +38,6 @@ class RejectedOutput:
     created_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-
-
-@dataclass(frozen=True)
-class CliRequest:
-    """One prompt read from the input."""
-
-    id: Any
-    prompt: str
-    max_new_tokens: int | None = None
-    line_no: int | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -129,90 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------
 
 
-def _parse_json_line(line: str, line_no: int, index: int) -> CliRequest:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"line {line_no}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(record, dict):
-        raise InputError(f"line {line_no}: expected a JSON object, got {type(record).__name__}")
-    if "prompt" not in record:
-        raise InputError(f"line {line_no}: missing required key 'prompt'")
-    prompt = record["prompt"]
-    if not isinstance(prompt, str):
-        raise InputError(f"line {line_no}: 'prompt' must be a string, got {type(prompt).__name__}")
-    max_new_tokens = record.get("max_new_tokens")
-    if max_new_tokens is not None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0
-    ):
-        raise InputError(
-            f"line {line_no}: 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}"
-        )
-    request_id = record.get("id", index)
-    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-        raise InputError(f"line {line_no}: 'id' must be a string or an integer, got {request_id!r}")
-    return CliRequest(id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, line_no=line_no)
-
-
-def parse_requests(lines: Iterable[str]) -> list[CliRequest]:
-    """Parse input lines. Blank lines are skipped; ``{...}`` lines are JSON; others are prompts.
-
-    Default ids are the 0-based position of the request among the non-blank lines.
-    Raises :class:`InputError` naming the (1-based) line number on malformed input.
-    """
-    requests: list[CliRequest] = []
-    seen_ids: dict[Any, int] = {}
-    for line_no, raw in enumerate(lines, start=1):
-        line = raw.rstrip("\r\n")
-        if not line.strip():
-            continue
-        index = len(requests)
-        if line.lstrip().startswith("{"):
-            request = _parse_json_line(line, line_no, index)
-        else:
-            request = CliRequest(id=index, prompt=line, line_no=line_no)
-        if request.id in seen_ids:
-            raise InputError(
-                f"line {line_no}: duplicate id {request.id!r} (first used on line {seen_ids[request.id]})"
-            )
-        seen_ids[request.id] = line_no
-        requests.append(request)
-    return requests
-
-
-def read_requests(input_arg: str | None, stdin: IO[str] | None = None) -> list[CliRequest]:
-    stdin = stdin if stdin is not None else sys.stdin
-    if input_arg is None:
-        if stdin is None or stdin.isatty():
-            return [CliRequest(id=i, prompt=p) for i, p in enumerate(DEMO_PROMPTS)]
-        return parse_requests(stdin)
-    if input_arg == "-":
-        return parse_requests(stdin)
-    try:
-        with open(input_arg, encoding="utf-8") as handle:
-            return parse_requests(handle)
-    except OSError as exc:
-        raise InputError(f"cannot read input file {input_arg!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise InputError(f"input file {input_arg!r} is not valid UTF-8: {exc.reason}") from None
-
-
-def tokenize_requests(tokenizer: Any, requests: Sequence[CliRequest]) -> list[list[int]]:
-    token_lists = []
-    for position, request in enumerate(requests):
-        ids = list(tokenizer.encode(request.prompt))
-        if not ids:
-            where = f"line {request.line_no}" if request.line_no is not None else f"prompt {position}"
-            raise InputError(f"{where}: the prompt encodes to zero tokens")
-        token_lists.append(ids)
-    return token_lists
-
-
-# ---------------------------------------------------------------------------
-# Generation
-# ---------------------------------------------------------------------------
-
-
 def _resolve_device(device: str | None) -> str:
     import torch
 
@@ -244,28 +139,7 @@ def _special_ids(model: Any, tokenizer: Any) -> tuple[Any, Any]:
     return eos, pad
 
 
-def _match_outputs(outputs: dict[str, Any], inputs: Sequence[list[int]]) -> list[Any]:
-    """Order ``generate_batch`` results like ``inputs``.
-
-    Uses the ``req_<index>`` key scheme when present; otherwise matches by prompt ids
-    (equal prompts in one greedy call produce equal outputs, so ties are harmless).
-    """
-    keys = [f"req_{i}" for i in range(len(inputs))]
-    if len(outputs) == len(inputs) and all(key in outputs for key in keys):
-        return [outputs[key] for key in keys]
-    by_prompt: dict[tuple[int, ...], deque[Any]] = defaultdict(deque)
-    for output in outputs.values():
-        by_prompt[tuple(output.prompt_ids)].append(output)
-    ordered = []
-    for ids in inputs:
-        bucket = by_prompt.get(tuple(ids))
-        if not bucket:
-            raise RuntimeError("generate_batch returned no result for one of the prompts")
-        ordered.append(bucket.popleft())
-    return ordered
-
-
-def generate_grouped(
+def generate_all(
     model: Any,
     token_lists: Sequence[list[int]],
     max_new_tokens: Sequence[int],
@@ -274,59 +148,46 @@ def generate_grouped(
     cb_config: Any,
     progress_bar: bool,
 ) -> list[Any]:
-    """Run ``generate_batch`` once per distinct ``max_new_tokens``; results in input order."""
-    from transformers import GenerationConfig
-
-    groups: dict[int, list[int]] = defaultdict(list)
-    for position, limit in enumerate(max_new_tokens):
-        groups[limit].append(position)
-    results: list[Any] = [None] * len(token_lists)
-    for limit, positions in groups.items():
-        generation_config = GenerationConfig(
-            max_new_tokens=limit, do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
-        )
-        group_inputs = [token_lists[p] for p in positions]
-        outputs = _generate_rejecting(model, group_inputs, generation_config, cb_config, progress_bar)
-        for position, output in zip(positions, outputs, strict=True):
-            results[position] = output
-    return results
-
-
-_INPUT_INDEX = re.compile(r"^inputs\[(\d+)\]:\s*")
-
-
-def _generate_rejecting(
-    model: Any, inputs: Sequence[list[int]], generation_config: Any, cb_config: Any, progress_bar: bool
-) -> list[Any]:
-    """``generate_batch`` over ``inputs``, results in order.
+    """One ``generate_batch`` call (per-request ``max_new_tokens``); results in input order.
 
     ``generate_batch`` validates every request before running any and raises a
     ``ValueError`` starting with ``inputs[i]:`` for a bad one (e.g. a prompt longer than
     the model's context). Such a request becomes a ``FAILED`` :class:`RejectedOutput`
     carrying that message, and the others are submitted again without it.
     """
+    from transformers import GenerationConfig
+
+    generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+    )
     rejected: dict[int, RejectedOutput] = {}
     while True:
-        live = [i for i in range(len(inputs)) if i not in rejected]
+        live = [i for i in range(len(token_lists)) if i not in rejected]
         if not live:
-            return [rejected[i] for i in range(len(inputs))]
-        live_inputs = [inputs[i] for i in live]
+            return [rejected[i] for i in range(len(token_lists))]
         try:
             outputs = model.generate_batch(
-                inputs=live_inputs,
+                inputs=[token_lists[i] for i in live],
                 generation_config=generation_config,
                 continuous_batching_config=cb_config,
                 progress_bar=progress_bar,
+                max_new_tokens=[max_new_tokens[i] for i in live],
             )
         except ValueError as exc:
             match = _INPUT_INDEX.match(str(exc))
             if match is None or int(match.group(1)) >= len(live):
                 raise InputError(f"generation rejected the input: {exc}") from exc
             index = live[int(match.group(1))]
-            rejected[index] = RejectedOutput(prompt_ids=list(inputs[index]), error=str(exc)[match.end() :])
+            rejected[index] = RejectedOutput(
+                prompt_ids=list(token_lists[index]), error=str(exc)[match.end() :]
+            )
             continue
-        by_position = dict(zip(live, _match_outputs(outputs, live_inputs), strict=True))
-        return [rejected[i] if i in rejected else by_position[i] for i in range(len(inputs))]
+        # generate_batch keys results "req_<position in its inputs>".
+        by_position = {i: outputs[f"req_{k}"] for k, i in enumerate(live)}
+        return [rejected[i] if i in rejected else by_position[i] for i in range(len(token_lists))]
+
+
+_INPUT_INDEX = re.compile(r"^inputs\[(\d+)\]:\s*")
 
 
 # ---------------------------------------------------------------------------
@@ -441,7 +302,7 @@ def run_generate(args: argparse.Namespace) -> int:
     with _open_output(args.output) as handle:
         start = time.perf_counter()
         outputs = (
-            generate_grouped(
+            generate_all(
                 model, token_lists, limits, eos_token_id, pad_token_id, cb_config, not args.no_progress
             )
             if requests

@@ -1,0 +1,115 @@
+"""Reading the CLI's prompts: plain text lines or JSON lines, with errors naming the line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import IO, Any
+
+DEMO_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Continuous batching lets a server admit new requests at every step.",
+    "Once upon a time, in a small village by the sea,",
+    "The capital of France is",
+    "A paged KV cache stores keys and values in fixed-size blocks.",
+)
+
+
+class InputError(ValueError):
+    """A problem with the user's input file; reported with exit code 2."""
+
+
+@dataclass(frozen=True)
+class CliRequest:
+    """One prompt read from the input."""
+
+    id: Any
+    prompt: str
+    max_new_tokens: int | None = None
+    line_no: int | None = None
+
+
+def _parse_json_line(line: str, line_no: int, index: int) -> CliRequest:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"line {line_no}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise InputError(f"line {line_no}: expected a JSON object, got {type(record).__name__}")
+    if "prompt" not in record:
+        raise InputError(f"line {line_no}: missing required key 'prompt'")
+    prompt = record["prompt"]
+    if not isinstance(prompt, str):
+        raise InputError(f"line {line_no}: 'prompt' must be a string, got {type(prompt).__name__}")
+    max_new_tokens = record.get("max_new_tokens")
+    if max_new_tokens is not None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0
+    ):
+        raise InputError(
+            f"line {line_no}: 'max_new_tokens' must be a positive integer, got {max_new_tokens!r}"
+        )
+    request_id = record.get("id", index)
+    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+        raise InputError(f"line {line_no}: 'id' must be a string or an integer, got {request_id!r}")
+    return CliRequest(id=request_id, prompt=prompt, max_new_tokens=max_new_tokens, line_no=line_no)
+
+
+def parse_requests(lines: Iterable[str]) -> list[CliRequest]:
+    """Parse input lines. Blank lines are skipped; ``{...}`` lines are JSON; others are prompts.
+
+    Default ids are the 0-based position of the request among the non-blank lines.
+    Raises :class:`InputError` naming the (1-based) line number on malformed input.
+    """
+    requests: list[CliRequest] = []
+    seen_ids: dict[Any, int] = {}
+    for line_no, raw in enumerate(lines, start=1):
+        line = raw.rstrip("\r\n")
+        if not line.strip():
+            continue
+        index = len(requests)
+        if line.lstrip().startswith("{"):
+            request = _parse_json_line(line, line_no, index)
+        else:
+            request = CliRequest(id=index, prompt=line, line_no=line_no)
+        if request.id in seen_ids:
+            raise InputError(
+                f"line {line_no}: duplicate id {request.id!r} (first used on line {seen_ids[request.id]})"
+            )
+        seen_ids[request.id] = line_no
+        requests.append(request)
+    return requests
+
+
+def read_requests(input_arg: str | None, stdin: IO[str] | None = None) -> list[CliRequest]:
+    stdin = stdin if stdin is not None else sys.stdin
+    if input_arg is None:
+        if stdin is None or stdin.isatty():
+            return [CliRequest(id=i, prompt=p) for i, p in enumerate(DEMO_PROMPTS)]
+        return parse_requests(stdin)
+    if input_arg == "-":
+        return parse_requests(stdin)
+    try:
+        with open(input_arg, encoding="utf-8") as handle:
+            return parse_requests(handle)
+    except OSError as exc:
+        raise InputError(f"cannot read input file {input_arg!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"input file {input_arg!r} is not valid UTF-8: {exc.reason}") from None
+
+
+def tokenize_requests(tokenizer: Any, requests: Sequence[CliRequest]) -> list[list[int]]:
+    token_lists = []
+    for position, request in enumerate(requests):
+        ids = list(tokenizer.encode(request.prompt))
+        if not ids:
+            where = f"line {request.line_no}" if request.line_no is not None else f"prompt {position}"
+            raise InputError(f"{where}: the prompt encodes to zero tokens")
+        token_lists.append(ids)
+    return token_lists
+
+
+# ---------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------
