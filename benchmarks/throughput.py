@@ -1,0 +1,313 @@
+"""Offline throughput benchmark: the same seeded workloads through several generation engines, in one process.
+
+    python benchmarks/throughput.py [--models tiny,small] [--workloads mixed,shared-prefix,long-decode]
+                                    [--engines static,builtin,ours,limit] [--json out.json] [--scale 1.0]
+                                    [--threads N] [--repeats 1] [--ref-requests 4]
+
+Prints a markdown table and writes the rows plus metadata as JSON (default `benchmarks/results/throughput.json`).
+The machine may be noisy: compare engines through the ratios of one run (they are measured side by side), not
+absolute numbers across runs. See docs/benchmarks.md for what each engine, workload and column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ENGINE_NAMES = ("static", "builtin", "ours", "limit")
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=_csv, default=["tiny", "small"], help="comma list of: tiny, small")
+    p.add_argument(
+        "--workloads",
+        type=_csv,
+        default=["mixed", "shared-prefix", "long-decode"],
+        help="comma list of: mixed, shared-prefix, long-decode",
+    )
+    p.add_argument(
+        "--engines",
+        type=_csv,
+        default=list(ENGINE_NAMES),
+        help="comma list of: static, builtin, ours, limit (limit is always added: ratios need it; see --no-limit)",
+    )
+    p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
+    p.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"output JSON path (default {DEFAULT_JSON})"
+    )
+    p.add_argument(
+        "--scale", type=float, default=1.0, help="multiplies the number of requests of every workload"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch intra-op threads (default: os.cpu_count())"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="timed runs per engine and workload; the fastest is kept"
+    )
+    p.add_argument(
+        "--limit-repeats",
+        type=int,
+        default=2,
+        help="runs of each limit forward; the fastest is kept (default 2)",
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=60.0,
+        help="before each timed run, wait up to this many seconds for other processes to use less than "
+        "--quiet-load cores (0: never wait; default 60)",
+    )
+    p.add_argument("--quiet-load", type=float, default=0.25, help="see --wait-quiet (default 0.25 cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model weights and of the workloads")
+    p.add_argument(
+        "--ref-requests", type=int, default=4, help="requests checked against single-prompt generate()"
+    )
+    p.add_argument("--static-batch-size", type=int, default=16, help="batch size of the static engine")
+    p.add_argument(
+        "--page-size", type=int, default=None, help="CB page size (both CB engines; default: theirs)"
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        help="CB token budget per step (both CB engines; default: theirs)",
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="CB cache pages (both CB engines; default: enough for the whole workload at once)",
+    )
+    args = p.parse_args(argv)
+    unknown = set(args.engines) - set(ENGINE_NAMES)
+    if unknown:
+        p.error(f"unknown engines {sorted(unknown)}; choose from {ENGINE_NAMES}")
+    if not args.no_limit and "limit" not in args.engines:
+        args.engines.append("limit")
+    if args.no_limit and "limit" in args.engines:
+        args.engines.remove("limit")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = args.threads or os.cpu_count() or 1
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    transformers.logging.set_verbosity_error()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+
+    for name in args.workloads:
+        if name not in common.WORKLOAD_NAMES:
+            raise SystemExit(f"unknown workload {name!r}; choose from {common.WORKLOAD_NAMES}")
+
+    def settings_fn(workload):
+        return common.cb_engine_settings(workload, args.page_size, args.max_batch_tokens, args.num_blocks)
+
+    def make_engine(name: str) -> common.Engine:
+        if name == "static":
+            return common.StaticEngine(batch_size=args.static_batch_size)
+        if name == "builtin":
+            return common.BuiltinEngine(settings_fn)
+        if name == "ours":
+            return common.OursEngine(settings_fn)
+        return common.LimitEngine(repeats=args.limit_repeats)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    rows: list[dict[str, Any]] = []
+    models_meta: dict[str, Any] = {}
+    workloads_meta: dict[str, Any] = {}
+    for model_name in args.models:
+        model = common.build_model(model_name, seed=args.seed)
+        nparams = common.param_count(model)
+        models_meta[model_name] = {"params": nparams, "config": common.MODEL_CONFIGS[model_name]}
+        log(f"== model {model_name}: {nparams / 1e6:.2f}M parameters")
+        engines = {name: make_engine(name) for name in args.engines}
+
+        warm = common.make_warmup_workload(model.config.vocab_size)
+        for name, engine in list(engines.items()):
+            t0 = time.perf_counter()
+            try:
+                engine.warmup(model, warm)
+                log(f"   warmup {name}: {time.perf_counter() - t0:.2f}s")
+            except Exception:
+                log(f"   warmup {name} FAILED, engine dropped for this model:\n{traceback.format_exc()}")
+                rows.append({"model": model_name, "engine": name, "errors": "warmup failed"})
+                del engines[name]
+            common.restore_attn_implementation(model)
+        if isinstance(engines.get("ours"), common.OursEngine):
+            log(f"   ours: per-request max_new_tokens supported = {engines['ours'].per_request_mnt}")
+
+        for wl_name in args.workloads:
+            workload = common.make_workload(
+                wl_name, model.config.vocab_size, scale=args.scale, seed=args.seed
+            )
+            workloads_meta[wl_name] = workload.summary()
+            results: dict[str, common.RunResult] = {}
+            crashes: dict[str, str] = {}
+            for rep in range(args.repeats):
+                for name, engine in engines.items():
+                    if name in crashes:
+                        continue
+                    if args.wait_quiet > 0:
+                        waited, before = common.wait_for_quiet_cpu(args.quiet_load, args.wait_quiet)
+                        if waited > 1:
+                            log(
+                                f"   waited {waited:.0f}s for a quieter machine (other load {before:.2f} cores)"
+                            )
+                    snap = common.cpu_snapshot()
+                    try:
+                        res = engine.run(model, workload)
+                    except Exception:
+                        crashes[name] = traceback.format_exc(limit=8)
+                        log(f"   {model_name}/{wl_name}/{name} CRASHED:\n{crashes[name]}")
+                        continue
+                    finally:
+                        common.restore_attn_implementation(model)
+                    load = common.other_load(snap, common.cpu_snapshot())
+                    res.other_load = load
+                    load_str = "" if load is None else f" (other processes: {load:.2f} cores)"
+                    log(f"   {model_name}/{wl_name}/{name} run {rep + 1}: {res.wall_s:.2f}s{load_str}")
+                    if name not in results or res.wall_s < results[name].wall_s:
+                        if name in results:  # keep the first run's outputs for the comparisons
+                            res.outputs = results[name].outputs
+                        results[name] = res
+
+            ref_idx = common.reference_indices(len(workload.requests), args.ref_requests)
+            refs = common.reference_outputs(model, workload, ref_idx)
+            ref_list: list[list[int] | None] = [refs.get(i) for i in range(len(workload.requests))]
+
+            limit_wall = results["limit"].wall_s if "limit" in results else None
+            builtin_wall = results["builtin"].wall_s if "builtin" in results else None
+            producing = [n for n in results if n != "limit"]
+            for name in list(results) + list(crashes):
+                row: dict[str, Any] = {
+                    "model": model_name,
+                    "params": nparams,
+                    "workload": wl_name,
+                    "engine": name,
+                    "requests": len(workload.requests),
+                    "prompt_tokens": workload.num_prompt_tokens,
+                }
+                if name in crashes:
+                    row["errors"] = "crashed"
+                    row["error_details"] = [crashes[name]]
+                    rows.append(row)
+                    continue
+                res = results[name]
+                if name == "limit":
+                    gen_tokens = workload.num_generated_tokens
+                    errors: list[str] = []
+                else:
+                    gen_tokens = sum(len(o) for o in res.outputs if o is not None)
+                    errors = res.errors + common.length_errors(res, workload)
+                row.update(
+                    {
+                        "gen_tokens": gen_tokens,
+                        "wall_s": res.wall_s,
+                        "gen_tok_s": gen_tokens / res.wall_s if res.wall_s > 0 else None,
+                        "fwd_tokens": res.tokens_forwarded,
+                        "fwd_tokens_exact": res.tokens_forwarded_exact,
+                        "fwd_tokens_str": f"{res.tokens_forwarded}"
+                        + ("" if res.tokens_forwarded_exact else " (est)"),
+                        "x_limit": res.wall_s / limit_wall if limit_wall else None,
+                        "speedup_vs_builtin": builtin_wall / res.wall_s
+                        if builtin_wall and res.wall_s > 0
+                        else None,
+                        "other_load": res.other_load,
+                        "notes": res.notes,
+                        "errors": len(errors),
+                        "error_details": errors[:20],
+                    }
+                )
+                if name != "limit":
+                    agree = {"ref": common.compare_outputs(res.outputs, ref_list, ref_idx)}
+                    for other in producing:
+                        if other != name:
+                            agree[other] = common.compare_outputs(res.outputs, results[other].outputs)
+                    row["agreement"] = {k: v.as_dict() for k, v in agree.items()}
+                    row["identical"] = ", ".join(f"{k} {v.short()}" for k, v in agree.items())
+                rows.append(row)
+        del model
+
+    columns = [
+        ("model", "model"),
+        ("workload", "workload"),
+        ("engine", "engine"),
+        ("requests", "reqs"),
+        ("gen_tokens", "gen tok"),
+        ("wall_s", "wall s"),
+        ("gen_tok_s", "gen tok/s"),
+        ("fwd_tokens_str", "fwd tok"),
+        ("x_limit", "x limit"),
+        ("speedup_vs_builtin", "vs builtin"),
+        ("other_load", "other load"),
+        ("identical", "identical outputs (requests)"),
+        ("errors", "errors"),
+    ]
+    print()
+    print(f"threads={threads} scale={args.scale} repeats={args.repeats} seed={args.seed}")
+    for name, meta in models_meta.items():
+        print(f"model {name}: {meta['params']:,} parameters")
+    for name, meta in workloads_meta.items():
+        print(
+            f"workload {name}: {meta['num_requests']} requests, {meta['prompt_tokens']} prompt tokens, "
+            f"{meta['max_new_tokens_total']} new tokens ({meta['description']})"
+        )
+    print()
+    print(common.markdown_table(rows, columns))
+    problems = [r for r in rows if r.get("errors")]
+    divergent = [
+        (r, k, v)
+        for r in rows
+        for k, v in (r.get("agreement") or {}).items()
+        if v["identical"] != v["compared"] and (k == "ref" or r["engine"] < k)
+    ]
+    if divergent:
+        print("\nDiffering requests per pair, as req_<index>@<first differing token>:")
+        for r, k, v in divergent:
+            where = ", ".join(f"req_{i}@{t}" for i, t in v["first_divergence"])
+            print(f"  {r['model']}/{r['workload']}: {r['engine']} vs {k}: {where}")
+    if problems:
+        print("\nErrors:")
+        for r in problems:
+            for e in r.get("error_details") or [r["errors"]]:
+                print(f"  {r['model']}/{r.get('workload', '-')}/{r['engine']}: {e}")
+
+    meta = common.environment_metadata(threads)
+    meta.update(
+        {
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "models": models_meta,
+            "workloads": workloads_meta,
+        }
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"metadata": meta, "rows": rows}, f, indent=2, default=str)
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
