@@ -182,7 +182,6 @@ def test_page_size_alone_does_not_warn() -> None:
         ("default_compile_level", 3, "torch.compile"),
         ("varlen_compile_config", {"mode": "default"}, "torch.compile"),
         ("decode_compile_config", {"mode": "default"}, "torch.compile"),
-        ("max_blocks_per_request", 8, "flash decode fast path"),
     ],
 )
 def test_unbuilt_features_raise_not_implemented(field: str, value: object, feature: str) -> None:
@@ -200,6 +199,7 @@ def test_unbuilt_features_raise_not_implemented(field: str, value: object, featu
         ("use_cuda_graph", None),
         ("max_blocks_per_request", 0),
         ("max_blocks_per_request", None),
+        ("max_blocks_per_request", 64),
         ("cpu_offload_space", 0.0),
         ("cpu_offload_space", 0),
         ("default_compile_level", 0),
@@ -464,3 +464,30 @@ def test_generate_batch_sizes_from_its_prompts(model, monkeypatch) -> None:
     assert engine.sizing.num_pages == 6
     assert engine.scheduler.safety_margin == 0.15
     assert engine.cache.pool.num_free_pages == 6
+
+
+def test_explicit_decode_fast_path_falls_back_with_a_warning(caplog) -> None:
+    """As the documents say: without flash_attn_with_kvcache the varlen path runs, and only an
+    explicit `max_blocks_per_request` logs a warning."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    from tests.helpers import tiny_llama
+
+    model = tiny_llama()
+    generation_config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine"):
+        out = model.generate_batch(
+            [[5, 6, 7]], generation_config, ContinuousBatchingConfig(), progress_bar=False
+        )
+    assert "fast path" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine"):
+        fallback = model.generate_batch(
+            [[5, 6, 7]],
+            generation_config,
+            ContinuousBatchingConfig(max_blocks_per_request=64),
+            progress_bar=False,
+        )
+    assert "fast path" in caplog.text
+    assert fallback["req_0"].generated_tokens == out["req_0"].generated_tokens

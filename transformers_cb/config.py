@@ -170,7 +170,6 @@ class ContinuousBatchingConfig:
             "varlen_compile_config / decode_compile_config (torch.compile)": (
                 self.varlen_compile_config is not None or self.decode_compile_config is not None
             ),
-            "max_blocks_per_request (flash decode fast path)": bool(self.max_blocks_per_request),
         }
         for feature, requested in unbuilt.items():
             if requested:

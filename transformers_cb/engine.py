@@ -99,6 +99,13 @@ class Engine:
         self.generation_config = resolve_generation_config(model, generation_config)
         check_generation_config(self.generation_config)
         check_model_supported(model.config)
+        if self.cb_config.max_blocks_per_request:
+            logger.warning(
+                "max_blocks_per_request=%d: the decode fast path needs flash_attn_with_kvcache "
+                "(paged flash attention on CUDA), which this release does not provide; every step uses "
+                "the varlen path",
+                self.cb_config.max_blocks_per_request,
+            )
         self.shape = ModelShape.from_config(model.config)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
