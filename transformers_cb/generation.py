@@ -1,11 +1,12 @@
 """`generate_batch`: run many prompts to completion with continuous batching, in the caller's thread.
 
 NOTE: the loop runs in the caller's thread on purpose. A forward issued from a
-fresh OS thread does not inherit the caller's torch thread settings
-(`torch.set_num_threads` is per-thread OpenMP state, and grad / inference mode
-are thread-local), and its new OpenMP team competes with the caller's team,
-whose workers keep spinning after each parallel region: measured 1.9-3x
-slower on 2 cores. See docs/design.md.
+second OS thread is slower: grad / inference mode are thread-local (a bare thread
+records autograd graphs), and each thread that runs torch ops gets its own OpenMP
+team; with two teams alive, libgomp throttles every thread's spin-wait (or, with
+OMP_WAIT_POLICY=active, the idle team spins on a core): 1.02-1.47x measured on an
+idle 2-core machine, 1.9-2.3x with an active wait policy. The manager's thread
+avoids it with `threads.ThreadSettings`; see docs/design.md, "Threads and speed".
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """Run torch work in a background thread at the speed of the thread that started it.
 
-Cause (measured on 2 cores, see docs/design.md "Threads and speed"): torch's CPU ops run on
-OpenMP, and every OS thread that enters a parallel region gets its *own* OpenMP team; libgomp
-keeps the main thread's idle team alive after its last parallel region. With a second team,
-libgomp counts more threads than CPUs and throttles *all* its threads' spin-waits from 300000
-spins to 100 ("throttled" mode), so each of the ~150 parallel regions of a decode step puts the
-worker threads to sleep on a futex and wakes them again. On an otherwise idle machine that cost
-the background thread's forwards 1.9-3x; grad mode left on in the new thread adds more.
-Fix: `ThreadSettings.capture()` (caller's thread) releases the caller's idle OpenMP team with
-`omp_pause_resource_all` so only one team exists, and `apply()` (worker thread) reproduces the
-caller's thread-local torch state: intra-op threads, grad / inference mode, flush-denormal,
-CPU autocast and CPU affinity.
+Cause (2-core numbers in docs/design.md, "Threads and speed"): torch's CPU ops run on GNU OpenMP, which gives every
+OS thread that runs a parallel region its own worker team and keeps it alive, idle, afterwards. A worker thread's
+forwards then run next to the main thread's idle team: with the default wait policy libgomp counts more threads than
+CPUs and cuts every thread's spin-wait from 300000 to 100 iterations, so threads sleep and wake on a futex at each of
+the ~150 parallel regions of a decode step (1.02-1.26x slower); with OMP_WAIT_POLICY=active (or a large
+GOMP_SPINCOUNT) the idle team keeps spinning on a core (1.9-2.3x). A bare thread also runs with grad mode on (grad /
+inference mode, autocast are thread-local). Fix: `ThreadSettings.capture()` (caller's thread) releases the caller's
+idle team (`omp_pause_resource_all`); `apply()` (worker) reproduces the caller's thread-local torch state.
 """
 
 from __future__ import annotations
@@ -92,6 +89,11 @@ def release_openmp_pool() -> bool:
 
     Only acts on GNU OpenMP (torch's Linux wheels); a no-op returning False elsewhere (LLVM/Intel OpenMP pause the
     whole runtime, not one thread's team). Returns True if a team was released (or there was none to release).
+
+    Trade-off: with a single team, libgomp's default spin-waiting is what the main thread gets too; it is fastest on
+    idle cores but several times slower when other processes compete for the cores (measured 6-50x on 2 busy cores,
+    against the throttled waiting that a second team triggers). Processes on shared cores are better served by
+    OMP_WAIT_POLICY=passive or fewer torch threads, set before torch is imported.
     """
     libs = _loaded_libgomps()
     return bool(libs) and all(lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0 for lib in libs)
@@ -141,9 +143,11 @@ class ThreadSettings:
         """Capture the calling thread's settings. Call it in the thread that starts the worker.
 
         With `release_pool` (default) it also releases the calling thread's idle OpenMP team, on the
-        assumption that the caller hands its torch work to the worker (see `release_openmp_pool()`): without it
-        the worker's forwards ran 1.9-3x slower on 2 cores. A later parallel region in the caller recreates the
-        team; call `release_openmp_pool()` again once it is idle.
+        assumption that the caller hands its torch work to the worker (see `release_openmp_pool()`), so the worker
+        runs exactly like the main thread would. A later parallel region in the caller recreates the team; call
+        `release_openmp_pool()` again once it is idle. `release_pool=False` keeps the second team, hence libgomp's
+        throttled (sleep-at-once) waiting for the whole process: 2-26% slower on idle cores, but several times
+        faster when other processes compete for the cores (spinning threads then wait for descheduled teammates).
         """
         settings = cls(
             num_threads=torch.get_num_threads(),
