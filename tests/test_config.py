@@ -413,7 +413,8 @@ def test_cpu_cache_is_sized_to_the_workload(free_memory) -> None:
     config = ContinuousBatchingConfig(page_size=16)
     workload = [10, 300, 40, 16, 17]
     resolved = resolve_sizing(config, SHAPE, CPU, torch.float32, workload=workload)
-    assert resolved.num_pages == 1 + 19 + 3 + 1 + 2
+    # Every request at full length, plus headroom for fifo's 0.15 safety margin: ceil(26 / 0.85).
+    assert resolved.num_pages == 31
     assert resolved.max_requests_per_batch == len(workload)
     assert resolved.max_pages_per_request == resolved.num_pages  # fewer pages than 512 / 16 = 32
 
@@ -460,10 +461,11 @@ def test_generate_batch_sizes_from_its_prompts(model, monkeypatch) -> None:
     (engine,) = engines
     assert engine.sizing.max_requests_per_batch == 3
     assert engine.sizing.max_batch_tokens == 8192
-    # Each request at full length: 5 + 4, 20 + 4, 33 + 4 tokens -> 1 + 2 + 3 pages of 16.
-    assert engine.sizing.num_pages == 6
+    # Each request at full length: 5 + 4, 20 + 4, 33 + 4 tokens -> 1 + 2 + 3 pages of 16,
+    # plus headroom for the 0.15 safety margin: ceil(6 / 0.85) = 8.
+    assert engine.sizing.num_pages == 8
     assert engine.scheduler.safety_margin == 0.15
-    assert engine.cache.pool.num_free_pages == 6
+    assert engine.cache.pool.num_free_pages == 8
 
 
 def test_explicit_decode_fast_path_falls_back_with_a_warning(caplog) -> None:

@@ -8,7 +8,8 @@ Rules (SPEC section 4):
 - `max_requests_per_batch` = number of prompts (fallback 1024), capped so the
   fp32 logits buffer fits in the same share;
 - `num_blocks` fills the rest of the budget; on CPU it is also capped to the work
-  (all known requests at full length) or, with no workload known, to 512 MiB,
+  (all known requests at full length, plus the safety margin's share so that the
+  margin never holds back a job that fits) or, with no workload known, to 512 MiB,
   so set-up stays fast and the cache fits the job rather than all RAM.
 """
 
@@ -111,7 +112,11 @@ def resolve_sizing(
         num_pages = cache_budget // (shape.kv_bytes_per_token(element_size) * page_size)
         if workload:
             needed = sum(num_pages_for(n, page_size) for n in workload)
-            num_pages = min(num_pages, needed) if device.type == "cpu" else num_pages
+            # Headroom for the safety margin: without it the last requests of the workload
+            # would wait for the first ones to finish although the job fits.
+            margin = min(config.resolved_safety_margin, 0.5)
+            needed = -(-needed // (1 - margin)) if margin > 0 else needed
+            num_pages = min(num_pages, int(needed)) if device.type == "cpu" else num_pages
             # Make room for the largest request when memory allows it.
             num_pages = max(num_pages, max(num_pages_for(n, page_size) for n in workload))
         num_pages = max(1, int(num_pages))
