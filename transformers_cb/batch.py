@@ -8,13 +8,14 @@ scheduler's entry order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .attention.metadata import AttentionMetadata, DecodeGroup, PrefillGroup
 from .cache.block_table import BlockTables
 from .cache.paged_cache import PagedKVCache
+from .requests import Request
 from .scheduler import ScheduledBatch, ScheduledRequest
 
 # A decode group may do at most this much more attention work than its real KV lengths need.
@@ -28,6 +29,10 @@ class PackedStep:
     logits_indices: torch.Tensor  # [S]: packed positions whose logits are sampled
     sampling_entries: list[ScheduledRequest]  # the S entries, in logits order
     metadata: AttentionMetadata
+    # Prompt logprobs (only requests that ask for them): packed positions, and per request
+    # (request, first prompt index scored, count) in the same order.
+    prompt_indices: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> list[tuple[int, int]]:
@@ -42,6 +47,21 @@ def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> li
     if start < len(kv_lens):
         groups.append((start, len(kv_lens)))
     return groups
+
+
+def _prompt_positions(
+    entry: ScheduledRequest, q_start: int, indices: list[int], spans: list[tuple[Request, int, int]]
+) -> None:
+    """Positions of `entry` whose next token is a prompt token not scored yet.
+
+    Position p predicts token p + 1; a recomputed (preempted) request skips what it already has."""
+    request = entry.request
+    first = max(entry.start + 1, len(request.prompt_logprobs or ()) + 1)
+    last = min(entry.end, request.num_prompt_tokens - 1)
+    if first > last:
+        return
+    indices.extend(q_start + target - 1 - entry.start for target in range(first, last + 1))
+    spans.append((request, first, last - first + 1))
 
 
 class BatchPacker:
@@ -68,6 +88,8 @@ class BatchPacker:
         slots: list[int] = []
         cu_seqlens_q = [0]
         sampling, logits_indices = [], []
+        prompt_indices: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []
         for entry in ordered:
             request, start, end = entry.request, entry.start, entry.end
             input_ids.extend(request.all_token_ids[start:end])
@@ -80,6 +102,8 @@ class BatchPacker:
                 first_slot = request.page_ids[page_index] * page_size + offset
                 slots.extend(range(first_slot, first_slot + segment_end - position))
                 position = segment_end
+            if request.wants_prompt_logprobs:
+                _prompt_positions(entry, cu_seqlens_q[-1], prompt_indices, prompt_spans)
             cu_seqlens_q.append(cu_seqlens_q[-1] + entry.num_tokens)
             if entry.samples:
                 sampling.append(entry)
@@ -105,6 +129,8 @@ class BatchPacker:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             sampling_entries=sampling,
             metadata=metadata,
+            prompt_indices=prompt_indices,
+            prompt_spans=prompt_spans,
         )
 
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -49,6 +49,8 @@ class ContinuousBatchingConfig:
     cpu_offload_space: float | None = 0.0
     cpu_offload_space_safety_threshold: float = 0.8
     return_logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
     per_request_processors: bool = False
     use_cuda_graph: bool | None = None
     q_padding_interval_size: int = 64
@@ -141,11 +143,14 @@ class ContinuousBatchingConfig:
             value is None or (_is_number(value) and value > 0),
         )
         _check_range("seed", self.seed, "None or an int", self.seed is None or _is_int(self.seed))
+        _check_range("top_logprobs", self.top_logprobs, "an int >= 0", _is_int(self.top_logprobs))
+        _check_range("top_logprobs", self.top_logprobs, "an int >= 0", self.top_logprobs >= 0)
         _check_range("max_queue_size", self.max_queue_size, "an int >= 0", _is_int(self.max_queue_size))
         _check_range("max_queue_size", self.max_queue_size, "an int >= 0", self.max_queue_size >= 0)
         for name in (
             "allow_block_sharing",
             "return_logprobs",
+            "prompt_logprobs",
             "per_request_processors",
             "use_async_batching",
             "auto_switch_to_flash",
@@ -163,7 +168,6 @@ class ContinuousBatchingConfig:
     def _check_unbuilt_features(self) -> None:
         unbuilt = {
             "cpu_offload_space (CPU offload of evicted KV pages)": self.cpu_offload_space != 0.0,
-            "per_request_processors (per-request sampling processors)": self.per_request_processors,
             "use_cuda_graph (CUDA graphs)": bool(self.use_cuda_graph),
             "use_async_batching (async batching)": self.use_async_batching,
             "default_compile_level (torch.compile)": self.default_compile_level != 0,

@@ -19,6 +19,7 @@ from .cache.allocator import FullAttentionAllocator
 from .cache.paged_cache import PagedKVCache
 from .cache.sizing import ModelShape, Sizing, resolve_sizing
 from .config import ContinuousBatchingConfig
+from .request_sampling import SamplingSetup
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
@@ -83,6 +84,8 @@ class Engine:
     model: a transformers causal LM whose attention is (or will be switched to) a paged backend.
     generation_config: defaults of every request (the caller's object is copied, never mutated).
     cb_config: hardware-side settings.
+    tokenizer: needed only for stop strings.
+    logits_processor: the caller's own processors, applied to each request's own history.
     workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
     """
 
@@ -91,6 +94,8 @@ class Engine:
         model: PreTrainedModel,
         generation_config: GenerationConfig | None,
         cb_config: ContinuousBatchingConfig | None,
+        tokenizer: Any | None = None,
+        logits_processor: Any | None = None,
         workload: list[int] | None = None,
     ) -> None:
         self.model = model
@@ -128,8 +133,19 @@ class Engine:
             policy=make_policy(self.cb_config.scheduler_type),
         )
         self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device)
-        sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
-        self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
+        self.sampling = SamplingSetup(
+            self.generation_config,
+            self.device,
+            per_request_processors=self.cb_config.per_request_processors,
+            return_logprobs=self.cb_config.return_logprobs,
+            top_logprobs=self.cb_config.top_logprobs,
+            prompt_logprobs=self.cb_config.prompt_logprobs,
+            seed=self.cb_config.seed,
+            tokenizer=tokenizer,
+            user_processors=list(logits_processor or ()),
+        )
+        sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device)
+        self.runner = ModelRunner(model, self.packer, sampler)
         self.counters = EngineCounters()
         self._auto_ids = itertools.count()
 
@@ -156,8 +172,12 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         streaming: bool = False,
         label: str | None = None,
+        sampling_kwargs: dict[str, Any] | None = None,
     ) -> Request:
-        """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input."""
+        """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input.
+
+        `sampling_kwargs`: per-request parameters (`temperature`, `top_k`, `seed`, `stop_strings`,
+        `top_logprobs`, ...; see sampling_params.py), None values meaning "not given"."""
         label = label or f"request {request_id!r}"
         prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
         if max_new_tokens is None:
@@ -182,6 +202,7 @@ class Engine:
             eos_token_ids=as_eos_token_ids(eos_token_id, label),
             streaming=streaming,
         )
+        self.sampling.attach(request, sampling_kwargs, label)
         needed = self.scheduler.allocator.max_pages(request.max_total_tokens)
         if needed > self.sizing.num_pages:
             raise ValueError(

@@ -24,6 +24,10 @@ from .attention.selection import paged_attention
 from .config import ContinuousBatchingConfig
 from .engine import Engine, resolve_generation_config
 from .requests import GenerationOutput, Request
+from .sampling_params import PER_REQUEST_KWARGS
+
+# generate_batch kwargs handed to the Engine as they are.
+ENGINE_KWARGS = ("tokenizer", "logits_processor")
 
 
 def take_cb_config(
@@ -46,7 +50,12 @@ def take_cb_config(
     return legacy
 
 
-def _per_request(value: Any, count: int, name: str) -> list[Any]:
+def _per_request(value: Any, count: int, name: str, lists_are_values: bool = False) -> list[Any]:
+    """`value` for every input, or its i-th element for input i when it is a per-input list.
+
+    `lists_are_values`: a flat list of str (`stop_strings=["a", "b"]`) is one value for all inputs."""
+    if lists_are_values and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return [value] * count
     if isinstance(value, (list, tuple)):
         if len(value) != count:
             raise ValueError(f"{name}: got {len(value)} values for {count} inputs")
@@ -71,28 +80,48 @@ def generate_batch(
         progress_bar: show a tqdm bar of finished requests and generated tokens/s.
         max_new_tokens (kwarg): an int for all requests, or a list with one value per input.
         eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
+        tokenizer (kwarg): needed for stop strings (as `generate()` takes one).
+        logits_processor (kwarg): the caller's own processors, applied to each request's own history.
+        temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_strings, top_logprobs,
+            prompt_logprobs (kwargs): per-request parameters, one value for all or a list with one per
+            input (see docs/sampling.md; the processor ones need `per_request_processors=True`).
 
     Returns:
         `{request_id: GenerationOutput}` in input order; request ids are `"req_<index>"`.
 
     Raises:
         ValueError: naming the input index, for an empty prompt, an out-of-vocabulary token id,
-            `max_new_tokens <= 0`, a request longer than the model's context or the whole cache, or a wrong type.
+            `max_new_tokens <= 0`, a request longer than the model's context or the whole cache, a bad
+            per-request parameter, or a wrong type.
     """
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     cb_config = take_cb_config(generation_config, continuous_batching_config)
-    unknown = set(kwargs) - {"max_new_tokens", "eos_token_id"}
+    unknown = set(kwargs) - {"max_new_tokens", "eos_token_id", *ENGINE_KWARGS, *PER_REQUEST_KWARGS}
     if unknown:
         raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(unknown)}")
     max_new = _per_request(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
     eos_ids = [kwargs.get("eos_token_id")] * len(inputs)
+    per_request = {
+        name: _per_request(kwargs[name], len(inputs), name, lists_are_values=name == "stop_strings")
+        for name in PER_REQUEST_KWARGS
+        if name in kwargs
+    }
     if not inputs:
         return {}
     workload = _workload(self, generation_config, inputs, max_new)
-    engine = Engine(self, generation_config, cb_config, workload=workload)
+    engine = Engine(
+        self, generation_config, cb_config, workload=workload, **{k: kwargs.get(k) for k in ENGINE_KWARGS}
+    )
     requests = [
-        engine.build_request(ids, f"req_{i}", max_new[i], eos_ids[i], label=f"inputs[{i}]")
+        engine.build_request(
+            ids,
+            f"req_{i}",
+            max_new[i],
+            eos_ids[i],
+            label=f"inputs[{i}]",
+            sampling_kwargs={name: values[i] for name, values in per_request.items()},
+        )
         for i, ids in enumerate(inputs)
     ]
     with paged_attention(self), torch.inference_mode():

@@ -43,9 +43,12 @@ class ContinuousBatchingManager:
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
+        tokenizer: Any | None = None,
+        logits_processor: Any | None = None,
     ) -> None:
         self.model = model
-        self.engine: Engine | None = Engine(model, generation_config, continuous_batching_config)
+        engine = Engine(model, generation_config, continuous_batching_config, tokenizer, logits_processor)
+        self.engine: Engine | None = engine
         self.max_queue_size = self.engine.cb_config.max_queue_size
         self._router = ResultRouter()
         self._lock = threading.Condition()
@@ -140,23 +143,20 @@ class ContinuousBatchingManager:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         eos_token_id: int | list[int] | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        **logit_processor_kwargs: Any,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
 
+        `logit_processor_kwargs`: per-request sampling parameters and outputs (docs/sampling.md).
+
         Raises:
-            ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
-                too long for the model or the whole cache) or a duplicate live `request_id`.
+            ValueError: bad input (empty prompt, out-of-vocabulary token, `max_new_tokens <= 0`, too
+                long for the model or the cache, bad per-request parameter) or a duplicate live id.
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        if any(v is not None for v in (temperature, top_k, top_p)):
-            raise NotImplementedError(
-                "per-request temperature/top_k/top_p need per_request_processors (not built yet)"
-            )
-        ids = self._submit([(input_ids, request_id)], max_new_tokens, streaming, eos_token_id, indexed=False)
+        items = [(input_ids, request_id)]
+        ids = self._submit(items, max_new_tokens, streaming, eos_token_id, False, logit_processor_kwargs)
         return None if ids is None else ids[0]
 
     def add_requests(
@@ -165,12 +165,13 @@ class ContinuousBatchingManager:
         max_new_tokens: int | None = None,
         streaming: bool = False,
         eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
         warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
-        `inputs[i]`), none is submitted."""
+        `inputs[i]`), none is submitted. `logit_processor_kwargs` apply to every request."""
         items = [(input_ids, None) for input_ids in inputs]
-        return self._submit(items, max_new_tokens, streaming, eos_token_id, indexed=True)
+        return self._submit(items, max_new_tokens, streaming, eos_token_id, True, logit_processor_kwargs)
 
     def _submit(
         self,
@@ -179,6 +180,7 @@ class ContinuousBatchingManager:
         streaming: bool,
         eos_token_id: int | list[int] | None,
         indexed: bool,
+        sampling_kwargs: dict[str, Any] | None = None,
     ) -> list[str] | None:
         with self._lock:
             if self.engine is None:
@@ -204,7 +206,7 @@ class ContinuousBatchingManager:
                     raise ValueError(f"request_id {request_id!r} is already in use by a live request")
                 requests.append(
                     self.engine.build_request(
-                        input_ids, request_id, max_new_tokens, eos_token_id, streaming, label=label
+                        input_ids, request_id, max_new_tokens, eos_token_id, streaming, label, sampling_kwargs
                     )
                 )
                 taken.add(request_id)

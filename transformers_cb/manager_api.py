@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -18,10 +19,18 @@ def init_continuous_batching(
     self: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
+    *,
+    tokenizer: Any | None = None,
+    logits_processor: Any | None = None,
 ) -> ContinuousBatchingManager:
-    """A new (not started) manager for this model; call `start()` on it."""
+    """A new (not started) manager for this model; call `start()` on it.
+
+    `tokenizer` is needed only for stop strings; `logits_processor` is a list of the caller's own
+    processors, applied to each request's own prompt + generated tokens (docs/sampling.md)."""
     cb_config = take_cb_config(generation_config, continuous_batching_config)
-    return ContinuousBatchingManager(self, generation_config, cb_config)
+    return ContinuousBatchingManager(
+        self, generation_config, cb_config, tokenizer=tokenizer, logits_processor=logits_processor
+    )
 
 
 @contextmanager
@@ -32,6 +41,9 @@ def continuous_batching_context_manager(
     timeout: float | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
     persistent_manager: bool = False,
+    *,
+    tokenizer: Any | None = None,
+    logits_processor: Any | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Start a manager, yield it, then stop it (and destroy it unless `persistent_manager`).
 
@@ -41,7 +53,13 @@ def continuous_batching_context_manager(
     """
     manager = getattr(self, CACHED_MANAGER_ATTR, None) if persistent_manager else None
     if manager is None:
-        manager = init_continuous_batching(self, generation_config, continuous_batching_config)
+        manager = init_continuous_batching(
+            self,
+            generation_config,
+            continuous_batching_config,
+            tokenizer=tokenizer,
+            logits_processor=logits_processor,
+        )
     manager.start()
     failed = False
     try:

@@ -18,6 +18,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .request_sampling import RequestSampling
 
 
 class RequestStatus(enum.IntEnum):
@@ -49,6 +53,10 @@ ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
 }
 
 
+# `finish_reason` of requests that did not finish normally.
+FINISH_REASONS = {RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}
+
+
 @dataclass
 class GenerationOutput:
     """What a user receives for one request (final, or partial when streaming)."""
@@ -59,7 +67,9 @@ class GenerationOutput:
     status: RequestStatus
     logprobs: list[float] | None = None
     error: str | None = None
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" (eos or stop string), "length", "cancelled", "error"
+    top_logprobs: list[dict[int, float]] | None = None  # per generated token, best first
+    prompt_logprobs: list[float | None] | None = None  # per prompt token; the first is None
     created_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -87,6 +97,9 @@ class Request:
     status: RequestStatus = RequestStatus.PENDING
     generated_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[float] | None = None  # logprobs of prompt tokens 1, 2, ... computed so far
+    sampling: RequestSampling | None = None  # None: plain greedy argmax (request_sampling.py)
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
@@ -121,6 +134,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling is not None and self.sampling.params.prompt_logprobs
+
     def set_status(self, status: RequestStatus) -> None:
         if status == self.status:
             return
@@ -129,7 +146,9 @@ class Request:
         )
         self.status = status
 
-    def append_token(self, token_id: int, logprob: float | None = None) -> None:
+    def append_token(
+        self, token_id: int, logprob: float | None = None, top_logprobs: dict[int, float] | None = None
+    ) -> None:
         if not self.generated_ids:
             self.first_token_time = time.perf_counter()
         self.generated_ids.append(token_id)
@@ -138,11 +157,17 @@ class Request:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.append(logprob)
+        if top_logprobs is not None:
+            if self.top_logprobs is None:
+                self.top_logprobs = []
+            self.top_logprobs.append(top_logprobs)
 
     def stop_reason(self) -> str | None:
-        """'eos' or 'length' once the last token ends the request, else None."""
+        """'stop' (eos or a stop string) or 'length' once the last token ends the request, else None."""
         if self.generated_ids and self.generated_ids[-1] in self.eos_token_ids:
-            return "eos"
+            return "stop"
+        if self.sampling is not None and self.sampling.hits_stop_string(self.all_token_ids):
+            return "stop"
         if len(self.generated_ids) >= self.max_new_tokens:
             return "length"
         return None
@@ -156,6 +181,8 @@ class Request:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             error=self.error,
             finish_reason=self.finish_reason,
+            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else [None, *self.prompt_logprobs],
             created_time=self.created_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,

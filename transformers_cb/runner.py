@@ -2,7 +2,8 @@
 
 It packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs),
-computes logits only for positions that produce a token, and samples.
+computes logits only for positions that produce a token (and, for requests that
+ask for prompt logprobs, their prompt positions), and samples.
 """
 
 from __future__ import annotations
@@ -17,43 +18,67 @@ from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(
-        self, model: PreTrainedModel, packer: BatchPacker, sampler: Sampler, return_logprobs: bool
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, packer: BatchPacker, sampler: Sampler) -> None:
         self.model = model
         self.packer = packer
         self.sampler = sampler
-        self.return_logprobs = return_logprobs
         self.device = packer.device
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[tuple[int, float | None]]:
-        """Run one step; return (token, logprob) for each sampling entry, in `batch.entries` order."""
+    def run(self, batch: ScheduledBatch) -> list[tuple]:
+        """Run one step; return (token, logprob[, top logprobs]) for each sampling entry, in
+        `batch.entries` order. Prompt logprobs are appended to their requests."""
         step = self.packer.pack(batch)
-        logits = self._forward(step)
-        tokens, logprobs = self.sampler.sample(logits, self.return_logprobs)
-        by_entry = {
-            id(entry): (token, None if logprobs is None else logprobs[i])
-            for i, (entry, token) in enumerate(zip(step.sampling_entries, tokens, strict=False))
-        }
+        logits, prompt_logits = self._forward(step)
+        samples = self.sampler.sample(logits, [entry.request for entry in step.sampling_entries])
+        if prompt_logits is not None:
+            _record_prompt_logprobs(step, prompt_logits)
+        by_entry = {}
+        for i, entry in enumerate(step.sampling_entries):
+            logprob = None if samples.logprobs is None else samples.logprobs[i]
+            top = None if samples.top_logprobs is None else samples.top_logprobs[i]
+            by_entry[id(entry)] = (
+                (samples.tokens[i], logprob) if top is None else (samples.tokens[i], logprob, top)
+            )
         return [by_entry[id(entry)] for entry in batch.entries if entry.samples]
 
-    def _forward(self, step: PackedStep) -> torch.Tensor:
-        """Returns float32 logits `[S, vocab]` for the sampled positions."""
-        if step.logits_indices.numel() == 0:
+    def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns float32 logits `[S, vocab]` for the sampled positions, and `[P, vocab]` for the
+        prompt-logprob positions (None when no request asks for them)."""
+        num_sampled = step.logits_indices.numel()
+        keep = step.logits_indices
+        if step.prompt_indices:
+            extra = torch.tensor(step.prompt_indices, dtype=torch.int64, device=self.device)
+            keep = torch.cat([keep, extra])
+        if keep.numel() == 0:
             # A step of prefill chunks only: keep one position so shapes stay valid, discard it.
-            logits_to_keep = torch.zeros(1, dtype=torch.int64, device=self.device)
-        else:
-            logits_to_keep = step.logits_indices
+            keep = torch.zeros(1, dtype=torch.int64, device=self.device)
         output = self.model(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             attention_mask=self._no_mask,
             use_cache=False,
-            logits_to_keep=logits_to_keep,
+            logits_to_keep=keep,
             **{METADATA_KWARG: step.metadata},
         )
-        logits = output.logits[0].float()  # [S, vocab]
-        return logits[: step.logits_indices.numel()]
+        logits = output.logits[0].float()  # [S (+ P), vocab]
+        if not step.prompt_indices:
+            return logits[:num_sampled], None
+        return logits[:num_sampled], logits[num_sampled:]
+
+
+def _record_prompt_logprobs(step: PackedStep, logits: torch.Tensor) -> None:
+    """Raw-model log-probability of each scored prompt token (what log-likelihood evaluation uses)."""
+    targets = []
+    for request, first, count in step.prompt_spans:
+        targets.extend(request.all_token_ids[first : first + count])
+    index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
+    values = logits.log_softmax(dim=-1).gather(1, index).squeeze(1).tolist()
+    offset = 0
+    for request, _first, count in step.prompt_spans:
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = []
+        request.prompt_logprobs.extend(values[offset : offset + count])
+        offset += count

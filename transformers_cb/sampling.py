@@ -1,82 +1,155 @@
-"""Turning a step's logits into tokens: greedy, or temperature / top-k / top-p sampling.
+"""Turning a step's logits into tokens: the processing stages, then argmax or a seeded draw.
 
-Only the `GenerationConfig` options listed in `SUPPORTED_DEFAULTS` may differ
-from their neutral value; anything else raises instead of being ignored.
+`check_generation_config` refuses the `GenerationConfig` options that make no sense for
+continuous batching (beam search, assisted decoding, guidance, ...) instead of ignoring them;
+every other processor `generate()` builds is applied (see processors.py and docs/sampling.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from transformers import GenerationConfig
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
-# GenerationConfig options whose processors are not built yet, with their neutral values.
-UNSUPPORTED_NEUTRAL = {
-    "num_beams": (None, 1),
-    "num_return_sequences": (None, 1),
-    "repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "min_length": (None, 0),
-    "min_new_tokens": (None, 0),
-    "bad_words_ids": (None,),
-    "sequence_bias": (None,),
-    "stop_strings": (None,),
-    "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
-    "min_p": (None,),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
-    "encoder_repetition_penalty": (None, 1.0),
-    "exponential_decay_length_penalty": (None,),
-    "guidance_scale": (None, 1.0),
-    "watermarking_config": (None,),
+from . import warpers
+from .processors import Stage
+from .request_sampling import RequestSampling
+
+# GenerationConfig options refused when not neutral: name -> (neutral values, why).
+REFUSED = {
+    "num_beams": ((None, 1), "beam search is not continuous batching; use do_sample or greedy"),
+    "num_beam_groups": ((None, 1), "group beam search is not supported"),
+    "diversity_penalty": ((None, 0.0), "diversity_penalty belongs to group beam search"),
+    "constraints": ((None,), "constrained beam search is not supported"),
+    "force_words_ids": ((None,), "constrained beam search is not supported"),
+    "penalty_alpha": ((None,), "contrastive search is not supported"),
+    "dola_layers": ((None,), "DoLa decoding is not supported"),
+    "guidance_scale": ((None, 1.0), "classifier-free guidance needs a second forward per request"),
+    "prompt_lookup_num_tokens": ((None,), "assisted / prompt-lookup decoding is not supported"),
+    "watermarking_config": ((None,), "watermarking is not supported"),
+    "token_healing": ((None, False), "token healing needs a tokenizer pass before generation"),
+    "num_return_sequences": ((None, 1), "num_return_sequences > 1 (forked sequences) is not built yet"),
+    "use_mtp": ((None, False), "multi-token prediction is not supported"),
 }
 
 
 def check_generation_config(config: GenerationConfig) -> None:
-    for name, neutral in UNSUPPORTED_NEUTRAL.items():
+    for name, (neutral, why) in REFUSED.items():
         value = getattr(config, name, None)
         if value not in neutral:
-            raise NotImplementedError(
-                f"GenerationConfig.{name}={value!r} is not supported by transformers_cb yet"
-            )
+            raise ValueError(f"GenerationConfig.{name}={value!r} is not supported by transformers_cb: {why}")
+
+
+@dataclass
+class Samples:
+    """One entry per sampled row, in logits order."""
+
+    tokens: list[int]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
 
 
 class Sampler:
-    """Samples one token per row of `[S, vocab]` logits, with the config's processors."""
+    """Samples one token per row of `[S, vocab]` logits with each row's request state.
 
-    def __init__(self, config: GenerationConfig, seed: int | None, device: torch.device) -> None:
-        self.do_sample = bool(config.do_sample)
-        self.processors = LogitsProcessorList()
-        if self.do_sample:
-            if config.temperature is not None and config.temperature != 1.0:
-                self.processors.append(TemperatureLogitsWarper(config.temperature))
-            if config.top_k is not None and config.top_k != 0:
-                self.processors.append(TopKLogitsWarper(config.top_k))
-            if config.top_p is not None and config.top_p < 1.0:
-                self.processors.append(TopPLogitsWarper(config.top_p))
-        self.generator = None
-        if seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(seed)
+    Args:
+        stages: the processing pipeline (processors.build_stages).
+        do_sample: draw from the processed distribution; otherwise argmax.
+    """
 
-    def sample(self, logits: torch.Tensor, with_logprobs: bool) -> tuple[list[int], list[float] | None]:
-        """Args: logits `[S, vocab]` float32. Returns S token ids and, if asked, their log-probabilities."""
-        scores = self.processors(None, logits) if len(self.processors) else logits
-        if self.do_sample:
-            probs = scores.softmax(dim=-1)
-            tokens = torch.multinomial(probs, num_samples=1, generator=self.generator).squeeze(1)
-        else:
-            tokens = scores.argmax(dim=-1)
-        logprobs = None
-        if with_logprobs:
-            logprobs = scores.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1).tolist()
-        return tokens.tolist(), logprobs
+    def __init__(self, stages: list[Stage], do_sample: bool, device: torch.device) -> None:
+        self.stages = stages
+        self.do_sample = do_sample
+        self.device = device
+        self._row_index = {id(stage): i for i, stage in enumerate(s for s in stages if s.kind == "row")}
+
+    def sample(self, logits: torch.Tensor, requests: list[Any]) -> Samples:
+        """Args: logits `[S, vocab]` float32; `requests[i]` owns row i (`.sampling`, `.all_token_ids`)."""
+        states: list[RequestSampling | None] = [request.sampling for request in requests]
+        if all(state is None for state in states):
+            # Greedy without processors or outputs: the hot path, one argmax.
+            return Samples(tokens=logits.argmax(dim=-1).tolist())
+        scores = self.process(logits, requests)
+        tokens = self._draw(scores, states) if self.do_sample else scores.argmax(dim=-1)
+        return self._outputs(scores, tokens, states)
+
+    def process(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+        """The scores `generate()` would sample from for each row (its processed `scores`)."""
+        scores = logits
+        states: list[RequestSampling] = [request.sampling for request in requests]
+        for stage in self.stages:
+            if stage.kind == "vector":
+                scores = self._vector(stage.name, scores, requests, states)
+            elif stage.kind == "shared":
+                no_ids = torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
+                scores = stage.processor(no_ids, scores)
+            else:
+                scores = self._rows(stage, scores, requests, states)
+        return scores
+
+    def _vector(self, name: str, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
+        values = [getattr(state.params, name) for state in states]
+        if name == "repetition_penalty":
+            if all(v == 1.0 for v in values):
+                return scores
+            vocab = scores.shape[-1]
+            seen = torch.stack(
+                [
+                    state.seen(r.all_token_ids, vocab, scores.device)
+                    for state, r in zip(states, requests, strict=True)
+                ]
+            )
+            return warpers.repetition_penalty(scores, seen, values)
+        return getattr(warpers, name)(scores, values)
+
+    def _rows(self, stage: Stage, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
+        """A history-dependent processor: each row with its own request's tokens, as a batch of one."""
+        index = self._row_index[id(stage)]
+        rows = []
+        for i, (state, request) in enumerate(zip(states, requests, strict=True)):
+            processor = state.row_processors[index]
+            row = scores[i : i + 1]
+            if processor is not None:
+                capacity = request.num_prompt_tokens + request.max_new_tokens
+                row = processor(state.history(request.all_token_ids, capacity, scores.device), row)
+            rows.append(row)
+        return torch.cat(rows)
+
+    def _draw(self, scores: torch.Tensor, states: list[RequestSampling]) -> torch.Tensor:
+        """One token per row: argmax(p / E) with E ~ Exp(1) is an exact draw from p (exponential race).
+
+        A row with a generator fills its noise from it alone, so its token depends only on its
+        own probabilities and stream, not on the other rows."""
+        probs = scores.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, state in enumerate(states) if state.generator is not None]
+        if len(seeded) < len(states):
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=states[i].generator)
+        # An exponential sample of exactly 0 would make 0/0 = nan win the argmax.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _outputs(
+        self, scores: torch.Tensor, tokens: torch.Tensor, states: list[RequestSampling | None]
+    ) -> Samples:
+        token_list = tokens.tolist()
+        wants = [state is not None and state.params.return_logprobs for state in states]
+        if not any(wants):
+            return Samples(tokens=token_list)
+        logprobs = scores.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        samples = Samples(
+            tokens=token_list, logprobs=[lp if w else None for lp, w in zip(chosen, wants, strict=True)]
+        )
+        ks = [state.params.top_logprobs if state is not None else 0 for state in states]
+        if max(ks) > 0:
+            values, indices = logprobs.topk(min(max(ks), logprobs.shape[-1]), dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            samples.top_logprobs = [
+                dict(zip(indices[i][:k], values[i][:k], strict=True)) if k else None for i, k in enumerate(ks)
+            ]
+        return samples

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .cache.allocator import FullAttentionAllocator
-from .requests import Request, RequestStatus
+from .requests import FINISH_REASONS, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -216,8 +216,9 @@ class Scheduler:
         batch.failed.append(request)
 
     # -- results -----------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[tuple[int, float | None]]) -> list[Request]:
-        """Advance every scheduled request; `sampled[i]` is (token, logprob) of the i-th sampling entry.
+    def update(self, batch: ScheduledBatch, sampled: list[tuple]) -> list[Request]:
+        """Advance every scheduled request; `sampled[i]` is (token, logprob[, top logprobs]) of the
+        i-th sampling entry.
 
         Returns the requests that finished in this step.
         """
@@ -228,8 +229,8 @@ class Scheduler:
             request.num_computed_tokens = entry.end
             if not entry.samples:
                 continue
-            token_id, logprob = next(samples)
-            request.append_token(token_id, logprob)
+            token_id, logprob, *top = next(samples)  # top: the token's best alternatives, if asked
+            request.append_token(token_id, logprob, *top)
             reason = request.stop_reason()
             if reason is not None:
                 request.finish_reason = reason
@@ -246,7 +247,7 @@ class Scheduler:
         self.allocator.free(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
-            request.finish_reason = status.name.lower()
+            request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
         request.set_status(status)
         request.finish_time = time.perf_counter()
         if request in self.running:

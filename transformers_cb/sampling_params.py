@@ -1,0 +1,169 @@
+"""Per-request sampling parameters: their defaults from the `GenerationConfig`, and the one
+function that validates the keyword arguments a caller passes per request.
+
+The per-request names are transformers' own (`add_request(..., **logit_processor_kwargs)`):
+`temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, plus the
+output options `top_logprobs` and `prompt_logprobs`. See docs/sampling.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from transformers import GenerationConfig
+
+# Processors whose value may differ per request (vectorized over the step's rows).
+VECTOR_PARAMS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+# Per-request options that are not processors: they never need the GenerationConfig to enable them.
+REQUEST_OPTIONS = ("seed", "stop_strings")
+OUTPUT_OPTIONS = ("top_logprobs", "prompt_logprobs")
+PER_REQUEST_KWARGS = (*VECTOR_PARAMS, *REQUEST_OPTIONS, *OUTPUT_OPTIONS)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request samples with. Neutral values leave the logits unchanged."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = ()
+    return_logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+
+
+def enabled_vector_params(config: GenerationConfig) -> set[str]:
+    """The vectorized processors `generate()` would build for `config` (the documents' rule: a
+    processor exists only when its GenerationConfig value is non-default)."""
+    enabled = set()
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        enabled.add("repetition_penalty")
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            enabled.add("temperature")
+        if config.top_k is not None and config.top_k != 0:
+            enabled.add("top_k")
+        if config.top_p is not None and config.top_p < 1.0:
+            enabled.add("top_p")
+        if config.min_p is not None:
+            enabled.add("min_p")
+    return enabled
+
+
+def default_params(
+    config: GenerationConfig, return_logprobs: bool, top_logprobs: int, prompt_logprobs: bool
+) -> SamplingParams:
+    """The parameters of a request that overrides nothing."""
+    enabled = enabled_vector_params(config)
+    stop_strings = config.stop_strings
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    return SamplingParams(
+        temperature=float(config.temperature) if "temperature" in enabled else 1.0,
+        top_k=int(config.top_k) if "top_k" in enabled else 0,
+        top_p=float(config.top_p) if "top_p" in enabled else 1.0,
+        min_p=float(config.min_p) if "min_p" in enabled else 0.0,
+        repetition_penalty=float(config.repetition_penalty) if "repetition_penalty" in enabled else 1.0,
+        stop_strings=tuple(stop_strings or ()),
+        return_logprobs=return_logprobs or top_logprobs > 0,
+        top_logprobs=top_logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _number(name: str, value: Any, label: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{label}: {name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _int(name: str, value: Any, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label}: {name} must be an int, got {value!r}")
+    return value
+
+
+def _checked(name: str, value: Any, label: str) -> Any:
+    """`value` of per-request option `name`, normalized, or `ValueError` naming `label`."""
+    if name == "temperature":
+        value = _number(name, value, label)
+        ok = value > 0
+    elif name == "top_k":
+        value = _int(name, value, label)
+        ok = value >= 0
+    elif name in ("top_p", "min_p"):
+        value = _number(name, value, label)
+        ok = 0.0 <= value <= 1.0 and (name == "min_p" or value > 0)
+    elif name == "repetition_penalty":
+        value = _number(name, value, label)
+        ok = value > 0
+    elif name == "seed":
+        ok = True
+        value = _int(name, value, label)
+    elif name == "stop_strings":
+        value = [value] if isinstance(value, str) else value
+        ok = isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
+        value = tuple(value) if ok else value
+    elif name == "top_logprobs":
+        value = _int(name, value, label)
+        ok = value >= 0
+    else:  # prompt_logprobs
+        ok = isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"{label}: invalid {name}={value!r} (see docs/sampling.md for the allowed range)")
+    return value
+
+
+def resolve_request_params(
+    base: SamplingParams,
+    kwargs: dict[str, Any],
+    config: GenerationConfig,
+    per_request_processors: bool,
+    label: str,
+) -> SamplingParams:
+    """`base` with the caller's per-request `kwargs` applied (None values mean "not given").
+
+    Raises `ValueError` naming `label` for an unknown name, a bad value, a processor parameter
+    without `per_request_processors=True`, or one whose processor the GenerationConfig does not
+    create (as in transformers, set the GenerationConfig value to a non-default one first)."""
+    given = {name: value for name, value in kwargs.items() if value is not None}
+    if not given:
+        return base
+    unknown = sorted(set(given) - set(PER_REQUEST_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"{label}: unknown per-request parameter(s) {unknown}; supported: {list(PER_REQUEST_KWARGS)}"
+        )
+    needs_flag = sorted(set(given) - set(OUTPUT_OPTIONS))
+    if needs_flag and not per_request_processors:
+        raise ValueError(
+            f"{label}: per-request {needs_flag} need ContinuousBatchingConfig(per_request_processors=True)"
+        )
+    enabled = enabled_vector_params(config)
+    for name in given:
+        if name in VECTOR_PARAMS and name not in enabled:
+            why = (
+                "do_sample=False" if name != "repetition_penalty" and not config.do_sample else "its default"
+            )
+            raise ValueError(
+                f"{label}: per-request {name} needs the GenerationConfig to create the {name} processor, but "
+                f"it has {why} (GenerationConfig.{name}={getattr(config, name)!r}); set a non-default "
+                f"{name} in the GenerationConfig (requests may still use the neutral value)"
+            )
+    changes = {name: _checked(name, value, label) for name, value in given.items()}
+    params = replace(base, **changes)
+    if params.top_logprobs > 0 and not params.return_logprobs:
+        params = replace(params, return_logprobs=True)
+    return params
+
+
+def derive_seed(config_seed: int, request_id: str) -> int:
+    """A request's own seed from the config's seed and its id: independent of the batch."""
+    digest = hashlib.sha256(f"{config_seed}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
