@@ -169,7 +169,7 @@ def test_greedy_parity_with_eos(family: Family, backend: str, eos_source: str) -
                 for i, expected in enumerate(references):
                     output = outputs[f"req_{i}"]
                     stopped_at_eos = expected[-1] in eos_ids
-                    assert output.finish_reason == ("eos" if stopped_at_eos else "length"), (
+                    assert output.finish_reason == ("stop" if stopped_at_eos else "length"), (
                         context,
                         i,
                         output,

@@ -170,7 +170,7 @@ def test_request_rejected_at_submission_fails_alone(tmp_path: Path) -> None:
     assert [r["status"] for r in records] == ["FINISHED", "FAILED", "FINISHED"]
     failed = records[1]
     assert "max_position_embeddings" in failed["error"]
-    assert (failed["finish_reason"], failed["token_ids"], failed["prompt_tokens"]) == ("failed", [], 2101)
+    assert (failed["finish_reason"], failed["token_ids"], failed["prompt_tokens"]) == ("error", [], 2101)
     assert all(1 <= r["generated_tokens"] <= 3 for r in (records[0], records[2]))
 
 
@@ -196,7 +196,7 @@ def test_generate_default_model_from_text_file(tmp_path: Path, capsys: pytest.Ca
         assert record["prompt_tokens"] == len(tokenizer.encode(prompt))
         assert 1 <= record["generated_tokens"] == len(record["token_ids"]) <= 6
         assert record["text"] == tokenizer.decode(record["token_ids"], skip_special_tokens=True)
-        assert record["finish_reason"] in ("eos", "length")
+        assert record["finish_reason"] in ("stop", "length")
         assert record["latency_s"] is None or record["latency_s"] >= 0
     out = capsys.readouterr().out  # summary goes to stdout when the JSONL goes to a file
     assert f"requests: {len(PROMPTS)}" in out and "failed: 0" in out
@@ -296,7 +296,7 @@ def test_saved_model_matches_plain_generate(tmp_path: Path) -> None:
         ref = reference[0, len(prompt_ids) :].tolist()
         ours = record["token_ids"]
         assert ours == ref, _first_divergence_note(model, prompt_ids, ours, ref)
-        assert record["finish_reason"] == ("eos" if ref[-1] == tokenizer.eos_token_id else "length")
+        assert record["finish_reason"] == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
 
 
 def test_module_entry_point_reads_stdin() -> None:

@@ -176,7 +176,6 @@ def test_page_size_alone_does_not_warn() -> None:
         ("use_cuda_graph", True, "CUDA graphs"),
         ("cpu_offload_space", 1.0, "CPU offload"),
         ("cpu_offload_space", None, "CPU offload"),
-        ("per_request_processors", True, "per-request sampling processors"),
         ("use_async_batching", True, "async batching"),
         ("default_compile_level", 1, "torch.compile"),
         ("default_compile_level", 3, "torch.compile"),
@@ -304,14 +303,14 @@ def test_stopping_length_matches_generate(model, user_config) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("num_beams", 2), ("repetition_penalty", 1.2), ("no_repeat_ngram_size", 2), ("num_return_sequences", 2)],
+    [("num_beams", 2), ("guidance_scale", 1.5), ("penalty_alpha", 0.6), ("num_return_sequences", 2)],
 )
 def test_unsupported_generation_options_raise(model, option: str, value: object) -> None:
     kwargs = {option: value}
     if option == "num_return_sequences":
         kwargs["do_sample"] = True
     generation_config = GenerationConfig(max_new_tokens=2, **kwargs)
-    with pytest.raises(NotImplementedError, match=re.escape(f"GenerationConfig.{option}={value!r}")):
+    with pytest.raises(ValueError, match=re.escape(f"GenerationConfig.{option}={value!r}")):
         model.generate_batch([[5, 6]], generation_config, progress_bar=False)
 
 

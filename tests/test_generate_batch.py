@@ -65,7 +65,7 @@ def test_eos_token_id_kwarg_stops_like_generate(model, prompts) -> None:
     out = model.generate_batch(prompts[1:2], GREEDY, progress_bar=False, eos_token_id=[eos, 299])
     assert out["req_0"].generated_tokens == greedy_reference(model, prompts[1], 6, eos_token_id=[eos, 299])
     assert out["req_0"].generated_tokens[-1] == eos
-    assert out["req_0"].finish_reason == "eos"
+    assert out["req_0"].finish_reason == "stop"
 
 
 def test_outputs_carry_status_and_timings(model, prompts) -> None:

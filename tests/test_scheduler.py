@@ -277,7 +277,7 @@ def test_request_that_can_never_fit_fails_clearly() -> None:
     assert huge.status == RequestStatus.FAILED
     assert "needs more KV pages than the cache has" in huge.error
     assert "'huge'" in huge.error
-    assert huge.finish_reason == "failed"
+    assert huge.finish_reason == "error"
     assert len(run.steps) <= 3
     assert_finished_once(run, [huge])
 
@@ -398,7 +398,7 @@ def test_eos_stop_includes_eos() -> None:
     assert len(stops.generated_ids) == 3
     assert stops.generated_ids[-1] == EOS
     assert EOS not in stops.generated_ids[:-1]
-    assert stops.finish_reason == "eos"
+    assert stops.finish_reason == "stop"
     assert stops.status == RequestStatus.FINISHED
     assert len(runs.generated_ids) == 4
     assert runs.finish_reason == "length"
@@ -413,7 +413,7 @@ def test_eos_on_first_token() -> None:
     request = make_request("r", 5, 10, eos=frozenset({EOS, 3}))
     run_to_completion(scheduler, [request], model=FakeModel(eos_at={"r": 1}))
     assert request.generated_ids == [EOS]
-    assert request.finish_reason == "eos"
+    assert request.finish_reason == "stop"
 
 
 def test_max_new_tokens_one() -> None:

@@ -34,7 +34,7 @@ class RejectedOutput:
     error: str
     generated_tokens: list[int] = field(default_factory=list)
     status: str = "FAILED"
-    finish_reason: str = "failed"
+    finish_reason: str = "error"
     created_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -216,10 +216,10 @@ def _finish_reason(output: Any, max_new_tokens: int, eos_ids: set[int]) -> str |
     if reason is not None:
         return str(reason)
     if _status_name(output.status) != "FINISHED":
-        return _status_name(output.status).lower()
+        return {"FAILED": "error"}.get(_status_name(output.status), _status_name(output.status).lower())
     tokens = list(output.generated_tokens)
     if tokens and tokens[-1] in eos_ids:
-        return "eos"
+        return "stop"
     if len(tokens) >= max_new_tokens:
         return "length"
     return None
