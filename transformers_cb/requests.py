@@ -182,7 +182,7 @@ class Request:
             error=self.error,
             finish_reason=self.finish_reason,
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
-            prompt_logprobs=None if self.prompt_logprobs is None else [None, *self.prompt_logprobs],
+            prompt_logprobs=[None, *(self.prompt_logprobs or ())] if self.wants_prompt_logprobs else None,
             created_time=self.created_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
