@@ -523,6 +523,33 @@ class OursEngine(Engine):
         return RunResult(self.name, outputs, wall, forwarded, exact, errors, notes)
 
 
+class OursSampledEngine(OursEngine):
+    """`transformers_cb` sampling: temperature 0.8, top_p 0.95 (top_k off), one seed per request passed as a
+    list (`per_request_processors=True`). Its tokens differ from the greedy engines' by design."""
+
+    name = "ours-sampled"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, per_request_processors=True), settings, ignored
+
+    def _call(
+        self, model, inputs: list[list[int]], mnts: list[int], cfg, per_request: bool
+    ) -> dict[str, Any]:
+        config = greedy_generation_config(max(mnts))
+        config.do_sample, config.temperature, config.top_p, config.top_k = True, 0.8, 0.95, 0
+        kwargs: dict[str, Any] = {"seed": list(range(len(inputs)))}
+        if per_request:
+            kwargs["max_new_tokens"] = list(mnts)
+        return model.generate_batch(
+            inputs=inputs,
+            generation_config=config,
+            continuous_batching_config=cfg,
+            progress_bar=False,
+            **kwargs,
+        )
+
+
 @contextlib.contextmanager
 def _capture_ours_counters():
     """Record the token counters of every `transformers_cb` engine created inside the block.

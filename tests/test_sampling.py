@@ -138,6 +138,30 @@ def test_per_request_params_apply_independently_in_one_batch(model) -> None:
         assert list(result.top_logprobs[0].values()) == pytest.approx(top_values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize(
+    "warper",
+    [{"typical_p": 0.5}, {"epsilon_cutoff": 0.004}, {"eta_cutoff": 0.003}, {"top_h": 0.4}, {"min_p": 0.3},
+     {"temperature": 0.4, "top_k": 7, "top_p": 0.8, "renormalize_logits": True}],
+)  # fmt: skip
+def test_sampled_logprobs_equal_generate_processed_scores(model, warper) -> None:
+    """First token: its logprob and the top alternatives are those of `generate()`'s processed scores."""
+    prompt = [11, 12, 250, 3, 3, 8]
+    config = GenerationConfig(max_new_tokens=1, do_sample=True, eos_token_id=None, **{"top_k": 0, **warper})
+    outputs = _run(model, [prompt] * 4, config, {"top_logprobs": 4, "seed": 5})
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        scores = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
+                                output_scores=True, return_dict_in_generate=True).scores[0][0]  # fmt: skip
+    expected = scores.float().log_softmax(-1)
+    for output in outputs.values():
+        token = output.generated_tokens[0]
+        assert torch.isfinite(expected[token]), "sampled a token the processed scores exclude"
+        assert output.logprobs[0] == pytest.approx(float(expected[token]), abs=1e-4)
+        assert list(output.top_logprobs[0].values()) == pytest.approx(
+            expected.topk(4).values.tolist(), abs=1e-4
+        )
+
+
 # -- seeds ----------------------------------------------------------------------------------------------
 def test_seeded_request_is_batch_invariant(model) -> None:
     """The same seeded request gives the same tokens alone and inside busy batches, however they are

@@ -32,6 +32,12 @@ REFUSED = {
     "token_healing": ((None, False), "token healing needs a tokenizer pass before generation"),
     "num_return_sequences": ((None, 1), "num_return_sequences > 1 (forked sequences) is not built yet"),
     "use_mtp": ((None, False), "multi-token prediction is not supported"),
+    "speculation_type": ((None,), "speculative decoding is not supported"),
+    "max_time": ((None,), "a wall-clock limit per request is not supported; use max_new_tokens"),
+    "output_scores": ((None, False), "use ContinuousBatchingConfig(return_logprobs=True, top_logprobs=k)"),
+    "output_logits": ((None, False), "use ContinuousBatchingConfig(return_logprobs=True, top_logprobs=k)"),
+    "output_attentions": ((None, False), "the paged attention kernels do not return attention weights"),
+    "output_hidden_states": ((None, False), "generate_batch does not return hidden states"),
 }
 
 
