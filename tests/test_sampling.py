@@ -292,3 +292,10 @@ def test_finish_reasons(model) -> None:
         manager.cancel_request(manager.add_request(prompt, request_id="c", max_new_tokens=400))
         cancelled = manager.get_result("c", timeout=30)
     assert (cancelled.status, cancelled.finish_reason) == (RequestStatus.CANCELLED, "cancelled")
+
+
+@pytest.mark.parametrize("values", [{"temperature": 0.0}, {"top_p": -0.2, "top_k": 0}, {"min_p": -0.5}])
+def test_bad_generation_config_values_are_refused(model, values) -> None:
+    config = GenerationConfig(max_new_tokens=2, do_sample=True, eos_token_id=None, **values)
+    with pytest.raises(ValueError, match="GenerationConfig: invalid"):
+        _run(model, [[5, 6, 7]], config)

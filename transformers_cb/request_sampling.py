@@ -16,7 +16,13 @@ from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .processors import RowContext, Stage, build_stages
-from .sampling_params import SamplingParams, default_params, derive_seed, resolve_request_params
+from .sampling_params import (
+    SamplingParams,
+    check_config_values,
+    default_params,
+    derive_seed,
+    resolve_request_params,
+)
 from .stop_strings import StopStrings, hits_stop_string
 
 
@@ -94,6 +100,7 @@ class SamplingSetup:
         self.stages: list[Stage] = build_stages(config, user_processors)
         self.row_stages = [stage for stage in self.stages if stage.kind == "row"]
         self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs)
+        check_config_values(self.base, config)
         self.stop_strings = StopStrings(tokenizer)
         self.stop_strings.check_available(self.base.stop_strings, "GenerationConfig.stop_strings")
 

@@ -77,6 +77,12 @@ def default_params(
     )
 
 
+def check_config_values(params: SamplingParams, config: GenerationConfig) -> None:
+    """The GenerationConfig's own values of the vectorized processors, checked like per-request ones."""
+    for name in enabled_vector_params(config):
+        _checked(name, getattr(params, name), "GenerationConfig")
+
+
 def _number(name: str, value: Any, label: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{label}: {name} must be a number, got {value!r}")
