@@ -12,6 +12,7 @@ from transformers.generation import logits_process as lp
 from tests.helpers import random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig, RequestStatus, warpers
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.conformance_check import count_preemptions
 from transformers_cb.sampling_params import derive_seed
 
 SAMPLED = GenerationConfig(
@@ -175,11 +176,15 @@ def test_seeded_request_is_batch_invariant(model) -> None:
         {"page_size": 16, "max_batch_tokens": 64, "scheduler_type": "prefill_first"},
         {"page_size": 4, "max_batch_tokens": 32, "num_blocks": 20},  # tight: evictions
     ]
-    seeds = [None] * len(others) + [derive_seed(4, "req_0")]
+    seeds = [*range(len(others)), derive_seed(4, "req_0")]
+    target_id = f"req_{len(others)}"
     for settings in runs:
         cb = {"per_request_processors": True, **settings}
-        outputs = _run(model, [*others, target], config, cb, seed=[*range(len(others)), seeds[-1]])
-        assert outputs[f"req_{len(others)}"].generated_tokens == alone.generated_tokens, settings
+        with count_preemptions() as preempted:
+            outputs = _run(model, [*others, target], config, cb, seed=seeds)
+        assert outputs[target_id].generated_tokens == alone.generated_tokens, settings
+        if "num_blocks" in settings:
+            assert target_id in preempted, "the tight cache was meant to evict the seeded request"
 
 
 def test_config_seed_derives_a_seed_per_request_id(model) -> None:
