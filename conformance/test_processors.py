@@ -124,6 +124,8 @@ def _check(model, prompts, kwargs: dict, processors: list, **cb_kwargs) -> list[
     return references
 
 
+# min_length counts the prompt: short prompts cannot reach it, which generate() warns about.
+@pytest.mark.filterwarnings("ignore:Unfeasible length constraints")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_greedy_with_processor_equals_generate(model, prompts, name: str) -> None:
     kwargs, processors = CASES[name](plain_first_tokens(model, prompts))
