@@ -79,7 +79,9 @@ def live_server(model: Any, tokenizer: Any, **config: Any) -> Iterator[LiveServe
     manager.start()
     state = ServeState(manager, tokenizer, MODEL_NAME, model.config.max_position_embeddings)
     sock = bind_socket("127.0.0.1", 0)
-    server = make_uvicorn_server(build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=5.0)
+    server = make_uvicorn_server(
+        build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=5.0
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

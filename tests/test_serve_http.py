@@ -161,6 +161,35 @@ def test_neutral_sampling_values_are_greedy(server: LiveServer) -> None:
     assert neutral["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
+# -- point 3: streaming text ----------------------------------------------------------------------
+def test_streamed_text_never_splits_a_multibyte_character(fresh: Any, monkeypatch: Any) -> None:
+    # Script the sampler to emit the UTF-8 bytes of `text` (one byte = one token of the tiny tokenizer),
+    # so most characters span several tokens, then EOS.
+    text = "né 日本 🙂!"
+    with fresh() as live:
+        tokenizer = live.state.tokenizer
+        script = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+        sampler = live.manager.engine.runner.sampler
+        emitted: list[int] = []
+
+        def scripted(logits: Any, with_logprobs: bool) -> Any:
+            tokens = [script[min(len(emitted) + i, len(script) - 1)] for i in range(logits.shape[0])]
+            emitted.extend(tokens)
+            return tokens, [0.0] * len(tokens) if with_logprobs else None
+
+        monkeypatch.setattr(sampler, "sample", scripted)
+        chunks = list(
+            _client(live).completions.create(
+                model=MODEL_NAME, prompt="x", max_tokens=len(script) + 5, stream=True
+            )
+        )
+        pieces = [c.choices[0].text for c in chunks]
+        assert "".join(pieces) == text
+        assert all("\ufffd" not in piece for piece in pieces)
+        assert len([p for p in pieces if p]) >= 5  # streamed as characters complete, not at the end
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 # -- point 4: cancellation and load ----------------------------------------------------------------
 def test_stream_disconnect_cancels_the_request_and_frees_its_pages(server: LiveServer) -> None:
     manager = server.manager

@@ -90,7 +90,12 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "transformers-cb"}
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "transformers-cb",
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @app.get("/metrics")
@@ -110,7 +115,9 @@ def build_app(state: ServeState) -> FastAPI:
                 "log-probability of each generated token",
                 param="logprobs",
             )
-        return await _generate(state, request, body, "completion", prompts, body.max_tokens, body.logprobs == 0)
+        return await _generate(
+            state, request, body, "completion", prompts, body.max_tokens, body.logprobs == 0
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -148,7 +155,9 @@ def _chat_prompt(state: ServeState, body: ChatCompletionRequest) -> list[int]:
             param="messages",
         )
     # OpenAI's "developer" role is the newer name of "system", which is what templates know.
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     except Exception as error:  # noqa: BLE001 - a template's own check (e.g. role order) is bad input
@@ -178,9 +187,12 @@ async def _generate(
     prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     submitted = submit_choices(state.manager, prompts, body.n, max_new_tokens, sampling, prefix)
     try:
-        shape = ResponseShape(kind, prefix, state.model_name, state.tokenizer, want_logprobs, sum(map(len, prompts)))
+        shape = ResponseShape(
+            kind, prefix, state.model_name, state.tokenizer, want_logprobs, sum(map(len, prompts))
+        )
         streams = [
-            choice_events(state.manager, c, state.tokenizer, stops, want_logprobs, state.metrics) for c in submitted
+            choice_events(state.manager, c, state.tokenizer, stops, want_logprobs, state.metrics)
+            for c in submitted
         ]
         events = merge_events(streams)
         indices = [c.index for c in submitted]
@@ -251,7 +263,8 @@ async def _stream_body(
                 break
             offset = len(totals[event.index].text)
             totals[event.index].add(event)
-            yield sse(shape.chunk(event, include_usage, text_offset=offset))
+            if event.text or event.is_last or shape.want_logprobs:  # a token still held back: no chunk
+                yield sse(shape.chunk(event, include_usage, text_offset=offset))
         else:
             if include_usage:
                 final = shape.chunk(None, include_usage)

@@ -193,7 +193,9 @@ async def choice_events(
         await aclose(stream)
 
 
-def _finish(event: ChoiceEvent, output: Any, scanner: StopScanner, detokenizer: IncrementalDetokenizer) -> None:
+def _finish(
+    event: ChoiceEvent, output: Any, scanner: StopScanner, detokenizer: IncrementalDetokenizer
+) -> None:
     """Fill the last event of a request that ended in the engine."""
     if output.status == RequestStatus.FINISHED:
         event.text += scanner.push(detokenizer.flush())

@@ -85,11 +85,18 @@ class ServerMetrics:
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_rate, "Share of prompt tokens found in cache."),
         }
         for name, (value, text) in gauges.items():
-            lines += [f"# HELP {PREFIX}_{name} {text}", f"# TYPE {PREFIX}_{name} gauge", f"{PREFIX}_{name} {value}"]
+            lines += [
+                f"# HELP {PREFIX}_{name} {text}",
+                f"# TYPE {PREFIX}_{name} gauge",
+                f"{PREFIX}_{name} {value}",
+            ]
         counters = {
             "requests_finished": (stats.finished, "Requests that finished normally."),
             "requests_failed": (stats.failed, "Requests that failed."),
-            "requests_cancelled": (stats.cancelled, "Requests cancelled (client gone, stop string, shutdown)."),
+            "requests_cancelled": (
+                stats.cancelled,
+                "Requests cancelled (client gone, stop string, shutdown).",
+            ),
             "preemptions": (stats.preemptions, "Requests evicted from the cache to make room."),
             "prefill_tokens": (stats.prefill_tokens, "Prompt tokens computed."),
             "decode_tokens": (stats.decode_tokens, "Decode tokens computed."),

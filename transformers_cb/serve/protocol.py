@@ -148,11 +148,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def token_limit(self) -> int | None:
-        if self.max_tokens is not None and self.max_completion_tokens is not None:
-            if self.max_tokens != self.max_completion_tokens:
-                raise ApiError(
-                    400, "max_tokens and max_completion_tokens disagree; send one", param="max_tokens"
-                )
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 

@@ -115,5 +115,5 @@ class ResponseShape:
 
 def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying `data` (a JSON object, or the literal `[DONE]`)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {payload}\n\n".encode()

@@ -34,29 +34,42 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         description="OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) on one "
         "continuous batching manager. Needs the 'serve' extra. See docs/serve.md.",
     )
-    serve.add_argument("--model", default=None, help="local model directory; default: the built-in tiny model")
+    serve.add_argument(
+        "--model", default=None, help="local model directory; default: the built-in tiny model"
+    )
     serve.add_argument("--served-model-name", default=None, help="the `model` clients must send")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: 8000)")
-    serve.add_argument("--attn-implementation", default="paged|sdpa", help="attention backend (default: paged|sdpa)")
+    serve.add_argument(
+        "--attn-implementation", default="paged|sdpa", help="attention backend (default: paged|sdpa)"
+    )
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     serve.add_argument("--seed", type=int, default=0, help="torch seed and the built-in model's weights")
     for flag in ("--page-size", "--num-blocks", "--max-batch-tokens"):
-        serve.add_argument(flag, type=int, default=None, help="ContinuousBatchingConfig." + flag[2:].replace("-", "_"))
+        serve.add_argument(
+            flag, type=int, default=None, help="ContinuousBatchingConfig." + flag[2:].replace("-", "_")
+        )
     serve.add_argument("--scheduler-type", default=None, help="fifo or prefill_first")
     serve.add_argument(
         "--max-queue-size", type=int, default=0, help="waiting requests before 429 (default: 0 = unbounded)"
     )
-    serve.add_argument("--chat-template", default=None, help="Jinja chat template file (for models without one)")
+    serve.add_argument(
+        "--chat-template", default=None, help="Jinja chat template file (for models without one)"
+    )
     serve.add_argument(
         "--default-max-tokens", type=int, default=256, help="chat max_tokens when a request gives none"
     )
     serve.add_argument(
-        "--shutdown-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish on exit"
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests finish on exit",
     )
     serve.add_argument("--no-logprobs", action="store_true", help="do not compute token log-probabilities")
-    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -121,7 +134,9 @@ def build_state(args: argparse.Namespace) -> Any:
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
     eos_token_id, pad_token_id = _special_ids(model, tokenizer)
-    generation_config = GenerationConfig(do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+    )
     manager = model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=cb_config
     )
