@@ -131,9 +131,12 @@ def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseExcepti
         return error
     if isinstance(error, queue.Full):
         return ApiError(429, f"the request queue is full, retry later ({error})", code="queue_full")
-    if isinstance(error, NotImplementedError):
-        names = ", ".join(sampling) or "a parameter"
-        return ApiError(400, f"{names}: {error}", param=next(iter(sampling), None))
+    if isinstance(error, (NotImplementedError, TypeError)) and sampling:
+        # Sampling parameters the engine does not take (TypeError) or has not built (NotImplementedError).
+        named = [name for name in sampling if name in str(error)] or list(sampling)
+        return ApiError(
+            400, f"{', '.join(named)}: not supported by this engine build ({error})", param=named[0]
+        )
     if isinstance(error, ValueError):
         return ApiError(400, str(error))
     if isinstance(error, RuntimeError):
