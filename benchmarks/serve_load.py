@@ -129,7 +129,7 @@ async def load(url: str, args: argparse.Namespace) -> tuple[list[ClientRun], flo
                         url,
                         {
                             "model": args.model_name,
-                            "prompt": f"Request {i}: " + "lorem ipsum " * (i % 5),
+                            "prompt": prompt_text(i),
                             "max_tokens": args.max_tokens,
                             "stream": True,
                             "logprobs": 0,
@@ -143,6 +143,42 @@ async def load(url: str, args: argparse.Namespace) -> tuple[list[ClientRun], flo
             timeout=args.timeout,
         )
         return runs, time.perf_counter() - start
+
+
+def prompt_text(i: int) -> str:
+    return f"Request {i}: " + "lorem ipsum " * (i % 5)
+
+
+def engine_reference(args: argparse.Namespace) -> float:
+    """Generated tokens/s of `generate_batch` on the same prompts and model, no HTTP: the engine's own ceiling."""
+    import torch
+    from transformers import GenerationConfig
+
+    from transformers_cb import ContinuousBatchingConfig
+    from transformers_cb.cli.tiny import load_model_and_tokenizer
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)
+    prompts = [tokenizer.encode(prompt_text(i)) for i in range(args.clients)]
+    config = GenerationConfig(
+        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    cb_config = ContinuousBatchingConfig(
+        page_size=args.page_size, num_blocks=args.num_blocks, return_logprobs=True
+    )
+    best = 0.0
+    for _ in range(2):  # the first run pays one-time set-up
+        start = time.perf_counter()
+        outputs = model.generate_batch(
+            prompts,
+            generation_config=config,
+            continuous_batching_config=cb_config,
+            max_new_tokens=args.max_tokens,
+            progress_bar=False,
+        )
+        tokens = sum(len(o.generated_tokens) for o in outputs.values())
+        best = max(best, tokens / (time.perf_counter() - start))
+    return best
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -188,6 +224,11 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--timeout", type=float, default=600.0, help="bound on the whole load phase (s)")
+    parser.add_argument(
+        "--engine-reference",
+        action="store_true",
+        help="after the load, run generate_batch on the same prompts in this process (no HTTP) for comparison",
+    )
     args = parser.parse_args()
     if args.model_name is None:
         args.model_name = Path(args.model).name if args.model else "transformers-cb-tiny"
@@ -204,6 +245,10 @@ def main() -> int:
             code = process.wait(timeout=120)
             print(f"server exit status after SIGTERM: {code}")
             status = status if code == 0 else 1
+    if args.engine_reference:
+        print(
+            f"generate_batch on the same prompts, no HTTP (best of 2): {engine_reference(args):.1f} tokens/s"
+        )
     return status
 
 

@@ -76,6 +76,8 @@ def _assert_serving(live: LiveServer) -> None:
         ("/v1/completions", _completion(unknown_field=1), 400, "unknown_field"),
         ("/v1/completions", _completion(prompt=[1, 2, 10**6]), 400, "outside the vocabulary"),
         ("/v1/completions", _completion(logprobs=2), 400, "logprobs"),
+        ("/v1/completions", _completion(prompt=["text", [1, 2]]), 400, "prompt"),
+        ("/v1/completions", _completion(prompt=[[]]), 400, "empty prompt"),
         ("/v1/completions", _completion(stream_options={"include_usage": True}), 400, "stream_options"),
         ("/v1/completions", {**_completion(), "model": "gpt-4"}, 404, "gpt-4"),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, 400, "messages"),
@@ -159,6 +161,20 @@ def test_neutral_sampling_values_are_greedy(server: LiveServer) -> None:
         server, "/v1/completions", _completion(max_tokens=6, temperature=0, top_p=1.0, top_k=-1)
     ).json()
     assert neutral["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+def test_batch_of_prompts_with_n_choices(server: LiveServer) -> None:
+    body = _completion(prompt=["first prompt", "a second, longer prompt"], n=2, max_tokens=5)
+    answer = _post(server, "/v1/completions", body).json()
+    choices = answer["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    singles = [
+        _post(server, "/v1/completions", _completion(prompt=p, max_tokens=5)).json() for p in body["prompt"]
+    ]
+    assert [c["text"] for c in choices] == [s["choices"][0]["text"] for s in singles for _ in range(2)]
+    usage = answer["usage"]
+    assert usage["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert usage["completion_tokens"] == 2 * sum(s["usage"]["completion_tokens"] for s in singles)
 
 
 # -- point 3: streaming text ----------------------------------------------------------------------
@@ -296,6 +312,23 @@ def test_an_engine_failure_fails_that_request_only(fresh: Any, monkeypatch: Any,
             assert isinstance(info.value, openai.InternalServerError)
         assert live.manager.stats().failed == 1
         _assert_serving(live)
+
+
+def test_a_dead_engine_thread_fails_in_flight_requests_and_refuses_new_ones(
+    fresh: Any, monkeypatch: Any
+) -> None:
+    with fresh() as live:
+
+        def die(*args: Any) -> Any:
+            raise KeyboardInterrupt("simulated death of the manager thread")  # not an Exception: kills it
+
+        monkeypatch.setattr(live.manager.engine, "step", die)
+        response = _post(live, "/v1/completions", _completion())
+        assert response.status_code == 500
+        assert "manager thread died" in response.json()["error"]["message"]
+        wait_until(lambda: not live.manager.is_running(), "the manager thread is gone")
+        assert httpx.get(live.url + "/health", timeout=30).status_code == 503
+        assert _post(live, "/v1/completions", _completion()).status_code == 503
 
 
 def test_concurrent_streams_each_complete_exactly_once(server: LiveServer) -> None:

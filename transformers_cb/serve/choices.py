@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import queue
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..requests import RequestStatus
+from ..results import ManagerDeadError
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner
@@ -30,7 +30,7 @@ class ChoiceEvent:
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)  # None: the engine gave none
     finish_reason: str | None = None
     error: ApiError | None = None
 
@@ -144,6 +144,48 @@ def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseExcepti
     return error
 
 
+@dataclass
+class _ChoiceText:
+    """Turns one choice's successive outputs (growing `generated_tokens`) into events."""
+
+    choice: Submitted
+    detokenizer: IncrementalDetokenizer
+    scanner: StopScanner
+    want_logprobs: bool
+    metrics: ServerMetrics
+    seen: int = 0
+    last_arrival: float | None = None
+
+    def take(self, output: Any) -> ChoiceEvent:
+        new_ids = output.generated_tokens[self.seen :]
+        new_logprobs = (output.logprobs or [])[self.seen :]
+        self.seen += len(new_ids)
+        self._observe_latency(len(new_ids))
+        event = ChoiceEvent(self.choice.index)
+        for k, token_id in enumerate(new_ids):
+            event.token_ids.append(token_id)
+            if self.want_logprobs:
+                event.logprobs.append(new_logprobs[k] if k < len(new_logprobs) else None)
+            event.text += self.scanner.push(self.detokenizer.push(token_id))
+            if self.scanner.stopped:
+                event.finish_reason = "stop"  # later tokens (same output) are dropped, as OpenAI does
+                return event
+        if output.status.is_finished:
+            _finish(event, output, self.scanner, self.detokenizer)
+        return event
+
+    def _observe_latency(self, num_new: int) -> None:
+        if not num_new:
+            return
+        now = time.perf_counter()
+        if self.last_arrival is None:
+            self.metrics.ttft.observe(now - self.choice.submitted_at)
+        else:
+            for _ in range(num_new):
+                self.metrics.itl.observe((now - self.last_arrival) / num_new)
+        self.last_arrival = now
+
+
 async def choice_events(
     manager: Any,
     choice: Submitted,
@@ -156,44 +198,23 @@ async def choice_events(
 
     Closing the generator early (client gone, stop string, shutdown) cancels the manager request.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    scanner = StopScanner(stops)
-    seen = 0
-    last_arrival: float | None = None
-    stream = choice.stream
+    text = _ChoiceText(choice, IncrementalDetokenizer(tokenizer), StopScanner(stops), want_logprobs, metrics)
     try:
-        async for output in stream:
-            final_seen = output.status.is_finished
-            choice.over = choice.over or final_seen
-            new_ids = output.generated_tokens[seen:]
-            new_logprobs = (output.logprobs or [])[seen:]
-            seen += len(new_ids)
-            now = time.perf_counter()
-            if new_ids:
-                if last_arrival is None:
-                    metrics.ttft.observe(now - choice.submitted_at)
-                else:
-                    for _ in new_ids:
-                        metrics.itl.observe((now - last_arrival) / len(new_ids))
-                last_arrival = now
-            event = ChoiceEvent(choice.index)
-            for k, token_id in enumerate(new_ids):
-                event.token_ids.append(token_id)
-                if want_logprobs:
-                    event.logprobs.append(new_logprobs[k] if k < len(new_logprobs) else math.nan)
-                event.text += scanner.push(detokenizer.push(token_id))
-                if scanner.stopped:
-                    event.finish_reason = "stop"
-                    break
-            if not scanner.stopped and final_seen:
-                _finish(event, output, scanner, detokenizer)
+        async for output in choice.stream:
+            choice.over = choice.over or output.status.is_finished
+            event = text.take(output)
             if event.text or event.token_ids or event.is_last:
                 yield event
             if event.is_last:
                 return
+    except ManagerDeadError as error:
+        choice.over = True  # nothing left to cancel
+        yield ChoiceEvent(
+            choice.index, error=ApiError(500, f"the engine stopped: {error}", code="engine_error")
+        )
     finally:
         cancel_unfinished(manager, [choice])
-        await aclose(stream)
+        await aclose(choice.stream)
 
 
 def _finish(

@@ -16,7 +16,7 @@ class ChoiceTotals:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
     finish_reason: str | None = None
 
     def add(self, event: ChoiceEvent) -> None:
@@ -42,7 +42,7 @@ class ResponseShape:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def logprobs(self, token_ids: list[int], logprobs: list[float], text_offset: int = 0) -> Any:
+    def logprobs(self, token_ids: list[int], logprobs: list[float | None], text_offset: int = 0) -> Any:
         if not self.want_logprobs:
             return None
         tokens = [self._token_text(t) for t in token_ids]
