@@ -107,7 +107,7 @@ def build_app(state: ServeState) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
         _check_model(state, body.model)
-        prompts = [_encode_prompt(state, p, i) for i, p in enumerate(body.prompts())]
+        prompts = [_encode_prompt(state, p) for p in body.prompts()]
         if body.logprobs:
             raise ApiError(
                 400,
@@ -139,7 +139,7 @@ def _check_model(state: ServeState, model: str) -> None:
         raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
 
 
-def _encode_prompt(state: ServeState, prompt: str | list[int], index: int) -> list[int]:
+def _encode_prompt(state: ServeState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return list(state.tokenizer.encode(prompt))
     return list(prompt)  # token ids: the manager checks them against the vocabulary
