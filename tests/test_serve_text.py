@@ -9,11 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.serve_helpers import MISSING, requires_serve
 from transformers_cb.cli.tiny import build_tiny_tokenizer
 from transformers_cb.serve.metrics import Histogram, ServerMetrics
-from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from transformers_cb.serve.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopScanner
 from transformers_cb.stats import ManagerStats
+
+if MISSING:  # without the extra there is no pydantic for the request bodies
+    ApiError = ChatCompletionRequest = CompletionRequest = parse_body = None
+else:
+    from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 
 TOKENIZER = build_tiny_tokenizer()
 
@@ -96,6 +101,7 @@ def test_stop_scanner_matches_str_find(text: str, stop: str, data: st.DataObject
         (b'{"model": "m", "prompt": []}', "prompt"),
     ],
 )
+@requires_serve
 def test_completion_body_errors_name_the_field(body: bytes, param: str | None) -> None:
     with pytest.raises(ApiError) as info:
         request = parse_body(body, CompletionRequest)
@@ -110,6 +116,7 @@ def test_completion_body_errors_name_the_field(body: bytes, param: str | None) -
 @pytest.mark.parametrize(
     "body", [b"{not json", b"[1, 2]", b"\xff\xfe", b'{"model": "m", "messages": []}', b'{"model": "m"}']
 )
+@requires_serve
 def test_chat_body_errors(body: bytes) -> None:
     with pytest.raises(ApiError) as info:
         parse_body(body, ChatCompletionRequest)
@@ -117,6 +124,7 @@ def test_chat_body_errors(body: bytes) -> None:
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@requires_serve
 def test_stream_options_need_stream() -> None:
     request = parse_body(
         b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}', CompletionRequest
