@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.serve_helpers import (
+    MISSING,
     MODEL_NAME,
     LiveServer,
     live_server,
@@ -21,8 +22,9 @@ from tests.serve_helpers import (
     wait_until,
 )
 
-pytestmark = requires_serve
-httpx = pytest.importorskip("httpx")
+if MISSING:
+    pytest.skip(requires_serve.kwargs["reason"], allow_module_level=True)
+httpx = pytest.importorskip("httpx", reason="httpx is in the test extra")
 openai = pytest.importorskip("openai", reason="the official openai client is in the test extra")
 
 
