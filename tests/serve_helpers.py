@@ -57,6 +57,7 @@ def greedy_config(tokenizer: Any) -> Any:
 class LiveServer:
     url: str
     state: Any
+    server: Any  # the uvicorn server: `server.should_exit = True` starts its graceful shutdown
 
     @property
     def manager(self) -> Any:
@@ -64,7 +65,9 @@ class LiveServer:
 
 
 @contextmanager
-def live_server(model: Any, tokenizer: Any, **config: Any) -> Iterator[LiveServer]:
+def live_server(
+    model: Any, tokenizer: Any, shutdown_timeout: float = 5.0, **config: Any
+) -> Iterator[LiveServer]:
     """A started manager on `model` and the real app served by uvicorn on 127.0.0.1:<free port>."""
     from transformers_cb import ContinuousBatchingConfig
     from transformers_cb.serve.app import ServeState, build_app
@@ -80,14 +83,14 @@ def live_server(model: Any, tokenizer: Any, **config: Any) -> Iterator[LiveServe
     state = ServeState(manager, tokenizer, MODEL_NAME, model.config.max_position_embeddings)
     sock = bind_socket("127.0.0.1", 0)
     server = make_uvicorn_server(
-        build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=5.0
+        build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=shutdown_timeout
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
         if not server.started_event.wait(60):
             raise AssertionError("the test server did not start")
-        yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state)
+        yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state, server)
     finally:
         server.should_exit = True
         thread.join(30)

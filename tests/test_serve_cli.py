@@ -232,7 +232,8 @@ def test_stop_string_cuts_the_text_and_counts_tokens_exactly(server: ServerProce
 
 
 @requires_serve
-def test_sigterm_drains_in_flight_streams_then_exits_cleanly() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_drains_in_flight_streams_then_exits_cleanly(sig: int) -> None:
     # No --model: the built-in tiny model, as on a fresh machine (it has no chat template).
     import httpx
 
@@ -251,7 +252,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_cleanly() -> None:
         ):
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
-            live.process.send_signal(signal.SIGTERM)  # mid-stream
+            live.process.send_signal(sig)  # mid-stream
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] in ("length", "stop")

@@ -5,6 +5,7 @@ driven with raw HTTP (httpx) and the official `openai` client, with the manager 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import Iterator
@@ -39,9 +40,9 @@ def server() -> Iterator[LiveServer]:
 def fresh() -> Any:
     """Build a server with its own model and config for one test."""
 
-    def make(**config: Any) -> Any:
+    def make(shutdown_timeout: float = 5.0, **config: Any) -> Any:
         model, tokenizer = tiny_model_and_tokenizer()
-        return live_server(model, tokenizer, **config)
+        return live_server(model, tokenizer, shutdown_timeout=shutdown_timeout, **config)
 
     return make
 
@@ -250,6 +251,26 @@ def test_non_stream_disconnect_cancels_the_request(server: LiveServer) -> None:
         wait_until(lambda: manager.stats().cancelled == before.cancelled + 1, "the request is cancelled")
     assert manager.stats().finished == before.finished
     _assert_serving(server)
+
+
+def test_shutdown_cancels_what_outlives_the_grace_period(fresh: Any) -> None:
+    with fresh(shutdown_timeout=0.5) as live:
+        manager = live.manager
+        body = _completion(prompt="Tell me a long story", max_tokens=900, stream=True)
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", live.url + "/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            with manager.pause():  # the request cannot finish within the grace period
+                live.server.should_exit = True
+                wait_until(lambda: manager.stats().cancelled == 1, "the in-flight request is cancelled")
+                assert manager.stats().pages_in_use == 0
+            rest = []
+            with contextlib.suppress(httpx.HTTPError):  # the server closes the connection mid-body
+                rest = list(lines)
+            assert "data: [DONE]" not in rest
 
 
 def test_full_queue_answers_429_and_the_queued_requests_still_complete(fresh: Any) -> None:
