@@ -22,6 +22,7 @@ from tests.serve_helpers import (
     tiny_model_and_tokenizer,
     wait_until,
 )
+from transformers_cb.sampling import Samples
 
 if MISSING:
     pytest.skip(requires_serve.kwargs["reason"], allow_module_level=True)
@@ -136,7 +137,7 @@ def test_logprobs_zero_gives_one_logprob_per_token(server: LiveServer) -> None:
 def _manager_refusal(manager: Any, **kwargs: Any) -> BaseException | None:
     try:
         request_id = manager.add_request([5, 6, 7], max_new_tokens=1, **kwargs)
-    except (NotImplementedError, TypeError) as error:
+    except (NotImplementedError, TypeError, ValueError) as error:
         return error
     manager.cancel_request(request_id)
     return None
@@ -191,10 +192,13 @@ def test_streamed_text_never_splits_a_multibyte_character(fresh: Any, monkeypatc
         sampler = live.manager.engine.runner.sampler
         emitted: list[int] = []
 
-        def scripted(logits: Any, with_logprobs: bool) -> Any:
+        def scripted(logits: Any, requests: Any) -> Any:
             tokens = [script[min(len(emitted) + i, len(script) - 1)] for i in range(logits.shape[0])]
             emitted.extend(tokens)
-            return tokens, [0.0] * len(tokens) if with_logprobs else None
+            with_logprobs = any(
+                r.sampling is not None and r.sampling.params.return_logprobs for r in requests
+            )
+            return Samples(tokens, [0.0] * len(tokens) if with_logprobs else None)
 
         monkeypatch.setattr(sampler, "sample", scripted)
         chunks = list(

@@ -138,7 +138,9 @@ def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseExcepti
             400, f"{', '.join(named)}: not supported by this engine build ({error})", param=named[0]
         )
     if isinstance(error, ValueError):
-        return ApiError(400, str(error))
+        # A refused per-request sampling parameter (e.g. without per_request_processors) names itself.
+        named = [name for name in sampling if name in str(error)]
+        return ApiError(400, str(error), param=named[0] if named else None)
     if isinstance(error, RuntimeError):
         return ApiError(503, f"the engine cannot take requests: {error}")
     return error
