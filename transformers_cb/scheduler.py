@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .cache.allocator import FullAttentionAllocator
+from .invariants import check
 from .requests import Request, RequestStatus
 
 
@@ -144,11 +145,11 @@ class Scheduler:
                         self._fail_unfittable(request, batch)
                         admitting = True
                     continue
-                assert self.allocator.allocate(request, num_tokens), f"{request.request_id}: {num_tokens=}"
+                self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
             elif num_tokens > 0:
-                assert self.allocator.allocate(request, num_tokens), f"{request.request_id}: {num_tokens=}"
+                self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
                 num_tokens = wanted
             else:
@@ -163,6 +164,11 @@ class Scheduler:
         # Entries follow the running list: stable admission order.
         batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
         return batch
+
+    def _allocate(self, request: Request, num_tokens: int) -> None:
+        """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
+        allocated = self.allocator.allocate(request, num_tokens)
+        check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
 
     def _admits(self) -> bool:
         if not self.running:
@@ -255,12 +261,17 @@ class Scheduler:
             self.waiting.remove(request)
 
     def check_integrity(self) -> None:
+        """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         self.pool.check_integrity([r.page_ids for r in self.live_requests()])
         for request in self.running:
-            assert request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING), request.status
+            check(
+                request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
+                f"running {request.request_id} has status {request.status.name}",
+            )
             needed = self.allocator.max_pages(request.num_computed_tokens)
-            assert len(request.page_ids) >= needed, (
-                f"{request.request_id}: {len(request.page_ids)=} {needed=}"
+            check(
+                len(request.page_ids) >= needed,
+                f"{request.request_id}: holds {len(request.page_ids)} pages, needs {needed}",
             )
         for request in self.waiting:
-            assert not request.page_ids, f"waiting {request.request_id} holds pages"
+            check(not request.page_ids, f"waiting {request.request_id} holds pages")

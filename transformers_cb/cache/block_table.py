@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..invariants import InvariantError
 from ..requests import Request
 
 
@@ -31,8 +32,10 @@ class BlockTables:
             self._num_written[key] = 0
         written = self._num_written[key]
         num_pages = len(request.page_ids)
-        assert num_pages >= written, f"{request.request_id}: page table shrank without release"
-        assert num_pages <= self.max_pages_per_request, f"{request.request_id}: {num_pages=}"
+        if num_pages < written:
+            raise InvariantError(f"{request.request_id}: page table shrank without release")
+        if num_pages > self.max_pages_per_request:
+            raise InvariantError(f"{request.request_id}: {num_pages=}")
         if num_pages > written:
             new_pages = torch.tensor(request.page_ids[written:], dtype=torch.int64)
             self.table[row, written:num_pages] = new_pages.to(self.device)
