@@ -22,7 +22,11 @@ def test_the_package_has_no_assert_statement():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
-        found += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+        found += [
+            f"{path.relative_to(PACKAGE)}:{node.lineno}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assert)
+        ]
     assert not found, f"`assert` vanishes under python -O; use transformers_cb.invariants.check: {found}"
 
 
