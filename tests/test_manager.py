@@ -59,30 +59,10 @@ class References:
         return cached[:max_new_tokens]
 
 
-@pytest.fixture(scope="module")
-def ref() -> References:
-    return References(make_model())
-
-
-@pytest.fixture
-def model():
-    return make_model()
-
-
 def new_manager(model, **config: Any) -> ContinuousBatchingManager:
     return model.init_continuous_batching(
         continuous_batching_config=ContinuousBatchingConfig(**{**CB_CONFIG, **config})
     )
-
-
-@pytest.fixture
-def manager(model):
-    manager = new_manager(model)
-    yield manager
-    if manager.engine is not None:
-        manager.stop(hard_stop=True, timeout=TIMEOUT)
-        manager.destroy()
-    assert not manager.is_running()
 
 
 # -- helpers ----------------------------------------------------------------------------------

@@ -128,6 +128,7 @@ class Engine:
             policy=make_policy(self.cb_config.scheduler_type),
         )
         self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device)
+        self.scheduler.on_pages_freed.append(self.packer.block_tables.release)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()
@@ -197,14 +198,13 @@ class Engine:
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End `request` (cancel, fail): the scheduler's single exit."""
         self.scheduler.finish(request, status, error)
-        self.packer.release([request])
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule and run one forward pass. A failure fails only the requests of this step."""
         batch = self.scheduler.schedule()
-        self.packer.release(batch.preempted)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:
             return result
@@ -226,13 +226,13 @@ class Engine:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
         finished = self.scheduler.update(batch, sampled)
-        self.packer.release(finished)
         self.counters.generated_tokens += len(sampled)
         result.finished.extend(finished)
-        done = {id(r) for r in finished}
-        result.progressed = [request for request in sampling if id(request) not in done]
+        result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
         return result
 
     def check_integrity(self) -> None:
+        """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
+        self.packer.block_tables.check_integrity(self.scheduler.running)

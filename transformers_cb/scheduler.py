@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .cache.allocator import FullAttentionAllocator
@@ -111,6 +111,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Called with each request whose pages were just freed (preemption or finish), e.g. to give
+        # its block-table row back: per-request state elsewhere never outlives its pages.
+        self.on_pages_freed: list[Callable[[Request], None]] = []
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -200,7 +203,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         """Free the pages of `request`; it will recompute prompt + generated tokens later."""
-        self.allocator.free(request)
+        self._free_pages(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.set_status(RequestStatus.EVICTED)
@@ -208,6 +211,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+
+    def _free_pages(self, request: Request) -> None:
+        self.allocator.free(request)
+        for release in self.on_pages_freed:
+            release(request)
 
     def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
         total = self.pool.num_pages
@@ -246,10 +254,11 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """The single exit of a request: frees its pages, stamps the time, removes it from the queues."""
+        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages and
+        whatever is tied to them (`on_pages_freed`), stamps the time, removes it from the queues."""
         if request.is_finished:
             return
-        self.allocator.free(request)
+        self._free_pages(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = status.name.lower()
