@@ -42,8 +42,9 @@ $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-torch
 	$(PIP) install $(PIP_ARGS) -e .
 	touch $@
 
+# The serve extra too: the suite runs `transformers serve` on the plugin (tests/test_transformers_serve.py).
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-torch
-	$(PIP) install $(PIP_ARGS) -e ".[test]"
+	$(PIP) install $(PIP_ARGS) -e ".[test,serve]"
 	touch $@
 
 run: $(VENV)/.installed-run

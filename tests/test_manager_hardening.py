@@ -313,3 +313,39 @@ def test_block_table_rows_never_outlive_their_request():
     tables._rows["ghost"], tables._num_written["ghost"] = tables._free_rows.pop(), 0
     with pytest.raises(InvariantError, match="ghost"):
         engine.check_integrity()
+
+
+# -- 8. throughput counts delivered tokens only ------------------------------------------------------
+def test_throughput_counts_only_delivered_tokens(manager):
+    manager.start()
+    finished = manager.add_request(PROMPTS[0], max_new_tokens=5)
+    streamed = manager.add_request(PROMPTS[1], max_new_tokens=4, streaming=True)
+    collect_all = [manager.get_result(finished, timeout=TIMEOUT)]
+    collect_all += [manager.get_result(streamed, timeout=TIMEOUT) for _ in range(4)]
+    assert collect_all[-1].is_finished()
+    assert manager.stats().delivered_tokens == 9
+
+    cancelled = manager.add_request(PROMPTS[2], max_new_tokens=400)  # never delivered a token
+    wait_for(lambda: manager.engine.counters.generated_tokens >= 9 + 3, what="the long request to run")
+    manager.cancel_request(cancelled)
+    output = manager.get_result(cancelled, timeout=TIMEOUT)
+    assert output.status == RequestStatus.CANCELLED and output.generated_tokens
+
+    runner = manager.engine.runner
+    original, calls = runner._forward, {"n": 0}
+
+    def fail_second_step(step):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return original(step)
+
+    runner._forward = fail_second_step
+    failed = manager.add_request(PROMPTS[3], max_new_tokens=5)
+    output = manager.get_result(failed, timeout=TIMEOUT)
+    assert output.status == RequestStatus.FAILED and len(output.generated_tokens) == 1
+    stats = manager.stats()
+    assert stats.delivered_tokens == 9, (
+        "tokens of cancelled / failed non-streaming requests are not delivered"
+    )
+    assert stats.tokens_per_second > 0

@@ -364,6 +364,7 @@ class ContinuousBatchingManager(ManagerLoop):
                 decode_tokens=engine.counters.decode_tokens if engine else 0,
                 prefix_cache_hit_rate=0.0,
                 tokens_per_second=self._throughput.rate(),
+                delivered_tokens=self._throughput.total,
             )
 
     def _num_engine_waiting(self) -> int:

@@ -121,7 +121,7 @@ class ManagerLoop:
             if request.streaming:
                 self._router.publish(request.to_output())
                 delivered += 1
-        for request in result.finished:
+        for request in result.finished:  # ManagerStats.tokens_per_second counts delivered tokens only
             if request.status == RequestStatus.FINISHED:
                 # A streamed request's earlier tokens were counted with its partial outputs.
                 delivered += 1 if request.streaming else len(request.generated_ids)
