@@ -47,11 +47,19 @@ def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> li
 class BatchPacker:
     """Builds `PackedStep`s; owns the persistent block tables of running requests."""
 
-    def __init__(self, cache: PagedKVCache, max_pages_per_request: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        max_pages_per_request: int,
+        device: torch.device,
+        initial_pages_per_request: int | None = None,
+    ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.device = device
-        self.block_tables = BlockTables(max_pages_per_request, device)
+        self.block_tables = BlockTables(
+            max_pages_per_request, device, initial_pages=initial_pages_per_request
+        )
         self._page_offsets = torch.arange(self.page_size, device=device)
 
     def pack(self, batch: ScheduledBatch) -> PackedStep:

@@ -15,10 +15,10 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
-from .cache.allocator import FullAttentionAllocator
+from .cache.allocator import FullAttentionAllocator, num_pages_for
 from .cache.paged_cache import PagedKVCache
 from .cache.sizing import ModelShape, Sizing, resolve_sizing
-from .config import ContinuousBatchingConfig
+from .config import ContinuousBatchingConfig, resolve_device_options
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
@@ -26,6 +26,8 @@ from .scheduler import Scheduler, make_policy
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 16
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Engine:
         self.shape = ModelShape.from_config(model.config)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
+        resolve_device_options(self.cb_config, self.device.type)
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
@@ -127,11 +130,13 @@ class Engine:
             safety_margin=self.cb_config.resolved_safety_margin,
             policy=make_policy(self.cb_config.scheduler_type),
         )
-        self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device)
+        initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
+        self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device, initial_pages)
         self.scheduler.on_pages_freed.append(self.packer.block_tables.release)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()
+        self.warmed_up = False
         self._auto_ids = itertools.count()
 
     # -- requests ------------------------------------------------------------
@@ -157,6 +162,7 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         streaming: bool = False,
         label: str | None = None,
+        record_timestamps: bool = False,
     ) -> Request:
         """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input."""
         label = label or f"request {request_id!r}"
@@ -182,6 +188,7 @@ class Engine:
             max_new_tokens=max_new_tokens,
             eos_token_ids=as_eos_token_ids(eos_token_id, label),
             streaming=streaming,
+            record_timestamps=record_timestamps,
         )
         needed = self.scheduler.allocator.max_pages(request.max_total_tokens)
         if needed > self.sizing.num_pages:
@@ -200,6 +207,32 @@ class Engine:
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """End `request` (cancel, fail): the scheduler's single exit."""
         self.scheduler.finish(request, status, error)
+
+    def warmup(self, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> bool:
+        """Run a throw-away request through a prefill and a decode step, so the first real request
+        does not pay for first-call costs (kernel selection, allocator growth, lazy init).
+
+        Nothing of it stays: its pages are freed and the counters reset. Only an idle engine warms up;
+        returns whether it did. Call it with the paged backend active (see `attention.selection`).
+        """
+        if self.has_work():
+            return False
+        length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
+        length = max(1, length)
+        request = Request(request_id="__warmup__", prompt_ids=[0] * length, max_new_tokens=2)
+        if self.scheduler.allocator.max_pages(request.max_total_tokens) > self.sizing.num_pages:
+            return False
+        # Greedy, so that warming up draws nothing from the sampling RNG the real requests use.
+        sampler, self.runner.sampler = self.runner.sampler, Sampler(GenerationConfig(), None, self.device)
+        try:
+            self.add(request)
+            while self.has_work():
+                self.step()
+        finally:
+            self.runner.sampler = sampler
+            self.counters = EngineCounters()
+        self.warmed_up = True
+        return True
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:

@@ -8,22 +8,30 @@ See docs/manager.md for the contract.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from .attention.selection import paged_attention
 from .channels import async_channel, blocking_channel
 from .config import ContinuousBatchingConfig
 from .engine import Engine
-from .manager_loop import HARD_STOP_ERROR, NOT_RUN_ERROR, BackgroundThreadStatus, ManagerLoop
-from .requests import GenerationOutput, Request, RequestStatus
+from .interop import as_cb_config, as_workload_hints
+from .manager_loop import (
+    CACHED_MANAGER_ATTR,
+    HARD_STOP_ERROR,
+    NOT_RUN_ERROR,
+    BackgroundThreadStatus,
+)
+from .requests import GenerationOutput, RequestStatus
 from .results import Deliver
 from .stats import ManagerStats
+from .submissions import ManagerSubmissions
 from .threads import ThreadSettings
 
 logger = logging.getLogger(__name__)
@@ -34,7 +42,7 @@ DESTROY_GRACE_S = 10.0
 HARD_STOP_JOIN_S = 60.0
 
 
-class ContinuousBatchingManager(ManagerLoop):
+class ContinuousBatchingManager(ManagerSubmissions):
     """Serve requests with continuous batching from a background thread.
 
     Create it with `model.init_continuous_batching(...)` or
@@ -45,10 +53,17 @@ class ContinuousBatchingManager(ManagerLoop):
         self,
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
-        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+        workload_hints: Any | None = None,
     ) -> None:
         self.model = model
-        self.engine: Engine | None = Engine(model, generation_config, continuous_batching_config)
+        hints = as_workload_hints(workload_hints)
+        self.engine: Engine | None = Engine(
+            model,
+            generation_config,
+            as_cb_config(continuous_batching_config),
+            workload=hints.workload() if hints is not None else None,
+        )
         self.max_queue_size = self.engine.cb_config.max_queue_size
         self._init_loop_state()
         self._pause_holders = threading.local()
@@ -88,30 +103,80 @@ class ContinuousBatchingManager(ManagerLoop):
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False) -> None:
+    @property
+    def is_destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def warmed_up(self) -> bool:
+        return self.engine is not None and self.engine.warmed_up
+
+    def warmup(self) -> None:
+        """Run a throw-away prefill and decode step now, so the first request does not pay for
+        first-call costs. Once per manager; only before `start()` (a running manager skips it)."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("this ContinuousBatchingManager was destroyed")
+        if engine.warmed_up:
+            return
+        if self.is_running():
+            logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
+            return
+        with paged_attention(self.model), torch.inference_mode():
+            engine.warmup()
+
+    def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
         """Refuse new submissions and end the thread: after finishing queued and active requests
         (default), or at once with every unfinished request failed by a `RuntimeError` (`hard_stop`).
 
+        With `block`, wait up to `timeout` seconds (None: no limit) for the thread (see `join`). With
+        `keep_for_next_session`, the manager is cached on the model and the next
+        `init_continuous_batching` / context returns it.
+
         On a manager that is not running, every request still queued ends at once (FAILED, with the
-        reason): nothing would ever run it. Raises `RuntimeError` for a blocking graceful stop from
-        inside `pause()` (the paused loop could never finish the queue)."""
+        reason): nothing would ever run it; with `keep_for_next_session` they wait for the next
+        session instead. Raises `RuntimeError` for a blocking graceful stop from inside `pause()` (the
+        paused loop could never finish the queue)."""
         holds_pause = getattr(self._pause_holders, "count", 0) > 0
         if holds_pause and block and not hard_stop and self.is_running():
             raise RuntimeError(
                 "stop() from inside pause() would wait forever: the loop is paused and cannot finish the "
                 "queue; leave the pause first, or use hard_stop=True / block=False"
             )
+        if keep_for_next_session:
+            setattr(self.model, CACHED_MANAGER_ATTR, self)
         with self._lock:
             self._accepting = False
             self._stop_requested = True
             self._hard_stop = self._hard_stop or hard_stop
             self._lock.notify_all()
         if not self.is_running():
-            self._fail_everything(HARD_STOP_ERROR if hard_stop else NOT_RUN_ERROR)
+            if hard_stop or not keep_for_next_session:
+                self._fail_everything(HARD_STOP_ERROR if hard_stop else NOT_RUN_ERROR)
             self._router.set_closed(True)
             return
-        if block and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        if block:
+            self.join(time.perf_counter(), timeout)
+
+    def join(self, stop_trigger_time: float, timeout: float | None = None) -> None:
+        """Wait up to `timeout` seconds (None: no limit) for the thread to end after a stop requested at
+        `stop_trigger_time` (`time.perf_counter()`); logs how long it took, or that it is still running."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the continuous batching thread did not end within the timeout (%s s)", timeout)
+        else:
+            logger.info(
+                "continuous batching thread ended %.2f s after stop", time.perf_counter() - stop_trigger_time
+            )
 
     def destroy(self, block: bool = True, grace_period: float | None = DESTROY_GRACE_S) -> None:
         """Stop and release the cache; the manager cannot restart afterwards. Idempotent.
@@ -142,9 +207,7 @@ class ContinuousBatchingManager(ManagerLoop):
                     with self._lock:
                         self._release_on_exit = True
                     return
-        with self._lock:
-            self._destroyed = True
-            self.engine = None
+        self._release_engine()
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -162,128 +225,6 @@ class ContinuousBatchingManager(ManagerLoop):
             with self._lock:
                 self._pause_requests -= 1
                 self._lock.notify_all()
-
-    # -- submissions -------------------------------------------------------------------
-    def add_request(
-        self,
-        input_ids: Sequence[int] | torch.Tensor,
-        request_id: str | None = None,
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        eos_token_id: int | list[int] | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-    ) -> str | None:
-        """Submit one request and return its id, or None (with a warning) after `stop()`.
-
-        Raises:
-            ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
-                too long for the model or the whole cache) or a duplicate live `request_id`.
-            queue.Full: `max_queue_size` requests are already waiting to be scheduled.
-            RuntimeError: the manager was destroyed.
-        """
-        if any(v is not None for v in (temperature, top_k, top_p)):
-            raise NotImplementedError(
-                "per-request temperature/top_k/top_p need per_request_processors (not built yet)"
-            )
-        ids = self._submit([(input_ids, request_id)], max_new_tokens, streaming, eos_token_id, indexed=False)
-        return None if ids is None else ids[0]
-
-    def add_requests(
-        self,
-        inputs: Sequence[Sequence[int]],
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        eos_token_id: int | list[int] | None = None,
-    ) -> list[str] | None:
-        """Submit many requests at once and return their ids in input order, or None (with a
-        warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
-        `inputs[i]`), none is submitted."""
-        items = [(input_ids, None) for input_ids in inputs]
-        return self._submit(items, max_new_tokens, streaming, eos_token_id, indexed=True)
-
-    def _submit(
-        self,
-        items: list[tuple[Any, str | None]],
-        max_new_tokens: int | None,
-        streaming: bool,
-        eos_token_id: int | list[int] | None,
-        indexed: bool,
-    ) -> list[str] | None:
-        with self._lock:
-            if self.engine is None:
-                raise RuntimeError("this ContinuousBatchingManager was destroyed")
-            if not self._accepting:
-                logger.warning("ContinuousBatchingManager is stopped: %d request(s) refused", len(items))
-                self._drop_early_handlers(items)
-                return None
-            waiting = len(self._incoming) + self._num_engine_waiting()
-            if self.max_queue_size and waiting + len(items) > self.max_queue_size:
-                raise queue.Full(
-                    f"max_queue_size={self.max_queue_size}: {waiting} requests are already waiting, "
-                    f"{len(items)} more do not fit"
-                )
-            try:
-                requests = self._build_requests(items, max_new_tokens, streaming, eos_token_id, indexed)
-            except BaseException:
-                self._drop_early_handlers(items)
-                raise
-            for request in requests:
-                self._live[request.request_id] = request
-                self._router.expect(request.request_id, streaming)
-                self._incoming.append(request)
-            self._lock.notify_all()
-        return [request.request_id for request in requests]
-
-    def _build_requests(
-        self,
-        items: list[tuple[Any, str | None]],
-        max_new_tokens: int | None,
-        streaming: bool,
-        eos_token_id: int | list[int] | None,
-        indexed: bool,
-    ) -> list[Request]:
-        """Validate every item (all or nothing); the lock is held."""
-        requests: list[Request] = []
-        taken = set(self._live) | self._router.ids_in_use()
-        for index, (input_ids, request_id) in enumerate(items):
-            label = f"inputs[{index}]" if indexed else None
-            if request_id is None:
-                request_id = self.engine.new_request_id(taken)
-            elif not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-            elif request_id in taken:
-                raise ValueError(
-                    f"request_id {request_id!r} is already in use by a request whose outputs are not "
-                    "all delivered yet"
-                )
-            requests.append(
-                self.engine.build_request(
-                    input_ids, request_id, max_new_tokens, eos_token_id, streaming, label=label
-                )
-            )
-            taken.add(request_id)
-        return requests
-
-    def _drop_early_handlers(self, items: list[tuple[Any, str | None]]) -> None:
-        for _, request_id in items:
-            if isinstance(request_id, str):
-                self._router.drop_early_handler(request_id)
-
-    def cancel_request(self, request_id: str) -> None:
-        """Cancel a pending or running request: its pages are freed at the next step boundary and
-        it receives one final result with status CANCELLED. Unknown ids only log a warning."""
-        with self._lock:
-            if request_id not in self._live:
-                logger.warning("cancel_request: unknown or already finished request %r", request_id)
-                return
-            self._cancels.add(request_id)
-            self._lock.notify_all()
-            if self.is_running():
-                return
-        # No loop to do it: apply now (the engine is idle, nobody else touches it).
-        self._apply_submissions()
 
     # -- results -----------------------------------------------------------------------
     def get_result(
@@ -366,6 +307,3 @@ class ContinuousBatchingManager(ManagerLoop):
                 tokens_per_second=self._throughput.rate(),
                 delivered_tokens=self._throughput.total,
             )
-
-    def _num_engine_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) if self.engine else 0

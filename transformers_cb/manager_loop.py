@@ -24,6 +24,8 @@ from .threads import ThreadSettings
 
 logger = logging.getLogger(__name__)
 
+# Where `stop(keep_for_next_session=True)` keeps the manager; `init_continuous_batching` reuses it.
+CACHED_MANAGER_ATTR = "_transformers_cb_manager"
 HARD_STOP_ERROR = "RuntimeError: the manager was hard-stopped before this request finished"
 NOT_RUN_ERROR = "RuntimeError: the manager was stopped before it ran this request (it was not running)"
 
@@ -79,9 +81,16 @@ class ManagerLoop:
                 self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
         finally:
             self._router.set_closed(True)
-            with self._lock:
-                if self._release_on_exit:
-                    self._destroyed, self.engine = True, None
+            if self._release_on_exit:
+                self._release_engine()
+
+    def _release_engine(self) -> None:
+        """The end of `destroy()`: drop the engine (and the cache with it) and the model's reference."""
+        with self._lock:
+            self._destroyed = True
+            self.engine = None
+        if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
+            delattr(self.model, CACHED_MANAGER_ATTR)
 
     def _loop(self) -> None:
         engine = self.engine

@@ -15,10 +15,22 @@ from ..requests import Request
 
 
 class BlockTables:
-    def __init__(self, max_pages_per_request: int, device: torch.device, initial_rows: int = 64) -> None:
+    """Args:
+    max_pages_per_request: the widest a row may grow (the model's context, or the whole cache).
+    initial_pages: the width allocated up front (e.g. from workload hints); rows widen on demand.
+    """
+
+    def __init__(
+        self,
+        max_pages_per_request: int,
+        device: torch.device,
+        initial_rows: int = 64,
+        initial_pages: int | None = None,
+    ) -> None:
         self.max_pages_per_request = max_pages_per_request
         self.device = device
-        self.table = torch.zeros(initial_rows, max_pages_per_request, dtype=torch.int64, device=device)
+        width = max_pages_per_request if initial_pages is None else min(initial_pages, max_pages_per_request)
+        self.table = torch.zeros(initial_rows, max(1, width), dtype=torch.int64, device=device)
         self._rows: dict[str, int] = {}  # request id -> row
         self._num_written: dict[str, int] = {}  # request id -> pages already in its row
         self._free_rows = list(range(initial_rows - 1, -1, -1))
@@ -37,6 +49,8 @@ class BlockTables:
             raise InvariantError(f"{request.request_id}: page table shrank without release")
         if num_pages > self.max_pages_per_request:
             raise InvariantError(f"{request.request_id}: {num_pages=}")
+        if num_pages > self.table.shape[1]:
+            self._widen(num_pages)
         if num_pages > written:
             new_pages = torch.tensor(request.page_ids[written:], dtype=torch.int64)
             self.table[row, written:num_pages] = new_pages.to(self.device)
@@ -68,12 +82,16 @@ class BlockTables:
         ):
             raise InvariantError("a block-table row is held twice, or held and free")
 
+    def _widen(self, num_pages: int) -> None:
+        width = min(self.max_pages_per_request, max(num_pages, 2 * self.table.shape[1]))
+        grown = torch.zeros(self.table.shape[0], width, dtype=self.table.dtype, device=self.device)
+        grown[:, : self.table.shape[1]] = self.table
+        self.table = grown
+
     def _take_row(self) -> int:
         if not self._free_rows:
             old = self.table.shape[0]
-            grown = torch.zeros(
-                old * 2, self.max_pages_per_request, dtype=self.table.dtype, device=self.device
-            )
+            grown = torch.zeros(old * 2, self.table.shape[1], dtype=self.table.dtype, device=self.device)
             grown[:old] = self.table
             self.table = grown
             self._free_rows = list(range(old * 2 - 1, old - 1, -1))
