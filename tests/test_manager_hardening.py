@@ -166,6 +166,7 @@ def _chunks_with_a_new_iterator_each(manager, rid: str) -> list[GenerationOutput
         chunks.append(chunk)
         if chunk.status == RequestStatus.FINISHED:
             return chunks
+        time.sleep(0.005)  # the client handles the chunk; meanwhile the manager produces the next ones
 
 
 @pytest.mark.parametrize("repeat", range(3))
