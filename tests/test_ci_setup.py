@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import re
+import tomllib
 from importlib import metadata
 
 from hypothesis import settings
@@ -14,11 +15,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PYPROJECT = (ROOT / "pyproject.toml").read_text()
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
 def _declared(name: str) -> SpecifierSet:
-    for line in re.findall(r'^\s*"([^"]+)",?\s*(?:#.*)?$', PYPROJECT, flags=re.M):
+    for line in PROJECT["dependencies"]:
         requirement = Requirement(line)
         if requirement.name == name:
             return requirement.specifier
@@ -49,7 +50,7 @@ def _transformers_needs(extra_name: str = "torch") -> tuple[Version, Version]:
 
 def test_declared_python_and_torch_floors_are_what_transformers_and_the_code_need():
     python_floor, torch_floor = _transformers_needs()
-    declared_python = _floor(SpecifierSet(re.search(r'requires-python\s*=\s*"([^"]+)"', PYPROJECT).group(1)))
+    declared_python = _floor(SpecifierSet(PROJECT["requires-python"]))
     assert declared_python >= python_floor, f"transformers needs Python >= {python_floor}"
     assert _floor(_declared("torch")) >= max(torch_floor, Version("2.5")), (
         f"transformers needs torch >= {torch_floor}; sdpa's enable_gqa needs torch >= 2.5"
@@ -57,9 +58,9 @@ def test_declared_python_and_torch_floors_are_what_transformers_and_the_code_nee
 
 
 def test_serve_extra_brings_what_transformers_serve_needs_and_ci_installs_it():
-    serve = re.search(r"^serve = \[(.*)\]$", PYPROJECT, flags=re.M)
+    serve = PROJECT["optional-dependencies"].get("serve")
     assert serve, "no serve extra in pyproject.toml"
-    names = {Requirement(item.strip().strip('"')).name for item in serve.group(1).split(",")}
+    names = {Requirement(item).name for item in serve}
     meta = metadata.metadata("transformers")
     needed = {
         Requirement(line).name

@@ -396,3 +396,19 @@ def test_trl_style_rollout_matches_generate() -> None:
     for prompt, completion in zip(batch, completions, strict=True):
         assert completion == greedy_reference(model, prompt, 24, eos_token_id=eos)
     assert any(c[-1] == eos for c in completions), "choose seeds so some completion ends on eos"
+
+
+def test_cli_python_api_takes_transformers_config(model, prompts) -> None:
+    from transformers_cb.cli.main import generate_all
+
+    outputs = generate_all(
+        model,
+        prompts,
+        [5] * len(prompts),
+        eos_token_id=None,
+        pad_token_id=0,
+        cb_config=HFConfig(max_batch_tokens=256, page_size=16),
+        progress_bar=False,
+    )
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.generated_tokens == greedy_reference(model, prompt, 5)

@@ -28,6 +28,7 @@ from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT_TOKENS = 16
+WARMUP_REQUEST_ID = "__warmup__"
 
 
 @dataclass
@@ -219,7 +220,7 @@ class Engine:
             return False
         length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
         length = max(1, length)
-        request = Request(request_id="__warmup__", prompt_ids=[0] * length, max_new_tokens=2)
+        request = Request(request_id=WARMUP_REQUEST_ID, prompt_ids=[0] * length, max_new_tokens=2)
         if self.scheduler.allocator.max_pages(request.max_total_tokens) > self.sizing.num_pages:
             return False
         # Greedy, so that warming up draws nothing from the sampling RNG the real requests use.
