@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .request_sampling import RequestSampling
 
+from .invariants import InvariantError
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that `status >= FINISHED` means the request is over.
@@ -156,9 +158,8 @@ class Request:
     def set_status(self, status: RequestStatus) -> None:
         if status == self.status:
             return
-        assert status in ALLOWED_TRANSITIONS[self.status], (
-            f"{self.request_id}: {self.status.name} -> {status.name}"
-        )
+        if status not in ALLOWED_TRANSITIONS[self.status]:
+            raise InvariantError(f"{self.request_id}: {self.status.name} -> {status.name}")
         self.status = status
 
     def append_token(

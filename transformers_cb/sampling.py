@@ -1,8 +1,8 @@
 """Turning a step's logits into tokens: the processing stages, then argmax or a seeded draw.
 
-`check_generation_config` refuses the `GenerationConfig` options that make no sense for
-continuous batching (beam search, assisted decoding, guidance, ...) instead of ignoring them;
-every other processor `generate()` builds is applied (see processors.py and docs/sampling.md).
+Which `GenerationConfig` options may be set at all is decided in one table,
+`generation_fields.py` (`check_generation_config`, re-exported here); every processor `generate()`
+builds for an implemented option is applied (see processors.py and docs/sampling.md).
 """
 
 from __future__ import annotations
@@ -11,41 +11,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
 
 from . import warpers
+from .generation_fields import check_generation_config
 from .processors import Stage
 from .request_sampling import RequestSampling
 
-# GenerationConfig options refused when not neutral: name -> (neutral values, why).
-REFUSED = {
-    "num_beams": ((None, 1), "beam search is not continuous batching; use do_sample or greedy"),
-    "num_beam_groups": ((None, 1), "group beam search is not supported"),
-    "diversity_penalty": ((None, 0.0), "diversity_penalty belongs to group beam search"),
-    "constraints": ((None,), "constrained beam search is not supported"),
-    "force_words_ids": ((None,), "constrained beam search is not supported"),
-    "penalty_alpha": ((None,), "contrastive search is not supported"),
-    "dola_layers": ((None,), "DoLa decoding is not supported"),
-    "guidance_scale": ((None, 1.0), "classifier-free guidance needs a second forward per request"),
-    "prompt_lookup_num_tokens": ((None,), "assisted / prompt-lookup decoding is not supported"),
-    "watermarking_config": ((None,), "watermarking is not supported"),
-    "token_healing": ((None, False), "token healing needs a tokenizer pass before generation"),
-    "num_return_sequences": ((None, 1), "num_return_sequences > 1 (forked sequences) is not built yet"),
-    "use_mtp": ((None, False), "multi-token prediction is not supported"),
-    "speculation_type": ((None,), "speculative decoding is not supported"),
-    "max_time": ((None,), "a wall-clock limit per request is not supported; use max_new_tokens"),
-    "output_scores": ((None, False), "use ContinuousBatchingConfig(return_logprobs=True, top_logprobs=k)"),
-    "output_logits": ((None, False), "use ContinuousBatchingConfig(return_logprobs=True, top_logprobs=k)"),
-    "output_attentions": ((None, False), "the paged attention kernels do not return attention weights"),
-    "output_hidden_states": ((None, False), "generate_batch does not return hidden states"),
-}
-
-
-def check_generation_config(config: GenerationConfig) -> None:
-    for name, (neutral, why) in REFUSED.items():
-        value = getattr(config, name, None)
-        if value not in neutral:
-            raise ValueError(f"GenerationConfig.{name}={value!r} is not supported by transformers_cb: {why}")
+__all__ = ["Sampler", "Samples", "check_generation_config"]
 
 
 @dataclass
