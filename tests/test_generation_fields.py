@@ -19,38 +19,18 @@ from transformers_cb.generation_fields import (
     transformers_defaults,
 )
 
-# A value away from the default for each refused field (the issue names top_h ... prompt_lookup_num_tokens).
+# A value away from the default for each refused field. (The logits processors issue 14 listed here are
+# implemented since issue 10: conformance/test_processors.py checks each against generate().)
 NON_DEFAULT = {
-    "min_length": 3,
-    "min_new_tokens": 2,
     "max_time": 5.0,
-    "stop_strings": ["stop"],
     "num_beams": 2,
     "num_beam_groups": 2,
     "diversity_penalty": 0.5,
     "num_return_sequences": 2,
     "penalty_alpha": 0.6,
     "dola_layers": "low",
-    "top_h": 0.4,
-    "min_p": 0.1,
-    "typical_p": 0.9,
-    "epsilon_cutoff": 3e-4,
-    "eta_cutoff": 3e-4,
-    "repetition_penalty": 1.2,
-    "encoder_repetition_penalty": 1.1,
-    "no_repeat_ngram_size": 2,
-    "encoder_no_repeat_ngram_size": 2,
-    "bad_words_ids": [[7]],
     "force_words_ids": [[7]],
     "constraints": ["c"],
-    "sequence_bias": {(7,): 1.0},
-    "suppress_tokens": [7],
-    "begin_suppress_tokens": [7],
-    "forced_bos_token_id": 7,
-    "forced_eos_token_id": 7,
-    "exponential_decay_length_penalty": (2, 1.1),
-    "renormalize_logits": True,
-    "remove_invalid_values": True,
     "guidance_scale": 1.5,
     "watermarking_config": {"bias": 2.0},
     "token_healing": True,
@@ -105,7 +85,7 @@ def test_an_unknown_field_away_from_its_default_is_refused(monkeypatch):
         check_generation_config(config)
 
 
-@pytest.mark.parametrize("name", ["top_h", "max_time", "penalty_alpha", "renormalize_logits"])
+@pytest.mark.parametrize("name", ["max_time", "penalty_alpha", "guidance_scale", "num_beams"])
 def test_generate_batch_refuses_them_at_submission(name):
     model = tiny_llama()
     config = GenerationConfig(max_new_tokens=2)
