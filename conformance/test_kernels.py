@@ -71,7 +71,9 @@ def check_kernel(step: KernelStep, kernel: str) -> None:
     assert torch.equal(metadata.seq_lens_k.cpu(), seq_lens_k), (metadata.seq_lens_k, seq_lens_k)
     for row in range(len(step.seqs)):
         used = -(-int(seq_lens_k[row]) // step.page_size)
-        assert torch.equal(metadata.block_table[row, :used].cpu(), block_table[row, :used]), f"row {row}"
+        assert torch.equal(metadata.groups[0].block_table[row, :used].cpu(), block_table[row, :used]), (
+            f"row {row}"
+        )
     assert metadata.max_seqlen_q == max(q for _, q in step.seqs)
     assert metadata.max_seqlen_k == max(p + q for p, q in step.seqs)
 
@@ -113,7 +115,7 @@ def check_kernel(step: KernelStep, kernel: str) -> None:
         values,
         metadata.cu_seqlens_q,
         metadata.seq_lens_k,
-        metadata.block_table,
+        metadata.groups[0].block_table,
         step.page_size,
         step.scale,
     )
@@ -237,9 +239,9 @@ def test_decode_groups_never_mix_requests(kv_lens: list[int], page_size: int, se
     attention work stays within the padding bound of the real KV work."""
     step = build_kernel_step([(n - 1, 1) for n in kv_lens], page_size, 4, 2, 16, seed=seed)
     metadata = step.metadata
-    assert not metadata.prefill_groups
+    assert not metadata.groups[0].prefill_groups
     covered, work = [], 0
-    for group in metadata.decode_groups:
+    for group in metadata.groups[0].decode_groups:
         batch, width = group.kv_slots.shape
         assert batch == group.q_end - group.q_start
         lens = [sum(step.seqs[step.packed_order[row]]) for row in range(group.q_start, group.q_end)]

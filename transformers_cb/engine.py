@@ -16,6 +16,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
 from .cache.allocator import FullAttentionAllocator
+from .cache.cache_allocator import CacheAllocator
+from .cache.layer_groups import kv_groups_from_config
 from .cache.paged_cache import PagedKVCache
 from .cache.sizing import ModelShape, Sizing, resolve_sizing
 from .config import ContinuousBatchingConfig
@@ -107,6 +109,7 @@ class Engine:
                 self.cb_config.max_blocks_per_request,
             )
         self.shape = ModelShape.from_config(model.config)
+        self.kv_groups = kv_groups_from_config(model.config)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
@@ -118,8 +121,15 @@ class Engine:
             head_dim=self.shape.head_dim,
             dtype=self.dtype,
             device=self.device,
+            groups=self.kv_groups,
         )
-        allocator = FullAttentionAllocator(self.cache.pool, self.sizing.page_size)
+        allocator = CacheAllocator(
+            [
+                FullAttentionAllocator(pool, self.sizing.page_size, g)
+                for g, pool in enumerate(self.cache.pools)
+            ],
+            self.kv_groups,
+        )
         self.scheduler = Scheduler(
             allocator,
             max_batch_tokens=self.sizing.max_batch_tokens,
@@ -182,12 +192,9 @@ class Engine:
             eos_token_ids=as_eos_token_ids(eos_token_id, label),
             streaming=streaming,
         )
-        needed = self.scheduler.allocator.max_pages(request.max_total_tokens)
-        if needed > self.sizing.num_pages:
-            raise ValueError(
-                f"{label}: needs {needed} KV pages of {self.sizing.page_size} tokens but the cache has only "
-                f"{self.sizing.num_pages}; raise num_blocks or lower max_new_tokens"
-            )
+        reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
+        if reason is not None:
+            raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
         return request
 
     def add(self, request: Request) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,8 @@ class ManagerStats:
     decode_tokens: int
     prefix_cache_hit_rate: float
     tokens_per_second: float
+    # KV layer group name (e.g. "full_attention", "sliding_attention(window=4096)") -> pages in use.
+    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
 
 
 class ThroughputWindow:

@@ -37,26 +37,27 @@ def paged_attention(
 
     Returns `[1, T, H, D]`, the layout transformers' attention functions return.
     """
+    group_metadata = metadata.group_of(layer_idx)
     q = query[0].transpose(0, 1)  # [T, H, D]
     new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_values = value[0].transpose(0, 1)
-    metadata.cache.write(layer_idx, metadata.slot_mapping, new_keys, new_values)
+    metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
     out = torch.empty_like(q)  # [T, H, D]
-    for group in metadata.decode_groups:
+    for group in group_metadata.decode_groups:
         q_group = q[group.q_start : group.q_end].unsqueeze(2)  # [B, H, 1, D]
         k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
         v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
         o = attend(q_group, k_group, v_group, group.kv_mask, False, scale)  # [B, H, 1, D]
         out[group.q_start : group.q_end] = o.squeeze(2)
-    for group in metadata.prefill_groups:
+    for group in group_metadata.prefill_groups:
         rows = slice(group.q_start, group.q_end)
         q_group = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if group.kv_slots is None:
-            # First chunk of a sequence: its whole KV is this chunk, plain causal attention.
+            # First chunk of a sequence: its whole KV is this chunk (causal, or windowed by `mask`).
             k_group = new_keys[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Q, D]
             v_group = new_values[rows].transpose(0, 1).unsqueeze(0)
-            o = attend(q_group, k_group, v_group, None, group.q_end - group.q_start > 1, scale)
+            o = attend(q_group, k_group, v_group, group.mask, group.q_end - group.q_start > 1, scale)
         else:
             k_group = _gather(key_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             v_group = _gather(value_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)

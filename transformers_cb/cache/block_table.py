@@ -1,8 +1,12 @@
-"""`BlockTables`: a persistent `[rows, max_pages]` page table, updated in place.
+"""`BlockTables`: a persistent `[rows, width]` page table of one KV group, updated in place.
 
-Each running request owns a row while it runs. Pages are only ever appended to
-a running request, so a step writes just the new pages instead of rebuilding
-the table; a preempted or finished request gives its row back.
+Each running request owns a row while it runs. Logical page `i` of a request
+sits in column `i % width`: a full-attention group's width covers a whole
+request, so that is column `i`; a sliding-window group only ever holds a
+bounded run of consecutive pages, so its row is a ring that old pages leave
+and new ones enter. Pages are only ever appended to a running request, so a
+step writes just the new pages instead of rebuilding the table; a preempted or
+finished request gives its row back.
 """
 
 from __future__ import annotations
@@ -13,30 +17,42 @@ from ..requests import Request
 
 
 class BlockTables:
-    def __init__(self, max_pages_per_request: int, device: torch.device, initial_rows: int = 64) -> None:
-        self.max_pages_per_request = max_pages_per_request
+    def __init__(
+        self, max_pages_per_request: int, device: torch.device, initial_rows: int = 64, group: int = 0
+    ) -> None:
+        self.max_pages_per_request = max_pages_per_request  # the row width
         self.device = device
+        self.group = group
         self.table = torch.zeros(initial_rows, max_pages_per_request, dtype=torch.int64, device=device)
         self._rows: dict[int, int] = {}  # id(request) -> row
-        self._num_written: dict[int, int] = {}  # id(request) -> pages already in its row
+        self._num_written: dict[int, int] = {}  # id(request) -> logical end of the pages already in its row
         self._free_rows = list(range(initial_rows - 1, -1, -1))
 
     def sync(self, request: Request) -> int:
-        """Make `request`'s row match its `page_ids` (appending new pages); return the row."""
+        """Make `request`'s row match its page list in this group (writing new pages); return the row."""
         key = id(request)
         row = self._rows.get(key)
         if row is None:
             row = self._take_row()
             self._rows[key] = row
             self._num_written[key] = 0
+        pages = request.group_pages(self.group)
         written = self._num_written[key]
-        num_pages = len(request.page_ids)
-        assert num_pages >= written, f"{request.request_id}: page table shrank without release"
+        end = pages.end_page
+        assert end >= written, f"{request.request_id}: page table shrank without release"
+        num_pages = len(pages.page_ids)
         assert num_pages <= self.max_pages_per_request, f"{request.request_id}: {num_pages=}"
-        if num_pages > written:
-            new_pages = torch.tensor(request.page_ids[written:], dtype=torch.int64)
-            self.table[row, written:num_pages] = new_pages.to(self.device)
-            self._num_written[key] = num_pages
+        first_new = max(written, pages.first_page)
+        if end > first_new:
+            new_pages = torch.tensor(pages.page_ids[first_new - pages.first_page :], dtype=torch.int64)
+            new_pages = new_pages.to(self.device)
+            start = first_new % self.max_pages_per_request
+            if start + len(new_pages) <= self.max_pages_per_request:
+                self.table[row, start : start + len(new_pages)] = new_pages
+            else:  # the ring wraps around
+                columns = torch.arange(first_new, end) % self.max_pages_per_request
+                self.table[row, columns.to(self.device)] = new_pages
+            self._num_written[key] = end
         return row
 
     def release(self, request: Request) -> None:
