@@ -15,12 +15,14 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
-from .cache.allocator import FullAttentionAllocator
+from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator
 from .cache.cache_allocator import CacheAllocator
-from .cache.layer_groups import kv_groups_from_config
+from .cache.layer_groups import KVGroupSpec, kv_groups_from_config
 from .cache.paged_cache import PagedKVCache
-from .cache.sizing import ModelShape, Sizing, resolve_sizing
+from .cache.pool import PagePool
+from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from .config import ContinuousBatchingConfig
+from .model_support import check_model_supported
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
@@ -65,19 +67,11 @@ def resolve_generation_config(
     return resolved
 
 
-def check_model_supported(config: Any) -> None:
-    text_config = config.get_text_config()
-    layer_types = getattr(text_config, "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in layer_types)
-    if not layer_types and getattr(text_config, "sliding_window", None) is not None:
-        sliding = getattr(text_config, "use_sliding_window", True)
-    if sliding:
-        raise NotImplementedError(
-            "models with sliding-window or non-full attention layers are not supported yet"
-        )
-    for name in ("attn_logit_softcapping",):
-        if getattr(text_config, name, None) is not None:
-            raise NotImplementedError(f"attention with {name} is not supported yet")
+def make_allocator(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> FullAttentionAllocator:
+    """The page policy of one KV layer group."""
+    if spec.sliding_window is None:
+        return FullAttentionAllocator(pool, page_size, group)
+    return SlidingWindowAllocator(pool, page_size, spec.sliding_window, group)
 
 
 class Engine:
@@ -101,6 +95,15 @@ class Engine:
         self.generation_config = resolve_generation_config(model, generation_config)
         check_generation_config(self.generation_config)
         check_model_supported(model.config)
+        self.kv_groups = kv_groups_from_config(model.config)
+        has_sliding = any(spec.sliding_window is not None for spec in self.kv_groups)
+        if has_sliding and self.cb_config.max_blocks_per_request:
+            logger.warning(
+                "max_blocks_per_request=%d forced to 0: the model has sliding-window layers, whose pages are "
+                "recycled, so the per-request block-table fast path does not apply",
+                self.cb_config.max_blocks_per_request,
+            )
+            self.cb_config.max_blocks_per_request = 0
         if self.cb_config.max_blocks_per_request:
             logger.warning(
                 "max_blocks_per_request=%d: the decode fast path needs flash_attn_with_kvcache "
@@ -109,13 +112,13 @@ class Engine:
                 self.cb_config.max_blocks_per_request,
             )
         self.shape = ModelShape.from_config(model.config)
-        self.kv_groups = kv_groups_from_config(model.config)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
+        group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
-            num_pages=self.sizing.num_pages,
+            num_pages=group_pages,
             page_size=self.sizing.page_size,
             num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.shape.head_dim,
@@ -125,8 +128,8 @@ class Engine:
         )
         allocator = CacheAllocator(
             [
-                FullAttentionAllocator(pool, self.sizing.page_size, g)
-                for g, pool in enumerate(self.cache.pools)
+                make_allocator(spec, pool, self.sizing.page_size, g)
+                for g, (spec, pool) in enumerate(zip(self.kv_groups, self.cache.pools, strict=True))
             ],
             self.kv_groups,
         )
@@ -137,7 +140,7 @@ class Engine:
             safety_margin=self.cb_config.resolved_safety_margin,
             policy=make_policy(self.cb_config.scheduler_type),
         )
-        self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device)
+        self.packer = BatchPacker(self.cache, group_widths, self.device)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()

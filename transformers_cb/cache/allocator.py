@@ -94,3 +94,38 @@ class FullAttentionAllocator:
         assert pages.first_page <= self.first_needed_page(computed), (
             f"{request.request_id}: group {self.group} dropped pages still in use ({pages.first_page=})"
         )
+
+
+class SlidingWindowAllocator(FullAttentionAllocator):
+    """Pages for sliding-window layers: only the pages covering the last `sliding_window` tokens.
+
+    A query at position `q` reads keys `(q - sliding_window, q]`. After each step (`trim`, called
+    by the scheduler at the step boundary) the pages wholly before the next query's window go back
+    to the pool, so a decoding request holds at most `window_pages()` pages, plus the chunk while
+    it prefills.
+    """
+
+    def __init__(self, pool: PagePool, page_size: int, sliding_window: int, group: int = 0) -> None:
+        super().__init__(pool, page_size, group)
+        assert sliding_window >= 1, f"{sliding_window=}"
+        self.sliding_window = sliding_window
+
+    def first_needed_page(self, start: int) -> int:
+        return max(0, start - self.sliding_window + 1) // self.page_size
+
+    def window_pages(self) -> int:
+        """Pages a window of `sliding_window` tokens can straddle: the decode-time bound per request."""
+        return num_pages_for(self.sliding_window - 1, self.page_size) + 1
+
+    def max_pages(self, num_tokens: int) -> int:
+        # Chunks shrink to what fits, so one token at a time is enough to make progress.
+        return min(num_pages_for(num_tokens, self.page_size), self.window_pages())
+
+    def check_request(self, request: Request) -> None:
+        super().check_request(request)
+        pages = self.pages(request)
+        first_needed = self.first_needed_page(request.num_computed_tokens)
+        assert not pages.page_ids or pages.first_page >= first_needed, (
+            f"{request.request_id}: group {self.group} still holds pages before its window "
+            f"({pages.first_page=} < {first_needed})"
+        )
