@@ -35,6 +35,7 @@ from transformers import (
 import transformers_cb  # noqa: F401  (installs the plugin)
 from transformers_cb.attention.metadata import AttentionMetadata
 from transformers_cb.batch import BatchPacker
+from transformers_cb.cache.layer_groups import SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.cache.paged_cache import PagedKVCache
 from transformers_cb.conformance_check import (
     Mismatch,
@@ -44,7 +45,7 @@ from transformers_cb.conformance_check import (
     greedy_config,
     reference_greedy,
 )
-from transformers_cb.requests import GenerationOutput, Request, RequestStatus
+from transformers_cb.requests import GenerationOutput, PageList, Request, RequestStatus
 from transformers_cb.scheduler import ScheduledBatch, ScheduledRequest
 
 __all__ = [
@@ -317,11 +318,14 @@ class KernelStep:
     page_size: int
     scale: float
     initial_keys: torch.Tensor = field(repr=False, default=None)
+    # Every page each request's tokens were written to (a sliding request has dropped the first ones).
+    all_page_ids: list[list[int]] = field(default_factory=list)
+    sliding_window: int | None = None
 
     def slots(self, request_index: int, length: int) -> torch.Tensor:
         """Cache slots of tokens [0, length) of request `request_index`, from its page ids."""
         positions = torch.arange(length)
-        pages = torch.tensor(self.requests[request_index].page_ids)[positions // self.page_size]
+        pages = torch.tensor(self.all_page_ids[request_index])[positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
 
@@ -334,29 +338,39 @@ def build_kernel_step(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     spare_pages: int = 3,
+    sliding_window: int | None = None,
 ) -> KernelStep:
     """Requests with (past_len, q_len) each, on shuffled non-contiguous pages, packed by `BatchPacker`.
 
     Every request's prompt tokens are unique to it, so the packed order is read back from `input_ids`.
+    With `sliding_window`, the layer is in a sliding group: each request holds only the pages from its
+    window on (as `SlidingWindowAllocator.trim` leaves them) in a block-table ring just wide enough.
     """
     generator = torch.Generator().manual_seed(seed)
     num_pages_each = [math.ceil((past + q) / page_size) for past, q in seqs]
     num_pages = sum(num_pages_each) + spare_pages
-    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    groups = widths = None
+    if sliding_window is not None:
+        groups = [KVGroupSpec(SLIDING_ATTENTION, (0,), sliding_window)]
+        max_q = max(q for _, q in seqs)
+        widths = [min(max(num_pages_each), math.ceil((sliding_window - 1 + max_q) / page_size) + 1)]
+    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device("cpu"), groups)
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
     initial_keys = cache.keys[0].clone()
     permutation = torch.randperm(num_pages, generator=generator).tolist()
-    requests, entries, offset = [], [], 0
+    requests, entries, all_page_ids, offset = [], [], [], 0
     for i, ((past, q), count) in enumerate(zip(seqs, num_pages_each, strict=True)):
         tokens = [1000 * (i + 1) + t for t in range(past + q)]  # unique per request
         request = Request(request_id=f"r{i}", prompt_ids=tokens, max_new_tokens=1)
-        request.page_ids = permutation[offset : offset + count]
+        all_page_ids.append(permutation[offset : offset + count])
+        first = 0 if sliding_window is None else max(0, past - sliding_window + 1) // page_size
+        request.pages = [PageList(all_page_ids[-1][first:], first_page=first)]
         request.num_computed_tokens = past
         offset += count
         requests.append(request)
         entries.append(ScheduledRequest(request, past, q))
-    packer = BatchPacker(cache, max(num_pages_each), torch.device("cpu"))
+    packer = BatchPacker(cache, widths or max(num_pages_each), torch.device("cpu"))
     step = packer.pack(ScheduledBatch(entries=entries))
     metadata = step.metadata
     # The packer reorders requests; recover the order from the (unique) token ids.
@@ -378,4 +392,6 @@ def build_kernel_step(
         page_size=page_size,
         scale=head_dim**-0.5,
         initial_keys=initial_keys,
+        all_page_ids=all_page_ids,
+        sliding_window=sliding_window,
     )
