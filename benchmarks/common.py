@@ -463,11 +463,14 @@ class OursEngine(Engine):
         self.settings_fn = settings_fn
         self.per_request_mnt: bool | None = None  # decided by the warmup probe
 
-    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+    def _config_class(self) -> type:
         import transformers_cb
 
+        return transformers_cb.ContinuousBatchingConfig
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
         settings = self.settings_fn(workload)
-        cfg, ignored = make_config(transformers_cb.ContinuousBatchingConfig, settings)
+        cfg, ignored = make_config(self._config_class(), settings)
         return cfg, settings, ignored
 
     def _call(
@@ -548,6 +551,20 @@ class OursEngine(Engine):
                 f"per-request max_new_tokens unsupported: ran {len(groups)} generate_batch calls grouped by max_new_tokens"
             )
         return RunResult(self.name, outputs, wall, forwarded, exact, errors, notes, peak_pages=peak_pages)
+
+
+class OursTransformersConfigEngine(OursEngine):
+    """`OursEngine` given transformers' own `ContinuousBatchingConfig` (as the documents and TRL build
+    it), which the plugin converts: the path users take."""
+
+    name = "ours-hf"
+
+    def _config_class(self) -> type:
+        from transformers.generation import ContinuousBatchingConfig
+
+        import transformers_cb  # noqa: F401  (patches PreTrainedModel.generate_batch)
+
+        return ContinuousBatchingConfig
 
 
 @contextlib.contextmanager

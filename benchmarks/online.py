@@ -229,9 +229,14 @@ class OursOnline(OnlineEngine):
     name = "ours"
 
     def start(self, collector: Collector) -> None:
-        import transformers_cb
+        # transformers' own config class, as the documents and real clients build it: the plugin
+        # converts it (this is the path users take).
+        from transformers.generation import ContinuousBatchingConfig as TransformersConfig
 
-        cfg, ignored = make_config(transformers_cb.ContinuousBatchingConfig, self.settings)
+        import transformers_cb  # noqa: F401
+
+        cfg, ignored = make_config(TransformersConfig, self.settings)
+        self.notes.append("config: transformers.generation.ContinuousBatchingConfig")
         if ignored:
             self.notes.append(f"ignored settings: {ignored}")
         self.collector = collector

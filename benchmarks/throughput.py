@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ENGINE_NAMES = ("static", "builtin", "ours", "limit")
+ENGINE_NAMES = ("static", "builtin", "ours", "ours-hf", "limit")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
 
 
@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         type=_csv,
         default=list(ENGINE_NAMES),
-        help="comma list of: static, builtin, ours, limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-hf (ours given transformers' config), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.BuiltinEngine(settings_fn)
         if name == "ours":
             return common.OursEngine(settings_fn)
+        if name == "ours-hf":
+            return common.OursTransformersConfigEngine(settings_fn)
         return common.LimitEngine(repeats=args.limit_repeats)
 
     def log(msg: str) -> None:

@@ -31,7 +31,7 @@ from conformance.common import (
     vocab_size,
 )
 from transformers_cb import RequestStatus
-from transformers_cb.engine import Engine
+from transformers_cb.engine import WARMUP_REQUEST_ID, Engine
 from transformers_cb.scheduler import Scheduler
 
 MAX_NEW_TOKENS = 10
@@ -97,7 +97,7 @@ def check_workload(workload: dict) -> None:
     original_finish, original_step = Scheduler.finish, Engine.step
 
     def finish(self, request, status, error=None):
-        if not request.is_finished:
+        if not request.is_finished and request.request_id != WARMUP_REQUEST_ID:
             finishes[request.request_id] += 1
         return original_finish(self, request, status, error)
 

@@ -107,7 +107,8 @@ def test_resolved_safety_margin(kwargs: dict, expected: float) -> None:
         ("cpu_offload_space", -1.0),
         ("cpu_offload_space_safety_threshold", 0),
         ("cpu_offload_space_safety_threshold", 1.2),
-        ("q_padding_interval_size", 0),
+        ("q_padding_interval_size", -1),
+        ("use_cuda_graph", (True,)),
         ("kv_padding_interval_size", -1),
         ("default_compile_level", 5),
         ("default_compile_level", -1),
@@ -173,11 +174,9 @@ def test_page_size_alone_does_not_warn() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "feature"),
     [
-        ("use_cuda_graph", True, "CUDA graphs"),
         ("cpu_offload_space", 1.0, "CPU offload"),
         ("cpu_offload_space", None, "CPU offload"),
         ("per_request_processors", True, "per-request sampling processors"),
-        ("use_async_batching", True, "async batching"),
         ("default_compile_level", 1, "torch.compile"),
         ("default_compile_level", 3, "torch.compile"),
         ("varlen_compile_config", {"mode": "default"}, "torch.compile"),
@@ -197,6 +196,11 @@ def test_unbuilt_features_raise_not_implemented(field: str, value: object, featu
     [
         ("use_cuda_graph", False),
         ("use_cuda_graph", None),
+        ("use_cuda_graph", True),
+        ("use_cuda_graph", (True, False)),
+        ("use_async_batching", True),
+        ("use_async_batching", None),
+        ("q_padding_interval_size", 0),
         ("max_blocks_per_request", 0),
         ("max_blocks_per_request", None),
         ("max_blocks_per_request", 64),

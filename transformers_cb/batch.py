@@ -51,10 +51,15 @@ class BatchPacker:
     Args:
         max_pages_per_request: block-table width, one for every group or one per group (a sliding
             group's width only needs to cover its window plus one step's chunk).
+        initial_pages_per_request: width allocated up front (rows widen on demand).
     """
 
     def __init__(
-        self, cache: PagedKVCache, max_pages_per_request: int | list[int], device: torch.device
+        self,
+        cache: PagedKVCache,
+        max_pages_per_request: int | list[int],
+        device: torch.device,
+        initial_pages_per_request: int | None = None,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
@@ -65,7 +70,10 @@ class BatchPacker:
             if isinstance(max_pages_per_request, list)
             else [max_pages_per_request] * num_groups
         )
-        self.block_tables = [BlockTables(widths[g], device, group=g) for g in range(num_groups)]
+        self.block_tables = [
+            BlockTables(widths[g], device, initial_pages=initial_pages_per_request, group=g)
+            for g in range(num_groups)
+        ]
         self._page_offsets = torch.arange(self.page_size, device=device)
 
     def release(self, requests: list) -> None:
@@ -129,22 +137,22 @@ class BatchPacker:
         tables = self.block_tables[group]
         window = self.cache.groups[group].sliding_window
         rows = torch.tensor([tables.sync(e.request) for e in ordered], dtype=torch.int64)
-        table_rows = tables.table[rows.to(self.device)]  # [N, width]
-        width, page_size = tables.max_pages_per_request, self.page_size
-        # slot = page_id * page_size + offset; logical page p of a row sits in column p % width.
-        columns = torch.div(position_ids, page_size, rounding_mode="floor") % width
+        table_rows = tables.table[rows.to(self.device)]  # [N, current width]
+        ring, page_size = tables.max_pages_per_request, self.page_size
+        # slot = page_id * page_size + offset; logical page p of a row sits in column p % ring.
+        columns = torch.div(position_ids, page_size, rounding_mode="floor") % ring
         slot_mapping = table_rows[token_entry, columns] * page_size + position_ids % page_size
         num_pages = -(-max_seqlen_k // page_size)
-        if num_pages <= width and window is None:
+        if num_pages <= ring:
             block_table = table_rows[:, :num_pages]
         else:
-            block_table = table_rows[:, torch.arange(num_pages, device=self.device) % width]
+            block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
         decodes, prefills = ordered[:num_decodes], ordered[num_decodes:]
         return GroupMetadata(
             sliding_window=window,
             slot_mapping=slot_mapping,
-            decode_groups=self._decode_groups(decodes, block_table, table_rows, seq_lens_k, window),
-            prefill_groups=self._prefill_groups(prefills, num_decodes, block_table, table_rows, window),
+            decode_groups=self._decode_groups(decodes, block_table, table_rows, ring, seq_lens_k, window),
+            prefill_groups=self._prefill_groups(prefills, num_decodes, block_table, table_rows, ring, window),
             block_table=block_table.to(torch.int32),
         )
 
@@ -154,10 +162,9 @@ class BatchPacker:
         # Contiguous once here, so every layer's gather can flatten it without a copy.
         return slots.reshape(block_table_rows.shape[0], -1)[:, :kv_len].contiguous()
 
-    def _window_slots(self, table_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Slots of logical `positions` `[B, L]` through ring rows `table_rows` `[B, width]`."""
-        width = table_rows.shape[1]
-        columns = torch.div(positions, self.page_size, rounding_mode="floor") % width
+    def _window_slots(self, table_rows: torch.Tensor, ring: int, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of logical `positions` `[B, L]` through rows `table_rows` of a ring of `ring` columns."""
+        columns = torch.div(positions, self.page_size, rounding_mode="floor") % ring
         return table_rows.gather(1, columns) * self.page_size + positions % self.page_size
 
     def _decode_groups(
@@ -165,6 +172,7 @@ class BatchPacker:
         decodes: list[ScheduledRequest],
         block_table: torch.Tensor,
         table_rows: torch.Tensor,
+        ring: int,
         seq_lens_k: torch.Tensor,
         window: int | None,
     ) -> list[DecodeGroup]:
@@ -180,7 +188,7 @@ class BatchPacker:
             else:
                 first = seq_lens_k[start:end] - torch.tensor(kv_lens[start:end], device=self.device)
                 positions = first[:, None] + torch.arange(kv_len, device=self.device)  # [B, L]
-                kv_slots = self._window_slots(table_rows[start:end], positions)
+                kv_slots = self._window_slots(table_rows[start:end], ring, positions)
             kv_mask = None
             if kv_lens[end - 1] != kv_len:
                 lengths = torch.tensor(kv_lens[start:end], device=self.device)
@@ -195,6 +203,7 @@ class BatchPacker:
         first_row: int,
         block_table: torch.Tensor,
         table_rows: torch.Tensor,
+        ring: int,
         window: int | None,
     ) -> list[PrefillGroup]:
         groups, q_start = [], first_row
@@ -211,7 +220,7 @@ class BatchPacker:
                 kv_start = max(0, entry.start - window + 1)
                 kv_positions = torch.arange(kv_start, entry.end, device=self.device)
                 if entry.start > 0:
-                    kv_slots = self._window_slots(table_rows[i : i + 1], kv_positions[None, :])[0]
+                    kv_slots = self._window_slots(table_rows[i : i + 1], ring, kv_positions[None, :])[0]
                 else:
                     kv_positions = kv_positions[: entry.num_tokens]  # the chunk's own K/V
                 q_positions = torch.arange(entry.start, entry.end, device=self.device)[:, None]

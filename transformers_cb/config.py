@@ -8,9 +8,12 @@ separate object, so the user's config is never mutated.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
@@ -50,10 +53,10 @@ class ContinuousBatchingConfig:
     cpu_offload_space_safety_threshold: float = 0.8
     return_logprobs: bool = False
     per_request_processors: bool = False
-    use_cuda_graph: bool | None = None
+    use_cuda_graph: bool | tuple[bool, bool] | None = None
     q_padding_interval_size: int = 64
     kv_padding_interval_size: int = 16384
-    use_async_batching: bool = False
+    use_async_batching: bool | None = False
     default_compile_level: int = 0
     varlen_compile_config: Any = None
     decode_compile_config: Any = None
@@ -62,9 +65,30 @@ class ContinuousBatchingConfig:
     cpu_group_timeout: float | None = 300.0
     seed: int | None = None
     max_queue_size: int = 0
+    drop_unsupported_processors: bool = True
+    disable_nccl_graph_mixing: bool = True
+    # Deprecated aliases, as in transformers: each warns and maps onto its replacement.
+    use_default_compile_configs: bool | None = field(default=None, repr=False)
+    max_cached_graphs: int | None = field(default=None, repr=False)
     block_size: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.use_default_compile_configs is not None:
+            warnings.warn(
+                "ContinuousBatchingConfig.use_default_compile_configs is deprecated, use default_compile_level "
+                "instead (True means level 3, False level 0)",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.default_compile_level = 3 if self.use_default_compile_configs else 0
+            self.use_default_compile_configs = None
+        if self.max_cached_graphs is not None:
+            warnings.warn(
+                "ContinuousBatchingConfig.max_cached_graphs is deprecated and has no effect",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.max_cached_graphs = None
         if self.block_size is not None:
             warnings.warn(
                 "ContinuousBatchingConfig.block_size is deprecated, use page_size instead",
@@ -123,7 +147,7 @@ class ContinuousBatchingConfig:
         )
         for name in ("q_padding_interval_size", "kv_padding_interval_size"):
             value = getattr(self, name)
-            _check_range(name, value, "an int >= 1", _is_int(value) and value >= 1)
+            _check_range(name, value, "an int >= 0 (0 = the preset)", _is_int(value) and value >= 0)
         value = self.default_compile_level
         _check_range("default_compile_level", value, "an int in 0..3", _is_int(value) and 0 <= value <= 3)
         value = self.max_blocks_per_request
@@ -147,16 +171,26 @@ class ContinuousBatchingConfig:
             "allow_block_sharing",
             "return_logprobs",
             "per_request_processors",
-            "use_async_batching",
             "auto_switch_to_flash",
+            "drop_unsupported_processors",
+            "disable_nccl_graph_mixing",
         ):
             value = getattr(self, name)
             _check_range(name, value, "a bool", isinstance(value, bool))
         _check_range(
+            "use_async_batching",
+            self.use_async_batching,
+            "None (auto) or a bool",
+            self.use_async_batching is None or isinstance(self.use_async_batching, bool),
+        )
+        graphs = self.use_cuda_graph
+        _check_range(
             "use_cuda_graph",
-            self.use_cuda_graph,
-            "None or a bool",
-            self.use_cuda_graph in (None, True, False),
+            graphs,
+            "None (auto), a bool, or a (varlen, decode) pair of bools",
+            graphs is None
+            or isinstance(graphs, bool)
+            or (isinstance(graphs, tuple) and len(graphs) == 2 and all(isinstance(g, bool) for g in graphs)),
         )
         self._check_unbuilt_features()
 
@@ -164,8 +198,6 @@ class ContinuousBatchingConfig:
         unbuilt = {
             "cpu_offload_space (CPU offload of evicted KV pages)": self.cpu_offload_space != 0.0,
             "per_request_processors (per-request sampling processors)": self.per_request_processors,
-            "use_cuda_graph (CUDA graphs)": bool(self.use_cuda_graph),
-            "use_async_batching (async batching)": self.use_async_batching,
             "default_compile_level (torch.compile)": self.default_compile_level != 0,
             "varlen_compile_config / decode_compile_config (torch.compile)": (
                 self.varlen_compile_config is not None or self.decode_compile_config is not None
@@ -176,6 +208,12 @@ class ContinuousBatchingConfig:
                 raise NotImplementedError(f"ContinuousBatchingConfig.{feature} is not implemented yet")
 
     @property
+    def wants_cuda_graphs(self) -> bool:
+        return (
+            any(self.use_cuda_graph) if isinstance(self.use_cuda_graph, tuple) else bool(self.use_cuda_graph)
+        )
+
+    @property
     def resolved_safety_margin(self) -> float:
         if self.safety_margin is not None:
             return float(self.safety_margin)
@@ -184,3 +222,25 @@ class ContinuousBatchingConfig:
     def copy(self, **changes: Any) -> ContinuousBatchingConfig:
         """A validated copy with `changes` applied; the original is untouched."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -> None:
+    """Settle the options that only mean something on a GPU, in place on the engine's private copy.
+
+    As in transformers, a CPU run logs a warning and turns them off instead of failing, so code
+    written for a GPU box runs here. On CUDA, asking for them raises: they are not built yet.
+    """
+    requested = {
+        "use_cuda_graph (CUDA graphs)": config.wants_cuda_graphs,
+        "use_async_batching (async batching)": bool(config.use_async_batching),
+    }
+    for feature, wanted in requested.items():
+        if not wanted:
+            continue
+        if device_type == "cuda":
+            raise NotImplementedError(f"ContinuousBatchingConfig.{feature} is not implemented yet")
+        logger.warning(
+            "ContinuousBatchingConfig.%s needs a CUDA device; turned off on %s", feature, device_type
+        )
+    config.use_cuda_graph = False
+    config.use_async_batching = False

@@ -15,13 +15,13 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
-from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator
+from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator, num_pages_for
 from .cache.cache_allocator import CacheAllocator
 from .cache.layer_groups import KVGroupSpec, kv_groups_from_config
 from .cache.paged_cache import PagedKVCache
 from .cache.pool import PagePool
 from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
-from .config import ContinuousBatchingConfig
+from .config import ContinuousBatchingConfig, resolve_device_options
 from .model_support import check_model_supported
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
@@ -30,6 +30,9 @@ from .scheduler import Scheduler, make_policy
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
+
+WARMUP_PROMPT_TOKENS = 16
+WARMUP_REQUEST_ID = "__warmup__"
 
 
 @dataclass
@@ -114,6 +117,7 @@ class Engine:
         self.shape = ModelShape.from_config(model.config)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
+        resolve_device_options(self.cb_config, self.device.type)
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
         group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
@@ -140,10 +144,12 @@ class Engine:
             safety_margin=self.cb_config.resolved_safety_margin,
             policy=make_policy(self.cb_config.scheduler_type),
         )
-        self.packer = BatchPacker(self.cache, group_widths, self.device)
+        initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
+        self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()
+        self.warmed_up = False
         self._auto_ids = itertools.count()
 
     # -- requests ------------------------------------------------------------
@@ -169,6 +175,7 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         streaming: bool = False,
         label: str | None = None,
+        record_timestamps: bool = False,
     ) -> Request:
         """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input."""
         label = label or f"request {request_id!r}"
@@ -194,6 +201,7 @@ class Engine:
             max_new_tokens=max_new_tokens,
             eos_token_ids=as_eos_token_ids(eos_token_id, label),
             streaming=streaming,
+            record_timestamps=record_timestamps,
         )
         reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
         if reason is not None:
@@ -209,6 +217,32 @@ class Engine:
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         self.scheduler.finish(request, status, error)
         self.packer.release([request])
+
+    def warmup(self, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> bool:
+        """Run a throw-away request through a prefill and a decode step, so the first real request
+        does not pay for first-call costs (kernel selection, allocator growth, lazy init).
+
+        Nothing of it stays: its pages are freed and the counters reset. Only an idle engine warms up;
+        returns whether it did. Call it with the paged backend active (see `attention.selection`).
+        """
+        if self.has_work():
+            return False
+        length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
+        length = max(1, length)
+        request = Request(request_id=WARMUP_REQUEST_ID, prompt_ids=[0] * length, max_new_tokens=2)
+        if self.scheduler.allocator.unfittable_reason(request.max_total_tokens) is not None:
+            return False
+        # Greedy, so that warming up draws nothing from the sampling RNG the real requests use.
+        sampler, self.runner.sampler = self.runner.sampler, Sampler(GenerationConfig(), None, self.device)
+        try:
+            self.add(request)
+            while self.has_work():
+                self.step()
+        finally:
+            self.runner.sampler = sampler
+            self.counters = EngineCounters()
+        self.warmed_up = True
+        return True
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:

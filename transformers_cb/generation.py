@@ -22,17 +22,25 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .attention.selection import paged_attention
 from .config import ContinuousBatchingConfig
-from .engine import Engine, resolve_generation_config
+from .engine import Engine, EngineCounters, resolve_generation_config
+from .interop import as_cb_config
 from .requests import GenerationOutput, Request
+
+# Where `generate_batch(persistent_manager=True)` keeps its engine; see `manager_api` for the manager's.
+CACHED_ENGINE_ATTR = "_transformers_cb_engine"
 
 
 def take_cb_config(
-    generation_config: GenerationConfig | None, continuous_batching_config: ContinuousBatchingConfig | None
+    generation_config: GenerationConfig | None, continuous_batching_config: Any
 ) -> ContinuousBatchingConfig | None:
-    """The deprecated `GenerationConfig.continuous_batching_config` still works, with a FutureWarning."""
+    """The config to run with: ours, or transformers' converted into ours (see `interop`).
+
+    The deprecated `GenerationConfig.continuous_batching_config` still works, with a FutureWarning;
+    an explicit `continuous_batching_config` wins and the nested one is then neither used nor validated.
+    """
     legacy = getattr(generation_config, "continuous_batching_config", None) if generation_config else None
     if legacy is None:
-        return continuous_batching_config
+        return as_cb_config(continuous_batching_config)
     warnings.warn(
         "Setting continuous_batching_config on GenerationConfig is deprecated; pass "
         "continuous_batching_config= to generate_batch / init_continuous_batching instead",
@@ -40,10 +48,8 @@ def take_cb_config(
         stacklevel=3,
     )
     if continuous_batching_config is not None:
-        return continuous_batching_config
-    if isinstance(legacy, dict):
-        return ContinuousBatchingConfig(**legacy)
-    return legacy
+        return as_cb_config(continuous_batching_config)
+    return as_cb_config(legacy, "GenerationConfig.continuous_batching_config")
 
 
 def _per_request(value: Any, count: int, name: str) -> list[Any]:
@@ -59,7 +65,10 @@ def generate_batch(
     inputs: Sequence[Sequence[int]],
     generation_config: GenerationConfig | None = None,
     continuous_batching_config: ContinuousBatchingConfig | None = None,
+    record_timestamps: bool = False,
     progress_bar: bool = True,
+    persistent_manager: bool = False,
+    warmup: bool = True,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of `inputs` and block until all are finished or failed.
@@ -67,8 +76,14 @@ def generate_batch(
     Args:
         inputs: token-id lists (or 1D tensors), one per request.
         generation_config: sampling/stopping settings (default: the model's); never mutated.
-        continuous_batching_config: hardware-side settings; never mutated.
+        continuous_batching_config: hardware-side settings, ours or transformers' (converted); never mutated.
+        record_timestamps: give each output `timestamps`, one `time.perf_counter()` per generated token.
         progress_bar: show a tqdm bar of finished requests and generated tokens/s.
+        persistent_manager: keep the engine (its cache and block tables) on the model, so the next
+            call with the same configs reuses it instead of allocating and warming up again.
+            `model.destroy_cached_continuous_batching_manager()` releases it.
+        warmup: run a throw-away prefill and decode step first, so the first requests do not pay
+            for first-call costs.
         max_new_tokens (kwarg): an int for all requests, or a list with one value per input.
         eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
 
@@ -90,16 +105,47 @@ def generate_batch(
     if not inputs:
         return {}
     workload = _workload(self, generation_config, inputs, max_new)
-    engine = Engine(self, generation_config, cb_config, workload=workload)
+    engine = _engine_for(self, generation_config, cb_config, workload, persistent_manager)
     requests = [
-        engine.build_request(ids, f"req_{i}", max_new[i], eos_ids[i], label=f"inputs[{i}]")
+        engine.build_request(
+            ids, f"req_{i}", max_new[i], eos_ids[i], label=f"inputs[{i}]", record_timestamps=record_timestamps
+        )
         for i, ids in enumerate(inputs)
     ]
     with paged_attention(self), torch.inference_mode():
+        if warmup and not engine.warmed_up:
+            engine.warmup()
         for request in requests:
             engine.add(request)
         _run_to_completion(engine, requests, progress_bar)
     return {request.request_id: request.to_output() for request in requests}
+
+
+def _engine_for(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None,
+    cb_config: ContinuousBatchingConfig | None,
+    workload: list[int],
+    persistent: bool,
+) -> Engine:
+    """A new engine, or with `persistent` the one cached on the model when it was built from the same
+    configs and its cache holds this workload's largest request."""
+    if not persistent:
+        return Engine(model, generation_config, cb_config, workload=workload)
+    key = (
+        resolve_generation_config(model, generation_config).to_json_string(),
+        repr(cb_config if cb_config is not None else ContinuousBatchingConfig()),
+    )
+    cached = getattr(model, CACHED_ENGINE_ATTR, None)
+    if cached is not None:
+        cached_key, engine = cached
+        fits = all(engine.scheduler.allocator.unfittable_reason(n) is None for n in workload)
+        if cached_key == key and fits and not engine.has_work():
+            engine.counters = EngineCounters()
+            return engine
+    engine = Engine(model, generation_config, cb_config, workload=workload)
+    setattr(model, CACHED_ENGINE_ATTR, (key, engine))
+    return engine
 
 
 def _workload(

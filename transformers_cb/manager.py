@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,13 +22,17 @@ from transformers import GenerationConfig, PreTrainedModel
 from .attention.selection import paged_attention
 from .config import ContinuousBatchingConfig
 from .engine import Engine
+from .interop import as_cb_config, as_workload_hints
 from .requests import GenerationOutput, Request, RequestStatus
 from .results import Deliver, ResultRouter, async_channel, blocking_channel
+from .sampling import check_processor_kwargs
 from .stats import ManagerStats, ThroughputWindow
 from .threads import ThreadSettings
 
 logger = logging.getLogger(__name__)
 
+# Where `stop(keep_for_next_session=True)` keeps the manager; `init_continuous_batching` reuses it.
+CACHED_MANAGER_ATTR = "_transformers_cb_manager"
 HARD_STOP_ERROR = "RuntimeError: the manager was hard-stopped before this request finished"
 
 
@@ -42,10 +47,17 @@ class ContinuousBatchingManager:
         self,
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
-        continuous_batching_config: ContinuousBatchingConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+        workload_hints: Any | None = None,
     ) -> None:
         self.model = model
-        self.engine: Engine | None = Engine(model, generation_config, continuous_batching_config)
+        hints = as_workload_hints(workload_hints)
+        self.engine: Engine | None = Engine(
+            model,
+            generation_config,
+            as_cb_config(continuous_batching_config),
+            workload=hints.workload() if hints is not None else None,
+        )
         self.max_queue_size = self.engine.cb_config.max_queue_size
         self._router = ResultRouter()
         self._lock = threading.Condition()
@@ -92,9 +104,44 @@ class ContinuousBatchingManager:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def stop(self, block: bool = True, timeout: float | None = None, hard_stop: bool = False) -> None:
+    @property
+    def is_destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def warmed_up(self) -> bool:
+        return self.engine is not None and self.engine.warmed_up
+
+    def warmup(self) -> None:
+        """Run a throw-away prefill and decode step now, so the first request does not pay for
+        first-call costs. Once per manager; only before `start()` (a running manager skips it)."""
+        engine = self.engine
+        if engine is None:
+            raise RuntimeError("this ContinuousBatchingManager was destroyed")
+        if engine.warmed_up:
+            return
+        if self.is_running():
+            logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
+            return
+        with paged_attention(self.model), torch.inference_mode():
+            engine.warmup()
+
+    def stop(
+        self,
+        block: bool = True,
+        timeout: float | None = None,
+        keep_for_next_session: bool = False,
+        hard_stop: bool = False,
+    ) -> None:
         """Refuse new submissions and end the thread: after finishing queued and active requests
-        (default), or at once with every unfinished request failed by a `RuntimeError` (`hard_stop`)."""
+        (default), or at once with every unfinished request failed by a `RuntimeError` (`hard_stop`).
+
+        With `block`, wait up to `timeout` seconds (None: no limit) for the thread (see `join`). With
+        `keep_for_next_session`, the manager is cached on the model and the next
+        `init_continuous_batching` / context returns it.
+        """
+        if keep_for_next_session:
+            setattr(self.model, CACHED_MANAGER_ATTR, self)
         with self._lock:
             self._accepting = False
             self._stop_requested = True
@@ -105,8 +152,22 @@ class ContinuousBatchingManager:
                 self._fail_everything(HARD_STOP_ERROR)
             self._router.set_closed(True)
             return
-        if block and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        if block:
+            self.join(time.perf_counter(), timeout)
+
+    def join(self, stop_trigger_time: float, timeout: float | None = None) -> None:
+        """Wait up to `timeout` seconds (None: no limit) for the thread to end after a stop requested at
+        `stop_trigger_time` (`time.perf_counter()`); logs how long it took, or that it is still running."""
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("the continuous batching thread did not end within the timeout (%s s)", timeout)
+        else:
+            logger.info(
+                "continuous batching thread ended %.2f s after stop", time.perf_counter() - stop_trigger_time
+            )
 
     def destroy(self) -> None:
         """Stop (gracefully) if needed and release the cache; the manager cannot restart afterwards."""
@@ -116,6 +177,8 @@ class ContinuousBatchingManager:
         with self._lock:
             self._destroyed = True
             self.engine = None
+        if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
+            delattr(self.model, CACHED_MANAGER_ATTR)
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -139,12 +202,14 @@ class ContinuousBatchingManager:
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
+        record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
+        **logit_processor_kwargs: Any,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
+
+        `record_timestamps` gives the outputs `timestamps` (one `time.perf_counter()` per token);
+        `logit_processor_kwargs` are per-request sampling parameters (`temperature`, `top_k`, `top_p`).
 
         Raises:
             ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
@@ -152,11 +217,15 @@ class ContinuousBatchingManager:
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        if any(v is not None for v in (temperature, top_k, top_p)):
-            raise NotImplementedError(
-                "per-request temperature/top_k/top_p need per_request_processors (not built yet)"
-            )
-        ids = self._submit([(input_ids, request_id)], max_new_tokens, streaming, eos_token_id, indexed=False)
+        check_processor_kwargs(logit_processor_kwargs)
+        ids = self._submit(
+            [(input_ids, request_id)],
+            max_new_tokens,
+            streaming,
+            eos_token_id,
+            record_timestamps,
+            indexed=False,
+        )
         return None if ids is None else ids[0]
 
     def add_requests(
@@ -164,13 +233,16 @@ class ContinuousBatchingManager:
         inputs: Sequence[Sequence[int]],
         max_new_tokens: int | None = None,
         streaming: bool = False,
+        record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
         warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
-        `inputs[i]`), none is submitted."""
+        `inputs[i]`), none is submitted. Other arguments as in `add_request`."""
+        check_processor_kwargs(logit_processor_kwargs)
         items = [(input_ids, None) for input_ids in inputs]
-        return self._submit(items, max_new_tokens, streaming, eos_token_id, indexed=True)
+        return self._submit(items, max_new_tokens, streaming, eos_token_id, record_timestamps, indexed=True)
 
     def _submit(
         self,
@@ -178,6 +250,7 @@ class ContinuousBatchingManager:
         max_new_tokens: int | None,
         streaming: bool,
         eos_token_id: int | list[int] | None,
+        record_timestamps: bool,
         indexed: bool,
     ) -> list[str] | None:
         with self._lock:
@@ -204,7 +277,13 @@ class ContinuousBatchingManager:
                     raise ValueError(f"request_id {request_id!r} is already in use by a live request")
                 requests.append(
                     self.engine.build_request(
-                        input_ids, request_id, max_new_tokens, eos_token_id, streaming, label=label
+                        input_ids,
+                        request_id,
+                        max_new_tokens,
+                        eos_token_id,
+                        streaming,
+                        label=label,
+                        record_timestamps=record_timestamps,
                     )
                 )
                 taken.add(request_id)

@@ -2,26 +2,50 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
 from .config import ContinuousBatchingConfig
-from .generation import take_cb_config
-from .manager import ContinuousBatchingManager
+from .generation import CACHED_ENGINE_ATTR, take_cb_config
+from .manager import CACHED_MANAGER_ATTR, ContinuousBatchingManager
 
-CACHED_MANAGER_ATTR = "_transformers_cb_manager"
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CACHED_MANAGER_ATTR",
+    "continuous_batching_context_manager",
+    "destroy_cached_continuous_batching_manager",
+    "init_continuous_batching",
+]
 
 
 def init_continuous_batching(
     self: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+    workload_hints: Any | None = None,
 ) -> ContinuousBatchingManager:
-    """A new (not started) manager for this model; call `start()` on it."""
+    """A manager for this model; call `start()` on it.
+
+    As in transformers, a manager cached on the model (`stop(keep_for_next_session=True)`, or a
+    context with `persistent_manager=True`) is returned instead of a new one; the arguments are then
+    ignored. `destroy_cached_continuous_batching_manager()` drops it.
+
+    Args:
+        continuous_batching_config: ours or transformers' `ContinuousBatchingConfig`.
+        workload_hints: `WorkloadHints` (ours or transformers'): the expected prompt and generated
+            lengths and number of requests; they size the cache and the block tables.
+    """
+    cached = getattr(self, CACHED_MANAGER_ATTR, None)
+    if cached is not None and not cached.is_destroyed:
+        logger.info("reusing the continuous batching manager cached on the model")
+        return cached
     cb_config = take_cb_config(generation_config, continuous_batching_config)
-    return ContinuousBatchingManager(self, generation_config, cb_config)
+    return ContinuousBatchingManager(self, generation_config, cb_config, workload_hints=workload_hints)
 
 
 @contextmanager
@@ -30,18 +54,21 @@ def continuous_batching_context_manager(
     generation_config: GenerationConfig | None = None,
     block: bool = True,
     timeout: float | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
     persistent_manager: bool = False,
+    warmup: bool = True,
+    workload_hints: Any | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Start a manager, yield it, then stop it (and destroy it unless `persistent_manager`).
 
     With `persistent_manager=True` the manager is cached on the model and reused by the next
-    context (its configs are those of its first creation). If the block raises, the manager is
-    hard-stopped so the exception is not held up by unfinished requests.
+    context (its configs are those of its first creation). With `warmup` a throw-away step runs
+    before the manager starts (once per manager). If the block raises, the manager is hard-stopped
+    so the exception is not held up by unfinished requests.
     """
-    manager = getattr(self, CACHED_MANAGER_ATTR, None) if persistent_manager else None
-    if manager is None:
-        manager = init_continuous_batching(self, generation_config, continuous_batching_config)
+    manager = init_continuous_batching(self, generation_config, continuous_batching_config, workload_hints)
+    if warmup:
+        manager.warmup()
     manager.start()
     failed = False
     try:
@@ -50,16 +77,16 @@ def continuous_batching_context_manager(
         failed = True
         raise
     finally:
-        manager.stop(block=block, timeout=timeout, hard_stop=failed)
-        if persistent_manager:
-            setattr(self, CACHED_MANAGER_ATTR, manager)
-        else:
+        manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager, hard_stop=failed)
+        if not persistent_manager:
             manager.destroy()
 
 
 def destroy_cached_continuous_batching_manager(self: PreTrainedModel) -> None:
-    """Destroy the manager cached by `persistent_manager=True`, if any."""
+    """Destroy the manager cached by `persistent_manager=True` and drop the engine cached by
+    `generate_batch(persistent_manager=True)`, if any."""
     manager = getattr(self, CACHED_MANAGER_ATTR, None)
     if manager is not None:
-        manager.destroy()
-        delattr(self, CACHED_MANAGER_ATTR)
+        manager.destroy()  # removes itself from the model
+    if getattr(self, CACHED_ENGINE_ATTR, None) is not None:
+        delattr(self, CACHED_ENGINE_ATTR)

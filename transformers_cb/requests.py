@@ -21,19 +21,31 @@ from dataclasses import dataclass, field
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered so that `status >= FINISHED` means the request is over."""
+    """Ordered so that `status >= FINISHED` means the request is over.
 
+    The members transformers' own `RequestStatus` has carry its values (PENDING=0 ... FAILED=4), so
+    the documents' `output.status == RequestStatus.FINISHED` with transformers' enum works and
+    `status >= FINISHED` means "over" for both enums. CANCELLED (5) is over too and equals no member
+    of theirs. EVICTED is internal: it sorts below PENDING (never "over") and users never see it, a
+    preempted request reads as PENDING again (see `user_visible`).
+    """
+
+    EVICTED = -1
     PENDING = 0
     PREFILLING = 1
     DECODING = 2
-    EVICTED = 3
-    FINISHED = 10
-    FAILED = 11
-    CANCELLED = 12
+    FINISHED = 3
+    FAILED = 4
+    CANCELLED = 5
 
     @property
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED
+
+    @property
+    def user_visible(self) -> RequestStatus:
+        """The status a user sees: an evicted request waits to run again, so it is PENDING."""
+        return RequestStatus.PENDING if self is RequestStatus.EVICTED else self
 
 
 _ACTIVE = {RequestStatus.PREFILLING, RequestStatus.DECODING}
@@ -81,6 +93,7 @@ class GenerationOutput:
     created_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    timestamps: list[float] | None = None  # one `time.perf_counter()` per generated token (record_timestamps)
 
     def is_finished(self) -> bool:
         return self.status.is_finished
@@ -102,6 +115,7 @@ class Request:
     max_new_tokens: int
     eos_token_ids: frozenset[int] = frozenset()
     streaming: bool = False
+    record_timestamps: bool = False
     status: RequestStatus = RequestStatus.PENDING
     generated_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -116,6 +130,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)
+        self.timestamps: list[float] | None = [] if self.record_timestamps else None
 
     def group_pages(self, group: int) -> PageList:
         """The request's pages in KV layer group `group` (created empty on first use)."""
@@ -167,8 +182,11 @@ class Request:
         self.status = status
 
     def append_token(self, token_id: int, logprob: float | None = None) -> None:
+        now = time.perf_counter()
         if not self.generated_ids:
-            self.first_token_time = time.perf_counter()
+            self.first_token_time = now
+        if self.timestamps is not None:
+            self.timestamps.append(now)
         self.generated_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
@@ -189,11 +207,12 @@ class Request:
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),
             generated_tokens=list(self.generated_ids),
-            status=self.status,
+            status=self.status.user_visible,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             error=self.error,
             finish_reason=self.finish_reason,
             created_time=self.created_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
+            timestamps=None if self.timestamps is None else list(self.timestamps),
         )

@@ -50,6 +50,21 @@ def check_generation_config(config: GenerationConfig) -> None:
             )
 
 
+PER_REQUEST_PARAMETERS = ("temperature", "top_k", "top_p")
+
+
+def check_processor_kwargs(kwargs: dict) -> None:
+    """Per-request sampling parameters of `add_request(**logit_processor_kwargs)`."""
+    unknown = sorted(set(kwargs) - set(PER_REQUEST_PARAMETERS))
+    if unknown:
+        raise TypeError(f"add_request got unexpected keyword arguments {unknown}")
+    given = sorted(name for name, value in kwargs.items() if value is not None)
+    if given:
+        raise NotImplementedError(
+            f"per-request {', '.join(given)} need per_request_processors (not built yet)"
+        )
+
+
 class Sampler:
     """Samples one token per row of `[S, vocab]` logits, with the config's processors."""
 

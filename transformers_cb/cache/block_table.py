@@ -1,5 +1,7 @@
 """`BlockTables`: a persistent `[rows, width]` page table of one KV group, updated in place.
 
+Rows start as wide as the workload needs (or the maximum) and widen on demand.
+
 Each running request owns a row while it runs. Logical page `i` of a request
 sits in column `i % width`: a full-attention group's width covers a whole
 request, so that is column `i`; a sliding-window group only ever holds a
@@ -17,13 +19,26 @@ from ..requests import Request
 
 
 class BlockTables:
+    """Args:
+    max_pages_per_request: the widest a row may grow (the model's context, or the whole cache); for a
+        sliding group, the ring's size (logical page `p` sits in column `p % max_pages_per_request`).
+    initial_pages: the width allocated up front (e.g. from workload hints); rows widen on demand.
+    group: the KV group whose page lists this table mirrors.
+    """
+
     def __init__(
-        self, max_pages_per_request: int, device: torch.device, initial_rows: int = 64, group: int = 0
+        self,
+        max_pages_per_request: int,
+        device: torch.device,
+        initial_rows: int = 64,
+        initial_pages: int | None = None,
+        group: int = 0,
     ) -> None:
-        self.max_pages_per_request = max_pages_per_request  # the row width
+        self.max_pages_per_request = max_pages_per_request
         self.device = device
         self.group = group
-        self.table = torch.zeros(initial_rows, max_pages_per_request, dtype=torch.int64, device=device)
+        width = max_pages_per_request if initial_pages is None else min(initial_pages, max_pages_per_request)
+        self.table = torch.zeros(initial_rows, max(1, width), dtype=torch.int64, device=device)
         self._rows: dict[int, int] = {}  # id(request) -> row
         self._num_written: dict[int, int] = {}  # id(request) -> logical end of the pages already in its row
         self._free_rows = list(range(initial_rows - 1, -1, -1))
@@ -42,6 +57,10 @@ class BlockTables:
         assert end >= written, f"{request.request_id}: page table shrank without release"
         num_pages = len(pages.page_ids)
         assert num_pages <= self.max_pages_per_request, f"{request.request_id}: {num_pages=}"
+        # Columns used so far: up to the last logical page, or the whole ring once it wrapped.
+        needed_width = min(end, self.max_pages_per_request)
+        if needed_width > self.table.shape[1]:
+            self._widen(needed_width)
         first_new = max(written, pages.first_page)
         if end > first_new:
             new_pages = torch.tensor(pages.page_ids[first_new - pages.first_page :], dtype=torch.int64)
@@ -61,12 +80,16 @@ class BlockTables:
             del self._num_written[id(request)]
             self._free_rows.append(row)
 
+    def _widen(self, num_pages: int) -> None:
+        width = min(self.max_pages_per_request, max(num_pages, 2 * self.table.shape[1]))
+        grown = torch.zeros(self.table.shape[0], width, dtype=self.table.dtype, device=self.device)
+        grown[:, : self.table.shape[1]] = self.table
+        self.table = grown
+
     def _take_row(self) -> int:
         if not self._free_rows:
             old = self.table.shape[0]
-            grown = torch.zeros(
-                old * 2, self.max_pages_per_request, dtype=self.table.dtype, device=self.device
-            )
+            grown = torch.zeros(old * 2, self.table.shape[1], dtype=self.table.dtype, device=self.device)
             grown[:old] = self.table
             self.table = grown
             self._free_rows = list(range(old * 2 - 1, old - 1, -1))
