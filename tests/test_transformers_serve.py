@@ -4,8 +4,8 @@ transformers' own server is the real client of the manager's contract (handlers 
 `add_request`, delivery on the event loop, `background_thread_status`, its config class). A launcher
 (tests/serve/launcher.py) imports `transformers_cb` and then runs transformers' CLI entry point in a
 subprocess on 127.0.0.1. Chat and completion, streaming and not, 8 concurrent requests each: all
-succeed and the greedy texts equal `generate()`'s. A second test runs the same load on transformers'
-built-in continuous batching and checks the plugin's latency stays within 2x of it.
+succeed and the greedy texts equal `generate()`'s. The latency comparison with transformers' built-in
+continuous batching is a benchmark, not a timed test: `python benchmarks/transformers_serve_latency.py`.
 
 The tiny model's tokenizer is word-level ("w0".."w251"), so text equality is token equality.
 Skipped, with the reason, when the `serve` extra (`pip install -e ".[serve]"`) is not installed.
@@ -42,7 +42,6 @@ STARTUP_TIMEOUT = 240.0
 REQUEST_TIMEOUT = 120.0
 PROMPTS = [" ".join(f"w{(7 * i + 3 * k) % 252}" for k in range(3 + 2 * i)) for i in range(CONCURRENCY)]
 MODES = [("chat", False), ("chat", True), ("completion", False), ("completion", True)]
-ROUNDS = 4  # latency test: alternating rounds per server
 
 
 def build_model_dir(path: Path) -> Path:
@@ -227,46 +226,3 @@ def test_transformers_serve_on_the_plugin_matches_generate(server: Server, expec
     assert "Traceback" not in log and " 500 " not in log, log[-6000:]
     with urllib.request.urlopen(f"{server.url}/health", timeout=5) as response:
         assert response.status == 200
-
-
-def test_transformers_serve_latency_within_2x_of_the_builtin(model_dir: Path, tmp_path: Path) -> None:
-    """Both servers run at once (idle between their rounds) and are measured in alternating rounds, so
-    a load change on a shared machine hits both alike. Per mode, the best of the rounds' mean latency
-    of 8 concurrent requests; the check is on the sum over the four modes (the per-mode ratios are
-    printed, and each must stay under 3x: a real regression, not the machine's noise)."""
-    servers = {}
-    try:
-        for name, builtin in (("plugin", False), ("builtin", True)):
-            servers[name] = start_server(model_dir, tmp_path / f"{name}.log", builtin=builtin)
-        for server in servers.values():
-            run_concurrently(server, "chat", False)  # first-request costs (CB manager start, warmup)
-        best: dict[tuple[str, str, bool], float] = {}
-        for round_index in range(ROUNDS):
-            order = list(servers) if round_index % 2 == 0 else list(reversed(servers))
-            for name in order:
-                for mode, stream in MODES:
-                    results = run_concurrently(servers[name], mode, stream)
-                    mean = sum(seconds for _, seconds in results) / len(results)
-                    key = (name, mode, stream)
-                    best[key] = min(best.get(key, float("inf")), mean)
-    finally:
-        for server in servers.values():
-            server.stop()
-    lines = [f"{'mode':<22}{'plugin ms':>10}{'builtin ms':>12}{'ratio':>8}"]
-    for mode, stream in MODES:
-        ours, theirs = best[("plugin", mode, stream)], best[("builtin", mode, stream)]
-        label = mode + (" stream" if stream else "")
-        lines.append(f"{label:<22}{ours * 1e3:>10.1f}{theirs * 1e3:>12.1f}{ours / theirs:>8.2f}")
-    ours_total = sum(best[("plugin", mode, stream)] for mode, stream in MODES)
-    theirs_total = sum(best[("builtin", mode, stream)] for mode, stream in MODES)
-    lines.append(
-        f"{'all modes':<22}{ours_total * 1e3:>10.1f}{theirs_total * 1e3:>12.1f}{ours_total / theirs_total:>8.2f}"
-    )
-    table = "\n".join(lines)
-    print(table)
-    assert ours_total <= 2.0 * theirs_total, (
-        f"latency {ours_total / theirs_total:.2f}x the built-in's\n{table}"
-    )
-    for mode, stream in MODES:
-        ratio = best[("plugin", mode, stream)] / best[("builtin", mode, stream)]
-        assert ratio <= 3.0, f"{mode} stream={stream}: latency {ratio:.2f}x the built-in's\n{table}"
