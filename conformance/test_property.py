@@ -64,10 +64,10 @@ def workloads(draw, families: tuple[str, ...] = ("llama",)) -> dict:
     }
 
 
+# Derandomized in CI by the "ci" Hypothesis profile (conftest.py), exploring elsewhere. A near-tie is
+# resolved by check_parity (tie-aware), never by xfailing the whole property.
 SETTINGS = {
     "deadline": None,
-    "derandomize": True,
-    "database": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
 
@@ -131,4 +131,4 @@ def check_workload(workload: dict) -> None:
     for i, output in enumerate(outputs.values()):
         assert output.status == RequestStatus.FINISHED, (workload, output)
         assert len(output.generated_tokens) == max_new[i], (workload, i, output.generated_tokens)
-    check_parity(model, prompts, outputs, references, context=str(workload))
+    check_parity(model, prompts, outputs, references, context=str(workload), max_new_tokens=max_new)

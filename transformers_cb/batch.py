@@ -76,10 +76,10 @@ class BatchPacker:
         ]
         self._page_offsets = torch.arange(self.page_size, device=device)
 
-    def release(self, requests: list) -> None:
+    def release_request(self, request) -> None:
+        """Give `request`'s rows back in every group (the scheduler calls it whenever it frees pages)."""
         for tables in self.block_tables:
-            for request in requests:
-                tables.release(request)
+            tables.release(request)
 
     def pack(self, batch: ScheduledBatch) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)

@@ -146,6 +146,7 @@ class Engine:
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
         self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
+        self.scheduler.on_pages_freed.append(self.packer.release_request)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()
@@ -215,8 +216,8 @@ class Engine:
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End `request` (cancel, fail): the scheduler's single exit."""
         self.scheduler.finish(request, status, error)
-        self.packer.release([request])
 
     def warmup(self, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> bool:
         """Run a throw-away request through a prefill and a decode step, so the first real request
@@ -248,7 +249,6 @@ class Engine:
     def step(self) -> StepResult:
         """Schedule and run one forward pass. A failure fails only the requests of this step."""
         batch = self.scheduler.schedule()
-        self.packer.release(batch.preempted)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:
             return result
@@ -270,13 +270,14 @@ class Engine:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
         finished = self.scheduler.update(batch, sampled)
-        self.packer.release(finished)
         self.counters.generated_tokens += len(sampled)
         result.finished.extend(finished)
-        done = {id(r) for r in finished}
-        result.progressed = [request for request in sampling if id(request) not in done]
+        result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
         return result
 
     def check_integrity(self) -> None:
+        """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
+        for tables in self.packer.block_tables:
+            tables.check_integrity(self.scheduler.running)

@@ -10,6 +10,7 @@ combines one allocator per group into what the scheduler sees.
 
 from __future__ import annotations
 
+from ..invariants import check
 from ..requests import PageList, Request
 from .pool import PagePool
 
@@ -85,14 +86,16 @@ class FullAttentionAllocator:
         pages.first_page = 0
 
     def check_request(self, request: Request) -> None:
-        """Raise `AssertionError` unless the running `request` holds what its KV needs."""
+        """Raise `InvariantError` unless the running `request` holds what its KV needs."""
         pages = self.pages(request)
         computed = request.num_computed_tokens
-        assert pages.end_page >= num_pages_for(computed, self.page_size), (
-            f"{request.request_id}: group {self.group} ends at page {pages.end_page}, {computed=}"
+        check(
+            pages.end_page >= num_pages_for(computed, self.page_size),
+            f"{request.request_id}: group {self.group} ends at page {pages.end_page}, {computed=}",
         )
-        assert pages.first_page <= self.first_needed_page(computed), (
-            f"{request.request_id}: group {self.group} dropped pages still in use ({pages.first_page=})"
+        check(
+            pages.first_page <= self.first_needed_page(computed),
+            f"{request.request_id}: group {self.group} dropped pages still in use ({pages.first_page=})",
         )
 
 
@@ -107,7 +110,7 @@ class SlidingWindowAllocator(FullAttentionAllocator):
 
     def __init__(self, pool: PagePool, page_size: int, sliding_window: int, group: int = 0) -> None:
         super().__init__(pool, page_size, group)
-        assert sliding_window >= 1, f"{sliding_window=}"
+        check(sliding_window >= 1, f"{sliding_window=}")
         self.sliding_window = sliding_window
 
     def first_needed_page(self, start: int) -> int:
@@ -125,7 +128,8 @@ class SlidingWindowAllocator(FullAttentionAllocator):
         super().check_request(request)
         pages = self.pages(request)
         first_needed = self.first_needed_page(request.num_computed_tokens)
-        assert not pages.page_ids or pages.first_page >= first_needed, (
+        check(
+            not pages.page_ids or pages.first_page >= first_needed,
             f"{request.request_id}: group {self.group} still holds pages before its window "
-            f"({pages.first_page=} < {first_needed})"
+            f"({pages.first_page=} < {first_needed})",
         )

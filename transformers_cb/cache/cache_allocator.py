@@ -8,6 +8,7 @@ and the step-boundary trim of sliding windows go to every group at once.
 
 from __future__ import annotations
 
+from ..invariants import InvariantError, check
 from ..requests import Request
 from .allocator import FullAttentionAllocator
 from .layer_groups import KVGroupSpec
@@ -18,8 +19,11 @@ class CacheAllocator:
     """Args: allocators: one per KV group, `allocators[g].group == g`; specs: the matching groups."""
 
     def __init__(self, allocators: list[FullAttentionAllocator], specs: list[KVGroupSpec]) -> None:
-        assert allocators and len(allocators) == len(specs), (len(allocators), len(specs))
-        assert [a.group for a in allocators] == list(range(len(allocators)))
+        check(
+            bool(allocators) and len(allocators) == len(specs),
+            f"{len(allocators)} allocators, {len(specs)} groups",
+        )
+        check([a.group for a in allocators] == list(range(len(allocators))))
         self.allocators = allocators
         self.specs = specs
         self.page_size = allocators[0].page_size
@@ -49,7 +53,8 @@ class CacheAllocator:
             return False
         for allocator in self.allocators:
             committed = allocator.allocate(request, num_new_tokens)
-            assert committed, f"group {allocator.group} refused after can_allocate"
+            if not committed:  # hot path: no message built unless it fails
+                raise InvariantError(f"group {allocator.group} refused after can_allocate")
         return True
 
     def trim(self, request: Request) -> int:

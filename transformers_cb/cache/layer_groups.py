@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..invariants import check
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -75,5 +77,5 @@ def layer_to_group(groups: list[KVGroupSpec], num_layers: int) -> list[int]:
     for g, spec in enumerate(groups):
         for layer in spec.layer_indices:
             mapping[layer] = g
-    assert -1 not in mapping, f"layers without a KV group: {mapping}"
+    check(-1 not in mapping, f"layers without a KV group: {mapping}")
     return mapping

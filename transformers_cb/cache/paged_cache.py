@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..invariants import check
 from .layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
 from .pool import PagePool
 
@@ -40,7 +41,7 @@ class PagedKVCache:
         self.groups = groups or [KVGroupSpec(FULL_ATTENTION, tuple(range(num_layers)))]
         self.layer_group = layer_to_group(self.groups, num_layers)
         pages_per_group = num_pages if isinstance(num_pages, list) else [num_pages] * len(self.groups)
-        assert len(pages_per_group) == len(self.groups), (pages_per_group, self.groups)
+        check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
         self.pools = [PagePool(n) for n in pages_per_group]
         # Zero-filled so that padded gathers never read NaN/inf garbage. [num_slots, num_kv_heads, head_dim]
         self.keys = [
