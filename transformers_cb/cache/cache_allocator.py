@@ -27,6 +27,8 @@ class CacheAllocator:
         self.allocators = allocators
         self.specs = specs
         self.page_size = allocators[0].page_size
+        # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
+        self._trimming = [a for a in allocators if a.sliding_window is not None]
 
     @property
     def pools(self) -> list[PagePool]:
@@ -39,10 +41,14 @@ class CacheAllocator:
 
     def num_fitting_tokens(self, request: Request, wanted: int) -> int:
         """How many of `wanted` new tokens every group can take. Pure."""
+        if len(self.allocators) == 1:
+            return self.allocators[0].num_fitting_tokens(request, wanted)
         return min(a.num_fitting_tokens(request, wanted) for a in self.allocators)
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Pages for `num_new_tokens` more tokens in every group; False (nothing changed) if any group is full."""
+        if len(self.allocators) == 1:  # one group: its own allocation is already check-then-commit
+            return self.allocators[0].allocate(request, num_new_tokens)
         if not all(a.can_allocate(request, num_new_tokens) for a in self.allocators):
             return False
         for allocator in self.allocators:
@@ -53,7 +59,7 @@ class CacheAllocator:
 
     def trim(self, request: Request) -> int:
         """Step boundary: release pages the request's next step no longer reads. Returns how many."""
-        return sum(a.trim(request) for a in self.allocators)
+        return sum(a.trim(request) for a in self._trimming) if self._trimming else 0
 
     def free(self, request: Request) -> None:
         for allocator in self.allocators:
