@@ -19,6 +19,9 @@ from .cache.allocator import FullAttentionAllocator, num_pages_for
 from .cache.paged_cache import PagedKVCache
 from .cache.sizing import ModelShape, Sizing, resolve_sizing
 from .config import ContinuousBatchingConfig, resolve_device_options
+from .distributed import TensorParallelCoordinator
+from .distributed.coordinator import Kind
+from .distributed.sharding import shard_shape, tp_size_of
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
@@ -109,11 +112,15 @@ class Engine:
                 "the varlen path",
                 self.cb_config.max_blocks_per_request,
             )
-        self.shape = ModelShape.from_config(model.config)
+        # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
+        self.shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
+        self.tp = TensorParallelCoordinator.for_model(model, self.cb_config.cpu_group_timeout)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         resolve_device_options(self.cb_config, self.device.type)
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
+        if self.tp is not None:
+            self.sizing = self.tp.agree_sizing(self.sizing)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
             num_pages=self.sizing.num_pages,
@@ -198,15 +205,32 @@ class Engine:
             )
         return request
 
+    @property
+    def is_follower(self) -> bool:
+        """A tensor-parallel rank other than 0: it replays rank 0's steps and decides nothing."""
+        return self.tp is not None and not self.tp.is_driver
+
     def add(self, request: Request) -> None:
-        self.scheduler.add(request)
+        if self.is_follower:
+            self.tp.add(request)
+        else:
+            self.scheduler.add(request)
 
     def has_work(self) -> bool:
+        if self.is_follower:
+            return not self.tp.run_ended  # until rank 0 says its run drained
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         self.scheduler.finish(request, status, error)
         self.packer.release([request])
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.record_finished([request])
+
+    def heartbeat(self) -> None:
+        """Called by an idle (or paused) manager loop: keeps tensor-parallel followers in step."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.send(Kind.IDLE)
 
     def warmup(self, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> bool:
         """Run a throw-away request through a prefill and a decode step, so the first real request
@@ -215,6 +239,14 @@ class Engine:
         Nothing of it stays: its pages are freed and the counters reset. Only an idle engine warms up;
         returns whether it did. Call it with the paged backend active (see `attention.selection`).
         """
+        if self.is_follower:
+            return self._follow_warmup()
+        ran = self._warmup(num_prompt_tokens)
+        if self.tp is not None and not ran:
+            self.tp.send(Kind.END)  # the followers wait in their warmup for rank 0's end of run
+        return ran
+
+    def _warmup(self, num_prompt_tokens: int) -> bool:
         if self.has_work():
             return False
         length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
@@ -236,16 +268,23 @@ class Engine:
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
-        """Schedule and run one forward pass. A failure fails only the requests of this step."""
+        """Schedule and run one forward pass. A failure fails only the requests of this step (under
+        tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
+        if self.is_follower:
+            return self._follow()
         batch = self.scheduler.schedule()
         self.packer.release(batch.preempted)
+        if self.tp is not None:
+            self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:
-            return result
+            return self._published(result)
         self.counters.steps += 1
         try:
             sampled = self.runner.run(batch)
         except Exception as error:  # noqa: BLE001 - recorded on every request of the step
+            if self.tp is not None:
+                raise self.tp.fatal(error) from error
             logger.exception("continuous batching step failed; failing its %d requests", len(batch.entries))
             self.counters.failed_steps += 1
             message = f"step failed: {type(error).__name__}: {error}"
@@ -266,7 +305,41 @@ class Engine:
         done = {id(r) for r in finished}
         result.progressed = [request for request in sampling if id(request) not in done]
         result.num_tokens = batch.num_tokens
+        if self.tp is not None:
+            self.tp.record_tokens(sampling, sampled)
+        return self._published(result)
+
+    # -- tensor parallelism (see distributed/coordinator.py) -----------------------
+    def _published(self, result: StepResult) -> StepResult:
+        """Rank 0: queue this step's outcome for the next message; end the run when drained."""
+        if self.tp is not None:
+            self.tp.record_finished(result.finished)
+            if not self.scheduler.has_work():
+                self.tp.send(Kind.END)
         return result
+
+    def _follow(self) -> StepResult:
+        """A follower's step: apply rank 0's next message and run the same forward."""
+        message, batch, finished, progressed = self.tp.receive()
+        self.packer.release([*batch.preempted, *finished])
+        if batch.entries:
+            self.counters.steps += 1
+            try:
+                self.runner.forward(batch)
+            except Exception as error:
+                raise self.tp.fatal(error) from error
+        self.counters.generated_tokens += len(message.tokens)
+        return StepResult(finished=finished, progressed=progressed, num_tokens=batch.num_tokens)
+
+    def _follow_warmup(self) -> bool:
+        """Replay rank 0's warmup until its end of run."""
+        self.tp.run_ended = False
+        steps = self.counters.steps
+        while not self.tp.run_ended:
+            self.step()
+        self.warmed_up = self.counters.steps > steps
+        self.counters = EngineCounters()
+        return self.warmed_up
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

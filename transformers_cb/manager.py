@@ -21,6 +21,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .attention.selection import paged_attention
 from .config import ContinuousBatchingConfig
+from .distributed import TensorParallelError
 from .engine import Engine
 from .interop import as_cb_config, as_workload_hints
 from .requests import GenerationOutput, Request, RequestStatus
@@ -256,6 +257,11 @@ class ContinuousBatchingManager:
         with self._lock:
             if self.engine is None:
                 raise RuntimeError("this ContinuousBatchingManager was destroyed")
+            if self.engine.is_follower:
+                raise RuntimeError(
+                    f"tensor parallelism: submit requests on rank 0; this is rank {self.engine.tp.rank}, "
+                    "which only replays rank 0's steps (start() and stop() it like rank 0's manager)"
+                )
             if not self._accepting:
                 logger.warning("ContinuousBatchingManager is stopped: %d request(s) refused", len(items))
                 return None
@@ -385,10 +391,14 @@ class ContinuousBatchingManager:
             return bool(self._incoming) or (self.engine is not None and self.engine.has_work())
 
     def _run(self, settings: ThreadSettings) -> None:
+        tp = self.engine.tp if self.engine is not None else None
         try:
             settings.apply()
             with paged_attention(self.model), torch.inference_mode():
-                self._loop()
+                if tp is not None and not tp.is_driver:
+                    self._follow(self.engine)
+                else:
+                    self._loop()
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
             logger.exception("continuous batching manager thread died")
             with self._lock:
@@ -398,12 +408,22 @@ class ContinuousBatchingManager:
             finally:
                 self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
         finally:
+            if tp is not None and tp.is_driver:
+                tp.try_stop()  # the followers' sessions end with this one (skipped if the group broke)
             self._router.set_closed(True)
+
+    def _follow(self, engine: Engine) -> None:
+        """A tensor-parallel follower's session: replay rank 0's steps until its manager stops."""
+        engine.tp.stopped = False
+        while not engine.tp.stopped:
+            engine.step()
 
     def _loop(self) -> None:
         engine = self.engine
         while True:
             self._apply_submissions()
+            if self._pause_requests or not engine.has_work():
+                engine.heartbeat()  # tensor-parallel followers wait in a collective bounded by a timeout
             with self._lock:
                 if self._hard_stop:
                     break
@@ -425,6 +445,8 @@ class ContinuousBatchingManager:
     def _step(self, engine: Engine) -> None:
         try:
             result = engine.step()
+        except TensorParallelError:
+            raise  # the group is broken: the thread ends and every request gets its failure
         except Exception as error:  # noqa: BLE001 - a scheduler bug fails the involved requests only
             logger.exception("continuous batching step raised outside the model forward")
             message = f"step failed: {type(error).__name__}: {error}"

@@ -40,6 +40,11 @@ class ModelRunner:
         }
         return [by_entry[id(entry)] for entry in batch.entries if entry.samples]
 
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The forward alone, no sampling (a tensor-parallel follower's step; rank 0 samples)."""
+        return self._forward(self.packer.pack(batch))
+
     def _forward(self, step: PackedStep) -> torch.Tensor:
         """Returns float32 logits `[S, vocab]` for the sampled positions."""
         if step.logits_indices.numel() == 0:
