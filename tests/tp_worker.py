@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, DistributedConfig, GenerationConf
 
 import transformers_cb  # noqa: F401 - installs the plugin
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.distributed.cpu_group import CpuGroup
+from transformers_cb.distributed.cpu_group import CpuGroup, TensorParallelError
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [41, 42], list(range(50, 61)), [70, 71, 72, 73]]
 MAX_NEW = 12
@@ -124,6 +124,26 @@ def dies(model) -> dict:
     return {"finals": finals, "error": error, "seconds": time.perf_counter() - start}
 
 
+def driver_dies(model) -> dict:
+    """Rank 0 is SIGKILLed in the middle of `generate_batch`; rank 1 must raise naming the timeout."""
+    if torch.distributed.get_rank() == 0:
+        exchange, calls = CpuGroup.exchange, [0]
+
+        def exchange_then_die(self, message=None):
+            calls[0] += 1
+            if calls[0] == 6:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return exchange(self, message)
+
+        CpuGroup.exchange = exchange_then_die
+    config = ContinuousBatchingConfig(page_size=8, cpu_group_timeout=4.0)
+    try:
+        model.generate_batch(PROMPTS, GenerationConfig(max_new_tokens=40), config, progress_bar=False)
+    except TensorParallelError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def bad_heads(model) -> dict:
     try:
         model.generate_batch([[5, 6, 7]], GenerationConfig(max_new_tokens=2), progress_bar=False)
@@ -137,6 +157,7 @@ SCENARIOS = {
     "manager": manager,
     "kill": dies,
     "hang": dies,
+    "kill_driver": driver_dies,
     "bad_heads": bad_heads,
 }
 
