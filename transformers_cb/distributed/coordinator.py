@@ -102,7 +102,7 @@ class TensorParallelCoordinator:
         self._pending = StepMessage(Kind.STEP)  # driver: what the next message carries
         self._known: set[str] = set()  # driver: ids the followers mirror
         self.requests: dict[str, Request] = {}  # follower: the mirror
-        self.run_ended = False  # follower: an END arrived and nothing was added since
+        self.run_ended = True  # follower: no run in progress (an END arrived and nothing was added since)
         self.stopped = False  # follower: a STOP arrived
 
     @classmethod
