@@ -5,6 +5,7 @@
 #   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/
 #   make lint                                     ruff check + ruff format --check
 #   make bench [ARGS="..."]                       benchmarks/throughput.py
+#   make serve [ARGS="--port 8000 ..."]           transformers-cb serve (OpenAI-compatible HTTP)
 #
 # Without a working nvidia-smi, torch is installed as $(TORCH_CPU) first so that pip
 # does not pull a multi-GB CUDA build; with one, plain $(TORCH_GPU).
@@ -19,11 +20,13 @@ PIP_ARGS ?=
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: install install-test run test lint format bench clean-venv
+.PHONY: install install-serve install-test run serve test lint format bench clean-venv
 
 install: $(VENV)/.installed-run
 
 install-test: $(VENV)/.installed-test
+
+install-serve: $(VENV)/.installed-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,12 +45,19 @@ $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-torch
 	$(PIP) install $(PIP_ARGS) -e .
 	touch $@
 
+$(VENV)/.installed-serve: pyproject.toml | $(VENV)/.installed-torch
+	$(PIP) install $(PIP_ARGS) -e ".[serve]"
+	touch $@
+
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-torch
-	$(PIP) install $(PIP_ARGS) -e ".[test]"
+	$(PIP) install $(PIP_ARGS) -e ".[test,serve]"
 	touch $@
 
 run: $(VENV)/.installed-run
 	$(BIN)/transformers-cb generate $(ARGS)
+
+serve: $(VENV)/.installed-serve
+	$(BIN)/transformers-cb serve $(ARGS)
 
 # pytest exits 5 when it collects no tests; that is a failure here, never swallowed.
 test: $(VENV)/.installed-test

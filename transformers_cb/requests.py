@@ -24,7 +24,7 @@ class RequestStatus(enum.IntEnum):
     """Ordered so that `status >= FINISHED` means the request is over.
 
     The members transformers' own `RequestStatus` has carry its values (PENDING=0 ... FAILED=4), so
-    `output.status == transformers.generation.continuous_batching.RequestStatus.FINISHED` works and
+    the documents' `output.status == RequestStatus.FINISHED` with transformers' enum works and
     `status >= FINISHED` means "over" for both enums. CANCELLED (5) is over too and equals no member
     of theirs. EVICTED is internal: it sorts below PENDING (never "over") and users never see it, a
     preempted request reads as PENDING again (see `user_visible`).

@@ -2,7 +2,8 @@
 
 ``transformers-cb generate`` reads prompts (plain text or JSON lines), runs them
 through ``model.generate_batch`` with continuous batching, and writes one JSON
-object per prompt, in input order. See ``docs/cli.md``.
+object per prompt, in input order. See ``docs/cli.md``. ``transformers-cb serve``
+(``transformers_cb/serve/``) is an OpenAI-compatible HTTP server; see ``docs/serve.md``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from ..serve.server import add_serve_parser
 from .inputs import CliRequest, InputError, read_requests, tokenize_requests
 
 EXIT_OK = 0
@@ -100,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
     _add_generate_parser(subparsers)
+    add_serve_parser(subparsers)
     return parser
 
 

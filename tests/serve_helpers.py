@@ -1,0 +1,99 @@
+"""Helpers for the server tests: skip without the `serve` extra, a real uvicorn server in a thread,
+a tiny model with a chat template, and bounded waits."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from transformers_cb.serve import INSTALL_HINT, missing_serve_modules
+
+MISSING = missing_serve_modules()
+requires_serve = pytest.mark.skipif(
+    bool(MISSING), reason=f"the 'serve' extra is not installed ({', '.join(MISSING)}): {INSTALL_HINT}"
+)
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+MODEL_NAME = "tiny-test"
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    """Wait for an event that must happen (a liveness bound, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.01)
+
+
+def tiny_model_and_tokenizer(chat_template: bool = True) -> tuple[Any, Any]:
+    from transformers_cb.cli.tiny import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(None, attn_implementation="paged|sdpa", seed=0)
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return model, tokenizer
+
+
+def greedy_config(tokenizer: Any) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+
+
+@dataclass
+class LiveServer:
+    url: str
+    state: Any
+    server: Any  # the uvicorn server: `server.should_exit = True` starts its graceful shutdown
+
+    @property
+    def manager(self) -> Any:
+        return self.state.manager
+
+
+@contextmanager
+def live_server(
+    model: Any, tokenizer: Any, shutdown_timeout: float = 5.0, **config: Any
+) -> Iterator[LiveServer]:
+    """A started manager on `model` and the real app served by uvicorn on 127.0.0.1:<free port>."""
+    from transformers_cb import ContinuousBatchingConfig
+    from transformers_cb.serve.app import ServeState, build_app
+    from transformers_cb.serve.server import bind_socket, make_uvicorn_server
+
+    cb_config = ContinuousBatchingConfig(
+        **{"page_size": 16, "num_blocks": 64, "return_logprobs": True, **config}
+    )
+    manager = model.init_continuous_batching(
+        generation_config=greedy_config(tokenizer), continuous_batching_config=cb_config
+    )
+    manager.start()
+    state = ServeState(manager, tokenizer, MODEL_NAME, model.config.max_position_embeddings)
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_uvicorn_server(
+        build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=shutdown_timeout
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        if not server.started_event.wait(60):
+            raise AssertionError("the test server did not start")
+        yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state, server)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        manager.stop(block=True, timeout=30)
+        manager.destroy()

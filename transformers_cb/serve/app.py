@@ -1,0 +1,275 @@
+"""The FastAPI application: OpenAI-compatible endpoints over one running `ContinuousBatchingManager`.
+
+Request flow: parse and check the body (400/404) -> tokenize -> submit one
+manager request per choice (400/429/503 happen here, before any byte is sent)
+-> stream the choices' events as SSE, or collect them into one JSON body. A
+client that goes away cancels its manager requests (see `cancel_unfinished`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from .choices import (
+    ChoiceEvent,
+    Submitted,
+    aclose,
+    cancel_unfinished,
+    choice_events,
+    merge_events,
+    sampling_kwargs,
+    submit_choices,
+)
+from .metrics import ServerMetrics
+from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from .responses import ChoiceTotals, ResponseShape, sse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServeState:
+    """What the endpoints share. `manager` must be started; the app never stops it."""
+
+    manager: Any
+    tokenizer: Any
+    model_name: str
+    max_positions: int
+    default_max_tokens: int = 256  # chat requests without max_tokens
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class _CancellingStreamingResponse(StreamingResponse):
+    """A streaming response that cancels its manager requests however it ends (even if Starlette
+    cancels it before the body iterator ever started)."""
+
+    def __init__(self, content: AsyncIterator[bytes], state: ServeState, submitted: list[Submitted]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._state, self._submitted = state, submitted
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            cancel_unfinished(self._state.manager, self._submitted)
+
+
+def build_app(state: ServeState) -> FastAPI:
+    app = FastAPI(title="transformers-cb", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+        state.metrics.count_response(request.url.path, error.status)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return await on_api_error(request, ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return await on_api_error(request, ApiError(500, f"internal error: {type(error).__name__}: {error}"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        running = state.manager.is_running()
+        return JSONResponse({"status": "ok" if running else "stopped"}, status_code=200 if running else 503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "transformers-cb",
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = state.metrics.render(state.manager.stats())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
+        _check_model(state, body.model)
+        prompts = [_encode_prompt(state, p) for p in body.prompts()]
+        if body.logprobs:
+            raise ApiError(
+                400,
+                "logprobs: top alternatives (logprobs > 0) are not built yet; logprobs=0 returns the "
+                "log-probability of each generated token",
+                param="logprobs",
+            )
+        return await _generate(
+            state, request, body, "completion", prompts, body.max_tokens, body.logprobs == 0
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
+        _check_model(state, body.model)
+        prompt = _chat_prompt(state, body)
+        if body.top_logprobs:
+            raise ApiError(400, "top_logprobs: top alternatives are not built yet", param="top_logprobs")
+        limit = body.token_limit()
+        if limit is None:
+            limit = max(1, min(state.default_max_tokens, state.max_positions - len(prompt)))
+        return await _generate(state, request, body, "chat", [prompt], limit, body.logprobs)
+
+    return app
+
+
+def _check_model(state: ServeState, model: str) -> None:
+    if model != state.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+
+
+def _encode_prompt(state: ServeState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return list(state.tokenizer.encode(prompt))
+    return list(prompt)  # token ids: the manager checks them against the vocabulary
+
+
+def _chat_prompt(state: ServeState, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = state.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(
+            400,
+            f"the model {state.model_name!r} has no chat template: use /v1/completions, or start the "
+            "server with --chat-template FILE",
+            param="messages",
+        )
+    # OpenAI's "developer" role is the newer name of "system", which is what templates know.
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
+    ]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # noqa: BLE001 - a template's own check (e.g. role order) is bad input
+        raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _engine_returns_logprobs(state: ServeState) -> bool:
+    engine = getattr(state.manager, "engine", None)
+    return bool(engine is not None and engine.cb_config.return_logprobs)
+
+
+async def _generate(
+    state: ServeState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    kind: str,
+    prompts: list[list[int]],
+    max_new_tokens: int | None,
+    want_logprobs: bool,
+) -> Response:
+    stops = body.stop_strings()
+    include_usage = body.include_usage_in_stream()
+    if want_logprobs and not _engine_returns_logprobs(state):
+        raise ApiError(400, "logprobs: the server was started with --no-logprobs", param="logprobs")
+    sampling = sampling_kwargs(state.manager, body.temperature, body.top_p, body.top_k, body.seed)
+    prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    submitted = submit_choices(state.manager, prompts, body.n, max_new_tokens, sampling, prefix)
+    try:
+        shape = ResponseShape(
+            kind, prefix, state.model_name, state.tokenizer, want_logprobs, sum(map(len, prompts))
+        )
+        streams = [
+            choice_events(state.manager, c, state.tokenizer, stops, want_logprobs, state.metrics)
+            for c in submitted
+        ]
+        events = merge_events(streams)
+        indices = [c.index for c in submitted]
+        if body.stream:
+            state.metrics.count_response(request.url.path, 200)
+            content = _stream_body(shape, events, indices, include_usage)
+            return _CancellingStreamingResponse(content, state, submitted)
+        totals = await _until_disconnect(request, _collect(events, indices))
+        if totals is None:
+            return Response(status_code=499)  # nobody is listening; the requests are cancelled below
+        state.metrics.count_response(request.url.path, 200)
+        return JSONResponse(shape.body(totals))
+    except BaseException:
+        cancel_unfinished(state.manager, submitted)
+        raise
+    finally:
+        if not body.stream:
+            cancel_unfinished(state.manager, submitted)
+
+
+async def _collect(events: AsyncIterator[ChoiceEvent], indices: list[int]) -> dict[int, ChoiceTotals]:
+    totals = {index: ChoiceTotals() for index in indices}
+    try:
+        async for event in events:
+            if event.error is not None:
+                raise event.error
+            totals[event.index].add(event)
+    finally:
+        await aclose(events)
+    return totals
+
+
+async def _until_disconnect(request: Request, work: Any) -> Any:
+    """Run `work`; if the client disconnects first, cancel it and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    gone = True
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        gone = not task.done()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(watcher, task, return_exceptions=True)
+    return None if gone else task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body was read already, so the next ASGI message is the disconnect (or nothing at all).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _stream_body(
+    shape: ResponseShape, events: AsyncIterator[ChoiceEvent], indices: list[int], include_usage: bool
+) -> AsyncIterator[bytes]:
+    totals = {index: ChoiceTotals() for index in indices}
+    try:
+        if shape.kind == "chat":
+            for index in indices:
+                yield sse(shape.chunk(ChoiceEvent(index), include_usage, role=True))
+        async for event in events:
+            if event.error is not None:
+                yield sse(event.error.body())
+                break
+            offset = len(totals[event.index].text)
+            totals[event.index].add(event)
+            if event.text or event.is_last or shape.want_logprobs:  # a token still held back: no chunk
+                yield sse(shape.chunk(event, include_usage, text_offset=offset))
+        else:
+            if include_usage:
+                final = shape.chunk(None, include_usage)
+                final["usage"] = shape.usage(totals)
+                yield sse(final)
+        yield sse("[DONE]")
+    finally:
+        await aclose(events)

@@ -1,0 +1,119 @@
+"""Shaping choice events into OpenAI response bodies and SSE chunks (completions and chat)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .choices import ChoiceEvent
+
+
+@dataclass
+class ChoiceTotals:
+    """What a choice has produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, event: ChoiceEvent) -> None:
+        self.text += event.text
+        self.token_ids += event.token_ids
+        self.logprobs += event.logprobs
+        self.finish_reason = event.finish_reason or self.finish_reason
+
+
+@dataclass
+class ResponseShape:
+    """Everything one response needs besides its events: ids, model, the kind of endpoint."""
+
+    kind: str  # "completion" or "chat"
+    response_id: str
+    model: str
+    tokenizer: Any
+    want_logprobs: bool
+    num_prompt_tokens: int
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    # -- logprobs ---------------------------------------------------------------
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def logprobs(self, token_ids: list[int], logprobs: list[float | None], text_offset: int = 0) -> Any:
+        if not self.want_logprobs:
+            return None
+        tokens = [self._token_text(t) for t in token_ids]
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
+                    for s, lp in zip(tokens, logprobs, strict=True)
+                ]
+            }
+        offsets, position = [], text_offset
+        for s in tokens:
+            offsets.append(position)
+            position += len(s)
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+
+    def usage(self, totals: dict[int, ChoiceTotals]) -> dict[str, int]:
+        completion = sum(len(t.token_ids) for t in totals.values())
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt_tokens + completion,
+        }
+
+    # -- whole responses ----------------------------------------------------------
+    def body(self, totals: dict[int, ChoiceTotals]) -> dict[str, Any]:
+        choices = []
+        for index in sorted(totals):
+            t = totals[index]
+            choice: dict[str, Any] = {"index": index, "finish_reason": t.finish_reason}
+            choice["logprobs"] = self.logprobs(t.token_ids, t.logprobs)
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": t.text}
+            else:
+                choice["text"] = t.text
+            choices.append(choice)
+        return {
+            "id": self.response_id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(totals),
+        }
+
+    # -- streaming ----------------------------------------------------------------
+    def chunk(
+        self, event: ChoiceEvent | None, include_usage: bool, text_offset: int = 0, role: bool = False
+    ) -> dict[str, Any]:
+        """One SSE chunk for `event` (or, with `event=None`, the choice-less chunk used for usage)."""
+        chunk: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+        }
+        if event is not None:
+            choice: dict[str, Any] = {"index": event.index, "finish_reason": event.finish_reason}
+            choice["logprobs"] = None if role else self.logprobs(event.token_ids, event.logprobs, text_offset)
+            if self.kind == "chat":
+                choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": event.text}
+            else:
+                choice["text"] = event.text
+            chunk["choices"] = [choice]
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event carrying `data` (a JSON object, or the literal `[DONE]`)."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()

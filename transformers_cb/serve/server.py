@@ -1,0 +1,209 @@
+"""`transformers-cb serve`: load a model, start one manager, serve the app with uvicorn, drain on exit.
+
+Shutdown on SIGINT/SIGTERM: uvicorn stops accepting connections and lets
+in-flight responses finish for up to `--shutdown-timeout` seconds, then cancels
+the rest (which cancels their manager requests); the manager is then stopped
+gracefully and destroyed, and the process exits with status 0. A second signal
+during the drain hard-stops the manager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from . import require_serve_extra
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "transformers-cb-tiny"
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="OpenAI-compatible HTTP server (completions, chat, SSE streaming, /metrics) on one "
+        "continuous batching manager. Needs the 'serve' extra. See docs/serve.md.",
+    )
+    serve.add_argument(
+        "--model", default=None, help="local model directory; default: the built-in tiny model"
+    )
+    serve.add_argument("--served-model-name", default=None, help="the `model` clients must send")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: 8000)")
+    serve.add_argument(
+        "--attn-implementation", default="paged|sdpa", help="attention backend (default: paged|sdpa)"
+    )
+    serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    serve.add_argument("--seed", type=int, default=0, help="torch seed and the built-in model's weights")
+    for flag in ("--page-size", "--num-blocks", "--max-batch-tokens"):
+        serve.add_argument(
+            flag, type=int, default=None, help="ContinuousBatchingConfig." + flag[2:].replace("-", "_")
+        )
+    serve.add_argument("--scheduler-type", default=None, help="fifo or prefill_first")
+    serve.add_argument(
+        "--max-queue-size", type=int, default=0, help="waiting requests before 429 (default: 0 = unbounded)"
+    )
+    serve.add_argument(
+        "--chat-template", default=None, help="Jinja chat template file (for models without one)"
+    )
+    serve.add_argument(
+        "--default-max-tokens", type=int, default=256, help="chat max_tokens when a request gives none"
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to let in-flight requests finish on exit",
+    )
+    serve.add_argument("--no-logprobs", action="store_true", help="do not compute token log-probabilities")
+    serve.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+    serve.set_defaults(func=run_serve)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket (port 0 picks a free one: read it back with `getsockname()`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def make_uvicorn_server(app: Any, log_level: str = "info", shutdown_timeout: float = 30.0) -> Any:
+    """A uvicorn server whose `started` event is set once it accepts connections."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config) -> None:
+            super().__init__(config)
+            self.started_event = threading.Event()
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            self.started_event.set()
+
+    config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="off", access_log=False
+    )
+    return _Server(config)
+
+
+def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("page_size", "num_blocks", "max_batch_tokens", "scheduler_type")
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    overrides["max_queue_size"] = args.max_queue_size
+    overrides["return_logprobs"] = not args.no_logprobs
+    return overrides
+
+
+def build_state(args: argparse.Namespace) -> Any:
+    """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
+    import torch
+    from transformers import GenerationConfig
+
+    import transformers_cb
+    from transformers_cb.cli.main import _resolve_device, _special_ids
+    from transformers_cb.cli.tiny import load_model_and_tokenizer
+
+    from .app import ServeState
+
+    cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model_and_tokenizer(
+        args.model,
+        attn_implementation=args.attn_implementation,
+        dtype=getattr(torch, args.dtype),
+        device=_resolve_device(args.device),
+        seed=args.seed,
+    )
+    if args.chat_template is not None:
+        tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+    eos_token_id, pad_token_id = _special_ids(model, tokenizer)
+    generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+    )
+    manager = model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=cb_config
+    )
+    manager.start()
+    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
+    max_positions = model.config.get_text_config().max_position_embeddings
+    return ServeState(manager, tokenizer, name, max_positions, default_max_tokens=args.default_max_tokens)
+
+
+def drain(manager: Any, timeout: float) -> None:
+    """Stop the manager gracefully (in-flight requests finish), hard-stop it after `timeout`, destroy it."""
+    manager.stop(block=True, timeout=timeout)
+    if manager.is_running():
+        logger.warning("requests still running after %.0f s: hard-stopping the manager", timeout)
+        manager.stop(block=True, hard_stop=True)
+    manager.destroy()
+
+
+@contextlib.contextmanager
+def _signals_end_quietly(on_signal: Any) -> Iterator[None]:
+    """While serving, uvicorn owns SIGINT/SIGTERM and re-raises the signal it caught once it has shut down.
+    These handlers receive that re-raised signal (so the process can drain and exit 0 instead of dying)."""
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from transformers_cb.cli.inputs import InputError
+
+    try:
+        require_serve_extra()
+    except ImportError as error:
+        raise InputError(str(error)) from None
+    from .app import build_app
+
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        raise InputError(f"cannot listen on {args.host}:{args.port}: {error.strerror}") from None
+    try:
+        state = build_state(args)
+    except (OSError, ValueError, NotImplementedError) as error:
+        sock.close()
+        raise InputError(f"cannot start the server: {error}") from None
+    server = make_uvicorn_server(build_app(state), args.log_level, args.shutdown_timeout)
+    host, port = sock.getsockname()[:2]
+    draining = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if draining.is_set():  # a second signal while draining: stop waiting for requests
+            state.manager.stop(block=False, hard_stop=True)
+
+    def announce() -> None:
+        if server.started_event.wait():
+            print(f"transformers-cb serve: {state.model_name} on http://{host}:{port}", flush=True)
+
+    threading.Thread(target=announce, daemon=True).start()
+    with _signals_end_quietly(on_signal):
+        try:
+            server.run(sockets=[sock])
+        finally:
+            draining.set()
+            drain(state.manager, args.shutdown_timeout)
+            sock.close()
+    print("transformers-cb serve: stopped", file=sys.stderr, flush=True)
+    return 0
