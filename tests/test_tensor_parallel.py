@@ -123,6 +123,7 @@ def test_generate_batch_matches_generate_on_every_rank(model_dir, reference, tmp
 
 
 def test_manager_streams_cancels_and_matches_generate(model_dir, reference, tmp_path) -> None:
+    """Rank 0 also idles past `cpu_group_timeout` before submitting: the follower must not time out."""
     records = run_ranks("manager", model_dir, tmp_path)
     rank0 = records[0]
     finals = rank0["finals"]

@@ -21,6 +21,7 @@ from transformers_cb.distributed.cpu_group import CpuGroup, TensorParallelError
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [41, 42], list(range(50, 61)), [70, 71, 72, 73]]
 MAX_NEW = 12
+IDLE_TIMEOUT_S = 3.0
 
 
 def load(model_dir: str):
@@ -53,10 +54,13 @@ def generate_batch(model) -> dict:
 
 def manager(model) -> dict:
     greedy = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False)
-    manager = model.init_continuous_batching(greedy, ContinuousBatchingConfig(page_size=8))
+    # An idle rank 0 for longer than the timeout: its keep-alive messages hold the followers.
+    config = ContinuousBatchingConfig(page_size=8, cpu_group_timeout=IDLE_TIMEOUT_S)
+    manager = model.init_continuous_batching(greedy, config)
     manager.start()
     result: dict = {}
     if torch.distributed.get_rank() == 0:
+        time.sleep(IDLE_TIMEOUT_S + 2)
         ids = manager.add_requests(PROMPTS[:3])
         stream_id = manager.add_request(PROMPTS[3], request_id="stream", streaming=True)
         cancel_id = manager.add_request(PROMPTS[4], request_id="cancel", max_new_tokens=500)
