@@ -857,7 +857,7 @@ def wait_for_quiet_cpu(
 
 def environment_metadata(threads: int) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),

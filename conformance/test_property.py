@@ -55,11 +55,11 @@ def workloads(draw) -> dict:
     }
 
 
+# Derandomized in CI by the "ci" Hypothesis profile (conftest.py), exploring elsewhere. A near-tie is
+# resolved by check_parity (tie-aware), never by xfailing the whole property.
 @settings(
     max_examples=40,
     deadline=None,
-    derandomize=True,
-    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(workloads())
@@ -105,4 +105,4 @@ def test_every_request_finishes_once_and_matches_generate(workload: dict) -> Non
     for i, output in enumerate(outputs.values()):
         assert output.status == RequestStatus.FINISHED, (workload, output)
         assert len(output.generated_tokens) == max_new[i], (workload, i, output.generated_tokens)
-    check_parity(MODEL, prompts, outputs, references, context=str(workload))
+    check_parity(MODEL, prompts, outputs, references, context=str(workload), max_new_tokens=max_new)

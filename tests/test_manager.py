@@ -59,30 +59,10 @@ class References:
         return cached[:max_new_tokens]
 
 
-@pytest.fixture(scope="module")
-def ref() -> References:
-    return References(make_model())
-
-
-@pytest.fixture
-def model():
-    return make_model()
-
-
 def new_manager(model, **config: Any) -> ContinuousBatchingManager:
     return model.init_continuous_batching(
         continuous_batching_config=ContinuousBatchingConfig(**{**CB_CONFIG, **config})
     )
-
-
-@pytest.fixture
-def manager(model):
-    manager = new_manager(model)
-    yield manager
-    if manager.engine is not None:
-        manager.stop(hard_stop=True, timeout=TIMEOUT)
-        manager.destroy()
-    assert not manager.is_running()
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -411,15 +391,19 @@ def test_cancel_unknown_or_finished_id_logs_a_warning(manager, ref, caplog):
 
 
 # -- results ----------------------------------------------------------------------------------
-def test_get_result_for_another_id_puts_the_head_back(manager, ref):
+def test_get_result_by_id_takes_that_request_and_keeps_the_others_in_place(manager, ref):
     manager.start()
     first = manager.add_request(PROMPTS[0], max_new_tokens=2)
     second = manager.add_request(PROMPTS[1], max_new_tokens=6)  # finishes after `first`
-    manager.stop()  # graceful: both finished, their results wait in the queue
-    assert manager.get_result(request_id=second, timeout=1) is None  # head is `first`: put back
+    third = manager.add_request(PROMPTS[2], max_new_tokens=7)
+    manager.stop()  # graceful: all finished, their results wait in the queue
     assert_finished_like_generate(manager.get_result(request_id=second, timeout=1), ref, PROMPTS[1], 6)
-    assert_finished_like_generate(manager.get_result(request_id=first, timeout=1), ref, PROMPTS[0], 2)
+    assert manager.get_result(request_id=second, timeout=0.1) is None, "delivered once"
+    assert manager.get_result(request_id="never-submitted") is None, "nothing can come: no wait"
+    assert_finished_like_generate(manager.get_result(timeout=1), ref, PROMPTS[0], 2)  # order kept
+    assert_finished_like_generate(manager.get_result(request_id=third, timeout=1), ref, PROMPTS[2], 7)
     assert manager.get_result(timeout=0.1) is None
+    assert first != second
 
 
 def test_get_result_timeout_returns_none(manager):
@@ -484,12 +468,14 @@ def test_streaming_claimed_after_the_request_finished_replays_everything(manager
     assert_finished_like_generate(outputs[-1], ref, PROMPTS[2], 5)
 
 
-def test_streaming_unclaimed_final_goes_to_get_result(manager, ref):
+def test_streaming_unclaimed_partials_and_final_go_to_get_result_in_order(manager, ref):
     manager.start()
     rid = manager.add_request(PROMPTS[2], max_new_tokens=4, streaming=True)
-    assert_finished_like_generate(manager.get_result(timeout=TIMEOUT), ref, PROMPTS[2], 4)
-    with pytest.raises(ValueError, match="unknown request id"):
-        run_with_timeout(lambda: list(manager.request_id_iter(rid)))  # already taken
+    outputs = [manager.get_result(timeout=TIMEOUT) for _ in range(4)]
+    partial_lengths_ok(outputs)
+    assert_finished_like_generate(outputs[-1], ref, PROMPTS[2], 4)
+    with pytest.raises(KeyError, match="unknown request id"):
+        manager.request_id_iter(rid)  # everything, the final included, was delivered
 
 
 def test_request_id_iter_of_non_streaming_request_yields_only_the_final(manager, ref):
@@ -544,9 +530,22 @@ def test_result_handler_that_raises_does_not_kill_the_manager(manager, ref, capl
     assert_finished_like_generate(manager.get_result(rid, timeout=TIMEOUT), ref, PROMPTS[1], 4)
 
 
-def test_register_result_handler_unknown_id_raises(manager):
-    with pytest.raises(ValueError, match="unknown request id"):
-        manager.register_result_handler("nope", print)
+def test_handler_registered_before_add_request_gets_every_output(manager, ref):
+    """transformers serve registers its handler first (to not race a fast completion), then submits."""
+    received: list[GenerationOutput] = []
+    manager.register_result_handler("early", received.append)
+    manager.register_result_handler("refused", received.append)
+    with pytest.raises(ValueError, match="empty prompt"):
+        manager.add_request([], request_id="refused", max_new_tokens=3)  # its early handler is dropped
+    manager.start()
+    assert manager.add_request(PROMPTS[0], request_id="early", max_new_tokens=4, streaming=True) == "early"
+    wait_for(lambda: received and received[-1].is_finished(), what="the final output")
+    partial_lengths_ok(received)
+    assert_finished_like_generate(received[-1], ref, PROMPTS[0], 4)
+    assert manager.get_result(timeout=0.1) is None
+    rid = manager.add_request(PROMPTS[1], request_id="refused", max_new_tokens=2)
+    assert_finished_like_generate(manager.get_result(rid, timeout=TIMEOUT), ref, PROMPTS[1], 2)
+    assert len(received) == 4, "the dropped handler got nothing"
 
 
 # -- asyncio -----------------------------------------------------------------------------------
@@ -876,8 +875,8 @@ def test_thread_death_unblocks_every_waiter(manager, caplog):
         for thread in threads:
             thread.start()
         # (private) wait until both streams are claimed, so their outputs cannot reach the shared queue
-        pending = manager._router._pending
-        wait_for(lambda: all(pending[r].deliver is not None for r in (streamed, awaited)), what="claims")
+        routes = manager._router._routes
+        wait_for(lambda: all(routes[r].iterated for r in (streamed, awaited)), what="claims")
     for thread in threads:
         thread.join(TIMEOUT)
         assert not thread.is_alive(), "a waiter hangs after the manager thread died"

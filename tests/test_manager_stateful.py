@@ -1,10 +1,13 @@
 """A hypothesis state machine over one ContinuousBatchingManager per example.
 
 Rules: add (plain / streaming left unclaimed / streaming claimed by a handler), cancel (known or
-unknown ids), get_result (any, or a given id), stop (graceful or hard, blocking or not), start. At teardown the
+unknown ids), get_result (any, or a given id), one chunk of a stream through a *new* `request_id_iter`
+per chunk (transformers' own pattern), stop (graceful or hard, blocking or not), start. At teardown the
 manager is drained (started if needed, stopped gracefully, unclaimed streams claimed late, the
 queue emptied) and the invariants are checked:
-- every submitted id received exactly one final result (queue, handler or stream);
+- every submitted id received exactly one final result (queue, handler or stream), and every output of a
+  streaming request reached someone exactly once and in order (partials taken from the shared queue, by
+  single-chunk iterators, and by the late claim, put together, form one gap-free stream);
 - finished greedy outputs equal plain `generate()`; cancelled / hard-stopped ones are prefixes of it;
 - streamed partials grow by one token and are prefixes of the final;
 - no page leaks: the pool is consistent and all pages are free once the thread is stopped.
@@ -16,6 +19,7 @@ import threading
 from collections import Counter
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -74,9 +78,10 @@ class ManagerMachine(RuleBasedStateMachine):
         self.accepting = True  # a new manager queues submissions until start()
         self.requests: dict[str, tuple[int, int, str]] = {}  # id -> (prompt index, max_new, mode)
         self.taken: dict[str, GenerationOutput] = {}  # finals taken with get_result
+        self.seen: dict[str, list[GenerationOutput]] = {}  # every output of a stream, in delivery order
         self.handled: dict[str, list[GenerationOutput]] = {}  # outputs delivered to handlers
         self.cancel_requested: set[str] = set()
-        self.submitted_before_hard_stop: set[str] = set()
+        self.may_fail: set[str] = set()  # live at a hard stop, or queued at a stop of a manager not running
 
     # -- rules --------------------------------------------------------------------------
     @rule(
@@ -122,12 +127,42 @@ class ManagerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.requests)))
         self._take(self.manager.get_result(request_id=rid, timeout=0.02), rid)
 
+    @precondition(lambda self: any(mode == "stream" for _, _, mode in self.requests.values()))
+    @rule(data=st.data())
+    def next_chunk_of_a_new_iterator(self, data) -> None:
+        """`next(manager.request_id_iter(rid))`: a new iterator per chunk resumes where the last stopped."""
+        streams = sorted(rid for rid, (_, _, mode) in self.requests.items() if mode == "stream")
+        rid = data.draw(st.sampled_from(streams))
+        finished = any(o.is_finished() for o in self.seen.get(rid, []))
+        if finished:
+            with pytest.raises(KeyError, match=rid):  # its final output was delivered: nothing left
+                self.manager.request_id_iter(rid)
+            return
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["output"] = next(self.manager.request_id_iter(rid))
+            except BaseException as error:  # noqa: BLE001 - checked below
+                box["error"] = error
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        thread.join(TIMEOUT)
+        assert not thread.is_alive(), f"next(request_id_iter({rid!r})) hangs"
+        if "error" in box:
+            # Nothing buffered and no thread to produce it: a clear RuntimeError, never a hang.
+            assert isinstance(box["error"], RuntimeError) and not self.manager.is_running(), box["error"]
+            return
+        self._record(box["output"])
+
     @rule(hard=st.booleans(), block=st.booleans())
     def stop(self, hard: bool, block: bool) -> None:
+        was_running = self.manager.is_running()
         self.manager.stop(block=block, hard_stop=hard, timeout=TIMEOUT)
         self.accepting = False
-        if hard:
-            self.submitted_before_hard_stop |= set(self.requests)
+        if hard or not was_running:  # nothing will run what is queued: it fails with a reason
+            self.may_fail |= set(self.requests)
         if block:
             assert not self.manager.is_running()
             self._check_pages()
@@ -149,10 +184,18 @@ class ManagerMachine(RuleBasedStateMachine):
         if output is None:
             return
         assert wanted is None or output.request_id == wanted
-        assert output.is_finished()
-        assert output.request_id not in self.taken, "second final result"
         assert self.requests[output.request_id][2] != "handler", "a claimed request reached the queue"
-        self.taken[output.request_id] = output
+        if not output.is_finished():
+            assert self.requests[output.request_id][2] == "stream", "a partial output of a plain request"
+        self._record(output)
+
+    def _record(self, output: GenerationOutput) -> None:
+        rid = output.request_id
+        assert rid not in self.taken, "an output after the final one"
+        if self.requests[rid][2] == "stream":
+            self.seen.setdefault(rid, []).append(output)
+        if output.is_finished():
+            self.taken[rid] = output
 
     def _check_pages(self) -> None:
         """Only when the thread is stopped: nothing else touches the engine then."""
@@ -173,7 +216,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert final.generated_tokens == expected[: len(final.generated_tokens)]
         else:
             assert final.status == RequestStatus.FAILED, final
-            assert rid in self.submitted_before_hard_stop and "RuntimeError" in final.error
+            assert rid in self.may_fail and "RuntimeError" in final.error
             assert final.generated_tokens == expected[: len(final.generated_tokens)]
 
     @staticmethod
@@ -193,23 +236,24 @@ class ManagerMachine(RuleBasedStateMachine):
             assert not manager.is_running()
             self._check_pages()
 
-            finals: Counter[str] = Counter(self.taken.keys())
+            finals: Counter[str] = Counter()
             for rid, (_prompt, _max_new, mode) in self.requests.items():
                 if mode == "stream" and rid not in self.taken:
-                    outputs = _drain_stream(manager, rid)  # a late claim replays partials + final
-                    self._check_stream(outputs)
-                    finals[rid] += 1
-                    self._check_final(rid, outputs[-1])
-                elif mode == "handler":
+                    for output in _drain_stream(manager, rid):  # a late claim: every undelivered output
+                        self._record(output)
+                if mode == "handler":
                     outputs = self.handled[rid]
                     assert outputs, f"handler of {rid} got nothing"
                     self._check_stream(outputs)
                     finals[rid] += 1
                     self._check_final(rid, outputs[-1])
-            while (output := manager.get_result(timeout=1)) is not None:
-                assert output.request_id not in self.taken, "second final result"
-                self.taken[output.request_id] = output
-                finals[output.request_id] += 1
+            while (output := manager.get_result(timeout=1)) is not None:  # plain requests' finals
+                assert not output.is_finished() or output.request_id not in self.taken, "second final"
+                self._take(output, None)
+            for rid, (_prompt, _max_new, mode) in self.requests.items():
+                if mode == "stream":
+                    self._check_stream(self.seen[rid])
+            finals.update(self.taken.keys())
             for rid, output in self.taken.items():
                 self._check_final(rid, output)
             assert finals == Counter(self.requests.keys()), "every submitted id gets exactly one final result"
@@ -222,6 +266,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 manager.destroy()
 
 
+# Derandomized in CI by the "ci" Hypothesis profile (conftest.py); see docs/conformance.md to reproduce.
 ManagerMachine.TestCase.settings = settings(
     max_examples=15,
     stateful_step_count=15,

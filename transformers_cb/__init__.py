@@ -6,7 +6,7 @@ from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .plugin import install, is_installed, uninstall
 from .requests import GenerationOutput, RequestStatus
-from .results import ManagerDeadError
+from .results import ManagerDeadError, UnknownRequestError
 from .stats import ManagerStats
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ManagerDeadError",
     "ManagerStats",
     "RequestStatus",
+    "UnknownRequestError",
     "install",
     "is_installed",
     "uninstall",

@@ -62,10 +62,6 @@ class BatchPacker:
         )
         self._page_offsets = torch.arange(self.page_size, device=device)
 
-    def release(self, requests: list) -> None:
-        for request in requests:
-            self.block_tables.release(request)
-
     def pack(self, batch: ScheduledBatch) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]

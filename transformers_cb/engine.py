@@ -140,6 +140,7 @@ class Engine:
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
         self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device, initial_pages)
+        self.scheduler.on_pages_freed.append(self.packer.block_tables.release)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()
@@ -222,8 +223,8 @@ class Engine:
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """End `request` (cancel, fail): the scheduler's single exit."""
         self.scheduler.finish(request, status, error)
-        self.packer.release([request])
         if self.tp is not None and self.tp.is_driver:
             self.tp.record_finished([request])
 
@@ -273,7 +274,6 @@ class Engine:
         if self.is_follower:
             return self._follow()
         batch = self.scheduler.schedule()
-        self.packer.release(batch.preempted)
         if self.tp is not None:
             self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
@@ -299,11 +299,9 @@ class Engine:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
         finished = self.scheduler.update(batch, sampled)
-        self.packer.release(finished)
         self.counters.generated_tokens += len(sampled)
         result.finished.extend(finished)
-        done = {id(r) for r in finished}
-        result.progressed = [request for request in sampling if id(request) not in done]
+        result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
         if self.tp is not None:
             self.tp.record_tokens(sampling, sampled)
@@ -321,7 +319,8 @@ class Engine:
     def _follow(self) -> StepResult:
         """A follower's step: apply rank 0's next message and run the same forward."""
         message, batch, finished, progressed = self.tp.receive()
-        self.packer.release([*batch.preempted, *finished])
+        for request in [*batch.preempted, *finished]:
+            self.packer.block_tables.release(request)
         if batch.entries:
             self.counters.steps += 1
             try:
@@ -342,4 +341,6 @@ class Engine:
         return self.warmed_up
 
     def check_integrity(self) -> None:
+        """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
+        self.packer.block_tables.check_integrity(self.scheduler.running)

@@ -1,18 +1,16 @@
 """`ContinuousBatchingManager`: a background thread that runs the engine while requests arrive.
 
-Submissions, cancellations and pauses are recorded under one lock and applied
-by the loop thread at step boundaries, so the engine itself is only ever
-touched by one thread. Results flow out through `ResultRouter`.
+This module is the caller-side half: lifecycle, submissions, results. The thread-side half (the loop
+around `Engine.step()`) is `manager_loop.ManagerLoop`; results flow out through `results.ResultRouter`.
+See docs/manager.md for the contract.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,24 +18,31 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .attention.selection import paged_attention
+from .channels import async_channel, blocking_channel
 from .config import ContinuousBatchingConfig
-from .distributed import TensorParallelError
 from .engine import Engine
 from .interop import as_cb_config, as_workload_hints
-from .requests import GenerationOutput, Request, RequestStatus
-from .results import Deliver, ResultRouter, async_channel, blocking_channel
-from .sampling import check_processor_kwargs
-from .stats import ManagerStats, ThroughputWindow
+from .manager_loop import (
+    CACHED_MANAGER_ATTR,
+    HARD_STOP_ERROR,
+    NOT_RUN_ERROR,
+    BackgroundThreadStatus,
+)
+from .requests import GenerationOutput, RequestStatus
+from .results import Deliver
+from .stats import ManagerStats
+from .submissions import ManagerSubmissions
 from .threads import ThreadSettings
 
 logger = logging.getLogger(__name__)
 
-# Where `stop(keep_for_next_session=True)` keeps the manager; `init_continuous_batching` reuses it.
-CACHED_MANAGER_ATTR = "_transformers_cb_manager"
-HARD_STOP_ERROR = "RuntimeError: the manager was hard-stopped before this request finished"
+# destroy() lets queued and running requests finish for this long, then hard-stops them.
+DESTROY_GRACE_S = 10.0
+# After a hard stop, the thread ends at the next step boundary; a step that takes longer is stuck.
+HARD_STOP_JOIN_S = 60.0
 
 
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(ManagerSubmissions):
     """Serve requests with continuous batching from a background thread.
 
     Create it with `model.init_continuous_batching(...)` or
@@ -60,22 +65,15 @@ class ContinuousBatchingManager:
             workload=hints.workload() if hints is not None else None,
         )
         self.max_queue_size = self.engine.cb_config.max_queue_size
-        self._router = ResultRouter()
-        self._lock = threading.Condition()
-        self._incoming: deque[Request] = deque()
-        self._cancels: set[str] = set()
-        self._live: dict[str, Request] = {}  # submitted and not final yet
-        self._accepting = True
-        self._stop_requested = False
-        self._hard_stop = False
-        self._pause_requests = 0
-        self._paused = False
-        self._destroyed = False
-        self._thread: threading.Thread | None = None
-        self._throughput = ThroughputWindow()
-        self._counts = {RequestStatus.FINISHED: 0, RequestStatus.FAILED: 0, RequestStatus.CANCELLED: 0}
+        self._init_loop_state()
+        self._pause_holders = threading.local()
 
     # -- lifecycle ---------------------------------------------------------------------
+    @property
+    def background_thread_status(self) -> BackgroundThreadStatus:
+        """`.fatal_error`: None while the thread lives (or has not started), the exception once it died."""
+        return self._thread_status
+
     def start(self) -> None:
         """Start the background thread (again after `stop()`). Raises `RuntimeError` after `destroy()`,
         `ManagerDeadError` (a `RuntimeError`) if the thread died."""
@@ -88,7 +86,7 @@ class ContinuousBatchingManager:
         ):
             thread.join()  # a `stop(block=False)` is under way: let it end, then start a new session
         with self._lock:
-            if self._destroyed:
+            if self._destroyed or self._release_on_exit:
                 raise RuntimeError("this ContinuousBatchingManager was destroyed and cannot be restarted")
             if self.is_running():
                 logger.warning("ContinuousBatchingManager.start(): already running")
@@ -140,7 +138,17 @@ class ContinuousBatchingManager:
         With `block`, wait up to `timeout` seconds (None: no limit) for the thread (see `join`). With
         `keep_for_next_session`, the manager is cached on the model and the next
         `init_continuous_batching` / context returns it.
-        """
+
+        On a manager that is not running, every request still queued ends at once (FAILED, with the
+        reason): nothing would ever run it; with `keep_for_next_session` they wait for the next
+        session instead. Raises `RuntimeError` for a blocking graceful stop from inside `pause()` (the
+        paused loop could never finish the queue)."""
+        holds_pause = getattr(self._pause_holders, "count", 0) > 0
+        if holds_pause and block and not hard_stop and self.is_running():
+            raise RuntimeError(
+                "stop() from inside pause() would wait forever: the loop is paused and cannot finish the "
+                "queue; leave the pause first, or use hard_stop=True / block=False"
+            )
         if keep_for_next_session:
             setattr(self.model, CACHED_MANAGER_ATTR, self)
         with self._lock:
@@ -149,8 +157,8 @@ class ContinuousBatchingManager:
             self._hard_stop = self._hard_stop or hard_stop
             self._lock.notify_all()
         if not self.is_running():
-            if hard_stop:
-                self._fail_everything(HARD_STOP_ERROR)
+            if hard_stop or not keep_for_next_session:
+                self._fail_everything(HARD_STOP_ERROR if hard_stop else NOT_RUN_ERROR)
             self._router.set_closed(True)
             return
         if block:
@@ -170,16 +178,36 @@ class ContinuousBatchingManager:
                 "continuous batching thread ended %.2f s after stop", time.perf_counter() - stop_trigger_time
             )
 
-    def destroy(self) -> None:
-        """Stop (gracefully) if needed and release the cache; the manager cannot restart afterwards."""
-        self.stop(block=True)
-        if self.is_running():
-            self.stop(block=True, hard_stop=True)
+    def destroy(self, block: bool = True, grace_period: float | None = DESTROY_GRACE_S) -> None:
+        """Stop and release the cache; the manager cannot restart afterwards. Idempotent.
+
+        Queued and running requests get `grace_period` seconds to finish (None: no limit), then the
+        rest is hard-stopped (each gets a FAILED final result). `block=False` returns at once: the
+        thread finishes the queue gracefully and releases the cache when it ends."""
         with self._lock:
-            self._destroyed = True
-            self.engine = None
-        if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
-            delattr(self.model, CACHED_MANAGER_ATTR)
+            if self._destroyed:
+                return
+        self.stop(block=False)
+        thread = self._thread
+        if self.is_running() and thread is not threading.current_thread():
+            if not block:
+                with self._lock:
+                    self._release_on_exit = True
+                if self.is_running():
+                    return
+            else:
+                thread.join(grace_period)
+                if thread.is_alive():
+                    logger.warning("destroy(): requests still running after %ss; hard-stopping", grace_period)
+                    self.stop(block=True, timeout=HARD_STOP_JOIN_S, hard_stop=True)
+                if thread.is_alive():
+                    logger.error(
+                        "destroy(): the manager thread did not end; the cache is released when it does"
+                    )
+                    with self._lock:
+                        self._release_on_exit = True
+                    return
+        self._release_engine()
 
     @contextmanager
     def pause(self) -> Iterator[None]:
@@ -189,141 +217,30 @@ class ContinuousBatchingManager:
             self._lock.notify_all()
             while self.is_running() and not self._paused and threading.current_thread() is not self._thread:
                 self._lock.wait(timeout=0.1)
+        self._pause_holders.count = getattr(self._pause_holders, "count", 0) + 1
         try:
             yield
         finally:
+            self._pause_holders.count -= 1
             with self._lock:
                 self._pause_requests -= 1
                 self._lock.notify_all()
-
-    # -- submissions -------------------------------------------------------------------
-    def add_request(
-        self,
-        input_ids: Sequence[int] | torch.Tensor,
-        request_id: str | None = None,
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        record_timestamps: bool = False,
-        eos_token_id: int | list[int] | None = None,
-        **logit_processor_kwargs: Any,
-    ) -> str | None:
-        """Submit one request and return its id, or None (with a warning) after `stop()`.
-
-        `record_timestamps` gives the outputs `timestamps` (one `time.perf_counter()` per token);
-        `logit_processor_kwargs` are per-request sampling parameters (`temperature`, `top_k`, `top_p`).
-
-        Raises:
-            ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
-                too long for the model or the whole cache) or a duplicate live `request_id`.
-            queue.Full: `max_queue_size` requests are already waiting to be scheduled.
-            RuntimeError: the manager was destroyed.
-        """
-        check_processor_kwargs(logit_processor_kwargs)
-        ids = self._submit(
-            [(input_ids, request_id)],
-            max_new_tokens,
-            streaming,
-            eos_token_id,
-            record_timestamps,
-            indexed=False,
-        )
-        return None if ids is None else ids[0]
-
-    def add_requests(
-        self,
-        inputs: Sequence[Sequence[int]],
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        record_timestamps: bool = False,
-        eos_token_id: int | list[int] | None = None,
-        **logit_processor_kwargs: Any,
-    ) -> list[str] | None:
-        """Submit many requests at once and return their ids in input order, or None (with a
-        warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
-        `inputs[i]`), none is submitted. Other arguments as in `add_request`."""
-        check_processor_kwargs(logit_processor_kwargs)
-        items = [(input_ids, None) for input_ids in inputs]
-        return self._submit(items, max_new_tokens, streaming, eos_token_id, record_timestamps, indexed=True)
-
-    def _submit(
-        self,
-        items: list[tuple[Any, str | None]],
-        max_new_tokens: int | None,
-        streaming: bool,
-        eos_token_id: int | list[int] | None,
-        record_timestamps: bool,
-        indexed: bool,
-    ) -> list[str] | None:
-        with self._lock:
-            if self.engine is None:
-                raise RuntimeError("this ContinuousBatchingManager was destroyed")
-            if self.engine.is_follower:
-                raise RuntimeError(
-                    f"tensor parallelism: submit requests on rank 0; this is rank {self.engine.tp.rank}, "
-                    "which only replays rank 0's steps (start() and stop() it like rank 0's manager)"
-                )
-            if not self._accepting:
-                logger.warning("ContinuousBatchingManager is stopped: %d request(s) refused", len(items))
-                return None
-            waiting = len(self._incoming) + self._num_engine_waiting()
-            if self.max_queue_size and waiting + len(items) > self.max_queue_size:
-                raise queue.Full(
-                    f"max_queue_size={self.max_queue_size}: {waiting} requests are already waiting, "
-                    f"{len(items)} more do not fit"
-                )
-            requests: list[Request] = []
-            taken = set(self._live)
-            for index, (input_ids, request_id) in enumerate(items):
-                label = f"inputs[{index}]" if indexed else None
-                if request_id is None:
-                    request_id = self.engine.new_request_id(taken)
-                elif not isinstance(request_id, str):
-                    raise ValueError(f"request_id must be a str, got {type(request_id).__name__}")
-                elif request_id in taken:
-                    raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-                requests.append(
-                    self.engine.build_request(
-                        input_ids,
-                        request_id,
-                        max_new_tokens,
-                        eos_token_id,
-                        streaming,
-                        label=label,
-                        record_timestamps=record_timestamps,
-                    )
-                )
-                taken.add(request_id)
-            for request in requests:
-                self._live[request.request_id] = request
-                self._router.expect(request.request_id, streaming)
-                self._incoming.append(request)
-            self._lock.notify_all()
-        return [request.request_id for request in requests]
-
-    def cancel_request(self, request_id: str) -> None:
-        """Cancel a pending or running request: its pages are freed at the next step boundary and
-        it receives one final result with status CANCELLED. Unknown ids only log a warning."""
-        with self._lock:
-            if request_id not in self._live:
-                logger.warning("cancel_request: unknown or already finished request %r", request_id)
-                return
-            self._cancels.add(request_id)
-            self._lock.notify_all()
-            if self.is_running():
-                return
-        # No loop to do it: apply now (the engine is idle, nobody else touches it).
-        self._apply_submissions()
 
     # -- results -----------------------------------------------------------------------
     def get_result(
         self, request_id: str | None = None, timeout: float | None = None
     ) -> GenerationOutput | None:
-        """Next finished result (or None on timeout). With `request_id`, a non-matching result is put
-        back and None returned. Raises `ManagerDeadError` if the thread died and nothing is left."""
+        """The next output in the shared queue: final results of unclaimed requests, and the partial
+        outputs of unclaimed streaming requests before their final one, in order. With `request_id`,
+        the next one of that request (the others stay queued).
+
+        Returns None on timeout, or at once when no such output can arrive any more. Raises
+        `ManagerDeadError` if the thread died and nothing is left, and `RuntimeError` when, without a
+        timeout, outputs are outstanding but the manager is not running (it would wait forever)."""
         return self._router.get(request_id, timeout)
 
     def __iter__(self) -> Iterator[GenerationOutput]:
-        """Yield final results of unclaimed requests as they finish, until none is outstanding.
+        """Yield what `get_result()` returns, as it arrives, until nothing unclaimed is outstanding.
 
         Raises `ManagerDeadError` if the thread died, `RuntimeError` if requests are outstanding
         but the manager is not running.
@@ -343,9 +260,14 @@ class ContinuousBatchingManager:
                     )
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
-        """Yield growing partial outputs of a streaming request, ending with its final output.
+        """Yield the outputs of `request_id` not yet delivered to anyone (growing partials if streaming),
+        ending with its final one.
 
-        The request is claimed at the call (`ValueError` at once for an unknown id)."""
+        The request is claimed at the call: later outputs no longer reach `get_result()`. A new iterator
+        resumes where the previous one stopped, so `next(manager.request_id_iter(rid))` per chunk loses
+        and repeats nothing. Raises `KeyError` (`UnknownRequestError`) at the call for an unknown id or
+        one whose final output was already delivered, and `RuntimeError` while waiting if the manager is
+        not running."""
         return blocking_channel(self._router, request_id)
 
     def stream(self, request_id: str) -> AsyncIterator[GenerationOutput]:
@@ -355,12 +277,15 @@ class ContinuousBatchingManager:
         return async_channel(self._router, request_id)
 
     def register_result_handler(self, request_id: str, callback: Deliver) -> None:
-        """Call `callback(output)` from the manager thread for each output of `request_id`
-        (partials if streaming, then the final one). Exceptions in the callback are logged."""
-        if not self._router.claim(request_id, callback):
-            raise ValueError(
-                f"unknown request id {request_id!r} (never submitted, or its result was already taken)"
-            )
+        """Call `callback(output)` for each output of `request_id` (partials if streaming, then the
+        final one), in order and one at a time. Exceptions in the callback are logged.
+
+        Registered inside a running event loop, the callback runs on that loop (as in transformers);
+        otherwise on the manager thread. An id not submitted yet is remembered and attached when a
+        request with that id is submitted."""
+        self._router.register_handler(request_id, callback)
+        with self._lock:
+            self._lock.notify_all()  # a backlog handed to the loop thread: wake it
 
     def stats(self) -> ManagerStats:
         with self._lock:
@@ -380,120 +305,5 @@ class ContinuousBatchingManager:
                 decode_tokens=engine.counters.decode_tokens if engine else 0,
                 prefix_cache_hit_rate=0.0,
                 tokens_per_second=self._throughput.rate(),
+                delivered_tokens=self._throughput.total,
             )
-
-    # -- the loop thread ----------------------------------------------------------------
-    def _num_engine_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) if self.engine else 0
-
-    def _has_queued_work(self) -> bool:
-        with self._lock:
-            return bool(self._incoming) or (self.engine is not None and self.engine.has_work())
-
-    def _run(self, settings: ThreadSettings) -> None:
-        tp = self.engine.tp if self.engine is not None else None
-        try:
-            settings.apply()
-            with paged_attention(self.model), torch.inference_mode():
-                if tp is not None and not tp.is_driver:
-                    self._follow(self.engine)
-                else:
-                    self._loop()
-        except BaseException as error:  # noqa: BLE001 - the thread must not die silently
-            logger.exception("continuous batching manager thread died")
-            with self._lock:
-                self._accepting = False  # later submissions are refused, not queued for no one
-            try:
-                self._fail_everything(f"the manager thread died: {type(error).__name__}: {error}")
-            finally:
-                self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
-        finally:
-            if tp is not None and tp.is_driver:
-                tp.try_stop()  # the followers' sessions end with this one (skipped if the group broke)
-            self._router.set_closed(True)
-
-    def _follow(self, engine: Engine) -> None:
-        """A tensor-parallel follower's session: replay rank 0's steps until its manager stops."""
-        engine.tp.stopped = False
-        while not engine.tp.stopped:
-            engine.step()
-
-    def _loop(self) -> None:
-        engine = self.engine
-        while True:
-            self._apply_submissions()
-            if self._pause_requests or not engine.has_work():
-                engine.heartbeat()  # tensor-parallel followers wait in a collective bounded by a timeout
-            with self._lock:
-                if self._hard_stop:
-                    break
-                if self._pause_requests:
-                    self._paused = True
-                    self._lock.notify_all()
-                    self._lock.wait(timeout=0.1)
-                    continue
-                self._paused = False
-                if not engine.has_work():
-                    if self._stop_requested and not self._incoming:
-                        return
-                    if not self._incoming:
-                        self._lock.wait(timeout=0.1)
-                    continue
-            self._step(engine)
-        self._fail_everything(HARD_STOP_ERROR)
-
-    def _step(self, engine: Engine) -> None:
-        try:
-            result = engine.step()
-        except TensorParallelError:
-            raise  # the group is broken: the thread ends and every request gets its failure
-        except Exception as error:  # noqa: BLE001 - a scheduler bug fails the involved requests only
-            logger.exception("continuous batching step raised outside the model forward")
-            message = f"step failed: {type(error).__name__}: {error}"
-            for request in list(engine.scheduler.running):
-                engine.finish(request, RequestStatus.FAILED, message)
-                self._publish_final(request)
-            return
-        self._throughput.add(len(result.progressed) + len(result.finished))
-        for request in result.progressed:
-            if request.streaming:
-                self._router.publish(request.to_output())
-        for request in result.finished:
-            self._publish_final(request)
-
-    def _apply_submissions(self) -> None:
-        """Move new requests into the engine and apply cancellations (loop thread, or idle engine)."""
-        with self._lock:
-            incoming, self._incoming = list(self._incoming), deque()
-            cancels, self._cancels = self._cancels, set()
-            engine = self.engine
-        if engine is None:
-            return
-        for request in incoming:
-            engine.add(request)
-        for request_id in cancels:
-            request = self._live.get(request_id)
-            if request is not None and not request.is_finished:
-                engine.finish(request, RequestStatus.CANCELLED, "cancelled by cancel_request()")
-                self._publish_final(request)
-
-    def _publish_final(self, request: Request) -> None:
-        with self._lock:
-            if self._live.pop(request.request_id, None) is None:
-                return
-            self._counts[request.status] = self._counts.get(request.status, 0) + 1
-        self._router.publish(request.to_output())
-
-    def _fail_everything(self, message: str) -> None:
-        """Give every unfinished request its one final result: FAILED with `message`."""
-        with self._lock:
-            live, self._incoming = list(self._live.values()), deque()
-            engine = self.engine
-        for request in live:
-            if not request.is_finished:
-                if engine is not None:
-                    engine.finish(request, RequestStatus.FAILED, message)
-                else:
-                    request.set_status(RequestStatus.FAILED)
-                    request.error = message
-            self._publish_final(request)

@@ -61,6 +61,11 @@ def continuous_batching_context_manager(
 ) -> Iterator[ContinuousBatchingManager]:
     """Start a manager, yield it, then stop it (and destroy it unless `persistent_manager`).
 
+    On exit, `block` / `timeout` bound the wait for queued and running requests whether or not the
+    manager is persistent: with `block=False` the exit returns at once (the thread finishes the queue);
+    with a `timeout`, what is still running then is hard-stopped (a non-persistent manager) or keeps
+    running in the background (a persistent one).
+
     With `persistent_manager=True` the manager is cached on the model and reused by the next
     context (its configs are those of its first creation). With `warmup` a throw-away step runs
     before the manager starts (once per manager). If the block raises, the manager is hard-stopped
@@ -79,7 +84,9 @@ def continuous_batching_context_manager(
     finally:
         manager.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager, hard_stop=failed)
         if not persistent_manager:
-            manager.destroy()
+            # `stop` already waited as long as asked: a blocking exit hard-stops what is still running
+            # (`timeout` passed), a non-blocking one leaves the thread to finish and release the cache.
+            manager.destroy(block=block, grace_period=0.0)
 
 
 def destroy_cached_continuous_batching_manager(self: PreTrainedModel) -> None:

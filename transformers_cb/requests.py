@@ -19,6 +19,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from .invariants import InvariantError
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that `status >= FINISHED` means the request is over.
@@ -139,9 +141,8 @@ class Request:
     def set_status(self, status: RequestStatus) -> None:
         if status == self.status:
             return
-        assert status in ALLOWED_TRANSITIONS[self.status], (
-            f"{self.request_id}: {self.status.name} -> {status.name}"
-        )
+        if status not in ALLOWED_TRANSITIONS[self.status]:
+            raise InvariantError(f"{self.request_id}: {self.status.name} -> {status.name}")
         self.status = status
 
     def append_token(self, token_id: int, logprob: float | None = None) -> None:

@@ -1,7 +1,7 @@
 """Turning a step's logits into tokens: greedy, or temperature / top-k / top-p sampling.
 
-Only the `GenerationConfig` options listed in `SUPPORTED_DEFAULTS` may differ
-from their neutral value; anything else raises instead of being ignored.
+Which `GenerationConfig` options may be set at all is decided in one table,
+`generation_fields.py` (`check_generation_config`, re-exported here).
 """
 
 from __future__ import annotations
@@ -15,39 +15,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-# GenerationConfig options whose processors are not built yet, with their neutral values.
-UNSUPPORTED_NEUTRAL = {
-    "num_beams": (None, 1),
-    "num_return_sequences": (None, 1),
-    "repetition_penalty": (None, 1.0),
-    "no_repeat_ngram_size": (None, 0),
-    "min_length": (None, 0),
-    "min_new_tokens": (None, 0),
-    "bad_words_ids": (None,),
-    "sequence_bias": (None,),
-    "stop_strings": (None,),
-    "suppress_tokens": (None,),
-    "begin_suppress_tokens": (None,),
-    "forced_bos_token_id": (None,),
-    "forced_eos_token_id": (None,),
-    "min_p": (None,),
-    "typical_p": (None, 1.0),
-    "epsilon_cutoff": (None, 0.0),
-    "eta_cutoff": (None, 0.0),
-    "encoder_repetition_penalty": (None, 1.0),
-    "exponential_decay_length_penalty": (None,),
-    "guidance_scale": (None, 1.0),
-    "watermarking_config": (None,),
-}
+from .generation_fields import check_generation_config
 
-
-def check_generation_config(config: GenerationConfig) -> None:
-    for name, neutral in UNSUPPORTED_NEUTRAL.items():
-        value = getattr(config, name, None)
-        if value not in neutral:
-            raise NotImplementedError(
-                f"GenerationConfig.{name}={value!r} is not supported by transformers_cb yet"
-            )
+__all__ = ["Sampler", "check_generation_config"]
 
 
 PER_REQUEST_PARAMETERS = ("temperature", "top_k", "top_p")

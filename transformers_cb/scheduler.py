@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .cache.allocator import FullAttentionAllocator
+from .invariants import check
 from .requests import Request, RequestStatus
 
 
@@ -110,6 +111,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Called with each request whose pages were just freed (preemption or finish), e.g. to give
+        # its block-table row back: per-request state elsewhere never outlives its pages.
+        self.on_pages_freed: list[Callable[[Request], None]] = []
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -144,11 +148,11 @@ class Scheduler:
                         self._fail_unfittable(request, batch)
                         admitting = True
                     continue
-                assert self.allocator.allocate(request, num_tokens), f"{request.request_id}: {num_tokens=}"
+                self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
             elif num_tokens > 0:
-                assert self.allocator.allocate(request, num_tokens), f"{request.request_id}: {num_tokens=}"
+                self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
                 num_tokens = wanted
             else:
@@ -163,6 +167,11 @@ class Scheduler:
         # Entries follow the running list: stable admission order.
         batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
         return batch
+
+    def _allocate(self, request: Request, num_tokens: int) -> None:
+        """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
+        allocated = self.allocator.allocate(request, num_tokens)
+        check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
 
     def _admits(self) -> bool:
         if not self.running:
@@ -194,7 +203,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         """Free the pages of `request`; it will recompute prompt + generated tokens later."""
-        self.allocator.free(request)
+        self._free_pages(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.set_status(RequestStatus.EVICTED)
@@ -202,6 +211,11 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+
+    def _free_pages(self, request: Request) -> None:
+        self.allocator.free(request)
+        for release in self.on_pages_freed:
+            release(request)
 
     def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
         total = self.pool.num_pages
@@ -240,10 +254,11 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """The single exit of a request: frees its pages, stamps the time, removes it from the queues."""
+        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages and
+        whatever is tied to them (`on_pages_freed`), stamps the time, removes it from the queues."""
         if request.is_finished:
             return
-        self.allocator.free(request)
+        self._free_pages(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = status.name.lower()
@@ -255,12 +270,17 @@ class Scheduler:
             self.waiting.remove(request)
 
     def check_integrity(self) -> None:
+        """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         self.pool.check_integrity([r.page_ids for r in self.live_requests()])
         for request in self.running:
-            assert request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING), request.status
+            check(
+                request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
+                f"running {request.request_id} has status {request.status.name}",
+            )
             needed = self.allocator.max_pages(request.num_computed_tokens)
-            assert len(request.page_ids) >= needed, (
-                f"{request.request_id}: {len(request.page_ids)=} {needed=}"
+            check(
+                len(request.page_ids) >= needed,
+                f"{request.request_id}: holds {len(request.page_ids)} pages, needs {needed}",
             )
         for request in self.waiting:
-            assert not request.page_ids, f"waiting {request.request_id} holds pages"
+            check(not request.page_ids, f"waiting {request.request_id} holds pages")

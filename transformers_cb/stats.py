@@ -21,20 +21,26 @@ class ManagerStats:
     prefill_tokens: int
     decode_tokens: int
     prefix_cache_hit_rate: float
-    tokens_per_second: float
+    # Tokens handed to users: each streamed partial output's new token when it is published, and a
+    # non-streaming request's tokens when it FINISHES. Tokens of failed or cancelled requests that no
+    # output had delivered do not count (their final output still carries them).
+    tokens_per_second: float  # delivered tokens over the last 10 s
+    delivered_tokens: int = 0  # since creation
 
 
 class ThroughputWindow:
-    """Generated tokens per second over the last `window_s` seconds."""
+    """Delivered tokens per second over the last `window_s` seconds, and their total."""
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
         self._events: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
+        self.total = 0
 
     def add(self, num_tokens: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
+            self.total += num_tokens
             self._events.append((now, num_tokens))
             self._trim(now)
 

@@ -1,14 +1,16 @@
 """`BlockTables`: a persistent `[rows, max_pages]` page table, updated in place.
 
-Each running request owns a row while it runs. Pages are only ever appended to
-a running request, so a step writes just the new pages instead of rebuilding
-the table; a preempted or finished request gives its row back.
+Each running request owns a row, keyed by its request id (never `id(request)`, which Python
+recycles), while it holds pages. Pages are only ever appended to a running request, so a step
+writes just the new pages instead of rebuilding the table; the scheduler's page release (preemption,
+or the single `finish()` exit) gives the row back.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..invariants import InvariantError
 from ..requests import Request
 
 
@@ -29,13 +31,13 @@ class BlockTables:
         self.device = device
         width = max_pages_per_request if initial_pages is None else min(initial_pages, max_pages_per_request)
         self.table = torch.zeros(initial_rows, max(1, width), dtype=torch.int64, device=device)
-        self._rows: dict[int, int] = {}  # id(request) -> row
-        self._num_written: dict[int, int] = {}  # id(request) -> pages already in its row
+        self._rows: dict[str, int] = {}  # request id -> row
+        self._num_written: dict[str, int] = {}  # request id -> pages already in its row
         self._free_rows = list(range(initial_rows - 1, -1, -1))
 
     def sync(self, request: Request) -> int:
         """Make `request`'s row match its `page_ids` (appending new pages); return the row."""
-        key = id(request)
+        key = request.request_id
         row = self._rows.get(key)
         if row is None:
             row = self._take_row()
@@ -43,8 +45,10 @@ class BlockTables:
             self._num_written[key] = 0
         written = self._num_written[key]
         num_pages = len(request.page_ids)
-        assert num_pages >= written, f"{request.request_id}: page table shrank without release"
-        assert num_pages <= self.max_pages_per_request, f"{request.request_id}: {num_pages=}"
+        if num_pages < written:
+            raise InvariantError(f"{request.request_id}: page table shrank without release")
+        if num_pages > self.max_pages_per_request:
+            raise InvariantError(f"{request.request_id}: {num_pages=}")
         if num_pages > self.table.shape[1]:
             self._widen(num_pages)
         if num_pages > written:
@@ -54,10 +58,29 @@ class BlockTables:
         return row
 
     def release(self, request: Request) -> None:
-        row = self._rows.pop(id(request), None)
+        row = self._rows.pop(request.request_id, None)
         if row is not None:
-            del self._num_written[id(request)]
+            del self._num_written[request.request_id]
             self._free_rows.append(row)
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """Raise `InvariantError` if a row outlives its request or disagrees with its pages."""
+        by_id = {request.request_id: request for request in running}
+        for request_id, row in self._rows.items():
+            request = by_id.get(request_id)
+            if request is None:
+                raise InvariantError(f"block-table row {row} outlives request {request_id!r}")
+            written = self._num_written[request_id]
+            if written > len(request.page_ids):
+                raise InvariantError(
+                    f"{request_id}: row holds {written} pages, request {len(request.page_ids)}"
+                )
+            if self.table[row, :written].tolist() != request.page_ids[:written]:
+                raise InvariantError(f"{request_id}: block-table row {row} disagrees with its pages")
+        if len(set(self._rows.values())) != len(self._rows) or set(self._rows.values()) & set(
+            self._free_rows
+        ):
+            raise InvariantError("a block-table row is held twice, or held and free")
 
     def _widen(self, num_pages: int) -> None:
         width = min(self.max_pages_per_request, max(num_pages, 2 * self.table.shape[1]))

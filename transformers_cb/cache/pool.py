@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..invariants import InvariantError
+
 
 class PagePool:
     """Free list and refcounts of `num_pages` pages.
@@ -22,7 +24,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int) -> None:
-        assert num_pages >= 1, f"{num_pages=}"
+        if num_pages < 1:
+            raise InvariantError(f"{num_pages=}")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(num_pages))
         self._refcounts = [0] * num_pages
@@ -40,7 +43,8 @@ class PagePool:
 
     def allocate(self, num: int) -> list[int] | None:
         """Take `num` free pages (refcount 1 each), lowest-recently-freed first, or `None`."""
-        assert num >= 0, f"{num=}"
+        if num < 0:
+            raise InvariantError(f"{num=}")
         if num > len(self._free):
             return None
         page_ids = [self._free.popleft() for _ in range(num)]
@@ -51,19 +55,21 @@ class PagePool:
     def share(self, page_ids: list[int]) -> None:
         """Add one reference to pages that are already in use."""
         for page_id in page_ids:
-            assert self._refcounts[page_id] > 0, f"sharing free page {page_id}"
+            if self._refcounts[page_id] <= 0:
+                raise InvariantError(f"sharing free page {page_id}")
             self._refcounts[page_id] += 1
 
     def release(self, page_ids: list[int]) -> None:
         """Drop one reference to each page; pages reaching 0 go back to the free list."""
         for page_id in page_ids:
-            assert self._refcounts[page_id] > 0, f"double free of page {page_id}"
+            if self._refcounts[page_id] <= 0:
+                raise InvariantError(f"double free of page {page_id}")
             self._refcounts[page_id] -= 1
             if self._refcounts[page_id] == 0:
                 self._free.append(page_id)
 
     def check_integrity(self, page_tables: list[list[int]] | None = None) -> None:
-        """Raise `AssertionError` if the pool's invariants do not hold.
+        """Raise `InvariantError` (an `AssertionError`) if the pool's invariants do not hold.
 
         Checks that free and used pages partition the pool, that refcounts are
         >= 0 and 0 exactly for free pages, and, given the page tables of every
@@ -71,21 +77,25 @@ class PagePool:
         holding it (so no page is in two tables unless shared and refcounted).
         """
         free = set(self._free)
-        assert len(free) == len(self._free), "a page is twice in the free list"
-        assert all(0 <= p < self.num_pages for p in free), "free list holds an unknown page id"
+        if len(free) != len(self._free):
+            raise InvariantError("a page is twice in the free list")
+        if not all(0 <= p < self.num_pages for p in free):
+            raise InvariantError("free list holds an unknown page id")
         for page_id, count in enumerate(self._refcounts):
-            assert count >= 0, f"page {page_id} has refcount {count}"
-            assert (count == 0) == (page_id in free), (
-                f"page {page_id}: refcount {count}, free={page_id in free}"
-            )
+            if count < 0:
+                raise InvariantError(f"page {page_id} has refcount {count}")
+            if (count == 0) != (page_id in free):
+                raise InvariantError(f"page {page_id}: refcount {count}, free={page_id in free}")
         if page_tables is None:
             return
         holders = [0] * self.num_pages
         for table in page_tables:
-            assert len(set(table)) == len(table), f"a page table repeats a page: {table}"
+            if len(set(table)) != len(table):
+                raise InvariantError(f"a page table repeats a page: {table}")
             for page_id in table:
                 holders[page_id] += 1
         for page_id, count in enumerate(self._refcounts):
-            assert holders[page_id] == count, (
-                f"page {page_id}: refcount {count} but held by {holders[page_id]} tables"
-            )
+            if holders[page_id] != count:
+                raise InvariantError(
+                    f"page {page_id}: refcount {count} but held by {holders[page_id]} tables"
+                )

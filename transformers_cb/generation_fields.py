@@ -1,0 +1,166 @@
+"""Which `GenerationConfig` fields the engine honours, ignores safely, or refuses: the one table.
+
+Every field of transformers' `GenerationConfig` is in exactly one of `IMPLEMENTED`, `HARMLESS` or
+`REFUSED` (tests/test_generation_fields.py walks them all, so a new transformers release that adds a
+field fails loudly until it is classified). A field that is *not at its default* is accepted only if it
+is implemented or harmless; a refused or unknown one raises `UnsupportedGenerationOption` naming it,
+instead of being silently ignored.
+
+To implement a field: move it from `REFUSED` to `IMPLEMENTED` in the same change that honours it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GenerationConfig
+
+# Honoured by the engine (sampling.py, engine.py, requests.py).
+IMPLEMENTED: frozenset[str] = frozenset(
+    {
+        "max_new_tokens",
+        "max_length",
+        "eos_token_id",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "continuous_batching_config",  # deprecated path, taken with a FutureWarning (generation.py)
+    }
+)
+
+# Accepted at any value: they do not change which tokens are generated here. Why, per field:
+HARMLESS: dict[str, str] = {
+    "bos_token_id": "prompts arrive tokenized",
+    "pad_token_id": "no padding: requests are packed",
+    "decoder_start_token_id": "encoder-decoder only; such models are refused elsewhere",
+    "use_cache": "the paged KV cache is always used",
+    "cache_implementation": "generate()'s cache choice; the paged cache replaces it",
+    "cache_config": "generate()'s cache settings; ContinuousBatchingConfig sizes the paged cache",
+    "max_cache_len": "generate()'s static-cache length; the paged cache is sized separately",
+    "prefill_chunk_size": "generate()'s chunked prefill; the scheduler chunks by max_batch_tokens",
+    "compile_config": "compilation settings; no change to the tokens",
+    "disable_compile": "compilation settings; no change to the tokens",
+    "output_attentions": "shapes generate()'s return value; GenerationOutput is fixed",
+    "output_hidden_states": "shapes generate()'s return value; GenerationOutput is fixed",
+    "output_scores": "shapes generate()'s return value; logprobs come from return_logprobs",
+    "output_logits": "shapes generate()'s return value; GenerationOutput is fixed",
+    "return_dict_in_generate": "shapes generate()'s return value; GenerationOutput is fixed",
+    "num_assistant_tokens": "configures an assistant model, which is never used here",
+    "num_assistant_tokens_schedule": "configures an assistant model, which is never used here",
+    "assistant_confidence_threshold": "configures an assistant model, which is never used here",
+    "assistant_lookbehind": "configures an assistant model, which is never used here",
+    "target_lookbehind": "configures an assistant model, which is never used here",
+    "assistant_ensemble_weight": "configures an assistant model, which is never used here",
+    "is_assistant": "marks a model as someone's assistant; no effect on its own generation",
+    "early_stopping": "beam search only (num_beams > 1 is refused)",
+    "length_penalty": "beam search only (num_beams > 1 is refused)",
+    "low_memory": "beam search / contrastive search only (both refused)",
+    "transformers_version": "metadata",
+    "_from_model_config": "metadata",
+}
+
+# Change the generated tokens, or the generation mode, and are not built: refused when not at default.
+REFUSED: frozenset[str] = frozenset(
+    {
+        "min_length",
+        "min_new_tokens",
+        "max_time",
+        "stop_strings",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "num_return_sequences",
+        "penalty_alpha",
+        "dola_layers",
+        "top_h",
+        "min_p",
+        "typical_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "repetition_penalty",
+        "encoder_repetition_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "bad_words_ids",
+        "force_words_ids",
+        "constraints",
+        "sequence_bias",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "exponential_decay_length_penalty",
+        "renormalize_logits",
+        "remove_invalid_values",
+        "guidance_scale",
+        "watermarking_config",
+        "token_healing",
+        "prompt_lookup_num_tokens",
+        "max_matching_ngram_size",
+        "assistant_early_exit",
+        "speculation_type",
+        "use_mtp",
+    }
+)
+
+# Values that mean "off" besides None and transformers' own default (e.g. top_k=0 disables top-k).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "min_length": (0,),
+    "min_new_tokens": (0,),
+    "num_beams": (1,),
+    "num_beam_groups": (1,),
+    "num_return_sequences": (1,),
+    "diversity_penalty": (0.0,),
+    "penalty_alpha": (0.0,),
+    "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "guidance_scale": (1.0,),
+    "renormalize_logits": (False,),
+    "remove_invalid_values": (False,),
+    "token_healing": (False,),
+    "use_mtp": (False,),
+}
+
+
+class UnsupportedGenerationOption(ValueError, NotImplementedError):
+    """A `GenerationConfig` field the engine does not implement is set. A `ValueError` (a bad
+    configuration) and, for code written against earlier releases, a `NotImplementedError`."""
+
+
+def field_names() -> list[str]:
+    """The fields transformers' `GenerationConfig` defines (custom entries a model's config may add
+    are not generation options and are left alone)."""
+    return sorted(vars(GenerationConfig()))
+
+
+def transformers_defaults() -> dict[str, Any]:
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    return defaults() if defaults is not None else {}
+
+
+def is_default(name: str, value: Any) -> bool:
+    if value is None or value == transformers_defaults().get(name, None):
+        return True
+    return any(value == neutral for neutral in NEUTRAL.get(name, ()))
+
+
+def check_generation_config(config: GenerationConfig) -> None:
+    """Raise `UnsupportedGenerationOption` naming the first field set away from its default that is
+    neither implemented nor harmless (refused, or unknown to this release)."""
+    for name in field_names():
+        value = getattr(config, name, None)
+        if name in IMPLEMENTED or name in HARMLESS or is_default(name, value):
+            continue
+        known = (
+            "is not implemented by transformers_cb" if name in REFUSED else "is unknown to transformers_cb"
+        )
+        raise UnsupportedGenerationOption(
+            f"GenerationConfig.{name}={value!r} {known}; it would be ignored, so it is refused "
+            f"(leave it at its default, {transformers_defaults().get(name)!r})"
+        )
