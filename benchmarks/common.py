@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    StaticCache,
+)
 from transformers.generation.utils import GenerationMixin
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -52,6 +59,18 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 4096,
         "max_position_embeddings": 2048,
     },
+    # "tiny" with every layer sliding over a 256-token window (Mistral architecture = Llama + sliding window):
+    # its KV cache holds at most ceil(256 / page) + 1 pages per request however long the decode.
+    "tiny-sliding": {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+        "sliding_window": 256,
+    },
     # ~56.9M parameters (GQA 8/2, untied 32000-token embeddings): compute-bound on CPU.
     "small": {
         "hidden_size": 512,
@@ -70,10 +89,15 @@ FIRST_PROMPT_TOKEN = 3
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Build a benchmark model with seeded random weights, in eval mode, with SDPA attention and EOS disabled."""
+    """Build a benchmark model with seeded random weights, in eval mode, with SDPA attention and EOS disabled.
+    A config with `sliding_window` builds the Mistral architecture (Llama with sliding-window attention)."""
     if name not in MODEL_CONFIGS:
         raise ValueError(f"Unknown model {name!r}; choose from {sorted(MODEL_CONFIGS)}")
-    config = LlamaConfig(
+    sliding = "sliding_window" in MODEL_CONFIGS[name]
+    config_class, model_class = (
+        (MistralConfig, MistralForCausalLM) if sliding else (LlamaConfig, LlamaForCausalLM)
+    )
+    config = config_class(
         **MODEL_CONFIGS[name],
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -81,7 +105,7 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
         pad_token_id=PAD_TOKEN_ID,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype=dtype).eval()
+    model = model_class(config).to(dtype=dtype).eval()
     model.set_attn_implementation("sdpa")
     # No EOS anywhere: every engine must produce exactly `max_new_tokens` tokens per request.
     model.generation_config.eos_token_id = None
@@ -245,6 +269,8 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
     #: Cores kept busy by other processes during the run (set by the benchmark driver; None if unknown).
     other_load: float | None = None
+    #: Most KV pages in use at once, per KV layer group (ours only; None if not reported).
+    peak_pages: dict[str, int] | None = None
 
 
 def cb_engine_settings(
@@ -509,6 +535,7 @@ class OursEngine(Engine):
         wall = time.perf_counter() - start
         restore_attn_implementation(model)
         reported = _forwarded_from_counters(recorded)
+        peak_pages = _peak_pages(recorded)
         if reported is not None:
             forwarded, exact = reported, True
         else:
@@ -523,7 +550,7 @@ class OursEngine(Engine):
             notes.append(
                 f"per-request max_new_tokens unsupported: ran {len(groups)} generate_batch calls grouped by max_new_tokens"
             )
-        return RunResult(self.name, outputs, wall, forwarded, exact, errors, notes)
+        return RunResult(self.name, outputs, wall, forwarded, exact, errors, notes, peak_pages=peak_pages)
 
 
 class OursTransformersConfigEngine(OursEngine):
@@ -561,13 +588,33 @@ def _capture_ours_counters():
     class RecordingEngine(original):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.peak_pages: dict[str, int] = {}
             engines.append(self)
+
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            result = super().step(*args, **kwargs)
+            # Peak KV pages per layer group, read after the step (its pages are still held).
+            pages_in_use = getattr(self.scheduler.allocator, "pages_in_use", None)
+            if pages_in_use is not None:
+                for group, used in pages_in_use().items():
+                    if used > self.peak_pages.get(group, 0):
+                        self.peak_pages[group] = used
+            return result
 
     generation_module.Engine = RecordingEngine
     try:
         yield engines
     finally:
         generation_module.Engine = original
+
+
+def _peak_pages(engines: list[Any]) -> dict[str, int] | None:
+    """Most KV pages in use at once per layer group, over the recorded engines (None if not reported)."""
+    peaks: dict[str, int] = {}
+    for engine in engines:
+        for group, used in (getattr(engine, "peak_pages", None) or {}).items():
+            peaks[group] = max(peaks.get(group, 0), used)
+    return peaks or None
 
 
 def _forwarded_from_counters(engines: list[Any]) -> int | None:
@@ -675,21 +722,29 @@ class LimitEngine(Engine):
                     )
                     for _ in range(config.num_hidden_layers)
                 ]
+                # A sliding-window model attends to its window only: its limit reads at most `window` keys
+                # (a full-attention cache of that length; positions stay the real ones for RoPE).
+                window = getattr(config, "sliding_window", None)
+                cache_config = config
+                if window is not None:
+                    cache_config = copy.deepcopy(config)
+                    cache_config.sliding_window = None
                 for t in range(num_steps):
                     active = [r for r in requests if r.max_new_tokens - 1 > t]
                     batch = len(active)
                     past = round(statistics.mean(len(r.prompt) + t for r in active))
+                    kv_past = past if window is None else min(past, window - 1)
                     ids = torch.randint(FIRST_PROMPT_TOKEN, config.vocab_size, (batch, 1), generator=gen).to(
                         device
                     )
                     positions = torch.full((batch, 1), past, device=device)
-                    cache_position = torch.tensor([past], device=device)
+                    cache_position = torch.tensor([kv_past], device=device)
                     timed_forward(
-                        lambda ids=ids, positions=positions, cache_position=cache_position, batch=batch, past=past: {
+                        lambda ids=ids, positions=positions, cache_position=cache_position, batch=batch, past=kv_past: {
                             "input_ids": ids,
                             "position_ids": positions,
                             "cache_position": cache_position,
-                            "past_key_values": _view_static_cache(config, buffers, batch, past),
+                            "past_key_values": _view_static_cache(cache_config, buffers, batch, past),
                             "use_cache": True,
                         }
                     )

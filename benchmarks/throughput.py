@@ -31,7 +31,12 @@ def _csv(value: str) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", type=_csv, default=["tiny", "small"], help="comma list of: tiny, small")
+    p.add_argument(
+        "--models",
+        type=_csv,
+        default=["tiny", "small"],
+        help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window)",
+    )
     p.add_argument(
         "--workloads",
         type=_csv,
@@ -237,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                         if builtin_wall and res.wall_s > 0
                         else None,
                         "other_load": res.other_load,
+                        "peak_pages": ", ".join(f"{g} {n}" for g, n in res.peak_pages.items())
+                        if res.peak_pages
+                        else None,
                         "notes": res.notes,
                         "errors": len(errors),
                         "error_details": errors[:20],
@@ -264,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         ("x_limit", "x limit"),
         ("speedup_vs_builtin", "vs builtin"),
         ("other_load", "other load"),
+        ("peak_pages", "peak KV pages"),
         ("identical", "identical outputs (requests)"),
         ("errors", "errors"),
     ]

@@ -10,9 +10,19 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedModel,
@@ -25,6 +35,7 @@ from transformers import (
 import transformers_cb  # noqa: F401  (installs the plugin)
 from transformers_cb.attention.metadata import AttentionMetadata
 from transformers_cb.batch import BatchPacker
+from transformers_cb.cache.layer_groups import SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.cache.paged_cache import PagedKVCache
 from transformers_cb.conformance_check import (
     Mismatch,
@@ -34,7 +45,7 @@ from transformers_cb.conformance_check import (
     greedy_config,
     reference_greedy,
 )
-from transformers_cb.requests import GenerationOutput, Request, RequestStatus
+from transformers_cb.requests import GenerationOutput, PageList, Request, RequestStatus
 from transformers_cb.scheduler import ScheduledBatch, ScheduledRequest
 
 __all__ = [
@@ -50,6 +61,7 @@ BACKENDS = ("paged|sdpa", "paged|eager", "sdpa")
 FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
 
 BOS, EOS, PAD = 1, 2, 0
+SLIDING_WINDOW = 8
 TINY = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -68,13 +80,74 @@ FAMILY_SPECS = {
     # head_dim deliberately != hidden_size / num_heads, so the cache must take head_dim from the config.
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"vocab_size": 448, "head_dim": 32}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {"vocab_size": 512}),
+    # Sliding-window and hybrid families, all with a window (8) shorter than most test prompts.
+    # Mistral: every layer sliding (no layer_types; the model's own convention).
+    "mistral": (MistralConfig, MistralForCausalLM, {"vocab_size": 320, "sliding_window": SLIDING_WINDOW}),
+    # Qwen2 with use_sliding_window: layers from max_window_layers on are sliding (layer 0 full, 1 sliding).
+    "qwen2_sliding": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        {
+            "vocab_size": 384,
+            "use_sliding_window": True,
+            "sliding_window": SLIDING_WINDOW,
+            "max_window_layers": 1,
+        },
+    ),
+    # Gemma 2: sliding/full alternating, attention logit softcap 50, final logit softcap 30, and a
+    # query_pre_attn_scalar (256) that makes the scale differ from head_dim ** -0.5.
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "head_dim": 16},
+    ),
+    # Gemma 3 text: 5 sliding : 1 full, local RoPE base on sliding layers.
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "head_dim": 16, "num_hidden_layers": 6},
+    ),
+    # Cohere2: 3 sliding : 1 full, RoPE on sliding layers only.
+    "cohere2": (
+        Cohere2Config,
+        Cohere2ForCausalLM,
+        {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "num_hidden_layers": 4},
+    ),
+    # GPT-OSS: sliding/full alternating with attention sinks (s_aux), a tiny MoE.
+    "gpt_oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        {
+            "vocab_size": 320,
+            "sliding_window": SLIDING_WINDOW,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
+SLIDING_FAMILIES = ("mistral", "qwen2_sliding", "gemma2", "gemma3", "cohere2", "gpt_oss")
+# transformers refuses `sdpa` for these (softcap / sinks): their plain implementation is eager.
+EAGER_ONLY_FAMILIES = ("gemma2", "gpt_oss")
+
+
+def plain_implementation(family: str) -> str:
+    return "eager" if family in EAGER_ONLY_FAMILIES else "sdpa"
+
+
+def backends_for(family: str) -> tuple[str, ...]:
+    """The attention implementations a family runs: paged and plain (switched to paged for the run)."""
+    return ("paged|eager", "eager") if family in EAGER_ONLY_FAMILIES else BACKENDS
 
 
 def build_tiny_model(
-    family: str, seed: int = 0, attn_implementation: str = "sdpa", **overrides
+    family: str, seed: int = 0, attn_implementation: str | None = None, **overrides
 ) -> PreTrainedModel:
-    """A tiny random model of `family` (fp32, eval), eos disabled in its generation config."""
+    """A tiny random model of `family` (fp32, eval), eos disabled in its generation config.
+    `attn_implementation` defaults to the family's plain implementation (sdpa, or eager where
+    transformers refuses sdpa)."""
+    attn_implementation = attn_implementation or plain_implementation(family)
     config_class, model_class, extra = FAMILY_SPECS[family]
     config = config_class(**{**TINY, **extra, **overrides})
     torch.manual_seed(seed)
@@ -281,11 +354,14 @@ class KernelStep:
     page_size: int
     scale: float
     initial_keys: torch.Tensor = field(repr=False, default=None)
+    # Every page each request's tokens were written to (a sliding request has dropped the first ones).
+    all_page_ids: list[list[int]] = field(default_factory=list)
+    sliding_window: int | None = None
 
     def slots(self, request_index: int, length: int) -> torch.Tensor:
         """Cache slots of tokens [0, length) of request `request_index`, from its page ids."""
         positions = torch.arange(length)
-        pages = torch.tensor(self.requests[request_index].page_ids)[positions // self.page_size]
+        pages = torch.tensor(self.all_page_ids[request_index])[positions // self.page_size]
         return pages * self.page_size + positions % self.page_size
 
 
@@ -298,29 +374,39 @@ def build_kernel_step(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     spare_pages: int = 3,
+    sliding_window: int | None = None,
 ) -> KernelStep:
     """Requests with (past_len, q_len) each, on shuffled non-contiguous pages, packed by `BatchPacker`.
 
     Every request's prompt tokens are unique to it, so the packed order is read back from `input_ids`.
+    With `sliding_window`, the layer is in a sliding group: each request holds only the pages from its
+    window on (as `SlidingWindowAllocator.trim` leaves them) in a block-table ring just wide enough.
     """
     generator = torch.Generator().manual_seed(seed)
     num_pages_each = [math.ceil((past + q) / page_size) for past, q in seqs]
     num_pages = sum(num_pages_each) + spare_pages
-    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    groups = widths = None
+    if sliding_window is not None:
+        groups = [KVGroupSpec(SLIDING_ATTENTION, (0,), sliding_window)]
+        max_q = max(q for _, q in seqs)
+        widths = [min(max(num_pages_each), math.ceil((sliding_window - 1 + max_q) / page_size) + 1)]
+    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device("cpu"), groups)
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
     initial_keys = cache.keys[0].clone()
     permutation = torch.randperm(num_pages, generator=generator).tolist()
-    requests, entries, offset = [], [], 0
+    requests, entries, all_page_ids, offset = [], [], [], 0
     for i, ((past, q), count) in enumerate(zip(seqs, num_pages_each, strict=True)):
         tokens = [1000 * (i + 1) + t for t in range(past + q)]  # unique per request
         request = Request(request_id=f"r{i}", prompt_ids=tokens, max_new_tokens=1)
-        request.page_ids = permutation[offset : offset + count]
+        all_page_ids.append(permutation[offset : offset + count])
+        first = 0 if sliding_window is None else max(0, past - sliding_window + 1) // page_size
+        request.pages = [PageList(all_page_ids[-1][first:], first_page=first)]
         request.num_computed_tokens = past
         offset += count
         requests.append(request)
         entries.append(ScheduledRequest(request, past, q))
-    packer = BatchPacker(cache, max(num_pages_each), torch.device("cpu"))
+    packer = BatchPacker(cache, widths or max(num_pages_each), torch.device("cpu"))
     step = packer.pack(ScheduledBatch(entries=entries))
     metadata = step.metadata
     # The packer reorders requests; recover the order from the (unique) token ids.
@@ -342,4 +428,6 @@ def build_kernel_step(
         page_size=page_size,
         scale=head_dim**-0.5,
         initial_keys=initial_keys,
+        all_page_ids=all_page_ids,
+        sliding_window=sliding_window,
     )

@@ -28,12 +28,15 @@ class _Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def run_kernel(step: KernelStep, kernel: str) -> torch.Tensor:
+def run_kernel(
+    step: KernelStep, kernel: str, softcap: float | None = None, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """`kernel`: an `attend` name (through `paged_attention`) or a registered backend name (through its
-    `attn_implementation` forward, as the model calls it). Returns `[1, T, H, D]`."""
+    `attn_implementation` forward, as the model calls it, with the layer's window, softcap and sinks).
+    Returns `[1, T, H, D]`."""
     if kernel in ATTENDS:
         return paged_attention(
-            step.query, step.key, step.value, 0, step.metadata, step.scale, ATTENDS[kernel]
+            step.query, step.key, step.value, 0, step.metadata, step.scale, ATTENDS[kernel], softcap, sinks
         )
     out, _ = PAGED_BACKENDS[kernel](
         _Layer(),
@@ -42,6 +45,9 @@ def run_kernel(step: KernelStep, kernel: str) -> torch.Tensor:
         step.value,
         None,
         scaling=step.scale,
+        sliding_window=step.sliding_window,
+        softcap=softcap,
+        s_aux=sinks,
         **{METADATA_KWARG: step.metadata},
     )
     return out
@@ -56,26 +62,31 @@ def expected_tables(step: KernelStep) -> tuple[torch.Tensor, torch.Tensor, torch
     q_lens = [step.seqs[i][1] for i in step.packed_order]
     cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens_k = torch.tensor([sum(step.seqs[i]) for i in step.packed_order], dtype=torch.int32)
-    width = max(len(step.requests[i].page_ids) for i in step.packed_order)
+    width = max(len(step.all_page_ids[i]) for i in step.packed_order)
     block_table = torch.zeros(len(step.seqs), width, dtype=torch.int32)
     for row, i in enumerate(step.packed_order):
-        pages = step.requests[i].page_ids
+        pages = step.all_page_ids[i]
         block_table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
     return cu_seqlens_q, seq_lens_k, block_table
 
 
-def check_kernel(step: KernelStep, kernel: str) -> None:
+def check_kernel(
+    step: KernelStep, kernel: str, softcap: float | None = None, sinks: torch.Tensor | None = None
+) -> None:
     metadata = step.metadata
     cu_seqlens_q, seq_lens_k, block_table = expected_tables(step)
     assert torch.equal(metadata.cu_seqlens_q.cpu(), cu_seqlens_q), (metadata.cu_seqlens_q, cu_seqlens_q)
     assert torch.equal(metadata.seq_lens_k.cpu(), seq_lens_k), (metadata.seq_lens_k, seq_lens_k)
-    for row in range(len(step.seqs)):
+    for row, i in enumerate(step.packed_order):
         used = -(-int(seq_lens_k[row]) // step.page_size)
-        assert torch.equal(metadata.block_table[row, :used].cpu(), block_table[row, :used]), f"row {row}"
+        held = step.requests[i].pages[0].first_page  # a sliding request dropped the pages before
+        assert torch.equal(
+            metadata.groups[0].block_table[row, held:used].cpu(), block_table[row, held:used]
+        ), f"row {row}"
     assert metadata.max_seqlen_q == max(q for _, q in step.seqs)
     assert metadata.max_seqlen_k == max(p + q for p, q in step.seqs)
 
-    out = run_kernel(step, kernel)  # [1, T, H, D]
+    out = run_kernel(step, kernel, softcap, sinks)  # [1, T, H, D]
     assert out.shape == (1, step.query.shape[2], step.query.shape[1], step.query.shape[3])
 
     # The new K/V landed exactly at the requests' own slots, and nothing else changed.
@@ -101,6 +112,9 @@ def check_kernel(step: KernelStep, kernel: str) -> None:
         block_table,
         step.page_size,
         step.scale,
+        step.sliding_window,
+        softcap,
+        sinks,
     )
     atol, rtol = TOLERANCES[step.query.dtype]
     shape = f"seqs={step.seqs} packed_order={step.packed_order} page_size={step.page_size}"
@@ -113,9 +127,12 @@ def check_kernel(step: KernelStep, kernel: str) -> None:
         values,
         metadata.cu_seqlens_q,
         metadata.seq_lens_k,
-        metadata.block_table,
+        metadata.groups[0].block_table,
         step.page_size,
         step.scale,
+        step.sliding_window,
+        softcap,
+        sinks,
     )
     assert torch.equal(from_metadata, expected)
 
@@ -210,6 +227,86 @@ def test_kernel_matches_reference_random_steps(shape) -> None:
     check_kernel(step, attend_name)
 
 
+# -- sliding windows, softcapping, sinks ------------------------------------------------------------
+W = 6  # window of the hand-written sliding cases: not a multiple of the page size
+SLIDING_CASES = {
+    "decode_before_window_fills": [(3, 1)],
+    "decode_window_exactly_full": [(W - 1, 1)],
+    "decode_long_past_window": [(5 * P + 3, 1), (40, 1), (W, 1)],
+    "first_chunk_longer_than_window": [(0, 3 * P + 1)],
+    "chunk_crosses_window_boundary": [(W - 2, 5)],
+    "chunk_far_past_window": [(4 * P + 1, 2 * P + 3)],
+    "mixed": [(3, 1), (P + 3, P + 2), (100, 1), (0, 17), (90, 1), (2 * P, P), (31, 1)],
+}
+
+
+def _sinks(num_heads: int, seed: int) -> torch.Tensor:
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+@pytest.mark.parametrize("kernel", [*sorted(ATTENDS), *sorted(PAGED_BACKENDS)])
+@pytest.mark.parametrize("variant", ["window", "window+softcap", "window+sinks", "softcap", "sinks"])
+@pytest.mark.parametrize("case", sorted(SLIDING_CASES))
+def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: str) -> None:
+    """Per layer: a sliding window (pages before it dropped, ring block table), logit softcapping
+    (sdpa takes the eager path) and attention sinks, each against the reference kernel."""
+    window = W if "window" in variant else None
+    step = build_kernel_step(
+        SLIDING_CASES[case], P, 8, 2, 16, seed=sorted(SLIDING_CASES).index(case), sliding_window=window
+    )
+    softcap = 0.7 if "softcap" in variant else None  # small: tanh saturates, so a skipped cap shows
+    sinks = _sinks(8, seed=1) if "sinks" in variant else None
+    check_kernel(step, kernel, softcap, sinks)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(step_shapes(), st.integers(1, 40), st.booleans(), st.booleans())
+def test_sliding_kernel_matches_reference_random_steps(
+    shape, window: int, softcap: bool, sinks: bool
+) -> None:
+    seqs, page_size, (num_heads, num_kv_heads, head_dim), seed, attend_name = shape
+    step = build_kernel_step(
+        seqs, page_size, num_heads, num_kv_heads, head_dim, seed=seed, sliding_window=window
+    )
+    check_kernel(step, attend_name, 1.5 if softcap else None, _sinks(num_heads, seed) if sinks else None)
+
+
+def test_layer_window_must_match_its_kv_group() -> None:
+    """A layer asking for another window than its group keeps pages for is refused, not run wrongly."""
+    step = build_kernel_step([(20, 1)], P, 4, 2, 16, sliding_window=W)
+    with pytest.raises(
+        ValueError, match="sliding_window=7 but its KV cache group was built for sliding_window=6"
+    ):
+        PAGED_BACKENDS["paged|sdpa"](
+            _Layer(),
+            step.query,
+            step.key,
+            step.value,
+            None,
+            sliding_window=7,
+            **{METADATA_KWARG: step.metadata},
+        )
+    full = build_kernel_step([(20, 1)], P, 4, 2, 16)
+    with pytest.raises(
+        ValueError, match="sliding_window=6 but its KV cache group was built for sliding_window=None"
+    ):
+        PAGED_BACKENDS["paged|eager"](
+            _Layer(),
+            full.query,
+            full.key,
+            full.value,
+            None,
+            sliding_window=W,
+            **{METADATA_KWARG: full.metadata},
+        )
+
+
 # -- decode grouping ----------------------------------------------------------------------------------
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(
@@ -237,9 +334,9 @@ def test_decode_groups_never_mix_requests(kv_lens: list[int], page_size: int, se
     attention work stays within the padding bound of the real KV work."""
     step = build_kernel_step([(n - 1, 1) for n in kv_lens], page_size, 4, 2, 16, seed=seed)
     metadata = step.metadata
-    assert not metadata.prefill_groups
+    assert not metadata.groups[0].prefill_groups
     covered, work = [], 0
-    for group in metadata.decode_groups:
+    for group in metadata.groups[0].decode_groups:
         batch, width = group.kv_slots.shape
         assert batch == group.q_end - group.q_start
         lens = [sum(step.seqs[step.packed_order[row]]) for row in range(group.q_start, group.q_end)]

@@ -24,6 +24,7 @@ from conformance.common import (
     check_parity,
     compare_tokens,
     greedy_config,
+    plain_implementation,
     prompts_of_lengths,
     random_prompts,
     run_batch,
@@ -56,7 +57,7 @@ class Family:
         try:
             yield self.model
         finally:
-            self.model.set_attn_implementation("sdpa")
+            self.model.set_attn_implementation(plain_implementation(self.name))
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
 """Property test: for random workloads and cache settings, every request finishes exactly once and
 equals `generate()` on its prompt alone.
 
-Random prompt lengths, per-request max_new_tokens, page size, token budget (down to 1 token per step),
-number of pages (down to just enough for the largest request), scheduler and backend. The engine's
-page-pool integrity check runs after every step.
+Random model family (full attention, and the sliding-window / hybrid families: Mistral, Qwen2 with
+sliding layers, Gemma 2, Gemma 3, Cohere2, GPT-OSS, all with an 8-token window), prompt lengths,
+per-request max_new_tokens, page size, token budget (down to 1 token per step), number of pages (down
+to just enough for the largest request), scheduler and backend. The engine's integrity check (every
+group's pool, page lists, sliding bounds) runs after every step.
 """
 
 from __future__ import annotations
@@ -12,14 +14,18 @@ import math
 from collections import Counter
 from unittest import mock
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from conformance.common import (
+    SLIDING_FAMILIES,
     ReferenceCache,
+    backends_for,
     build_tiny_model,
     check_parity,
     greedy_config,
+    plain_implementation,
     prompts_of_lengths,
     run_batch,
     vocab_size,
@@ -29,18 +35,21 @@ from transformers_cb.engine import WARMUP_REQUEST_ID, Engine
 from transformers_cb.scheduler import Scheduler
 
 MAX_NEW_TOKENS = 10
-MODEL = build_tiny_model("llama", seed=1)
-REFERENCES = ReferenceCache(MODEL, MAX_NEW_TOKENS)
+PROPERTY_FAMILIES = ("llama", *SLIDING_FAMILIES)
+MODELS = {name: build_tiny_model(name, seed=1) for name in PROPERTY_FAMILIES}
+REFERENCES = {name: ReferenceCache(model, MAX_NEW_TOKENS) for name, model in MODELS.items()}
 
 
 @st.composite
-def workloads(draw) -> dict:
+def workloads(draw, families: tuple[str, ...] = ("llama",)) -> dict:
+    family = draw(st.sampled_from(families))
     lengths = draw(st.lists(st.integers(1, 48), min_size=2, max_size=8))
     max_new = draw(st.lists(st.integers(1, MAX_NEW_TOKENS), min_size=len(lengths), max_size=len(lengths)))
     page_size = draw(st.sampled_from([4, 8, 16, 64]))
     needed = max(math.ceil((n + m) / page_size) for n, m in zip(lengths, max_new, strict=True))
     total = sum(math.ceil((n + m) / page_size) for n, m in zip(lengths, max_new, strict=True))
     return {
+        "family": family,
         "lengths": lengths,
         "max_new": max_new,
         "seed": draw(st.integers(0, 2**16)),
@@ -51,22 +60,38 @@ def workloads(draw) -> dict:
             st.one_of(st.integers(needed, needed + 2), st.integers(needed, max(needed, total + 1)))
         ),
         "scheduler_type": draw(st.sampled_from(["fifo", "prefill_first"])),
-        "backend": draw(st.sampled_from(["paged|sdpa", "paged|eager"])),
+        "backend": draw(st.sampled_from([b for b in backends_for(family) if b.startswith("paged|")])),
     }
 
 
 # Derandomized in CI by the "ci" Hypothesis profile (conftest.py), exploring elsewhere. A near-tie is
 # resolved by check_parity (tie-aware), never by xfailing the whole property.
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+SETTINGS = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+
+
+@settings(max_examples=40, **SETTINGS)
 @given(workloads())
 def test_every_request_finishes_once_and_matches_generate(workload: dict) -> None:
-    prompts = prompts_of_lengths(workload["lengths"], vocab_size(MODEL), workload["seed"])
+    check_workload(workload)
+
+
+@pytest.mark.parametrize("family", SLIDING_FAMILIES)
+@settings(max_examples=12, **SETTINGS)
+@given(data=st.data())
+def test_sliding_families_finish_once_and_match_generate(family: str, data) -> None:
+    """The same property on every sliding-window / hybrid family (12 workloads each)."""
+    check_workload(data.draw(workloads((family,))))
+
+
+def check_workload(workload: dict) -> None:
+    family = workload["family"]
+    model = MODELS[family]
+    prompts = prompts_of_lengths(workload["lengths"], vocab_size(model), workload["seed"])
     max_new = workload["max_new"]
-    references = [REFERENCES.get(p, m) for p, m in zip(prompts, max_new, strict=True)]
+    references = [REFERENCES[family].get(p, m) for p, m in zip(prompts, max_new, strict=True)]
     finishes: Counter[str] = Counter()
     checked_steps = []
     original_finish, original_step = Scheduler.finish, Engine.step
@@ -82,11 +107,11 @@ def test_every_request_finishes_once_and_matches_generate(workload: dict) -> Non
         checked_steps.append(result)
         return result
 
-    MODEL.set_attn_implementation(workload["backend"])
+    model.set_attn_implementation(workload["backend"])
     try:
         with mock.patch.object(Scheduler, "finish", finish), mock.patch.object(Engine, "step", step):
             outputs, preempted = run_batch(
-                MODEL,
+                model,
                 prompts,
                 greedy_config(MAX_NEW_TOKENS),
                 max_new_tokens=max_new,
@@ -96,13 +121,14 @@ def test_every_request_finishes_once_and_matches_generate(workload: dict) -> Non
                 scheduler_type=workload["scheduler_type"],
             )
     finally:
-        MODEL.set_attn_implementation("sdpa")
+        model.set_attn_implementation(plain_implementation(family))
     assert checked_steps, "the engine's integrity check never ran"
     event("evictions" if preempted else "no eviction")
+    event(f"family {family}")
     ids = [f"req_{i}" for i in range(len(prompts))]
     assert list(outputs) == ids, f"{workload}: returned ids {list(outputs)}"
     assert finishes == Counter(ids), f"{workload}: finish counts {dict(finishes)}"
     for i, output in enumerate(outputs.values()):
         assert output.status == RequestStatus.FINISHED, (workload, output)
         assert len(output.generated_tokens) == max_new[i], (workload, i, output.generated_tokens)
-    check_parity(MODEL, prompts, outputs, references, context=str(workload), max_new_tokens=max_new)
+    check_parity(model, prompts, outputs, references, context=str(workload), max_new_tokens=max_new)

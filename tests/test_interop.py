@@ -354,10 +354,10 @@ def test_workload_hints_size_cache_and_block_tables(model, prompts, hints_cls) -
     manager = model.init_continuous_batching(GREEDY, config, workload_hints=hints)
     engine = manager.engine
     assert engine.sizing.max_requests_per_batch == 3
-    assert engine.packer.block_tables.table.shape[1] == 2  # ceil(32 / 16) columns up front
+    assert engine.packer.block_tables[0].table.shape[1] == 2  # ceil(32 / 16) columns up front
     unhinted = model.init_continuous_batching(GREEDY, config)
     assert engine.sizing.num_pages < unhinted.engine.sizing.num_pages
-    assert unhinted.engine.packer.block_tables.table.shape[1] == 512 // 16
+    assert unhinted.engine.packer.block_tables[0].table.shape[1] == 512 // 16
     unhinted.destroy()
     with model.continuous_batching_context_manager(GREEDY, config, workload_hints=hints) as ctx:
         long_prompt = random_prompts([60], seed=1)[0]  # longer than the hint: rows widen on demand

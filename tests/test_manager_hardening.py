@@ -303,7 +303,7 @@ def test_block_table_rows_never_outlive_their_request():
         engine.add(request)
     engine.step()
     engine.check_integrity()
-    tables = engine.packer.block_tables
+    (tables,) = engine.packer.block_tables  # one KV group: one table
     assert sorted(tables._rows) == ["r0", "r1", "r2"], "rows are keyed by request id"
     # Any exit of the scheduler, not only the engine's, gives the row back (an unfittable request fails
     # inside the scheduler; before, its row stayed, and a recycled id() inherited it).

@@ -36,13 +36,16 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     if not sys.flags.optimize:
         sys.exit("not running under -O")
     from transformers_cb.cache.allocator import FullAttentionAllocator
+    from transformers_cb.cache.cache_allocator import CacheAllocator
+    from transformers_cb.cache.layer_groups import FULL_ATTENTION, KVGroupSpec
     from transformers_cb.cache.pool import PagePool
     from transformers_cb.invariants import InvariantError
     from transformers_cb.requests import Request, RequestStatus
     from transformers_cb.scheduler import Scheduler, make_policy
 
     pool = PagePool(8)
-    scheduler = Scheduler(FullAttentionAllocator(pool, 4), 64, 64, 0.0, make_policy("fifo"))
+    allocator = CacheAllocator([FullAttentionAllocator(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
+    scheduler = Scheduler(allocator, 64, 64, 0.0, make_policy("fifo"))
     running = Request(request_id="a", prompt_ids=list(range(10, 20)), max_new_tokens=4)
     scheduler.add(running)
     batch = scheduler.schedule()

@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformers_cb.cache.allocator import FullAttentionAllocator
+from transformers_cb.cache.cache_allocator import CacheAllocator
+from transformers_cb.cache.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.cache.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.scheduler import ScheduledBatch, Scheduler, make_policy
@@ -27,7 +29,9 @@ def make_scheduler(
     safety_margin: float = 0.0,
     policy: str = "fifo",
 ) -> Scheduler:
-    allocator = FullAttentionAllocator(PagePool(num_pages), page_size)
+    allocator = CacheAllocator(
+        [FullAttentionAllocator(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
+    )
     return Scheduler(allocator, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy))
 
 
@@ -130,7 +134,9 @@ def run_to_completion(
         run.finished.extend(batch.failed + finished)
         run.preempted.extend(r.request_id for r in batch.preempted)
         step += 1
-    assert scheduler.pool.num_free_pages == scheduler.pool.num_pages, "pages leaked"
+    assert scheduler.allocator.pools[0].num_free_pages == scheduler.allocator.pools[0].num_pages, (
+        "pages leaked"
+    )
     assert not scheduler.running and not scheduler.waiting
     return run
 
@@ -254,7 +260,7 @@ def test_preemption_evicts_newest_and_recomputes() -> None:
     assert old.num_preemptions == 0
     assert old.status == new.status == RequestStatus.FINISHED
     assert generated([old, new]) == reference
-    assert scheduler.pool.num_free_pages == 6
+    assert scheduler.allocator.pools[0].num_free_pages == 6
 
 
 def test_preemption_under_pressure_keeps_outputs() -> None:

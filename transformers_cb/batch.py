@@ -3,7 +3,8 @@
 Token order inside the step: decodes first, sorted by KV length (longest first)
 and split into groups whose padded size stays within `DECODE_PADDING_BOUND` of
 their real size; then each prefill chunk. `entry_order` maps back to the
-scheduler's entry order.
+scheduler's entry order. Slots, gathers and masks are built once per KV layer
+group (full attention, sliding window) and shared by that group's layers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention.metadata import AttentionMetadata, DecodeGroup, PrefillGroup
+from .attention.metadata import AttentionMetadata, DecodeGroup, GroupMetadata, PrefillGroup
 from .cache.block_table import BlockTables
 from .cache.paged_cache import PagedKVCache
 from .scheduler import ScheduledBatch, ScheduledRequest
@@ -45,70 +46,114 @@ def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> li
 
 
 class BatchPacker:
-    """Builds `PackedStep`s; owns the persistent block tables of running requests."""
+    """Builds `PackedStep`s; owns the persistent block tables (one set per KV group) of running requests.
+
+    Args:
+        max_pages_per_request: block-table width, one for every group or one per group (a sliding
+            group's width only needs to cover its window plus one step's chunk).
+        initial_pages_per_request: width allocated up front (rows widen on demand).
+    """
 
     def __init__(
         self,
         cache: PagedKVCache,
-        max_pages_per_request: int,
+        max_pages_per_request: int | list[int],
         device: torch.device,
         initial_pages_per_request: int | None = None,
     ) -> None:
         self.cache = cache
         self.page_size = cache.page_size
         self.device = device
-        self.block_tables = BlockTables(
-            max_pages_per_request, device, initial_pages=initial_pages_per_request
+        num_groups = len(cache.groups)
+        widths = (
+            max_pages_per_request
+            if isinstance(max_pages_per_request, list)
+            else [max_pages_per_request] * num_groups
         )
+        self.block_tables = [
+            BlockTables(widths[g], device, initial_pages=initial_pages_per_request, group=g)
+            for g in range(num_groups)
+        ]
         self._page_offsets = torch.arange(self.page_size, device=device)
+
+    def release_request(self, request) -> None:
+        """Give `request`'s rows back in every group (the scheduler calls it whenever it frees pages)."""
+        for tables in self.block_tables:
+            tables.release(request)
 
     def pack(self, batch: ScheduledBatch) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]
         ordered = decodes + prefills
-        page_size = self.page_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         cu_seqlens_q = [0]
         sampling, logits_indices = [], []
         for entry in ordered:
             request, start, end = entry.request, entry.start, entry.end
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
-            # slot = page_id * page_size + offset, one page segment at a time.
-            position = start
-            while position < end:
-                page_index, offset = divmod(position, page_size)
-                segment_end = min(end, (page_index + 1) * page_size)
-                first_slot = request.page_ids[page_index] * page_size + offset
-                slots.extend(range(first_slot, first_slot + segment_end - position))
-                position = segment_end
             cu_seqlens_q.append(cu_seqlens_q[-1] + entry.num_tokens)
             if entry.samples:
                 sampling.append(entry)
                 logits_indices.append(cu_seqlens_q[-1] - 1)
-        rows = torch.tensor([self.block_tables.sync(e.request) for e in ordered], dtype=torch.int64)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        q_lens = torch.tensor([e.num_tokens for e in ordered], dtype=torch.int64, device=self.device)
+        token_entry = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), q_lens)  # [T]
         max_seqlen_k = max(e.end for e in ordered)
-        block_table = self.block_tables.table[rows.to(self.device), : -(-max_seqlen_k // page_size)]  # [N, P]
         seq_lens_k = torch.tensor([e.end for e in ordered], dtype=torch.int64, device=self.device)
+        groups = [
+            self._group_metadata(
+                g, ordered, len(decodes), position_ids, token_entry, seq_lens_k, max_seqlen_k
+            )
+            for g in range(len(self.block_tables))
+        ]
         metadata = AttentionMetadata(
             cache=self.cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            decode_groups=self._decode_groups(decodes, block_table, seq_lens_k),
-            prefill_groups=self._prefill_groups(prefills, len(decodes), block_table),
+            groups=groups,
             cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=self.device),
             seq_lens_k=seq_lens_k.to(torch.int32),
-            block_table=block_table.to(torch.int32),
             max_seqlen_q=max(e.num_tokens for e in ordered),
             max_seqlen_k=max_seqlen_k,
         )
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
-            position_ids=torch.tensor([positions], dtype=torch.int64, device=self.device),
+            position_ids=position_ids.unsqueeze(0),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             sampling_entries=sampling,
             metadata=metadata,
+        )
+
+    def _group_metadata(
+        self,
+        group: int,
+        ordered: list[ScheduledRequest],
+        num_decodes: int,
+        position_ids: torch.Tensor,
+        token_entry: torch.Tensor,
+        seq_lens_k: torch.Tensor,
+        max_seqlen_k: int,
+    ) -> GroupMetadata:
+        tables = self.block_tables[group]
+        window = self.cache.groups[group].sliding_window
+        rows = torch.tensor([tables.sync(e.request) for e in ordered], dtype=torch.int64)
+        table_rows = tables.table[rows.to(self.device)]  # [N, current width]
+        ring, page_size = tables.max_pages_per_request, self.page_size
+        # slot = page_id * page_size + offset; logical page p of a row sits in column p % ring.
+        columns = torch.div(position_ids, page_size, rounding_mode="floor") % ring
+        slot_mapping = table_rows[token_entry, columns] * page_size + position_ids % page_size
+        num_pages = -(-max_seqlen_k // page_size)
+        if num_pages <= ring:
+            block_table = table_rows[:, :num_pages]
+        else:
+            block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
+        decodes, prefills = ordered[:num_decodes], ordered[num_decodes:]
+        return GroupMetadata(
+            sliding_window=window,
+            slot_mapping=slot_mapping,
+            decode_groups=self._decode_groups(decodes, block_table, table_rows, ring, seq_lens_k, window),
+            prefill_groups=self._prefill_groups(prefills, num_decodes, block_table, table_rows, ring, window),
+            block_table=block_table.to(torch.int32),
         )
 
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -117,33 +162,72 @@ class BatchPacker:
         # Contiguous once here, so every layer's gather can flatten it without a copy.
         return slots.reshape(block_table_rows.shape[0], -1)[:, :kv_len].contiguous()
 
+    def _window_slots(self, table_rows: torch.Tensor, ring: int, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of logical `positions` `[B, L]` through rows `table_rows` of a ring of `ring` columns."""
+        columns = torch.div(positions, self.page_size, rounding_mode="floor") % ring
+        return table_rows.gather(1, columns) * self.page_size + positions % self.page_size
+
     def _decode_groups(
-        self, decodes: list[ScheduledRequest], block_table: torch.Tensor, seq_lens_k: torch.Tensor
+        self,
+        decodes: list[ScheduledRequest],
+        block_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        ring: int,
+        seq_lens_k: torch.Tensor,
+        window: int | None,
     ) -> list[DecodeGroup]:
+        """Full attention reads KV [0, end); a sliding group only [end - window, end) (its whole window)."""
+        ends = [e.end for e in decodes]
+        kv_lens = ends if window is None else [min(end, window) for end in ends]
         groups = []
-        for start, end in group_decodes([e.end for e in decodes]):
-            kv_len = decodes[start].end
-            num_pages = -(-kv_len // self.page_size)
-            kv_slots = self._slots(block_table[start:end, :num_pages], kv_len)  # [B, L]
+        for start, end in group_decodes(kv_lens):
+            kv_len = kv_lens[start]
+            if window is None:
+                num_pages = -(-kv_len // self.page_size)
+                kv_slots = self._slots(block_table[start:end, :num_pages], kv_len)  # [B, L]
+            else:
+                first = seq_lens_k[start:end] - torch.tensor(kv_lens[start:end], device=self.device)
+                positions = first[:, None] + torch.arange(kv_len, device=self.device)  # [B, L]
+                kv_slots = self._window_slots(table_rows[start:end], ring, positions)
             kv_mask = None
-            if decodes[end - 1].end != kv_len:
+            if kv_lens[end - 1] != kv_len:
+                lengths = torch.tensor(kv_lens[start:end], device=self.device)
                 arange = torch.arange(kv_len, device=self.device)
-                kv_mask = (arange[None, :] < seq_lens_k[start:end, None]).view(end - start, 1, 1, kv_len)
+                kv_mask = (arange[None, :] < lengths[:, None]).view(end - start, 1, 1, kv_len)
             groups.append(DecodeGroup(start, end, kv_slots, kv_mask))
         return groups
 
     def _prefill_groups(
-        self, prefills: list[ScheduledRequest], first_row: int, block_table: torch.Tensor
+        self,
+        prefills: list[ScheduledRequest],
+        first_row: int,
+        block_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        ring: int,
+        window: int | None,
     ) -> list[PrefillGroup]:
         groups, q_start = [], first_row
         for i, entry in enumerate(prefills, start=first_row):
             q_end = q_start + entry.num_tokens
             kv_slots = mask = None
-            if entry.start > 0:
+            if window is None and entry.start > 0:
                 num_pages = -(-entry.end // self.page_size)
                 kv_slots = self._slots(block_table[i : i + 1, :num_pages], entry.end)[0]  # [L]
                 mask = torch.ones(entry.num_tokens, entry.end, dtype=torch.bool, device=self.device)
                 mask = mask.tril(entry.start).view(1, 1, entry.num_tokens, entry.end)
+            elif window is not None and (entry.start > 0 or entry.num_tokens > window):
+                # Keys from the first position the chunk's first query still sees.
+                kv_start = max(0, entry.start - window + 1)
+                kv_positions = torch.arange(kv_start, entry.end, device=self.device)
+                if entry.start > 0:
+                    kv_slots = self._window_slots(table_rows[i : i + 1], ring, kv_positions[None, :])[0]
+                else:
+                    kv_positions = kv_positions[: entry.num_tokens]  # the chunk's own K/V
+                q_positions = torch.arange(entry.start, entry.end, device=self.device)[:, None]
+                allowed = (kv_positions[None, :] <= q_positions) & (
+                    kv_positions[None, :] > q_positions - window
+                )
+                mask = allowed.view(1, 1, entry.num_tokens, -1)
             groups.append(PrefillGroup(q_start, q_end, entry.start, kv_slots, mask))
             q_start = q_end
         return groups

@@ -15,13 +15,17 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
-from .cache.allocator import FullAttentionAllocator, num_pages_for
+from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator, num_pages_for
+from .cache.cache_allocator import CacheAllocator
+from .cache.layer_groups import KVGroupSpec, kv_groups_from_config
 from .cache.paged_cache import PagedKVCache
-from .cache.sizing import ModelShape, Sizing, resolve_sizing
+from .cache.pool import PagePool
+from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from .config import ContinuousBatchingConfig, resolve_device_options
 from .distributed import TensorParallelCoordinator
 from .distributed.coordinator import Kind
 from .distributed.sharding import shard_shape, tp_size_of
+from .model_support import check_model_supported
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
@@ -69,19 +73,11 @@ def resolve_generation_config(
     return resolved
 
 
-def check_model_supported(config: Any) -> None:
-    text_config = config.get_text_config()
-    layer_types = getattr(text_config, "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in layer_types)
-    if not layer_types and getattr(text_config, "sliding_window", None) is not None:
-        sliding = getattr(text_config, "use_sliding_window", True)
-    if sliding:
-        raise NotImplementedError(
-            "models with sliding-window or non-full attention layers are not supported yet"
-        )
-    for name in ("attn_logit_softcapping",):
-        if getattr(text_config, name, None) is not None:
-            raise NotImplementedError(f"attention with {name} is not supported yet")
+def make_allocator(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> FullAttentionAllocator:
+    """The page policy of one KV layer group."""
+    if spec.sliding_window is None:
+        return FullAttentionAllocator(pool, page_size, group)
+    return SlidingWindowAllocator(pool, page_size, spec.sliding_window, group)
 
 
 class Engine:
@@ -105,6 +101,15 @@ class Engine:
         self.generation_config = resolve_generation_config(model, generation_config)
         check_generation_config(self.generation_config)
         check_model_supported(model.config)
+        self.kv_groups = kv_groups_from_config(model.config)
+        has_sliding = any(spec.sliding_window is not None for spec in self.kv_groups)
+        if has_sliding and self.cb_config.max_blocks_per_request:
+            logger.warning(
+                "max_blocks_per_request=%d forced to 0: the model has sliding-window layers, whose pages are "
+                "recycled, so the per-request block-table fast path does not apply",
+                self.cb_config.max_blocks_per_request,
+            )
+            self.cb_config.max_blocks_per_request = 0
         if self.cb_config.max_blocks_per_request:
             logger.warning(
                 "max_blocks_per_request=%d: the decode fast path needs flash_attn_with_kvcache "
@@ -121,16 +126,24 @@ class Engine:
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
         if self.tp is not None:
             self.sizing = self.tp.agree_sizing(self.sizing)
+        group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
-            num_pages=self.sizing.num_pages,
+            num_pages=group_pages,
             page_size=self.sizing.page_size,
             num_kv_heads=self.shape.num_kv_heads,
             head_dim=self.shape.head_dim,
             dtype=self.dtype,
             device=self.device,
+            groups=self.kv_groups,
         )
-        allocator = FullAttentionAllocator(self.cache.pool, self.sizing.page_size)
+        allocator = CacheAllocator(
+            [
+                make_allocator(spec, pool, self.sizing.page_size, g)
+                for g, (spec, pool) in enumerate(zip(self.kv_groups, self.cache.pools, strict=True))
+            ],
+            self.kv_groups,
+        )
         self.scheduler = Scheduler(
             allocator,
             max_batch_tokens=self.sizing.max_batch_tokens,
@@ -139,8 +152,8 @@ class Engine:
             policy=make_policy(self.cb_config.scheduler_type),
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
-        self.packer = BatchPacker(self.cache, self.sizing.max_pages_per_request, self.device, initial_pages)
-        self.scheduler.on_pages_freed.append(self.packer.block_tables.release)
+        self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
+        self.scheduler.on_pages_freed.append(self.packer.release_request)
         sampler = Sampler(self.generation_config, self.cb_config.seed, self.device)
         self.runner = ModelRunner(model, self.packer, sampler, self.cb_config.return_logprobs)
         self.counters = EngineCounters()
@@ -198,12 +211,9 @@ class Engine:
             streaming=streaming,
             record_timestamps=record_timestamps,
         )
-        needed = self.scheduler.allocator.max_pages(request.max_total_tokens)
-        if needed > self.sizing.num_pages:
-            raise ValueError(
-                f"{label}: needs {needed} KV pages of {self.sizing.page_size} tokens but the cache has only "
-                f"{self.sizing.num_pages}; raise num_blocks or lower max_new_tokens"
-            )
+        reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
+        if reason is not None:
+            raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
         return request
 
     @property
@@ -253,7 +263,7 @@ class Engine:
         length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
         length = max(1, length)
         request = Request(request_id=WARMUP_REQUEST_ID, prompt_ids=[0] * length, max_new_tokens=2)
-        if self.scheduler.allocator.max_pages(request.max_total_tokens) > self.sizing.num_pages:
+        if self.scheduler.allocator.unfittable_reason(request.max_total_tokens) is not None:
             return False
         # Greedy, so that warming up draws nothing from the sampling RNG the real requests use.
         sampler, self.runner.sampler = self.runner.sampler, Sampler(GenerationConfig(), None, self.device)
@@ -320,7 +330,7 @@ class Engine:
         """A follower's step: apply rank 0's next message and run the same forward."""
         message, batch, finished, progressed = self.tp.receive()
         for request in [*batch.preempted, *finished]:
-            self.packer.block_tables.release(request)
+            self.packer.release_request(request)
         if batch.entries:
             self.counters.steps += 1
             try:
@@ -343,4 +353,5 @@ class Engine:
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
-        self.packer.block_tables.check_integrity(self.scheduler.running)
+        for tables in self.packer.block_tables:
+            tables.check_integrity(self.scheduler.running)

@@ -64,6 +64,24 @@ ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
 
 
 @dataclass
+class PageList:
+    """A request's pages in one KV layer group: `page_ids[i]` holds logical page `first_page + i`,
+    i.e. tokens `[(first_page + i) * page_size, (first_page + i + 1) * page_size)`.
+
+    Full attention keeps every page (`first_page` stays 0); a sliding-window group drops the pages
+    that fell out of its window, so `first_page` moves forward.
+    """
+
+    page_ids: list[int] = field(default_factory=list)
+    first_page: int = 0
+
+    @property
+    def end_page(self) -> int:
+        """One past the last logical page held."""
+        return self.first_page + len(self.page_ids)
+
+
+@dataclass
 class GenerationOutput:
     """What a user receives for one request (final, or partial when streaming)."""
 
@@ -104,7 +122,7 @@ class Request:
     generated_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     num_computed_tokens: int = 0
-    page_ids: list[int] = field(default_factory=list)
+    pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `cache/layer_groups.py`
     num_preemptions: int = 0
     error: str | None = None
     finish_reason: str | None = None
@@ -115,6 +133,25 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)
         self.timestamps: list[float] | None = [] if self.record_timestamps else None
+
+    def group_pages(self, group: int) -> PageList:
+        """The request's pages in KV layer group `group` (created empty on first use)."""
+        while len(self.pages) <= group:
+            self.pages.append(PageList())
+        return self.pages[group]
+
+    @property
+    def page_ids(self) -> list[int]:
+        """Page ids of the first KV group (the only one on a full-attention model)."""
+        return self.pages[0].page_ids if self.pages else []
+
+    @page_ids.setter
+    def page_ids(self, page_ids: list[int]) -> None:
+        self.group_pages(0).page_ids = list(page_ids)
+
+    @property
+    def holds_pages(self) -> bool:
+        return any(pages.page_ids for pages in self.pages)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from .cache.allocator import FullAttentionAllocator
+from .cache.cache_allocator import CacheAllocator
 from .invariants import check
 from .requests import Request, RequestStatus
 
@@ -86,7 +86,7 @@ class Scheduler:
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
-        allocator: page policy for the cache (one per attention type).
+        allocator: the page policies of every KV layer group (one allocator per group).
         max_batch_tokens: query tokens per step.
         max_requests_per_batch: requests per step.
         safety_margin: new requests are admitted only while the free fraction of
@@ -96,14 +96,13 @@ class Scheduler:
 
     def __init__(
         self,
-        allocator: FullAttentionAllocator,
+        allocator: CacheAllocator,
         max_batch_tokens: int,
         max_requests_per_batch: int,
         safety_margin: float,
         policy: SchedulingPolicy,
     ) -> None:
         self.allocator = allocator
-        self.pool = allocator.pool
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.safety_margin = safety_margin
@@ -176,7 +175,7 @@ class Scheduler:
     def _admits(self) -> bool:
         if not self.running:
             return True
-        return self.pool.num_free_pages / self.pool.num_pages >= self.safety_margin
+        return self.allocator.free_fraction >= self.safety_margin
 
     def _allocate_or_preempt(
         self,
@@ -218,13 +217,12 @@ class Scheduler:
             release(request)
 
     def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
-        total = self.pool.num_pages
         self.finish(
             request,
             RequestStatus.FAILED,
             error=(
                 f"request {request.request_id!r} needs more KV pages than the cache has "
-                f"({self.allocator.max_pages(request.num_tokens)} > {total})"
+                f"({self.allocator.describe_need(request.num_tokens)})"
             ),
         )
         batch.failed.append(request)
@@ -240,6 +238,8 @@ class Scheduler:
         for entry in batch.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
+            # Step boundary: sliding-window groups return the pages that fell out of the window.
+            self.allocator.trim(request)
             if not entry.samples:
                 continue
             token_id, logprob = next(samples)
@@ -271,16 +271,11 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
-        self.pool.check_integrity([r.page_ids for r in self.live_requests()])
+        self.allocator.check_integrity(self.live_requests(), self.running)
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
                 f"running {request.request_id} has status {request.status.name}",
             )
-            needed = self.allocator.max_pages(request.num_computed_tokens)
-            check(
-                len(request.page_ids) >= needed,
-                f"{request.request_id}: holds {len(request.page_ids)} pages, needs {needed}",
-            )
         for request in self.waiting:
-            check(not request.page_ids, f"waiting {request.request_id} holds pages")
+            check(not request.holds_pages, f"waiting {request.request_id} holds pages")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class ManagerStats:
     # output had delivered do not count (their final output still carries them).
     tokens_per_second: float  # delivered tokens over the last 10 s
     delivered_tokens: int = 0  # since creation
+    # KV layer group name (e.g. "full_attention", "sliding_attention(window=4096)") -> pages in use.
+    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
 
 
 class ThroughputWindow:

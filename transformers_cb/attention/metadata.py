@@ -9,6 +9,10 @@ A decode group is a contiguous run of single-token queries whose KV lengths are
 close, gathered into one padded `[B, L]` slot index so the group is one batched
 attention call whose padding stays bounded. Each prefill chunk attends only to
 its own request's KV. No query ever attends over another request's KV.
+
+Each KV layer group (full attention, sliding window) has its own pages, so the
+slots, groups and masks above exist once per KV group (`GroupMetadata`); a
+sliding group's gathers cover only the window, and its masks apply it.
 """
 
 from __future__ import annotations
@@ -35,21 +39,34 @@ class PrefillGroup:
     q_start: int
     q_end: int
     past_len: int  # KV tokens of this request already in the cache before this chunk
-    kv_slots: torch.Tensor | None  # [past_len + q_len] int64; None when past_len == 0
-    mask: (
-        torch.Tensor | None
-    )  # [1, 1, q_len, past_len + q_len] bool causal (bottom-right); None when past_len == 0
+    kv_slots: torch.Tensor | None  # [kv_len] int64 (window start .. chunk end); None: the chunk's own K/V
+    # [1, 1, q_len, kv_len] bool, causal (bottom-right) and windowed; None: plain causal (first chunk
+    # within the window).
+    mask: torch.Tensor | None
+
+
+@dataclass
+class GroupMetadata:
+    """The step as seen by the layers of one KV group (its own pages, slots and window)."""
+
+    sliding_window: int | None  # None: full attention
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written in this group
+    decode_groups: list[DecodeGroup]
+    prefill_groups: list[PrefillGroup]
+    # Varlen view of this group (flash-attn naming): logical page p of row i is block_table[i, p].
+    # A sliding group has dropped the pages before its window; their entries are stale (never read).
+    block_table: torch.Tensor  # [N, max_pages] int32
 
 
 @dataclass
 class AttentionMetadata:
     cache: PagedKVCache
-    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
-    decode_groups: list[DecodeGroup]
-    prefill_groups: list[PrefillGroup]
+    groups: list[GroupMetadata]  # one per KV group, indexed by `cache.layer_group[layer_idx]`
     # The same step as a varlen batch (flash-attn naming), for the reference kernel and flash backends.
     cu_seqlens_q: torch.Tensor  # [N + 1] int32
     seq_lens_k: torch.Tensor  # [N] int32
-    block_table: torch.Tensor  # [N, max_pages] int32
     max_seqlen_q: int
     max_seqlen_k: int
+
+    def group_of(self, layer_idx: int) -> GroupMetadata:
+        return self.groups[self.cache.layer_group[layer_idx]]

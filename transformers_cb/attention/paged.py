@@ -1,7 +1,13 @@
 """Glue shared by the paged backends: write the step's new K/V, then attend group by group.
 
-A backend only supplies `attend(q, k, v, mask, is_causal, scale)` over dense
-per-group tensors; the paging (slot writes and gathers) lives here once.
+A backend only supplies `attend(q, k, v, mask, is_causal, scale, softcap, sinks)`
+over dense per-group tensors; the paging (slot writes and gathers) lives here once.
+
+Per layer, the kernels apply exactly what the model's attention module asks for
+through its kwargs: its `scaling`, its `sliding_window` (which must match the KV
+group the layer's pages come from: the window is applied by the gathers and
+masks built for that group), its logit `softcap`, and its attention sinks
+(`s_aux`, GPT-OSS). Nothing is assumed to be the same across layers.
 """
 
 from __future__ import annotations
@@ -13,8 +19,8 @@ import torch
 from .metadata import AttentionMetadata
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
-#        is_causal, scale) -> [B, H, Q, D]
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool, float], torch.Tensor]
+#        is_causal, scale, softcap: float | None, sinks: [H] | None) -> [B, H, Q, D]
+Attend = Callable[..., torch.Tensor]
 
 METADATA_KWARG = "cb_attention_metadata"
 
@@ -32,44 +38,52 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     attend: Attend,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Args: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` of the packed step.
+    """Args: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` of the packed step; softcap: logit
+    softcapping of this layer; sinks: `[H]` attention-sink logits of this layer.
 
     Returns `[1, T, H, D]`, the layout transformers' attention functions return.
     """
+    group_metadata = metadata.group_of(layer_idx)
     q = query[0].transpose(0, 1)  # [T, H, D]
     new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_values = value[0].transpose(0, 1)
-    metadata.cache.write(layer_idx, metadata.slot_mapping, new_keys, new_values)
+    metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
     out = torch.empty_like(q)  # [T, H, D]
-    for group in metadata.decode_groups:
+    for group in group_metadata.decode_groups:
         q_group = q[group.q_start : group.q_end].unsqueeze(2)  # [B, H, 1, D]
         k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
         v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
-        o = attend(q_group, k_group, v_group, group.kv_mask, False, scale)  # [B, H, 1, D]
+        o = attend(q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks)  # [B, H, 1, D]
         out[group.q_start : group.q_end] = o.squeeze(2)
-    for group in metadata.prefill_groups:
+    for group in group_metadata.prefill_groups:
         rows = slice(group.q_start, group.q_end)
         q_group = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         if group.kv_slots is None:
-            # First chunk of a sequence: its whole KV is this chunk, plain causal attention.
+            # First chunk of a sequence: its whole KV is this chunk (causal, or windowed by `mask`).
             k_group = new_keys[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Q, D]
             v_group = new_values[rows].transpose(0, 1).unsqueeze(0)
-            o = attend(q_group, k_group, v_group, None, group.q_end - group.q_start > 1, scale)
+            is_causal = group.q_end - group.q_start > 1
+            o = attend(q_group, k_group, v_group, group.mask, is_causal, scale, softcap, sinks)
         else:
             k_group = _gather(key_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             v_group = _gather(value_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)
-            o = attend(q_group, k_group, v_group, group.mask, False, scale)
+            o = attend(q_group, k_group, v_group, group.mask, False, scale, softcap, sinks)
         out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
 
 
-def make_paged_forward(attend: Attend, fallback: Callable, name: str) -> Callable:
+def make_paged_forward(
+    attend: Attend, fallback: Callable, name: str, plain_fallback: Callable | None = None
+) -> Callable:
     """The function registered in transformers' `AttentionInterface` for one paged backend.
 
     Inside continuous batching (metadata in the kwargs) it runs `paged_attention` with `attend`;
-    otherwise (e.g. plain `generate()` on a paged model) it behaves like `fallback`.
+    otherwise (e.g. plain `generate()` on a paged model) it behaves like `fallback`, or like
+    `plain_fallback` for layers `fallback` cannot run (softcapping, sinks).
     """
 
     def forward(
@@ -84,19 +98,33 @@ def make_paged_forward(attend: Attend, fallback: Callable, name: str) -> Callabl
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         metadata = kwargs.pop(METADATA_KWARG, None)
         if metadata is None:
-            return fallback(
-                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-            )
+            needs_plain = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+            run = plain_fallback if needs_plain and plain_fallback is not None else fallback
+            return run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        sliding_window = kwargs.pop("sliding_window", None)
+        softcap = kwargs.pop("softcap", None)
+        sinks = kwargs.pop("s_aux", None)
         unsupported_kwargs(kwargs)
+        check_window(module.layer_idx, sliding_window, metadata.group_of(module.layer_idx).sliding_window)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return paged_attention(query, key, value, module.layer_idx, metadata, scale, attend), None
+        out = paged_attention(query, key, value, module.layer_idx, metadata, scale, attend, softcap, sinks)
+        return out, None
 
     forward.__name__ = forward.__qualname__ = name
     return forward
 
 
+def check_window(layer_idx: int, requested: int | None, cached: int | None) -> None:
+    """The layer's own window must be the one its KV group keeps pages for (else the config was misread)."""
+    if requested != cached:
+        raise ValueError(
+            f"layer {layer_idx} applies sliding_window={requested!r} but its KV cache group was built for "
+            f"sliding_window={cached!r} from the model config; continuous batching cannot run this model"
+        )
+
+
 def unsupported_kwargs(kwargs: dict) -> None:
     """Refuse attention variants this backend does not implement, instead of ignoring them."""
-    for name in ("sliding_window", "softcap", "s_aux", "sinks"):
+    for name in ("sinks", "attention_chunk_size"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"paged attention with {name}={kwargs[name]!r} is not implemented yet")

@@ -22,8 +22,11 @@ def reference_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Args: query `[T, H, D]`; key/value cache `[num_slots, Hkv, D]`. Returns `[T, H, D]` in query dtype."""
+    """Args: query `[T, H, D]`; key/value cache `[num_slots, Hkv, D]`; sliding_window: a query at
+    position q sees keys (q - sliding_window, q]; softcap: `softcap * tanh(scores / softcap)`;
+    sinks: `[H]` logits that join each head's softmax without a value. Returns `[T, H, D]`."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -43,6 +46,9 @@ def reference_paged_attention(
         if sliding_window is not None:
             allowed &= positions[None, :] > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = scores.softmax(dim=-1)
+        if sinks is not None:
+            sink_column = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            scores = torch.cat([scores, sink_column], dim=-1)
+        probs = scores.softmax(dim=-1)[..., :kv_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

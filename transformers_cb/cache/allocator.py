@@ -1,14 +1,17 @@
-"""Per-attention-type page policies: which pages a request must hold.
+"""Per-attention-type page policies: which pages a request must hold in one KV layer group.
 
-An allocator maps a request's token positions to pages of one `PagePool`.
+An allocator maps a request's token positions to pages of its group's `PagePool`
+and keeps the request's `PageList` for that group (`request.pages[group]`).
 Full attention keeps every page: a request with `n` tokens of KV holds
 ceil(n / page_size) pages. Other policies (sliding window, prefix sharing)
-override the small methods below, not the shared bookkeeping.
+override the small hooks below, not the shared bookkeeping. `cache_allocator`
+combines one allocator per group into what the scheduler sees.
 """
 
 from __future__ import annotations
 
-from ..requests import Request
+from ..invariants import check
+from ..requests import PageList, Request
 from .pool import PagePool
 
 
@@ -19,33 +22,114 @@ def num_pages_for(num_tokens: int, page_size: int) -> int:
 class FullAttentionAllocator:
     """Pages for full-attention layers: one page per `page_size` tokens, never recycled early."""
 
-    def __init__(self, pool: PagePool, page_size: int) -> None:
+    sliding_window: int | None = None
+
+    def __init__(self, pool: PagePool, page_size: int, group: int = 0) -> None:
         self.pool = pool
         self.page_size = page_size
+        self.group = group
 
+    def pages(self, request: Request) -> PageList:
+        return request.group_pages(self.group)
+
+    # -- hooks of a page policy -----------------------------------------------------------------
+    def first_needed_page(self, start: int) -> int:
+        """First logical page that a step whose queries start at token `start` reads."""
+        return 0
+
+    def max_pages(self, num_tokens: int) -> int:
+        """Pages a request with `num_tokens` tokens of KV must hold at once to make progress."""
+        return num_pages_for(num_tokens, self.page_size)
+
+    # -- shared bookkeeping ----------------------------------------------------------------------
     def num_new_pages(self, request: Request, num_new_tokens: int) -> int:
         """Pages to add so that `request` can hold KV for `num_new_tokens` more tokens. Pure."""
-        needed = num_pages_for(request.num_computed_tokens + num_new_tokens, self.page_size)
-        return max(0, needed - len(request.page_ids))
+        needed_end = num_pages_for(request.num_computed_tokens + num_new_tokens, self.page_size)
+        return max(0, needed_end - self.pages(request).end_page)
 
     def num_fitting_tokens(self, request: Request, wanted: int) -> int:
         """How many of `wanted` new tokens fit in the request's pages plus the free pages. Pure."""
-        capacity = (len(request.page_ids) + self.pool.num_free_pages) * self.page_size
+        capacity = (self.pages(request).end_page + self.pool.num_free_pages) * self.page_size
         return max(0, min(wanted, capacity - request.num_computed_tokens))
 
-    def max_pages(self, num_tokens: int) -> int:
-        """Pages a request with `num_tokens` tokens of KV holds at its largest."""
-        return num_pages_for(num_tokens, self.page_size)
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self.num_new_pages(request, num_new_tokens) <= self.pool.num_free_pages
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Grow `request.page_ids` for `num_new_tokens` more tokens; False (nothing changed) if full."""
+        """Grow the request's page list for `num_new_tokens` more tokens; False (nothing changed) if full."""
         new_page_ids = self.pool.allocate(self.num_new_pages(request, num_new_tokens))
         if new_page_ids is None:
             return False
-        request.page_ids.extend(new_page_ids)
+        self.pages(request).page_ids.extend(new_page_ids)
         return True
 
+    def trim(self, request: Request) -> int:
+        """Return the pages the request's next step no longer reads (none for full attention).
+
+        Returns the number of pages released.
+        """
+        pages = self.pages(request)
+        keep_from = self.first_needed_page(request.num_computed_tokens)
+        if keep_from <= pages.first_page:
+            return 0
+        num_dropped = min(keep_from - pages.first_page, len(pages.page_ids))
+        self.pool.release(pages.page_ids[:num_dropped])
+        del pages.page_ids[:num_dropped]
+        pages.first_page = keep_from
+        return num_dropped
+
     def free(self, request: Request) -> None:
-        """Release every page of `request` (preemption or end)."""
-        self.pool.release(request.page_ids)
-        request.page_ids = []
+        """Release every page of `request` in this group (preemption or end)."""
+        pages = self.pages(request)
+        self.pool.release(pages.page_ids)
+        pages.page_ids = []
+        pages.first_page = 0
+
+    def check_request(self, request: Request) -> None:
+        """Raise `InvariantError` unless the running `request` holds what its KV needs."""
+        pages = self.pages(request)
+        computed = request.num_computed_tokens
+        check(
+            pages.end_page >= num_pages_for(computed, self.page_size),
+            f"{request.request_id}: group {self.group} ends at page {pages.end_page}, {computed=}",
+        )
+        check(
+            pages.first_page <= self.first_needed_page(computed),
+            f"{request.request_id}: group {self.group} dropped pages still in use ({pages.first_page=})",
+        )
+
+
+class SlidingWindowAllocator(FullAttentionAllocator):
+    """Pages for sliding-window layers: only the pages covering the last `sliding_window` tokens.
+
+    A query at position `q` reads keys `(q - sliding_window, q]`. After each step (`trim`, called
+    by the scheduler at the step boundary) the pages wholly before the next query's window go back
+    to the pool, so a decoding request holds at most `window_pages()` pages, plus the chunk while
+    it prefills.
+    """
+
+    def __init__(self, pool: PagePool, page_size: int, sliding_window: int, group: int = 0) -> None:
+        super().__init__(pool, page_size, group)
+        check(sliding_window >= 1, f"{sliding_window=}")
+        self.sliding_window = sliding_window
+
+    def first_needed_page(self, start: int) -> int:
+        return max(0, start - self.sliding_window + 1) // self.page_size
+
+    def window_pages(self) -> int:
+        """Pages a window of `sliding_window` tokens can straddle: the decode-time bound per request."""
+        return num_pages_for(self.sliding_window - 1, self.page_size) + 1
+
+    def max_pages(self, num_tokens: int) -> int:
+        # Chunks shrink to what fits, so one token at a time is enough to make progress.
+        return min(num_pages_for(num_tokens, self.page_size), self.window_pages())
+
+    def check_request(self, request: Request) -> None:
+        super().check_request(request)
+        pages = self.pages(request)
+        first_needed = self.first_needed_page(request.num_computed_tokens)
+        check(
+            not pages.page_ids or pages.first_page >= first_needed,
+            f"{request.request_id}: group {self.group} still holds pages before its window "
+            f"({pages.first_page=} < {first_needed})",
+        )

@@ -1,45 +1,77 @@
-"""`PagedKVCache`: the KV tensors, one pair per layer, addressed by slot.
+"""`PagedKVCache`: the KV tensors, one pair per layer, addressed by slot within the layer's group.
 
 A slot is one token position of one page: `slot = page_id * page_size + offset`.
 Each layer stores keys and values as `[num_pages * page_size, num_kv_heads, head_dim]`
-so that gathering a sequence's KV is one `index_select` over slots.
+so that gathering a sequence's KV is one `index_select` over slots. Layers are
+split into KV groups (`layer_groups.py`); each group has its own `PagePool`, and a
+layer's tensors have as many pages as its group's pool.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..invariants import check
+from .layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
 from .pool import PagePool
 
 
 class PagedKVCache:
-    """KV storage for `num_layers` layers sharing one page pool (full attention)."""
+    """KV storage for `num_layers` layers.
+
+    Args:
+        num_pages: pages of each group (an int for all groups, or one per group).
+        groups: the KV layer groups; None means one full-attention group of every layer.
+    """
 
     def __init__(
         self,
         num_layers: int,
-        num_pages: int,
+        num_pages: int | list[int],
         page_size: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        groups: list[KVGroupSpec] | None = None,
     ) -> None:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.pool = PagePool(num_pages)
-        num_slots = num_pages * page_size
+        self.groups = groups or [KVGroupSpec(FULL_ATTENTION, tuple(range(num_layers)))]
+        self.layer_group = layer_to_group(self.groups, num_layers)
+        pages_per_group = num_pages if isinstance(num_pages, list) else [num_pages] * len(self.groups)
+        check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
+        self.pools = [PagePool(n) for n in pages_per_group]
         # Zero-filled so that padded gathers never read NaN/inf garbage. [num_slots, num_kv_heads, head_dim]
         self.keys = [
-            torch.zeros(num_slots, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
+            torch.zeros(
+                pages_per_group[self.layer_group[layer]] * page_size,
+                num_kv_heads,
+                head_dim,
+                dtype=dtype,
+                device=device,
+            )
+            for layer in range(num_layers)
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
 
     @property
+    def pool(self) -> PagePool:
+        """The first group's pool (the only one on a full-attention model)."""
+        return self.pools[0]
+
+    @property
     def num_pages(self) -> int:
         return self.pool.num_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(pool.num_used_pages for pool in self.pools)
+
+    @property
+    def num_total_pages(self) -> int:
+        return sum(pool.num_pages for pool in self.pools)
 
     def write(
         self, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor

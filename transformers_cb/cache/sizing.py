@@ -10,7 +10,10 @@ Rules (SPEC section 4):
 - `num_blocks` fills the rest of the budget; on CPU it is also capped to the work
   (all known requests at full length, plus the safety margin's share so that the
   margin never holds back a job that fits) or, with no workload known, to 512 MiB,
-  so set-up stays fast and the cache fits the job rather than all RAM.
+  so set-up stays fast and the cache fits the job rather than all RAM;
+- per KV layer group (`resolve_group_pages`): full-attention groups get `num_blocks`
+  pages; a sliding-window group, whose requests hold only their window, gets what
+  the known workload needs at most (capped by `num_blocks`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 from ..config import ContinuousBatchingConfig
 from .allocator import num_pages_for
+from .layer_groups import KVGroupSpec
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 MIN_MAX_BATCH_TOKENS = 256
@@ -129,3 +133,43 @@ def resolve_sizing(
         max_requests_per_batch=max_requests,
         max_pages_per_request=max_pages_per_request,
     )
+
+
+def max_pages_held(spec: KVGroupSpec, num_tokens: int, page_size: int, max_batch_tokens: int) -> int:
+    """The most pages a request of `num_tokens` KV tokens holds at once in group `spec`."""
+    full = num_pages_for(num_tokens, page_size)
+    if spec.sliding_window is None:
+        return full
+    # Its window plus the chunk a step writes, straddling one more page at most.
+    return min(full, num_pages_for(spec.sliding_window - 1 + max_batch_tokens, page_size) + 1)
+
+
+def resolve_group_pages(
+    sizing: Sizing,
+    groups: list[KVGroupSpec],
+    config: ContinuousBatchingConfig,
+    workload: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Pages of each KV group and the block-table width of each group.
+
+    Full-attention groups get `sizing.num_pages`. A sliding group never needs more than its
+    windows: with the workload known it gets what the workload holds at most (with the safety
+    margin's headroom), else as many as a full group. `num_blocks` set by the user applies to
+    every group.
+    """
+    page_size, chunk = sizing.page_size, sizing.max_batch_tokens
+    pages, widths = [], []
+    for spec in groups:
+        num_pages = sizing.num_pages
+        if spec.sliding_window is not None and config.num_blocks is None and workload:
+            held = [max_pages_held(spec, n, page_size, chunk) for n in workload]
+            margin = min(config.resolved_safety_margin, 0.5)
+            needed = -(-sum(held) // (1 - margin)) if margin > 0 else sum(held)
+            num_pages = max(1, min(num_pages, max(int(needed), max(held))))
+        width = min(num_pages, sizing.max_pages_per_request)
+        if spec.sliding_window is not None:
+            # The row is a ring: it only has to span the pages held at once.
+            width = min(width, num_pages_for(spec.sliding_window - 1 + chunk, page_size) + 1)
+        pages.append(num_pages)
+        widths.append(width)
+    return pages, widths

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from ..cache.sizing import Sizing
-from ..requests import Request, RequestStatus
+from ..requests import PageList, Request, RequestStatus
 from ..scheduler import ScheduledBatch, ScheduledRequest
 from .cpu_group import CpuGroup, TensorParallelError
 from .sharding import is_distributed, tp_process_group, tp_size_of
@@ -83,7 +83,8 @@ class StepMessage:
     )  # status, reason, error
     released: list[str] = field(default_factory=list)  # preempted: block-table rows go back
     new: list[RequestSpec] = field(default_factory=list)
-    entries: list[tuple[str, int, int, list[int]]] = field(default_factory=list)  # id, start, n, page ids
+    # id, start, n, and per KV layer group (first logical page, page ids)
+    entries: list[tuple[str, int, int, list[tuple[int, list[int]]]]] = field(default_factory=list)
 
 
 class TensorParallelCoordinator:
@@ -137,9 +138,8 @@ class TensorParallelCoordinator:
             if request.request_id not in self._known:
                 self._known.add(request.request_id)
                 message.new.append(RequestSpec.of(request))
-            message.entries.append(
-                (request.request_id, entry.start, entry.num_tokens, list(request.page_ids))
-            )
+            pages = [(group.first_page, list(group.page_ids)) for group in request.pages]
+            message.entries.append((request.request_id, entry.start, entry.num_tokens, pages))
         self.cpu.exchange(message)
 
     def record_tokens(self, sampling: list[Request], sampled: list[tuple[int, float | None]]) -> None:
@@ -189,19 +189,19 @@ class TensorParallelCoordinator:
                 # A mirror copies the driver's checked transitions, so it takes the final status as is.
                 request.status, request.finish_reason, request.error = RequestStatus(status), reason, error
                 request.finish_time = time.perf_counter()
-                request.page_ids = []
+                request.pages = []
                 finished.append(request)
         for spec in message.new:
             self._mirror(spec)
         entries = []
-        for request_id, start, num_tokens, page_ids in message.entries:
+        for request_id, start, num_tokens, pages in message.entries:
             request = self.requests[request_id]
-            request.page_ids = page_ids
+            request.pages = [PageList(page_ids, first_page) for first_page, page_ids in pages]
             request.num_computed_tokens = start
             entries.append(ScheduledRequest(request, start, num_tokens))
         released = [self.requests[i] for i in message.released if i in self.requests]
         for request in released:
-            request.page_ids = []
+            request.pages = []
         batch = ScheduledBatch(entries=entries, preempted=released)
         if message.kind == Kind.END:
             self.run_ended = True

@@ -1,0 +1,92 @@
+"""`CacheAllocator`: the page policies of every KV layer group, as one allocator for the scheduler.
+
+A request runs `n` more tokens only if every group can take them, so fit checks
+take the minimum over groups and allocation is check-then-commit across all
+groups (nothing changes unless every group has the pages). Release, preemption
+and the step-boundary trim of sliding windows go to every group at once.
+"""
+
+from __future__ import annotations
+
+from ..invariants import InvariantError, check
+from ..requests import Request
+from .allocator import FullAttentionAllocator
+from .layer_groups import KVGroupSpec
+from .pool import PagePool
+
+
+class CacheAllocator:
+    """Args: allocators: one per KV group, `allocators[g].group == g`; specs: the matching groups."""
+
+    def __init__(self, allocators: list[FullAttentionAllocator], specs: list[KVGroupSpec]) -> None:
+        check(
+            bool(allocators) and len(allocators) == len(specs),
+            f"{len(allocators)} allocators, {len(specs)} groups",
+        )
+        check([a.group for a in allocators] == list(range(len(allocators))))
+        self.allocators = allocators
+        self.specs = specs
+        self.page_size = allocators[0].page_size
+
+    @property
+    def pools(self) -> list[PagePool]:
+        return [a.pool for a in self.allocators]
+
+    @property
+    def free_fraction(self) -> float:
+        """Free share of the fullest group: admission looks at the group that runs out first."""
+        return min(pool.num_free_pages / pool.num_pages for pool in self.pools)
+
+    def num_fitting_tokens(self, request: Request, wanted: int) -> int:
+        """How many of `wanted` new tokens every group can take. Pure."""
+        return min(a.num_fitting_tokens(request, wanted) for a in self.allocators)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Pages for `num_new_tokens` more tokens in every group; False (nothing changed) if any group is full."""
+        if not all(a.can_allocate(request, num_new_tokens) for a in self.allocators):
+            return False
+        for allocator in self.allocators:
+            committed = allocator.allocate(request, num_new_tokens)
+            if not committed:  # hot path: no message built unless it fails
+                raise InvariantError(f"group {allocator.group} refused after can_allocate")
+        return True
+
+    def trim(self, request: Request) -> int:
+        """Step boundary: release pages the request's next step no longer reads. Returns how many."""
+        return sum(a.trim(request) for a in self.allocators)
+
+    def free(self, request: Request) -> None:
+        for allocator in self.allocators:
+            allocator.free(request)
+
+    def unfittable_reason(self, num_tokens: int) -> str | None:
+        """Why a request of `num_tokens` KV tokens can never run in this cache, or None if it can."""
+        for allocator, spec in zip(self.allocators, self.specs, strict=True):
+            needed = allocator.max_pages(num_tokens)
+            if needed > allocator.pool.num_pages:
+                where = f" in layer group {spec.name}" if len(self.specs) > 1 else ""
+                return (
+                    f"needs {needed} KV pages of {self.page_size} tokens{where} but the cache has only "
+                    f"{allocator.pool.num_pages}"
+                )
+        return None
+
+    def describe_need(self, num_tokens: int) -> str:
+        """`needed > available` pages per group, for error messages."""
+        parts = [
+            f"{a.max_pages(num_tokens)} > {a.pool.num_pages}"
+            + (f" in {spec.name}" if len(self.specs) > 1 else "")
+            for a, spec in zip(self.allocators, self.specs, strict=True)
+        ]
+        return ", ".join(parts)
+
+    def pages_in_use(self) -> dict[str, int]:
+        return {spec.name: a.pool.num_used_pages for a, spec in zip(self.allocators, self.specs, strict=True)}
+
+    def check_integrity(self, live: list[Request], running: list[Request]) -> None:
+        """Every group's pool is consistent with the page lists of the live requests."""
+        for allocator in self.allocators:
+            allocator.pool.check_integrity([allocator.pages(r).page_ids for r in live])
+        for request in running:
+            for allocator in self.allocators:
+                allocator.check_request(request)
