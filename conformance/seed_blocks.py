@@ -256,6 +256,27 @@ model = AutoModelForCausalLM.from_pretrained(
 )
 """
 
+# -- 002: tensor parallelism (cb_tp.py, launched with `torchrun --nproc-per-node 4 cb_tp.py`) ----
+TENSOR_PARALLEL = """
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DistributedConfig
+from transformers.generation import ContinuousBatchingConfig, GenerationConfig
+
+distributed_config = DistributedConfig(tp_size=4)
+model = AutoModelForCausalLM.from_pretrained(
+    "Qwen/Qwen3-32B",
+    attn_implementation="flash_attention_2",
+    distributed_config=distributed_config,
+)
+tokenizer = AutoTokenizer.from_pretrained("Qwen/Qwen3-32B")
+
+inputs = [tokenizer.encode(p) for p in ["What's up?", "Name a cat breed."]]
+generation_config = GenerationConfig(max_new_tokens=64, eos_token_id=tokenizer.eos_token_id)
+
+outputs = model.generate_batch(inputs=inputs, generation_config=generation_config)
+"""
+TENSOR_PARALLEL_LAUNCH = "torchrun --nproc-per-node 4 cb_tp.py"
+
 _MODEL_IDS = re.compile(r'"(Qwen/Qwen3-0\.6B|Qwen/Qwen3-4B|Qwen/Qwen3-32B|google/gemma-2-2b)"')
 
 

@@ -64,7 +64,10 @@ def _mark(name):
 
 
 def _dump():
-    with open(_os.environ["CB_SEED_OUT"], "w") as f:
+    path = _os.environ["CB_SEED_OUT"]
+    if "RANK" in _os.environ:  # under torchrun: one record per rank
+        path += ".rank" + _os.environ["RANK"]
+    with open(path, "w") as f:
         _json.dump(_record, f)
 '''
 
@@ -85,7 +88,8 @@ def _import_plugin(body: str, order: str) -> str:
     return "\n".join(lines)
 
 
-def _run(script: str, order: str, tmp_path: Path) -> dict:
+def _run(script: str, order: str, tmp_path: Path, launcher: tuple[str, ...] = ()) -> dict:
+    """Run the script in a fresh interpreter (under `launcher`, e.g. torchrun's arguments, if given)."""
     source = PRELUDE + _import_plugin(script, order) + "\n_dump()\n"
     path = tmp_path / f"seed_{order}.py"
     path.write_text(source)
@@ -93,9 +97,15 @@ def _run(script: str, order: str, tmp_path: Path) -> dict:
     env = {**os.environ, "CB_SEED_OUT": str(out), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
     done = subprocess.run(
-        [sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S
+        [sys.executable, *launcher, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
     )
     assert done.returncode == 0, f"the document's code failed ({order}):\n{done.stderr[-4000:]}"
+    if launcher:
+        return {rank: json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(TP_RANKS)}
     return json.loads(out.read_text())
 
 
@@ -324,6 +334,26 @@ def test_per_request_sampling_block_needs_the_processor(order, model_dirs, tmp_p
     refused with an error that says what to set (the built-in errors the request in its loop)."""
     record = _run(_per_request_script(model_dirs, sampling=False), order, tmp_path)
     assert "set a non-default temperature in the GenerationConfig" in record["outputs"]["refused"]
+
+
+TP_RANKS = 2
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_tensor_parallel_block(order, model_dirs, reference, tmp_path) -> None:
+    """The guide's tensor-parallel script under `torchrun --nproc-per-node 2` (tp_size 4 -> 2, the
+    ranks we have on CPU/gloo; sdpa for its flash_attention_2, see issue 11): every rank returns
+    the outputs of plain single-process `generate()`."""
+    assert blocks.TENSOR_PARALLEL_LAUNCH == "torchrun --nproc-per-node 4 cb_tp.py"
+    script = blocks.adapt(blocks.with_attn(blocks.TENSOR_PARALLEL, "sdpa"), model_dirs)
+    script = script.replace("DistributedConfig(tp_size=4)", f"DistributedConfig(tp_size={TP_RANKS})")
+    script += "\n_save('run', outputs)\nassert model.tp_size == 2\n"
+    launcher = ("-m", "torch.distributed.run", "--nproc-per-node", str(TP_RANKS))
+    records = _run(script, order, tmp_path, launcher)
+    for rank, record in records.items():
+        assert len(record["outputs"]["run"]) == 2, rank
+        _check_outputs(record["outputs"]["run"], reference, 64)
+    assert records[0]["outputs"] == records[1]["outputs"]
 
 
 # -- blocks of features that belong to later issues ------------------------------------------------

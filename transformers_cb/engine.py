@@ -22,6 +22,9 @@ from .cache.paged_cache import PagedKVCache
 from .cache.pool import PagePool
 from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from .config import ContinuousBatchingConfig, resolve_device_options
+from .distributed import TensorParallelCoordinator
+from .distributed.coordinator import Kind
+from .distributed.sharding import shard_shape, tp_size_of
 from .model_support import check_model_supported
 from .request_sampling import SamplingSetup
 from .requests import Request, RequestStatus
@@ -119,11 +122,15 @@ class Engine:
                 "the varlen path",
                 self.cb_config.max_blocks_per_request,
             )
-        self.shape = ModelShape.from_config(model.config)
+        # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
+        self.shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
+        self.tp = TensorParallelCoordinator.for_model(model, self.cb_config.cpu_group_timeout)
         first_param = next(model.parameters())
         self.device, self.dtype = first_param.device, first_param.dtype
         resolve_device_options(self.cb_config, self.device.type)
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
+        if self.tp is not None:
+            self.sizing = self.tp.agree_sizing(self.sizing)
         group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
@@ -230,15 +237,32 @@ class Engine:
             raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
         return request
 
+    @property
+    def is_follower(self) -> bool:
+        """A tensor-parallel rank other than 0: it replays rank 0's steps and decides nothing."""
+        return self.tp is not None and not self.tp.is_driver
+
     def add(self, request: Request) -> None:
-        self.scheduler.add(request)
+        if self.is_follower:
+            self.tp.add(request)
+        else:
+            self.scheduler.add(request)
 
     def has_work(self) -> bool:
+        if self.is_follower:
+            return not self.tp.run_ended  # until rank 0 says its run drained
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """End `request` (cancel, fail): the scheduler's single exit."""
         self.scheduler.finish(request, status, error)
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.record_finished([request])
+
+    def heartbeat(self) -> None:
+        """Called by an idle (or paused) manager loop: keeps tensor-parallel followers in step."""
+        if self.tp is not None and self.tp.is_driver:
+            self.tp.send(Kind.IDLE)
 
     def warmup(self, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> bool:
         """Run a throw-away request through a prefill and a decode step, so the first real request
@@ -247,6 +271,14 @@ class Engine:
         Nothing of it stays: its pages are freed and the counters reset. Only an idle engine warms up;
         returns whether it did. Call it with the paged backend active (see `attention.selection`).
         """
+        if self.is_follower:
+            return self._follow_warmup()
+        ran = self._warmup(num_prompt_tokens)
+        if self.tp is not None and not ran:
+            self.tp.send(Kind.END)  # the followers wait in their warmup for rank 0's end of run
+        return ran
+
+    def _warmup(self, num_prompt_tokens: int) -> bool:
         if self.has_work():
             return False
         length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
@@ -269,15 +301,22 @@ class Engine:
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
-        """Schedule and run one forward pass. A failure fails only the requests of this step."""
+        """Schedule and run one forward pass. A failure fails only the requests of this step (under
+        tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
+        if self.is_follower:
+            return self._follow()
         batch = self.scheduler.schedule()
+        if self.tp is not None:
+            self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:
-            return result
+            return self._published(result)
         self.counters.steps += 1
         try:
             sampled = self.runner.run(batch)
         except Exception as error:  # noqa: BLE001 - recorded on every request of the step
+            if self.tp is not None:
+                raise self.tp.fatal(error) from error
             logger.exception("continuous batching step failed; failing its %d requests", len(batch.entries))
             self.counters.failed_steps += 1
             message = f"step failed: {type(error).__name__}: {error}"
@@ -296,7 +335,42 @@ class Engine:
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
+        if self.tp is not None:
+            self.tp.record_tokens(sampling, sampled)
+        return self._published(result)
+
+    # -- tensor parallelism (see distributed/coordinator.py) -----------------------
+    def _published(self, result: StepResult) -> StepResult:
+        """Rank 0: queue this step's outcome for the next message; end the run when drained."""
+        if self.tp is not None:
+            self.tp.record_finished(result.finished)
+            if not self.scheduler.has_work():
+                self.tp.send(Kind.END)
         return result
+
+    def _follow(self) -> StepResult:
+        """A follower's step: apply rank 0's next message and run the same forward."""
+        message, batch, finished, progressed = self.tp.receive()
+        for request in [*batch.preempted, *finished]:
+            self.packer.release_request(request)
+        if batch.entries:
+            self.counters.steps += 1
+            try:
+                self.runner.forward(batch)
+            except Exception as error:
+                raise self.tp.fatal(error) from error
+        self.counters.generated_tokens += len(message.tokens)
+        return StepResult(finished=finished, progressed=progressed, num_tokens=batch.num_tokens)
+
+    def _follow_warmup(self) -> bool:
+        """Replay rank 0's warmup until its end of run."""
+        self.tp.run_ended = False
+        steps = self.counters.steps
+        while not self.tp.run_ended:
+            self.step()
+        self.warmed_up = self.counters.steps > steps
+        self.counters = EngineCounters()
+        return self.warmed_up
 
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention.selection import paged_attention
+from .distributed import TensorParallelError
 from .engine import Engine
 from .requests import Request, RequestStatus
 from .results import ResultRouter
@@ -66,10 +67,14 @@ class ManagerLoop:
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self, settings: ThreadSettings) -> None:
+        tp = self.engine.tp if self.engine is not None else None
         try:
             settings.apply()
             with paged_attention(self.model), torch.inference_mode():
-                self._loop()
+                if tp is not None and not tp.is_driver:
+                    self._follow(self.engine)
+                else:
+                    self._loop()
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
             logger.exception("continuous batching manager thread died")
             with self._lock:
@@ -80,6 +85,8 @@ class ManagerLoop:
             finally:
                 self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
         finally:
+            if tp is not None and tp.is_driver:
+                tp.try_stop()  # the followers' sessions end with this one (skipped if the group broke)
             self._router.set_closed(True)
             if self._release_on_exit:
                 self._release_engine()
@@ -92,10 +99,18 @@ class ManagerLoop:
         if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
             delattr(self.model, CACHED_MANAGER_ATTR)
 
+    def _follow(self, engine: Engine) -> None:
+        """A tensor-parallel follower's session: replay rank 0's steps until its manager stops."""
+        engine.tp.stopped = False
+        while not engine.tp.stopped:
+            engine.step()
+
     def _loop(self) -> None:
         engine = self.engine
         while True:
             self._apply_submissions()
+            if self._pause_requests or not engine.has_work():
+                engine.heartbeat()  # tensor-parallel followers wait in a collective bounded by a timeout
             self._router.drain_handed_over()
             with self._lock:
                 if self._hard_stop:
@@ -118,6 +133,8 @@ class ManagerLoop:
     def _step(self, engine: Engine) -> None:
         try:
             result = engine.step()
+        except TensorParallelError:
+            raise  # the group is broken: the thread ends and every request gets its failure
         except Exception as error:  # noqa: BLE001 - a scheduler bug fails the involved requests only
             logger.exception("continuous batching step raised outside the model forward")
             message = f"step failed: {type(error).__name__}: {error}"

@@ -44,6 +44,11 @@ class ModelRunner:
             )
         return [by_entry[id(entry)] for entry in batch.entries if entry.samples]
 
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> None:
+        """The forward alone, no sampling (a tensor-parallel follower's step; rank 0 samples)."""
+        self._forward(self.packer.pack(batch))
+
     def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns float32 logits `[S, vocab]` for the sampled positions, and `[P, vocab]` for the
         prompt-logprob positions (None when no request asks for them)."""

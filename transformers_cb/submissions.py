@@ -96,6 +96,11 @@ class ManagerSubmissions(ManagerLoop):
         with self._lock:
             if self.engine is None:
                 raise RuntimeError("this ContinuousBatchingManager was destroyed")
+            if self.engine.is_follower:
+                raise RuntimeError(
+                    f"tensor parallelism: submit requests on rank 0; this is rank {self.engine.tp.rank}, "
+                    "which only replays rank 0's steps (start() and stop() it like rank 0's manager)"
+                )
             if not self._accepting:
                 logger.warning("ContinuousBatchingManager is stopped: %d request(s) refused", len(items))
                 self._drop_early_handlers(items)
