@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +19,17 @@ from .manager_loop import ManagerLoop
 from .requests import Request
 
 logger = logging.getLogger("transformers_cb.manager")  # one logger for the manager's messages
+
+
+@dataclass(frozen=True)
+class SubmissionOptions:
+    """What `add_request` / `add_requests` apply to every request of one submission."""
+
+    max_new_tokens: int | None = None
+    streaming: bool = False
+    eos_token_id: int | list[int] | None = None
+    record_timestamps: bool = False
+    sampling_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class ManagerSubmissions(ManagerLoop):
@@ -49,15 +61,10 @@ class ManagerSubmissions(ManagerLoop):
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        ids = self._submit(
-            [(input_ids, request_id)],
-            max_new_tokens,
-            streaming,
-            eos_token_id,
-            record_timestamps,
-            indexed=False,
-            sampling_kwargs=logit_processor_kwargs,
+        options = SubmissionOptions(
+            max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
         )
+        ids = self._submit([(input_ids, request_id)], options, indexed=False)
         return None if ids is None else ids[0]
 
     def add_requests(
@@ -73,25 +80,13 @@ class ManagerSubmissions(ManagerLoop):
         warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
         `inputs[i]`), none is submitted. Other arguments as in `add_request`."""
         items = [(input_ids, None) for input_ids in inputs]
-        return self._submit(
-            items,
-            max_new_tokens,
-            streaming,
-            eos_token_id,
-            record_timestamps,
-            indexed=True,
-            sampling_kwargs=logit_processor_kwargs,
+        options = SubmissionOptions(
+            max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
         )
+        return self._submit(items, options, indexed=True)
 
     def _submit(
-        self,
-        items: list[tuple[Any, str | None]],
-        max_new_tokens: int | None,
-        streaming: bool,
-        eos_token_id: int | list[int] | None,
-        record_timestamps: bool,
-        indexed: bool,
-        sampling_kwargs: dict[str, Any] | None = None,
+        self, items: list[tuple[Any, str | None]], options: SubmissionOptions, indexed: bool
     ) -> list[str] | None:
         with self._lock:
             if self.engine is None:
@@ -112,34 +107,19 @@ class ManagerSubmissions(ManagerLoop):
                     f"{len(items)} more do not fit"
                 )
             try:
-                requests = self._build_requests(
-                    items,
-                    max_new_tokens,
-                    streaming,
-                    eos_token_id,
-                    record_timestamps,
-                    indexed,
-                    sampling_kwargs,
-                )
+                requests = self._build_requests(items, options, indexed)
             except BaseException:
                 self._drop_early_handlers(items)
                 raise
             for request in requests:
                 self._live[request.request_id] = request
-                self._router.expect(request.request_id, streaming)
+                self._router.expect(request.request_id, options.streaming)
                 self._incoming.append(request)
             self._lock.notify_all()
         return [request.request_id for request in requests]
 
     def _build_requests(
-        self,
-        items: list[tuple[Any, str | None]],
-        max_new_tokens: int | None,
-        streaming: bool,
-        eos_token_id: int | list[int] | None,
-        record_timestamps: bool,
-        indexed: bool,
-        sampling_kwargs: dict[str, Any] | None = None,
+        self, items: list[tuple[Any, str | None]], options: SubmissionOptions, indexed: bool
     ) -> list[Request]:
         """Validate every item (all or nothing); the lock is held."""
         requests: list[Request] = []
@@ -159,12 +139,12 @@ class ManagerSubmissions(ManagerLoop):
                 self.engine.build_request(
                     input_ids,
                     request_id,
-                    max_new_tokens,
-                    eos_token_id,
-                    streaming,
+                    options.max_new_tokens,
+                    options.eos_token_id,
+                    options.streaming,
                     label=label,
-                    record_timestamps=record_timestamps,
-                    sampling_kwargs=sampling_kwargs,
+                    record_timestamps=options.record_timestamps,
+                    sampling_kwargs=options.sampling_kwargs,
                 )
             )
             taken.add(request_id)
