@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pytest
@@ -134,6 +135,16 @@ EAGER_ONLY_FAMILIES = ("gemma2", "gpt_oss")
 
 def plain_implementation(family: str) -> str:
     return "eager" if family in EAGER_ONLY_FAMILIES else "sdpa"
+
+
+@contextmanager
+def using_backend(model: PreTrainedModel, family: str, attn_implementation: str) -> Iterator[PreTrainedModel]:
+    """`model` switched to `attn_implementation` for the block, then back to the family's plain one."""
+    model.set_attn_implementation(attn_implementation)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(plain_implementation(family))
 
 
 def backends_for(family: str) -> tuple[str, ...]:

@@ -8,8 +8,7 @@ a failure unless the reference's logits show a genuine floating-point near-tie a
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import pytest
@@ -24,11 +23,11 @@ from conformance.common import (
     check_parity,
     compare_tokens,
     greedy_config,
-    plain_implementation,
     prompts_of_lengths,
     random_prompts,
     run_batch,
     tight_num_blocks,
+    using_backend,
     vocab_size,
 )
 from transformers_cb import GenerationOutput, RequestStatus
@@ -51,13 +50,8 @@ class Family:
     def tight_prompts(self, page_size: int) -> list[list[int]]:
         return self.prompts if page_size < 64 else self.long_prompts
 
-    @contextmanager
-    def backend(self, attn_implementation: str) -> Iterator[PreTrainedModel]:
-        self.model.set_attn_implementation(attn_implementation)
-        try:
-            yield self.model
-        finally:
-            self.model.set_attn_implementation(plain_implementation(self.name))
+    def backend(self, attn_implementation: str) -> AbstractContextManager[PreTrainedModel]:
+        return using_backend(self.model, self.name, attn_implementation)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ recycled while running, and the engine's integrity check (which bounds them) run
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from unittest import mock
 
@@ -26,10 +26,10 @@ from conformance.common import (
     build_tiny_model,
     check_parity,
     greedy_config,
-    plain_implementation,
     random_prompts,
     run_batch,
     tight_num_blocks,
+    using_backend,
     vocab_size,
 )
 from transformers_cb.engine import Engine
@@ -46,13 +46,8 @@ class Family:
     references: ReferenceCache
     prompts: list[list[int]]
 
-    @contextmanager
-    def backend(self, attn_implementation: str) -> Iterator[PreTrainedModel]:
-        self.model.set_attn_implementation(attn_implementation)
-        try:
-            yield self.model
-        finally:
-            self.model.set_attn_implementation(plain_implementation(self.name))
+    def backend(self, attn_implementation: str) -> AbstractContextManager[PreTrainedModel]:
+        return using_backend(self.model, self.name, attn_implementation)
 
 
 @pytest.fixture(scope="module")
