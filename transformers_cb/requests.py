@@ -146,6 +146,7 @@ class Request:
     # of the pages held are keyed in the pools.
     page_keys: list[bytes] = field(default_factory=list, repr=False)
     num_registered_pages: int = 0
+    num_promised_pages: int = 0  # pages up to here are being computed: later requests wait for them
     # num_return_sequences: all siblings of this request (fixed), and those not forked yet (the
     # scheduler forks them once this request's prompt is computed).
     siblings: list[Request] = field(default_factory=list, repr=False)

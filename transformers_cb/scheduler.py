@@ -148,6 +148,8 @@ class Scheduler:
                 continue
             waiting = request.status in (RequestStatus.PENDING, RequestStatus.EVICTED)
             hit = admitting and waiting and self._attach_prefix(request)
+            if waiting and admitting and self._waits_for_pages(request, hit):
+                continue
             wanted = min(request.num_remaining_tokens, budget)
             num_tokens = self.allocator.num_fitting_tokens(request, wanted)
             if waiting:
@@ -166,6 +168,8 @@ class Scheduler:
                 self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
+                if self.allocator.prefix is not None:
+                    self.allocator.prefix.promise(request)
             elif num_tokens > 0:
                 self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
@@ -192,6 +196,16 @@ class Scheduler:
         if self.allocator.prefix is None or request.wants_prompt_logprobs:
             return False
         return self.allocator.prefix.attach(request) > 0
+
+    def _waits_for_pages(self, request: Request, hit: bool) -> bool:
+        """Leave `request` waiting (holding nothing) while a running request computes the next page
+        of its prefix: it will hit that page in a later step instead of computing it again."""
+        prefix = self.allocator.prefix
+        if prefix is None or request.wants_prompt_logprobs or not prefix.waits_for_pages(request):
+            return False
+        if hit:
+            prefix.detach(request)
+        return True
 
     def _fork(self, parent: Request) -> None:
         """Right after `parent` computed its prompt: its siblings share its pages and run from its
@@ -256,6 +270,8 @@ class Scheduler:
         batch.preempted.append(request)
 
     def _free_pages(self, request: Request) -> None:
+        if self.allocator.prefix is not None:
+            self.allocator.prefix.withdraw(request)
         self.allocator.free(request)
         for release in self.on_pages_freed:
             release(request)

@@ -20,7 +20,9 @@ class ManagerStats:
     pages_total: int
     prefill_tokens: int
     decode_tokens: int
-    prefix_cache_hit_rate: float  # tokens found cached / tokens to compute, over admissions (0 when sharing is off)
+    prefix_cache_hit_rate: (
+        float  # tokens found cached / tokens to compute, over admissions (0 when sharing is off)
+    )
     # Tokens handed to users: each streamed partial output's new token when it is published, and a
     # non-streaming request's tokens when it FINISHES. Tokens of failed or cancelled requests that no
     # output had delivered do not count (their final output still carries them).

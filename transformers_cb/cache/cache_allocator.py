@@ -111,3 +111,5 @@ class CacheAllocator:
         for request in running:
             for allocator in self.allocators:
                 allocator.check_request(request)
+        if self.prefix is not None:
+            self.prefix.check_integrity(running)

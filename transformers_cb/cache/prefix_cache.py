@@ -8,6 +8,9 @@ so a key is per group by construction. A pool also records each keyed page's
 parent key and tokens, and a hit is verified against them before use.
 
 - `register` gives the pages a step completed their keys (all groups);
+- `promise` records, at admission, the full pages a request is about to compute, so that a
+  request with the same prefix waits for them (`waits_for_pages`) instead of computing them
+  again in the same steps: requests submitted together then share their common prefix too;
 - `attach` lets a request that starts from scratch (new, or preempted and back)
   take every page it can reuse with a refcount and skip their prefill; it never
   takes the page holding its last token, so that token is computed and has logits;
@@ -72,6 +75,7 @@ class PrefixCache:
         self.allocators = allocators
         self.page_size = allocators[0].page_size
         self.stats = PrefixStats()
+        self._in_flight: dict[bytes, int] = {}  # key -> running requests about to compute that page
 
     # -- keys ------------------------------------------------------------------------------------
     def _content(self, request: Request, keys: list[bytes], i: int) -> tuple[bytes, bytes, tuple[int, ...]]:
@@ -86,11 +90,53 @@ class PrefixCache:
         keys = request_keys(request, num_full, self.page_size)
         for i in range(request.num_registered_pages, num_full):
             key, parent, tokens = self._content(request, keys, i)
+            if i < request.num_promised_pages:
+                self._settle(key)
             for allocator in self.allocators:
                 pages = allocator.pages(request)
                 if pages.first_page <= i < pages.end_page:
                     allocator.pool.register(pages.page_ids[i - pages.first_page], key, parent, tokens)
         request.num_registered_pages = num_full
+
+    # -- pages being computed ---------------------------------------------------------------------
+    def promise(self, request: Request) -> None:
+        """An admitted request will compute its full pages from `num_registered_pages` on."""
+        num_full = request.num_tokens // self.page_size
+        for key in request_keys(request, num_full, self.page_size)[request.num_registered_pages :]:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        request.num_promised_pages = num_full
+
+    def withdraw(self, request: Request) -> None:
+        """The request stops (preempted or ended): its pages not computed yet are no longer coming."""
+        for key in request.page_keys[request.num_registered_pages : request.num_promised_pages]:
+            self._settle(key)
+        request.num_promised_pages = 0
+
+    def waits_for_pages(self, request: Request) -> bool:
+        """True when the page after the request's hit is being computed by a running request."""
+        next_page = request.num_computed_tokens // self.page_size
+        if next_page >= (request.num_tokens - 1) // self.page_size:
+            return False
+        keys = request_keys(request, next_page + 1, self.page_size)
+        return keys[next_page] in self._in_flight
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """Pages promised are exactly the running requests' uncomputed full pages; keys match pools."""
+        expected: dict[bytes, int] = {}
+        for request in running:
+            for key in request.page_keys[request.num_registered_pages : request.num_promised_pages]:
+                expected[key] = expected.get(key, 0) + 1
+            if request.num_registered_pages > request.num_computed_tokens // self.page_size:
+                raise InvariantError(f"{request.request_id}: keyed pages not computed yet")
+        if expected != self._in_flight:
+            raise InvariantError("pages in flight disagree with the running requests' promises")
+
+    def _settle(self, key: bytes) -> None:
+        remaining = self._in_flight[key] - 1
+        if remaining:
+            self._in_flight[key] = remaining
+        else:
+            del self._in_flight[key]
 
     # -- hits --------------------------------------------------------------------------------------
     def attach(self, request: Request) -> int:
