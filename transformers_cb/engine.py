@@ -342,6 +342,7 @@ class Engine:
         finally:
             self.runner.sampler = sampler
             self.counters = EngineCounters()
+            self.scheduler.allocator.clear_prefix_cache()
         self.warmed_up = True
         return True
 

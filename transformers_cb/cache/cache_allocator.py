@@ -13,7 +13,7 @@ from ..requests import Request
 from .allocator import FullAttentionAllocator
 from .layer_groups import KVGroupSpec
 from .pool import PagePool
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, PrefixStats
 
 
 class CacheAllocator:
@@ -100,6 +100,13 @@ class CacheAllocator:
     def num_evictions(self) -> int:
         """Cached pages reallocated (their keys forgotten), all groups."""
         return sum(pool.num_evictions for pool in self.pools)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page and reset the hit statistics (e.g. after a warmup)."""
+        for pool in self.pools:
+            pool.clear_cached()
+        if self.prefix is not None:
+            self.prefix.stats = PrefixStats()
 
     def pages_in_use(self) -> dict[str, int]:
         return {spec.name: a.pool.num_used_pages for a, spec in zip(self.allocators, self.specs, strict=True)}

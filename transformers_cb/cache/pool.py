@@ -138,6 +138,13 @@ class PagePool:
         self._content[page_id] = (parent, tokens)
         return True
 
+    def clear_cached(self) -> None:
+        """Forget every cached page (they become free); pages in use keep their keys."""
+        while self._cached:
+            page_id, _ = self._cached.popitem(last=False)
+            self._forget(page_id)
+            self._free.append(page_id)
+
     def _forget(self, page_id: int) -> None:
         key = self._key_of.pop(page_id)
         del self._page_of[key]
