@@ -294,7 +294,14 @@ def test_sliding_kernel_matches_reference_random_steps(
 ) -> None:
     seqs, page_size, (num_heads, num_kv_heads, head_dim), seed, attend_name = shape
     step = kernel_step(
-        seqs, page_size, num_heads, num_kv_heads, head_dim, seed=seed, sliding_window=window, kernel=attend_name
+        seqs,
+        page_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        seed=seed,
+        sliding_window=window,
+        kernel=attend_name,
     )
     check_kernel(step, attend_name, 1.5 if softcap else None, _sinks(num_heads, seed) if sinks else None)
 
