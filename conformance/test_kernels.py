@@ -20,7 +20,7 @@ from transformers_cb.attention.native import native_module
 from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
-from transformers_cb.batch import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_TOKENS, group_decodes
+from transformers_cb.batch import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_WORK, group_decodes
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
 # "native": the native CPU kernel for decodes and short chunks, sdpa for the long chunks.
@@ -175,7 +175,8 @@ CASES = {
         (4, 1),
         (31, 1),
     ],
-    # Chunks longer than NATIVE_PREFILL_MAX_TOKENS stay on sdpa / eager after the native run.
+    # Chunks with more than NATIVE_PREFILL_MAX_WORK (query, key) pairs stay on sdpa / eager after the
+    # native run.
     "long_chunks_after_short_ones": [(3, 1), (0, 70), (10, 5), (P, 80), (50, 1), (0, 2)],
 }
 
@@ -307,11 +308,11 @@ def test_sliding_kernel_matches_reference_random_steps(
 
 
 def test_native_run_covers_decodes_and_short_chunks_only() -> None:
-    """The native run is the decodes plus the chunks up to NATIVE_PREFILL_MAX_TOKENS; the long chunks
+    """The native run is the decodes plus the chunks up to NATIVE_PREFILL_MAX_WORK pairs; the long chunks
     after it keep their own groups, and no decode group is built."""
     step = kernel_step(CASES["long_chunks_after_short_ones"], P, 8, 2, 16, kernel=NATIVE)
     metadata = step.metadata
-    assert 5 < NATIVE_PREFILL_MAX_TOKENS < 70
+    assert 5 * 15 < NATIVE_PREFILL_MAX_WORK < 70 * 70
     assert metadata.native_tokens == 1 + 5 + 1 + 2
     assert not metadata.groups[0].decode_groups
     assert [(g.q_start, g.q_end) for g in metadata.groups[0].prefill_groups] == [(9, 79), (79, 159)]

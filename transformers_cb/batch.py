@@ -6,9 +6,9 @@ their real size; then each prefill chunk. `entry_order` maps back to the
 scheduler's entry order. Slots, gathers and masks are built once per KV layer
 group (full attention, sliding window) and shared by that group's layers.
 
-With the native CPU kernel, prefill chunks of at most `NATIVE_PREFILL_MAX_TOKENS` tokens follow
-the decodes, and all of those tokens are one native call per layer; longer chunks come last
-and keep their own SDPA / eager call (a blocked SDPA kernel wins on long chunks).
+With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)
+follow the decodes, and all of those tokens are one native call per layer; longer chunks come
+last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long chunks).
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from .scheduler import ScheduledBatch, ScheduledRequest
 
 # A decode group may do at most this much more attention work than its real KV lengths need.
 DECODE_PADDING_BOUND = 1.25
-# Prefill chunks up to this many tokens join the native kernel's single call (see docs/design.md).
-NATIVE_PREFILL_MAX_TOKENS = 64
+# Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
+# kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
+# chunks (see docs/design.md, "The native CPU kernel").
+NATIVE_PREFILL_MAX_WORK = 64 * 64
 
 
 @dataclass
@@ -120,8 +122,8 @@ class BatchPacker:
         prefills = [e for e in batch.entries if e.num_tokens > 1]
         num_native_rows = 0
         if self.native:
-            short = [e for e in prefills if e.num_tokens <= NATIVE_PREFILL_MAX_TOKENS]
-            prefills = short + [e for e in prefills if e.num_tokens > NATIVE_PREFILL_MAX_TOKENS]
+            short = [e for e in prefills if e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK]
+            prefills = short + [e for e in prefills if e.num_tokens * e.end > NATIVE_PREFILL_MAX_WORK]
             num_native_rows = len(decodes) + len(short)
         ordered = decodes + prefills
         input_ids: list[int] = []
