@@ -82,10 +82,9 @@ def test_one_attention_call_per_layer_whatever_the_number_of_short_requests() ->
     layers = model.config.num_hidden_layers
     for count in (4, 40):
         prompts = random_prompts(count, vocab_size(model), 8, 40, seed=count)
-        steps = []
-        original_run = ModelRunner.run
+        steps: list = []
 
-        def run(self, batch, counts):
+        def run(self, batch, counts, steps=steps, original_run=ModelRunner.run):
             before = dict(counts)
             result = original_run(self, batch)
             steps.append((len(batch.entries), {k: counts[k] - before[k] for k in counts}))
