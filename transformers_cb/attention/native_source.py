@@ -13,6 +13,7 @@ SOURCE = r"""
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -30,6 +31,26 @@ inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// exp(x) for x <= 0 (scores minus their max), Cephes' single-precision polynomial (about 1 ulp):
+// written so that the compiler vectorizes the softmax loop (std::exp is one scalar call per score).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
 struct Step {
   const float* q; int64_t q_stride_t, q_stride_h;
   const float* k; const float* v; int64_t slot_stride, kv_head_stride;
@@ -45,46 +66,63 @@ inline int64_t first_key(const Step& s, int64_t pos) {
   return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
 }
 
+// Calls f(j, slot) for the keys lo..pos in order (j counts from 0), one page run at a time: slots
+// are consecutive within a page, so the page table is read once per page, not once per key.
+template <typename F>
+inline void for_each_key(const Step& s, const int32_t* pages, int64_t lo, int64_t pos, F&& f) {
+  int64_t j = 0;
+  for (int64_t page = lo / s.page_size; page <= pos / s.page_size; ++page) {
+    const int64_t start = std::max(lo, page * s.page_size);
+    const int64_t end = std::min(pos + 1, (page + 1) * s.page_size);
+    int64_t slot = static_cast<int64_t>(pages[page]) * s.page_size + (start - page * s.page_size);
+    for (int64_t p = start; p < end; ++p, ++j, ++slot) f(j, slot);
+  }
+}
+
 // One (token, kv head): the `group` query heads that share this kv head.
 void attend_one(const Step& s, int64_t t, int64_t g, std::vector<float>& scores) {
   const int64_t pos = s.token_pos[t];
   const int64_t lo = first_key(s, pos);
   const int64_t n = pos - lo + 1;
-  const int64_t D = s.head_dim;
-  scores.resize(static_cast<size_t>(s.group * n));
+  const int64_t D = s.head_dim, G = s.group;
+  scores.resize(static_cast<size_t>(G * n));
+  float* sc = scores.data();
   const int32_t* pages = s.block_table + s.token_row[t] * s.table_stride;
-  const float* q0 = s.q + t * s.q_stride_t + g * s.group * s.q_stride_h;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t p = lo + j;
-    const int64_t slot = static_cast<int64_t>(pages[p / s.page_size]) * s.page_size + p % s.page_size;
+  const float* q0 = s.q + t * s.q_stride_t + g * G * s.q_stride_h;
+  for_each_key(s, pages, lo, pos, [&](int64_t j, int64_t slot) {
     const float* key = s.k + slot * s.slot_stride + g * s.kv_head_stride;
-    for (int64_t h = 0; h < s.group; ++h) {
-      float x = dot(q0 + h * s.q_stride_h, key, D) * s.scale;
-      if (s.softcap > 0.f) x = s.softcap * std::tanh(x / s.softcap);
-      scores[h * n + j] = x;
+    for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * s.q_stride_h, key, D);
+  });
+  for (int64_t h = 0; h < G; ++h) {
+    float* row = sc + h * n;
+    const float scale = s.scale;
+    if (s.softcap > 0.f) {
+      for (int64_t j = 0; j < n; ++j) row[j] = s.softcap * std::tanh(row[j] * scale / s.softcap);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
     }
-  }
-  for (int64_t h = 0; h < s.group; ++h) {
-    float* row = scores.data() + h * n;
-    const float sink = s.sinks ? s.sinks[g * s.group + h] : -std::numeric_limits<float>::infinity();
-    float m = sink;
+    const bool sink = s.sinks != nullptr;
+    const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
+    float m = sink ? sink_logit : row[0];
+#pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
-    float total = s.sinks ? std::exp(sink - m) : 0.f;
+    float total = sink ? exp_nonpositive(sink_logit - m) : 0.f;
+#pragma omp simd reduction(+ : total)
     for (int64_t j = 0; j < n; ++j) {
-      row[j] = std::exp(row[j] - m);
+      row[j] = exp_nonpositive(row[j] - m);
       total += row[j];
     }
     const float inv = 1.f / total;
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) row[j] *= inv;
   }
-  float* o0 = s.out + (t * s.heads + g * s.group) * D;
-  std::fill(o0, o0 + s.group * D, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t p = lo + j;
-    const int64_t slot = static_cast<int64_t>(pages[p / s.page_size]) * s.page_size + p % s.page_size;
+  float* o0 = s.out + (t * s.heads + g * G) * D;
+  std::fill(o0, o0 + G * D, 0.f);
+  for_each_key(s, pages, lo, pos, [&](int64_t j, int64_t slot) {
     const float* value = s.v + slot * s.slot_stride + g * s.kv_head_stride;
-    for (int64_t h = 0; h < s.group; ++h) axpy(o0 + h * D, scores[h * n + j], value, D);
-  }
+    for (int64_t h = 0; h < G; ++h) axpy(o0 + h * D, sc[h * n + j], value, D);
+  });
 }
 
 }  // namespace
