@@ -254,11 +254,12 @@ def test_gpu_feature_manager_methods_exist_on_cpu_only_manager() -> None:
 
 def test_deprecated_config_fields_warn_and_map() -> None:
     with pytest.warns(FutureWarning, match="max_cached_graphs"):
-        assert ContinuousBatchingConfig(max_cached_graphs=4).max_cached_graphs is None
+        # Deprecated in transformers; here it still bounds the CUDA graph cache.
+        assert ContinuousBatchingConfig(max_cached_graphs=4).graph_cache_size == 4
     with pytest.warns(FutureWarning, match="use_default_compile_configs"):
         assert ContinuousBatchingConfig(use_default_compile_configs=False).default_compile_level == 0
-    with pytest.warns(FutureWarning), pytest.raises(NotImplementedError, match="torch.compile"):
-        ContinuousBatchingConfig(use_default_compile_configs=True)
+    with pytest.warns(FutureWarning, match="use_default_compile_configs"):
+        assert ContinuousBatchingConfig(use_default_compile_configs=True).default_compile_level == 3
     config = ContinuousBatchingConfig(drop_unsupported_processors=False, disable_nccl_graph_mixing=False)
     assert config.drop_unsupported_processors is False and config.disable_nccl_graph_mixing is False
 

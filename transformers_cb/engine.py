@@ -31,6 +31,7 @@ from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
 from .scheduler import Scheduler, make_policy
+from .step_options import resolve_step_options
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -107,21 +108,6 @@ class Engine:
         check_generation_config(self.generation_config)
         check_model_supported(model.config)
         self.kv_groups = kv_groups_from_config(model.config)
-        has_sliding = any(spec.sliding_window is not None for spec in self.kv_groups)
-        if has_sliding and self.cb_config.max_blocks_per_request:
-            logger.warning(
-                "max_blocks_per_request=%d forced to 0: the model has sliding-window layers, whose pages are "
-                "recycled, so the per-request block-table fast path does not apply",
-                self.cb_config.max_blocks_per_request,
-            )
-            self.cb_config.max_blocks_per_request = 0
-        if self.cb_config.max_blocks_per_request:
-            logger.warning(
-                "max_blocks_per_request=%d: the decode fast path needs flash_attn_with_kvcache "
-                "(paged flash attention on CUDA), which this release does not provide; every step uses "
-                "the varlen path",
-                self.cb_config.max_blocks_per_request,
-            )
         # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
         self.shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
         self.tp = TensorParallelCoordinator.for_model(model, self.cb_config.cpu_group_timeout)
@@ -131,6 +117,16 @@ class Engine:
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
         if self.tp is not None:
             self.sizing = self.tp.agree_sizing(self.sizing)
+        has_sliding = any(spec.sliding_window is not None for spec in self.kv_groups)
+        self.step_options = resolve_step_options(
+            model,
+            self.cb_config,
+            self.generation_config,
+            self.device.type,
+            has_sliding,
+            self.sizing.page_size,
+            workload,
+        )
         group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
@@ -141,6 +137,7 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             groups=self.kv_groups,
+            scratch_page=any(self.step_options.cuda_graphs),
         )
         allocator = CacheAllocator(
             [
@@ -171,10 +168,15 @@ class Engine:
             user_processors=list(logits_processor or ()),
         )
         sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device)
-        self.runner = ModelRunner(model, self.packer, sampler)
+        self.runner = ModelRunner(model, self.packer, sampler, self.step_options)
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
+
+    @property
+    def attn_implementation(self) -> str:
+        """The paged backend this engine runs (switched on the model only for the run)."""
+        return self.step_options.attn_implementation
 
     # -- requests ------------------------------------------------------------
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int | None:

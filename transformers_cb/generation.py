@@ -139,7 +139,7 @@ def generate_batch(
         )
         for i, ids in enumerate(inputs)
     ]
-    with paged_attention(self), torch.inference_mode():
+    with paged_attention(self, engine.attn_implementation), torch.inference_mode():
         if warmup and not engine.warmed_up:
             engine.warmup()
         for request in requests:
