@@ -34,7 +34,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_compile_config(value: Any) -> bool:
-    return isinstance(value, CompileConfig) or isinstance(value, dict)
+    return isinstance(value, (CompileConfig, dict))
 
 
 def _is_number(value: Any) -> bool:

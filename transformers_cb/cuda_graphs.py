@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .async_batching import BufferTurns
 from .attention.metadata import AttentionMetadata, DecodeFastPath, GroupMetadata
 from .attention.paged import METADATA_KWARG
-from .async_batching import BufferTurns
 from .compile_plan import DECODE, VARLEN
 
 if TYPE_CHECKING:

@@ -16,8 +16,8 @@ from transformers import PreTrainedModel
 from .attention.fast_path import prepare_flash_step
 from .attention.paged import METADATA_KWARG
 from .batch import BatchPacker, PackedStep
-from .cuda_graphs import make_graph_steps
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .cuda_graphs import make_graph_steps
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
