@@ -127,6 +127,7 @@ class Engine:
             self.sizing.page_size,
             workload,
         )
+        self.cb_config.max_blocks_per_request = self.step_options.max_blocks_per_request
         group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,

@@ -64,6 +64,7 @@ def prepare_flash_step(metadata: AttentionMetadata, max_blocks_per_request: int)
     """Add what the flash kernels read beyond the shared metadata: `cu_seqlens_k`, and the decode fast
     path when every query is a decode and each request's pages fit `max_blocks_per_request` columns."""
     lengths = metadata.seq_lens_k
+    metadata.decode_fast_path = None
     metadata.cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     if max_blocks_per_request <= 0 or metadata.max_seqlen_q != 1 or len(metadata.groups) != 1:
         return
