@@ -86,7 +86,7 @@ def compile_forward(forward: Callable, config: CompileConfig) -> Callable:
         fullgraph=config.fullgraph,
         dynamic=config.dynamic,
         backend=config.backend,
-        mode=config.mode,
+        mode=None if config.options else config.mode,  # torch.compile takes one of the two
         options=config.options,
     )
 
@@ -102,6 +102,11 @@ class PathForwards:
     @property
     def plan(self) -> CompilePlan:
         return self._plan
+
+    @property
+    def compiled_paths(self) -> list[str]:
+        """The paths whose compiled forward has run (compiled on first use)."""
+        return list(self._compiled)
 
     def __call__(self, path: str) -> Callable:
         config = self._plan.for_path(path)
