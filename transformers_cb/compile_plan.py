@@ -23,6 +23,7 @@ the compiled code is everything around it (embeddings, norms, rotary, MLP, heads
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,11 +92,32 @@ def compile_forward(forward: Callable, config: CompileConfig) -> Callable:
     )
 
 
+# Compiled forwards per model and config, shared by every engine built on the model: each
+# `generate_batch` call builds an engine, and a new `torch.compile` wrapper would compile again.
+_compiled_by_model: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Callable]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _config_key(config: CompileConfig) -> tuple:
+    return (config.fullgraph, config.dynamic, config.backend, config.mode, repr(config.options))
+
+
+def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> Callable:
+    """`model.forward` compiled with `config`, built once per model and config."""
+    cache = _compiled_by_model.setdefault(model, {})
+    key = _config_key(config)
+    if key not in cache:
+        cache[key] = compile_forward(model.forward, config)
+    return cache[key]
+
+
 class PathForwards:
     """The model's forward for each path: compiled lazily on the path's first step (or plain)."""
 
-    def __init__(self, forward: Callable, plan: CompilePlan) -> None:
-        self._forward = forward
+    def __init__(self, model: torch.nn.Module, plan: CompilePlan) -> None:
+        self._model = model
+        self._forward = model.forward
         self._plan = plan
         self._compiled: dict[str, Callable] = {}
 
@@ -113,5 +135,5 @@ class PathForwards:
         if config is None:
             return self._forward
         if path not in self._compiled:
-            self._compiled[path] = compile_forward(self._forward, config)
+            self._compiled[path] = compiled_forward(self._model, config)
         return self._compiled[path]

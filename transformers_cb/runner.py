@@ -40,7 +40,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = packer.device
         self.options = options
-        self.forwards = PathForwards(model.forward, options.compile_plan if options else CompilePlan())
+        self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
         self.graphs = make_graph_steps(model, packer, options, self.forwards)
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
