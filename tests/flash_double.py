@@ -33,8 +33,15 @@ from transformers_cb.attention.reference import reference_paged_attention
 CALLS: list[tuple[str, dict]] = []  # (module.function, the arguments that matter to the glue)
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
+def _capturing() -> bool:
+    """Inside a CUDA graph capture: no host syncs (checks, the reference kernel's loop) are allowed."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check(condition, message: str) -> None:
+    if _capturing():
+        return
+    if not (condition() if callable(condition) else condition):
         raise RuntimeError(message)  # flash-attn raises RuntimeError from TORCH_CHECK
 
 
@@ -51,15 +58,49 @@ def _window(window_size: tuple[int, int], causal: bool) -> int | None:
     return None if left < 0 else left + 1  # keys (p - (left + 1), p]: left + 1 tokens including p
 
 
+def _dense_paged_attention(q, key_cache, value_cache, cu_seqlens_q, seqlens_k, table, page_size, scale,
+                           window, softcap):  # fmt: skip
+    """The same attention with static shapes and no host sync (what a CUDA graph can capture): every
+    token reads its row's whole block table and masks. Tokens past `cu_seqlens_q[-1]` get zeros."""
+    num_tokens, num_rows = q.shape[0], seqlens_k.shape[0]
+    tokens = torch.arange(num_tokens, device=q.device)
+    rows = torch.searchsorted(cu_seqlens_q[1:].long(), tokens, right=True)
+    valid = rows < num_rows
+    rows = rows.clamp(max=num_rows - 1)
+    lengths = seqlens_k.long()[rows]
+    q_pos = lengths - (cu_seqlens_q.long()[rows + 1] - tokens)  # [T]
+    positions = torch.arange(table.shape[1] * page_size, device=q.device)  # [L]
+    slots = table.long()[rows][:, positions // page_size] * page_size + positions % page_size  # [T, L]
+    group = q.shape[1] // key_cache.shape[1]
+    k = key_cache[slots].float().repeat_interleave(group, dim=2)  # [T, L, H, D]
+    v = value_cache[slots].float().repeat_interleave(group, dim=2)
+    scores = torch.einsum("thd,tlhd->thl", q.float(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    allowed = (positions[None, :] <= q_pos[:, None]) & (positions[None, :] < lengths[:, None])
+    if window is not None:
+        allowed &= positions[None, :] > q_pos[:, None] - window
+    allowed &= valid[:, None]
+    probs = scores.masked_fill(~allowed[:, None, :], float("-inf")).softmax(-1).nan_to_num(0.0)
+    return torch.einsum("thl,tlhd->thd", probs, v).to(q.dtype)
+
+
 def _paged_attention(q, k_pages, v_pages, cu_seqlens_q, seqlens_k, table, scale, window, softcap, sinks):
     num_pages, page_size = k_pages.shape[:2]
     _check(q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, "head_size must be a multiple of 8, at most 256")
     widths = (seqlens_k.long() + page_size - 1) // page_size
-    _check(bool((widths <= table.shape[1]).all()), "block_table narrower than the KV length")
-    _check(bool((table < num_pages).all()) and bool((table >= 0).all()), "block_table holds an unknown page")
+    _check(lambda: bool((widths <= table.shape[1]).all()), "block_table narrower than the KV length")
+    _check(
+        lambda: bool((table < num_pages).all() and (table >= 0).all()), "block_table holds an unknown page"
+    )
     key_cache = k_pages.reshape(num_pages * page_size, *k_pages.shape[2:])
     value_cache = v_pages.reshape(num_pages * page_size, *v_pages.shape[2:])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if _capturing():
+        _check(sinks is None, "the capturable double implements no sinks")
+        return _dense_paged_attention(
+            q, key_cache, value_cache, cu_seqlens_q, seqlens_k, table, page_size, scale, window, softcap
+        )
     return reference_paged_attention(
         q,
         key_cache,
@@ -77,6 +118,8 @@ def _paged_attention(q, k_pages, v_pages, cu_seqlens_q, seqlens_k, table, scale,
 
 def _varlen_output(q: torch.Tensor, cu_seqlens_q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Rows past `cu_seqlens_q[-1]` belong to no sequence: zeros here (uninitialised on the GPU)."""
+    if _capturing():
+        return out  # the dense kernel already zeroed them
     full = torch.zeros_like(q)
     total = int(cu_seqlens_q[-1])
     full[:total] = out[:total]
@@ -112,7 +155,7 @@ def fa2_flash_attn_varlen_func(
     _check(k.shape[1] % 256 == 0, "Paged KV cache block size must be divisible by 256")
     seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     _check(
-        int(seqlens_k.max()) if seqlens_k.numel() else max_seqlen_k >= 0,
+        lambda: seqlens_k.numel() == 0 or int(seqlens_k.max()) <= max_seqlen_k,
         "max_seqlen_k below a sequence's KV length",
     )
     window = _window(window_size, causal)
@@ -134,16 +177,16 @@ def _with_kvcache(
     packed = cu_seqlens_q is not None
     if not packed:  # q: [B, Sq, H, D]
         _check(q.shape[1] == 1 or k is None, "the test double appends one token per sequence")
-        cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32) * q.shape[1]
+        cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device) * q.shape[1]
         q = q.reshape(-1, *q.shape[2:])
-    seqlens_k = cache_seqlens.clone()
+    seqlens_k = cache_seqlens
     if k is not None:  # write the new token in place, at position cache_seqlens[i] of row i's pages
         page_size = k_cache.shape[1]
-        for i in range(k.shape[0]):
-            position = int(cache_seqlens[i])
-            page = int(table[i, position // page_size])
-            k_cache[page, position % page_size] = k[i, 0]
-            v_cache[page, position % page_size] = v[i, 0]
+        position = cache_seqlens.long()
+        rows = torch.arange(k.shape[0], device=k.device)
+        slots = table.long()[rows, position // page_size] * page_size + position % page_size
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[:, 0])
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[:, 0])
         seqlens_k = seqlens_k + 1
     CALLS.append(
         (f"{module}.flash_attn_with_kvcache", {"window": window, "softcap": softcap, "fused": k is not None})

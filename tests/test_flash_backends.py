@@ -312,3 +312,22 @@ def test_auto_switch_runs_flash_for_the_run_only() -> None:
     assert model.config._attn_implementation == "sdpa"  # restored after the run
     _parity(model, prompts, outputs)
     assert calls and all(name.startswith("flash_attn_interface.") for name in _names(calls))
+
+
+def test_capturable_dense_form_of_the_double_matches_the_reference() -> None:
+    """The double's no-host-sync form (used inside CUDA graph capture) equals its reference form,
+    padded tokens included (zeros), with a window and softcap."""
+    torch.manual_seed(0)
+    page, heads, kv_heads, dim = 4, 4, 2, 16
+    k_pages, v_pages = torch.randn(10, page, kv_heads, dim), torch.randn(10, page, kv_heads, dim)
+    cu_seqlens_q = torch.tensor([0, 1, 6, 6, 6], dtype=torch.int32)  # 2 rows of padding, 2 padded tokens
+    seqlens_k = torch.tensor([9, 7, 0, 0], dtype=torch.int32)
+    table = torch.tensor([[3, 1, 7, 0], [2, 5, 0, 0], [9, 9, 9, 9], [9, 9, 9, 9]], dtype=torch.int32)
+    q = torch.randn(8, heads, dim)
+    args = (q, k_pages.reshape(40, kv_heads, dim), v_pages.reshape(40, kv_heads, dim))
+    dense = flash_double._dense_paged_attention(*args, cu_seqlens_q, seqlens_k, table, page, 0.3, 5, 2.0)
+    reference = flash_double._paged_attention(
+        q, k_pages, v_pages, cu_seqlens_q, seqlens_k, table, 0.3, 5, 2.0, None
+    )
+    torch.testing.assert_close(dense[:6], reference[:6])
+    assert dense[6:].abs().max() == 0
