@@ -68,7 +68,7 @@ def test_lru_cache_drops_the_least_recently_used() -> None:
     assert cache.put("a", 1) == [] and cache.put("b", 2) == []
     assert cache.get("a") == 1  # refreshes a
     assert cache.put("c", 3) == [2]  # b was the least recently used
-    assert cache.keys() == ["a", "c"] and cache.get("b") is None
+    assert cache.ordered_keys() == ["a", "c"] and cache.get("b") is None
     with pytest.raises(ValueError, match="capacity"):
         LRUCache(0)
 
@@ -101,7 +101,7 @@ def test_graph_steps_match_generate_and_stay_within_max_cached_graphs(graphs_on_
         assert request.generated_ids == greedy_reference(model, prompt, 10)
     graphs = engine.runner.graphs
     assert graphs is not None and 1 <= len(graphs.graphs) <= 2
-    paths = {key.path for key in graphs.graphs.keys()}
+    paths = {key.path for key in graphs.graphs.ordered_keys()}
     assert DECODE in paths  # the decode fast path ran through its own bucket
     assert graphs.capture == CUDA and (graphs.captures > 0) == CUDA
 
@@ -198,5 +198,5 @@ def test_capture_and_replay_on_cuda(graphs_on_cpu, async_batching: bool) -> None
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.generated_ids == greedy_reference(model, prompt, 10)
     graphs = engine.runner.graphs
-    assert graphs.captures > 0 and sum(e.replays for e in graphs.graphs._entries.values()) > graphs.captures
-    assert {key.buffer for key in graphs.graphs.keys()} == ({0, 1} if async_batching else {0})
+    assert graphs.captures > 0 and sum(e.replays for e in graphs.graphs.values()) > graphs.captures
+    assert {key.buffer for key in graphs.graphs.ordered_keys()} == ({0, 1} if async_batching else {0})

@@ -66,8 +66,12 @@ class LRUCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keys(self) -> list:
+    def ordered_keys(self) -> list:
+        """Least recently used first."""
         return list(self._entries)
+
+    def values(self) -> list:
+        return list(self._entries.values())
 
     def get(self, key: Any) -> Any | None:
         if key not in self._entries:
