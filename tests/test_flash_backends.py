@@ -331,3 +331,11 @@ def test_capturable_dense_form_of_the_double_matches_the_reference() -> None:
     )
     torch.testing.assert_close(dense[:6], reference[:6])
     assert dense[6:].abs().max() == 0
+
+
+def test_a_model_with_sinks_is_refused_at_start_by_a_kernel_without_them() -> None:
+    model = build_tiny_model("gpt_oss")
+    with flash_double.injected(fa2=True):
+        model.set_attn_implementation(FA2)
+        with pytest.raises(ValueError, match="attention sinks"):
+            Engine(model, GREEDY, _config())

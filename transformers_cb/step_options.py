@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .attention.fast_path import resolve_max_blocks_per_request
@@ -50,6 +51,18 @@ def _check_page_size(kernel: FlashKernel, page_size: int) -> None:
         )
 
 
+def _check_sinks(kernel: FlashKernel, model: PreTrainedModel) -> None:
+    """Attention sinks (an `s_aux` / `sinks` parameter of the attention modules, GPT-OSS and kin) need a
+    kernel that takes them; refuse at start rather than fail every step."""
+    takes_sinks = kernel.sinks_arg(kernel.varlen_args) or kernel.sinks_arg(kernel.kvcache_args)
+    has_sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    if has_sinks and not takes_sinks:
+        raise ValueError(
+            f"attn_implementation={kernel.name!r}: this model's attention layers apply attention sinks "
+            "(s_aux), which this flash kernel does not take; use 'paged|eager' or 'paged|sdpa'"
+        )
+
+
 def _resolve_graphs(config: ContinuousBatchingConfig, kernel: FlashKernel | None) -> tuple[bool, bool]:
     graphs = config.cuda_graph_paths
     if any(graphs) and kernel is None:
@@ -79,6 +92,7 @@ def resolve_step_options(
     kernel = load_flash_kernel(name) if is_flash_backend(name) else None
     if kernel is not None:
         _check_page_size(kernel, page_size)
+        _check_sinks(kernel, model)
     graphs = _resolve_graphs(config, kernel)
     return StepOptions(
         attn_implementation=name,
