@@ -413,3 +413,12 @@ def test_cli_python_api_takes_transformers_config(model, prompts) -> None:
     )
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.generated_tokens == greedy_reference(model, prompt, 5)
+
+
+def test_max_cached_graphs_from_transformers_config_bounds_our_graph_cache() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers warns about the deprecated field itself
+        theirs = HFConfig(max_cached_graphs=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # not warned a second time by ours
+        assert as_cb_config(theirs).graph_cache_size == 3
