@@ -69,7 +69,7 @@ def test_compiled_run_on_cpu_matches_generate() -> None:
     config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
     engine = Engine(model, generation_config, config)
     requests = [engine.build_request(p, f"r{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model, engine.attn_implementation), torch.inference_mode():
+    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
         for request in requests:
             engine.add(request)
         while engine.has_work():

@@ -47,7 +47,7 @@ def graphs_on_cpu(monkeypatch):
 
 def _run(engine: Engine, model, prompts) -> list:
     requests = [engine.build_request(p, f"r{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model, engine.attn_implementation), torch.inference_mode():
+    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
         for request in requests:
             engine.add(request)
         while engine.has_work():

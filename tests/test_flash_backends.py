@@ -79,7 +79,7 @@ def test_flash_names_select_the_backend_through_transformers(tmp_path) -> None:
         model.set_attn_implementation(FA3)
         assert model.config._attn_implementation == FA3
         engine = Engine(model, GREEDY, _config())
-        assert engine.attn_implementation == FA3
+        assert engine.step_options.attn_implementation == FA3
 
 
 def test_flash_backend_refuses_a_page_size_flash_attn_2_cannot_read() -> None:
@@ -287,7 +287,7 @@ def test_auto_switch_order(loaded, fa2, fa3, auto, expected, caplog) -> None:
         model.set_attn_implementation("paged|sdpa")
     with flash_double.injected(fa2=fa2, fa3=fa3), caplog.at_level(logging.INFO, logger="transformers_cb"):
         engine = Engine(model, GREEDY, _config(auto_switch_to_flash=auto))
-    assert engine.attn_implementation == expected
+    assert engine.step_options.attn_implementation == expected
     if expected == FA2:
         assert "flash-attn 3 is not installed" in caplog.text
         assert any(

@@ -15,21 +15,22 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
-from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator, num_pages_for
+from .cache.allocator import make_allocator, num_pages_for
 from .cache.cache_allocator import CacheAllocator
-from .cache.layer_groups import KVGroupSpec, kv_groups_from_config
+from .cache.layer_groups import kv_groups_from_config
 from .cache.paged_cache import PagedKVCache
-from .cache.pool import PagePool
 from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from .config import ContinuousBatchingConfig, resolve_device_options
 from .distributed import TensorParallelCoordinator
 from .distributed.coordinator import Kind
 from .distributed.sharding import shard_shape, tp_size_of
+from .generation_fields import resolve_generation_config
 from .model_support import check_model_supported
 from .request_sampling import SamplingSetup
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
+from .sampling_params import derive_seed
 from .scheduler import Scheduler, make_policy
 from .step_options import resolve_step_options
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
@@ -54,32 +55,6 @@ class EngineCounters:
     decode_tokens: int = 0
     generated_tokens: int = 0
     failed_steps: int = 0
-
-
-def resolve_generation_config(
-    model: PreTrainedModel, generation_config: GenerationConfig | None
-) -> GenerationConfig:
-    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`)."""
-    model_config = getattr(model, "generation_config", None) or GenerationConfig()
-    # NOTE: like `generate()`, no config means an empty one, so transformers' defaults (max_length=20,
-    # top_k=50, ...) apply after the model's values.
-    resolved = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
-    has_default_max_length = resolved.max_length is None and model_config.max_length is None
-    resolved.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    if defaults is not None:
-        resolved.update(**defaults(), defaults_only=True)
-    if has_default_max_length and resolved.max_new_tokens is None and resolved.max_length is not None:
-        # `generate()` reads transformers' default max_length as that many *new* tokens.
-        resolved.max_new_tokens = resolved.max_length
-    return resolved
-
-
-def make_allocator(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> FullAttentionAllocator:
-    """The page policy of one KV layer group."""
-    if spec.sliding_window is None:
-        return FullAttentionAllocator(pool, page_size, group)
-    return SlidingWindowAllocator(pool, page_size, spec.sliding_window, group)
 
 
 class Engine:
@@ -146,6 +121,7 @@ class Engine:
                 for g, (spec, pool) in enumerate(zip(self.kv_groups, self.cache.pools, strict=True))
             ],
             self.kv_groups,
+            sharing=self.cb_config.allow_block_sharing,
         )
         self.scheduler = Scheduler(
             allocator,
@@ -174,11 +150,6 @@ class Engine:
         self.warmed_up = False
         self._auto_ids = itertools.count()
 
-    @property
-    def attn_implementation(self) -> str:
-        """The paged backend this engine runs (switched on the model only for the run)."""
-        return self.step_options.attn_implementation
-
     # -- requests ------------------------------------------------------------
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int | None:
         config = self.generation_config
@@ -204,11 +175,14 @@ class Engine:
         label: str | None = None,
         record_timestamps: bool = False,
         sampling_kwargs: dict[str, Any] | None = None,
+        num_return_sequences: int | None = None,
     ) -> Request:
         """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input.
 
         `sampling_kwargs`: per-request parameters (`temperature`, `top_k`, `seed`, `stop_strings`,
-        `top_logprobs`, ...; see sampling_params.py), None values meaning "not given"."""
+        `top_logprobs`, ...; see sampling_params.py), None values meaning "not given".
+        `num_return_sequences` (default: the generation config's): with n > 1 the request carries
+        n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all."""
         label = label or f"request {request_id!r}"
         prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
         if max_new_tokens is None:
@@ -238,7 +212,46 @@ class Engine:
         reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
         if reason is not None:
             raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
+        for i in range(self._num_return_sequences(num_return_sequences, label) - 1):
+            request.siblings.append(self._sibling(request, i, sampling_kwargs, label))
+        request.fork_children = list(request.siblings)
         return request
+
+    def _num_return_sequences(self, value: int | None, label: str) -> int:
+        if value is None:
+            value = self.generation_config.num_return_sequences
+        if value is None:
+            return 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label}: num_return_sequences must be an int >= 1, got {value!r}")
+        return value
+
+    def _sibling(
+        self, parent: Request, index: int, sampling_kwargs: dict[str, Any] | None, label: str
+    ) -> Request:
+        """Sibling `index` of `parent`: the same submission under its own id and random stream."""
+        request_id = f"{parent.request_id}__child#{index}"
+        kwargs = dict(sampling_kwargs or {})
+        if kwargs.get("seed") is not None:  # reproducible, and not the parent's draws again
+            kwargs["seed"] = derive_seed(kwargs["seed"], request_id)
+        child = Request(
+            request_id=request_id,
+            prompt_ids=list(parent.prompt_ids),
+            max_new_tokens=parent.max_new_tokens,
+            eos_token_ids=parent.eos_token_ids,
+            streaming=parent.streaming,
+            record_timestamps=parent.record_timestamps,
+            fork_parent=parent,
+        )
+        self.sampling.attach(child, kwargs, label)
+        return child
+
+    def admission_order(self, requests: list[Request]) -> list[Request]:
+        """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
+        sharing a prefix run back to back and the later ones hit the pages of the first."""
+        if self.scheduler.allocator.prefix is None:
+            return list(requests)
+        return sorted(requests, key=lambda request: request.prompt_ids)
 
     @property
     def is_follower(self) -> bool:
@@ -246,8 +259,10 @@ class Engine:
         return self.tp is not None and not self.tp.is_driver
 
     def add(self, request: Request) -> None:
+        """Queue `request` (its fork siblings with it)."""
         if self.is_follower:
-            self.tp.add(request)
+            for member in request.family:
+                self.tp.add(member)
         else:
             self.scheduler.add(request)
 
@@ -299,6 +314,7 @@ class Engine:
         finally:
             self.runner.sampler = sampler
             self.counters = EngineCounters()
+            self.scheduler.allocator.clear_prefix_cache()
         self.warmed_up = True
         return True
 

@@ -126,7 +126,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
         if self.is_running():
             logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
             return
-        with paged_attention(self.model, engine.attn_implementation), torch.inference_mode():
+        with paged_attention(self.model, engine.step_options.attn_implementation), torch.inference_mode():
             engine.warmup()
 
     def stop(
@@ -296,6 +296,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
             engine = self.engine
             running = len(engine.scheduler.running) if engine else 0
             waiting = len(engine.scheduler.waiting) if engine else 0
+            prefix = engine.scheduler.allocator.prefix if engine else None
             return ManagerStats(
                 queued=len(self._incoming) + waiting,
                 running=running,
@@ -308,7 +309,10 @@ class ContinuousBatchingManager(ManagerSubmissions):
                 pages_in_use_by_group=engine.scheduler.allocator.pages_in_use() if engine else {},
                 prefill_tokens=engine.counters.prefill_tokens if engine else 0,
                 decode_tokens=engine.counters.decode_tokens if engine else 0,
-                prefix_cache_hit_rate=0.0,
+                prefix_cache_hit_rate=prefix.stats.hit_rate if prefix else 0.0,
+                prefix_cache_hit_tokens=prefix.stats.hit_tokens if prefix else 0,
+                prefix_cache_pages=engine.scheduler.allocator.num_cached_pages if engine else 0,
+                prefix_cache_evictions=engine.scheduler.allocator.num_evictions if engine else 0,
                 tokens_per_second=self._throughput.rate(),
                 delivered_tokens=self._throughput.total,
             )
