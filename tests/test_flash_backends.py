@@ -297,11 +297,11 @@ def test_auto_switch_order(loaded, fa2, fa3, auto, expected, caplog) -> None:
 
 def test_auto_switch_needs_a_flash_device_and_a_flash_model() -> None:
     with flash_double.injected(fa2=True, fa3=True, cpu=False):
-        assert Engine(tiny_llama(), GREEDY, _config()).attn_implementation == "paged|sdpa"
+        assert Engine(tiny_llama(), GREEDY, _config()).step_options.attn_implementation == "paged|sdpa"
     model = tiny_llama()
     with flash_double.injected(fa2=True, fa3=True):
         model._supports_flash_attn = False
-        assert Engine(model, GREEDY, _config()).attn_implementation == "paged|sdpa"
+        assert Engine(model, GREEDY, _config()).step_options.attn_implementation == "paged|sdpa"
 
 
 def test_auto_switch_runs_flash_for_the_run_only() -> None:
