@@ -636,6 +636,17 @@ class OursSampledEngine(OursEngine):
         )
 
 
+class OursCompiledEngine(OursEngine):
+    """`OursEngine` with `default_compile_level=1` (torch.compile, mode "default", dynamic shapes; on CPU
+    inductor's C++ backend). The warmup pays the compilation; the timed runs reuse the compiled forwards."""
+
+    name = "ours-compiled"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, default_compile_level=1), settings, ignored
+
+
 @contextlib.contextmanager
 def _capture_ours_counters():
     """Record the token counters of every `transformers_cb` engine created inside the block.

@@ -22,7 +22,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ENGINE_NAMES = ("static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "limit")
+ENGINE_NAMES = (
+    "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled", "limit"
+)  # fmt: skip
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
 
 
@@ -49,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engines",
         type=_csv,
-        default=list(ENGINE_NAMES),
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, limit (limit is always added: ratios need it; see --no-limit)",
+        default=[name for name in ENGINE_NAMES if name != "ours-compiled"],  # compile: opt in
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursTransformersConfigEngine(settings_fn)
         if name == "ours-sampled":
             return common.OursSampledEngine(settings_fn)
+        if name == "ours-compiled":
+            return common.OursCompiledEngine(settings_fn)
         return common.LimitEngine(repeats=args.limit_repeats)
 
     def log(msg: str) -> None:

@@ -14,8 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conformance.common import TOLERANCES, KernelStep, assert_close, build_kernel_step
+from tests import flash_double
 from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.fast_path import prepare_flash_step
+from transformers_cb.attention.flash_kernels import FA3, is_flash_backend
 from transformers_cb.attention.native import native_module
 from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
@@ -36,6 +39,12 @@ def kernel_step(*args, kernel: str = "sdpa", **kwargs) -> KernelStep:
     return build_kernel_step(*args, native=kernel == NATIVE, **kwargs)
 
 
+# The registered backends run here: the pure-torch ones, and the flash glue through the CPU double of
+# flash-attn 3 (tests/flash_double.py; flash-attn 2's paged API needs 256-token pages, which the
+# model-level tests in tests/test_flash_backends.py use). The hub names share this glue.
+BACKENDS = ["paged|eager", "paged|sdpa", FA3]
+
+
 class _Layer(torch.nn.Module):
     layer_idx = 0
 
@@ -51,6 +60,14 @@ def run_kernel(
         return paged_attention(
             step.query, step.key, step.value, 0, step.metadata, step.scale, attend, softcap, sinks
         )
+    if is_flash_backend(kernel):
+        with flash_double.injected(fa2=False, fa3=True):
+            prepare_flash_step(step.metadata, 0)  # what the runner adds for flash backends
+            return _call_backend(step, kernel, softcap, sinks)
+    return _call_backend(step, kernel, softcap, sinks)
+
+
+def _call_backend(step: KernelStep, kernel: str, softcap: float | None, sinks: torch.Tensor | None):
     out, _ = PAGED_BACKENDS[kernel](
         _Layer(),
         step.query,
@@ -192,7 +209,7 @@ def test_kernel_matches_reference(case: str, heads: tuple[int, int, int], attend
     check_kernel(step, attend_name)
 
 
-@pytest.mark.parametrize("backend", sorted(PAGED_BACKENDS))
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "case", ["decode_kv_multiple_of_page", "chunk_starts_mid_page", "mixed_decode_groups_and_chunks"]
 )
@@ -260,7 +277,7 @@ def _sinks(num_heads: int, seed: int) -> torch.Tensor:
     return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-@pytest.mark.parametrize("kernel", [*KERNELS, *sorted(PAGED_BACKENDS)])
+@pytest.mark.parametrize("kernel", [*KERNELS, *BACKENDS])
 @pytest.mark.parametrize("variant", ["window", "window+softcap", "window+sinks", "softcap", "sinks"])
 @pytest.mark.parametrize("case", sorted(SLIDING_CASES))
 def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: str) -> None:
@@ -279,6 +296,10 @@ def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: s
     )
     softcap = 0.7 if "softcap" in variant else None  # small: tanh saturates, so a skipped cap shows
     sinks = _sinks(8, seed=1) if "sinks" in variant else None
+    if sinks is not None and is_flash_backend(kernel):
+        with pytest.raises(NotImplementedError, match="takes no attention sinks"):
+            run_kernel(step, kernel, softcap, sinks)  # flash-attn 3 has no sinks: refused, never ignored
+        return
     check_kernel(step, kernel, softcap, sinks)
 
 

@@ -9,14 +9,14 @@ import warnings
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import CompileConfig, GenerationConfig
 
 from tests.helpers import TINY_SHAPE, random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb import generation as generation_module
 from transformers_cb.cache import sizing
 from transformers_cb.cache.sizing import ModelShape, resolve_sizing
-from transformers_cb.engine import resolve_generation_config
+from transformers_cb.generation_fields import resolve_generation_config
 
 CPU = torch.device("cpu")
 GiB = 2**30
@@ -176,10 +176,6 @@ def test_page_size_alone_does_not_warn() -> None:
     [
         ("cpu_offload_space", 1.0, "CPU offload"),
         ("cpu_offload_space", None, "CPU offload"),
-        ("default_compile_level", 1, "torch.compile"),
-        ("default_compile_level", 3, "torch.compile"),
-        ("varlen_compile_config", {"mode": "default"}, "torch.compile"),
-        ("decode_compile_config", {"mode": "default"}, "torch.compile"),
     ],
 )
 def test_unbuilt_features_raise_not_implemented(field: str, value: object, feature: str) -> None:
@@ -206,6 +202,9 @@ def test_unbuilt_features_raise_not_implemented(field: str, value: object, featu
         ("cpu_offload_space", 0.0),
         ("cpu_offload_space", 0),
         ("default_compile_level", 0),
+        ("default_compile_level", 1),
+        ("default_compile_level", 3),
+        ("max_blocks_per_request", 1),
         ("per_request_processors", False),
         ("per_request_processors", True),
         ("use_async_batching", False),
@@ -218,6 +217,17 @@ def test_unbuilt_features_raise_not_implemented(field: str, value: object, featu
 def test_off_values_are_accepted(field: str, value: object) -> None:
     config = ContinuousBatchingConfig(**{field: value})
     assert getattr(config, field) == value
+
+
+@pytest.mark.parametrize("field", ["varlen_compile_config", "decode_compile_config"])
+def test_compile_configs_accept_dicts_and_compile_configs(field: str) -> None:
+    from_dict = ContinuousBatchingConfig(**{field: {"mode": "default", "dynamic": True}})
+    assert isinstance(getattr(from_dict, field), CompileConfig)
+    assert getattr(from_dict, field).dynamic is True
+    given = CompileConfig(mode="max-autotune-no-cudagraphs")
+    assert getattr(ContinuousBatchingConfig(**{field: given}), field) is given
+    with pytest.raises(ValueError, match=f"ContinuousBatchingConfig.{field}="):
+        ContinuousBatchingConfig(**{field: "default"})
 
 
 def test_boundary_values_are_accepted() -> None:

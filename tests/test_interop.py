@@ -254,11 +254,12 @@ def test_gpu_feature_manager_methods_exist_on_cpu_only_manager() -> None:
 
 def test_deprecated_config_fields_warn_and_map() -> None:
     with pytest.warns(FutureWarning, match="max_cached_graphs"):
-        assert ContinuousBatchingConfig(max_cached_graphs=4).max_cached_graphs is None
+        # Deprecated in transformers; here it still bounds the CUDA graph cache.
+        assert ContinuousBatchingConfig(max_cached_graphs=4).graph_cache_size == 4
     with pytest.warns(FutureWarning, match="use_default_compile_configs"):
         assert ContinuousBatchingConfig(use_default_compile_configs=False).default_compile_level == 0
-    with pytest.warns(FutureWarning), pytest.raises(NotImplementedError, match="torch.compile"):
-        ContinuousBatchingConfig(use_default_compile_configs=True)
+    with pytest.warns(FutureWarning, match="use_default_compile_configs"):
+        assert ContinuousBatchingConfig(use_default_compile_configs=True).default_compile_level == 3
     config = ContinuousBatchingConfig(drop_unsupported_processors=False, disable_nccl_graph_mixing=False)
     assert config.drop_unsupported_processors is False and config.disable_nccl_graph_mixing is False
 
@@ -413,3 +414,12 @@ def test_cli_python_api_takes_transformers_config(model, prompts) -> None:
     )
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.generated_tokens == greedy_reference(model, prompt, 5)
+
+
+def test_max_cached_graphs_from_transformers_config_bounds_our_graph_cache() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers warns about the deprecated field itself
+        theirs = HFConfig(max_cached_graphs=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # not warned a second time by ours
+        assert as_cb_config(theirs).graph_cache_size == 3

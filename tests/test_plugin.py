@@ -12,6 +12,7 @@ from transformers.models.llama import modeling_llama
 import transformers_cb
 from tests.helpers import TINY_MODELS, greedy_reference, random_prompts, tiny_llama
 from transformers_cb import plugin
+from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_paged_attention_forward
 from transformers_cb.attention.sdpa import sdpa_paged_attention_forward
 from transformers_cb.generation import generate_batch
@@ -108,12 +109,19 @@ def test_import_installs_model_methods() -> None:
 
 
 def test_paged_backends_are_registered() -> None:
-    assert ALL_ATTENTION_FUNCTIONS.get_interface("paged|sdpa", None) is sdpa_paged_attention_forward
-    assert ALL_ATTENTION_FUNCTIONS.get_interface("paged|eager", None) is eager_paged_attention_forward
-    assert AttentionInterface._global_mapping["paged|sdpa"] is sdpa_paged_attention_forward
+    # Registered behind torch.compiler.disable (paged attention is a graph break under compile).
+    sdpa, eager = PAGED_BACKENDS["paged|sdpa"], PAGED_BACKENDS["paged|eager"]
+    assert sdpa.__wrapped__ is sdpa_paged_attention_forward
+    assert eager.__wrapped__ is eager_paged_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("paged|sdpa", None) is sdpa
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("paged|eager", None) is eager
+    assert AttentionInterface._global_mapping["paged|sdpa"] is sdpa
     masks = AttentionMaskInterface._global_mapping
     assert masks["paged|sdpa"] is masks["sdpa"]
     assert masks["paged|eager"] is masks["eager"]
+    for name in ("paged|flash_attention_2", "paged|flash_attention_3", "paged|kernels-community/flash-attn2"):
+        assert ALL_ATTENTION_FUNCTIONS.get_interface(name, None) is PAGED_BACKENDS[name]
+        assert masks[name] is masks["sdpa"]  # outside continuous batching they run SDPA
     # Other names are untouched.
     assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", None) is AttentionInterface._global_mapping["sdpa"]
 
@@ -247,7 +255,7 @@ def test_uninstall_restores_transformers(reinstall, saved_dir) -> None:
     assert AttentionInterface.get_interface is original_get_interface
     mapping = AttentionInterface._global_mapping
     assert "paged|sdpa" not in mapping
-    assert mapping["paged|eager"] is not eager_paged_attention_forward
+    assert mapping["paged|eager"] is not PAGED_BACKENDS["paged|eager"]
     assert mapping["paged|eager"].__module__.startswith("transformers.")
     assert not any(key.startswith("paged|") for key in AttentionMaskInterface._global_mapping)
     uninstalled = registry_snapshot()
@@ -258,8 +266,8 @@ def test_uninstall_restores_transformers(reinstall, saved_dir) -> None:
     transformers_cb.install()
     assert transformers_cb.is_installed()
     assert PreTrainedModel.generate_batch is generate_batch
-    assert ALL_ATTENTION_FUNCTIONS.get_interface("paged|sdpa", None) is sdpa_paged_attention_forward
-    assert AttentionInterface._global_mapping["paged|eager"] is eager_paged_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("paged|sdpa", None) is PAGED_BACKENDS["paged|sdpa"]
+    assert AttentionInterface._global_mapping["paged|eager"] is PAGED_BACKENDS["paged|eager"]
     installed = registry_snapshot()
     num_saved = len(plugin._saved), len(plugin._saved_registry)
     transformers_cb.install()  # idempotent

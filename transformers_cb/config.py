@@ -13,9 +13,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import CompileConfig
+
 logger = logging.getLogger(__name__)
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+# CUDA graphs kept alive when `max_cached_graphs` is not set (least recently used ones are dropped).
+DEFAULT_MAX_CACHED_GRAPHS = 32
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 MIN_PAGE_SIZE = 4
 
@@ -27,6 +31,10 @@ def _check_range(name: str, value: Any, allowed: str, ok: bool) -> None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_compile_config(value: Any) -> bool:
+    return isinstance(value, (CompileConfig, dict))
 
 
 def _is_number(value: Any) -> bool:
@@ -86,11 +94,14 @@ class ContinuousBatchingConfig:
             self.use_default_compile_configs = None
         if self.max_cached_graphs is not None:
             warnings.warn(
-                "ContinuousBatchingConfig.max_cached_graphs is deprecated and has no effect",
+                "ContinuousBatchingConfig.max_cached_graphs is deprecated in transformers (5.13); here it still "
+                "bounds the CUDA graph cache (least recently used graphs are dropped)",
                 FutureWarning,
                 stacklevel=3,
             )
-            self.max_cached_graphs = None
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, CompileConfig(**getattr(self, name)))
         if self.block_size is not None:
             warnings.warn(
                 "ContinuousBatchingConfig.block_size is deprecated, use page_size instead",
@@ -152,6 +163,18 @@ class ContinuousBatchingConfig:
             _check_range(name, value, "an int >= 0 (0 = the preset)", _is_int(value) and value >= 0)
         value = self.default_compile_level
         _check_range("default_compile_level", value, "an int in 0..3", _is_int(value) and 0 <= value <= 3)
+        value = self.max_cached_graphs
+        _check_range(
+            "max_cached_graphs",
+            value,
+            "None (default) or an int >= 1",
+            value is None or (_is_int(value) and value >= 1),
+        )
+        for name in ("varlen_compile_config", "decode_compile_config"):
+            value = getattr(self, name)
+            _check_range(
+                name, value, "None, a dict or a CompileConfig", value is None or _is_compile_config(value)
+            )
         value = self.max_blocks_per_request
         _check_range(
             "max_blocks_per_request",
@@ -202,10 +225,6 @@ class ContinuousBatchingConfig:
     def _check_unbuilt_features(self) -> None:
         unbuilt = {
             "cpu_offload_space (CPU offload of evicted KV pages)": self.cpu_offload_space != 0.0,
-            "default_compile_level (torch.compile)": self.default_compile_level != 0,
-            "varlen_compile_config / decode_compile_config (torch.compile)": (
-                self.varlen_compile_config is not None or self.decode_compile_config is not None
-            ),
         }
         for feature, requested in unbuilt.items():
             if requested:
@@ -216,6 +235,16 @@ class ContinuousBatchingConfig:
         return (
             any(self.use_cuda_graph) if isinstance(self.use_cuda_graph, tuple) else bool(self.use_cuda_graph)
         )
+
+    @property
+    def cuda_graph_paths(self) -> tuple[bool, bool]:
+        """`use_cuda_graph` as a (varlen, decode) pair."""
+        graphs = self.use_cuda_graph
+        return graphs if isinstance(graphs, tuple) else (bool(graphs), bool(graphs))
+
+    @property
+    def graph_cache_size(self) -> int:
+        return self.max_cached_graphs if self.max_cached_graphs is not None else DEFAULT_MAX_CACHED_GRAPHS
 
     @property
     def resolved_safety_margin(self) -> float:
@@ -231,20 +260,25 @@ class ContinuousBatchingConfig:
 def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -> None:
     """Settle the options that only mean something on a GPU, in place on the engine's private copy.
 
-    As in transformers, a CPU run logs a warning and turns them off instead of failing, so code
-    written for a GPU box runs here. On CUDA, asking for them raises: they are not built yet.
+    As in transformers, a non-CUDA run logs a warning and turns CUDA graphs and async batching off
+    instead of failing, so code written for a GPU box runs here. Async batching needs graphs: asked for
+    without them, it is turned off with a warning. Which steps graphs apply to is decided by the engine
+    (graphs/runner.py).
     """
-    requested = {
-        "use_cuda_graph (CUDA graphs)": config.wants_cuda_graphs,
-        "use_async_batching (async batching)": bool(config.use_async_batching),
-    }
-    for feature, wanted in requested.items():
-        if not wanted:
-            continue
-        if device_type == "cuda":
-            raise NotImplementedError(f"ContinuousBatchingConfig.{feature} is not implemented yet")
-        logger.warning(
-            "ContinuousBatchingConfig.%s needs a CUDA device; turned off on %s", feature, device_type
-        )
-    config.use_cuda_graph = False
-    config.use_async_batching = False
+    if device_type != "cuda":
+        requested = {
+            "use_cuda_graph (CUDA graphs)": config.wants_cuda_graphs,
+            "use_async_batching (async batching)": bool(config.use_async_batching),
+        }
+        for feature, wanted in requested.items():
+            if wanted:
+                logger.warning(
+                    "ContinuousBatchingConfig.%s needs a CUDA device; turned off on %s", feature, device_type
+                )
+        config.use_cuda_graph = False
+        config.use_async_batching = False
+        return
+    config.use_cuda_graph = config.cuda_graph_paths  # None (auto) means off: graphs are opt-in
+    if config.use_async_batching and not config.wants_cuda_graphs:
+        logger.warning("ContinuousBatchingConfig.use_async_batching needs use_cuda_graph=True; turned off")
+    config.use_async_batching = bool(config.use_async_batching) and config.wants_cuda_graphs

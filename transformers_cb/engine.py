@@ -15,16 +15,16 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from .batch import BatchPacker
-from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator, num_pages_for
+from .cache.allocator import make_allocator, num_pages_for
 from .cache.cache_allocator import CacheAllocator
-from .cache.layer_groups import KVGroupSpec, kv_groups_from_config
+from .cache.layer_groups import kv_groups_from_config
 from .cache.paged_cache import PagedKVCache
-from .cache.pool import PagePool
 from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from .config import ContinuousBatchingConfig, resolve_device_options
 from .distributed import TensorParallelCoordinator
 from .distributed.coordinator import Kind
 from .distributed.sharding import shard_shape, tp_size_of
+from .generation_fields import resolve_generation_config
 from .model_support import check_model_supported
 from .request_sampling import SamplingSetup
 from .requests import Request, RequestStatus
@@ -32,6 +32,7 @@ from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
 from .sampling_params import derive_seed
 from .scheduler import Scheduler, make_policy
+from .step_options import resolve_step_options
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -54,32 +55,6 @@ class EngineCounters:
     decode_tokens: int = 0
     generated_tokens: int = 0
     failed_steps: int = 0
-
-
-def resolve_generation_config(
-    model: PreTrainedModel, generation_config: GenerationConfig | None
-) -> GenerationConfig:
-    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`)."""
-    model_config = getattr(model, "generation_config", None) or GenerationConfig()
-    # NOTE: like `generate()`, no config means an empty one, so transformers' defaults (max_length=20,
-    # top_k=50, ...) apply after the model's values.
-    resolved = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
-    has_default_max_length = resolved.max_length is None and model_config.max_length is None
-    resolved.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
-    if defaults is not None:
-        resolved.update(**defaults(), defaults_only=True)
-    if has_default_max_length and resolved.max_new_tokens is None and resolved.max_length is not None:
-        # `generate()` reads transformers' default max_length as that many *new* tokens.
-        resolved.max_new_tokens = resolved.max_length
-    return resolved
-
-
-def make_allocator(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> FullAttentionAllocator:
-    """The page policy of one KV layer group."""
-    if spec.sliding_window is None:
-        return FullAttentionAllocator(pool, page_size, group)
-    return SlidingWindowAllocator(pool, page_size, spec.sliding_window, group)
 
 
 class Engine:
@@ -108,21 +83,6 @@ class Engine:
         check_generation_config(self.generation_config)
         check_model_supported(model.config)
         self.kv_groups = kv_groups_from_config(model.config)
-        has_sliding = any(spec.sliding_window is not None for spec in self.kv_groups)
-        if has_sliding and self.cb_config.max_blocks_per_request:
-            logger.warning(
-                "max_blocks_per_request=%d forced to 0: the model has sliding-window layers, whose pages are "
-                "recycled, so the per-request block-table fast path does not apply",
-                self.cb_config.max_blocks_per_request,
-            )
-            self.cb_config.max_blocks_per_request = 0
-        if self.cb_config.max_blocks_per_request:
-            logger.warning(
-                "max_blocks_per_request=%d: the decode fast path needs flash_attn_with_kvcache "
-                "(paged flash attention on CUDA), which this release does not provide; every step uses "
-                "the varlen path",
-                self.cb_config.max_blocks_per_request,
-            )
         # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
         self.shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
         self.tp = TensorParallelCoordinator.for_model(model, self.cb_config.cpu_group_timeout)
@@ -132,6 +92,17 @@ class Engine:
         self.sizing: Sizing = resolve_sizing(self.cb_config, self.shape, self.device, self.dtype, workload)
         if self.tp is not None:
             self.sizing = self.tp.agree_sizing(self.sizing)
+        has_sliding = any(spec.sliding_window is not None for spec in self.kv_groups)
+        self.step_options = resolve_step_options(
+            model,
+            self.cb_config,
+            self.generation_config,
+            self.device.type,
+            has_sliding,
+            self.sizing.page_size,
+            workload,
+        )
+        self.cb_config.max_blocks_per_request = self.step_options.max_blocks_per_request
         group_pages, group_widths = resolve_group_pages(self.sizing, self.kv_groups, self.cb_config, workload)
         self.cache = PagedKVCache(
             num_layers=self.shape.num_layers,
@@ -142,6 +113,7 @@ class Engine:
             dtype=self.dtype,
             device=self.device,
             groups=self.kv_groups,
+            scratch_page=any(self.step_options.cuda_graphs),
         )
         allocator = CacheAllocator(
             [
@@ -173,7 +145,7 @@ class Engine:
             user_processors=list(logits_processor or ()),
         )
         sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device)
-        self.runner = ModelRunner(model, self.packer, sampler)
+        self.runner = ModelRunner(model, self.packer, sampler, self.step_options)
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()

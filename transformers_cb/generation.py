@@ -22,7 +22,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from .attention.selection import paged_attention
 from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineCounters, resolve_generation_config
+from .engine import Engine, EngineCounters
+from .generation_fields import resolve_generation_config
 from .interop import as_cb_config
 from .requests import GenerationOutput, Request
 from .sampling_params import PER_REQUEST_KWARGS
@@ -151,7 +152,7 @@ def generate_batch(
         )
         for i, ids in enumerate(inputs)
     ]
-    with paged_attention(self), torch.inference_mode():
+    with paged_attention(self, engine.step_options.attn_implementation), torch.inference_mode():
         if warmup and not engine.warmed_up:
             engine.warmup()
         for request in engine.admission_order(requests):

@@ -11,9 +11,10 @@ To implement a field: move it from `REFUSED` to `IMPLEMENTED` in the same change
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedModel
 
 # Honoured by the engine (sampling.py, processors.py, stop_strings.py, engine.py, requests.py).
 IMPLEMENTED: frozenset[str] = frozenset(
@@ -165,3 +166,22 @@ def check_generation_config(config: GenerationConfig) -> None:
             f"GenerationConfig.{name}={value!r} {known}; it would be ignored, so it is refused "
             f"(leave it at its default, {transformers_defaults().get(name)!r})"
         )
+
+
+def resolve_generation_config(
+    model: PreTrainedModel, generation_config: GenerationConfig | None
+) -> GenerationConfig:
+    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`)."""
+    model_config = getattr(model, "generation_config", None) or GenerationConfig()
+    # NOTE: like `generate()`, no config means an empty one, so transformers' defaults (max_length=20,
+    # top_k=50, ...) apply after the model's values.
+    resolved = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    has_default_max_length = resolved.max_length is None and model_config.max_length is None
+    resolved.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
+    if defaults is not None:
+        resolved.update(**defaults(), defaults_only=True)
+    if has_default_max_length and resolved.max_new_tokens is None and resolved.max_length is not None:
+        # `generate()` reads transformers' default max_length as that many *new* tokens.
+        resolved.max_new_tokens = resolved.max_length
+    return resolved

@@ -22,8 +22,8 @@ _AUTO_VALUES: dict[str, tuple[Any, ...]] = {
     "kv_padding_interval_size": (0,),
 }
 # Deprecated fields transformers has already folded into their replacement in its __post_init__
-# (block_size -> page_size, use_default_compile_configs -> default_compile_level), or that have no
-# effect (max_cached_graphs): carrying them would warn a second time for nothing.
+# (block_size -> page_size, use_default_compile_configs -> default_compile_level): carrying them would
+# warn a second time for nothing. max_cached_graphs (warned by transformers) is set without a second warning.
 _FOLDED = ("block_size", "use_default_compile_configs", "max_cached_graphs")
 
 _OUR_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
@@ -70,7 +70,11 @@ def from_transformers_config(config: Any) -> ContinuousBatchingConfig:
                 f"(known fields: {sorted(_OUR_FIELDS - set(_FOLDED))})"
             )
         carried[name] = value
-    return ContinuousBatchingConfig(**carried)
+    ours = ContinuousBatchingConfig(**carried)
+    if getattr(config, "max_cached_graphs", None) is not None:
+        ours.max_cached_graphs = config.max_cached_graphs
+        ours.validate()
+    return ours
 
 
 def as_cb_config(

@@ -126,7 +126,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
         if self.is_running():
             logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
             return
-        with paged_attention(self.model), torch.inference_mode():
+        with paged_attention(self.model, engine.step_options.attn_implementation), torch.inference_mode():
             engine.warmup()
 
     def stop(

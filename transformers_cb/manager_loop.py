@@ -70,7 +70,8 @@ class ManagerLoop:
         tp = self.engine.tp if self.engine is not None else None
         try:
             settings.apply()
-            with paged_attention(self.model), torch.inference_mode():
+            target = self.engine.step_options.attn_implementation if self.engine is not None else None
+            with paged_attention(self.model, target), torch.inference_mode():
                 if tp is not None and not tp.is_driver:
                     self._follow(self.engine)
                 else:

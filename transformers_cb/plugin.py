@@ -3,8 +3,9 @@
 `install()` (run by `import transformers_cb`) does exactly this:
 - adds `generate_batch`, `init_continuous_batching`, `continuous_batching_context_manager`
   and `destroy_cached_continuous_batching_manager` to `PreTrainedModel`, replacing the built-in ones;
-- registers `paged|sdpa` and `paged|eager` in transformers' attention registry (and the
-  matching mask builders, so a paged model still runs plain `generate()`);
+- registers `paged|sdpa`, `paged|eager` and the paged flash names (`paged|flash_attention_2`,
+  `paged|flash_attention_3`, `paged|kernels-community/flash-attn*`) in transformers' attention registry
+  (and the matching mask builders, so a paged model still runs plain `generate()`);
 - makes those names survive transformers 5.23, which strips the `paged|` prefix in
   `PreTrainedModel._check_and_adjust_attn_implementation` and `AttentionInterface.get_interface`.
 `uninstall()` restores every patched attribute and registry entry. Both are idempotent.
@@ -21,7 +22,9 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from . import manager_api
-from .attention import PAGED_BACKENDS, PLAIN_COUNTERPART
+from .attention import PAGED_BACKENDS, PLAIN_COUNTERPART, mask_counterpart, register_flash_name
+from .attention.flash_kernels import is_flash_backend
+from .attention.selection import check_flash_backend
 from .generation import generate_batch
 
 _MISSING = object()
@@ -53,6 +56,11 @@ def _register(mapping: dict, key: str, value: Any) -> None:
 
 def _wrap_check_and_adjust(original: Callable) -> Callable:
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if isinstance(attn_implementation, str) and is_flash_backend(attn_implementation):
+            # The kernel must import (else an error naming the extra) and the model must support flash.
+            check_flash_backend(self, attn_implementation)
+            _register_backend(attn_implementation)
+            return attn_implementation
         if attn_implementation in PAGED_BACKENDS:
             # Validate the plain counterpart (raises if the model cannot run it), keep our name.
             is_init_check = kwargs.get("is_init_check", args[0] if args else False)
@@ -87,10 +95,18 @@ def install() -> None:
             _wrap_check_and_adjust(PreTrainedModel._check_and_adjust_attn_implementation),
         )
         _patch(AttentionInterface, "get_interface", _wrap_get_interface(AttentionInterface.get_interface))
-        masks = AttentionMaskInterface._global_mapping
-        for name, function in PAGED_BACKENDS.items():
-            _register(AttentionInterface._global_mapping, name, function)
-            _register(masks, name, masks[PLAIN_COUNTERPART[name]])
+        for name in list(PAGED_BACKENDS):
+            _register_backend(name)
+
+
+def _register_backend(name: str) -> None:
+    """Put one paged backend (and its mask builder) in transformers' registries, once per install."""
+    function = register_flash_name(name) if name not in PAGED_BACKENDS else PAGED_BACKENDS[name]
+    if AttentionInterface._global_mapping.get(name) is function:
+        return
+    masks = AttentionMaskInterface._global_mapping
+    _register(AttentionInterface._global_mapping, name, function)
+    _register(masks, name, masks[mask_counterpart(name)])
 
 
 def uninstall() -> None:

@@ -8,21 +8,40 @@ ask for prompt logprobs, their prompt positions), and samples.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import PreTrainedModel
 
+from .attention.fast_path import prepare_flash_step
 from .attention.paged import METADATA_KWARG
 from .batch import BatchPacker, PackedStep
+from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .cuda_graphs import make_graph_steps
 from .sampling import Sampler
 from .scheduler import ScheduledBatch
 
+if TYPE_CHECKING:
+    from .step_options import StepOptions
+
 
 class ModelRunner:
-    def __init__(self, model: PreTrainedModel, packer: BatchPacker, sampler: Sampler) -> None:
+    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        packer: BatchPacker,
+        sampler: Sampler,
+        options: StepOptions | None = None,
+    ) -> None:
         self.model = model
         self.packer = packer
         self.sampler = sampler
         self.device = packer.device
+        self.options = options
+        self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
+        self.graphs = make_graph_steps(model, packer, options, self.forwards)
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
@@ -64,7 +83,15 @@ class ModelRunner:
         if keep.numel() == 0:
             # A step of prefill chunks only: keep one position so shapes stay valid, discard it.
             keep = torch.zeros(1, dtype=torch.int64, device=self.device)
-        output = self.model(
+        if self.options is not None and self.options.is_flash:
+            prepare_flash_step(step.metadata, self.options.max_blocks_per_request)
+        path = DECODE if step.metadata.max_seqlen_q == 1 else VARLEN
+        if self.graphs is not None and not step.prompt_indices:
+            # Graphs follow transformers' split: the decode graph is the fast path's, the rest is varlen.
+            graph_path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
+            if self.graphs.covers(graph_path):
+                return self.graphs.run(step, graph_path)[:num_sampled], None
+        output = self.forwards(path)(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             attention_mask=self._no_mask,

@@ -63,6 +63,17 @@ class GroupMetadata:
     block_table: torch.Tensor  # [N, max_pages] int32
 
 
+@dataclass(slots=True)
+class DecodeFastPath:
+    """A decode-only step as `flash_attn_with_kvcache` reads it (flash backends on CUDA, full attention).
+
+    Row i's new token goes to position `cache_seqlens[i]`; its pages are `block_table[i]`, a fixed
+    `max_blocks_per_request` columns wide (unused columns repeat a valid page: never read)."""
+
+    block_table: torch.Tensor  # [B, max_blocks_per_request] int32
+    cache_seqlens: torch.Tensor  # [B] int32: KV tokens before this step's token
+
+
 @dataclass
 class AttentionMetadata:
     cache: PagedKVCache
@@ -76,6 +87,9 @@ class AttentionMetadata:
     native_tokens: int = 0
     token_row: torch.Tensor | None = None  # [native_tokens] int64
     token_pos: torch.Tensor | None = None  # [native_tokens] int64
+    # Filled by the runner for flash backends only (see attention/flash.py).
+    cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
+    decode_fast_path: DecodeFastPath | None = None
 
     def group_of(self, layer_idx: int) -> GroupMetadata:
         return self.groups[self.cache.layer_group[layer_idx]]

@@ -1,4 +1,13 @@
-"""Choosing the paged backend for a model, and switching to it only for the run."""
+"""Choosing the paged backend for a model, and switching to it only for the run.
+
+- a paged name (`paged|sdpa`, `paged|eager`, `paged|flash_attention_2`, ...) runs as given;
+- a plain flash name (`flash_attention_2`, `flash_attention_3`, `kernels-community/flash-attn*`) runs
+  its paged flash counterpart;
+- `sdpa` / `eager` / None: with `auto_switch_to_flash` (the default), on a flash device, for a model that
+  supports flash, the first flash kernel that imports: flash-attn 3, then flash-attn 2 (a warning says
+  so, as the documents do); otherwise `paged|sdpa` / `paged|eager`.
+A flash name whose kernel does not import raises `FlashKernelUnavailable` naming what to install.
+"""
 
 from __future__ import annotations
 
@@ -9,22 +18,75 @@ from contextlib import contextmanager
 from transformers import PreTrainedModel
 
 from . import PAGED_BACKENDS
+from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 
 logger = logging.getLogger(__name__)
 
 _PAGED_FOR_PLAIN = {None: "paged|sdpa", "sdpa": "paged|sdpa", "eager": "paged|eager"}
+# Devices the flash kernels run on (flash-attn: CUDA; kernels-community/flash-attn2 also XPU). Tests that
+# inject the CPU test double of flash-attn (tests/flash_double.py) add "cpu" here.
+FLASH_DEVICES = {"cuda", "xpu"}
+AUTO_SWITCH_ORDER = (FA3, FA2)
 
 
-def paged_implementation_for(current: str | None) -> str:
+def check_flash_backend(model: PreTrainedModel, name: str) -> None:
+    """Raise unless `model` can run flash backend `name` (kernel importable, model supports flash)."""
+    load_flash_kernel(name)
+    if not getattr(model, "_supports_flash_attn", False):
+        raise ValueError(
+            f"attn_implementation={name!r}: {type(model).__name__} does not support flash attention; "
+            "load it with 'sdpa' or 'paged|sdpa'"
+        )
+
+
+def _auto_flash(model: PreTrainedModel, device_type: str) -> str | None:
+    if device_type not in FLASH_DEVICES or not getattr(model, "_supports_flash_attn", False):
+        return None
+    for name in AUTO_SWITCH_ORDER:
+        if flash_available(name):
+            return name
+    return None
+
+
+def paged_implementation_for(
+    current: str | None,
+    model: PreTrainedModel | None = None,
+    auto_switch_to_flash: bool = False,
+    device_type: str = "cpu",
+) -> str:
     """The paged backend that runs a model currently set to `current`."""
+    if current is not None and not current.startswith("paged|") and is_flash_backend("paged|" + current):
+        current = "paged|" + current
+    if is_flash_backend(current):
+        if model is not None:
+            check_flash_backend(model, current)
+        if device_type not in FLASH_DEVICES:
+            raise ValueError(
+                f"attn_implementation={current!r} runs flash-attention kernels, which need a CUDA device; "
+                f"the model is on {device_type!r} (load it with 'sdpa' or 'paged|sdpa')"
+            )
+        return current
     if current in PAGED_BACKENDS:
         return current
     if current in _PAGED_FOR_PLAIN:
+        if auto_switch_to_flash and model is not None:
+            flash = _auto_flash(model, device_type)
+            if flash is not None:
+                log = logger.info if flash == AUTO_SWITCH_ORDER[0] else logger.warning
+                log(
+                    "continuous batching switches attn_implementation=%r to %r for the run (flash needs no "
+                    "attention mask)%s; set auto_switch_to_flash=False to keep %r",
+                    current,
+                    flash,
+                    "" if flash == AUTO_SWITCH_ORDER[0] else " because flash-attn 3 is not installed",
+                    current,
+                )
+                return flash
         return _PAGED_FOR_PLAIN[current]
     if current is not None and "flash" in current:
-        raise NotImplementedError(
-            f"attn_implementation={current!r}: the paged flash-attention backend is not implemented yet; "
-            "load the model with 'sdpa' or 'paged|sdpa'"
+        raise ValueError(
+            f"attn_implementation={current!r} has no paged flash counterpart; use 'paged|flash_attention_2', "
+            "'paged|flash_attention_3', 'paged|kernels-community/flash-attn2' or 'paged|sdpa'"
         )
     logger.warning(
         "attn_implementation=%r has no paged counterpart; continuous batching runs 'paged|sdpa'", current
@@ -33,10 +95,12 @@ def paged_implementation_for(current: str | None) -> str:
 
 
 @contextmanager
-def paged_attention(model: PreTrainedModel) -> Iterator[str]:
-    """Switch `model` to its paged backend for the block, then restore what the user chose."""
+def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterator[str]:
+    """Switch `model` to `target` (default: its paged backend, without auto-switching) for the block,
+    then restore what the user chose."""
     current = model.config._attn_implementation
-    target = paged_implementation_for(current)
+    if target is None:
+        target = paged_implementation_for(current, model, device_type=model.device.type)
     if target != current:
         model.set_attn_implementation(target)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ..invariants import check
 from ..requests import PageList, Request
+from .layer_groups import KVGroupSpec
 from .pool import PagePool
 
 
@@ -133,3 +134,10 @@ class SlidingWindowAllocator(FullAttentionAllocator):
             f"{request.request_id}: group {self.group} still holds pages before its window "
             f"({pages.first_page=} < {first_needed})",
         )
+
+
+def make_allocator(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> FullAttentionAllocator:
+    """The page policy of one KV layer group."""
+    if spec.sliding_window is None:
+        return FullAttentionAllocator(pool, page_size, group)
+    return SlidingWindowAllocator(pool, page_size, spec.sliding_window, group)

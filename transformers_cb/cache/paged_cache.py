@@ -22,6 +22,8 @@ class PagedKVCache:
     Args:
         num_pages: pages of each group (an int for all groups, or one per group).
         groups: the KV layer groups; None means one full-attention group of every layer.
+        scratch_page: one extra page per group, outside its pool, that the padded rows of a CUDA graph
+            step write to and nothing reads (`scratch_page_id`).
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device,
         groups: list[KVGroupSpec] | None = None,
+        scratch_page: bool = False,
     ) -> None:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
@@ -43,10 +46,11 @@ class PagedKVCache:
         pages_per_group = num_pages if isinstance(num_pages, list) else [num_pages] * len(self.groups)
         check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
         self.pools = [PagePool(n) for n in pages_per_group]
+        self.has_scratch_page = scratch_page
         # Zero-filled so that padded gathers never read NaN/inf garbage. [num_slots, num_kv_heads, head_dim]
         self.keys = [
             torch.zeros(
-                pages_per_group[self.layer_group[layer]] * page_size,
+                (pages_per_group[self.layer_group[layer]] + int(scratch_page)) * page_size,
                 num_kv_heads,
                 head_dim,
                 dtype=dtype,
@@ -60,6 +64,11 @@ class PagedKVCache:
     def pool(self) -> PagePool:
         """The first group's pool (the only one on a full-attention model)."""
         return self.pools[0]
+
+    def scratch_page_id(self, group: int) -> int:
+        """The page past group `group`'s pool (needs `scratch_page=True`)."""
+        check(self.has_scratch_page, "the cache was built without a scratch page")
+        return self.pools[group].num_pages
 
     @property
     def num_pages(self) -> int:
