@@ -201,7 +201,6 @@ class ContinuousBatchingConfig:
 
     def _check_unbuilt_features(self) -> None:
         unbuilt = {
-            "cpu_offload_space (CPU offload of evicted KV pages)": self.cpu_offload_space != 0.0,
             "default_compile_level (torch.compile)": self.default_compile_level != 0,
             "varlen_compile_config / decode_compile_config (torch.compile)": (
                 self.varlen_compile_config is not None or self.decode_compile_config is not None

@@ -18,6 +18,7 @@ from .batch import BatchPacker
 from .cache.allocator import FullAttentionAllocator, SlidingWindowAllocator, num_pages_for
 from .cache.cache_allocator import CacheAllocator
 from .cache.layer_groups import KVGroupSpec, kv_groups_from_config
+from .cache.offload import make_offload
 from .cache.paged_cache import PagedKVCache
 from .cache.pool import PagePool
 from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
@@ -149,12 +150,17 @@ class Engine:
             ],
             self.kv_groups,
         )
+        # CPU offload: a host tier that preempted requests swap out to (None when off).
+        self.offload = make_offload(
+            self.cb_config, self.cache, allocator.allocators, workload, self.tp is not None
+        )
         self.scheduler = Scheduler(
             allocator,
             max_batch_tokens=self.sizing.max_batch_tokens,
             max_requests_per_batch=self.sizing.max_requests_per_batch,
             safety_margin=self.cb_config.resolved_safety_margin,
             policy=make_policy(self.cb_config.scheduler_type),
+            offload=self.offload,
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
         self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
@@ -309,6 +315,8 @@ class Engine:
         if self.tp is not None:
             self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
+        if self.offload is not None:
+            self.offload.run_copies()  # swaps decided by this schedule, before the forward writes the cache
         if not batch.entries:
             return self._published(result)
         self.counters.steps += 1

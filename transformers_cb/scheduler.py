@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .cache.cache_allocator import CacheAllocator
+from .cache.offload import CpuOffload
 from .invariants import check
 from .requests import FINISH_REASONS, Request, RequestStatus
 
@@ -92,6 +93,8 @@ class Scheduler:
         safety_margin: new requests are admitted only while the free fraction of
             pages is at least this (unless nothing runs).
         policy: candidate ordering.
+        offload: the host tier (CPU offload): preempted requests swap out and back instead of
+            recomputing while it has room; None: always recompute.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class Scheduler:
         max_requests_per_batch: int,
         safety_margin: float,
         policy: SchedulingPolicy,
+        offload: CpuOffload | None = None,
     ) -> None:
         self.allocator = allocator
         self.max_batch_tokens = max_batch_tokens
@@ -109,7 +113,9 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.offload = offload
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption, to be computed again
         # Called with each request whose pages were just freed (preemption or finish), e.g. to give
         # its block-table row back: per-request state elsewhere never outlives its pages.
         self.on_pages_freed: list[Callable[[Request], None]] = []
@@ -138,10 +144,17 @@ class Scheduler:
             if request.is_finished or request in batch.preempted:
                 continue
             wanted = min(request.num_remaining_tokens, budget)
+            swapped_in = False
+            if self.offload is not None and self.offload.is_swapped(request):
+                swapped_in = self._swap_in(request, admitting)
+                if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
+                    admitting = False
+                    continue
             num_tokens = self.allocator.num_fitting_tokens(request, wanted)
             if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
                 # FIFO admission: once one waiting request cannot start, later ones wait too.
-                admitting = admitting and num_tokens > 0 and self._admits()
+                # A swapped-in request holds its pages again: it is admitted (at least one token fits).
+                admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
                 if not admitting:
                     if not self.running and num_tokens == 0:
                         self._fail_unfittable(request, batch)
@@ -200,16 +213,33 @@ class Scheduler:
                 return False
         return True
 
+    def _swap_in(self, request: Request, admitting: bool) -> bool:
+        """Take a swapped-out request back from the host tier if it may start now. With nothing running
+        and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
+        if admitting and self._admits() and self.offload.can_swap_in(request):
+            self.offload.swap_in(request)
+            return True
+        if not self.running:
+            self.offload.discard(request)
+            self._drop_kv(request)
+        return False
+
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
-        """Free the pages of `request`; it will recompute prompt + generated tokens later."""
+        """Take the pages of `request` away: swapped out to the host tier when there is one with room,
+        else dropped (it recomputes prompt + generated tokens later)."""
+        if self.offload is None or not self.offload.try_swap_out(request):
+            self._drop_kv(request)
         self._free_pages(request)
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.set_status(RequestStatus.EVICTED)
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+
+    def _drop_kv(self, request: Request) -> None:
+        self.num_recomputed_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
         self.allocator.free(request)
@@ -260,6 +290,8 @@ class Scheduler:
         if request.is_finished:
             return
         self._free_pages(request)
+        if self.offload is not None:
+            self.offload.discard(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
@@ -272,7 +304,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
-        self.allocator.check_integrity(self.live_requests(), self.running)
+        kept = self.offload.device_tables() if self.offload is not None else None
+        self.allocator.check_integrity(self.live_requests(), self.running, kept)
+        if self.offload is not None:
+            self.offload.check_integrity({request.request_id for request in self.waiting})
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
@@ -280,3 +315,8 @@ class Scheduler:
             )
         for request in self.waiting:
             check(not request.holds_pages, f"waiting {request.request_id} holds pages")
+            swapped = self.offload is not None and self.offload.is_swapped(request)
+            check(
+                swapped == (request.num_computed_tokens > 0),
+                f"waiting {request.request_id}: {request.num_computed_tokens=} but swapped out={swapped}",
+            )

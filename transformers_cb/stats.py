@@ -28,6 +28,12 @@ class ManagerStats:
     delivered_tokens: int = 0  # since creation
     # KV layer group name (e.g. "full_attention", "sliding_attention(window=4096)") -> pages in use.
     pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
+    # Preemption: KV tokens dropped (to be computed again), and CPU offload (docs/offload.md): requests
+    # swapped out to the host tier now, pages copied to it and back since creation.
+    recomputed_tokens: int = 0
+    swapped_out: int = 0
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
 
 
 class ThroughputWindow:
