@@ -211,11 +211,13 @@ def test_host_pool_sizing() -> None:
     assert page_bytes == 2 * 2 * (4 * 1 * 2 * 4)  # 2 groups x (K, V) x page_size x heads x head_dim x fp32
     config = ContinuousBatchingConfig(cpu_offload_space=10 * page_bytes / GIB)
     assert resolve_host_pages(config, rig.cache) == 10
+    assert resolve_host_pages(config.copy(cpu_offload_space=30 * page_bytes / GIB), rig.cache) == 16
     assert resolve_host_pages(config, rig.cache, workload=[9, 4]) == 4  # what the work can use: 3 + 1
     assert (
         resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB), rig.cache) == 0
     )
-    assert resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=None), rig.cache) > 10
+    # A CPU device with the workload unknown: at most 4x the device cache (both tiers share the RAM).
+    assert resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=None), rig.cache) == 16
     host = HostKVCache(rig.cache, 3)
     assert [tuple(t.shape) for t in host.tensors] == [(2, 1, 3, 4, 1, 2)] * 2
     assert host.nbytes() == 3 * page_bytes and not host.pinned

@@ -27,6 +27,7 @@ from .pool import PagePool
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
+CPU_HOST_CACHE_FACTOR = 4
 
 
 def host_page_bytes(device_cache: PagedKVCache) -> int:
@@ -62,11 +63,15 @@ def resolve_host_pages(
     """Host pages per KV group: the budget over the bytes of one page in every group.
 
     With the workload known (generate_batch), never more than every request at full length needs at
-    once: more could never be used, so the tier fits the job rather than all RAM.
+    once: more could never be used, so the tier fits the job rather than all RAM. On a CPU device with
+    the workload unknown (a server), where both tiers share the same RAM, at most
+    `CPU_HOST_CACHE_FACTOR` times the device cache (as the device cache itself is capped there).
     """
     num_pages = offload_budget_bytes(config) // host_page_bytes(device_cache)
     if workload:
         num_pages = min(num_pages, sum(num_pages_for(n, device_cache.page_size) for n in workload))
+    elif device_cache.group_tensors[0].device.type == "cpu":
+        num_pages = min(num_pages, CPU_HOST_CACHE_FACTOR * max(pool.num_pages for pool in device_cache.pools))
     if num_pages < 1:
         logger.warning(
             "cpu_offload_space is smaller than one KV page (%d bytes in every layer group): CPU offload is off, "
