@@ -252,3 +252,45 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     offload.run_copies()
     torch.cuda.current_stream(device).synchronize()
     assert bool((cache.group_tensors[0][:, :, request.page_ids] == 5.0).all())
+
+
+def test_make_offload_off_on_and_refused_with_tensor_parallelism() -> None:
+    from transformers_cb.cache.offload import make_offload
+
+    rig = Rig(num_pages=4, host_pages=1)
+    page_bytes = host_page_bytes(rig.cache)
+    assert make_offload(ContinuousBatchingConfig(), rig.cache, rig.allocators) is None  # 0.0: off
+    tiny = ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB)
+    assert make_offload(tiny, rig.cache, rig.allocators) is None  # less than one page: off, with a warning
+    on = ContinuousBatchingConfig(cpu_offload_space=3 * page_bytes / GIB)
+    offload = make_offload(on, rig.cache, rig.allocators)
+    assert offload is not None and offload.host.num_pages == 3
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        make_offload(on, rig.cache, rig.allocators, tensor_parallel=True)
+
+
+def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
+    """`cpu_offload_space=8.0` on a small job takes what the job can use, not 8 GiB."""
+    from unittest import mock
+
+    from tests.helpers import random_prompts, tiny_llama
+    from transformers_cb.engine import Engine
+
+    model = tiny_llama()
+    engines = []
+    original = Engine.step
+
+    def step(self):
+        engines.append(self)
+        return original(self)
+
+    prompts = random_prompts([10, 30], seed=2)
+    with mock.patch.object(Engine, "step", step):
+        model.generate_batch(
+            prompts,
+            max_new_tokens=6,
+            continuous_batching_config=ContinuousBatchingConfig(page_size=4, cpu_offload_space=8.0),
+            progress_bar=False,
+        )
+    offload = engines[-1].offload
+    assert offload is not None and offload.host.num_pages == 4 + 9  # ceil(15 / 4) + ceil(35 / 4)
