@@ -8,6 +8,8 @@ lost, mixed or misplaced a page fails there. Model-level parity lives in conform
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -294,3 +296,40 @@ def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
         )
     offload = engines[-1].offload
     assert offload is not None and offload.host.num_pages == 4 + 9  # ceil(15 / 4) + ceil(35 / 4)
+
+
+def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
+    """Two requests swapped out in one step, in a model with two KV groups: two copies (one per group), each
+    moving both requests' pages of every layer; then both back in one step: two more."""
+    rig = Rig(num_pages=12, host_pages=12, sliding_window=16)
+    requests = [make_request(name, 8, 2) for name in "ABC"]
+    for request in requests:
+        assert rig.scheduler.allocator.allocate(request, 8)
+        request.num_computed_tokens = 8
+    for g, tensor in enumerate(rig.cache.group_tensors):
+        for page in range(12):
+            tensor[:, :, page] = 100 * g + page  # each page holds its own id
+    a, b, c = requests
+    before = [[list(r.pages[g].page_ids) for g in range(2)] for r in (b, c)]
+    calls = []
+    original = torch.Tensor.index_select
+    with mock.patch.object(
+        torch.Tensor, "index_select", lambda t, d, i: calls.append(1) or original(t, d, i)
+    ):
+        for request in (b, c):
+            assert rig.offload.try_swap_out(request)
+            rig.scheduler.allocator.free(request)
+        rig.offload.run_copies()
+        assert len(calls) == 2 and rig.offload.copier.num_copies == 2
+        for pages in before:  # the freed device pages are reused and overwritten
+            for g in range(2):
+                rig.cache.group_tensors[g][:, :, pages[g]] = -1.0
+        for request in (b, c):
+            rig.offload.swap_in(request)
+        rig.offload.run_copies()
+        assert len(calls) == 4 and rig.offload.copier.num_copies == 4
+    for request, old in zip((b, c), before, strict=True):
+        for g in range(2):
+            new = request.pages[g].page_ids
+            expected = torch.tensor([100.0 * g + p for p in old[g]]).view(1, 1, -1, 1, 1, 1)
+            assert bool((rig.cache.group_tensors[g][:, :, new] == expected).all()), (request.request_id, g)
