@@ -271,6 +271,8 @@ class RunResult:
     other_load: float | None = None
     #: Most KV pages in use at once, per KV layer group (ours only; None if not reported).
     peak_pages: dict[str, int] | None = None
+    #: Prompt tokens run through the model (ours: counted; limit: prefix once + suffixes; else None).
+    prefill_tokens: int | None = None
 
 
 def cb_engine_settings(
@@ -536,6 +538,7 @@ class OursEngine(Engine):
         restore_attn_implementation(model)
         reported = _forwarded_from_counters(recorded)
         peak_pages = _peak_pages(recorded)
+        prefill = sum(engine.counters.prefill_tokens for engine in recorded) if recorded else None
         if reported is not None:
             forwarded, exact = reported, True
         else:
@@ -550,7 +553,27 @@ class OursEngine(Engine):
             notes.append(
                 f"per-request max_new_tokens unsupported: ran {len(groups)} generate_batch calls grouped by max_new_tokens"
             )
-        return RunResult(self.name, outputs, wall, forwarded, exact, errors, notes, peak_pages=peak_pages)
+        return RunResult(
+            self.name,
+            outputs,
+            wall,
+            forwarded,
+            exact,
+            errors,
+            notes,
+            peak_pages=peak_pages,
+            prefill_tokens=prefill,
+        )
+
+
+class OursNoSharingEngine(OursEngine):
+    """`OursEngine` with prefix sharing off (`allow_block_sharing=False`): every prompt computed in full."""
+
+    name = "ours-noshare"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, allow_block_sharing=False), settings, ignored
 
 
 class OursTransformersConfigEngine(OursEngine):
@@ -733,6 +756,7 @@ class LimitEngine(Engine):
                     timed_forward(lambda ids=ids: {"input_ids": ids, "use_cache": True, "logits_to_keep": 1})
                     forwarded += len(r.prompt)
 
+            prefill_tokens = forwarded
             # ---- decode
             num_steps = max(r.max_new_tokens for r in requests) - 1
             if num_steps > 0:
@@ -785,6 +809,7 @@ class LimitEngine(Engine):
             forwarded,
             True,
             notes=[f"forward time only, fastest of {self.repeats} per forward; outputs not produced"],
+            prefill_tokens=prefill_tokens,
         )
 
 

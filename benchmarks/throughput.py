@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ENGINE_NAMES = ("static", "builtin", "ours", "ours-hf", "ours-sampled", "limit")
+ENGINE_NAMES = ("static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "limit")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
 
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         type=_csv,
         default=list(ENGINE_NAMES),
-        help="comma list of: static, builtin, ours, ours-hf (ours given transformers' config), ours-sampled, limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.BuiltinEngine(settings_fn)
         if name == "ours":
             return common.OursEngine(settings_fn)
+        if name == "ours-noshare":
+            return common.OursNoSharingEngine(settings_fn)
         if name == "ours-hf":
             return common.OursTransformersConfigEngine(settings_fn)
         if name == "ours-sampled":
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                         "gen_tok_s": gen_tokens / res.wall_s if res.wall_s > 0 else None,
                         "fwd_tokens": res.tokens_forwarded,
                         "fwd_tokens_exact": res.tokens_forwarded_exact,
+                        "prefill_tokens": res.prefill_tokens,
                         "fwd_tokens_str": f"{res.tokens_forwarded}"
                         + ("" if res.tokens_forwarded_exact else " (est)"),
                         "x_limit": res.wall_s / limit_wall if limit_wall else None,
@@ -280,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         ("wall_s", "wall s"),
         ("gen_tok_s", "gen tok/s"),
         ("fwd_tokens_str", "fwd tok"),
+        ("prefill_tokens", "prefill tok"),
         ("x_limit", "x limit"),
         ("speedup_vs_builtin", "vs builtin"),
         ("other_load", "other load"),

@@ -24,12 +24,14 @@ from conformance.common import (
     backends_for,
     build_tiny_model,
     check_parity,
+    count_preemptions,
     greedy_config,
     random_prompts,
     run_batch,
     using_backend,
     vocab_size,
 )
+from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.cache.layer_groups import kv_groups_from_config
 from transformers_cb.cache.sizing import max_pages_held
 from transformers_cb.engine import Engine
@@ -106,3 +108,45 @@ def test_parity_with_offload_on_and_off(_families, family_name: str, page_size: 
             assert engine.offload.host.num_used_pages == 0, context
         else:
             assert engine.offload is None and recomputed > 0, context
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("family_name", ["llama", "gemma3"])  # full attention; hybrid (5 sliding : 1 full)
+def test_offload_with_shared_prefixes_and_forks(_families, family_name: str, page_size: int) -> None:
+    """Prefix sharing (on by default) and forks under the same pressure: requests share their prompts'
+    first pages, so swap-outs leave shared pages resident and copy only their own. Outputs equal
+    `generate()` (every fork of a greedy request equals it), nothing is recomputed, shared pages were
+    kept at least once, and both tiers end empty."""
+    model = build_tiny_model(family_name, seed=0)
+    vocab = vocab_size(model)
+    prefix = random_prompts(1, vocab, 3 * page_size, 3 * page_size, seed=3)[0]
+    prompts = [prefix + suffix for suffix in random_prompts(6, vocab, 1, 12, seed=4)]
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    num_blocks = pressure_num_blocks(model, prompts * 2, page_size)
+    context = f"{family_name} / page_size={page_size}, num_blocks={num_blocks}"
+    backend = backends_for(family_name)[0]
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size, max_batch_tokens=BUDGET, num_blocks=num_blocks, cpu_offload_space=None
+    )
+    with (
+        using_backend(model, family_name, backend),
+        engines_checked() as engines,
+        count_preemptions() as preemptions,
+    ):
+        outputs = model.generate_batch(
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            continuous_batching_config=cb_config,
+            num_return_sequences=2,
+            progress_bar=False,
+        )
+    (engine,) = engines
+    assert preemptions, f"{context}: nothing was preempted"
+    for i, prompt in enumerate(prompts):
+        expected = references.get(prompt)
+        for rid in (f"req_{i}", f"req_{i}__child#0"):
+            assert outputs[rid].generated_tokens == expected, f"{context}: {rid}"
+    offload = engine.offload
+    assert engine.scheduler.num_recomputed_tokens == 0, context
+    assert offload.swap_out_pages > 0 and offload.kept_pages > 0, f"{context}: no shared page was kept"
+    assert offload.host.num_used_pages == 0 and engine.cache.num_used_pages == 0, context

@@ -309,12 +309,10 @@ def test_stopping_length_matches_generate(model, user_config) -> None:
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("num_beams", 2), ("guidance_scale", 1.5), ("penalty_alpha", 0.6), ("num_return_sequences", 2)],
+    [("num_beams", 2), ("guidance_scale", 1.5), ("penalty_alpha", 0.6)],
 )
 def test_unsupported_generation_options_raise(model, option: str, value: object) -> None:
     kwargs = {option: value}
-    if option == "num_return_sequences":
-        kwargs["do_sample"] = True
     generation_config = GenerationConfig(max_new_tokens=2, **kwargs)
     with pytest.raises(ValueError, match=re.escape(f"GenerationConfig.{option}={value!r}")):
         model.generate_batch([[5, 6]], generation_config, progress_bar=False)

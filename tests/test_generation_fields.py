@@ -26,7 +26,6 @@ NON_DEFAULT = {
     "num_beams": 2,
     "num_beam_groups": 2,
     "diversity_penalty": 0.5,
-    "num_return_sequences": 2,
     "penalty_alpha": 0.6,
     "dola_layers": "low",
     "force_words_ids": [[7]],

@@ -1,6 +1,6 @@
 """A hypothesis state machine over one ContinuousBatchingManager per example.
 
-Rules: add (plain / streaming left unclaimed / streaming claimed by a handler), cancel (known or
+Rules: add (plain / streaming left unclaimed / streaming claimed by a handler; one or two forked sequences), cancel (known or
 unknown ids), get_result (any, or a given id), one chunk of a stream through a *new* `request_id_iter`
 per chunk (transformers' own pattern), stop (graceful or hard, blocking or not), start. At teardown the
 manager is drained (started if needed, stopped gracefully, unclaimed streams claimed late, the
@@ -89,22 +89,28 @@ class ManagerMachine(RuleBasedStateMachine):
         max_new=st.integers(1, MAX_NEW),
         mode=st.sampled_from(["plain", "stream", "handler"]),
         named=st.booleans(),
+        forks=st.sampled_from([1, 1, 2]),
     )
-    def add(self, prompt: int, max_new: int, mode: str, named: bool) -> None:
+    def add(self, prompt: int, max_new: int, mode: str, named: bool, forks: int) -> None:
         request_id = f"mine-{len(self.requests)}" if named else None
         rid = self.manager.add_request(
-            PROMPTS[prompt], request_id=request_id, max_new_tokens=max_new, streaming=mode != "plain"
+            PROMPTS[prompt],
+            request_id=request_id,
+            max_new_tokens=max_new,
+            streaming=mode != "plain",
+            num_return_sequences=forks,  # siblings `<rid>__child#<i>` share the prompt's pages
         )
         if not self.accepting:
             assert rid is None, "a stopped manager refuses submissions"
             return
         assert rid is not None and rid not in self.requests
         assert request_id is None or rid == request_id
-        self.requests[rid] = (prompt, max_new, mode)
-        if mode == "handler":
-            outputs: list[GenerationOutput] = []
-            self.handled[rid] = outputs
-            self.manager.register_result_handler(rid, outputs.append)
+        for member in [rid, *(f"{rid}__child#{i}" for i in range(forks - 1))]:
+            self.requests[member] = (prompt, max_new, mode)
+            if mode == "handler":
+                outputs: list[GenerationOutput] = []
+                self.handled[member] = outputs
+                self.manager.register_result_handler(member, outputs.append)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())

@@ -117,6 +117,10 @@ def test_generate_batch_matches_generate_on_every_rank(model_dir, reference, tmp
         out = greedy[f"req_{i}"]
         assert out["error"] is None and out["status"] == 3
         assert out["tokens"] == reference(prompt, MAX_NEW), i
+    forks = records[0]["forks"]
+    assert list(forks) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]
+    for name, prompt in [("req_0", PROMPTS[1]), ("req_1", PROMPTS[1] + [3])]:
+        assert forks[name]["tokens"] == forks[f"{name}__child#0"]["tokens"] == reference(prompt, MAX_NEW)
     # Same dict on every rank, for greedy and for seeded sampling (tokens are sampled on rank 0 only).
     assert records[1] == records[0]
     assert all(len(out["tokens"]) == MAX_NEW for out in records[0]["sampled"].values())

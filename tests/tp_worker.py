@@ -49,6 +49,12 @@ def generate_batch(model) -> dict:
                 PROMPTS, sampled, ContinuousBatchingConfig(page_size=8, seed=7), progress_bar=False
             )
         ),
+        # Prefix hits (PROMPTS[1] twice) and forks, whose page copies every rank runs.
+        "forks": outputs_json(
+            model.generate_batch(
+                [PROMPTS[1], PROMPTS[1] + [3]], greedy, tight, num_return_sequences=2, progress_bar=False
+            )
+        ),
     }
 
 

@@ -31,6 +31,7 @@ from .request_sampling import SamplingSetup
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
+from .sampling_params import derive_seed
 from .scheduler import Scheduler, make_policy
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
@@ -149,6 +150,7 @@ class Engine:
                 for g, (spec, pool) in enumerate(zip(self.kv_groups, self.cache.pools, strict=True))
             ],
             self.kv_groups,
+            sharing=self.cb_config.allow_block_sharing,
         )
         # CPU offload: a host tier that preempted requests swap out to (None when off).
         self.offload = make_offload(
@@ -207,11 +209,14 @@ class Engine:
         label: str | None = None,
         record_timestamps: bool = False,
         sampling_kwargs: dict[str, Any] | None = None,
+        num_return_sequences: int | None = None,
     ) -> Request:
         """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input.
 
         `sampling_kwargs`: per-request parameters (`temperature`, `top_k`, `seed`, `stop_strings`,
-        `top_logprobs`, ...; see sampling_params.py), None values meaning "not given"."""
+        `top_logprobs`, ...; see sampling_params.py), None values meaning "not given".
+        `num_return_sequences` (default: the generation config's): with n > 1 the request carries
+        n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all."""
         label = label or f"request {request_id!r}"
         prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
         if max_new_tokens is None:
@@ -241,7 +246,46 @@ class Engine:
         reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
         if reason is not None:
             raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
+        for i in range(self._num_return_sequences(num_return_sequences, label) - 1):
+            request.siblings.append(self._sibling(request, i, sampling_kwargs, label))
+        request.fork_children = list(request.siblings)
         return request
+
+    def _num_return_sequences(self, value: int | None, label: str) -> int:
+        if value is None:
+            value = self.generation_config.num_return_sequences
+        if value is None:
+            return 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label}: num_return_sequences must be an int >= 1, got {value!r}")
+        return value
+
+    def _sibling(
+        self, parent: Request, index: int, sampling_kwargs: dict[str, Any] | None, label: str
+    ) -> Request:
+        """Sibling `index` of `parent`: the same submission under its own id and random stream."""
+        request_id = f"{parent.request_id}__child#{index}"
+        kwargs = dict(sampling_kwargs or {})
+        if kwargs.get("seed") is not None:  # reproducible, and not the parent's draws again
+            kwargs["seed"] = derive_seed(kwargs["seed"], request_id)
+        child = Request(
+            request_id=request_id,
+            prompt_ids=list(parent.prompt_ids),
+            max_new_tokens=parent.max_new_tokens,
+            eos_token_ids=parent.eos_token_ids,
+            streaming=parent.streaming,
+            record_timestamps=parent.record_timestamps,
+            fork_parent=parent,
+        )
+        self.sampling.attach(child, kwargs, label)
+        return child
+
+    def admission_order(self, requests: list[Request]) -> list[Request]:
+        """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
+        sharing a prefix run back to back and the later ones hit the pages of the first."""
+        if self.scheduler.allocator.prefix is None:
+            return list(requests)
+        return sorted(requests, key=lambda request: request.prompt_ids)
 
     @property
     def is_follower(self) -> bool:
@@ -249,8 +293,10 @@ class Engine:
         return self.tp is not None and not self.tp.is_driver
 
     def add(self, request: Request) -> None:
+        """Queue `request` (its fork siblings with it)."""
         if self.is_follower:
-            self.tp.add(request)
+            for member in request.family:
+                self.tp.add(member)
         else:
             self.scheduler.add(request)
 
@@ -302,6 +348,7 @@ class Engine:
         finally:
             self.runner.sampler = sampler
             self.counters = EngineCounters()
+            self.scheduler.allocator.clear_prefix_cache()
         self.warmed_up = True
         return True
 
@@ -315,8 +362,8 @@ class Engine:
         if self.tp is not None:
             self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
-        if self.offload is not None:
-            self.offload.run_copies()  # swaps decided by this schedule, before the forward writes the cache
+        if self.offload is not None:  # this schedule's swaps (after forks' copies), before the forward
+            batch.copies = self.offload.run_copies(self.cache, batch.copies)
         if not batch.entries:
             return self._published(result)
         self.counters.steps += 1

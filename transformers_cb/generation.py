@@ -97,12 +97,16 @@ def generate_batch(
         eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
         tokenizer (kwarg): needed for stop strings (as `generate()` takes one).
         logits_processor (kwarg): the caller's own processors, applied to each request's own history.
+        num_return_sequences (kwarg): sequences per input (default: the generation config's); the
+            siblings of input i have ids `"req_<i>__child#<j>"` and share its prompt's KV pages.
         temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_strings, top_logprobs,
             prompt_logprobs (kwargs): per-request parameters, one value for all or a list with one per
             input (see docs/sampling.md; the processor ones need `per_request_processors=True`).
 
     Returns:
-        `{request_id: GenerationOutput}` in input order; request ids are `"req_<index>"`.
+        `{request_id: GenerationOutput}` in input order; request ids are `"req_<index>"`, each
+        preceded by its forks' `"req_<index>__child#<j>"` (transformers' order) when
+        `num_return_sequences > 1`.
 
     Raises:
         ValueError: naming the input index, for an empty prompt, an out-of-vocabulary token id,
@@ -112,11 +116,18 @@ def generate_batch(
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     cb_config = take_cb_config(generation_config, continuous_batching_config)
-    unknown = set(kwargs) - {"max_new_tokens", "eos_token_id", *ENGINE_KWARGS, *PER_REQUEST_KWARGS}
+    unknown = set(kwargs) - {
+        "max_new_tokens",
+        "eos_token_id",
+        "num_return_sequences",
+        *ENGINE_KWARGS,
+        *PER_REQUEST_KWARGS,
+    }
     if unknown:
         raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(unknown)}")
     max_new = _per_request(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
     eos_ids = [kwargs.get("eos_token_id")] * len(inputs)
+    forks = _per_request(kwargs.get("num_return_sequences"), len(inputs), "num_return_sequences")
     per_request = {
         name: _per_request(kwargs[name], len(inputs), name, lists_are_values=name == "stop_strings")
         for name in PER_REQUEST_KWARGS
@@ -124,7 +135,7 @@ def generate_batch(
     }
     if not inputs:
         return {}
-    workload = _workload(self, generation_config, inputs, max_new)
+    workload = _workload(self, generation_config, inputs, max_new, forks)
     extras = {name: kwargs.get(name) for name in ENGINE_KWARGS}
     engine = _engine_for(self, generation_config, cb_config, workload, persistent_manager, extras)
     requests = [
@@ -136,16 +147,24 @@ def generate_batch(
             label=f"inputs[{i}]",
             record_timestamps=record_timestamps,
             sampling_kwargs={name: values[i] for name, values in per_request.items()},
+            num_return_sequences=forks[i],
         )
         for i, ids in enumerate(inputs)
     ]
     with paged_attention(self), torch.inference_mode():
         if warmup and not engine.warmed_up:
             engine.warmup()
-        for request in requests:
+        for request in engine.admission_order(requests):
             engine.add(request)
-        _run_to_completion(engine, requests, progress_bar)
-    return {request.request_id: request.to_output() for request in requests}
+        _run_to_completion(
+            engine, [member for request in requests for member in request.family], progress_bar
+        )
+    # As transformers orders forks: each input's siblings (`__child#i`), then the input's own request.
+    return {
+        member.request_id: member.to_output()
+        for request in requests
+        for member in [*request.siblings, request]
+    }
 
 
 def _engine_for(
@@ -184,17 +203,24 @@ def _workload(
     generation_config: GenerationConfig | None,
     inputs: Sequence[Sequence[int]],
     max_new: list[int | None],
+    forks: list[int | None],
 ) -> list[int]:
-    """Rough max KV length of each request, to size the cache; `Engine.build_request` validates."""
+    """Rough max KV length of each request (forks included), to size the cache; `Engine.build_request`
+    validates."""
     resolved = resolve_generation_config(model, generation_config)
     workload = []
-    for ids, limit in zip(inputs, max_new, strict=False):
+    for ids, limit, num_sequences in zip(inputs, max_new, forks, strict=False):
         num_prompt = len(ids) if hasattr(ids, "__len__") else 1
         if limit is None:
             limit = resolved.max_new_tokens
         if limit is None:
             limit = (resolved.max_length or 0) - num_prompt
-        workload.append(num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1))
+        length = num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1)
+        if num_sequences is None:
+            num_sequences = resolved.num_return_sequences or 1
+        workload.extend(
+            [length] * (num_sequences if isinstance(num_sequences, int) and num_sequences > 0 else 1)
+        )
     return workload
 
 

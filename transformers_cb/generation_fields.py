@@ -47,6 +47,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "exponential_decay_length_penalty",
         "renormalize_logits",
         "remove_invalid_values",
+        "num_return_sequences",  # forks: siblings share the prompt's pages (cache/prefix_cache.py)
         "continuous_batching_config",  # deprecated path, taken with a FutureWarning (generation.py)
     }
 )
@@ -89,7 +90,6 @@ REFUSED: frozenset[str] = frozenset(
         "num_beams",
         "num_beam_groups",
         "diversity_penalty",
-        "num_return_sequences",
         "penalty_alpha",
         "dola_layers",
         "force_words_ids",

@@ -297,6 +297,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
             running = len(engine.scheduler.running) if engine else 0
             waiting = len(engine.scheduler.waiting) if engine else 0
             offload = engine.offload if engine else None
+            prefix = engine.scheduler.allocator.prefix if engine else None
             return ManagerStats(
                 queued=len(self._incoming) + waiting,
                 running=running,
@@ -309,7 +310,10 @@ class ContinuousBatchingManager(ManagerSubmissions):
                 pages_in_use_by_group=engine.scheduler.allocator.pages_in_use() if engine else {},
                 prefill_tokens=engine.counters.prefill_tokens if engine else 0,
                 decode_tokens=engine.counters.decode_tokens if engine else 0,
-                prefix_cache_hit_rate=0.0,
+                prefix_cache_hit_rate=prefix.stats.hit_rate if prefix else 0.0,
+                prefix_cache_hit_tokens=prefix.stats.hit_tokens if prefix else 0,
+                prefix_cache_pages=engine.scheduler.allocator.num_cached_pages if engine else 0,
+                prefix_cache_evictions=engine.scheduler.allocator.num_evictions if engine else 0,
                 tokens_per_second=self._throughput.rate(),
                 delivered_tokens=self._throughput.total,
                 recomputed_tokens=engine.scheduler.num_recomputed_tokens if engine else 0,

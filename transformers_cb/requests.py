@@ -142,6 +142,16 @@ class Request:
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    # Prefix sharing (cache/prefix_cache.py): content keys of the full pages so far, and how many
+    # of the pages held are keyed in the pools.
+    page_keys: list[bytes] = field(default_factory=list, repr=False)
+    num_registered_pages: int = 0
+    num_promised_pages: int = 0  # pages up to here are being computed: later requests wait for them
+    # num_return_sequences: all siblings of this request (fixed), and those not forked yet (the
+    # scheduler forks them once this request's prompt is computed).
+    siblings: list[Request] = field(default_factory=list, repr=False)
+    fork_children: list[Request] = field(default_factory=list, repr=False)
+    fork_parent: Request | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)
@@ -152,6 +162,11 @@ class Request:
         while len(self.pages) <= group:
             self.pages.append(PageList())
         return self.pages[group]
+
+    @property
+    def family(self) -> list[Request]:
+        """This request and the siblings it will fork (`num_return_sequences`), parent first."""
+        return [self, *self.siblings]
 
     @property
     def page_ids(self) -> list[int]:

@@ -30,6 +30,8 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[tuple]:
         """Run one step; return (token, logprob[, top logprobs]) for each sampling entry, in
         `batch.entries` order. Prompt logprobs are appended to their requests."""
+        if batch.copies:  # before the forward writes any KV: a copy's source may be rewritten
+            self.packer.cache.copy_pages(batch.copies)
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
         samples = self.sampler.sample(logits, [entry.request for entry in step.sampling_entries])
@@ -47,6 +49,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> None:
         """The forward alone, no sampling (a tensor-parallel follower's step; rank 0 samples)."""
+        if batch.copies:
+            self.packer.cache.copy_pages(batch.copies)
         self._forward(self.packer.pack(batch))
 
     def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from .cache.cache_allocator import CacheAllocator
 from .cache.offload import CpuOffload
+from .cache.prefix_cache import PageCopy
 from .invariants import check
 from .requests import FINISH_REASONS, Request, RequestStatus
 
@@ -42,6 +43,8 @@ class ScheduledBatch:
     entries: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    # Page copies (forks' copy-on-write) to run before this step's forward writes any KV.
+    copies: list[PageCopy] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -116,13 +119,19 @@ class Scheduler:
         self.offload = offload
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # KV tokens dropped by preemption, to be computed again
+        self._pending_copies: list[PageCopy] = []  # from forks, for the next step that runs
         # Called with each request whose pages were just freed (preemption or finish), e.g. to give
         # its block-table row back: per-request state elsewhere never outlives its pages.
         self.on_pages_freed: list[Callable[[Request], None]] = []
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
+        """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
+        or, without prefix sharing, queue as requests of their own."""
         self.waiting.append(request)
+        if self.allocator.prefix is None and request.fork_children:
+            self.waiting.extend(request.fork_children)
+            request.fork_children = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -143,19 +152,29 @@ class Scheduler:
                 break
             if request.is_finished or request in batch.preempted:
                 continue
-            wanted = min(request.num_remaining_tokens, budget)
+            waiting = request.status in (RequestStatus.PENDING, RequestStatus.EVICTED)
             swapped_in = False
-            if self.offload is not None and self.offload.is_swapped(request):
+            if waiting and self.offload is not None and self.offload.is_swapped(request):
                 swapped_in = self._swap_in(request, admitting)
                 if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
                     admitting = False
                     continue
+            # A swapped-in request has its own KV back: no prefix lookup.
+            hit = admitting and waiting and not swapped_in and self._attach_prefix(request)
+            if waiting and admitting and not swapped_in and self._waits_for_pages(request, hit):
+                continue
+            wanted = min(request.num_remaining_tokens, budget)
             num_tokens = self.allocator.num_fitting_tokens(request, wanted)
-            if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
+            if waiting:
                 # FIFO admission: once one waiting request cannot start, later ones wait too.
                 # A swapped-in request holds its pages again: it is admitted (at least one token fits).
                 admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
                 if not admitting:
+                    if hit:  # waiting requests hold no pages: the hit goes back to the cache
+                        self.allocator.prefix.detach(request)
+                        num_tokens = self.allocator.num_fitting_tokens(
+                            request, min(request.num_remaining_tokens, budget)
+                        )
                     if not self.running and num_tokens == 0:
                         self._fail_unfittable(request, batch)
                         admitting = True
@@ -163,6 +182,8 @@ class Scheduler:
                 self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
+                if self.allocator.prefix is not None:
+                    self.allocator.prefix.promise(request)
             elif num_tokens > 0:
                 self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
@@ -178,7 +199,44 @@ class Scheduler:
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
+        if batch.entries and self._pending_copies:
+            batch.copies, self._pending_copies = self._pending_copies, []
         return batch
+
+    def _attach_prefix(self, request: Request) -> bool:
+        """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
+
+        Requests asking for prompt logprobs compute every prompt position, so they take none."""
+        if self.allocator.prefix is None or request.wants_prompt_logprobs:
+            return False
+        return self.allocator.prefix.attach(request) > 0
+
+    def _waits_for_pages(self, request: Request, hit: bool) -> bool:
+        """Leave `request` waiting (holding nothing) while a running request computes the next page
+        of its prefix: it will hit that page in a later step instead of computing it again."""
+        prefix = self.allocator.prefix
+        if prefix is None or request.wants_prompt_logprobs or not prefix.waits_for_pages(request):
+            return False
+        if hit:
+            prefix.detach(request)
+        return True
+
+    def _fork(self, parent: Request) -> None:
+        """Right after `parent` computed its prompt: its siblings share its pages and run from its
+        last prompt token; those that find no page for their copy queue as requests of their own."""
+        children, parent.fork_children = parent.fork_children, []
+        position = self.running.index(parent) + 1
+        unforked = []
+        for child in children:
+            copies = self.allocator.prefix.fork(parent, child)
+            if copies is None:
+                unforked.append(child)
+                continue
+            self._pending_copies.extend(copies)
+            child.set_status(RequestStatus.PREFILLING)
+            self.running.insert(position, child)
+            position += 1
+        self.waiting.extendleft(reversed(unforked))
 
     def _allocate(self, request: Request, num_tokens: int) -> None:
         """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
@@ -230,6 +288,8 @@ class Scheduler:
         if self.offload is None or not self.offload.try_swap_out(request):
             self._drop_kv(request)
         self._free_pages(request)
+        # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
+        request.num_registered_pages = 0
         request.num_preemptions += 1
         request.set_status(RequestStatus.EVICTED)
         self.running.remove(request)
@@ -242,6 +302,8 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
+        if self.allocator.prefix is not None:
+            self.allocator.prefix.withdraw(request)
         self.allocator.free(request)
         for release in self.on_pages_freed:
             release(request)
@@ -269,6 +331,10 @@ class Scheduler:
         for entry in batch.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
+            if self.allocator.prefix is not None:
+                self.allocator.prefix.register(request)  # before a sliding group drops pages
+                if request.fork_children and entry.samples:
+                    self._fork(request)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
             self.allocator.trim(request)
             if not entry.samples:
@@ -289,6 +355,12 @@ class Scheduler:
         whatever is tied to them (`on_pages_freed`), stamps the time, removes it from the queues."""
         if request.is_finished:
             return
+        parent = request.fork_parent
+        if parent is not None and request in parent.fork_children:  # not forked yet
+            parent.fork_children.remove(request)
+        if request.fork_children:  # ended before its prompt was computed: the siblings go on alone
+            self.waiting.extend(request.fork_children)
+            request.fork_children = []
         self._free_pages(request)
         if self.offload is not None:
             self.offload.discard(request)

@@ -20,7 +20,9 @@ class ManagerStats:
     pages_total: int
     prefill_tokens: int
     decode_tokens: int
-    prefix_cache_hit_rate: float
+    prefix_cache_hit_rate: (
+        float  # tokens found cached / tokens to compute, over admissions (0 when sharing is off)
+    )
     # Tokens handed to users: each streamed partial output's new token when it is published, and a
     # non-streaming request's tokens when it FINISHES. Tokens of failed or cancelled requests that no
     # output had delivered do not count (their final output still carries them).
@@ -28,6 +30,9 @@ class ManagerStats:
     delivered_tokens: int = 0  # since creation
     # KV layer group name (e.g. "full_attention", "sliding_attention(window=4096)") -> pages in use.
     pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
+    prefix_cache_hit_tokens: int = 0  # prefill tokens skipped thanks to cached pages, since creation
+    prefix_cache_pages: int = 0  # pages kept only for later hits (evictable), all groups
+    prefix_cache_evictions: int = 0  # cached pages reallocated to other content, since creation
     # Preemption: KV tokens dropped (to be computed again), and CPU offload (docs/offload.md): requests
     # swapped out to the host tier now, pages copied to it and back since creation.
     recomputed_tokens: int = 0

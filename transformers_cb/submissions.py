@@ -30,6 +30,21 @@ class SubmissionOptions:
     eos_token_id: int | list[int] | None = None
     record_timestamps: bool = False
     sampling_kwargs: dict[str, Any] = field(default_factory=dict)
+    num_return_sequences: int | None = None  # None: the generation config's
+
+    @classmethod
+    def of(
+        cls,
+        max_new_tokens: int | None,
+        streaming: bool,
+        eos_token_id: int | list[int] | None,
+        record_timestamps: bool,
+        kwargs: dict[str, Any],
+    ) -> SubmissionOptions:
+        """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones."""
+        kwargs = dict(kwargs)
+        forks = kwargs.pop("num_return_sequences", None)
+        return cls(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, forks)
 
 
 class ManagerSubmissions(ManagerLoop):
@@ -52,7 +67,9 @@ class ManagerSubmissions(ManagerLoop):
         `record_timestamps` gives the outputs `timestamps` (one `time.perf_counter()` per token);
         `logit_processor_kwargs` are per-request sampling parameters and outputs (`temperature`,
         `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, `top_logprobs`,
-        `prompt_logprobs`; docs/sampling.md).
+        `prompt_logprobs`; docs/sampling.md), and `num_return_sequences` (default: the generation
+        config's): n > 1 also gives results for the siblings `f"{request_id}__child#{i}"`,
+        i < n - 1, which share the prompt's KV pages (docs/prefix_sharing.md).
 
         Raises:
             ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
@@ -61,7 +78,7 @@ class ManagerSubmissions(ManagerLoop):
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        options = SubmissionOptions(
+        options = SubmissionOptions.of(
             max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
         )
         ids = self._submit([(input_ids, request_id)], options, indexed=False)
@@ -78,9 +95,13 @@ class ManagerSubmissions(ManagerLoop):
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
         warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
-        `inputs[i]`), none is submitted. Other arguments as in `add_request`."""
+        `inputs[i]`), none is submitted. Other arguments as in `add_request`.
+
+        With prefix sharing on (`allow_block_sharing`), the requests reach the scheduler sorted by
+        prompt, so that prompts sharing a prefix run one after the other and hit the prefix cache;
+        ids are still given in input order."""
         items = [(input_ids, None) for input_ids in inputs]
-        options = SubmissionOptions(
+        options = SubmissionOptions.of(
             max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
         )
         return self._submit(items, options, indexed=True)
@@ -112,9 +133,10 @@ class ManagerSubmissions(ManagerLoop):
                 self._drop_early_handlers(items)
                 raise
             for request in requests:
-                self._live[request.request_id] = request
-                self._router.expect(request.request_id, options.streaming)
-                self._incoming.append(request)
+                for member in request.family:
+                    self._live[member.request_id] = member
+                    self._router.expect(member.request_id, options.streaming)
+            self._incoming.extend(self.engine.admission_order(requests))
             self._lock.notify_all()
         return [request.request_id for request in requests]
 
@@ -145,9 +167,13 @@ class ManagerSubmissions(ManagerLoop):
                     label=label,
                     record_timestamps=options.record_timestamps,
                     sampling_kwargs=options.sampling_kwargs,
+                    num_return_sequences=options.num_return_sequences,
                 )
             )
-            taken.add(request_id)
+            for member in requests[-1].family:
+                if member is not requests[-1] and member.request_id in taken:
+                    raise ValueError(f"request_id {member.request_id!r} (a fork of {request_id!r}) is in use")
+                taken.add(member.request_id)
         return requests
 
     def _drop_early_handlers(self, items: list[tuple[Any, str | None]]) -> None:

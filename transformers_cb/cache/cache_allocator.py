@@ -13,12 +13,16 @@ from ..requests import Request
 from .allocator import FullAttentionAllocator
 from .layer_groups import KVGroupSpec
 from .pool import PagePool
+from .prefix_cache import PrefixCache, PrefixStats
 
 
 class CacheAllocator:
-    """Args: allocators: one per KV group, `allocators[g].group == g`; specs: the matching groups."""
+    """Args: allocators: one per KV group, `allocators[g].group == g`; specs: the matching groups;
+    sharing: prefix sharing and forks (`prefix`, see prefix_cache.py), None when off."""
 
-    def __init__(self, allocators: list[FullAttentionAllocator], specs: list[KVGroupSpec]) -> None:
+    def __init__(
+        self, allocators: list[FullAttentionAllocator], specs: list[KVGroupSpec], sharing: bool = False
+    ) -> None:
         check(
             bool(allocators) and len(allocators) == len(specs),
             f"{len(allocators)} allocators, {len(specs)} groups",
@@ -29,6 +33,7 @@ class CacheAllocator:
         self.page_size = allocators[0].page_size
         # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
         self._trimming = [a for a in allocators if a.sliding_window is not None]
+        self.prefix = PrefixCache(allocators) if sharing else None
 
     @property
     def pools(self) -> list[PagePool]:
@@ -86,6 +91,23 @@ class CacheAllocator:
         ]
         return ", ".join(parts)
 
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages kept only for later prefix hits, all groups."""
+        return sum(pool.num_cached_pages for pool in self.pools)
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached pages reallocated (their keys forgotten), all groups."""
+        return sum(pool.num_evictions for pool in self.pools)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page and reset the hit statistics (e.g. after a warmup)."""
+        for pool in self.pools:
+            pool.clear_cached()
+        if self.prefix is not None:
+            self.prefix.stats = PrefixStats()
+
     def pages_in_use(self) -> dict[str, int]:
         return {spec.name: a.pool.num_used_pages for a, spec in zip(self.allocators, self.specs, strict=True)}
 
@@ -100,3 +122,5 @@ class CacheAllocator:
         for request in running:
             for allocator in self.allocators:
                 allocator.check_request(request)
+        if self.prefix is not None:
+            self.prefix.check_integrity(running)

@@ -30,6 +30,7 @@ from ..requests import PageList, Request
 from .allocator import FullAttentionAllocator, num_pages_for
 from .host_pool import HostKVCache, resolve_host_pages
 from .paged_cache import PagedKVCache
+from .prefix_cache import PageCopy
 from .swap import SwapCopier, SwapPlan
 
 
@@ -67,6 +68,7 @@ class CpuOffload:
         self.plan = SwapPlan(len(allocators))
         self.swap_out_pages = 0  # pages copied to the host tier, since creation
         self.swap_in_pages = 0  # pages copied back
+        self.kept_pages = 0  # shared pages a swap-out left resident (not copied), since creation
         self.num_swap_outs = 0
         self.num_fallbacks = 0  # preemptions that found no room in the host tier (recomputed instead)
 
@@ -105,6 +107,7 @@ class CpuOffload:
                     allocator.pool.share([page_id])
                     page_ids.append(page_id)
                     on_host.append(False)
+                    self.kept_pages += 1
             self.plan.out_src[g].extend(ids)
             self.plan.out_dst[g].extend(host_ids)
             groups.append(SwappedGroup(pages.first_page, page_ids, on_host))
@@ -171,10 +174,17 @@ class CpuOffload:
                 self.plan.out_dst[g] = [d for _, d in pairs]
 
     # -- the engine's part -------------------------------------------------------------------------
-    def run_copies(self) -> None:
-        """Run this step's planned copies (before its forward)."""
+    def run_copies(
+        self, cache: PagedKVCache | None = None, fork_copies: list[PageCopy] | None = None
+    ) -> list:
+        """Run this step's planned copies (before its forward), after the forks' page copies of the step
+        (prefix_cache.py): those read the last forward's KV, which a swap may move or hand to another
+        request. Returns the fork copies left to run (none)."""
+        if fork_copies:
+            cache.copy_pages(fork_copies)
         plan, self.plan = self.plan, SwapPlan(len(self.allocators))
         self.copier.run(plan)
+        return []
 
     def device_tables(self) -> list[list[list[int]]]:
         """Per group, the device pages each swapped-out request still references (for pool integrity)."""

@@ -84,6 +84,22 @@ class PagedKVCache:
         self.keys[layer_idx].index_copy_(0, slot_mapping, key.to(self.keys[layer_idx].dtype))
         self.values[layer_idx].index_copy_(0, slot_mapping, value.to(self.values[layer_idx].dtype))
 
+    def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
+        """Run page copies `(group, source page, destination page)`: one batched copy per layer."""
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for group, source, destination in copies:
+            sources, destinations = by_group.setdefault(group, ([], []))
+            sources.append(source)
+            destinations.append(destination)
+        offsets = torch.arange(self.page_size, device=self.keys[0].device)
+        for group, (sources, destinations) in by_group.items():
+            device = self.keys[0].device
+            src = (torch.tensor(sources, device=device)[:, None] * self.page_size + offsets).reshape(-1)
+            dst = (torch.tensor(destinations, device=device)[:, None] * self.page_size + offsets).reshape(-1)
+            for layer in self.groups[group].layer_indices:
+                self.keys[layer].index_copy_(0, dst, self.keys[layer].index_select(0, src))
+                self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
 

@@ -85,6 +85,7 @@ class StepMessage:
     new: list[RequestSpec] = field(default_factory=list)
     # id, start, n, and per KV layer group (first logical page, page ids)
     entries: list[tuple[str, int, int, list[tuple[int, list[int]]]]] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # forks' page copies, run first
 
 
 class TensorParallelCoordinator:
@@ -133,6 +134,7 @@ class TensorParallelCoordinator:
         """Send this step's decision (with everything that happened since the last message)."""
         message, self._pending = self._pending, StepMessage(Kind.STEP)
         message.released.extend(request.request_id for request in batch.preempted)
+        message.copies = list(batch.copies)
         for entry in batch.entries:
             request = entry.request
             if request.request_id not in self._known:
@@ -202,7 +204,7 @@ class TensorParallelCoordinator:
         released = [self.requests[i] for i in message.released if i in self.requests]
         for request in released:
             request.pages = []
-        batch = ScheduledBatch(entries=entries, preempted=released)
+        batch = ScheduledBatch(entries=entries, preempted=released, copies=message.copies)
         if message.kind == Kind.END:
             self.run_ended = True
         elif message.kind == Kind.STOP:
