@@ -80,7 +80,7 @@ def run_ours(model, workload: common.Workload, cb_kwargs: dict[str, Any]) -> tup
     page_bytes = 0 if offload is None else offload.host.nbytes() // offload.host.num_pages
     counters = {
         "preemptions": engine.scheduler.num_preemptions,
-        "recomputed": engine.scheduler.num_recomputed_tokens,
+        "recomputed": engine.scheduler.recomputed.total,
         "swap_out_pages": 0 if offload is None else offload.swap_out_pages,
         "swap_in_pages": 0 if offload is None else offload.swap_in_pages,
         "swap_mib": 0.0

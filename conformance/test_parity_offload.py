@@ -100,7 +100,7 @@ def test_parity_with_offload_on_and_off(_families, family_name: str, page_size: 
             check_parity(model, prompts, outputs, expected, context)
         (engine,) = engines
         assert preemptions, f"{context}: nothing was preempted; the test does not exercise offload"
-        recomputed = engine.scheduler.num_recomputed_tokens
+        recomputed = engine.scheduler.recomputed.total
         if offload is None:
             assert engine.offload is not None and engine.offload.swap_out_pages > 0, context
             assert recomputed == 0, f"{context}: {recomputed} tokens recomputed with a big enough host tier"
@@ -147,6 +147,6 @@ def test_offload_with_shared_prefixes_and_forks(_families, family_name: str, pag
         for rid in (f"req_{i}", f"req_{i}__child#0"):
             assert outputs[rid].generated_tokens == expected, f"{context}: {rid}"
     offload = engine.offload
-    assert engine.scheduler.num_recomputed_tokens == 0, context
+    assert engine.scheduler.recomputed.total == 0, context
     assert offload.swap_out_pages > 0 and offload.kept_pages > 0, f"{context}: no shared page was kept"
     assert offload.host.num_used_pages == 0 and engine.cache.num_used_pages == 0, context

@@ -72,7 +72,7 @@ def test_trajectory_with_exact_page_ids_and_kv_checks() -> None:
         (["C"], [0, 1], [2, 3], [], []),  # B needs a page: C out again, to host 2, 3
         ([], [], [], [2, 3], [0, 1]),  # B finished: C back
     ]
-    assert rig.scheduler.num_recomputed_tokens == 0
+    assert rig.scheduler.recomputed.total == 0
     assert (rig.offload.swap_out_pages, rig.offload.swap_in_pages) == (4, 4)
     assert rig.offload.copier.num_copies == 4  # one gather/scatter per group and direction per step
     assert [len(r.generated_ids) for r in (a, b, c)] == [4, 8, 8]
@@ -88,10 +88,10 @@ def _outputs(num_pages: int, host_pages: int, **kwargs) -> tuple[Rig, dict[str, 
 
 def test_offload_and_recompute_give_the_same_tokens() -> None:
     recompute, expected = _outputs(num_pages=10, host_pages=0)
-    assert recompute.scheduler.num_recomputed_tokens > 0
+    assert recompute.scheduler.recomputed.total > 0
     offload, outputs = _outputs(num_pages=10, host_pages=64)
     assert outputs == expected
-    assert offload.scheduler.num_preemptions > 0 and offload.scheduler.num_recomputed_tokens == 0
+    assert offload.scheduler.num_preemptions > 0 and offload.scheduler.recomputed.total == 0
     assert offload.offload.swap_out_pages == offload.offload.swap_in_pages > 0
 
 
@@ -100,7 +100,7 @@ def test_host_exhaustion_falls_back_to_recompute() -> None:
     _, expected = _outputs(num_pages=10, host_pages=0)
     rig, outputs = _outputs(num_pages=10, host_pages=3)
     assert outputs == expected
-    assert rig.offload.num_fallbacks > 0 and rig.scheduler.num_recomputed_tokens > 0
+    assert rig.offload.num_fallbacks > 0 and rig.scheduler.recomputed.total > 0
     assert rig.offload.num_swap_outs > 0
     assert rig.host.pools[0].num_free_pages == 3
 
@@ -112,9 +112,10 @@ def test_request_bigger_than_the_host_tier_is_never_swapped() -> None:
     batch = rig.step()
     assert [r.request_id for r in batch.preempted] == ["C"]
     assert rig.offload.num_swapped_out == 0 and rig.offload.num_fallbacks == 1
-    assert c.num_computed_tokens == 0 and rig.scheduler.num_recomputed_tokens == 7
+    assert c.num_computed_tokens == 0 and rig.scheduler.recomputed.pending == {"C": 7}
     assert rig.host.pools[0].num_free_pages == 1
     rig.run()
+    assert rig.scheduler.recomputed.total >= 7 and not rig.scheduler.recomputed.pending
 
 
 def test_sliding_group_swaps_only_the_pages_it_holds() -> None:
@@ -130,7 +131,7 @@ def test_sliding_group_swaps_only_the_pages_it_holds() -> None:
     assert rig.offload.swapped["B"][1].first_page == first
     rig.execute(batch)
     rig.run()
-    assert rig.scheduler.num_recomputed_tokens == 0 and b.generated_ids and len(b.generated_ids) == 3
+    assert rig.scheduler.recomputed.total == 0 and b.generated_ids and len(b.generated_ids) == 3
 
 
 def test_shared_pages_stay_resident_and_come_back() -> None:
@@ -203,7 +204,7 @@ def test_swapped_request_recomputes_when_nothing_runs_and_it_cannot_come_back() 
     # Fill the device with pages held by nobody the scheduler knows (as the prefix cache could).
     held = rig.cache.pool.allocate(5)
     rig.scheduler.schedule()
-    assert not rig.offload.is_swapped(c) and rig.scheduler.num_recomputed_tokens == 7
+    assert not rig.offload.is_swapped(c) and rig.scheduler.recomputed.pending == {"C": 7}
     rig.cache.pool.release(held)
 
 
@@ -333,3 +334,25 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
             new = request.pages[g].page_ids
             expected = torch.tensor([100.0 * g + p for p in old[g]]).view(1, 1, -1, 1, 1, 1)
             assert bool((rig.cache.group_tensors[g][:, :, new] == expected).all()), (request.request_id, g)
+
+
+def test_recomputed_tokens_count_what_runs_again() -> None:
+    """Counted as they run: a request dropped at 10 computed tokens that re-runs [0, 6) then [6, 12) counts
+    10; one dropped again before catching up keeps its older, larger mark; a cancelled one is forgotten."""
+    from transformers_cb.stats import RecomputeCounter
+
+    counter = RecomputeCounter()
+    counter.dropped("a", 10)
+    counter.ran("a", 0, 6)
+    assert (counter.total, counter.pending) == (6, {"a": 10})
+    counter.ran("a", 6, 12)
+    assert (counter.total, counter.pending) == (10, {})
+    counter.dropped("b", 8)
+    counter.ran("b", 4, 6)  # a prefix-cache hit skipped [0, 4)
+    counter.dropped("b", 6)
+    assert counter.pending == {"b": 8}
+    counter.forget("b")
+    counter.ran("b", 0, 8)
+    assert counter.total == 12 and not counter.pending
+    counter.dropped("c", 0)
+    assert not counter.pending

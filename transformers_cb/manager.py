@@ -316,7 +316,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
                 prefix_cache_evictions=engine.scheduler.allocator.num_evictions if engine else 0,
                 tokens_per_second=self._throughput.rate(),
                 delivered_tokens=self._throughput.total,
-                recomputed_tokens=engine.scheduler.num_recomputed_tokens if engine else 0,
+                recomputed_tokens=engine.scheduler.recomputed.total if engine else 0,
                 swapped_out=offload.num_swapped_out if offload else 0,
                 swap_out_pages=offload.swap_out_pages if offload else 0,
                 swap_in_pages=offload.swap_in_pages if offload else 0,

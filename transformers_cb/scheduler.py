@@ -18,6 +18,7 @@ from .cache.offload import CpuOffload
 from .cache.prefix_cache import PageCopy
 from .invariants import check
 from .requests import FINISH_REASONS, Request, RequestStatus
+from .stats import RecomputeCounter
 
 
 @dataclass(slots=True)
@@ -118,7 +119,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.offload = offload
         self.num_preemptions = 0
-        self.num_recomputed_tokens = 0  # KV tokens dropped by preemption, to be computed again
+        self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self._pending_copies: list[PageCopy] = []  # from forks, for the next step that runs
         # Called with each request whose pages were just freed (preemption or finish), e.g. to give
         # its block-table row back: per-request state elsewhere never outlives its pages.
@@ -298,7 +299,7 @@ class Scheduler:
         batch.preempted.append(request)
 
     def _drop_kv(self, request: Request) -> None:
-        self.num_recomputed_tokens += request.num_computed_tokens
+        self.recomputed.dropped(request.request_id, request.num_computed_tokens)
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
@@ -331,6 +332,8 @@ class Scheduler:
         for entry in batch.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
+            if self.recomputed.pending:
+                self.recomputed.ran(request.request_id, entry.start, entry.end)
             if self.allocator.prefix is not None:
                 self.allocator.prefix.register(request)  # before a sliding group drops pages
                 if request.fork_children and entry.samples:
@@ -362,6 +365,7 @@ class Scheduler:
             self.waiting.extend(request.fork_children)
             request.fork_children = []
         self._free_pages(request)
+        self.recomputed.forget(request.request_id)
         if self.offload is not None:
             self.offload.discard(request)
         request.error = error
