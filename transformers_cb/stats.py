@@ -33,8 +33,8 @@ class ManagerStats:
     prefix_cache_hit_tokens: int = 0  # prefill tokens skipped thanks to cached pages, since creation
     prefix_cache_pages: int = 0  # pages kept only for later hits (evictable), all groups
     prefix_cache_evictions: int = 0  # cached pages reallocated to other content, since creation
-    # Preemption: KV tokens dropped (to be computed again), and CPU offload (docs/offload.md): requests
-    # swapped out to the host tier now, pages copied to it and back since creation.
+    # Preemption: tokens run again because their KV was dropped (prefix-cache hits excluded), and CPU
+    # offload (docs/offload.md): requests swapped out to the host tier now, pages copied to it and back.
     recomputed_tokens: int = 0
     swapped_out: int = 0
     swap_out_pages: int = 0
