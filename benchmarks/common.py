@@ -71,6 +71,17 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 2048,
         "sliding_window": 256,
     },
+    # 4 layers, 256 wide (~3.4M parameters): the model of the many-short workload (evaluation / scoring traffic),
+    # where a step holds hundreds of short prompts and the per-request op count decides the speed.
+    "mini": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1024,
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+    },
     # ~56.9M parameters (GQA 8/2, untied 32000-token embeddings): compute-bound on CPU.
     "small": {
         "hidden_size": 512,
@@ -191,7 +202,7 @@ class Workload:
         }
 
 
-WORKLOAD_NAMES = ("mixed", "shared-prefix", "long-decode")
+WORKLOAD_NAMES = ("mixed", "shared-prefix", "long-decode", "many-short", "many-short-8")
 
 
 def _scaled(n: int, scale: float) -> int:
@@ -236,6 +247,14 @@ def make_workload(name: str, vocab_size: int, scale: float = 1.0, seed: int = 0)
         n = _scaled(16, scale)
         requests = [Request(_random_tokens(rng, rng.randint(16, 32), vocab_size), 512) for _ in range(n)]
         return Workload(name, requests, description="prompts uniform in [16, 32], max_new_tokens 512")
+    if name in ("many-short", "many-short-8"):
+        n, new_tokens = _scaled(1000, scale), 8 if name == "many-short-8" else 1
+        requests = [
+            Request(_random_tokens(rng, rng.randint(8, 40), vocab_size), new_tokens) for _ in range(n)
+        ]
+        return Workload(
+            name, requests, description=f"prompts uniform in [8, 40], max_new_tokens {new_tokens}"
+        )
     raise ValueError(f"Unknown workload {name!r}; choose from {WORKLOAD_NAMES}")
 
 
@@ -938,6 +957,22 @@ def other_load(start: CpuSnapshot, end: CpuSnapshot) -> float | None:
         return None
     others = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
     return max(0.0, others / (end.time - start.time))
+
+
+@contextlib.contextmanager
+def busy_core() -> Any:
+    """A separate process spinning on one core for the duration (the `--busy-core` condition: another program
+    keeps one core busy, so every OpenMP barrier may wait for a descheduled thread)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)  # let it start spinning before the timed run
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def wait_for_quiet_cpu(

@@ -2,7 +2,8 @@
 
     python benchmarks/throughput.py [--models tiny,small] [--workloads mixed,shared-prefix,long-decode]
                                     [--engines static,builtin,ours,limit] [--json out.json] [--scale 1.0]
-                                    [--threads N] [--repeats 1] [--ref-requests 4]
+                                    [--threads N] [--repeats 1] [--ref-requests 4] [--busy-core]
+    python benchmarks/throughput.py --models mini --workloads many-short,many-short-8 --busy-core
 
 Prints a markdown table and writes the rows plus metadata as JSON (default `benchmarks/results/throughput.json`).
 The machine may be noisy: compare engines through the ratios of one run (they are measured side by side), not
@@ -35,13 +36,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--models",
         type=_csv,
         default=["tiny", "small"],
-        help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window)",
+        help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window), mini (4 layers, "
+        "256 wide: the many-short model)",
     )
     p.add_argument(
         "--workloads",
         type=_csv,
         default=["mixed", "shared-prefix", "long-decode"],
-        help="comma list of: mixed, shared-prefix, long-decode, memory-pressure (recompute vs CPU offload, "
+        help="comma list of: mixed, shared-prefix, long-decode, many-short (1000 prompts of 8-40 tokens, 1 new "
+        "token), many-short-8 (the same, 8 new tokens), memory-pressure (recompute vs CPU offload, "
         "benchmarks/memory_pressure.py)",
     )
     p.add_argument(
@@ -77,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quiet-load cores (0: never wait; default 60)",
     )
     p.add_argument("--quiet-load", type=float, default=0.25, help="see --wait-quiet (default 0.25 cores)")
+    p.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="time every engine twice, quiet and with a one-core busy loop process running beside it, and "
+        "report the slowdown (busy / quiet)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and of the workloads")
     p.add_argument(
         "--ref-requests", type=int, default=4, help="requests checked against single-prompt generate()"
@@ -184,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             workloads_meta[wl_name] = workload.summary()
             results: dict[str, common.RunResult] = {}
+            busy_results: dict[str, common.RunResult] = {}
             crashes: dict[str, str] = {}
             for rep in range(args.repeats):
                 for name, engine in engines.items():
@@ -212,6 +222,15 @@ def main(argv: list[str] | None = None) -> int:
                         if name in results:  # keep the first run's outputs for the comparisons
                             res.outputs = results[name].outputs
                         results[name] = res
+                    if args.busy_core:
+                        with common.busy_core():
+                            busy = engine.run(model, workload)
+                        common.restore_attn_implementation(model)
+                        log(
+                            f"   {model_name}/{wl_name}/{name} run {rep + 1} beside a busy core: {busy.wall_s:.2f}s"
+                        )
+                        if name not in busy_results or busy.wall_s < busy_results[name].wall_s:
+                            busy_results[name] = busy
 
             ref_idx = common.reference_indices(len(workload.requests), args.ref_requests)
             refs = common.reference_outputs(model, workload, ref_idx)
@@ -256,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
                         if builtin_wall and res.wall_s > 0
                         else None,
                         "other_load": res.other_load,
+                        "busy_wall_s": busy_results[name].wall_s if name in busy_results else None,
+                        "slowdown": busy_results[name].wall_s / res.wall_s
+                        if name in busy_results and res.wall_s > 0
+                        else None,
                         "peak_pages": ", ".join(f"{g} {n}" for g, n in res.peak_pages.items())
                         if res.peak_pages
                         else None,
@@ -287,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         ("x_limit", "x limit"),
         ("speedup_vs_builtin", "vs builtin"),
         ("other_load", "other load"),
+        *([("busy_wall_s", "busy s"), ("slowdown", "busy / quiet")] if args.busy_core else []),
         ("peak_pages", "peak KV pages"),
         ("identical", "identical outputs (requests)"),
         ("errors", "errors"),

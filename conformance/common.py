@@ -386,12 +386,14 @@ def build_kernel_step(
     seed: int = 0,
     spare_pages: int = 3,
     sliding_window: int | None = None,
+    native: bool = False,
 ) -> KernelStep:
     """Requests with (past_len, q_len) each, on shuffled non-contiguous pages, packed by `BatchPacker`.
 
     Every request's prompt tokens are unique to it, so the packed order is read back from `input_ids`.
     With `sliding_window`, the layer is in a sliding group: each request holds only the pages from its
     window on (as `SlidingWindowAllocator.trim` leaves them) in a block-table ring just wide enough.
+    With `native`, the packer hands the decodes and short chunks to the native CPU kernel.
     """
     generator = torch.Generator().manual_seed(seed)
     num_pages_each = [math.ceil((past + q) / page_size) for past, q in seqs]
@@ -417,7 +419,7 @@ def build_kernel_step(
         offset += count
         requests.append(request)
         entries.append(ScheduledRequest(request, past, q))
-    packer = BatchPacker(cache, widths or max(num_pages_each), torch.device("cpu"))
+    packer = BatchPacker(cache, widths or max(num_pages_each), torch.device("cpu"), native=native)
     step = packer.pack(ScheduledBatch(entries=entries))
     metadata = step.metadata
     # The packer reorders requests; recover the order from the (unique) token ids.

@@ -16,12 +16,24 @@ from hypothesis import strategies as st
 from conformance.common import TOLERANCES, KernelStep, assert_close, build_kernel_step
 from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.native import native_module
 from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
-from transformers_cb.batch import DECODE_PADDING_BOUND, group_decodes
+from transformers_cb.batch import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_WORK, group_decodes
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
+# "native": the native CPU kernel for decodes and short chunks, sdpa for the long chunks.
+NATIVE = "native"
+KERNELS = [*sorted(ATTENDS), NATIVE]
+
+
+def kernel_step(*args, kernel: str = "sdpa", **kwargs) -> KernelStep:
+    """`build_kernel_step`, packed for the native kernel when `kernel` is "native" (skipped when it
+    cannot be built on this machine)."""
+    if kernel == NATIVE and native_module() is None:
+        pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
+    return build_kernel_step(*args, native=kernel == NATIVE, **kwargs)
 
 
 class _Layer(torch.nn.Module):
@@ -34,9 +46,10 @@ def run_kernel(
     """`kernel`: an `attend` name (through `paged_attention`) or a registered backend name (through its
     `attn_implementation` forward, as the model calls it, with the layer's window, softcap and sinks).
     Returns `[1, T, H, D]`."""
-    if kernel in ATTENDS:
+    if kernel in ATTENDS or kernel == NATIVE:
+        attend = ATTENDS.get(kernel, sdpa_attend)
         return paged_attention(
-            step.query, step.key, step.value, 0, step.metadata, step.scale, ATTENDS[kernel], softcap, sinks
+            step.query, step.key, step.value, 0, step.metadata, step.scale, attend, softcap, sinks
         )
     out, _ = PAGED_BACKENDS[kernel](
         _Layer(),
@@ -162,16 +175,19 @@ CASES = {
         (4, 1),
         (31, 1),
     ],
+    # Chunks with more than NATIVE_PREFILL_MAX_WORK (query, key) pairs stay on sdpa / eager after the
+    # native run.
+    "long_chunks_after_short_ones": [(3, 1), (0, 70), (10, 5), (P, 80), (50, 1), (0, 2)],
 }
 
 
-@pytest.mark.parametrize("attend_name", sorted(ATTENDS))
+@pytest.mark.parametrize("attend_name", KERNELS)
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"H{h[0]}-Hkv{h[1]}-D{h[2]}")
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_matches_reference(case: str, heads: tuple[int, int, int], attend_name: str) -> None:
     num_heads, num_kv_heads, head_dim = heads
-    step = build_kernel_step(
-        CASES[case], P, num_heads, num_kv_heads, head_dim, seed=sorted(CASES).index(case)
+    step = kernel_step(
+        CASES[case], P, num_heads, num_kv_heads, head_dim, seed=sorted(CASES).index(case), kernel=attend_name
     )
     check_kernel(step, attend_name)
 
@@ -209,7 +225,7 @@ def step_shapes(draw) -> tuple:
         q_len = 1 if kind == "decode" else draw(st.integers(2, 40))
         seqs.append((past, q_len))
     seed = draw(st.integers(0, 2**16))
-    attend = draw(st.sampled_from(sorted(ATTENDS)))
+    attend = draw(st.sampled_from(KERNELS))
     return seqs, page_size, heads, seed, attend
 
 
@@ -223,7 +239,7 @@ def step_shapes(draw) -> tuple:
 @given(step_shapes())
 def test_kernel_matches_reference_random_steps(shape) -> None:
     seqs, page_size, (num_heads, num_kv_heads, head_dim), seed, attend_name = shape
-    step = build_kernel_step(seqs, page_size, num_heads, num_kv_heads, head_dim, seed=seed)
+    step = kernel_step(seqs, page_size, num_heads, num_kv_heads, head_dim, seed=seed, kernel=attend_name)
     check_kernel(step, attend_name)
 
 
@@ -244,15 +260,22 @@ def _sinks(num_heads: int, seed: int) -> torch.Tensor:
     return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
 
 
-@pytest.mark.parametrize("kernel", [*sorted(ATTENDS), *sorted(PAGED_BACKENDS)])
+@pytest.mark.parametrize("kernel", [*KERNELS, *sorted(PAGED_BACKENDS)])
 @pytest.mark.parametrize("variant", ["window", "window+softcap", "window+sinks", "softcap", "sinks"])
 @pytest.mark.parametrize("case", sorted(SLIDING_CASES))
 def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: str) -> None:
     """Per layer: a sliding window (pages before it dropped, ring block table), logit softcapping
     (sdpa takes the eager path) and attention sinks, each against the reference kernel."""
     window = W if "window" in variant else None
-    step = build_kernel_step(
-        SLIDING_CASES[case], P, 8, 2, 16, seed=sorted(SLIDING_CASES).index(case), sliding_window=window
+    step = kernel_step(
+        SLIDING_CASES[case],
+        P,
+        8,
+        2,
+        16,
+        seed=sorted(SLIDING_CASES).index(case),
+        sliding_window=window,
+        kernel=kernel,
     )
     softcap = 0.7 if "softcap" in variant else None  # small: tanh saturates, so a skipped cap shows
     sinks = _sinks(8, seed=1) if "sinks" in variant else None
@@ -271,10 +294,31 @@ def test_sliding_kernel_matches_reference_random_steps(
     shape, window: int, softcap: bool, sinks: bool
 ) -> None:
     seqs, page_size, (num_heads, num_kv_heads, head_dim), seed, attend_name = shape
-    step = build_kernel_step(
-        seqs, page_size, num_heads, num_kv_heads, head_dim, seed=seed, sliding_window=window
+    step = kernel_step(
+        seqs,
+        page_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        seed=seed,
+        sliding_window=window,
+        kernel=attend_name,
     )
     check_kernel(step, attend_name, 1.5 if softcap else None, _sinks(num_heads, seed) if sinks else None)
+
+
+def test_native_run_covers_decodes_and_short_chunks_only() -> None:
+    """The native run is the decodes plus the chunks up to NATIVE_PREFILL_MAX_WORK pairs; the long chunks
+    after it keep their own groups, and no decode group is built."""
+    step = kernel_step(CASES["long_chunks_after_short_ones"], P, 8, 2, 16, kernel=NATIVE)
+    metadata = step.metadata
+    assert 5 * 15 < NATIVE_PREFILL_MAX_WORK < 70 * 70
+    assert metadata.native_tokens == 1 + 5 + 1 + 2
+    assert not metadata.groups[0].decode_groups
+    assert [(g.q_start, g.q_end) for g in metadata.groups[0].prefill_groups] == [(9, 79), (79, 159)]
+    rows = [step.packed_order[r] for r in metadata.token_row.tolist()]
+    assert [step.seqs[i] for i in rows] == [(50, 1), (3, 1)] + [(10, 5)] * 5 + [(0, 2)] * 2
+    assert metadata.token_pos.tolist() == [50, 3, 10, 11, 12, 13, 14, 0, 1]
 
 
 def test_layer_window_must_match_its_kv_group() -> None:

@@ -20,8 +20,11 @@ from transformers import (
 from conformance.common import SLIDING_WINDOW, build_tiny_model, check_parity, prompts_of_lengths, vocab_size
 from tests.helpers import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.attention import native
+from transformers_cb.attention import paged as paged_module
 from transformers_cb.attention import sdpa as sdpa_module
 from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.native import native_paged_attention
 from transformers_cb.cache.allocator import FullAttentionAllocator, SlidingWindowAllocator
 from transformers_cb.cache.block_table import BlockTables
 from transformers_cb.cache.cache_allocator import CacheAllocator
@@ -297,10 +300,14 @@ def test_refused_before_anything_is_allocated(build: str) -> None:
     cache_init.assert_not_called()
 
 
-def test_softcap_layers_under_paged_sdpa_match_eager_generate() -> None:
+@pytest.mark.parametrize("native_kernel", ["0", "1"])
+def test_softcap_layers_under_paged_sdpa_match_eager_generate(native_kernel: str, monkeypatch) -> None:
     """SDPA has no softcap argument: under `paged|sdpa` a softcapped layer takes the eager kernel, in
-    continuous batching and in plain `generate()` on the paged model. transformers 5.23 refuses sdpa for
-    every model that passes a softcap (Gemma 2 here), so the test lifts that refusal for the run."""
+    continuous batching and in plain `generate()` on the paged model; with the native CPU kernel on,
+    that kernel applies the softcap itself (these short steps never reach SDPA). transformers 5.23
+    refuses sdpa for every model that passes a softcap (Gemma 2 here), so the test lifts that refusal."""
+    monkeypatch.setenv(native.ENV_SWITCH, native_kernel)
+    native_on = native_kernel == "1" and native.native_module() is not None
     model = build_tiny_model("gemma2", attn_implementation="eager", attn_logit_softcapping=0.5)
     prompts = prompts_of_lengths([3, 11, 26], vocab_size(model), seed=6)
     references = [greedy_reference(model, p, 12) for p in prompts]
@@ -311,9 +318,14 @@ def test_softcap_layers_under_paged_sdpa_match_eager_generate() -> None:
         softcaps.append(args[6])  # the softcap argument of the eager kernel
         return eager_attend(*args)
 
+    def native_spy(*args):
+        softcaps.append(args[9])  # the softcap argument of the native kernel
+        return native_paged_attention(*args)
+
     with (
         mock.patch.object(type(model), "_supports_sdpa", True),
         mock.patch.object(sdpa_module, "eager_attend", spy),
+        mock.patch.object(paged_module, "native_paged_attention", native_spy),
     ):
         model.set_attn_implementation("paged|sdpa")
         outputs = model.generate_batch(
@@ -322,6 +334,7 @@ def test_softcap_layers_under_paged_sdpa_match_eager_generate() -> None:
             continuous_batching_config=ContinuousBatchingConfig(page_size=4, max_batch_tokens=8),
             progress_bar=False,
         )
-        assert softcaps and set(softcaps) == {0.5}, "softcapped layers did not take the eager kernel"
+        kernel = "native" if native_on else "eager"
+        assert softcaps and set(softcaps) == {0.5}, f"softcapped layers did not take the {kernel} kernel"
         check_parity(model, prompts, outputs, references, "gemma2 softcap under paged|sdpa")
         assert [greedy_reference(model, p, 12) for p in prompts] == references  # plain generate() fallback

@@ -5,6 +5,10 @@ and split into groups whose padded size stays within `DECODE_PADDING_BOUND` of
 their real size; then each prefill chunk. `entry_order` maps back to the
 scheduler's entry order. Slots, gathers and masks are built once per KV layer
 group (full attention, sliding window) and shared by that group's layers.
+
+With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)
+follow the decodes, and all of those tokens are one native call per layer; longer chunks come
+last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long chunks).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention.metadata import AttentionMetadata, DecodeGroup, GroupMetadata, PrefillGroup
+from .attention.native import native_supported
 from .cache.block_table import BlockTables
 from .cache.paged_cache import PagedKVCache
 from .requests import Request
@@ -21,6 +26,10 @@ from .scheduler import ScheduledBatch, ScheduledRequest
 
 # A decode group may do at most this much more attention work than its real KV lengths need.
 DECODE_PADDING_BOUND = 1.25
+# Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
+# kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
+# chunks (see docs/design.md, "The native CPU kernel").
+NATIVE_PREFILL_MAX_WORK = 64 * 64
 
 
 @dataclass
@@ -72,6 +81,8 @@ class BatchPacker:
         max_pages_per_request: block-table width, one for every group or one per group (a sliding
             group's width only needs to cover its window plus one step's chunk).
         initial_pages_per_request: width allocated up front (rows widen on demand).
+        native: use the native CPU kernel (True: required, a ValueError when it cannot run here);
+            None: whenever it is built and supports the device and the cache dtype.
     """
 
     def __init__(
@@ -80,8 +91,13 @@ class BatchPacker:
         max_pages_per_request: int | list[int],
         device: torch.device,
         initial_pages_per_request: int | None = None,
+        native: bool | None = None,
     ) -> None:
         self.cache = cache
+        dtype = cache.keys[0].dtype if cache.keys else torch.float32
+        self.native = native is not False and native_supported(device, dtype)
+        if native and not self.native:
+            raise ValueError(f"the native paged-attention kernel cannot run on {device} with {dtype} KV")
         self.page_size = cache.page_size
         self.device = device
         num_groups = len(cache.groups)
@@ -104,6 +120,11 @@ class BatchPacker:
     def pack(self, batch: ScheduledBatch) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]
+        num_native_rows = 0
+        if self.native:
+            short = [e for e in prefills if e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK]
+            prefills = short + [e for e in prefills if e.num_tokens * e.end > NATIVE_PREFILL_MAX_WORK]
+            num_native_rows = len(decodes) + len(short)
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
@@ -126,9 +147,10 @@ class BatchPacker:
         token_entry = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), q_lens)  # [T]
         max_seqlen_k = max(e.end for e in ordered)
         seq_lens_k = torch.tensor([e.end for e in ordered], dtype=torch.int64, device=self.device)
+        native_tokens = cu_seqlens_q[num_native_rows]
         groups = [
             self._group_metadata(
-                g, ordered, len(decodes), position_ids, token_entry, seq_lens_k, max_seqlen_k
+                g, ordered, len(decodes), num_native_rows, position_ids, token_entry, seq_lens_k, max_seqlen_k
             )
             for g in range(len(self.block_tables))
         ]
@@ -139,6 +161,9 @@ class BatchPacker:
             seq_lens_k=seq_lens_k.to(torch.int32),
             max_seqlen_q=max(e.num_tokens for e in ordered),
             max_seqlen_k=max_seqlen_k,
+            native_tokens=native_tokens,
+            token_row=token_entry[:native_tokens] if native_tokens else None,
+            token_pos=position_ids[:native_tokens] if native_tokens else None,
         )
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
@@ -155,6 +180,7 @@ class BatchPacker:
         group: int,
         ordered: list[ScheduledRequest],
         num_decodes: int,
+        num_native_rows: int,
         position_ids: torch.Tensor,
         token_entry: torch.Tensor,
         seq_lens_k: torch.Tensor,
@@ -173,12 +199,17 @@ class BatchPacker:
             block_table = table_rows[:, :num_pages]
         else:
             block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
-        decodes, prefills = ordered[:num_decodes], ordered[num_decodes:]
+        # Rows the native kernel attends need no groups: decodes, then the prefills after them.
+        decodes = [] if num_native_rows else ordered[:num_decodes]
+        first_row = max(num_decodes, num_native_rows)
+        first_token = num_decodes + sum(e.num_tokens for e in ordered[num_decodes:first_row])
         return GroupMetadata(
             sliding_window=window,
             slot_mapping=slot_mapping,
             decode_groups=self._decode_groups(decodes, block_table, table_rows, ring, seq_lens_k, window),
-            prefill_groups=self._prefill_groups(prefills, num_decodes, block_table, table_rows, ring, window),
+            prefill_groups=self._prefill_groups(
+                ordered[first_row:], first_row, first_token, block_table, table_rows, ring, window
+            ),
             block_table=block_table.to(torch.int32),
         )
 
@@ -227,12 +258,13 @@ class BatchPacker:
         self,
         prefills: list[ScheduledRequest],
         first_row: int,
+        first_token: int,
         block_table: torch.Tensor,
         table_rows: torch.Tensor,
         ring: int,
         window: int | None,
     ) -> list[PrefillGroup]:
-        groups, q_start = [], first_row
+        groups, q_start = [], first_token
         for i, entry in enumerate(prefills, start=first_row):
             q_end = q_start + entry.num_tokens
             kv_slots = mask = None

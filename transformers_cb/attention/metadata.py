@@ -5,6 +5,11 @@ Packed layout of one step (decodes first, sorted by KV length, then prefill chun
     tokens:  [d0 d1 d2 ... | p0 p0 p0 p0 | p1 p1 ...]
               decode groups  prefill groups (one per request)
 
+With the native CPU kernel (`native.py`), the decodes and the short prefill chunks come first
+and form one run of `native_tokens` tokens that the kernel attends in one call per layer,
+straight from the pages (`token_row`, `token_pos`, the group's `block_table`); decode groups
+are then empty and prefill groups cover only the long chunks after that run.
+
 A decode group is a contiguous run of single-token queries whose KV lengths are
 close, gathered into one padded `[B, L]` slot index so the group is one batched
 attention call whose padding stays bounded. Each prefill chunk attends only to
@@ -67,6 +72,10 @@ class AttentionMetadata:
     seq_lens_k: torch.Tensor  # [N] int32
     max_seqlen_q: int
     max_seqlen_k: int
+    # The leading tokens the native kernel attends (0: none): each token's block-table row and position.
+    native_tokens: int = 0
+    token_row: torch.Tensor | None = None  # [native_tokens] int64
+    token_pos: torch.Tensor | None = None  # [native_tokens] int64
 
     def group_of(self, layer_idx: int) -> GroupMetadata:
         return self.groups[self.cache.layer_group[layer_idx]]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .metadata import AttentionMetadata
+from .native import native_paged_attention
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
 #        is_causal, scale, softcap: float | None, sinks: [H] | None) -> [B, H, Q, D]
@@ -52,7 +53,23 @@ def paged_attention(
     new_values = value[0].transpose(0, 1)
     metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
-    out = torch.empty_like(q)  # [T, H, D]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous
+    if metadata.native_tokens:
+        n = metadata.native_tokens
+        native_paged_attention(
+            q[:n],
+            key_cache,
+            value_cache,
+            metadata.token_row,
+            metadata.token_pos,
+            group_metadata.block_table,
+            metadata.cache.page_size,
+            scale,
+            group_metadata.sliding_window,
+            softcap,
+            sinks,
+            out[:n],
+        )
     for group in group_metadata.decode_groups:
         q_group = q[group.q_start : group.q_end].unsqueeze(2)  # [B, H, 1, D]
         k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]

@@ -101,7 +101,10 @@ class ServerMetrics:
             "preemptions": (stats.preemptions, "Requests evicted from the cache to make room."),
             "prefill_tokens": (stats.prefill_tokens, "Prompt tokens computed."),
             "decode_tokens": (stats.decode_tokens, "Decode tokens computed."),
-            "recomputed_tokens": (stats.recomputed_tokens, "Tokens run again after preemption dropped their KV."),
+            "recomputed_tokens": (
+                stats.recomputed_tokens,
+                "Tokens run again after preemption dropped their KV.",
+            ),
             "swap_out_pages": (stats.swap_out_pages, "KV pages copied to the CPU offload tier."),
             "swap_in_pages": (stats.swap_in_pages, "KV pages copied back from the CPU offload tier."),
         }
