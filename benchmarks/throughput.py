@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_csv,
         default=["mixed", "shared-prefix", "long-decode"],
         help="comma list of: mixed, shared-prefix, long-decode, many-short (1000 prompts of 8-40 tokens, 1 new "
-        "token), many-short-8 (the same, 8 new tokens)",
+        "token), many-short-8 (the same, 8 new tokens), memory-pressure (recompute vs CPU offload, "
+        "benchmarks/memory_pressure.py)",
     )
     p.add_argument(
         "--engines",
@@ -130,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     transformers.logging.set_verbosity_error()
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+
+    if "memory-pressure" in args.workloads:  # recompute vs CPU offload: its own engines and table
+        import memory_pressure
+
+        args.workloads.remove("memory-pressure")
+        memory_pressure.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not args.workloads:
+            return 0
 
     for name in args.workloads:
         if name not in common.WORKLOAD_NAMES:

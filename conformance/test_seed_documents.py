@@ -364,12 +364,12 @@ LATER = {
     # block's flash path runs through paged|flash_attention_2 and the flash-attn test double in
     # test_flash_block_through_the_test_double; on a CUDA machine with flash-attn, scripts/gpu_check.sh.
     "flash_attention": "transformers refuses flash_attention_2 without flash-attn + CUDA (not on this machine)",
-    "cpu_offload": "CPU offload of evicted KV pages (issue 9)",
 }
 # Blocks whose issue has landed: they must pass.
 LANDED = (
     "sliding_window",  # sliding-window / hybrid models (issue 7)
     "compile",  # default_compile_level=1: torch.compile on CPU (issue 11)
+    "cpu_offload",  # CPU offload of evicted KV pages (issue 9)
 )
 
 

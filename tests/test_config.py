@@ -172,21 +172,6 @@ def test_page_size_alone_does_not_warn() -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "feature"),
-    [
-        ("cpu_offload_space", 1.0, "CPU offload"),
-        ("cpu_offload_space", None, "CPU offload"),
-    ],
-)
-def test_unbuilt_features_raise_not_implemented(field: str, value: object, feature: str) -> None:
-    with pytest.raises(NotImplementedError) as info:
-        ContinuousBatchingConfig(**{field: value})
-    message = str(info.value)
-    assert field in message
-    assert feature in message
-
-
-@pytest.mark.parametrize(
     ("field", "value"),
     [
         ("use_cuda_graph", False),
@@ -201,6 +186,9 @@ def test_unbuilt_features_raise_not_implemented(field: str, value: object, featu
         ("max_blocks_per_request", 64),
         ("cpu_offload_space", 0.0),
         ("cpu_offload_space", 0),
+        ("cpu_offload_space", 8.0),  # built (issue 9): the host tier
+        ("cpu_offload_space", None),
+        ("cpu_offload_space_safety_threshold", 0.5),
         ("default_compile_level", 0),
         ("default_compile_level", 1),
         ("default_compile_level", 3),

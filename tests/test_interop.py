@@ -109,11 +109,8 @@ def test_invalid_value_in_transformers_config_gets_our_error() -> None:
         as_cb_config(HFConfig(scheduler_type="lifo"))
 
 
-def test_unbuilt_feature_behaves_as_on_our_class() -> None:
-    with pytest.raises(NotImplementedError, match="CPU offload"):
-        ContinuousBatchingConfig(cpu_offload_space=8.0)
-    with pytest.raises(NotImplementedError, match="CPU offload"):
-        as_cb_config(HFConfig(cpu_offload_space=8.0))
+def test_cpu_offload_space_is_carried_over() -> None:
+    assert as_cb_config(HFConfig(cpu_offload_space=8.0)).cpu_offload_space == 8.0
 
 
 def test_unknown_field_is_refused_by_name() -> None:

@@ -70,11 +70,11 @@ def _drain_stream(manager, request_id: str) -> list[GenerationOutput]:
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    CB_CONFIG = ContinuousBatchingConfig(page_size=16, num_blocks=24)
+
     def __init__(self) -> None:
         super().__init__()
-        self.manager = MODEL.init_continuous_batching(
-            continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=24)
-        )
+        self.manager = MODEL.init_continuous_batching(continuous_batching_config=self.CB_CONFIG)
         self.accepting = True  # a new manager queues submissions until start()
         self.requests: dict[str, tuple[int, int, str]] = {}  # id -> (prompt index, max_new, mode)
         self.taken: dict[str, GenerationOutput] = {}  # finals taken with get_result
@@ -206,9 +206,10 @@ class ManagerMachine(RuleBasedStateMachine):
     def _check_pages(self) -> None:
         """Only when the thread is stopped: nothing else touches the engine then."""
         engine = self.manager.engine
-        engine.check_integrity()
+        engine.check_integrity()  # with offload on: the host pools and the swapped-out requests too
         if not engine.has_work():
             assert engine.cache.pool.num_free_pages == engine.cache.pool.num_pages
+            assert engine.offload is None or engine.offload.host.num_used_pages == 0
 
     def _check_final(self, rid: str, final: GenerationOutput) -> None:
         prompt, max_new, _mode = self.requests[rid]
@@ -280,3 +281,21 @@ ManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestManagerStateMachine = ManagerMachine.TestCase
+
+
+# Host page of the tiny Llama at page_size 4: 2 (K, V) x 2 layers x 4 tokens x 2 KV heads x 16 dims x 4 bytes.
+HOST_PAGE_BYTES = 2048
+
+
+class OffloadManagerMachine(ManagerMachine):
+    """The same rules with CPU offload on and a device cache of 6 pages of 4 tokens, what the largest
+    request needs: requests are preempted and swap out to a host tier of 4 pages (or recompute when it
+    is full or they are bigger); cancels and stops may hit swapped-out requests too."""
+
+    CB_CONFIG = ContinuousBatchingConfig(
+        page_size=4, num_blocks=8, cpu_offload_space=8 * HOST_PAGE_BYTES / 2**30
+    )
+
+
+OffloadManagerMachine.TestCase.settings = ManagerMachine.TestCase.settings
+TestOffloadManagerStateMachine = OffloadManagerMachine.TestCase

@@ -414,6 +414,9 @@ def test_metrics_follow_stats_and_count_latencies(server: LiveServer) -> None:
     stats = server.manager.stats()
     assert samples["transformers_cb_kv_pages_total"] == stats.pages_total
     assert samples["transformers_cb_requests_finished_total"] == stats.finished
+    assert samples["transformers_cb_recomputed_tokens_total"] == stats.recomputed_tokens
+    assert samples["transformers_cb_swap_out_pages_total"] == stats.swap_out_pages
+    assert samples["transformers_cb_swapped_out_requests"] == stats.swapped_out == 0
     assert samples["transformers_cb_time_to_first_token_seconds_count"] >= 2
     assert samples["transformers_cb_inter_token_latency_seconds_count"] >= 4
     assert samples['transformers_cb_http_responses_total{endpoint="/v1/completions",status="200"}'] >= 2

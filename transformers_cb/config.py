@@ -220,15 +220,6 @@ class ContinuousBatchingConfig:
             or isinstance(graphs, bool)
             or (isinstance(graphs, tuple) and len(graphs) == 2 and all(isinstance(g, bool) for g in graphs)),
         )
-        self._check_unbuilt_features()
-
-    def _check_unbuilt_features(self) -> None:
-        unbuilt = {
-            "cpu_offload_space (CPU offload of evicted KV pages)": self.cpu_offload_space != 0.0,
-        }
-        for feature, requested in unbuilt.items():
-            if requested:
-                raise NotImplementedError(f"ContinuousBatchingConfig.{feature} is not implemented yet")
 
     @property
     def wants_cuda_graphs(self) -> bool:

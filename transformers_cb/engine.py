@@ -18,19 +18,20 @@ from .batch import BatchPacker
 from .cache.allocator import make_allocator, num_pages_for
 from .cache.cache_allocator import CacheAllocator
 from .cache.layer_groups import kv_groups_from_config
+from .cache.offload import make_offload
 from .cache.paged_cache import PagedKVCache
 from .cache.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from .config import ContinuousBatchingConfig, resolve_device_options
 from .distributed import TensorParallelCoordinator
 from .distributed.coordinator import Kind
 from .distributed.sharding import shard_shape, tp_size_of
+from .forks import add_siblings, num_return_sequences_of
 from .generation_fields import resolve_generation_config
 from .model_support import check_model_supported
 from .request_sampling import SamplingSetup
 from .requests import Request, RequestStatus
 from .runner import ModelRunner
 from .sampling import Sampler, check_generation_config
-from .sampling_params import derive_seed
 from .scheduler import Scheduler, make_policy
 from .step_options import resolve_step_options
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
@@ -123,12 +124,17 @@ class Engine:
             self.kv_groups,
             sharing=self.cb_config.allow_block_sharing,
         )
+        # CPU offload: a host tier that preempted requests swap out to (None when off).
+        self.offload = make_offload(
+            self.cb_config, self.cache, allocator.allocators, workload, self.tp is not None
+        )
         self.scheduler = Scheduler(
             allocator,
             max_batch_tokens=self.sizing.max_batch_tokens,
             max_requests_per_batch=self.sizing.max_requests_per_batch,
             safety_margin=self.cb_config.resolved_safety_margin,
             policy=make_policy(self.cb_config.scheduler_type),
+            offload=self.offload,
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
         self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
@@ -212,39 +218,9 @@ class Engine:
         reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
         if reason is not None:
             raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
-        for i in range(self._num_return_sequences(num_return_sequences, label) - 1):
-            request.siblings.append(self._sibling(request, i, sampling_kwargs, label))
-        request.fork_children = list(request.siblings)
+        count = num_return_sequences_of(num_return_sequences, self.generation_config, label)
+        add_siblings(request, count, self.sampling, sampling_kwargs, label)
         return request
-
-    def _num_return_sequences(self, value: int | None, label: str) -> int:
-        if value is None:
-            value = self.generation_config.num_return_sequences
-        if value is None:
-            return 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{label}: num_return_sequences must be an int >= 1, got {value!r}")
-        return value
-
-    def _sibling(
-        self, parent: Request, index: int, sampling_kwargs: dict[str, Any] | None, label: str
-    ) -> Request:
-        """Sibling `index` of `parent`: the same submission under its own id and random stream."""
-        request_id = f"{parent.request_id}__child#{index}"
-        kwargs = dict(sampling_kwargs or {})
-        if kwargs.get("seed") is not None:  # reproducible, and not the parent's draws again
-            kwargs["seed"] = derive_seed(kwargs["seed"], request_id)
-        child = Request(
-            request_id=request_id,
-            prompt_ids=list(parent.prompt_ids),
-            max_new_tokens=parent.max_new_tokens,
-            eos_token_ids=parent.eos_token_ids,
-            streaming=parent.streaming,
-            record_timestamps=parent.record_timestamps,
-            fork_parent=parent,
-        )
-        self.sampling.attach(child, kwargs, label)
-        return child
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
@@ -328,6 +304,8 @@ class Engine:
         if self.tp is not None:
             self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
+        if self.offload is not None:  # this schedule's swaps (after forks' copies), before the forward
+            batch.copies = self.offload.run_copies(self.cache, batch.copies)
         if not batch.entries:
             return self._published(result)
         self.counters.steps += 1

@@ -296,6 +296,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
             engine = self.engine
             running = len(engine.scheduler.running) if engine else 0
             waiting = len(engine.scheduler.waiting) if engine else 0
+            offload = engine.offload if engine else None
             prefix = engine.scheduler.allocator.prefix if engine else None
             return ManagerStats(
                 queued=len(self._incoming) + waiting,
@@ -315,4 +316,8 @@ class ContinuousBatchingManager(ManagerSubmissions):
                 prefix_cache_evictions=engine.scheduler.allocator.num_evictions if engine else 0,
                 tokens_per_second=self._throughput.rate(),
                 delivered_tokens=self._throughput.total,
+                recomputed_tokens=engine.scheduler.recomputed.total if engine else 0,
+                swapped_out=offload.num_swapped_out if offload else 0,
+                swap_out_pages=offload.swap_out_pages if offload else 0,
+                swap_in_pages=offload.swap_in_pages if offload else 0,
             )

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from .cache.cache_allocator import CacheAllocator
+from .cache.offload import CpuOffload
 from .cache.prefix_cache import PageCopy
 from .invariants import check
 from .requests import FINISH_REASONS, Request, RequestStatus
+from .stats import RecomputeCounter
 
 
 @dataclass(slots=True)
@@ -95,6 +97,8 @@ class Scheduler:
         safety_margin: new requests are admitted only while the free fraction of
             pages is at least this (unless nothing runs).
         policy: candidate ordering.
+        offload: the host tier (CPU offload): preempted requests swap out and back instead of
+            recomputing while it has room; None: always recompute.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class Scheduler:
         max_requests_per_batch: int,
         safety_margin: float,
         policy: SchedulingPolicy,
+        offload: CpuOffload | None = None,
     ) -> None:
         self.allocator = allocator
         self.max_batch_tokens = max_batch_tokens
@@ -112,7 +117,9 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.offload = offload
         self.num_preemptions = 0
+        self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self._pending_copies: list[PageCopy] = []  # from forks, for the next step that runs
         # Called with each request whose pages were just freed (preemption or finish), e.g. to give
         # its block-table row back: per-request state elsewhere never outlives its pages.
@@ -147,14 +154,22 @@ class Scheduler:
             if request.is_finished or request in batch.preempted:
                 continue
             waiting = request.status in (RequestStatus.PENDING, RequestStatus.EVICTED)
-            hit = admitting and waiting and self._attach_prefix(request)
-            if waiting and admitting and self._waits_for_pages(request, hit):
+            swapped_in = False
+            if waiting and self.offload is not None and self.offload.is_swapped(request):
+                swapped_in = self._swap_in(request, admitting)
+                if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
+                    admitting = False
+                    continue
+            # A swapped-in request has its own KV back: no prefix lookup.
+            hit = admitting and waiting and not swapped_in and self._attach_prefix(request)
+            if waiting and admitting and not swapped_in and self._waits_for_pages(request, hit):
                 continue
             wanted = min(request.num_remaining_tokens, budget)
             num_tokens = self.allocator.num_fitting_tokens(request, wanted)
             if waiting:
                 # FIFO admission: once one waiting request cannot start, later ones wait too.
-                admitting = admitting and num_tokens > 0 and self._admits()
+                # A swapped-in request holds its pages again: it is admitted (at least one token fits).
+                admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
                 if not admitting:
                     if hit:  # waiting requests hold no pages: the hit goes back to the cache
                         self.allocator.prefix.detach(request)
@@ -257,10 +272,24 @@ class Scheduler:
                 return False
         return True
 
+    def _swap_in(self, request: Request, admitting: bool) -> bool:
+        """Take a swapped-out request back from the host tier if it may start now. With nothing running
+        and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
+        if admitting and self._admits() and self.offload.can_swap_in(request):
+            self.offload.swap_in(request)
+            return True
+        if not self.running:
+            self.offload.discard(request)
+            self._drop_kv(request)
+        return False
+
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
-        """Free the pages of `request`; it will recompute prompt + generated tokens later."""
+        """Take the pages of `request` away: swapped out to the host tier when there is one with room,
+        else dropped (it recomputes prompt + generated tokens later)."""
+        if self.offload is None or not self.offload.try_swap_out(request):
+            self._drop_kv(request)
         self._free_pages(request)
-        request.num_computed_tokens = 0
+        # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
         request.num_registered_pages = 0
         request.num_preemptions += 1
         request.set_status(RequestStatus.EVICTED)
@@ -268,6 +297,10 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+
+    def _drop_kv(self, request: Request) -> None:
+        self.recomputed.dropped(request.request_id, request.num_computed_tokens)
+        request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
         if self.allocator.prefix is not None:
@@ -299,6 +332,8 @@ class Scheduler:
         for entry in batch.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
+            if self.recomputed.pending:
+                self.recomputed.ran(request.request_id, entry.start, entry.end)
             if self.allocator.prefix is not None:
                 self.allocator.prefix.register(request)  # before a sliding group drops pages
                 if request.fork_children and entry.samples:
@@ -330,6 +365,9 @@ class Scheduler:
             self.waiting.extend(request.fork_children)
             request.fork_children = []
         self._free_pages(request)
+        self.recomputed.forget(request.request_id)
+        if self.offload is not None:
+            self.offload.discard(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
@@ -342,7 +380,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
-        self.allocator.check_integrity(self.live_requests(), self.running)
+        kept = self.offload.device_tables() if self.offload is not None else None
+        self.allocator.check_integrity(self.live_requests(), self.running, kept)
+        if self.offload is not None:
+            self.offload.check_integrity({request.request_id for request in self.waiting})
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
@@ -350,3 +391,8 @@ class Scheduler:
             )
         for request in self.waiting:
             check(not request.holds_pages, f"waiting {request.request_id} holds pages")
+            swapped = self.offload is not None and self.offload.is_swapped(request)
+            check(
+                swapped == (request.num_computed_tokens > 0),
+                f"waiting {request.request_id}: {request.num_computed_tokens=} but swapped out={swapped}",
+            )

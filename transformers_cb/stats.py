@@ -33,6 +33,12 @@ class ManagerStats:
     prefix_cache_hit_tokens: int = 0  # prefill tokens skipped thanks to cached pages, since creation
     prefix_cache_pages: int = 0  # pages kept only for later hits (evictable), all groups
     prefix_cache_evictions: int = 0  # cached pages reallocated to other content, since creation
+    # Preemption: tokens run again because their KV was dropped (prefix-cache hits excluded), and CPU
+    # offload (docs/offload.md): requests swapped out to the host tier now, pages copied to it and back.
+    recomputed_tokens: int = 0
+    swapped_out: int = 0
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
 
 
 class ThroughputWindow:
@@ -63,3 +69,31 @@ class ThroughputWindow:
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
             self._events.popleft()
+
+
+class RecomputeCounter:
+    """Tokens a preempted request runs again because its KV was dropped (recompute, not CPU offload).
+
+    Counted when they run, so that pages a returning request finds in the prefix cache do not count.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.pending: dict[str, int] = {}  # request id -> end of what it had computed when last dropped
+
+    def dropped(self, request_id: str, num_computed_tokens: int) -> None:
+        until = max(num_computed_tokens, self.pending.get(request_id, 0))
+        if until:
+            self.pending[request_id] = until
+
+    def ran(self, request_id: str, start: int, end: int) -> None:
+        """The request computed tokens [start, end) in a step."""
+        until = self.pending.get(request_id)
+        if until is None:
+            return
+        self.total += max(0, min(end, until) - start)
+        if end >= until:
+            del self.pending[request_id]
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)

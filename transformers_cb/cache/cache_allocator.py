@@ -111,10 +111,14 @@ class CacheAllocator:
     def pages_in_use(self) -> dict[str, int]:
         return {spec.name: a.pool.num_used_pages for a, spec in zip(self.allocators, self.specs, strict=True)}
 
-    def check_integrity(self, live: list[Request], running: list[Request]) -> None:
-        """Every group's pool is consistent with the page lists of the live requests."""
-        for allocator in self.allocators:
-            allocator.pool.check_integrity([allocator.pages(r).page_ids for r in live])
+    def check_integrity(
+        self, live: list[Request], running: list[Request], kept: list[list[list[int]]] | None = None
+    ) -> None:
+        """Every group's pool is consistent with the page lists of the live requests (and, per group,
+        `kept`: the pages swapped-out requests still reference on the device, see offload.py)."""
+        for g, allocator in enumerate(self.allocators):
+            tables = [allocator.pages(r).page_ids for r in live]
+            allocator.pool.check_integrity(tables + (kept[g] if kept is not None else []))
         for request in running:
             for allocator in self.allocators:
                 allocator.check_request(request)

@@ -47,18 +47,30 @@ class PagedKVCache:
         check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
         self.pools = [PagePool(n) for n in pages_per_group]
         self.has_scratch_page = scratch_page
-        # Zero-filled so that padded gathers never read NaN/inf garbage. [num_slots, num_kv_heads, head_dim]
-        self.keys = [
+        # One tensor per group, `[2 (K, V), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
+        # head_dim]`, so that moving pages between tiers (cache/offload.py) is one copy per group; each layer's K
+        # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
+        # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
+        self.group_tensors = [
             torch.zeros(
-                (pages_per_group[self.layer_group[layer]] + int(scratch_page)) * page_size,
+                2,
+                len(spec.layer_indices),
+                n + int(scratch_page),
+                page_size,
                 num_kv_heads,
                 head_dim,
                 dtype=dtype,
                 device=device,
             )
-            for layer in range(num_layers)
+            for spec, n in zip(self.groups, pages_per_group, strict=True)
         ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        for g, spec in enumerate(self.groups):
+            storage = self.group_tensors[g]
+            for i, layer in enumerate(spec.layer_indices):
+                self.keys[layer] = storage[0, i].view(-1, num_kv_heads, head_dim)
+                self.values[layer] = storage[1, i].view(-1, num_kv_heads, head_dim)
 
     @property
     def pool(self) -> PagePool:
@@ -109,4 +121,4 @@ class PagedKVCache:
         return self.keys[layer_idx], self.values[layer_idx]
 
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k in self.keys)
+        return sum(t.numel() * t.element_size() for t in self.group_tensors)

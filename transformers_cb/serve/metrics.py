@@ -83,6 +83,7 @@ class ServerMetrics:
             "kv_pages_total": (stats.pages_total, "KV cache pages in the pool."),
             "tokens_per_second": (stats.tokens_per_second, "Generated tokens per second (recent window)."),
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_rate, "Share of prompt tokens found in cache."),
+            "swapped_out_requests": (stats.swapped_out, "Requests whose KV is in the CPU offload tier."),
         }
         for name, (value, text) in gauges.items():
             lines += [
@@ -100,6 +101,12 @@ class ServerMetrics:
             "preemptions": (stats.preemptions, "Requests evicted from the cache to make room."),
             "prefill_tokens": (stats.prefill_tokens, "Prompt tokens computed."),
             "decode_tokens": (stats.decode_tokens, "Decode tokens computed."),
+            "recomputed_tokens": (
+                stats.recomputed_tokens,
+                "Tokens run again after preemption dropped their KV.",
+            ),
+            "swap_out_pages": (stats.swap_out_pages, "KV pages copied to the CPU offload tier."),
+            "swap_in_pages": (stats.swap_in_pages, "KV pages copied back from the CPU offload tier."),
         }
         for name, (value, text) in counters.items():
             family = f"{PREFIX}_{name}"

@@ -1,0 +1,116 @@
+"""A scheduler + real KV tensors + the host tier, driven by a fake model that writes a known value for every
+(request, position) and checks, before each step, that every page a request reads still holds its values."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from transformers_cb.cache.cache_allocator import CacheAllocator
+from transformers_cb.cache.host_pool import HostKVCache
+from transformers_cb.cache.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
+from transformers_cb.cache.offload import CpuOffload
+from transformers_cb.cache.paged_cache import PagedKVCache
+from transformers_cb.cache.swap import SwapCopier
+from transformers_cb.engine import make_allocator
+from transformers_cb.requests import Request
+from transformers_cb.scheduler import ScheduledBatch, Scheduler, make_policy
+
+
+def make_request(request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Request:
+    prompt = [10 + zlib.crc32(f"{request_id}/{i}".encode()) % 200 for i in range(num_prompt_tokens)]
+    return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new_tokens)
+
+
+class Rig:
+    """Args: num_pages / host_pages: pages of each group in the device / host tier (host 0: no offload);
+    sliding_window: adds a second, sliding group (layer 1) next to the full one (layer 0)."""
+
+    def __init__(
+        self, num_pages: int, host_pages: int, page_size: int = 4, sliding_window: int | None = None
+    ) -> None:
+        self.groups = [KVGroupSpec(FULL_ATTENTION, (0,))]
+        if sliding_window is not None:
+            self.groups.append(KVGroupSpec(SLIDING_ATTENTION, (1,), sliding_window))
+        self.page_size = page_size
+        self.cache = PagedKVCache(
+            len(self.groups), num_pages, page_size, 1, 2, torch.float32, torch.device("cpu"), self.groups
+        )
+        self.allocators = [
+            make_allocator(spec, pool, page_size, g)
+            for g, (spec, pool) in enumerate(zip(self.groups, self.cache.pools, strict=True))
+        ]
+        self.offload = None
+        if host_pages:
+            self.host = HostKVCache(self.cache, host_pages)
+            copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
+            self.offload = CpuOffload(self.allocators, self.host, copier)
+        self.scheduler = Scheduler(
+            CacheAllocator(self.allocators, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
+        )
+        self.steps = 0
+
+    def value(self, request: Request, position: int) -> float:
+        return float(zlib.crc32(request.request_id.encode()) % 1000 * 1000 + position)
+
+    def slot(self, request: Request, group: int, position: int) -> int:
+        pages = request.group_pages(group)
+        return pages.page_ids[position // self.page_size - pages.first_page] * self.page_size + (
+            position % self.page_size
+        )
+
+    def readable(self, request: Request, group: int, end: int) -> range:
+        start = self.allocators[group].first_needed_page(end) * self.page_size
+        return range(start, end)
+
+    def check_kv(self, request: Request, end: int) -> None:
+        """Every position [.., end) the request's next query reads holds its value, in every layer, K and V."""
+        for g, spec in enumerate(self.groups):
+            layer = spec.layer_indices[0]
+            for position in self.readable(request, g, end):
+                slot = self.slot(request, g, position)
+                expected = self.value(request, position)
+                assert self.cache.keys[layer][slot, 0, 0].item() == expected, (
+                    request.request_id,
+                    g,
+                    position,
+                )
+                assert self.cache.values[layer][slot, 0, 1].item() == -expected, (
+                    request.request_id,
+                    g,
+                    position,
+                )
+
+    def step(self) -> ScheduledBatch:
+        batch = self.scheduler.schedule()
+        self.execute(batch)
+        return batch
+
+    def execute(self, batch: ScheduledBatch) -> None:
+        """Run a scheduled step: the planned copies, then write and check the KV, then sample."""
+        if self.offload is not None:
+            self.offload.run_copies()
+        sampled = []
+        for entry in batch.entries:
+            request = entry.request
+            self.check_kv(request, entry.start)
+            for position in range(entry.start, entry.end):
+                for g, spec in enumerate(self.groups):
+                    slot = self.slot(request, g, position)
+                    layer = spec.layer_indices[0]
+                    self.cache.keys[layer][slot] = self.value(request, position)
+                    self.cache.values[layer][slot] = -self.value(request, position)
+            if entry.samples:
+                sampled.append((10 + sum(request.all_token_ids) % 200, None))
+        self.scheduler.update(batch, sampled)
+        self.steps += 1
+        self.check_integrity()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()  # device pools (with kept shared pages), host pools, queues
+
+    def run(self, max_steps: int = 500) -> None:
+        while self.scheduler.has_work():
+            self.step()
+            assert self.steps < max_steps, "no progress"

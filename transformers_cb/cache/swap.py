@@ -1,0 +1,149 @@
+"""`SwapCopier`: the page copies between the device tier and the host tier, batched per step.
+
+The scheduler decides swaps as plain page ids (`SwapPlan`); the engine hands the step's plan to the
+copier before the forward. Each direction is one gather and one scatter per KV layer group, whatever
+the number of pages and requests: all layers of a group, K and V, move in one `index_select` along the
+page dimension of the group tensor `[2, layers, pages, page_size, kv heads, head_dim]`.
+
+Ordering inside a step: a page freed by a swap-out may be handed to a swap-in (or to a request that
+writes it in this forward) in the same step, and a host page freed by a swap-in may receive a swap-out.
+So both gathers run before both scatters, and everything runs before the forward writes the cache.
+
+On CUDA the copies run on a side stream. The forward waits (an event) only for what it must: the
+device-side gather of swapped-out pages (their pages may be reused) and swapped-in pages landing.
+The device-to-host transfer overlaps the forward; its host scatter happens at the next plan (or
+`synchronize()`), after its event. On a CPU device every copy is synchronous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..invariants import check
+
+
+@dataclass
+class SwapPlan:
+    """Copies decided by one `schedule()`, per KV group `g`: `out_src[g][i]` (device page) goes to
+    `out_dst[g][i]` (host page), `in_src[g][i]` (host page) goes to `in_dst[g][i]` (device page)."""
+
+    num_groups: int
+    out_src: list[list[int]] = field(default_factory=list)
+    out_dst: list[list[int]] = field(default_factory=list)
+    in_src: list[list[int]] = field(default_factory=list)
+    in_dst: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for lists in (self.out_src, self.out_dst, self.in_src, self.in_dst):
+            lists.extend([] for _ in range(self.num_groups - len(lists)))
+
+    @property
+    def is_empty(self) -> bool:
+        return not any(self.out_src) and not any(self.in_src)
+
+
+@dataclass
+class _PendingOut:
+    """A CUDA swap-out whose pages are on their way to pinned `staging`; scattered once `done`."""
+
+    done: torch.cuda.Event
+    staging: torch.Tensor
+    group: int
+    host_ids: torch.Tensor
+
+
+class SwapCopier:
+    """Args: device_tensors / host_tensors: the group tensors of the two tiers (same shapes but pages)."""
+
+    def __init__(self, device_tensors: list[torch.Tensor], host_tensors: list[torch.Tensor]) -> None:
+        check(len(device_tensors) == len(host_tensors), "one host tensor per device group tensor")
+        self.device_tensors = device_tensors
+        self.host_tensors = host_tensors
+        self.device = device_tensors[0].device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pending: list[_PendingOut] = []  # CUDA: swap-outs not scattered into the host pool yet
+        self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # swap-in staging kept alive
+        self.num_copies = 0  # gather + scatter pairs run (one per group and direction per step)
+
+    @torch.inference_mode()
+    def run(self, plan: SwapPlan) -> None:
+        if plan.is_empty:
+            self._collect(wait=False)
+            return
+        if self.cuda:
+            self._run_cuda(plan)
+        else:
+            self._run_sync(plan)
+
+    def synchronize(self) -> None:
+        """Every copy issued so far has landed in its tier (tests, shutdown)."""
+        self._collect(wait=True)
+
+    # -- CPU device: plain synchronous copies ------------------------------------------------------
+    def _run_sync(self, plan: SwapPlan) -> None:
+        out, into = [], []
+        for g in range(plan.num_groups):  # both gathers first: see the module docstring
+            if plan.out_src[g]:
+                out.append((g, self.device_tensors[g].index_select(2, _ids(plan.out_src[g], self.device))))
+            if plan.in_src[g]:
+                into.append((g, self.host_tensors[g].index_select(2, _ids(plan.in_src[g], "cpu"))))
+        for g, pages in into:
+            self.device_tensors[g].index_copy_(2, _ids(plan.in_dst[g], self.device), pages.to(self.device))
+        for g, pages in out:
+            self.host_tensors[g].index_copy_(2, _ids(plan.out_dst[g], "cpu"), pages.to("cpu"))
+        self.num_copies += len(out) + len(into)
+
+    # -- CUDA: a side stream ordered with events ---------------------------------------------------
+    def _run_cuda(self, plan: SwapPlan) -> None:
+        # Swap-ins read the host pool: earlier swap-outs must have landed there first.
+        self._collect(wait=any(plan.in_src))
+        main = torch.cuda.current_stream(self.device)
+        side = self.stream
+        # Pages to gather were written by earlier forwards; fresh pages may still be read by them.
+        side.wait_stream(main)
+        gathered = []
+        with torch.cuda.stream(side):
+            for g in range(plan.num_groups):
+                if plan.out_src[g]:
+                    ids = _ids(plan.out_src[g], "cpu").to(self.device, non_blocking=True)
+                    gathered.append((g, self.device_tensors[g].index_select(2, ids)))
+            for g in range(plan.num_groups):
+                if not plan.in_src[g]:
+                    continue
+                host = self.host_tensors[g]
+                shape = (host.shape[0], host.shape[1], len(plan.in_src[g]), *host.shape[3:])
+                staging = torch.empty(shape, dtype=host.dtype, pin_memory=True)
+                torch.index_select(host, 2, _ids(plan.in_src[g], "cpu"), out=staging)
+                pages = staging.to(self.device, non_blocking=True)
+                ids = _ids(plan.in_dst[g], "cpu").to(self.device, non_blocking=True)
+                self.device_tensors[g].index_copy_(2, ids, pages)
+                landed = torch.cuda.Event()
+                landed.record(side)
+                self._in_flight.append((landed, staging))
+            ready = torch.cuda.Event()
+            ready.record(side)
+            for g, pages in gathered:
+                staging = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
+                staging.copy_(pages, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(side)
+                self._pending.append(_PendingOut(done, staging, g, _ids(plan.out_dst[g], "cpu")))
+        main.wait_event(
+            ready
+        )  # the forward waits for the gathers and the swap-ins, not for the transfers out
+        self.num_copies += len(gathered) + sum(1 for ids in plan.in_src if ids)
+
+    def _collect(self, wait: bool) -> None:
+        """Scatter finished swap-outs into the host pool (all of them, waiting, when `wait`), in order."""
+        while self._pending and (wait or self._pending[0].done.query()):
+            pending = self._pending.pop(0)
+            pending.done.synchronize()
+            self.host_tensors[pending.group].index_copy_(2, pending.host_ids, pending.staging)
+        self._in_flight = [(event, staging) for event, staging in self._in_flight if not event.query()]
+
+
+def _ids(page_ids: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(page_ids, dtype=torch.int64, device=device)
