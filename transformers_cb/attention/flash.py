@@ -26,7 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .eager import eager_attention_forward
 from .flash_kernels import FlashKernel, load_flash_kernel
 from .metadata import AttentionMetadata
-from .paged import METADATA_KWARG, check_window, unsupported_kwargs
+from .paged import make_forward
 
 
 def _window_size(window: int | None) -> tuple[int, int]:
@@ -123,32 +123,10 @@ def flash_paged_attention(
 def make_flash_forward(name: str) -> Callable:
     """The function registered in transformers' `AttentionInterface` for flash backend `name`."""
 
-    def forward(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        metadata = kwargs.pop(METADATA_KWARG, None)
-        if metadata is None:
-            plain = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
-            run = eager_attention_forward if plain else sdpa_attention_forward
-            return run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        sliding_window = kwargs.pop("sliding_window", None)
-        softcap = kwargs.pop("softcap", None)
-        sinks = kwargs.pop("s_aux", None)
-        unsupported_kwargs(kwargs)
-        check_window(module.layer_idx, sliding_window, metadata.group_of(module.layer_idx).sliding_window)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    def run(query, key, value, layer_idx, metadata, scale, softcap, sinks) -> torch.Tensor:
         kernel = load_flash_kernel(name)
-        out = flash_paged_attention(
-            query, key, value, module.layer_idx, metadata, scale, kernel, softcap, sinks
-        )
-        return out, None
+        return flash_paged_attention(query, key, value, layer_idx, metadata, scale, kernel, softcap, sinks)
 
-    forward.__name__ = forward.__qualname__ = f"flash_paged_attention_forward[{name}]"
-    return forward
+    return make_forward(
+        run, sdpa_attention_forward, f"flash_paged_attention_forward[{name}]", eager_attention_forward
+    )

@@ -93,6 +93,10 @@ def paged_attention(
     return out.unsqueeze(0)
 
 
+# A paged kernel as the forwards below call it: (query, key, value, layer_idx, metadata, scale, softcap, sinks).
+PagedRun = Callable[..., torch.Tensor]
+
+
 def make_paged_forward(
     attend: Attend, fallback: Callable, name: str, plain_fallback: Callable | None = None
 ) -> Callable:
@@ -102,6 +106,18 @@ def make_paged_forward(
     otherwise (e.g. plain `generate()` on a paged model) it behaves like `fallback`, or like
     `plain_fallback` for layers `fallback` cannot run (softcapping, sinks).
     """
+
+    def run(query, key, value, layer_idx, metadata, scale, softcap, sinks) -> torch.Tensor:
+        return paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks)
+
+    return make_forward(run, fallback, name, plain_fallback)
+
+
+def make_forward(
+    run: PagedRun, fallback: Callable, name: str, plain_fallback: Callable | None = None
+) -> Callable:
+    """An `AttentionInterface` function: `run` inside continuous batching, the fallbacks outside it
+    (see `make_paged_forward`). Shared by the paged torch backends and the flash ones."""
 
     def forward(
         module: torch.nn.Module,
@@ -116,16 +132,17 @@ def make_paged_forward(
         metadata = kwargs.pop(METADATA_KWARG, None)
         if metadata is None:
             needs_plain = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
-            run = plain_fallback if needs_plain and plain_fallback is not None else fallback
-            return run(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            plain = plain_fallback if needs_plain and plain_fallback is not None else fallback
+            return plain(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
         sliding_window = kwargs.pop("sliding_window", None)
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
         unsupported_kwargs(kwargs)
         check_window(module.layer_idx, sliding_window, metadata.group_of(module.layer_idx).sliding_window)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = paged_attention(query, key, value, module.layer_idx, metadata, scale, attend, softcap, sinks)
-        return out, None
+        return run(query, key, value, module.layer_idx, metadata, scale, softcap, sinks), None
 
     forward.__name__ = forward.__qualname__ = name
     return forward
