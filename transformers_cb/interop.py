@@ -58,7 +58,6 @@ def from_transformers_config(config: Any) -> ContinuousBatchingConfig:
     Raises:
         ValueError: a field set on `config` that ours does not know (named), or an invalid value
             (our validation's message).
-        NotImplementedError: a feature not built yet, exactly as our own class raises it.
     """
     carried: dict[str, Any] = {}
     for name, value in _explicit_fields(config).items():
