@@ -55,6 +55,15 @@ def _run(engine: Engine, model, prompts) -> list:
     return requests
 
 
+def _run_matches_generate(engine: Engine, model) -> None:
+    """Four ragged prompts through `engine`; each equals plain greedy `generate()` (run with sdpa)."""
+    prompts = random_prompts([13, 2, 30, 7], seed=6)
+    requests = _run(engine, model, prompts)
+    model.set_attn_implementation("sdpa")
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.generated_ids == greedy_reference(model, prompt, 10)
+
+
 # -- bucketing and the LRU cache -----------------------------------------------------------------
 
 
@@ -94,11 +103,7 @@ def test_graph_steps_match_generate_and_stay_within_max_cached_graphs(graphs_on_
     model.set_attn_implementation(FA2)
     config = _config(q_padding_interval_size=4, max_cached_graphs=2, max_batch_tokens=16)
     engine = Engine(model, GREEDY, config)
-    prompts = random_prompts([13, 2, 30, 7], seed=6)
-    requests = _run(engine, model, prompts)
-    model.set_attn_implementation("sdpa")
-    for request, prompt in zip(requests, prompts, strict=True):
-        assert request.generated_ids == greedy_reference(model, prompt, 10)
+    _run_matches_generate(engine, model)
     graphs = engine.runner.graphs
     assert graphs is not None and 1 <= len(graphs.graphs) <= 2
     paths = {key.path for key in graphs.graphs.ordered_keys()}
@@ -192,11 +197,7 @@ def test_capture_and_replay_on_cuda(graphs_on_cpu, async_batching: bool) -> None
     model.set_attn_implementation(FA2)
     config = _config(q_padding_interval_size=8, use_async_batching=async_batching)
     engine = Engine(model, GREEDY, config)
-    prompts = random_prompts([13, 2, 30, 7], seed=6)
-    requests = _run(engine, model, prompts)
-    model.set_attn_implementation("sdpa")
-    for request, prompt in zip(requests, prompts, strict=True):
-        assert request.generated_ids == greedy_reference(model, prompt, 10)
+    _run_matches_generate(engine, model)
     graphs = engine.runner.graphs
     assert graphs.captures > 0 and sum(e.replays for e in graphs.graphs.values()) > graphs.captures
     assert {key.buffer for key in graphs.graphs.ordered_keys()} == ({0, 1} if async_batching else {0})
