@@ -656,7 +656,7 @@ def _capture_ours_counters():
     engines; empty if the core's layout differs (then the caller falls back to an estimate)."""
     engines: list[Any] = []
     try:
-        import transformers_cb.generation as generation_module
+        import transformers_cb.api.generate_batch as generation_module
     except ImportError:
         yield engines
         return

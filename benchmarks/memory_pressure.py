@@ -52,7 +52,7 @@ def pressure_num_blocks(workload: common.Workload, page_size: int) -> int:
 def run_ours(model, workload: common.Workload, cb_kwargs: dict[str, Any]) -> tuple[common.RunResult, dict]:
     """`generate_batch` under `cb_kwargs`; returns the result and the engine's preemption / swap counters."""
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.engine import Engine
+    from transformers_cb.engine.engine import Engine
 
     engines: list[Engine] = []
     original = Engine.step

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from transformers_cb.conformance_check import main
+from transformers_cb.tools.conformance_check import main
 
 if __name__ == "__main__":
     sys.exit(main())

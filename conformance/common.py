@@ -35,10 +35,12 @@ from transformers import (
 
 import transformers_cb  # noqa: F401  (installs the plugin)
 from transformers_cb.attention.metadata import AttentionMetadata
-from transformers_cb.batch import BatchPacker
-from transformers_cb.cache.layer_groups import SLIDING_ATTENTION, KVGroupSpec
-from transformers_cb.cache.paged_cache import PagedKVCache
-from transformers_cb.conformance_check import (
+from transformers_cb.engine.scheduler import ScheduledBatch, ScheduledRequest
+from transformers_cb.kv.layer_groups import SLIDING_ATTENTION, KVGroupSpec
+from transformers_cb.memory.kv_cache import PagedKVCache
+from transformers_cb.requests import GenerationOutput, PageList, Request, RequestStatus
+from transformers_cb.runner.packing import BatchPacker
+from transformers_cb.tools.conformance_check import (
     Mismatch,
     compare_tokens,
     count_preemptions,
@@ -46,8 +48,6 @@ from transformers_cb.conformance_check import (
     greedy_config,
     reference_greedy,
 )
-from transformers_cb.requests import GenerationOutput, PageList, Request, RequestStatus
-from transformers_cb.scheduler import ScheduledBatch, ScheduledRequest
 
 __all__ = [
     "Mismatch",

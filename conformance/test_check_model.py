@@ -11,7 +11,7 @@ import pytest
 
 from conformance.common import build_tiny_model
 from transformers_cb import conformance_check
-from transformers_cb.scheduler import Scheduler
+from transformers_cb.engine.scheduler import Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

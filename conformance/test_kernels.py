@@ -23,7 +23,7 @@ from transformers_cb.attention.native import native_module
 from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
-from transformers_cb.batch import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_WORK, group_decodes
+from transformers_cb.runner.packing import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_WORK, group_decodes
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
 # "native": the native CPU kernel for decodes and short chunks, sdpa for the long chunks.

@@ -31,7 +31,7 @@ from conformance.common import (
     vocab_size,
 )
 from transformers_cb import GenerationOutput, RequestStatus
-from transformers_cb.conformance_check import next_token_logits
+from transformers_cb.tools.conformance_check import next_token_logits
 
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16, 256)

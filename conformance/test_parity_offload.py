@@ -32,9 +32,9 @@ from conformance.common import (
     vocab_size,
 )
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.cache.layer_groups import kv_groups_from_config
-from transformers_cb.cache.sizing import max_pages_held
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
+from transformers_cb.kv.layer_groups import kv_groups_from_config
+from transformers_cb.memory.sizing import max_pages_held
 
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16)

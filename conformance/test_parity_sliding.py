@@ -32,7 +32,7 @@ from conformance.common import (
     using_backend,
     vocab_size,
 )
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
 
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16)

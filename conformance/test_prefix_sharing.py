@@ -27,7 +27,7 @@ from conformance.common import (
 )
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
 
 MAX_NEW_TOKENS = 8
 VOCAB = 300

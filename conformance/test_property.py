@@ -31,8 +31,8 @@ from conformance.common import (
     vocab_size,
 )
 from transformers_cb import RequestStatus
-from transformers_cb.engine import WARMUP_REQUEST_ID, Engine
-from transformers_cb.scheduler import Scheduler
+from transformers_cb.engine.engine import WARMUP_REQUEST_ID, Engine
+from transformers_cb.engine.scheduler import Scheduler
 
 MAX_NEW_TOKENS = 10
 PROPERTY_FAMILIES = ("llama", *SLIDING_FAMILIES)

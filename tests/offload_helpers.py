@@ -7,15 +7,15 @@ import zlib
 
 import torch
 
-from transformers_cb.cache.cache_allocator import CacheAllocator
-from transformers_cb.cache.host_pool import HostKVCache
-from transformers_cb.cache.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
-from transformers_cb.cache.offload import CpuOffload
-from transformers_cb.cache.paged_cache import PagedKVCache
-from transformers_cb.cache.swap import SwapCopier
-from transformers_cb.engine import make_allocator
+from transformers_cb.engine.engine import make_allocator
+from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
+from transformers_cb.kv.offload import CpuOffload
+from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.memory.host_cache import HostKVCache
+from transformers_cb.memory.kv_cache import PagedKVCache
+from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
-from transformers_cb.scheduler import ScheduledBatch, Scheduler, make_policy
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Request:
@@ -47,7 +47,7 @@ class Rig:
             copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
             self.offload = CpuOffload(self.allocators, self.host, copier)
         self.scheduler = Scheduler(
-            CacheAllocator(self.allocators, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
+            PageManager(self.allocators, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
         )
         self.steps = 0
 

@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 
 from tests.helpers import VOCAB_SIZE, greedy_reference, random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.runner import ModelRunner
+from transformers_cb.runner.model_runner import ModelRunner
 
 SMALL_CACHE = ContinuousBatchingConfig(page_size=16)
 

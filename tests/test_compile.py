@@ -10,8 +10,8 @@ from transformers import CompileConfig, GenerationConfig
 from tests.helpers import greedy_reference, random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.compile_plan import DECODE, VARLEN, level_compile_config, resolve_compile_plan
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
+from transformers_cb.runner.compile_plan import DECODE, VARLEN, level_compile_config, resolve_compile_plan
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ from transformers import CompileConfig, GenerationConfig
 
 from tests.helpers import TINY_SHAPE, random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb import generation as generation_module
-from transformers_cb.cache import sizing
-from transformers_cb.cache.sizing import ModelShape, resolve_sizing
-from transformers_cb.generation_fields import resolve_generation_config
+from transformers_cb.api import generate_batch as generation_module
+from transformers_cb.config.generation_fields import resolve_generation_config
+from transformers_cb.memory import sizing
+from transformers_cb.memory.sizing import ModelShape, resolve_sizing
 
 CPU = torch.device("cpu")
 GiB = 2**30
@@ -479,12 +479,12 @@ def test_explicit_decode_fast_path_falls_back_with_a_warning(caplog) -> None:
 
     model = tiny_llama()
     generation_config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
-    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine"):
+    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
         out = model.generate_batch(
             [[5, 6, 7]], generation_config, ContinuousBatchingConfig(), progress_bar=False
         )
     assert "fast path" not in caplog.text
-    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine"):
+    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
         fallback = model.generate_batch(
             [[5, 6, 7]],
             generation_config,

@@ -16,15 +16,15 @@ from transformers import GenerationConfig
 from tests import flash_double
 from tests.helpers import greedy_reference, random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb import engine as engine_module
-from transformers_cb.async_batching import BufferTurns
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA2
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.compile_plan import DECODE, VARLEN
-from transformers_cb.config import resolve_device_options
-from transformers_cb.cuda_graphs import GraphKey, LRUCache, padded_length
-from transformers_cb.engine import Engine
+from transformers_cb.config.continuous_batching import resolve_device_options
+from transformers_cb.engine import engine as engine_module
+from transformers_cb.engine.engine import Engine
+from transformers_cb.runner.async_batching import BufferTurns
+from transformers_cb.runner.compile_plan import DECODE, VARLEN
+from transformers_cb.runner.cuda_graphs import GraphKey, LRUCache, padded_length
 
 GREEDY = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 CUDA = torch.cuda.is_available()

@@ -27,7 +27,7 @@ from transformers_cb.attention.flash_kernels import (
     FlashKernelUnavailable,
     load_flash_kernel,
 )
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
 
 GREEDY = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
 

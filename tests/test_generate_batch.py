@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 import transformers_cb
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
 
 from .helpers import greedy_reference, random_prompts, tiny_llama
 
@@ -120,13 +120,13 @@ def test_cpu_defaults_are_sized_to_the_work(model, prompts) -> None:
 
 
 def test_generate_batch_is_our_function_and_uninstall_restores(model) -> None:
-    assert type(model).generate_batch.__module__ == "transformers_cb.generation"
+    assert type(model).generate_batch.__module__ == "transformers_cb.api.generate_batch"
     transformers_cb.uninstall()
     try:
-        assert type(model).generate_batch.__module__ != "transformers_cb.generation"
+        assert type(model).generate_batch.__module__ != "transformers_cb.api.generate_batch"
     finally:
         transformers_cb.install()
-    assert type(model).generate_batch.__module__ == "transformers_cb.generation"
+    assert type(model).generate_batch.__module__ == "transformers_cb.api.generate_batch"
 
 
 def test_a_job_that_fits_is_admitted_at_once(model) -> None:

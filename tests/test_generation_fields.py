@@ -7,7 +7,7 @@ import pytest
 from transformers import GenerationConfig
 
 from tests.helpers import tiny_llama
-from transformers_cb.generation_fields import (
+from transformers_cb.config.generation_fields import (
     HARMLESS,
     IMPLEMENTED,
     NEUTRAL,
@@ -47,7 +47,7 @@ def test_every_generation_config_field_is_classified_exactly_once():
     unclassified = fields - IMPLEMENTED - set(HARMLESS) - REFUSED
     assert not unclassified, (
         f"GenerationConfig fields new to transformers_cb: {sorted(unclassified)}; classify each in "
-        "transformers_cb/generation_fields.py (implemented, harmless with a reason, or refused)"
+        "transformers_cb/config/generation_fields.py (implemented, harmless with a reason, or refused)"
     )
     names = [name for table in tables.values() for name in table]
     assert len(names) == len(set(names)), "a field is in two tables"
@@ -75,7 +75,7 @@ def test_each_refused_field_away_from_its_default_raises_naming_it(name):
 
 
 def test_an_unknown_field_away_from_its_default_is_refused(monkeypatch):
-    import transformers_cb.generation_fields as fields
+    import transformers_cb.config.generation_fields as fields
 
     monkeypatch.setattr(fields, "field_names", lambda: ["brand_new_option"])
     config = GenerationConfig()

@@ -19,9 +19,9 @@ from transformers.generation.continuous_batching.utils import WorkloadHints as H
 
 import transformers_cb
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
-from transformers_cb.generation import CACHED_ENGINE_ATTR
-from transformers_cb.interop import as_cb_config, from_transformers_config
-from transformers_cb.manager_api import CACHED_MANAGER_ATTR
+from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
+from transformers_cb.api.model_methods import CACHED_MANAGER_ATTR
+from transformers_cb.config.interop import as_cb_config, from_transformers_config
 
 from .helpers import greedy_reference, random_prompts, tiny_llama
 
@@ -209,15 +209,18 @@ def _public_parameters(function) -> set[str]:
 @pytest.mark.parametrize(
     ("theirs", "ours"),
     [
-        (ContinuousMixin.generate_batch, transformers_cb.generation.generate_batch),
-        (ContinuousMixin.init_continuous_batching, transformers_cb.manager_api.init_continuous_batching),
+        (ContinuousMixin.generate_batch, transformers_cb.api.generate_batch.generate_batch),
+        (
+            ContinuousMixin.init_continuous_batching,
+            transformers_cb.api.model_methods.init_continuous_batching,
+        ),
         (
             ContinuousMixin.continuous_batching_context_manager,
-            transformers_cb.manager_api.continuous_batching_context_manager,
+            transformers_cb.api.model_methods.continuous_batching_context_manager,
         ),
         (
             ContinuousMixin.destroy_cached_continuous_batching_manager,
-            transformers_cb.manager_api.destroy_cached_continuous_batching_manager,
+            transformers_cb.api.model_methods.destroy_cached_continuous_batching_manager,
         ),
     ]
     + [
@@ -346,7 +349,7 @@ def test_join_waits_for_the_thread(model, prompts) -> None:
     manager.destroy()
 
 
-@pytest.mark.parametrize("hints_cls", [HFHints, transformers_cb.interop.WorkloadHints])
+@pytest.mark.parametrize("hints_cls", [HFHints, transformers_cb.config.interop.WorkloadHints])
 def test_workload_hints_size_cache_and_block_tables(model, prompts, hints_cls) -> None:
     hints = hints_cls(max_prompt_length=20, max_generated_length=12, num_requests=3)
     config = ContinuousBatchingConfig(page_size=16)
@@ -364,7 +367,7 @@ def test_workload_hints_size_cache_and_block_tables(model, prompts, hints_cls) -
         assert ctx.get_result(rid, timeout=30).generated_tokens == greedy_reference(model, long_prompt, 5)
     manager.destroy()
     with pytest.raises(ValueError, match="num_requests"):
-        transformers_cb.interop.as_workload_hints({"max_prompt_length": 1, "num_requests": -1})
+        transformers_cb.config.interop.as_workload_hints({"max_prompt_length": 1, "num_requests": -1})
 
 
 # -- TRL's way of calling generate_batch -------------------------------------------------------

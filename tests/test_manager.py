@@ -29,11 +29,11 @@ from transformers_cb import (
     ManagerStats,
     RequestStatus,
 )
-from transformers_cb.manager_api import CACHED_MANAGER_ATTR
+from transformers_cb.api.model_methods import CACHED_MANAGER_ATTR
 
 CB_CONFIG = {"page_size": 16, "num_blocks": 64}
 TIMEOUT = 30.0  # generous: a hang becomes a failure, a slow shared CPU does not
-MANAGER_LOGGER = "transformers_cb.manager"
+MANAGER_LOGGER = "transformers_cb.manager.manager"
 PROMPTS = random_prompts([4, 7, 11, 5, 9, 13, 6, 8], seed=1)
 
 

@@ -27,9 +27,9 @@ from tests.test_manager import (  # noqa: F401 - fixtures
     wait_for,
 )
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
 from transformers_cb.invariants import InvariantError
-from transformers_cb.manager_loop import NOT_RUN_ERROR
+from transformers_cb.manager.loop import NOT_RUN_ERROR
 
 
 def slow_forward(manager, seconds: float = 0.01) -> None:

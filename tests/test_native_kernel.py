@@ -24,9 +24,9 @@ from conformance.common import (
     vocab_size,
 )
 from transformers_cb.attention import native, paged
-from transformers_cb.batch import BatchPacker
-from transformers_cb.cache.paged_cache import PagedKVCache
-from transformers_cb.runner import ModelRunner
+from transformers_cb.memory.kv_cache import PagedKVCache
+from transformers_cb.runner.model_runner import ModelRunner
+from transformers_cb.runner.packing import BatchPacker
 
 pytestmark = pytest.mark.skipif(
     native.native_module() is None,

@@ -15,7 +15,7 @@ import torch
 
 from tests.offload_helpers import Rig, make_request
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.cache.host_pool import GIB, HostKVCache, host_page_bytes, resolve_host_pages
+from transformers_cb.memory.host_cache import GIB, HostKVCache, host_page_bytes, resolve_host_pages
 from transformers_cb.requests import RequestStatus
 
 
@@ -228,10 +228,10 @@ def test_host_pool_sizing() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
-    from transformers_cb.cache.offload import CpuOffload
-    from transformers_cb.cache.paged_cache import PagedKVCache
-    from transformers_cb.cache.swap import SwapCopier
-    from transformers_cb.engine import make_allocator
+    from transformers_cb.engine.engine import make_allocator
+    from transformers_cb.kv.offload import CpuOffload
+    from transformers_cb.memory.kv_cache import PagedKVCache
+    from transformers_cb.memory.swap import SwapCopier
 
     device = torch.device("cuda")
     cache = PagedKVCache(2, 8, 4, 1, 2, torch.float32, device)
@@ -258,7 +258,7 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
 
 
 def test_make_offload_off_on_and_refused_with_tensor_parallelism() -> None:
-    from transformers_cb.cache.offload import make_offload
+    from transformers_cb.kv.offload import make_offload
 
     rig = Rig(num_pages=4, host_pages=1)
     page_bytes = host_page_bytes(rig.cache)
@@ -277,7 +277,7 @@ def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
     from unittest import mock
 
     from tests.helpers import random_prompts, tiny_llama
-    from transformers_cb.engine import Engine
+    from transformers_cb.engine.engine import Engine
 
     model = tiny_llama()
     engines = []
@@ -339,7 +339,7 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
 def test_recomputed_tokens_count_what_runs_again() -> None:
     """Counted as they run: a request dropped at 10 computed tokens that re-runs [0, 6) then [6, 12) counts
     10; one dropped again before catching up keeps its older, larger mark; a cancelled one is forgotten."""
-    from transformers_cb.stats import RecomputeCounter
+    from transformers_cb.manager.stats import RecomputeCounter
 
     counter = RecomputeCounter()
     counter.dropped("a", 10)

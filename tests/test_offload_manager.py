@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import greedy_reference, random_prompts, tiny_llama
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.engine import Engine
+from transformers_cb.engine.engine import Engine
 
 TIMEOUT = 30.0
 MAX_NEW = 12

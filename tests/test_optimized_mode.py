@@ -35,16 +35,16 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     import sys
     if not sys.flags.optimize:
         sys.exit("not running under -O")
-    from transformers_cb.cache.allocator import FullAttentionAllocator
-    from transformers_cb.cache.cache_allocator import CacheAllocator
-    from transformers_cb.cache.layer_groups import FULL_ATTENTION, KVGroupSpec
-    from transformers_cb.cache.pool import PagePool
+    from transformers_cb.kv.page_policies import FullAttentionAllocator
+    from transformers_cb.kv.page_manager import PageManager
+    from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+    from transformers_cb.kv.pool import PagePool
     from transformers_cb.invariants import InvariantError
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.scheduler import Scheduler, make_policy
+    from transformers_cb.engine.scheduler import Scheduler, make_policy
 
     pool = PagePool(8)
-    allocator = CacheAllocator([FullAttentionAllocator(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
+    allocator = PageManager([FullAttentionAllocator(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
     scheduler = Scheduler(allocator, 64, 64, 0.0, make_policy("fifo"))
     running = Request(request_id="a", prompt_ids=list(range(10, 20)), max_new_tokens=4)
     scheduler.add(running)

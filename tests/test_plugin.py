@@ -12,11 +12,11 @@ from transformers.models.llama import modeling_llama
 import transformers_cb
 from tests.helpers import TINY_MODELS, greedy_reference, random_prompts, tiny_llama
 from transformers_cb import plugin
+from transformers_cb.api.generate_batch import generate_batch
 from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_paged_attention_forward
 from transformers_cb.attention.sdpa import sdpa_paged_attention_forward
-from transformers_cb.generation import generate_batch
-from transformers_cb.runner import ModelRunner
+from transformers_cb.runner.model_runner import ModelRunner
 
 MODEL_METHODS = [
     "generate_batch",
@@ -101,7 +101,7 @@ def count_calls(monkeypatch, name: str) -> list[int]:
 def test_import_installs_model_methods() -> None:
     assert transformers_cb.is_installed()
     assert PreTrainedModel.generate_batch is generate_batch
-    assert PreTrainedModel.generate_batch.__module__ == "transformers_cb.generation"
+    assert PreTrainedModel.generate_batch.__module__ == "transformers_cb.api.generate_batch"
     # Ours wins over the built-in ContinuousMixin that model classes inherit from GenerationMixin.
     assert LlamaForCausalLM.generate_batch is generate_batch
     for name in MODEL_METHODS:

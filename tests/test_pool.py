@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from transformers_cb.cache.allocator import FullAttentionAllocator, num_pages_for
-from transformers_cb.cache.block_table import BlockTables
-from transformers_cb.cache.pool import PagePool
+from transformers_cb.kv.page_policies import FullAttentionAllocator, num_pages_for
+from transformers_cb.kv.pool import PagePool
+from transformers_cb.memory.block_tables import BlockTables
 from transformers_cb.requests import Request
 
 

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from transformers_cb.cache.allocator import FullAttentionAllocator, SlidingWindowAllocator
-from transformers_cb.cache.cache_allocator import CacheAllocator
-from transformers_cb.cache.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
-from transformers_cb.cache.pool import PagePool
-from transformers_cb.cache.prefix_cache import ROOT_KEY, page_key, request_keys
+from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
 from transformers_cb.invariants import InvariantError
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
+from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWindowAllocator
+from transformers_cb.kv.pool import PagePool
+from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
-from transformers_cb.scheduler import ScheduledBatch, Scheduler, make_policy
 
 PS = 4
 
 
 def sharing_scheduler(num_pages: int, max_batch_tokens: int = 64, sharing: bool = True) -> Scheduler:
-    allocator = CacheAllocator(
+    allocator = PageManager(
         [FullAttentionAllocator(PagePool(num_pages), PS)],
         [KVGroupSpec(FULL_ATTENTION, (0,))],
         sharing=sharing,
@@ -32,7 +32,7 @@ def hybrid_scheduler(num_pages: int, window: int) -> Scheduler:
         SlidingWindowAllocator(pools[1], PS, window, 1),
     ]
     specs = [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), window)]
-    return Scheduler(CacheAllocator(allocators, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
+    return Scheduler(PageManager(allocators, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
 
 
 def request(request_id: str, prompt: list[int], max_new_tokens: int = 2) -> Request:

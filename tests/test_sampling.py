@@ -10,10 +10,11 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
 from tests.helpers import random_prompts, tiny_llama
-from transformers_cb import ContinuousBatchingConfig, RequestStatus, warpers
+from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
-from transformers_cb.conformance_check import count_preemptions
-from transformers_cb.sampling_params import derive_seed
+from transformers_cb.sampling import warpers
+from transformers_cb.sampling.params import derive_seed
+from transformers_cb.tools.conformance_check import count_preemptions
 
 SAMPLED = GenerationConfig(
     max_new_tokens=6, do_sample=True, temperature=0.7, top_k=40, top_p=0.9, eos_token_id=None

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformers_cb.cache.allocator import FullAttentionAllocator
-from transformers_cb.cache.cache_allocator import CacheAllocator
-from transformers_cb.cache.layer_groups import FULL_ATTENTION, KVGroupSpec
-from transformers_cb.cache.pool import PagePool
+from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.kv.page_policies import FullAttentionAllocator
+from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
-from transformers_cb.scheduler import ScheduledBatch, Scheduler, make_policy
 
 EOS = 2
 FIRST_NORMAL_TOKEN = 10
@@ -29,7 +29,7 @@ def make_scheduler(
     safety_margin: float = 0.0,
     policy: str = "fifo",
 ) -> Scheduler:
-    allocator = CacheAllocator(
+    allocator = PageManager(
         [FullAttentionAllocator(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
     )
     return Scheduler(allocator, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy))

@@ -22,7 +22,7 @@ from tests.serve_helpers import (
     tiny_model_and_tokenizer,
     wait_until,
 )
-from transformers_cb.sampling import Samples
+from transformers_cb.sampling.sampler import Samples
 
 if MISSING:
     pytest.skip(requires_serve.kwargs["reason"], allow_module_level=True)

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from tests.serve_helpers import MISSING, requires_serve
 from transformers_cb.cli.tiny import build_tiny_tokenizer
+from transformers_cb.manager.stats import ManagerStats
 from transformers_cb.serve.metrics import Histogram, ServerMetrics
 from transformers_cb.serve.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopScanner
-from transformers_cb.stats import ManagerStats
 
 if MISSING:  # without the extra there is no pydantic for the request bodies
     ApiError = ChatCompletionRequest = CompletionRequest = parse_body = None

@@ -25,19 +25,19 @@ from transformers_cb.attention import paged as paged_module
 from transformers_cb.attention import sdpa as sdpa_module
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.native import native_paged_attention
-from transformers_cb.cache.allocator import FullAttentionAllocator, SlidingWindowAllocator
-from transformers_cb.cache.block_table import BlockTables
-from transformers_cb.cache.cache_allocator import CacheAllocator
-from transformers_cb.cache.layer_groups import (
+from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.model_support import check_model_supported
+from transformers_cb.kv.layer_groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     KVGroupSpec,
     kv_groups_from_config,
 )
-from transformers_cb.cache.paged_cache import PagedKVCache
-from transformers_cb.cache.pool import PagePool
-from transformers_cb.engine import Engine
-from transformers_cb.model_support import check_model_supported
+from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWindowAllocator
+from transformers_cb.kv.pool import PagePool
+from transformers_cb.memory.block_tables import BlockTables
+from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import PageList, Request
 
 
@@ -107,7 +107,7 @@ def test_window_of_one_token_can_drop_every_page() -> None:
 
 def test_cache_allocator_is_check_then_commit_across_groups() -> None:
     full_pool, sliding_pool = PagePool(3), PagePool(8)
-    allocator = CacheAllocator(
+    allocator = PageManager(
         [FullAttentionAllocator(full_pool, 4, 0), SlidingWindowAllocator(sliding_pool, 4, 4, 1)],
         [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), 4)],
     )
@@ -227,7 +227,7 @@ def test_manager_stats_report_pages_per_group() -> None:
 
 def test_max_blocks_per_request_is_forced_to_zero_on_sliding_models(caplog) -> None:
     model = build_tiny_model("mistral")
-    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine"):
+    with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
         engine = Engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
     assert engine.cb_config.max_blocks_per_request == 0
     assert "max_blocks_per_request=32 forced to 0" in caplog.text

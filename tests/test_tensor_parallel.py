@@ -19,8 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
 
-from transformers_cb.cache.sizing import ModelShape
 from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
+from transformers_cb.memory.sizing import ModelShape
 
 from .helpers import greedy_reference
 from .tp_worker import MAX_NEW, PROMPTS

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from .config import ContinuousBatchingConfig
-from .manager import ContinuousBatchingManager
+from .manager.manager import ContinuousBatchingManager
+from .manager.results import ManagerDeadError, UnknownRequestError
+from .manager.stats import ManagerStats
 from .plugin import install, is_installed, uninstall
 from .requests import GenerationOutput, RequestStatus
-from .results import ManagerDeadError, UnknownRequestError
-from .stats import ManagerStats
 
 __all__ = [
     "ContinuousBatchingConfig",

@@ -21,11 +21,11 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from . import manager_api
+from .api import model_methods
+from .api.generate_batch import generate_batch
 from .attention import PAGED_BACKENDS, PLAIN_COUNTERPART, mask_counterpart, register_flash_name
 from .attention.flash_kernels import is_flash_backend
 from .attention.selection import check_flash_backend
-from .generation import generate_batch
 
 _MISSING = object()
 _lock = threading.Lock()
@@ -34,9 +34,9 @@ _saved_registry: list[tuple[dict, str, Any]] = []  # (mapping, key, original or 
 
 MODEL_METHODS: dict[str, Callable] = {
     "generate_batch": generate_batch,
-    "init_continuous_batching": manager_api.init_continuous_batching,
-    "continuous_batching_context_manager": manager_api.continuous_batching_context_manager,
-    "destroy_cached_continuous_batching_manager": manager_api.destroy_cached_continuous_batching_manager,
+    "init_continuous_batching": model_methods.init_continuous_batching,
+    "continuous_batching_context_manager": model_methods.continuous_batching_context_manager,
+    "destroy_cached_continuous_batching_manager": model_methods.destroy_cached_continuous_batching_manager,
 }
 
 

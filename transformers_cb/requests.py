@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .request_sampling import RequestSampling
+    from .sampling.request_state import RequestSampling
 
 from .invariants import InvariantError
 

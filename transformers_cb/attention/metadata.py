@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from ..cache.paged_cache import PagedKVCache
+    from ..memory.kv_cache import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from ..cache.sizing import Sizing
+from ..engine.scheduler import ScheduledBatch, ScheduledRequest
+from ..memory.sizing import Sizing
 from ..requests import PageList, Request, RequestStatus
-from ..scheduler import ScheduledBatch, ScheduledRequest
 from .cpu_group import CpuGroup, TensorParallelError
 from .sharding import is_distributed, tp_process_group, tp_size_of
 

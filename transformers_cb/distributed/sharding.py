@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from ..cache.sizing import ModelShape
+from ..memory.sizing import ModelShape
 
 # The documents' reason for refusing `device_map` with `distributed_config` (guide, "Tensor parallelism").
 DEVICE_MAP_REASON = (

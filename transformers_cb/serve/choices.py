@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..manager.results import ManagerDeadError
 from ..requests import RequestStatus
-from ..results import ManagerDeadError
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner

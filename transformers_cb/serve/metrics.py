@@ -12,7 +12,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..stats import ManagerStats
+from ..manager.stats import ManagerStats
 
 PREFIX = "transformers_cb"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -1,0 +1,237 @@
+"""`generate_batch`: run many prompts to completion with continuous batching, in the caller's thread.
+
+NOTE: the loop runs in the caller's thread on purpose. A forward issued from a
+second OS thread is slower: grad / inference mode are thread-local (a bare thread
+records autograd graphs), and each thread that runs torch ops gets its own OpenMP
+team; with two teams alive, libgomp throttles every thread's spin-wait (or, with
+OMP_WAIT_POLICY=active, the idle team spins on a core): 1.02-1.47x measured on an
+idle 2-core machine, 1.9-2.3x with an active wait policy. The manager's thread
+avoids it with `threads.ThreadSettings`; see docs/design.md, "Threads and speed".
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..attention.selection import paged_attention
+from ..config.continuous_batching import ContinuousBatchingConfig
+from ..config.generation_fields import resolve_generation_config
+from ..config.interop import as_cb_config
+from ..engine.engine import Engine, EngineCounters
+from ..requests import GenerationOutput, Request
+from ..sampling.params import PER_REQUEST_KWARGS
+
+# generate_batch kwargs handed to the Engine as they are.
+ENGINE_KWARGS = ("tokenizer", "logits_processor")
+
+# Where `generate_batch(persistent_manager=True)` keeps its engine; see `manager_api` for the manager's.
+CACHED_ENGINE_ATTR = "_transformers_cb_engine"
+
+
+def take_cb_config(
+    generation_config: GenerationConfig | None, continuous_batching_config: Any
+) -> ContinuousBatchingConfig | None:
+    """The config to run with: ours, or transformers' converted into ours (see `interop`).
+
+    The deprecated `GenerationConfig.continuous_batching_config` still works, with a FutureWarning;
+    an explicit `continuous_batching_config` wins and the nested one is then neither used nor validated.
+    """
+    legacy = getattr(generation_config, "continuous_batching_config", None) if generation_config else None
+    if legacy is None:
+        return as_cb_config(continuous_batching_config)
+    warnings.warn(
+        "Setting continuous_batching_config on GenerationConfig is deprecated; pass "
+        "continuous_batching_config= to generate_batch / init_continuous_batching instead",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if continuous_batching_config is not None:
+        return as_cb_config(continuous_batching_config)
+    return as_cb_config(legacy, "GenerationConfig.continuous_batching_config")
+
+
+def _per_request(value: Any, count: int, name: str, lists_are_values: bool = False) -> list[Any]:
+    """`value` for every input, or its i-th element for input i when it is a per-input list.
+
+    `lists_are_values`: a flat list of str (`stop_strings=["a", "b"]`) is one value for all inputs."""
+    if lists_are_values and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return [value] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name}: got {len(value)} values for {count} inputs")
+        return list(value)
+    return [value] * count
+
+
+def generate_batch(
+    self: PreTrainedModel,
+    inputs: Sequence[Sequence[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    record_timestamps: bool = False,
+    progress_bar: bool = True,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    **kwargs: Any,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt of `inputs` and block until all are finished or failed.
+
+    Args:
+        inputs: token-id lists (or 1D tensors), one per request.
+        generation_config: sampling/stopping settings (default: the model's); never mutated.
+        continuous_batching_config: hardware-side settings, ours or transformers' (converted); never mutated.
+        record_timestamps: give each output `timestamps`, one `time.perf_counter()` per generated token.
+        progress_bar: show a tqdm bar of finished requests and generated tokens/s.
+        persistent_manager: keep the engine (its cache and block tables) on the model, so the next
+            call with the same configs reuses it instead of allocating and warming up again.
+            `model.destroy_cached_continuous_batching_manager()` releases it.
+        warmup: run a throw-away prefill and decode step first, so the first requests do not pay
+            for first-call costs.
+        max_new_tokens (kwarg): an int for all requests, or a list with one value per input.
+        eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
+        tokenizer (kwarg): needed for stop strings (as `generate()` takes one).
+        logits_processor (kwarg): the caller's own processors, applied to each request's own history.
+        num_return_sequences (kwarg): sequences per input (default: the generation config's); the
+            siblings of input i have ids `"req_<i>__child#<j>"` and share its prompt's KV pages.
+        temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_strings, top_logprobs,
+            prompt_logprobs (kwargs): per-request parameters, one value for all or a list with one per
+            input (see docs/sampling.md; the processor ones need `per_request_processors=True`).
+
+    Returns:
+        `{request_id: GenerationOutput}` in input order; request ids are `"req_<index>"`, each
+        preceded by its forks' `"req_<index>__child#<j>"` (transformers' order) when
+        `num_return_sequences > 1`.
+
+    Raises:
+        ValueError: naming the input index, for an empty prompt, an out-of-vocabulary token id,
+            `max_new_tokens <= 0`, a request longer than the model's context or the whole cache, a bad
+            per-request parameter, or a wrong type.
+    """
+    if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
+        raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
+    cb_config = take_cb_config(generation_config, continuous_batching_config)
+    unknown = set(kwargs) - {
+        "max_new_tokens",
+        "eos_token_id",
+        "num_return_sequences",
+        *ENGINE_KWARGS,
+        *PER_REQUEST_KWARGS,
+    }
+    if unknown:
+        raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(unknown)}")
+    max_new = _per_request(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
+    eos_ids = [kwargs.get("eos_token_id")] * len(inputs)
+    forks = _per_request(kwargs.get("num_return_sequences"), len(inputs), "num_return_sequences")
+    per_request = {
+        name: _per_request(kwargs[name], len(inputs), name, lists_are_values=name == "stop_strings")
+        for name in PER_REQUEST_KWARGS
+        if name in kwargs
+    }
+    if not inputs:
+        return {}
+    workload = _workload(self, generation_config, inputs, max_new, forks)
+    extras = {name: kwargs.get(name) for name in ENGINE_KWARGS}
+    engine = _engine_for(self, generation_config, cb_config, workload, persistent_manager, extras)
+    requests = [
+        engine.build_request(
+            ids,
+            f"req_{i}",
+            max_new[i],
+            eos_ids[i],
+            label=f"inputs[{i}]",
+            record_timestamps=record_timestamps,
+            sampling_kwargs={name: values[i] for name, values in per_request.items()},
+            num_return_sequences=forks[i],
+        )
+        for i, ids in enumerate(inputs)
+    ]
+    with paged_attention(self, engine.step_options.attn_implementation), torch.inference_mode():
+        if warmup and not engine.warmed_up:
+            engine.warmup()
+        for request in engine.admission_order(requests):
+            engine.add(request)
+        _run_to_completion(
+            engine, [member for request in requests for member in request.family], progress_bar
+        )
+    # As transformers orders forks: each input's siblings (`__child#i`), then the input's own request.
+    return {
+        member.request_id: member.to_output()
+        for request in requests
+        for member in [*request.siblings, request]
+    }
+
+
+def _engine_for(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None,
+    cb_config: ContinuousBatchingConfig | None,
+    workload: list[int],
+    persistent: bool,
+    extras: dict[str, Any],
+) -> Engine:
+    """A new engine, or with `persistent` the one cached on the model when it was built from the same
+    configs (and the same tokenizer / logits processors) and its cache holds this workload's largest request."""
+    if not persistent:
+        return Engine(model, generation_config, cb_config, workload=workload, **extras)
+    key = (
+        resolve_generation_config(model, generation_config).to_json_string(),
+        repr(cb_config if cb_config is not None else ContinuousBatchingConfig()),
+        # Identities are safe in the key: the cached engine holds these objects, so ids are not reused.
+        id(extras["tokenizer"]),
+        tuple(id(p) for p in extras["logits_processor"] or ()),
+    )
+    cached = getattr(model, CACHED_ENGINE_ATTR, None)
+    if cached is not None:
+        cached_key, engine = cached
+        fits = all(engine.scheduler.allocator.unfittable_reason(n) is None for n in workload)
+        if cached_key == key and fits and not engine.has_work():
+            engine.counters = EngineCounters()
+            return engine
+    engine = Engine(model, generation_config, cb_config, workload=workload, **extras)
+    setattr(model, CACHED_ENGINE_ATTR, (key, engine))
+    return engine
+
+
+def _workload(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | None,
+    inputs: Sequence[Sequence[int]],
+    max_new: list[int | None],
+    forks: list[int | None],
+) -> list[int]:
+    """Rough max KV length of each request (forks included), to size the cache; `Engine.build_request`
+    validates."""
+    resolved = resolve_generation_config(model, generation_config)
+    workload = []
+    for ids, limit, num_sequences in zip(inputs, max_new, forks, strict=False):
+        num_prompt = len(ids) if hasattr(ids, "__len__") else 1
+        if limit is None:
+            limit = resolved.max_new_tokens
+        if limit is None:
+            limit = (resolved.max_length or 0) - num_prompt
+        length = num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1)
+        if num_sequences is None:
+            num_sequences = resolved.num_return_sequences or 1
+        workload.extend(
+            [length] * (num_sequences if isinstance(num_sequences, int) and num_sequences > 0 else 1)
+        )
+    return workload
+
+
+def _run_to_completion(engine: Engine, requests: list[Request], progress_bar: bool) -> None:
+    start = time.perf_counter()
+    with tqdm(total=len(requests), disable=not progress_bar, desc="generate_batch", unit="req") as bar:
+        while engine.has_work():
+            result = engine.step()
+            if result.finished:
+                bar.update(len(result.finished))
+            elapsed = time.perf_counter() - start
+            if progress_bar and elapsed > 0:
+                bar.set_postfix(tok_s=f"{engine.counters.generated_tokens / elapsed:.1f}", refresh=False)

@@ -1,0 +1,398 @@
+"""The step scheduler: which requests run how many tokens in the next forward pass.
+
+The scheduler works on plain data (requests, page ids) and never touches a
+tensor: `schedule()` returns a `ScheduledBatch`, the runner executes it, and
+`update()` applies the sampled tokens. Policies (`fifo`, `prefill_first`)
+only change the order in which candidates get the step's token budget.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from ..invariants import check
+from ..kv.offload import CpuOffload
+from ..kv.page_manager import PageManager
+from ..kv.prefix_cache import PageCopy
+from ..manager.stats import RecomputeCounter
+from ..requests import FINISH_REASONS, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step runs the request's last known token, so it yields a new one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    entries: list[ScheduledRequest]
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    # Page copies (forks' copy-on-write) to run before this step's forward writes any KV.
+    copies: list[PageCopy] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.entries)
+
+    @property
+    def sampling_entries(self) -> list[ScheduledRequest]:
+        return [entry for entry in self.entries if entry.samples]
+
+
+class SchedulingPolicy:
+    """FIFO: requests already running first (in admission order), then waiting ones."""
+
+    name = "fifo"
+
+    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
+        yield from list(running)
+        yield from list(waiting)
+
+
+class PrefillFirstPolicy(SchedulingPolicy):
+    """Prefill chunks first (running, then newly admitted), decodes get what is left."""
+
+    name = "prefill_first"
+
+    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
+        decoding = [r for r in running if r.status == RequestStatus.DECODING]
+        yield from [r for r in running if r.status != RequestStatus.DECODING]
+        yield from list(waiting)
+        yield from decoding
+
+
+POLICIES: dict[str, type[SchedulingPolicy]] = {"fifo": SchedulingPolicy, "prefill_first": PrefillFirstPolicy}
+
+
+def make_policy(name: str) -> SchedulingPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown scheduler_type {name!r}: supported {sorted(POLICIES)}")
+    return POLICIES[name]()
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the request <-> page bookkeeping.
+
+    Args:
+        allocator: the page policies of every KV layer group (one allocator per group).
+        max_batch_tokens: query tokens per step.
+        max_requests_per_batch: requests per step.
+        safety_margin: new requests are admitted only while the free fraction of
+            pages is at least this (unless nothing runs).
+        policy: candidate ordering.
+        offload: the host tier (CPU offload): preempted requests swap out and back instead of
+            recomputing while it has room; None: always recompute.
+    """
+
+    def __init__(
+        self,
+        allocator: PageManager,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        safety_margin: float,
+        policy: SchedulingPolicy,
+        offload: CpuOffload | None = None,
+    ) -> None:
+        self.allocator = allocator
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.safety_margin = safety_margin
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.offload = offload
+        self.num_preemptions = 0
+        self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
+        self._pending_copies: list[PageCopy] = []  # from forks, for the next step that runs
+        # Called with each request whose pages were just freed (preemption or finish), e.g. to give
+        # its block-table row back: per-request state elsewhere never outlives its pages.
+        self.on_pages_freed: list[Callable[[Request], None]] = []
+
+    # -- queue -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
+        or, without prefix sharing, queue as requests of their own."""
+        self.waiting.append(request)
+        if self.allocator.prefix is None and request.fork_children:
+            self.waiting.extend(request.fork_children)
+            request.fork_children = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]
+
+    # -- one step ------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """Pick the next step. May preempt running requests (in `preempted`) and fail
+        requests that can never fit the cache (in `failed`, already finished)."""
+        budget = self.max_batch_tokens
+        scheduled: dict[int, ScheduledRequest] = {}
+        batch = ScheduledBatch(entries=[])
+        admitting = True
+        for request in self.policy.candidates(self.running, self.waiting):
+            if budget == 0 or len(scheduled) == self.max_requests_per_batch:
+                break
+            if request.is_finished or request in batch.preempted:
+                continue
+            waiting = request.status in (RequestStatus.PENDING, RequestStatus.EVICTED)
+            swapped_in = False
+            if waiting and self.offload is not None and self.offload.is_swapped(request):
+                swapped_in = self._swap_in(request, admitting)
+                if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
+                    admitting = False
+                    continue
+            # A swapped-in request has its own KV back: no prefix lookup.
+            hit = admitting and waiting and not swapped_in and self._attach_prefix(request)
+            if waiting and admitting and not swapped_in and self._waits_for_pages(request, hit):
+                continue
+            wanted = min(request.num_remaining_tokens, budget)
+            num_tokens = self.allocator.num_fitting_tokens(request, wanted)
+            if waiting:
+                # FIFO admission: once one waiting request cannot start, later ones wait too.
+                # A swapped-in request holds its pages again: it is admitted (at least one token fits).
+                admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
+                if not admitting:
+                    if hit:  # waiting requests hold no pages: the hit goes back to the cache
+                        self.allocator.prefix.detach(request)
+                        num_tokens = self.allocator.num_fitting_tokens(
+                            request, min(request.num_remaining_tokens, budget)
+                        )
+                    if not self.running and num_tokens == 0:
+                        self._fail_unfittable(request, batch)
+                        admitting = True
+                    continue
+                self._allocate(request, num_tokens)
+                self.waiting.remove(request)
+                self.running.append(request)
+                if self.allocator.prefix is not None:
+                    self.allocator.prefix.promise(request)
+            elif num_tokens > 0:
+                self._allocate(request, num_tokens)
+            elif self._allocate_or_preempt(request, wanted, scheduled, batch):
+                num_tokens = wanted
+            else:
+                continue
+            request.set_status(
+                RequestStatus.DECODING
+                if request.generated_ids and request.num_remaining_tokens == 1
+                else RequestStatus.PREFILLING
+            )
+            scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens)
+            budget -= num_tokens
+        # Entries follow the running list: stable admission order.
+        batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
+        if batch.entries and self._pending_copies:
+            batch.copies, self._pending_copies = self._pending_copies, []
+        return batch
+
+    def _attach_prefix(self, request: Request) -> bool:
+        """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
+
+        Requests asking for prompt logprobs compute every prompt position, so they take none."""
+        if self.allocator.prefix is None or request.wants_prompt_logprobs:
+            return False
+        return self.allocator.prefix.attach(request) > 0
+
+    def _waits_for_pages(self, request: Request, hit: bool) -> bool:
+        """Leave `request` waiting (holding nothing) while a running request computes the next page
+        of its prefix: it will hit that page in a later step instead of computing it again."""
+        prefix = self.allocator.prefix
+        if prefix is None or request.wants_prompt_logprobs or not prefix.waits_for_pages(request):
+            return False
+        if hit:
+            prefix.detach(request)
+        return True
+
+    def _fork(self, parent: Request) -> None:
+        """Right after `parent` computed its prompt: its siblings share its pages and run from its
+        last prompt token; those that find no page for their copy queue as requests of their own."""
+        children, parent.fork_children = parent.fork_children, []
+        position = self.running.index(parent) + 1
+        unforked = []
+        for child in children:
+            copies = self.allocator.prefix.fork(parent, child)
+            if copies is None:
+                unforked.append(child)
+                continue
+            self._pending_copies.extend(copies)
+            child.set_status(RequestStatus.PREFILLING)
+            self.running.insert(position, child)
+            position += 1
+        self.waiting.extendleft(reversed(unforked))
+
+    def _allocate(self, request: Request, num_tokens: int) -> None:
+        """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
+        allocated = self.allocator.allocate(request, num_tokens)
+        check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
+
+    def _admits(self) -> bool:
+        if not self.running:
+            return True
+        return self.allocator.free_fraction >= self.safety_margin
+
+    def _allocate_or_preempt(
+        self,
+        request: Request,
+        num_tokens: int,
+        scheduled: dict[int, ScheduledRequest],
+        batch: ScheduledBatch,
+    ) -> bool:
+        """Allocate for a running request, preempting the newest unscheduled ones as needed.
+
+        Returns False if `request` itself had to be preempted or failed.
+        """
+        while not self.allocator.allocate(request, num_tokens):
+            victims = [r for r in self.running if id(r) not in scheduled and r is not request]
+            if victims:
+                self._preempt(victims[-1], batch)
+            elif scheduled:
+                self._preempt(request, batch)
+                return False
+            else:
+                self._fail_unfittable(request, batch)
+                return False
+        return True
+
+    def _swap_in(self, request: Request, admitting: bool) -> bool:
+        """Take a swapped-out request back from the host tier if it may start now. With nothing running
+        and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
+        if admitting and self._admits() and self.offload.can_swap_in(request):
+            self.offload.swap_in(request)
+            return True
+        if not self.running:
+            self.offload.discard(request)
+            self._drop_kv(request)
+        return False
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        """Take the pages of `request` away: swapped out to the host tier when there is one with room,
+        else dropped (it recomputes prompt + generated tokens later)."""
+        if self.offload is None or not self.offload.try_swap_out(request):
+            self._drop_kv(request)
+        self._free_pages(request)
+        # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
+        request.num_registered_pages = 0
+        request.num_preemptions += 1
+        request.set_status(RequestStatus.EVICTED)
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        batch.preempted.append(request)
+
+    def _drop_kv(self, request: Request) -> None:
+        self.recomputed.dropped(request.request_id, request.num_computed_tokens)
+        request.num_computed_tokens = 0
+
+    def _free_pages(self, request: Request) -> None:
+        if self.allocator.prefix is not None:
+            self.allocator.prefix.withdraw(request)
+        self.allocator.free(request)
+        for release in self.on_pages_freed:
+            release(request)
+
+    def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
+        self.finish(
+            request,
+            RequestStatus.FAILED,
+            error=(
+                f"request {request.request_id!r} needs more KV pages than the cache has "
+                f"({self.allocator.describe_need(request.num_tokens)})"
+            ),
+        )
+        batch.failed.append(request)
+
+    # -- results -----------------------------------------------------------------
+    def update(self, batch: ScheduledBatch, sampled: list[tuple]) -> list[Request]:
+        """Advance every scheduled request; `sampled[i]` is (token, logprob[, top logprobs]) of the
+        i-th sampling entry.
+
+        Returns the requests that finished in this step.
+        """
+        finished: list[Request] = []
+        samples = iter(sampled)
+        for entry in batch.entries:
+            request = entry.request
+            request.num_computed_tokens = entry.end
+            if self.recomputed.pending:
+                self.recomputed.ran(request.request_id, entry.start, entry.end)
+            if self.allocator.prefix is not None:
+                self.allocator.prefix.register(request)  # before a sliding group drops pages
+                if request.fork_children and entry.samples:
+                    self._fork(request)
+            # Step boundary: sliding-window groups return the pages that fell out of the window.
+            self.allocator.trim(request)
+            if not entry.samples:
+                continue
+            token_id, logprob, *top = next(samples)  # top: the token's best alternatives, if asked
+            request.append_token(token_id, logprob, *top)
+            reason = request.stop_reason()
+            if reason is not None:
+                request.finish_reason = reason
+                self.finish(request, RequestStatus.FINISHED)
+                finished.append(request)
+            else:
+                request.set_status(RequestStatus.DECODING)
+        return finished
+
+    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages and
+        whatever is tied to them (`on_pages_freed`), stamps the time, removes it from the queues."""
+        if request.is_finished:
+            return
+        parent = request.fork_parent
+        if parent is not None and request in parent.fork_children:  # not forked yet
+            parent.fork_children.remove(request)
+        if request.fork_children:  # ended before its prompt was computed: the siblings go on alone
+            self.waiting.extend(request.fork_children)
+            request.fork_children = []
+        self._free_pages(request)
+        self.recomputed.forget(request.request_id)
+        if self.offload is not None:
+            self.offload.discard(request)
+        request.error = error
+        if status != RequestStatus.FINISHED and request.finish_reason is None:
+            request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
+        request.set_status(status)
+        request.finish_time = time.perf_counter()
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def check_integrity(self) -> None:
+        """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
+        kept = self.offload.device_tables() if self.offload is not None else None
+        self.allocator.check_integrity(self.live_requests(), self.running, kept)
+        if self.offload is not None:
+            self.offload.check_integrity({request.request_id for request in self.waiting})
+        for request in self.running:
+            check(
+                request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
+                f"running {request.request_id} has status {request.status.name}",
+            )
+        for request in self.waiting:
+            check(not request.holds_pages, f"waiting {request.request_id} holds pages")
+            swapped = self.offload is not None and self.offload.is_swapped(request)
+            check(
+                swapped == (request.num_computed_tokens > 0),
+                f"waiting {request.request_id}: {request.num_computed_tokens=} but swapped out={swapped}",
+            )

@@ -1,0 +1,228 @@
+"""`CpuOffload`: which pages of a preempted request go to the host tier, and how they come back.
+
+The scheduler's hooks (plain page ids, no tensors):
+- `try_swap_out(request)` in preemption: copies (planned) the request's pages of every KV group to
+  host pages, so that the scheduler's usual release frees the device pages and the request keeps its
+  `num_computed_tokens`. False (nothing changed) when the host tier lacks room: the caller falls back
+  to recompute. A request needing more host pages than the whole tier is never swapped.
+- `can_swap_in(request)` / `swap_in(request)` at admission of a swapped-out request: fresh device
+  pages receive the host pages (planned), the host pages are freed, and the request continues exactly
+  where it stopped.
+- `discard(request)` when a swapped-out request ends (cancelled, failed, hard stop) or falls back to
+  recompute: its host pages (and the device pages it kept) are freed.
+
+Shared pages (refcount > 1 on the device: another request still references them) are not copied: the
+swapped-out request keeps its own reference (taken here, so the scheduler's release leaves the page
+resident) and gets the same page back on swap-in. Only exclusively owned pages move. Sliding-window
+groups swap only the pages the request still holds (from `first_page` on).
+
+The copies of one step are collected in a `SwapPlan` and run by the engine (`run_copies`) before
+the step's forward, one gather/scatter per group and direction (`swap.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config.continuous_batching import ContinuousBatchingConfig
+from ..invariants import InvariantError, check
+from ..memory.host_cache import HostKVCache, resolve_host_pages
+from ..memory.kv_cache import PagedKVCache
+from ..memory.swap import SwapCopier, SwapPlan
+from ..requests import PageList, Request
+from .page_policies import FullAttentionAllocator, num_pages_for
+from .prefix_cache import PageCopy
+
+
+@dataclass
+class SwappedGroup:
+    """A swapped-out request's pages in one KV group: logical page `first_page + i` is host page
+    `page_ids[i]` when `on_host[i]`, else device page `page_ids[i]` (a shared page it kept)."""
+
+    first_page: int
+    page_ids: list[int]
+    on_host: list[bool]
+
+    @property
+    def host_ids(self) -> list[int]:
+        return [p for p, host in zip(self.page_ids, self.on_host, strict=True) if host]
+
+    @property
+    def kept_device_ids(self) -> list[int]:
+        return [p for p, host in zip(self.page_ids, self.on_host, strict=True) if not host]
+
+
+class CpuOffload:
+    """Args: allocators: the device tier's page policies, one per KV group (as in `PageManager`);
+    host: the host tier; copier: runs the planned copies between the two."""
+
+    def __init__(
+        self, allocators: list[FullAttentionAllocator], host: HostKVCache, copier: SwapCopier
+    ) -> None:
+        check(len(allocators) == len(host.pools), "one host pool per KV group")
+        self.allocators = allocators
+        self.host = host
+        self.copier = copier
+        self.page_size = allocators[0].page_size
+        self.swapped: dict[str, list[SwappedGroup]] = {}  # request id -> its pages, per group
+        self.plan = SwapPlan(len(allocators))
+        self.swap_out_pages = 0  # pages copied to the host tier, since creation
+        self.swap_in_pages = 0  # pages copied back
+        self.kept_pages = 0  # shared pages a swap-out left resident (not copied), since creation
+        self.num_swap_outs = 0
+        self.num_fallbacks = 0  # preemptions that found no room in the host tier (recomputed instead)
+
+    @property
+    def num_swapped_out(self) -> int:
+        return len(self.swapped)
+
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self.swapped
+
+    # -- swap out ----------------------------------------------------------------------------------
+    def try_swap_out(self, request: Request) -> bool:
+        """Plan the copy of `request`'s exclusive pages to the host tier. False (nothing changed) if there
+        is nothing to keep or the host tier lacks room; the caller then frees and recomputes."""
+        if request.num_computed_tokens == 0 or not request.holds_pages:
+            return False
+        held = [a.pages(request) for a in self.allocators]
+        exclusive = [
+            [p for p in pages.page_ids if a.pool.refcount(p) == 1]
+            for a, pages in zip(self.allocators, held, strict=True)
+        ]
+        if any(len(ids) > pool.num_free_pages for ids, pool in zip(exclusive, self.host.pools, strict=True)):
+            self.num_fallbacks += 1
+            return False
+        groups = []
+        for g, (allocator, pages, ids) in enumerate(zip(self.allocators, held, exclusive, strict=True)):
+            host_ids = self.host.pools[g].allocate(len(ids))
+            check(host_ids is not None, "host pages counted as free but not allocated")
+            free_host = iter(host_ids)
+            page_ids, on_host = [], []
+            for page_id in pages.page_ids:
+                if allocator.pool.refcount(page_id) == 1:
+                    page_ids.append(next(free_host))
+                    on_host.append(True)
+                else:  # shared: stays resident; this reference survives the scheduler's release
+                    allocator.pool.share([page_id])
+                    page_ids.append(page_id)
+                    on_host.append(False)
+                    self.kept_pages += 1
+            self.plan.out_src[g].extend(ids)
+            self.plan.out_dst[g].extend(host_ids)
+            groups.append(SwappedGroup(pages.first_page, page_ids, on_host))
+            self.swap_out_pages += len(ids)
+        self.swapped[request.request_id] = groups
+        self.num_swap_outs += 1
+        return True
+
+    # -- swap in -----------------------------------------------------------------------------------
+    def pages_to_swap_in(self, request: Request) -> list[int]:
+        """Device pages each group needs to take `request` back and run its next token. Pure."""
+        needed = []
+        next_end = num_pages_for(request.num_computed_tokens + 1, self.page_size)
+        for group in self.swapped[request.request_id]:
+            end_page = group.first_page + len(group.page_ids)
+            needed.append(sum(group.on_host) + max(0, next_end - end_page))
+        return needed
+
+    def can_swap_in(self, request: Request) -> bool:
+        needed = self.pages_to_swap_in(request)
+        return all(n <= a.pool.num_free_pages for n, a in zip(needed, self.allocators, strict=True))
+
+    def swap_in(self, request: Request) -> None:
+        """Give `request` fresh device pages for its host pages (copies planned) and its kept shared pages
+        back. Only after `can_swap_in` said yes."""
+        check(self.can_swap_in(request), f"{request.request_id}: swap_in without room")
+        groups = self.swapped.pop(request.request_id)
+        for g, (allocator, group) in enumerate(zip(self.allocators, groups, strict=True)):
+            host_ids = group.host_ids
+            device_ids = allocator.pool.allocate(len(host_ids))
+            check(device_ids is not None, "device pages counted as free but not allocated")
+            fresh = iter(device_ids)
+            page_ids = [
+                next(fresh) if host else p for p, host in zip(group.page_ids, group.on_host, strict=True)
+            ]
+            pages = allocator.pages(request)
+            check(not pages.page_ids, f"{request.request_id}: swapped in while holding pages")
+            request.pages[g] = PageList(page_ids, group.first_page)
+            self.plan.in_src[g].extend(host_ids)
+            self.plan.in_dst[g].extend(device_ids)
+            # Freed now: the copy that reads them runs before any later swap-out writes them (swap.py).
+            self.host.pools[g].release(host_ids)
+            self.swap_in_pages += len(host_ids)
+
+    # -- end or fallback ---------------------------------------------------------------------------
+    def discard(self, request: Request) -> None:
+        """Forget `request`'s swapped pages (it ended, or recomputes instead): host pages and the device
+        pages it kept are released. A no-op for a request that is not swapped out."""
+        groups = self.swapped.pop(request.request_id, None)
+        if groups is None:
+            return
+        for g, (allocator, group) in enumerate(zip(self.allocators, groups, strict=True)):
+            host_ids = group.host_ids
+            self.host.pools[g].release(host_ids)
+            allocator.pool.release(group.kept_device_ids)
+            if self.plan.out_dst[g]:  # not copied yet: drop the copy, its host page may be reused at once
+                dropped = set(host_ids)
+                pairs = [
+                    (s, d)
+                    for s, d in zip(self.plan.out_src[g], self.plan.out_dst[g], strict=True)
+                    if d not in dropped
+                ]
+                self.plan.out_src[g] = [s for s, _ in pairs]
+                self.plan.out_dst[g] = [d for _, d in pairs]
+
+    # -- the engine's part -------------------------------------------------------------------------
+    def run_copies(
+        self, cache: PagedKVCache | None = None, fork_copies: list[PageCopy] | None = None
+    ) -> list:
+        """Run this step's planned copies (before its forward), after the forks' page copies of the step
+        (prefix_cache.py): those read the last forward's KV, which a swap may move or hand to another
+        request. Returns the fork copies left to run (none)."""
+        if fork_copies:
+            cache.copy_pages(fork_copies)
+        plan, self.plan = self.plan, SwapPlan(len(self.allocators))
+        self.copier.run(plan)
+        return []
+
+    def device_tables(self) -> list[list[list[int]]]:
+        """Per group, the device pages each swapped-out request still references (for pool integrity)."""
+        return [
+            [groups[g].kept_device_ids for groups in self.swapped.values()]
+            for g in range(len(self.allocators))
+        ]
+
+    def check_integrity(self, waiting_ids: set[str]) -> None:
+        """Host pools match the swapped-out requests, which all wait; raises `InvariantError`."""
+        unknown = set(self.swapped) - waiting_ids
+        if unknown:
+            raise InvariantError(f"swapped-out requests not waiting: {sorted(unknown)}")
+        self.host.check_integrity(
+            [[groups[g].host_ids for groups in self.swapped.values()] for g in range(len(self.allocators))]
+        )
+        for groups in self.swapped.values():
+            for group in groups:
+                check(len(group.page_ids) == len(group.on_host), "a swapped group's lists disagree")
+
+
+def make_offload(
+    config: ContinuousBatchingConfig,
+    device_cache: PagedKVCache,
+    allocators: list[FullAttentionAllocator],
+    workload: list[int] | None = None,
+    tensor_parallel: bool = False,
+) -> CpuOffload | None:
+    """The host tier `config.cpu_offload_space` asks for, or None (off, or too small for one page)."""
+    if config.cpu_offload_space == 0.0:
+        return None
+    if tensor_parallel:
+        raise NotImplementedError(
+            "ContinuousBatchingConfig.cpu_offload_space (CPU offload) is not implemented with tensor "
+            "parallelism yet: the other ranks would have to replay rank 0's swaps"
+        )
+    num_pages = resolve_host_pages(config, device_cache, workload)
+    if num_pages < 1:
+        return None
+    host = HostKVCache(device_cache, num_pages)
+    return CpuOffload(allocators, host, SwapCopier(device_cache.group_tensors, host.tensors))

@@ -1,0 +1,126 @@
+"""`PageManager`: the page policies of every KV layer group, as one allocator for the scheduler.
+
+A request runs `n` more tokens only if every group can take them, so fit checks
+take the minimum over groups and allocation is check-then-commit across all
+groups (nothing changes unless every group has the pages). Release, preemption
+and the step-boundary trim of sliding windows go to every group at once.
+"""
+
+from __future__ import annotations
+
+from ..invariants import InvariantError, check
+from ..requests import Request
+from .layer_groups import KVGroupSpec
+from .page_policies import FullAttentionAllocator
+from .pool import PagePool
+from .prefix_cache import PrefixCache, PrefixStats
+
+
+class PageManager:
+    """Args: allocators: one per KV group, `allocators[g].group == g`; specs: the matching groups;
+    sharing: prefix sharing and forks (`prefix`, see prefix_cache.py), None when off."""
+
+    def __init__(
+        self, allocators: list[FullAttentionAllocator], specs: list[KVGroupSpec], sharing: bool = False
+    ) -> None:
+        check(
+            bool(allocators) and len(allocators) == len(specs),
+            f"{len(allocators)} allocators, {len(specs)} groups",
+        )
+        check([a.group for a in allocators] == list(range(len(allocators))))
+        self.allocators = allocators
+        self.specs = specs
+        self.page_size = allocators[0].page_size
+        # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
+        self._trimming = [a for a in allocators if a.sliding_window is not None]
+        self.prefix = PrefixCache(allocators) if sharing else None
+
+    @property
+    def pools(self) -> list[PagePool]:
+        return [a.pool for a in self.allocators]
+
+    @property
+    def free_fraction(self) -> float:
+        """Free share of the fullest group: admission looks at the group that runs out first."""
+        return min(pool.num_free_pages / pool.num_pages for pool in self.pools)
+
+    def num_fitting_tokens(self, request: Request, wanted: int) -> int:
+        """How many of `wanted` new tokens every group can take. Pure."""
+        if len(self.allocators) == 1:
+            return self.allocators[0].num_fitting_tokens(request, wanted)
+        return min(a.num_fitting_tokens(request, wanted) for a in self.allocators)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Pages for `num_new_tokens` more tokens in every group; False (nothing changed) if any group is full."""
+        if len(self.allocators) == 1:  # one group: its own allocation is already check-then-commit
+            return self.allocators[0].allocate(request, num_new_tokens)
+        if not all(a.can_allocate(request, num_new_tokens) for a in self.allocators):
+            return False
+        for allocator in self.allocators:
+            committed = allocator.allocate(request, num_new_tokens)
+            if not committed:  # hot path: no message built unless it fails
+                raise InvariantError(f"group {allocator.group} refused after can_allocate")
+        return True
+
+    def trim(self, request: Request) -> int:
+        """Step boundary: release pages the request's next step no longer reads. Returns how many."""
+        return sum(a.trim(request) for a in self._trimming) if self._trimming else 0
+
+    def free(self, request: Request) -> None:
+        for allocator in self.allocators:
+            allocator.free(request)
+
+    def unfittable_reason(self, num_tokens: int) -> str | None:
+        """Why a request of `num_tokens` KV tokens can never run in this cache, or None if it can."""
+        for allocator, spec in zip(self.allocators, self.specs, strict=True):
+            needed = allocator.max_pages(num_tokens)
+            if needed > allocator.pool.num_pages:
+                where = f" in layer group {spec.name}" if len(self.specs) > 1 else ""
+                return (
+                    f"needs {needed} KV pages of {self.page_size} tokens{where} but the cache has only "
+                    f"{allocator.pool.num_pages}"
+                )
+        return None
+
+    def describe_need(self, num_tokens: int) -> str:
+        """`needed > available` pages per group, for error messages."""
+        parts = [
+            f"{a.max_pages(num_tokens)} > {a.pool.num_pages}"
+            + (f" in {spec.name}" if len(self.specs) > 1 else "")
+            for a, spec in zip(self.allocators, self.specs, strict=True)
+        ]
+        return ", ".join(parts)
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages kept only for later prefix hits, all groups."""
+        return sum(pool.num_cached_pages for pool in self.pools)
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached pages reallocated (their keys forgotten), all groups."""
+        return sum(pool.num_evictions for pool in self.pools)
+
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached page and reset the hit statistics (e.g. after a warmup)."""
+        for pool in self.pools:
+            pool.clear_cached()
+        if self.prefix is not None:
+            self.prefix.stats = PrefixStats()
+
+    def pages_in_use(self) -> dict[str, int]:
+        return {spec.name: a.pool.num_used_pages for a, spec in zip(self.allocators, self.specs, strict=True)}
+
+    def check_integrity(
+        self, live: list[Request], running: list[Request], kept: list[list[list[int]]] | None = None
+    ) -> None:
+        """Every group's pool is consistent with the page lists of the live requests (and, per group,
+        `kept`: the pages swapped-out requests still reference on the device, see offload.py)."""
+        for g, allocator in enumerate(self.allocators):
+            tables = [allocator.pages(r).page_ids for r in live]
+            allocator.pool.check_integrity(tables + (kept[g] if kept is not None else []))
+        for request in running:
+            for allocator in self.allocators:
+                allocator.check_request(request)
+        if self.prefix is not None:
+            self.prefix.check_integrity(running)

@@ -1,0 +1,229 @@
+"""Prefix sharing: content keys of full pages, prefix hits at admission, and forks.
+
+Every full page of a sequence gets a key chained over the whole prefix:
+`key(i) = blake2b(key(i - 1) + token ids of page i)` (16 bytes; page 0 chains from
+`ROOT_KEY`). Equal keys mean equal tokens from position 0 to the end of the
+page, so equal KV in every layer of a group. Each KV group has its own pool,
+so a key is per group by construction. A pool also records each keyed page's
+parent key and tokens, and a hit is verified against them before use.
+
+- `register` gives the pages a step completed their keys (all groups);
+- `promise` records, at admission, the full pages a request is about to compute, so that a
+  request with the same prefix waits for them (`waits_for_pages`) instead of computing them
+  again in the same steps: requests submitted together then share their common prefix too;
+- `attach` lets a request that starts from scratch (new, or preempted and back)
+  take every page it can reuse with a refcount and skip their prefill; it never
+  takes the page holding its last token, so that token is computed and has logits;
+- `fork` makes a sibling (`num_return_sequences`) of a request that just
+  computed its prompt: the siblings share the prompt's full pages and get a
+  private copy of the page holding the last prompt token, which they recompute.
+
+A request only ever writes KV at positions >= its `num_computed_tokens`, and
+shared pages all lie before that, so shared pages are read-only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..invariants import InvariantError
+from ..requests import Request
+from .page_policies import FullAttentionAllocator
+
+ROOT_KEY = bytes(16)
+
+# A page copy: (KV group, source page, destination page), run before the next forward writes anything.
+PageCopy = tuple[int, int, int]
+
+
+def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The content key of a full page holding `tokens`, after the page whose key is `parent`."""
+    data = parent + struct.pack(f"<{len(tokens)}q", *tokens)
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def request_keys(request: Request, num_pages: int, page_size: int) -> list[bytes]:
+    """Keys of the request's first `num_pages` pages (all full), extended lazily and kept on it."""
+    keys = request.page_keys
+    tokens = request.all_token_ids
+    while len(keys) < num_pages:
+        i = len(keys)
+        keys.append(page_key(keys[-1] if keys else ROOT_KEY, tokens[i * page_size : (i + 1) * page_size]))
+    return keys
+
+
+@dataclass
+class PrefixStats:
+    """Lookups at admission: tokens the requests had to compute, and how many were found cached."""
+
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    forks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+
+
+class PrefixCache:
+    """Prefix sharing over the page policies of every KV layer group (one pool each)."""
+
+    def __init__(self, allocators: list[FullAttentionAllocator]) -> None:
+        self.allocators = allocators
+        self.page_size = allocators[0].page_size
+        self.stats = PrefixStats()
+        self._in_flight: dict[bytes, int] = {}  # key -> running requests about to compute that page
+
+    # -- keys ------------------------------------------------------------------------------------
+    def _content(self, request: Request, keys: list[bytes], i: int) -> tuple[bytes, bytes, tuple[int, ...]]:
+        ps = self.page_size
+        return keys[i], keys[i - 1] if i else ROOT_KEY, tuple(request.all_token_ids[i * ps : (i + 1) * ps])
+
+    def register(self, request: Request) -> None:
+        """Key the pages that became full since the last call (before a sliding group drops them)."""
+        num_full = request.num_computed_tokens // self.page_size
+        if num_full <= request.num_registered_pages:
+            return
+        keys = request_keys(request, num_full, self.page_size)
+        for i in range(request.num_registered_pages, num_full):
+            key, parent, tokens = self._content(request, keys, i)
+            if i < request.num_promised_pages:
+                self._settle(key)
+            for allocator in self.allocators:
+                pages = allocator.pages(request)
+                if pages.first_page <= i < pages.end_page:
+                    allocator.pool.register(pages.page_ids[i - pages.first_page], key, parent, tokens)
+        request.num_registered_pages = num_full
+
+    # -- pages being computed ---------------------------------------------------------------------
+    def promise(self, request: Request) -> None:
+        """An admitted request will compute its full pages from `num_registered_pages` on."""
+        num_full = request.num_tokens // self.page_size
+        for key in request_keys(request, num_full, self.page_size)[request.num_registered_pages :]:
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        request.num_promised_pages = num_full
+
+    def withdraw(self, request: Request) -> None:
+        """The request stops (preempted or ended): its pages not computed yet are no longer coming."""
+        for key in request.page_keys[request.num_registered_pages : request.num_promised_pages]:
+            self._settle(key)
+        request.num_promised_pages = 0
+
+    def waits_for_pages(self, request: Request) -> bool:
+        """True when the page after the request's hit is being computed by a running request."""
+        next_page = request.num_computed_tokens // self.page_size
+        if next_page >= (request.num_tokens - 1) // self.page_size:
+            return False
+        keys = request_keys(request, next_page + 1, self.page_size)
+        return keys[next_page] in self._in_flight
+
+    def check_integrity(self, running: list[Request]) -> None:
+        """Pages promised are exactly the running requests' uncomputed full pages; keys match pools."""
+        expected: dict[bytes, int] = {}
+        for request in running:
+            for key in request.page_keys[request.num_registered_pages : request.num_promised_pages]:
+                expected[key] = expected.get(key, 0) + 1
+            if request.num_registered_pages > request.num_computed_tokens // self.page_size:
+                raise InvariantError(f"{request.request_id}: keyed pages not computed yet")
+        if expected != self._in_flight:
+            raise InvariantError("pages in flight disagree with the running requests' promises")
+
+    def _settle(self, key: bytes) -> None:
+        remaining = self._in_flight[key] - 1
+        if remaining:
+            self._in_flight[key] = remaining
+        else:
+            del self._in_flight[key]
+
+    # -- hits --------------------------------------------------------------------------------------
+    def attach(self, request: Request) -> int:
+        """Give a request that holds nothing the cached pages of its longest reusable prefix.
+
+        The prefix is the longest run of full pages such that every group has what the next
+        query needs: all of its pages for a full-attention group, the pages of the last window for
+        a sliding one. Returns the tokens skipped (`request.num_computed_tokens` afterwards).
+        """
+        if request.num_computed_tokens or request.holds_pages:
+            raise InvariantError(f"{request.request_id}: prefix lookup on a request that holds KV")
+        self.stats.lookup_tokens += request.num_tokens
+        # The page holding the last token is never taken: that token must run to give logits.
+        max_pages = (request.num_tokens - 1) // self.page_size
+        if max_pages == 0:
+            return 0
+        keys = request_keys(request, max_pages, self.page_size)
+        found: list[dict[int, int | None]] = [{} for _ in self.allocators]
+
+        def find(g: int, i: int) -> int | None:
+            if i not in found[g]:
+                found[g][i] = self.allocators[g].pool.lookup(*self._content(request, keys, i))
+            return found[g][i]
+
+        limit = max_pages
+        for g, allocator in enumerate(self.allocators):
+            if allocator.sliding_window is None:  # every page from 0 on
+                n = 0
+                while n < limit and find(g, n) is not None:
+                    n += 1
+                limit = n
+        num_pages = 0
+        for h in range(limit, 0, -1):
+            if all(
+                all(find(g, i) is not None for i in range(a.first_needed_page(h * self.page_size), h))
+                for g, a in enumerate(self.allocators)
+            ):
+                num_pages = h
+                break
+        if num_pages == 0:
+            return 0
+        num_tokens = num_pages * self.page_size
+        for g, allocator in enumerate(self.allocators):
+            first = allocator.first_needed_page(num_tokens)
+            page_ids = [found[g][i] for i in range(first, num_pages)]
+            for page_id in page_ids:
+                allocator.pool.acquire(page_id)
+            pages = allocator.pages(request)
+            pages.first_page, pages.page_ids = first, page_ids
+        request.num_computed_tokens = num_tokens
+        request.num_registered_pages = num_pages
+        self.stats.hit_tokens += num_tokens
+        return num_tokens
+
+    def detach(self, request: Request) -> None:
+        """Undo `attach` for a request that was not admitted after all (its pages stay cached)."""
+        self.stats.hit_tokens -= request.num_computed_tokens
+        self.stats.lookup_tokens -= request.num_tokens
+        for allocator in self.allocators:
+            allocator.free(request)
+        request.num_computed_tokens = 0
+        request.num_registered_pages = 0
+
+    # -- forks -------------------------------------------------------------------------------------
+    def fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
+        """Make `child` continue from `parent`'s prompt minus its last token: share the full pages
+        before it, copy the page holding it. Call right after the parent's step that computed its
+        last prompt token. Returns the copies to run before the next forward, or None (nothing
+        changed) when a group has no page for the copy."""
+        last = parent.num_prompt_tokens - 1
+        copied = last // self.page_size  # logical page holding the last prompt token
+        if parent.num_computed_tokens <= last:
+            raise InvariantError(f"{parent.request_id}: forked before its prompt was computed")
+        if any(a.pool.num_free_pages < 1 for a in self.allocators):
+            return None
+        copies: list[PageCopy] = []
+        for g, allocator in enumerate(self.allocators):
+            source = allocator.pages(parent)
+            first = max(source.first_page, allocator.first_needed_page(last))
+            shared = source.page_ids[first - source.first_page : copied - source.first_page]
+            allocator.pool.share(shared)
+            (new_page,) = allocator.pool.allocate(1)
+            copies.append((g, source.page_ids[copied - source.first_page], new_page))
+            pages = allocator.pages(child)
+            pages.first_page, pages.page_ids = first, [*shared, new_page]
+        child.num_computed_tokens = last
+        child.num_registered_pages = copied
+        child.page_keys = list(parent.page_keys[:copied])
+        self.stats.forks += 1
+        return copies

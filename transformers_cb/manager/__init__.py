@@ -1,0 +1,1 @@
+"""`ContinuousBatchingManager`: the background thread, submissions, results and their channels, stats."""

@@ -1,0 +1,118 @@
+"""`HostKVCache`: the host tier of the KV cache (CPU offload), and how big it is.
+
+A second set of pages in host memory that receives a preempted request's pages and gives them back
+(see `offload.py` for who goes there, `swap.py` for the copies). It mirrors the device cache group by
+group: each KV layer group has its own `PagePool` of host page ids and one tensor shaped like the
+device group's tensor `[2, layers, pages, page_size, kv heads, head_dim]`, so a page moves between the
+tiers as one slice along the page dimension. Allocated once; pinned when the device is CUDA (so that
+copies are asynchronous DMA), plain memory on a CPU device, where the tier is simply a bounded
+second pool whose point is to skip recomputation.
+
+Host page ids are their own id space: host page 3 has nothing to do with device page 3.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from ..config.continuous_batching import ContinuousBatchingConfig
+from ..invariants import InvariantError, check
+from ..kv.page_policies import num_pages_for
+from ..kv.pool import PagePool
+from .kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+CPU_HOST_CACHE_FACTOR = 4
+
+
+def host_page_bytes(device_cache: PagedKVCache) -> int:
+    """Bytes of one page in every group (a host page id exists in each group's pool)."""
+    total = 0
+    for tensor in device_cache.group_tensors:
+        total += tensor.numel() // tensor.shape[2] * tensor.element_size()
+    return total
+
+
+def offload_budget_bytes(config: ContinuousBatchingConfig) -> int:
+    """`cpu_offload_space` in bytes, capped at `cpu_offload_space_safety_threshold` x available RAM
+    (None: exactly that share)."""
+    cap = int(config.cpu_offload_space_safety_threshold * psutil.virtual_memory().available)
+    if config.cpu_offload_space is None:
+        return cap
+    requested = int(config.cpu_offload_space * GIB)
+    if requested > cap:
+        logger.warning(
+            "cpu_offload_space=%g GiB is more than cpu_offload_space_safety_threshold=%g of the available RAM; "
+            "the host tier gets %.2f GiB",
+            config.cpu_offload_space,
+            config.cpu_offload_space_safety_threshold,
+            cap / GIB,
+        )
+        return cap
+    return requested
+
+
+def resolve_host_pages(
+    config: ContinuousBatchingConfig, device_cache: PagedKVCache, workload: list[int] | None = None
+) -> int:
+    """Host pages per KV group: the budget over the bytes of one page in every group.
+
+    With the workload known (generate_batch), never more than every request at full length needs at
+    once: more could never be used, so the tier fits the job rather than all RAM. On a CPU device with
+    the workload unknown (a server), where both tiers share the same RAM, at most
+    `CPU_HOST_CACHE_FACTOR` times the device cache (as the device cache itself is capped there).
+    """
+    num_pages = offload_budget_bytes(config) // host_page_bytes(device_cache)
+    if workload:
+        num_pages = min(num_pages, sum(num_pages_for(n, device_cache.page_size) for n in workload))
+    elif device_cache.group_tensors[0].device.type == "cpu":
+        num_pages = min(num_pages, CPU_HOST_CACHE_FACTOR * max(pool.num_pages for pool in device_cache.pools))
+    if num_pages < 1:
+        logger.warning(
+            "cpu_offload_space is smaller than one KV page (%d bytes in every layer group): CPU offload is off, "
+            "evicted requests are recomputed",
+            host_page_bytes(device_cache),
+        )
+    return max(0, int(num_pages))
+
+
+class HostKVCache:
+    """Args: device_cache: the device tier it mirrors; num_pages: host pages of every group (>= 1)."""
+
+    def __init__(self, device_cache: PagedKVCache, num_pages: int) -> None:
+        check(num_pages >= 1, f"{num_pages=}")
+        self.num_pages = num_pages
+        self.page_size = device_cache.page_size
+        device = device_cache.group_tensors[0].device
+        self.pinned = device.type == "cuda"
+        self.pools = [PagePool(num_pages) for _ in device_cache.group_tensors]
+        # `empty`, not `zeros`: a host page is only ever read after a swap-out wrote it, and an untouched
+        # allocation costs no RAM on a CPU host until used.
+        self.tensors = [
+            torch.empty(
+                (t.shape[0], t.shape[1], num_pages, *t.shape[3:]),
+                dtype=t.dtype,
+                device="cpu",
+                pin_memory=self.pinned,
+            )
+            for t in device_cache.group_tensors
+        ]
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(pool.num_used_pages for pool in self.pools)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def check_integrity(self, page_tables: list[list[list[int]]]) -> None:
+        """`page_tables[g]`: the host page lists of every swapped-out request in group `g`."""
+        if len(page_tables) != len(self.pools):
+            raise InvariantError(f"{len(page_tables)} groups of host tables for {len(self.pools)} host pools")
+        for pool, tables in zip(self.pools, page_tables, strict=True):
+            pool.check_integrity(tables)

@@ -1,0 +1,124 @@
+"""`PagedKVCache`: the KV tensors, one pair per layer, addressed by slot within the layer's group.
+
+A slot is one token position of one page: `slot = page_id * page_size + offset`.
+Each layer stores keys and values as `[num_pages * page_size, num_kv_heads, head_dim]`
+so that gathering a sequence's KV is one `index_select` over slots. Layers are
+split into KV groups (`layer_groups.py`); each group has its own `PagePool`, and a
+layer's tensors have as many pages as its group's pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..invariants import check
+from ..kv.layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
+from ..kv.pool import PagePool
+
+
+class PagedKVCache:
+    """KV storage for `num_layers` layers.
+
+    Args:
+        num_pages: pages of each group (an int for all groups, or one per group).
+        groups: the KV layer groups; None means one full-attention group of every layer.
+        scratch_page: one extra page per group, outside its pool, that the padded rows of a CUDA graph
+            step write to and nothing reads (`scratch_page_id`).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int | list[int],
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        groups: list[KVGroupSpec] | None = None,
+        scratch_page: bool = False,
+    ) -> None:
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.groups = groups or [KVGroupSpec(FULL_ATTENTION, tuple(range(num_layers)))]
+        self.layer_group = layer_to_group(self.groups, num_layers)
+        pages_per_group = num_pages if isinstance(num_pages, list) else [num_pages] * len(self.groups)
+        check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
+        self.pools = [PagePool(n) for n in pages_per_group]
+        self.has_scratch_page = scratch_page
+        # One tensor per group, `[2 (K, V), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
+        # head_dim]`, so that moving pages between tiers (cache/offload.py) is one copy per group; each layer's K
+        # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
+        # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
+        self.group_tensors = [
+            torch.zeros(
+                2,
+                len(spec.layer_indices),
+                n + int(scratch_page),
+                page_size,
+                num_kv_heads,
+                head_dim,
+                dtype=dtype,
+                device=device,
+            )
+            for spec, n in zip(self.groups, pages_per_group, strict=True)
+        ]
+        self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        for g, spec in enumerate(self.groups):
+            storage = self.group_tensors[g]
+            for i, layer in enumerate(spec.layer_indices):
+                self.keys[layer] = storage[0, i].view(-1, num_kv_heads, head_dim)
+                self.values[layer] = storage[1, i].view(-1, num_kv_heads, head_dim)
+
+    @property
+    def pool(self) -> PagePool:
+        """The first group's pool (the only one on a full-attention model)."""
+        return self.pools[0]
+
+    def scratch_page_id(self, group: int) -> int:
+        """The page past group `group`'s pool (needs `scratch_page=True`)."""
+        check(self.has_scratch_page, "the cache was built without a scratch page")
+        return self.pools[group].num_pages
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(pool.num_used_pages for pool in self.pools)
+
+    @property
+    def num_total_pages(self) -> int:
+        return sum(pool.num_pages for pool in self.pools)
+
+    def write(
+        self, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """Store `key`/`value` `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` `[num_tokens]`."""
+        self.keys[layer_idx].index_copy_(0, slot_mapping, key.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(0, slot_mapping, value.to(self.values[layer_idx].dtype))
+
+    def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
+        """Run page copies `(group, source page, destination page)`: one batched copy per layer."""
+        by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for group, source, destination in copies:
+            sources, destinations = by_group.setdefault(group, ([], []))
+            sources.append(source)
+            destinations.append(destination)
+        offsets = torch.arange(self.page_size, device=self.keys[0].device)
+        for group, (sources, destinations) in by_group.items():
+            device = self.keys[0].device
+            src = (torch.tensor(sources, device=device)[:, None] * self.page_size + offsets).reshape(-1)
+            dst = (torch.tensor(destinations, device=device)[:, None] * self.page_size + offsets).reshape(-1)
+            for layer in self.groups[group].layer_indices:
+                self.keys[layer].index_copy_(0, dst, self.keys[layer].index_select(0, src))
+                self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.group_tensors)

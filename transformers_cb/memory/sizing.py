@@ -1,0 +1,175 @@
+"""Sizing the cache and the step buffers from free memory and, when known, the work.
+
+Rules (SPEC section 4):
+- memory budget = free device memory (`torch.cuda.mem_get_info` on CUDA, psutil
+  `available` on CPU) x `max_memory_percent` (auto: 0.9 on CUDA, 0.5 on CPU);
+- `max_batch_tokens` = 8192 by default, lowered so step activations take at most
+  a fifth of the budget, never below 256;
+- `max_requests_per_batch` = number of prompts (fallback 1024), capped so the
+  fp32 logits buffer fits in the same share;
+- `num_blocks` fills the rest of the budget; on CPU it is also capped to the work
+  (all known requests at full length, plus the safety margin's share so that the
+  margin never holds back a job that fits) or, with no workload known, to 512 MiB,
+  so set-up stays fast and the cache fits the job rather than all RAM;
+- per KV layer group (`resolve_group_pages`): full-attention groups get `num_blocks`
+  pages; a sliding-window group, whose requests hold only their window, gets what
+  the known workload needs at most (capped by `num_blocks`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from ..config.continuous_batching import ContinuousBatchingConfig
+from ..kv.layer_groups import KVGroupSpec
+from ..kv.page_policies import num_pages_for
+
+DEFAULT_MAX_BATCH_TOKENS = 8192
+MIN_MAX_BATCH_TOKENS = 256
+FALLBACK_MAX_REQUESTS = 1024
+CPU_CACHE_CAP_BYTES = 512 * 2**20
+BATCH_SHARE = 0.2
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        config = config.get_text_config()
+        num_heads = config.num_attention_heads
+        hidden = config.hidden_size
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or hidden // num_heads,
+            hidden_size=hidden,
+            intermediate_size=getattr(config, "intermediate_size", None) or 4 * hidden,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2**31 - 1,
+        )
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    def activation_bytes_per_token(self, element_size: int) -> int:
+        # hidden + residual + q/k/v/o + MLP intermediates (gate, up, act), a rough upper bound.
+        return (6 * self.hidden_size + 3 * self.intermediate_size) * element_size
+
+
+@dataclass(frozen=True)
+class Sizing:
+    num_pages: int
+    page_size: int
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    max_pages_per_request: int
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def resolve_sizing(
+    config: ContinuousBatchingConfig,
+    shape: ModelShape,
+    device: torch.device,
+    dtype: torch.dtype,
+    workload: list[int] | None = None,
+) -> Sizing:
+    """Args: workload: the KV length each known request reaches at most (None: unknown, e.g. a server)."""
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    percent = config.max_memory_percent or (0.9 if device.type == "cuda" else 0.5)
+    budget = int(free_memory_bytes(device) * percent)
+    batch_budget = int(budget * BATCH_SHARE)
+
+    max_batch_tokens = config.max_batch_tokens
+    if max_batch_tokens is None:
+        by_memory = batch_budget // max(1, shape.activation_bytes_per_token(element_size))
+        max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, min(DEFAULT_MAX_BATCH_TOKENS, by_memory))
+
+    max_requests = config.max_requests_per_batch
+    if max_requests is None:
+        max_requests = len(workload) if workload else FALLBACK_MAX_REQUESTS
+        logits_bytes = 2 * 4 * shape.vocab_size  # fp32 logits plus their processed copy
+        max_requests = max(1, min(max_requests, max_batch_tokens, batch_budget // logits_bytes))
+
+    page_size = config.page_size
+    num_pages = config.num_blocks
+    if num_pages is None:
+        cache_budget = budget - batch_budget
+        if device.type == "cpu":
+            cache_budget = min(cache_budget, CPU_CACHE_CAP_BYTES)
+        num_pages = cache_budget // (shape.kv_bytes_per_token(element_size) * page_size)
+        if workload:
+            needed = sum(num_pages_for(n, page_size) for n in workload)
+            # Headroom for the safety margin: without it the last requests of the workload
+            # would wait for the first ones to finish although the job fits.
+            margin = min(config.resolved_safety_margin, 0.5)
+            needed = -(-needed // (1 - margin)) if margin > 0 else needed
+            num_pages = min(num_pages, int(needed)) if device.type == "cpu" else num_pages
+            # Make room for the largest request when memory allows it.
+            num_pages = max(num_pages, max(num_pages_for(n, page_size) for n in workload))
+        num_pages = max(1, int(num_pages))
+
+    max_pages_per_request = min(num_pages, num_pages_for(shape.max_position_embeddings, page_size))
+    return Sizing(
+        num_pages=num_pages,
+        page_size=page_size,
+        max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests,
+        max_pages_per_request=max_pages_per_request,
+    )
+
+
+def max_pages_held(spec: KVGroupSpec, num_tokens: int, page_size: int, max_batch_tokens: int) -> int:
+    """The most pages a request of `num_tokens` KV tokens holds at once in group `spec`."""
+    full = num_pages_for(num_tokens, page_size)
+    if spec.sliding_window is None:
+        return full
+    # Its window plus the chunk a step writes, straddling one more page at most.
+    return min(full, num_pages_for(spec.sliding_window - 1 + max_batch_tokens, page_size) + 1)
+
+
+def resolve_group_pages(
+    sizing: Sizing,
+    groups: list[KVGroupSpec],
+    config: ContinuousBatchingConfig,
+    workload: list[int] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Pages of each KV group and the block-table width of each group.
+
+    Full-attention groups get `sizing.num_pages`. A sliding group never needs more than its
+    windows: with the workload known it gets what the workload holds at most (with the safety
+    margin's headroom), else as many as a full group. `num_blocks` set by the user applies to
+    every group.
+    """
+    page_size, chunk = sizing.page_size, sizing.max_batch_tokens
+    pages, widths = [], []
+    for spec in groups:
+        num_pages = sizing.num_pages
+        if spec.sliding_window is not None and config.num_blocks is None and workload:
+            held = [max_pages_held(spec, n, page_size, chunk) for n in workload]
+            margin = min(config.resolved_safety_margin, 0.5)
+            needed = -(-sum(held) // (1 - margin)) if margin > 0 else sum(held)
+            num_pages = max(1, min(num_pages, max(int(needed), max(held))))
+        width = min(num_pages, sizing.max_pages_per_request)
+        if spec.sliding_window is not None:
+            # The row is a ring: it only has to span the pages held at once.
+            width = min(width, num_pages_for(spec.sliding_window - 1 + chunk, page_size) + 1)
+        pages.append(num_pages)
+        widths.append(width)
+    return pages, widths

@@ -1,0 +1,139 @@
+"""`torch.compile` of the model's forward, one compiled callable per path.
+
+A step is on the *decode* path when every query is a single token (`max_seqlen_q == 1`), else on the
+*varlen* path. Each path gets a `CompileConfig`, by precedence:
+1. `varlen_compile_config` / `decode_compile_config` (a dict or a `CompileConfig`);
+2. `default_compile_level` (the documents' table):
+
+   | level | mode                         | dynamic |
+   |-------|------------------------------|---------|
+   | 0     | no compile                   |         |
+   | 1     | `default`                    | True    |
+   | 2     | `max-autotune-no-cudagraphs` | True    |
+   | 3     | `max-autotune-no-cudagraphs` | False   |
+
+   except the varlen path of a flash backend (its `max_seqlen_k` changes every step and would
+   recompile), as the documents say;
+3. the generation config's `compile_config`, if any;
+4. none.
+Paged attention itself stays out of the graphs (`torch.compiler.disable`, see attention/__init__.py):
+the compiled code is everything around it (embeddings, norms, rotary, MLP, heads, logits).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import CompileConfig, GenerationConfig
+
+from ..config.continuous_batching import ContinuousBatchingConfig
+
+logger = logging.getLogger(__name__)
+
+VARLEN, DECODE = "varlen", "decode"
+
+
+def level_compile_config(level: int) -> CompileConfig | None:
+    """The default `CompileConfig` of `default_compile_level` (None for 0)."""
+    if level <= 0:
+        return None
+    mode = "max-autotune-no-cudagraphs" if level >= 2 else "default"
+    # fullgraph=False: the paged attention calls are graph breaks by design.
+    return CompileConfig(fullgraph=False, dynamic=level <= 2, mode=mode)
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    varlen: CompileConfig | None = None
+    decode: CompileConfig | None = None
+
+    def for_path(self, path: str) -> CompileConfig | None:
+        return self.decode if path == DECODE else self.varlen
+
+
+def resolve_compile_plan(
+    cb_config: ContinuousBatchingConfig, generation_config: GenerationConfig | None, is_flash: bool
+) -> CompilePlan:
+    fallback = getattr(generation_config, "compile_config", None) if generation_config is not None else None
+    level = level_compile_config(cb_config.default_compile_level)
+
+    def pick(explicit: CompileConfig | None, default: CompileConfig | None) -> CompileConfig | None:
+        if explicit is not None:
+            return explicit
+        if cb_config.default_compile_level > 0:
+            return default
+        return fallback
+
+    plan = CompilePlan(
+        varlen=pick(cb_config.varlen_compile_config, None if is_flash else level),
+        decode=pick(cb_config.decode_compile_config, level),
+    )
+    for path in (VARLEN, DECODE):
+        if plan.for_path(path) is not None:
+            logger.info(
+                "continuous batching compiles the %s path with %s", path, plan.for_path(path).to_dict()
+            )
+    return plan
+
+
+def compile_forward(forward: Callable, config: CompileConfig) -> Callable:
+    """`torch.compile(forward)` with the fields of `config` that `torch.compile` takes."""
+    return torch.compile(
+        forward,
+        fullgraph=config.fullgraph,
+        dynamic=config.dynamic,
+        backend=config.backend,
+        mode=None if config.options else config.mode,  # torch.compile takes one of the two
+        options=config.options,
+    )
+
+
+# Compiled forwards per model and config, shared by every engine built on the model: each
+# `generate_batch` call builds an engine, and a new `torch.compile` wrapper would compile again.
+_compiled_by_model: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Callable]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _config_key(config: CompileConfig) -> tuple:
+    return (config.fullgraph, config.dynamic, config.backend, config.mode, repr(config.options))
+
+
+def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> Callable:
+    """`model.forward` compiled with `config`, built once per model and config."""
+    cache = _compiled_by_model.setdefault(model, {})
+    key = _config_key(config)
+    if key not in cache:
+        cache[key] = compile_forward(model.forward, config)
+    return cache[key]
+
+
+class PathForwards:
+    """The model's forward for each path: compiled lazily on the path's first step (or plain)."""
+
+    def __init__(self, model: torch.nn.Module, plan: CompilePlan) -> None:
+        self._model = model
+        self._forward = model.forward
+        self._plan = plan
+        self._compiled: dict[str, Callable] = {}
+
+    @property
+    def plan(self) -> CompilePlan:
+        return self._plan
+
+    @property
+    def compiled_paths(self) -> list[str]:
+        """The paths whose compiled forward has run (compiled on first use)."""
+        return list(self._compiled)
+
+    def __call__(self, path: str) -> Callable:
+        config = self._plan.for_path(path)
+        if config is None:
+            return self._forward
+        if path not in self._compiled:
+            self._compiled[path] = compiled_forward(self._model, config)
+        return self._compiled[path]

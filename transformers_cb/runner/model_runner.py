@@ -1,0 +1,120 @@
+"""The runner: everything that touches the device for one step.
+
+It packs the scheduled batch, runs the transformers model's own forward once
+(with the paged attention metadata passed through the attention kwargs),
+computes logits only for positions that produce a token (and, for requests that
+ask for prompt logprobs, their prompt positions), and samples.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import PreTrainedModel
+
+from ..attention.fast_path import prepare_flash_step
+from ..attention.paged import METADATA_KWARG
+from ..engine.scheduler import ScheduledBatch
+from ..sampling.sampler import Sampler
+from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .cuda_graphs import make_graph_steps
+from .packing import BatchPacker, PackedStep
+
+if TYPE_CHECKING:
+    from .step_options import StepOptions
+
+
+class ModelRunner:
+    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        packer: BatchPacker,
+        sampler: Sampler,
+        options: StepOptions | None = None,
+    ) -> None:
+        self.model = model
+        self.packer = packer
+        self.sampler = sampler
+        self.device = packer.device
+        self.options = options
+        self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
+        self.graphs = make_graph_steps(model, packer, options, self.forwards)
+        # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
+        self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[tuple]:
+        """Run one step; return (token, logprob[, top logprobs]) for each sampling entry, in
+        `batch.entries` order. Prompt logprobs are appended to their requests."""
+        if batch.copies:  # before the forward writes any KV: a copy's source may be rewritten
+            self.packer.cache.copy_pages(batch.copies)
+        step = self.packer.pack(batch)
+        logits, prompt_logits = self._forward(step)
+        samples = self.sampler.sample(logits, [entry.request for entry in step.sampling_entries])
+        if prompt_logits is not None:
+            _record_prompt_logprobs(step, prompt_logits)
+        by_entry = {}
+        for i, entry in enumerate(step.sampling_entries):
+            logprob = None if samples.logprobs is None else samples.logprobs[i]
+            top = None if samples.top_logprobs is None else samples.top_logprobs[i]
+            by_entry[id(entry)] = (
+                (samples.tokens[i], logprob) if top is None else (samples.tokens[i], logprob, top)
+            )
+        return [by_entry[id(entry)] for entry in batch.entries if entry.samples]
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> None:
+        """The forward alone, no sampling (a tensor-parallel follower's step; rank 0 samples)."""
+        if batch.copies:
+            self.packer.cache.copy_pages(batch.copies)
+        self._forward(self.packer.pack(batch))
+
+    def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns float32 logits `[S, vocab]` for the sampled positions, and `[P, vocab]` for the
+        prompt-logprob positions (None when no request asks for them)."""
+        num_sampled = step.logits_indices.numel()
+        keep = step.logits_indices
+        if step.prompt_indices:
+            extra = torch.tensor(step.prompt_indices, dtype=torch.int64, device=self.device)
+            keep = torch.cat([keep, extra])
+        if keep.numel() == 0:
+            # A step of prefill chunks only: keep one position so shapes stay valid, discard it.
+            keep = torch.zeros(1, dtype=torch.int64, device=self.device)
+        if self.options is not None and self.options.is_flash:
+            prepare_flash_step(step.metadata, self.options.max_blocks_per_request)
+        path = DECODE if step.metadata.max_seqlen_q == 1 else VARLEN
+        if self.graphs is not None and not step.prompt_indices:
+            # Graphs follow transformers' split: the decode graph is the fast path's, the rest is varlen.
+            graph_path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
+            if self.graphs.covers(graph_path):
+                return self.graphs.run(step, graph_path)[:num_sampled], None
+        output = self.forwards(path)(
+            input_ids=step.input_ids,
+            position_ids=step.position_ids,
+            attention_mask=self._no_mask,
+            use_cache=False,
+            logits_to_keep=keep,
+            **{METADATA_KWARG: step.metadata},
+        )
+        logits = output.logits[0].float()  # [S (+ P), vocab]
+        if not step.prompt_indices:
+            return logits[:num_sampled], None
+        return logits[:num_sampled], logits[num_sampled:]
+
+
+def _record_prompt_logprobs(step: PackedStep, logits: torch.Tensor) -> None:
+    """Raw-model log-probability of each scored prompt token (what log-likelihood evaluation uses)."""
+    targets = []
+    for request, first, count in step.prompt_spans:
+        targets.extend(request.all_token_ids[first : first + count])
+    index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
+    values = logits.log_softmax(dim=-1).gather(1, index).squeeze(1).tolist()
+    offset = 0
+    for request, _first, count in step.prompt_spans:
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = []
+        request.prompt_logprobs.extend(values[offset : offset + count])
+        offset += count

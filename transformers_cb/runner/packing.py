@@ -1,0 +1,291 @@
+"""Packing a `ScheduledBatch` into the varlen tensors of one forward pass.
+
+Token order inside the step: decodes first, sorted by KV length (longest first)
+and split into groups whose padded size stays within `DECODE_PADDING_BOUND` of
+their real size; then each prefill chunk. `entry_order` maps back to the
+scheduler's entry order. Slots, gathers and masks are built once per KV layer
+group (full attention, sliding window) and shared by that group's layers.
+
+With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)
+follow the decodes, and all of those tokens are one native call per layer; longer chunks come
+last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention.metadata import AttentionMetadata, DecodeGroup, GroupMetadata, PrefillGroup
+from ..attention.native import native_supported
+from ..engine.scheduler import ScheduledBatch, ScheduledRequest
+from ..memory.block_tables import BlockTables
+from ..memory.kv_cache import PagedKVCache
+from ..requests import Request
+
+# A decode group may do at most this much more attention work than its real KV lengths need.
+DECODE_PADDING_BOUND = 1.25
+# Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
+# kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
+# chunks (see docs/design.md, "The native CPU kernel").
+NATIVE_PREFILL_MAX_WORK = 64 * 64
+
+
+@dataclass
+class PackedStep:
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T]
+    logits_indices: torch.Tensor  # [S]: packed positions whose logits are sampled
+    sampling_entries: list[ScheduledRequest]  # the S entries, in logits order
+    metadata: AttentionMetadata
+    # Prompt logprobs (only requests that ask for them): packed positions, and per request
+    # (request, first prompt index scored, count) in the same order.
+    prompt_indices: list[int] = field(default_factory=list)
+    prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+
+
+def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> list[tuple[int, int]]:
+    """Split descending `kv_lens` into [start, end) runs with `len * max <= bound * sum`."""
+    groups: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, length in enumerate(kv_lens):
+        if i > start and (i - start + 1) * kv_lens[start] > bound * (total + length):
+            groups.append((start, i))
+            start, total = i, 0
+        total += length
+    if start < len(kv_lens):
+        groups.append((start, len(kv_lens)))
+    return groups
+
+
+def _prompt_positions(
+    entry: ScheduledRequest, q_start: int, indices: list[int], spans: list[tuple[Request, int, int]]
+) -> None:
+    """Positions of `entry` whose next token is a prompt token not scored yet.
+
+    Position p predicts token p + 1; a recomputed (preempted) request skips what it already has."""
+    request = entry.request
+    first = max(entry.start + 1, len(request.prompt_logprobs or ()) + 1)
+    last = min(entry.end, request.num_prompt_tokens - 1)
+    if first > last:
+        return
+    indices.extend(q_start + target - 1 - entry.start for target in range(first, last + 1))
+    spans.append((request, first, last - first + 1))
+
+
+class BatchPacker:
+    """Builds `PackedStep`s; owns the persistent block tables (one set per KV group) of running requests.
+
+    Args:
+        max_pages_per_request: block-table width, one for every group or one per group (a sliding
+            group's width only needs to cover its window plus one step's chunk).
+        initial_pages_per_request: width allocated up front (rows widen on demand).
+        native: use the native CPU kernel (True: required, a ValueError when it cannot run here);
+            None: whenever it is built and supports the device and the cache dtype.
+    """
+
+    def __init__(
+        self,
+        cache: PagedKVCache,
+        max_pages_per_request: int | list[int],
+        device: torch.device,
+        initial_pages_per_request: int | None = None,
+        native: bool | None = None,
+    ) -> None:
+        self.cache = cache
+        dtype = cache.keys[0].dtype if cache.keys else torch.float32
+        self.native = native is not False and native_supported(device, dtype)
+        if native and not self.native:
+            raise ValueError(f"the native paged-attention kernel cannot run on {device} with {dtype} KV")
+        self.page_size = cache.page_size
+        self.device = device
+        num_groups = len(cache.groups)
+        widths = (
+            max_pages_per_request
+            if isinstance(max_pages_per_request, list)
+            else [max_pages_per_request] * num_groups
+        )
+        self.block_tables = [
+            BlockTables(widths[g], device, initial_pages=initial_pages_per_request, group=g)
+            for g in range(num_groups)
+        ]
+        self._page_offsets = torch.arange(self.page_size, device=device)
+
+    def release_request(self, request) -> None:
+        """Give `request`'s rows back in every group (the scheduler calls it whenever it frees pages)."""
+        for tables in self.block_tables:
+            tables.release(request)
+
+    def pack(self, batch: ScheduledBatch) -> PackedStep:
+        decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
+        prefills = [e for e in batch.entries if e.num_tokens > 1]
+        num_native_rows = 0
+        if self.native:
+            short = [e for e in prefills if e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK]
+            prefills = short + [e for e in prefills if e.num_tokens * e.end > NATIVE_PREFILL_MAX_WORK]
+            num_native_rows = len(decodes) + len(short)
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens_q = [0]
+        sampling, logits_indices = [], []
+        prompt_indices: list[int] = []
+        prompt_spans: list[tuple[Request, int, int]] = []
+        for entry in ordered:
+            request, start, end = entry.request, entry.start, entry.end
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            if request.wants_prompt_logprobs:
+                _prompt_positions(entry, cu_seqlens_q[-1], prompt_indices, prompt_spans)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + entry.num_tokens)
+            if entry.samples:
+                sampling.append(entry)
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        q_lens = torch.tensor([e.num_tokens for e in ordered], dtype=torch.int64, device=self.device)
+        token_entry = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), q_lens)  # [T]
+        max_seqlen_k = max(e.end for e in ordered)
+        seq_lens_k = torch.tensor([e.end for e in ordered], dtype=torch.int64, device=self.device)
+        native_tokens = cu_seqlens_q[num_native_rows]
+        groups = [
+            self._group_metadata(
+                g, ordered, len(decodes), num_native_rows, position_ids, token_entry, seq_lens_k, max_seqlen_k
+            )
+            for g in range(len(self.block_tables))
+        ]
+        metadata = AttentionMetadata(
+            cache=self.cache,
+            groups=groups,
+            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=self.device),
+            seq_lens_k=seq_lens_k.to(torch.int32),
+            max_seqlen_q=max(e.num_tokens for e in ordered),
+            max_seqlen_k=max_seqlen_k,
+            native_tokens=native_tokens,
+            token_row=token_entry[:native_tokens] if native_tokens else None,
+            token_pos=position_ids[:native_tokens] if native_tokens else None,
+        )
+        return PackedStep(
+            input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
+            position_ids=position_ids.unsqueeze(0),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            sampling_entries=sampling,
+            metadata=metadata,
+            prompt_indices=prompt_indices,
+            prompt_spans=prompt_spans,
+        )
+
+    def _group_metadata(
+        self,
+        group: int,
+        ordered: list[ScheduledRequest],
+        num_decodes: int,
+        num_native_rows: int,
+        position_ids: torch.Tensor,
+        token_entry: torch.Tensor,
+        seq_lens_k: torch.Tensor,
+        max_seqlen_k: int,
+    ) -> GroupMetadata:
+        tables = self.block_tables[group]
+        window = self.cache.groups[group].sliding_window
+        rows = torch.tensor([tables.sync(e.request) for e in ordered], dtype=torch.int64)
+        table_rows = tables.table[rows.to(self.device)]  # [N, current width]
+        ring, page_size = tables.max_pages_per_request, self.page_size
+        # slot = page_id * page_size + offset; logical page p of a row sits in column p % ring.
+        columns = torch.div(position_ids, page_size, rounding_mode="floor") % ring
+        slot_mapping = table_rows[token_entry, columns] * page_size + position_ids % page_size
+        num_pages = -(-max_seqlen_k // page_size)
+        if num_pages <= ring:
+            block_table = table_rows[:, :num_pages]
+        else:
+            block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
+        # Rows the native kernel attends need no groups: decodes, then the prefills after them.
+        decodes = [] if num_native_rows else ordered[:num_decodes]
+        first_row = max(num_decodes, num_native_rows)
+        first_token = num_decodes + sum(e.num_tokens for e in ordered[num_decodes:first_row])
+        return GroupMetadata(
+            sliding_window=window,
+            slot_mapping=slot_mapping,
+            decode_groups=self._decode_groups(decodes, block_table, table_rows, ring, seq_lens_k, window),
+            prefill_groups=self._prefill_groups(
+                ordered[first_row:], first_row, first_token, block_table, table_rows, ring, window
+            ),
+            block_table=block_table.to(torch.int32),
+        )
+
+    def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Slots of the first `kv_len` tokens for each row of `block_table_rows` `[B, P]` -> `[B, kv_len]`."""
+        slots = block_table_rows[:, :, None] * self.page_size + self._page_offsets  # [B, P, page_size]
+        # Contiguous once here, so every layer's gather can flatten it without a copy.
+        return slots.reshape(block_table_rows.shape[0], -1)[:, :kv_len].contiguous()
+
+    def _window_slots(self, table_rows: torch.Tensor, ring: int, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of logical `positions` `[B, L]` through rows `table_rows` of a ring of `ring` columns."""
+        columns = torch.div(positions, self.page_size, rounding_mode="floor") % ring
+        return table_rows.gather(1, columns) * self.page_size + positions % self.page_size
+
+    def _decode_groups(
+        self,
+        decodes: list[ScheduledRequest],
+        block_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        ring: int,
+        seq_lens_k: torch.Tensor,
+        window: int | None,
+    ) -> list[DecodeGroup]:
+        """Full attention reads KV [0, end); a sliding group only [end - window, end) (its whole window)."""
+        ends = [e.end for e in decodes]
+        kv_lens = ends if window is None else [min(end, window) for end in ends]
+        groups = []
+        for start, end in group_decodes(kv_lens):
+            kv_len = kv_lens[start]
+            if window is None:
+                num_pages = -(-kv_len // self.page_size)
+                kv_slots = self._slots(block_table[start:end, :num_pages], kv_len)  # [B, L]
+            else:
+                first = seq_lens_k[start:end] - torch.tensor(kv_lens[start:end], device=self.device)
+                positions = first[:, None] + torch.arange(kv_len, device=self.device)  # [B, L]
+                kv_slots = self._window_slots(table_rows[start:end], ring, positions)
+            kv_mask = None
+            if kv_lens[end - 1] != kv_len:
+                lengths = torch.tensor(kv_lens[start:end], device=self.device)
+                arange = torch.arange(kv_len, device=self.device)
+                kv_mask = (arange[None, :] < lengths[:, None]).view(end - start, 1, 1, kv_len)
+            groups.append(DecodeGroup(start, end, kv_slots, kv_mask))
+        return groups
+
+    def _prefill_groups(
+        self,
+        prefills: list[ScheduledRequest],
+        first_row: int,
+        first_token: int,
+        block_table: torch.Tensor,
+        table_rows: torch.Tensor,
+        ring: int,
+        window: int | None,
+    ) -> list[PrefillGroup]:
+        groups, q_start = [], first_token
+        for i, entry in enumerate(prefills, start=first_row):
+            q_end = q_start + entry.num_tokens
+            kv_slots = mask = None
+            if window is None and entry.start > 0:
+                num_pages = -(-entry.end // self.page_size)
+                kv_slots = self._slots(block_table[i : i + 1, :num_pages], entry.end)[0]  # [L]
+                mask = torch.ones(entry.num_tokens, entry.end, dtype=torch.bool, device=self.device)
+                mask = mask.tril(entry.start).view(1, 1, entry.num_tokens, entry.end)
+            elif window is not None and (entry.start > 0 or entry.num_tokens > window):
+                # Keys from the first position the chunk's first query still sees.
+                kv_start = max(0, entry.start - window + 1)
+                kv_positions = torch.arange(kv_start, entry.end, device=self.device)
+                if entry.start > 0:
+                    kv_slots = self._window_slots(table_rows[i : i + 1], ring, kv_positions[None, :])[0]
+                else:
+                    kv_positions = kv_positions[: entry.num_tokens]  # the chunk's own K/V
+                q_positions = torch.arange(entry.start, entry.end, device=self.device)[:, None]
+                allowed = (kv_positions[None, :] <= q_positions) & (
+                    kv_positions[None, :] > q_positions - window
+                )
+                mask = allowed.view(1, 1, entry.num_tokens, -1)
+            groups.append(PrefillGroup(q_start, q_end, entry.start, kv_slots, mask))
+            q_start = q_end
+        return groups

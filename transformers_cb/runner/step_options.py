@@ -1,0 +1,114 @@
+"""How the engine runs each step's forward: backend, decode fast path, compile plan, CUDA graphs.
+
+Resolved once when the engine is built, from the model, its device and the engine's private copy of
+the `ContinuousBatchingConfig` (after `resolve_device_options`), so a bad combination fails at start
+with an error naming it, and each step only reads the result.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..attention.fast_path import resolve_max_blocks_per_request
+from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
+from ..attention.selection import FLASH_DEVICES, paged_implementation_for
+from ..config.continuous_batching import ContinuousBatchingConfig
+from .compile_plan import CompilePlan, resolve_compile_plan
+
+logger = logging.getLogger(__name__)
+
+# flash-attn 2's paged kernels (its varlen block_table) need pages of a multiple of 256 tokens.
+FA2_PAGE_MULTIPLE = 256
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    attn_implementation: str
+    kernel: FlashKernel | None  # the flash kernel, for flash backends
+    max_blocks_per_request: int  # decode fast path table width; 0: off
+    compile_plan: CompilePlan
+    cuda_graphs: tuple[bool, bool]  # (varlen, decode)
+    async_batching: bool
+    q_padding_interval_size: int
+    kv_padding_interval_size: int
+    max_cached_graphs: int
+
+    @property
+    def is_flash(self) -> bool:
+        return self.kernel is not None
+
+
+def _check_page_size(kernel: FlashKernel, page_size: int) -> None:
+    fa2_api = kernel.varlen_table_arg == "block_table" and "seqused_k" not in kernel.varlen_args
+    if fa2_api and page_size % FA2_PAGE_MULTIPLE:
+        raise ValueError(
+            f"attn_implementation={kernel.name!r} reads the paged cache through flash-attn 2's block table, "
+            f"which needs page_size to be a multiple of {FA2_PAGE_MULTIPLE}; got page_size={page_size}"
+        )
+
+
+def _check_sinks(kernel: FlashKernel, model: PreTrainedModel) -> None:
+    """Attention sinks (an `s_aux` / `sinks` parameter of the attention modules, GPT-OSS and kin) need a
+    kernel that takes them; refuse at start rather than fail every step."""
+    takes_sinks = kernel.sinks_arg(kernel.varlen_args) or kernel.sinks_arg(kernel.kvcache_args)
+    has_sinks = any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    if has_sinks and not takes_sinks:
+        raise ValueError(
+            f"attn_implementation={kernel.name!r}: this model's attention layers apply attention sinks "
+            "(s_aux), which this flash kernel does not take; use 'paged|eager' or 'paged|sdpa'"
+        )
+
+
+def _resolve_graphs(config: ContinuousBatchingConfig, kernel: FlashKernel | None) -> tuple[bool, bool]:
+    graphs = config.cuda_graph_paths
+    if any(graphs) and kernel is None:
+        # The paged sdpa / eager glue loops over each step's request layout in Python: its shapes are not
+        # static, so it cannot be replayed from a graph. Flash kernels read static-shape tensors.
+        logger.warning(
+            "use_cuda_graph=True needs a paged flash-attention backend (static-shape kernels); "
+            "CUDA graphs turned off for %r",
+            config.use_cuda_graph,
+        )
+        return (False, False)
+    return graphs
+
+
+def resolve_step_options(
+    model: PreTrainedModel,
+    config: ContinuousBatchingConfig,
+    generation_config: GenerationConfig | None,
+    device_type: str,
+    has_sliding: bool,
+    page_size: int,
+    workload: list[int] | None,
+) -> StepOptions:
+    name = paged_implementation_for(
+        model.config._attn_implementation, model, config.auto_switch_to_flash, device_type
+    )
+    kernel = load_flash_kernel(name) if is_flash_backend(name) else None
+    if kernel is not None:
+        _check_page_size(kernel, page_size)
+        _check_sinks(kernel, model)
+    graphs = _resolve_graphs(config, kernel)
+    return StepOptions(
+        attn_implementation=name,
+        kernel=kernel,
+        max_blocks_per_request=resolve_max_blocks_per_request(
+            config.max_blocks_per_request,
+            has_sliding,
+            kernel,
+            device_type in FLASH_DEVICES,
+            page_size,
+            workload,
+        ),
+        compile_plan=resolve_compile_plan(config, generation_config, kernel is not None),
+        cuda_graphs=graphs,
+        async_batching=bool(config.use_async_batching) and any(graphs),
+        q_padding_interval_size=config.q_padding_interval_size,
+        kv_padding_interval_size=config.kv_padding_interval_size,
+        max_cached_graphs=config.graph_cache_size,
+    )

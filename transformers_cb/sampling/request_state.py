@@ -1,0 +1,147 @@
+"""Per-request sampling state, and `SamplingSetup`, which builds it at submission.
+
+A request that needs nothing beyond greedy argmax (no processor, no logprobs, no stop string)
+gets no state at all (`request.sampling is None`), so the greedy path stays a single argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import LogitsProcessor
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from .params import (
+    SamplingParams,
+    check_config_values,
+    default_params,
+    derive_seed,
+    resolve_request_params,
+)
+from .processors import RowContext, Stage, build_stages
+from .stop_strings import StopStrings, hits_stop_string
+
+
+@dataclass(eq=False)
+class RequestSampling:
+    """What the sampler keeps for one request between steps.
+
+    `generator` is the request's own random stream: every token it samples draws from it and
+    from nothing else, so its tokens do not depend on the rest of the batch (docs/sampling.md).
+    """
+
+    params: SamplingParams
+    row_processors: list[LogitsProcessor | None]  # one per row stage, None where inactive
+    generator: torch.Generator | None = None
+    stop: StopStringCriteria | None = None
+    _history: torch.Tensor | None = field(default=None, repr=False)  # [1, capacity]
+    _filled: int = 0
+    _seen: torch.Tensor | None = field(default=None, repr=False)  # [vocab] bool
+    _seen_upto: int = 0
+
+    def history(self, token_ids: list[int], capacity: int, device: torch.device) -> torch.Tensor:
+        """`[1, len(token_ids)]` prompt + generated ids, appended to incrementally (tokens never change)."""
+        if self._history is None or self._history.shape[1] < len(token_ids):
+            grown = torch.empty(1, max(capacity, len(token_ids)), dtype=torch.long, device=device)
+            if self._history is not None:
+                grown[:, : self._filled] = self._history[:, : self._filled]
+            self._history = grown
+        if self._filled < len(token_ids):
+            new = torch.tensor(token_ids[self._filled :], dtype=torch.long)
+            self._history[0, self._filled : len(token_ids)] = new.to(device)
+            self._filled = len(token_ids)
+        return self._history[:, : len(token_ids)]
+
+    def seen(self, token_ids: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+        """`[vocab]` bool: which tokens occur in prompt + generated (for the repetition penalty)."""
+        if self._seen is None:
+            self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if self._seen_upto < len(token_ids):
+            new = torch.tensor(token_ids[self._seen_upto :], dtype=torch.long).clamp_(max=vocab_size - 1)
+            self._seen[new.to(device)] = True
+            self._seen_upto = len(token_ids)
+        return self._seen
+
+    def hits_stop_string(self, token_ids: list[int]) -> bool:
+        return self.stop is not None and hits_stop_string(self.stop, token_ids)
+
+
+class SamplingSetup:
+    """Args:
+    config: the resolved GenerationConfig (defaults of every request).
+    per_request_processors / return_logprobs / top_logprobs / prompt_logprobs / seed: from the
+        ContinuousBatchingConfig.
+    tokenizer: needed only for stop strings.
+    user_processors: the caller's `logits_processor` list, applied to each request's own history.
+    """
+
+    def __init__(
+        self,
+        config: GenerationConfig,
+        device: torch.device,
+        *,
+        per_request_processors: bool = False,
+        return_logprobs: bool = False,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        seed: int | None = None,
+        tokenizer: Any | None = None,
+        user_processors: Sequence[LogitsProcessor] = (),
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.per_request_processors = per_request_processors
+        self.seed = seed
+        self.do_sample = bool(config.do_sample)
+        self.stages: list[Stage] = build_stages(config, user_processors)
+        self.row_stages = [stage for stage in self.stages if stage.kind == "row"]
+        self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs)
+        check_config_values(self.base, config)
+        self.stop_strings = StopStrings(tokenizer)
+        self.stop_strings.check_available(self.base.stop_strings, "GenerationConfig.stop_strings")
+
+    def attach(
+        self,
+        request: Any,
+        kwargs: dict[str, Any] | None = None,
+        label: str | None = None,
+    ) -> None:
+        """Validate `kwargs` (per-request parameters) and give `request` its sampling state.
+
+        Raises `ValueError` naming `label` (see `sampling_params.resolve_request_params`)."""
+        label = label or f"request {request.request_id!r}"
+        params = resolve_request_params(
+            self.base, kwargs or {}, self.config, self.per_request_processors, label
+        )
+        self.stop_strings.check_available(params.stop_strings, label)
+        needs_state = (
+            bool(self.stages)
+            or self.do_sample
+            or params.return_logprobs
+            or params.prompt_logprobs
+            or bool(params.stop_strings)
+        )
+        if not needs_state:
+            request.sampling = None
+            return
+        context = RowContext(
+            prompt_ids=request.prompt_ids,
+            eos_token_ids=tuple(sorted(request.eos_token_ids)),
+            max_new_tokens=request.max_new_tokens,
+            device=self.device,
+        )
+        generator = None
+        if self.do_sample and (params.seed is not None or self.seed is not None):
+            seed = params.seed if params.seed is not None else derive_seed(self.seed, request.request_id)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        request.sampling = RequestSampling(
+            params=params,
+            row_processors=[stage.factory(context) for stage in self.row_stages],
+            generator=generator,
+            stop=self.stop_strings.criteria(params.stop_strings) if params.stop_strings else None,
+        )

@@ -1,0 +1,133 @@
+"""Turning a step's logits into tokens: the processing stages, then argmax or a seeded draw.
+
+Which `GenerationConfig` options may be set at all is decided in one table,
+`generation_fields.py` (`check_generation_config`, re-exported here); every processor `generate()`
+builds for an implemented option is applied (see processors.py and docs/sampling.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config.generation_fields import check_generation_config
+from . import warpers
+from .processors import Stage
+from .request_state import RequestSampling
+
+__all__ = ["Sampler", "Samples", "check_generation_config"]
+
+
+@dataclass
+class Samples:
+    """One entry per sampled row, in logits order."""
+
+    tokens: list[int]
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
+
+
+class Sampler:
+    """Samples one token per row of `[S, vocab]` logits with each row's request state.
+
+    Args:
+        stages: the processing pipeline (processors.build_stages).
+        do_sample: draw from the processed distribution; otherwise argmax.
+    """
+
+    def __init__(self, stages: list[Stage], do_sample: bool, device: torch.device) -> None:
+        self.stages = stages
+        self.do_sample = do_sample
+        self.device = device
+        self._row_index = {id(stage): i for i, stage in enumerate(s for s in stages if s.kind == "row")}
+
+    def sample(self, logits: torch.Tensor, requests: list[Any]) -> Samples:
+        """Args: logits `[S, vocab]` float32; `requests[i]` owns row i (`.sampling`, `.all_token_ids`)."""
+        states: list[RequestSampling | None] = [request.sampling for request in requests]
+        if all(state is None for state in states):
+            # Greedy without processors or outputs: the hot path, one argmax.
+            return Samples(tokens=logits.argmax(dim=-1).tolist())
+        scores = self.process(logits, requests)
+        tokens = self._draw(scores, states) if self.do_sample else scores.argmax(dim=-1)
+        return self._outputs(scores, tokens, states)
+
+    def process(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+        """The scores `generate()` would sample from for each row (its processed `scores`)."""
+        scores = logits
+        states: list[RequestSampling] = [request.sampling for request in requests]
+        for stage in self.stages:
+            if stage.kind == "vector":
+                scores = self._vector(stage.name, scores, requests, states)
+            elif stage.kind == "shared":
+                no_ids = torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
+                scores = stage.processor(no_ids, scores)
+            else:
+                scores = self._rows(stage, scores, requests, states)
+        return scores
+
+    def _vector(self, name: str, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
+        values = [getattr(state.params, name) for state in states]
+        if name == "repetition_penalty":
+            if all(v == 1.0 for v in values):
+                return scores
+            vocab = scores.shape[-1]
+            seen = torch.stack(
+                [
+                    state.seen(r.all_token_ids, vocab, scores.device)
+                    for state, r in zip(states, requests, strict=True)
+                ]
+            )
+            return warpers.repetition_penalty(scores, seen, values)
+        return getattr(warpers, name)(scores, values)
+
+    def _rows(self, stage: Stage, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
+        """A history-dependent processor: each row with its own request's tokens, as a batch of one."""
+        index = self._row_index[id(stage)]
+        rows = []
+        for i, (state, request) in enumerate(zip(states, requests, strict=True)):
+            processor = state.row_processors[index]
+            row = scores[i : i + 1]
+            if processor is not None:
+                capacity = request.num_prompt_tokens + request.max_new_tokens
+                row = processor(state.history(request.all_token_ids, capacity, scores.device), row)
+            rows.append(row)
+        return torch.cat(rows)
+
+    def _draw(self, scores: torch.Tensor, states: list[RequestSampling]) -> torch.Tensor:
+        """One token per row: argmax(p / E) with E ~ Exp(1) is an exact draw from p (exponential race).
+
+        A row with a generator fills its noise from it alone, so its token depends only on its
+        own probabilities and stream, not on the other rows."""
+        probs = scores.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [i for i, state in enumerate(states) if state.generator is not None]
+        if len(seeded) < len(states):
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=states[i].generator)
+        # An exponential sample of exactly 0 would make 0/0 = nan win the argmax.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _outputs(
+        self, scores: torch.Tensor, tokens: torch.Tensor, states: list[RequestSampling | None]
+    ) -> Samples:
+        token_list = tokens.tolist()
+        wants = [state is not None and state.params.return_logprobs for state in states]
+        if not any(wants):
+            return Samples(tokens=token_list)
+        logprobs = scores.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        samples = Samples(
+            tokens=token_list, logprobs=[lp if w else None for lp, w in zip(chosen, wants, strict=True)]
+        )
+        ks = [state.params.top_logprobs if state is not None else 0 for state in states]
+        if max(ks) > 0:
+            values, indices = logprobs.topk(min(max(ks), logprobs.shape[-1]), dim=-1)
+            values, indices = values.tolist(), indices.tolist()
+            samples.top_logprobs = [
+                dict(zip(indices[i][:k], values[i][:k], strict=True)) if k else None for i, k in enumerate(ks)
+            ]
+        return samples
