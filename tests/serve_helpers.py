@@ -37,7 +37,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) 
 
 
 def tiny_model_and_tokenizer(chat_template: bool = True) -> tuple[Any, Any]:
-    from transformers_cb.cli.tiny import load_model_and_tokenizer
+    from transformers_cb.cli.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(None, attn_implementation="paged|sdpa", seed=0)
     if chat_template:

@@ -85,7 +85,7 @@ def server(model_dir: Path) -> Iterator[ServerProcess]:
 def reference(model_dir: Path) -> Any:
     """`generate_batch` on the same checkpoint: (token ids, logprobs) per prompt."""
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.cli.tiny import load_model_and_tokenizer
+    from transformers_cb.cli.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir), attn_implementation="paged|sdpa")
 

@@ -111,14 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------
 
 
-def _resolve_device(device: str | None) -> str:
-    import torch
-
-    if device is not None:
-        return device
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _cb_config(args: argparse.Namespace) -> Any:
     import transformers_cb
 
@@ -128,18 +120,6 @@ def _cb_config(args: argparse.Namespace) -> Any:
         if getattr(args, name) is not None
     }
     return transformers_cb.ContinuousBatchingConfig(**overrides)
-
-
-def _special_ids(model: Any, tokenizer: Any) -> tuple[Any, Any]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    pad = getattr(model.generation_config, "pad_token_id", None)
-    if pad is None:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    if isinstance(pad, list):
-        pad = pad[0] if pad else None
-    return eos, pad
 
 
 def generate_all(
@@ -278,29 +258,20 @@ def format_summary(records: Sequence[dict], wall_s: float) -> str:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from transformers_cb.cli.tiny import load_model_and_tokenizer
+    from .loading import load_for_command, special_ids
 
     requests = read_requests(args.input)
     try:
         cb_config = _cb_config(args)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    torch.manual_seed(args.seed)
     try:
-        model, tokenizer = load_model_and_tokenizer(
-            args.model,
-            attn_implementation=args.attn_implementation,
-            dtype=getattr(torch, args.dtype),
-            device=_resolve_device(args.device),
-            seed=args.seed,
-        )
+        model, tokenizer = load_for_command(args)
     except OSError as exc:
         raise InputError(f"cannot load model from {args.model!r}: {exc}") from None
     token_lists = tokenize_requests(tokenizer, requests)
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
-    eos_token_id, pad_token_id = _special_ids(model, tokenizer)
+    eos_token_id, pad_token_id = special_ids(model, tokenizer)
 
     with _open_output(args.output) as handle:
         start = time.perf_counter()

@@ -103,27 +103,3 @@ def build_tiny_model(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
-
-
-def load_model_and_tokenizer(
-    path: str | None,
-    attn_implementation: str = "paged|sdpa",
-    dtype: torch.dtype = torch.float32,
-    device: str | torch.device = "cpu",
-    seed: int = 0,
-) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Load a local checkpoint directory, or build the tiny default model when ``path`` is None."""
-    import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
-
-    if path is None:
-        tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
-        model = model.to(dtype=dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation=attn_implementation, dtype=dtype
-        )
-    return model.to(device).eval(), tokenizer

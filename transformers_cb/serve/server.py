@@ -113,27 +113,18 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_state(args: argparse.Namespace) -> Any:
     """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
-    import torch
     from transformers import GenerationConfig
 
     import transformers_cb
-    from transformers_cb.cli.main import _resolve_device, _special_ids
-    from transformers_cb.cli.tiny import load_model_and_tokenizer
 
+    from ..cli.loading import load_for_command, special_ids
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
-    torch.manual_seed(args.seed)
-    model, tokenizer = load_model_and_tokenizer(
-        args.model,
-        attn_implementation=args.attn_implementation,
-        dtype=getattr(torch, args.dtype),
-        device=_resolve_device(args.device),
-        seed=args.seed,
-    )
+    model, tokenizer = load_for_command(args)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-    eos_token_id, pad_token_id = _special_ids(model, tokenizer)
+    eos_token_id, pad_token_id = special_ids(model, tokenizer)
     generation_config = GenerationConfig(
         do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
     )

@@ -1,0 +1,74 @@
+"""Loading the model a command runs: the device, the model and its tokenizer, their special ids.
+
+Shared by `transformers-cb generate` (cli/main.py) and `transformers-cb serve` (serve/server.py), so
+both load a checkpoint (or the built-in tiny model, cli/tiny.py) the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from .tiny import build_tiny_model, build_tiny_tokenizer
+
+
+def resolve_device(device: str | None) -> str:
+    """`device` as given, else CUDA when there is one, else the CPU."""
+    import torch
+
+    if device is not None:
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def special_ids(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """The eos and pad ids generation uses: the model's generation config first, then the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if isinstance(pad, list):
+        pad = pad[0] if pad else None
+    return eos, pad
+
+
+def load_model_and_tokenizer(
+    path: str | None,
+    attn_implementation: str = "paged|sdpa",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """Load a local checkpoint directory, or build the tiny default model when ``path`` is None."""
+    import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
+
+    if path is None:
+        tokenizer = build_tiny_tokenizer()
+        model = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
+        model = model.to(dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation=attn_implementation, dtype=dtype
+        )
+    return model.to(device).eval(), tokenizer
+
+
+def load_for_command(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+    """The model and tokenizer of a command's `--model`, `--attn-implementation`, `--dtype`, `--device`
+    and `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
+    torch.manual_seed(args.seed)
+    return load_model_and_tokenizer(
+        args.model,
+        attn_implementation=args.attn_implementation,
+        dtype=getattr(torch, args.dtype),
+        device=resolve_device(args.device),
+        seed=args.seed,
+    )
