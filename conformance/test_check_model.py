@@ -42,7 +42,7 @@ def test_check_model_command_passes(tiny_checkpoint: Path) -> None:
 def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys) -> None:
     """A broken engine (eviction that forgets generated tokens) makes the check fail with exit 1 and
     print both token sequences."""
-    original = Scheduler._preempt
+    original = Scheduler.preempt
 
     def broken_preempt(self, request, batch):
         original(self, request, batch)
@@ -50,7 +50,7 @@ def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys
             request.generated_ids[-1] = (request.generated_ids[-1] + 1) % 100 + 3
             request.all_token_ids[-1] = request.generated_ids[-1]
 
-    monkeypatch.setattr(Scheduler, "_preempt", broken_preempt)
+    monkeypatch.setattr(Scheduler, "preempt", broken_preempt)
     argv = ["--model", str(tiny_checkpoint), "--prompts", "6", "--max-new-tokens", "8", "--attn", "sdpa"]
     assert conformance_check.main(argv) == 1
     out = capsys.readouterr().out

@@ -190,7 +190,7 @@ def test_refcounts_after_preemption_and_finish() -> None:
     scheduler.add(first)
     step(scheduler)
     batch = ScheduledBatch(entries=[])
-    scheduler._preempt(first, batch)
+    scheduler.preempt(first, batch)
     pool = scheduler.allocator.pools[0]
     assert pool.num_used_pages == 0 and pool.num_cached_pages == 5
     assert first.num_registered_pages == 0
@@ -384,7 +384,7 @@ def test_a_preempted_promiser_releases_the_waiters() -> None:
     scheduler.add(second)
     step(scheduler)
     assert second.status == RequestStatus.PENDING
-    scheduler._preempt(first, ScheduledBatch(entries=[]))
+    scheduler.preempt(first, ScheduledBatch(entries=[]))
     scheduler.check_integrity()  # promises withdrawn with the pages
     assert not scheduler.allocator.prefix._in_flight or first.num_promised_pages == 0
     drain(scheduler)

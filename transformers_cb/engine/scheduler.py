@@ -263,9 +263,9 @@ class Scheduler:
         while not self.allocator.allocate(request, num_tokens):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             if victims:
-                self._preempt(victims[-1], batch)
+                self.preempt(victims[-1], batch)
             elif scheduled:
-                self._preempt(request, batch)
+                self.preempt(request, batch)
                 return False
             else:
                 self._fail_unfittable(request, batch)
@@ -283,7 +283,7 @@ class Scheduler:
             self._drop_kv(request)
         return False
 
-    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+    def preempt(self, request: Request, batch: ScheduledBatch) -> None:
         """Take the pages of `request` away: swapped out to the host tier when there is one with room,
         else dropped (it recomputes prompt + generated tokens later)."""
         if self.offload is None or not self.offload.try_swap_out(request):

@@ -164,21 +164,21 @@ def compare_tokens(
 
 @contextmanager
 def count_preemptions() -> Iterator[list[str]]:
-    """Records the request id of every preemption (`Scheduler._preempt` call) inside the block."""
+    """Records the request id of every preemption (`Scheduler.preempt` call) inside the block."""
     from ..engine.scheduler import Scheduler
 
     calls: list[str] = []
-    original = Scheduler._preempt
+    original = Scheduler.preempt
 
     def preempt(self, request, batch):
         calls.append(request.request_id)
         return original(self, request, batch)
 
-    Scheduler._preempt = preempt
+    Scheduler.preempt = preempt
     try:
         yield calls
     finally:
-        Scheduler._preempt = original
+        Scheduler.preempt = original
 
 
 # -- the command -------------------------------------------------------------------------------------

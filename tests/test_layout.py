@@ -1,0 +1,141 @@
+"""The package layout: only the public entry points at the root, no import cycle, no private name
+imported from another room (docs/structure.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import transformers_cb
+
+PACKAGE = Path(transformers_cb.__file__).parent
+# The public entry points and the data every room shares (docs/structure.md).
+ROOT_MODULES = {"__init__", "plugin", "requests", "invariants", "conformance_check"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["transformers_cb", *parts])
+
+
+def is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
+    """(imported module, names taken from it) of every import that runs (not under TYPE_CHECKING)."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = name if is_package(path) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if _type_checking_only(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.startswith("transformers_cb")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("transformers_cb"):
+                continue
+            names = [alias.name for alias in node.names]
+            found.append((target, names))
+            # `from package import submodule` imports the submodule too.
+            found += [(f"{target}.{n}", []) for n in names if f"{target}.{n}" in modules]
+    return found
+
+
+def room_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_root_holds_only_the_public_entry_points():
+    root = {path.stem for path in PACKAGE.glob("*.py")}
+    assert root <= ROOT_MODULES, f"modules at the package root beyond the entry points: {root - ROOT_MODULES}"
+    for folder in PACKAGE.iterdir():
+        if folder.is_dir() and folder.name != "__pycache__":
+            assert (folder / "__init__.py").exists(), f"{folder.name}/ has no __init__.py"
+            assert ast.get_docstring(ast.parse((folder / "__init__.py").read_text())), (
+                f"{folder.name}/__init__.py does not say what the room owns"
+            )
+
+
+def test_every_module_has_a_docstring():
+    for name, path in all_modules().items():
+        if is_package(path) and not path.read_text().strip():
+            continue
+        assert ast.get_docstring(ast.parse(path.read_text())), f"{name} has no module docstring"
+
+
+def test_no_import_cycle():
+    modules = all_modules()
+    graph = {
+        name: {
+            target for target, _ in imports_of(name, path, modules) if target in modules and target != name
+        }
+        for name, path in modules.items()
+    }
+    # Tarjan's strongly connected components: any component of more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in sorted(graph):
+        if name not in index:
+            visit(name)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_no_private_name_imported_from_another_room():
+    modules = all_modules()
+    offences = []
+    for name, path in modules.items():
+        for target, names in imports_of(name, path, modules):
+            if room_of(target) == room_of(name):
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                offences.append(f"{name} imports {private} from {target}")
+    assert not offences, offences
