@@ -23,12 +23,12 @@ from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
 from ..engine.engine import Engine
-from ..requests import GenerationOutput, RequestStatus
+from ..requests import GenerationOutput
 from .channels import async_channel, blocking_channel
 from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
 from .results import Deliver, ResultRouter
 from .state import BackgroundThreadStatus, ManagerState
-from .stats import ManagerStats, ThroughputWindow
+from .stats import ManagerStats, ThroughputWindow, snapshot
 from .submissions import SubmissionOptions, Submissions
 
 logger = logging.getLogger(__name__)
@@ -369,33 +369,6 @@ class ContinuousBatchingManager:
             self._state.lock.notify_all()  # a backlog handed to the loop thread: wake it
 
     def stats(self) -> ManagerStats:
-        state = self._state
-        with state.lock:
-            engine = state.engine
-            running = len(engine.scheduler.running) if engine else 0
-            waiting = len(engine.scheduler.waiting) if engine else 0
-            offload = engine.offload if engine else None
-            prefix = engine.scheduler.allocator.prefix if engine else None
-            return ManagerStats(
-                queued=len(state.incoming) + waiting,
-                running=running,
-                finished=state.counts[RequestStatus.FINISHED],
-                failed=state.counts[RequestStatus.FAILED],
-                cancelled=state.counts[RequestStatus.CANCELLED],
-                preemptions=engine.scheduler.num_preemptions if engine else 0,
-                pages_in_use=engine.cache.num_used_pages if engine else 0,
-                pages_total=engine.cache.num_total_pages if engine else 0,
-                pages_in_use_by_group=engine.scheduler.allocator.pages_in_use() if engine else {},
-                prefill_tokens=engine.counters.prefill_tokens if engine else 0,
-                decode_tokens=engine.counters.decode_tokens if engine else 0,
-                prefix_cache_hit_rate=prefix.stats.hit_rate if prefix else 0.0,
-                prefix_cache_hit_tokens=prefix.stats.hit_tokens if prefix else 0,
-                prefix_cache_pages=engine.scheduler.allocator.num_cached_pages if engine else 0,
-                prefix_cache_evictions=engine.scheduler.allocator.num_evictions if engine else 0,
-                tokens_per_second=self._throughput.rate(),
-                delivered_tokens=self._throughput.total,
-                recomputed_tokens=engine.scheduler.recomputed.total if engine else 0,
-                swapped_out=offload.num_swapped_out if offload else 0,
-                swap_out_pages=offload.swap_out_pages if offload else 0,
-                swap_in_pages=offload.swap_in_pages if offload else 0,
-            )
+        """A snapshot of the queue, the cache and the counters (see `ManagerStats`)."""
+        with self._state.lock:
+            return snapshot(self._state, self._throughput)
