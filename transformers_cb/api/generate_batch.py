@@ -22,7 +22,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.generation_fields import resolve_generation_config
+from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
 from ..config.interop import as_cb_config
 from ..engine.engine import Engine, EngineCounters
 from ..requests import GenerationOutput, Request
@@ -213,9 +213,7 @@ def _workload(
     for ids, limit, num_sequences in zip(inputs, max_new, forks, strict=False):
         num_prompt = len(ids) if hasattr(ids, "__len__") else 1
         if limit is None:
-            limit = resolved.max_new_tokens
-        if limit is None:
-            limit = (resolved.max_length or 0) - num_prompt
+            limit = default_max_new_tokens(resolved, num_prompt)
         length = num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1)
         if num_sequences is None:
             num_sequences = resolved.num_return_sequences or 1
