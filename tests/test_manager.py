@@ -821,7 +821,7 @@ class _Die(BaseException):
 
 def test_thread_death_unblocks_every_waiter(manager, caplog):
     caplog.set_level(logging.ERROR, logger=MANAGER_LOGGER)
-    original_step = manager._step
+    original_step = manager._loop._step
     calls = {"n": 0}
 
     def dying_step(engine):
@@ -830,7 +830,7 @@ def test_thread_death_unblocks_every_waiter(manager, caplog):
             raise _Die("injected thread death")
         return original_step(engine)
 
-    manager._step = dying_step
+    manager._loop._step = dying_step
     manager.start()
     with manager.pause():
         plain = manager.add_requests(PROMPTS[:3], max_new_tokens=400)
@@ -918,8 +918,8 @@ def test_waiters_wake_even_if_failing_the_requests_raises(manager):
     def dying_step(engine):
         raise _Die("injected thread death")
 
-    manager._fail_everything = broken_fail_everything
-    manager._step = dying_step
+    manager._loop.fail_everything = broken_fail_everything
+    manager._loop._step = dying_step
     try:
         manager.start()
         manager.add_request(PROMPTS[0], max_new_tokens=3)
@@ -927,7 +927,7 @@ def test_waiters_wake_even_if_failing_the_requests_raises(manager):
             run_with_timeout(lambda: manager.get_result(), timeout=10)
         wait_for(lambda: not manager.is_running(), timeout=5, what="the thread to end")
     finally:
-        del manager._fail_everything  # back to the real one for the fixture's teardown
+        del manager._loop.fail_everything  # back to the real one for the fixture's teardown
 
 
 @pytest.mark.parametrize("hard_stop", [False, True], ids=["graceful", "hard"])

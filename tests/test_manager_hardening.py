@@ -284,7 +284,7 @@ def test_background_thread_status_reports_the_fatal_error(manager):
     def dying_step(engine):
         raise error
 
-    manager._step = dying_step
+    manager._loop._step = dying_step
     rid = manager.add_request(PROMPTS[0], max_new_tokens=3)
     output = manager.get_result(rid, timeout=TIMEOUT)
     assert output.status == RequestStatus.FAILED

@@ -68,7 +68,7 @@ def test_add_requests_sorts_for_sharing_but_ids_keep_their_prompts(model, ref) -
     try:
         inputs = [PROMPTS[3], [5, 6, 7], PROMPTS[1], PROMPTS[0]]
         ids = manager.add_requests(inputs, max_new_tokens=4)
-        queued = [request.prompt_ids for request in manager._incoming]
+        queued = [request.prompt_ids for request in manager._state.incoming]
         assert queued == sorted(inputs)  # admission order: by prompt
         manager.start()
         results = collect(manager, ids)
@@ -89,7 +89,7 @@ def test_sharing_off_keeps_submission_order_and_reports_no_hits(model) -> None:
     try:
         inputs = [PROMPTS[3], PROMPTS[0]]
         ids = manager.add_requests(inputs, max_new_tokens=2)
-        assert [request.prompt_ids for request in manager._incoming] == inputs
+        assert [request.prompt_ids for request in manager._state.incoming] == inputs
         manager.start()
         collect(manager, ids)
         stats = manager.stats()

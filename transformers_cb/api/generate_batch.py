@@ -1,5 +1,8 @@
 """`generate_batch`: run many prompts to completion with continuous batching, in the caller's thread.
 
+It owns the per-input arguments (one value for all inputs, or one per input), the cache sizing from
+the known workload, and the engine kept on the model for `persistent_manager=True`.
+
 NOTE: the loop runs in the caller's thread on purpose. A forward issued from a
 second OS thread is slower: grad / inference mode are thread-local (a bare thread
 records autograd graphs), and each thread that runs torch ops gets its own OpenMP
@@ -12,7 +15,6 @@ avoids it with `threads.ThreadSettings`; see docs/design.md, "Threads and speed"
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,8 +24,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.generation_fields import resolve_generation_config
-from ..config.interop import as_cb_config
+from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
+from ..config.interop import take_cb_config
 from ..engine.engine import Engine, EngineCounters
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
@@ -31,30 +33,8 @@ from ..sampling.params import PER_REQUEST_KWARGS
 # generate_batch kwargs handed to the Engine as they are.
 ENGINE_KWARGS = ("tokenizer", "logits_processor")
 
-# Where `generate_batch(persistent_manager=True)` keeps its engine; see `manager_api` for the manager's.
+# Where `generate_batch(persistent_manager=True)` keeps its engine; `model_methods` drops it on request.
 CACHED_ENGINE_ATTR = "_transformers_cb_engine"
-
-
-def take_cb_config(
-    generation_config: GenerationConfig | None, continuous_batching_config: Any
-) -> ContinuousBatchingConfig | None:
-    """The config to run with: ours, or transformers' converted into ours (see `interop`).
-
-    The deprecated `GenerationConfig.continuous_batching_config` still works, with a FutureWarning;
-    an explicit `continuous_batching_config` wins and the nested one is then neither used nor validated.
-    """
-    legacy = getattr(generation_config, "continuous_batching_config", None) if generation_config else None
-    if legacy is None:
-        return as_cb_config(continuous_batching_config)
-    warnings.warn(
-        "Setting continuous_batching_config on GenerationConfig is deprecated; pass "
-        "continuous_batching_config= to generate_batch / init_continuous_batching instead",
-        FutureWarning,
-        stacklevel=3,
-    )
-    if continuous_batching_config is not None:
-        return as_cb_config(continuous_batching_config)
-    return as_cb_config(legacy, "GenerationConfig.continuous_batching_config")
 
 
 def _per_request(value: Any, count: int, name: str, lists_are_values: bool = False) -> list[Any]:
@@ -213,9 +193,7 @@ def _workload(
     for ids, limit, num_sequences in zip(inputs, max_new, forks, strict=False):
         num_prompt = len(ids) if hasattr(ids, "__len__") else 1
         if limit is None:
-            limit = resolved.max_new_tokens
-        if limit is None:
-            limit = (resolved.max_length or 0) - num_prompt
+            limit = default_max_new_tokens(resolved, num_prompt)
         length = num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1)
         if num_sequences is None:
             num_sequences = resolved.num_return_sequences or 1

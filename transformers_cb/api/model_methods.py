@@ -10,8 +10,9 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
+from ..config.interop import take_cb_config
 from ..manager.manager import CACHED_MANAGER_ATTR, ContinuousBatchingManager
-from .generate_batch import CACHED_ENGINE_ATTR, take_cb_config
+from .generate_batch import CACHED_ENGINE_ATTR
 
 logger = logging.getLogger(__name__)
 

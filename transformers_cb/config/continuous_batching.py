@@ -1,8 +1,9 @@
 """`ContinuousBatchingConfig`: the hardware-side settings (memory, scheduling, kernels).
 
-Validation only lives here. Sizing that depends on the model and the device
-(`num_blocks`, `max_batch_tokens`, ...) is resolved in `cache/sizing.py` into a
-separate object, so the user's config is never mutated.
+This room owns the field list, their validation (`validate()`: types and ranges, `ValueError` only)
+and `resolve_device_options` (GPU-only options on another device). Sizing that depends on the model and
+the device (`num_blocks`, `max_batch_tokens`, ...) is resolved in `memory/sizing.py` into a separate
+object, so the user's config is never mutated.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def _is_number(value: Any) -> bool:
 class ContinuousBatchingConfig:
     """Hardware-side settings of continuous batching. See `docs/config.md` for every field.
 
-    Fields whose feature is not built yet are accepted when they leave the feature
-    off and raise `NotImplementedError` naming the feature when they turn it on.
+    Every field's feature is built. Creating (or `copy()`-ing) a config runs `validate()`, which raises
+    `ValueError` for a value of the wrong type or out of range. Options that need a CUDA device are
+    turned off with a warning on other devices (`resolve_device_options`, at engine start); whether the
+    model and the rest of the setup can run is checked by the engine when it starts.
     """
 
     page_size: int = 256
@@ -113,8 +116,8 @@ class ContinuousBatchingConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the field, value and allowed range for any invalid value,
-        and `NotImplementedError` for features this release does not provide."""
+        """Raise `ValueError` naming the field, the value and the allowed range for the first invalid
+        value; nothing else is checked here (combinations are the engine's, at start)."""
         _check_range("page_size", self.page_size, f"an int >= {MIN_PAGE_SIZE}", _is_int(self.page_size))
         _check_range(
             "page_size", self.page_size, f"an int >= {MIN_PAGE_SIZE}", self.page_size >= MIN_PAGE_SIZE
@@ -254,7 +257,7 @@ def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -
     As in transformers, a non-CUDA run logs a warning and turns CUDA graphs and async batching off
     instead of failing, so code written for a GPU box runs here. Async batching needs graphs: asked for
     without them, it is turned off with a warning. Which steps graphs apply to is decided by the engine
-    (graphs/runner.py).
+    (runner/step_options.py).
     """
     if device_type != "cuda":
         requested = {

@@ -185,3 +185,16 @@ def resolve_generation_config(
         # `generate()` reads transformers' default max_length as that many *new* tokens.
         resolved.max_new_tokens = resolved.max_length
     return resolved
+
+
+def default_max_new_tokens(config: GenerationConfig, num_prompt_tokens: int) -> int | None:
+    """The new-token limit of a request that gives none: `config.max_new_tokens`, else what
+    `config.max_length` leaves after the prompt (may be <= 0: the request is then refused), else None.
+
+    `config` is a resolved one (`resolve_generation_config`); `Engine.default_max_new_tokens` applies this
+    to its own, and `generate_batch` to size the cache before an engine exists."""
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    if config.max_length is not None:
+        return config.max_length - num_prompt_tokens
+    return None

@@ -6,13 +6,17 @@ clients (`transformers serve`, TRL's trainers) pass them straight in. They are
 converted here, field by field, into ours, so our validation and our error
 messages apply. Only what the user set is carried over: the two config classes
 have different defaults, and transformers' "0 = auto" values mean "our default".
+`take_cb_config` also takes the deprecated `GenerationConfig.continuous_batching_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any
+
+from transformers import GenerationConfig
 
 from .continuous_batching import ContinuousBatchingConfig
 
@@ -90,6 +94,28 @@ def as_cb_config(
         f"{argument} must be a transformers_cb or transformers ContinuousBatchingConfig (or a dict), "
         f"got {type(config).__name__}"
     )
+
+
+def take_cb_config(
+    generation_config: GenerationConfig | None, continuous_batching_config: Any
+) -> ContinuousBatchingConfig | None:
+    """The config to run with: ours, or transformers' converted into ours (`as_cb_config`).
+
+    The deprecated `GenerationConfig.continuous_batching_config` still works, with a FutureWarning;
+    an explicit `continuous_batching_config` wins and the nested one is then neither used nor validated.
+    """
+    legacy = getattr(generation_config, "continuous_batching_config", None) if generation_config else None
+    if legacy is None:
+        return as_cb_config(continuous_batching_config)
+    warnings.warn(
+        "Setting continuous_batching_config on GenerationConfig is deprecated; pass "
+        "continuous_batching_config= to generate_batch / init_continuous_batching instead",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if continuous_batching_config is not None:
+        return as_cb_config(continuous_batching_config)
+    return as_cb_config(legacy, "GenerationConfig.continuous_batching_config")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig, resolve_device_options
-from ..config.generation_fields import resolve_generation_config
+from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
 from ..distributed import TensorParallelCoordinator
 from ..distributed.coordinator import Kind
 from ..distributed.sharding import shard_shape, tp_size_of
@@ -158,12 +158,7 @@ class Engine:
 
     # -- requests ------------------------------------------------------------
     def default_max_new_tokens(self, num_prompt_tokens: int) -> int | None:
-        config = self.generation_config
-        if config.max_new_tokens is not None:
-            return config.max_new_tokens
-        if config.max_length is not None:
-            return config.max_length - num_prompt_tokens
-        return None
+        return default_max_new_tokens(self.generation_config, num_prompt_tokens)
 
     def new_request_id(self, taken: Any = ()) -> str:
         while True:

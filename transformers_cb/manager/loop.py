@@ -1,17 +1,16 @@
 """What runs on the manager's background thread: the loop around `Engine.step()`.
 
-`ManagerLoop` is the thread-side half of `ContinuousBatchingManager` (manager.py holds the public,
-caller-side half). Submissions, cancellations and stop / pause requests are recorded by callers under
-`_lock`; the loop applies them at step boundaries, so only this thread touches the engine while it runs.
-Every request leaves through `_publish_final`, which hands its one final output to the router.
+`ManagerLoop` owns the thread. Callers record submissions, cancellations and stop / pause requests in
+the shared `ManagerState` under its lock; the loop applies them at step boundaries, so only this thread
+touches the engine while it runs. Every request leaves through `_publish_final`, which counts its final
+status and hands its one final output to the router; `fail_everything` is the exit of whatever is left.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
@@ -20,85 +19,118 @@ from ..distributed import TensorParallelError
 from ..engine.engine import Engine
 from ..requests import Request, RequestStatus
 from .results import ResultRouter
+from .state import ManagerState
 from .stats import ThroughputWindow
 from .threads import ThreadSettings
 
 logger = logging.getLogger(__name__)
 
-# Where `stop(keep_for_next_session=True)` keeps the manager; `init_continuous_batching` reuses it.
-CACHED_MANAGER_ATTR = "_transformers_cb_manager"
 HARD_STOP_ERROR = "RuntimeError: the manager was hard-stopped before this request finished"
 NOT_RUN_ERROR = "RuntimeError: the manager was stopped before it ran this request (it was not running)"
-
-
-@dataclass
-class BackgroundThreadStatus:
-    """What transformers' serving code reads before each request and in `/health`.
-
-    `fatal_error` is None while the loop lives (or has not started), and the exception that killed the
-    thread once it died; a dead manager cannot be restarted."""
-
-    fatal_error: BaseException | None = None
+THREAD_NAME = "transformers-cb"
+# How long an idle or paused loop sleeps before it looks at the state again (it is woken on changes).
+IDLE_WAIT_S = 0.1
 
 
 class ManagerLoop:
-    """State shared by callers and the loop thread, and the loop itself (see the module docstring)."""
+    """The background thread of one manager.
 
-    engine: Engine | None
-    model: torch.nn.Module
+    Args:
+        state: the state shared with the callers (its lock guards it).
+        router: where outputs go.
+        throughput: counts the tokens delivered to users.
+        model: switched to its paged attention backend while the thread runs.
+        release: called by the thread as it ends after a non-blocking `destroy()` (`state.release_on_exit`).
+    """
 
-    def _init_loop_state(self) -> None:
-        self._router = ResultRouter()
-        self._lock = threading.Condition()
-        self._incoming: deque[Request] = deque()
-        self._cancels: set[str] = set()
-        self._live: dict[str, Request] = {}  # submitted and not final yet
-        self._accepting = True
-        self._stop_requested = False
-        self._hard_stop = False
-        self._pause_requests = 0
-        self._paused = False
-        self._destroyed = False
-        self._release_on_exit = False  # a non-blocking destroy(): the thread releases the engine
-        self._thread: threading.Thread | None = None
-        self._thread_status = BackgroundThreadStatus()
-        self._throughput = ThroughputWindow()
-        self._counts = {RequestStatus.FINISHED: 0, RequestStatus.FAILED: 0, RequestStatus.CANCELLED: 0}
+    def __init__(
+        self,
+        state: ManagerState,
+        router: ResultRouter,
+        throughput: ThroughputWindow,
+        model: torch.nn.Module,
+        release: Callable[[], None],
+    ) -> None:
+        self._state = state
+        self._router = router
+        self._throughput = throughput
+        self._model = model
+        self._release = release
+        self.thread: threading.Thread | None = None
+
+    # -- the caller side -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start a new thread, at the speed of the calling one (`ThreadSettings`)."""
+        settings = ThreadSettings.capture()
+        self.thread = threading.Thread(target=self._run, args=(settings,), name=THREAD_NAME, daemon=True)
+        self.thread.start()
+
+    def is_running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def is_loop_thread(self) -> bool:
+        return self.thread is threading.current_thread()
+
+    def apply_submissions(self) -> None:
+        """Move new requests into the engine and apply cancellations (loop thread, or idle engine)."""
+        state = self._state
+        with state.lock:
+            incoming, cancels = state.take_submissions()
+            engine = state.engine
+        if engine is None:
+            return
+        for request in incoming:
+            engine.add(request)
+        for request_id in cancels:
+            request = state.live.get(request_id)
+            if request is not None and not request.is_finished:
+                engine.finish(request, RequestStatus.CANCELLED, "cancelled by cancel_request()")
+                self._publish_final(request)
+
+    def fail_everything(self, message: str) -> None:
+        """Give every unfinished request its one final result: FAILED with `message`."""
+        state = self._state
+        with state.lock:
+            live = list(state.live.values())
+            state.incoming.clear()
+            engine = state.engine
+        for request in live:
+            if not request.is_finished:
+                if engine is not None:
+                    engine.finish(request, RequestStatus.FAILED, message)
+                else:
+                    request.set_status(RequestStatus.FAILED)
+                    request.error = message
+            self._publish_final(request)
 
     # -- the thread ------------------------------------------------------------------------
     def _run(self, settings: ThreadSettings) -> None:
-        tp = self.engine.tp if self.engine is not None else None
+        state = self._state
+        engine = state.engine
+        tp = engine.tp if engine is not None else None
         try:
             settings.apply()
-            target = self.engine.step_options.attn_implementation if self.engine is not None else None
-            with paged_attention(self.model, target), torch.inference_mode():
+            target = engine.step_options.attn_implementation if engine is not None else None
+            with paged_attention(self._model, target), torch.inference_mode():
                 if tp is not None and not tp.is_driver:
-                    self._follow(self.engine)
+                    self._follow(engine)
                 else:
-                    self._loop()
+                    self._loop(engine)
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
             logger.exception("continuous batching manager thread died")
-            with self._lock:
-                self._accepting = False  # later submissions are refused, not queued for no one
-                self._thread_status.fatal_error = error
+            with state.lock:
+                state.accepting = False  # later submissions are refused, not queued for no one
+                state.thread_status.fatal_error = error
             try:
-                self._fail_everything(f"the manager thread died: {type(error).__name__}: {error}")
+                self.fail_everything(f"the manager thread died: {type(error).__name__}: {error}")
             finally:
                 self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
         finally:
             if tp is not None and tp.is_driver:
                 tp.try_stop()  # the followers' sessions end with this one (skipped if the group broke)
             self._router.set_closed(True)
-            if self._release_on_exit:
-                self._release_engine()
-
-    def _release_engine(self) -> None:
-        """The end of `destroy()`: drop the engine (and the cache with it) and the model's reference."""
-        with self._lock:
-            self._destroyed = True
-            self.engine = None
-        if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
-            delattr(self.model, CACHED_MANAGER_ATTR)
+            if state.release_on_exit:
+                self._release()
 
     def _follow(self, engine: Engine) -> None:
         """A tensor-parallel follower's session: replay rank 0's steps until its manager stops."""
@@ -106,30 +138,30 @@ class ManagerLoop:
         while not engine.tp.stopped:
             engine.step()
 
-    def _loop(self) -> None:
-        engine = self.engine
+    def _loop(self, engine: Engine) -> None:
+        state = self._state
         while True:
-            self._apply_submissions()
-            if self._pause_requests or not engine.has_work():
+            self.apply_submissions()
+            if state.pause_requests or not engine.has_work():
                 engine.heartbeat()  # tensor-parallel followers wait in a collective bounded by a timeout
             self._router.drain_handed_over()
-            with self._lock:
-                if self._hard_stop:
+            with state.lock:
+                if state.hard_stop:
                     break
-                if self._pause_requests:
-                    self._paused = True
-                    self._lock.notify_all()
-                    self._lock.wait(timeout=0.1)
+                if state.pause_requests:
+                    state.paused = True
+                    state.lock.notify_all()
+                    state.lock.wait(timeout=IDLE_WAIT_S)
                     continue
-                self._paused = False
+                state.paused = False
                 if not engine.has_work():
-                    if self._stop_requested and not self._incoming:
+                    if state.stop_requested and not state.incoming:
                         return
-                    if not self._incoming:
-                        self._lock.wait(timeout=0.1)
+                    if not state.incoming:
+                        state.lock.wait(timeout=IDLE_WAIT_S)
                     continue
             self._step(engine)
-        self._fail_everything(HARD_STOP_ERROR)
+        self.fail_everything(HARD_STOP_ERROR)
 
     def _step(self, engine: Engine) -> None:
         try:
@@ -155,39 +187,11 @@ class ManagerLoop:
             self._publish_final(request)
         self._throughput.add(delivered)
 
-    def _apply_submissions(self) -> None:
-        """Move new requests into the engine and apply cancellations (loop thread, or idle engine)."""
-        with self._lock:
-            incoming, self._incoming = list(self._incoming), deque()
-            cancels, self._cancels = self._cancels, set()
-            engine = self.engine
-        if engine is None:
-            return
-        for request in incoming:
-            engine.add(request)
-        for request_id in cancels:
-            request = self._live.get(request_id)
-            if request is not None and not request.is_finished:
-                engine.finish(request, RequestStatus.CANCELLED, "cancelled by cancel_request()")
-                self._publish_final(request)
-
     def _publish_final(self, request: Request) -> None:
-        with self._lock:
-            if self._live.pop(request.request_id, None) is None:
+        """The one exit of every request: count its final status, then route its final output."""
+        state = self._state
+        with state.lock:
+            if state.live.pop(request.request_id, None) is None:
                 return
-            self._counts[request.status] = self._counts.get(request.status, 0) + 1
+            state.counts[request.status] = state.counts.get(request.status, 0) + 1
         self._router.publish(request.to_output())
-
-    def _fail_everything(self, message: str) -> None:
-        """Give every unfinished request its one final result: FAILED with `message`."""
-        with self._lock:
-            live, self._incoming = list(self._live.values()), deque()
-            engine = self.engine
-        for request in live:
-            if not request.is_finished:
-                if engine is not None:
-                    engine.finish(request, RequestStatus.FAILED, message)
-                else:
-                    request.set_status(RequestStatus.FAILED)
-                    request.error = message
-            self._publish_final(request)

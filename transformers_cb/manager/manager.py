@@ -1,8 +1,10 @@
 """`ContinuousBatchingManager`: a background thread that runs the engine while requests arrive.
 
-This module is the caller-side half: lifecycle, submissions, results. The thread-side half (the loop
-around `Engine.step()`) is `manager_loop.ManagerLoop`; results flow out through `results.ResultRouter`.
-See docs/manager.md for the contract.
+The public class owns its parts and hands each the ones it works with: the shared state and its lock
+(state.py), the loop thread around `Engine.step()` (loop.py), submissions and cancellations
+(submissions.py), the results router and its channels (results.py, channels.py), the throughput window
+and the stats snapshot (stats.py); the thread settings (threads.py) travel into the loop's thread. This
+module is the lifecycle (start, stop, pause, destroy) and the public API. See docs/manager.md.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,28 +23,25 @@ from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
 from ..engine.engine import Engine
-from ..requests import GenerationOutput, RequestStatus
+from ..requests import GenerationOutput
 from .channels import async_channel, blocking_channel
-from .loop import (
-    CACHED_MANAGER_ATTR,
-    HARD_STOP_ERROR,
-    NOT_RUN_ERROR,
-    BackgroundThreadStatus,
-)
-from .results import Deliver
-from .stats import ManagerStats
-from .submissions import ManagerSubmissions
-from .threads import ThreadSettings
+from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
+from .results import Deliver, ResultRouter
+from .state import BackgroundThreadStatus, ManagerState
+from .stats import ManagerStats, ThroughputWindow, snapshot
+from .submissions import SubmissionOptions, Submissions
 
 logger = logging.getLogger(__name__)
 
+# Where `stop(keep_for_next_session=True)` keeps the manager; `init_continuous_batching` reuses it.
+CACHED_MANAGER_ATTR = "_transformers_cb_manager"
 # destroy() lets queued and running requests finish for this long, then hard-stops them.
 DESTROY_GRACE_S = 10.0
 # After a hard stop, the thread ends at the next step boundary; a step that takes longer is stuck.
 HARD_STOP_JOIN_S = 60.0
 
 
-class ContinuousBatchingManager(ManagerSubmissions):
+class ContinuousBatchingManager:
     """Serve requests with continuous batching from a background thread.
 
     Create it with `model.init_continuous_batching(...)` or
@@ -60,7 +59,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
     ) -> None:
         self.model = model
         hints = as_workload_hints(workload_hints)
-        self.engine: Engine | None = Engine(
+        engine = Engine(
             model,
             generation_config,
             as_cb_config(continuous_batching_config),
@@ -68,48 +67,54 @@ class ContinuousBatchingManager(ManagerSubmissions):
             logits_processor,
             workload=hints.workload() if hints is not None else None,
         )
-        self.max_queue_size = self.engine.cb_config.max_queue_size
-        self._init_loop_state()
-        self._pause_holders = threading.local()
+        self.max_queue_size = engine.cb_config.max_queue_size
+        self._state = ManagerState(engine)
+        self._router = ResultRouter()
+        self._throughput = ThroughputWindow()
+        self._loop = ManagerLoop(self._state, self._router, self._throughput, model, self._release_engine)
+        self._submissions = Submissions(self._state, self._router, self._loop)
+        self._pause_holders = threading.local()  # per thread: how many `pause()` blocks it is inside
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine the loop drives (None once destroyed). Only the loop thread touches it while the
+        manager runs; read it from elsewhere inside `pause()`."""
+        return self._state.engine
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
     def background_thread_status(self) -> BackgroundThreadStatus:
         """`.fatal_error`: None while the thread lives (or has not started), the exception once it died."""
-        return self._thread_status
+        return self._state.thread_status
 
     def start(self) -> None:
         """Start the background thread (again after `stop()`). Raises `RuntimeError` after `destroy()`,
         `ManagerDeadError` (a `RuntimeError`) if the thread died."""
-        thread = self._thread
+        state, thread = self._state, self._loop.thread
         if (
             thread is not None
             and thread.is_alive()
-            and self._stop_requested
-            and thread is not threading.current_thread()
+            and state.stop_requested
+            and not self._loop.is_loop_thread()
         ):
             thread.join()  # a `stop(block=False)` is under way: let it end, then start a new session
-        with self._lock:
-            if self._destroyed or self._release_on_exit:
+        with state.lock:
+            if state.destroyed or state.release_on_exit:
                 raise RuntimeError("this ContinuousBatchingManager was destroyed and cannot be restarted")
             if self.is_running():
                 logger.warning("ContinuousBatchingManager.start(): already running")
                 return
             self._router.check_alive()  # a dead thread's manager cannot be restarted: ManagerDeadError
-            self._accepting, self._stop_requested, self._hard_stop = True, False, False
+            state.accepting, state.stop_requested, state.hard_stop = True, False, False
             self._router.set_closed(False)
-            settings = ThreadSettings.capture()
-            self._thread = threading.Thread(
-                target=self._run, args=(settings,), name="transformers-cb", daemon=True
-            )
-            self._thread.start()
+            self._loop.start()
 
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop.is_running()
 
     @property
     def is_destroyed(self) -> bool:
-        return self._destroyed
+        return self._state.destroyed
 
     @property
     def warmed_up(self) -> bool:
@@ -155,14 +160,15 @@ class ContinuousBatchingManager(ManagerSubmissions):
             )
         if keep_for_next_session:
             setattr(self.model, CACHED_MANAGER_ATTR, self)
-        with self._lock:
-            self._accepting = False
-            self._stop_requested = True
-            self._hard_stop = self._hard_stop or hard_stop
-            self._lock.notify_all()
+        state = self._state
+        with state.lock:
+            state.accepting = False
+            state.stop_requested = True
+            state.hard_stop = state.hard_stop or hard_stop
+            state.lock.notify_all()
         if not self.is_running():
             if hard_stop or not keep_for_next_session:
-                self._fail_everything(HARD_STOP_ERROR if hard_stop else NOT_RUN_ERROR)
+                self._loop.fail_everything(HARD_STOP_ERROR if hard_stop else NOT_RUN_ERROR)
             self._router.set_closed(True)
             return
         if block:
@@ -171,7 +177,7 @@ class ContinuousBatchingManager(ManagerSubmissions):
     def join(self, stop_trigger_time: float, timeout: float | None = None) -> None:
         """Wait up to `timeout` seconds (None: no limit) for the thread to end after a stop requested at
         `stop_trigger_time` (`time.perf_counter()`); logs how long it took, or that it is still running."""
-        thread = self._thread
+        thread = self._loop.thread
         if thread is None or thread is threading.current_thread():
             return
         thread.join(timeout)
@@ -188,15 +194,16 @@ class ContinuousBatchingManager(ManagerSubmissions):
         Queued and running requests get `grace_period` seconds to finish (None: no limit), then the
         rest is hard-stopped (each gets a FAILED final result). `block=False` returns at once: the
         thread finishes the queue gracefully and releases the cache when it ends."""
-        with self._lock:
-            if self._destroyed:
+        state = self._state
+        with state.lock:
+            if state.destroyed:
                 return
         self.stop(block=False)
-        thread = self._thread
-        if self.is_running() and thread is not threading.current_thread():
+        thread = self._loop.thread
+        if self.is_running() and not self._loop.is_loop_thread():
             if not block:
-                with self._lock:
-                    self._release_on_exit = True
+                with state.lock:
+                    state.release_on_exit = True
                 if self.is_running():
                     return
             else:
@@ -208,27 +215,97 @@ class ContinuousBatchingManager(ManagerSubmissions):
                     logger.error(
                         "destroy(): the manager thread did not end; the cache is released when it does"
                     )
-                    with self._lock:
-                        self._release_on_exit = True
+                    with state.lock:
+                        state.release_on_exit = True
                     return
         self._release_engine()
+
+    def _release_engine(self) -> None:
+        """The end of `destroy()` (on the loop thread after a non-blocking one): drop the engine, and the
+        cache with it, and the model's reference to this manager."""
+        with self._state.lock:
+            self._state.destroyed = True
+            self._state.engine = None
+        if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
+            delattr(self.model, CACHED_MANAGER_ATTR)
 
     @contextmanager
     def pause(self) -> Iterator[None]:
         """Hold the loop between two steps (pages and in-flight requests kept), e.g. to update weights."""
-        with self._lock:
-            self._pause_requests += 1
-            self._lock.notify_all()
-            while self.is_running() and not self._paused and threading.current_thread() is not self._thread:
-                self._lock.wait(timeout=0.1)
+        state = self._state
+        with state.lock:
+            state.pause_requests += 1
+            state.lock.notify_all()
+            while self.is_running() and not state.paused and not self._loop.is_loop_thread():
+                state.lock.wait(timeout=0.1)
         self._pause_holders.count = getattr(self._pause_holders, "count", 0) + 1
         try:
             yield
         finally:
             self._pause_holders.count -= 1
-            with self._lock:
-                self._pause_requests -= 1
-                self._lock.notify_all()
+            with state.lock:
+                state.pause_requests -= 1
+                state.lock.notify_all()
+
+    # -- submissions -------------------------------------------------------------------
+    def add_request(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> str | None:
+        """Submit one request and return its id, or None (with a warning) after `stop()`.
+
+        `record_timestamps` gives the outputs `timestamps` (one `time.perf_counter()` per token);
+        `logit_processor_kwargs` are per-request sampling parameters and outputs (`temperature`,
+        `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, `top_logprobs`,
+        `prompt_logprobs`; docs/sampling.md), and `num_return_sequences` (default: the generation
+        config's): n > 1 also gives results for the siblings `f"{request_id}__child#{i}"`,
+        i < n - 1, which share the prompt's KV pages (docs/prefix_sharing.md).
+
+        Raises:
+            ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
+                too long for the model or the whole cache, a bad per-request parameter) or a
+                duplicate live `request_id`.
+            queue.Full: `max_queue_size` requests are already waiting to be scheduled.
+            RuntimeError: the manager was destroyed.
+        """
+        options = SubmissionOptions.of(
+            max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
+        )
+        ids = self._submissions.submit([(input_ids, request_id)], options, False, self.max_queue_size)
+        return None if ids is None else ids[0]
+
+    def add_requests(
+        self,
+        inputs: Sequence[Sequence[int]],
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        record_timestamps: bool = False,
+        eos_token_id: int | list[int] | None = None,
+        **logit_processor_kwargs: Any,
+    ) -> list[str] | None:
+        """Submit many requests at once and return their ids in input order, or None (with a
+        warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
+        `inputs[i]`), none is submitted. Other arguments as in `add_request`.
+
+        With prefix sharing on (`allow_block_sharing`), the requests reach the scheduler sorted by
+        prompt, so that prompts sharing a prefix run one after the other and hit the prefix cache;
+        ids are still given in input order."""
+        items = [(input_ids, None) for input_ids in inputs]
+        options = SubmissionOptions.of(
+            max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
+        )
+        return self._submissions.submit(items, options, True, self.max_queue_size)
+
+    def cancel_request(self, request_id: str) -> None:
+        """Cancel a pending or running request: its pages are freed at the next step boundary and
+        it receives one final result with status CANCELLED. Unknown ids only log a warning."""
+        self._submissions.cancel(request_id)
 
     # -- results -----------------------------------------------------------------------
     def get_result(
@@ -288,36 +365,10 @@ class ContinuousBatchingManager(ManagerSubmissions):
         otherwise on the manager thread. An id not submitted yet is remembered and attached when a
         request with that id is submitted."""
         self._router.register_handler(request_id, callback)
-        with self._lock:
-            self._lock.notify_all()  # a backlog handed to the loop thread: wake it
+        with self._state.lock:
+            self._state.lock.notify_all()  # a backlog handed to the loop thread: wake it
 
     def stats(self) -> ManagerStats:
-        with self._lock:
-            engine = self.engine
-            running = len(engine.scheduler.running) if engine else 0
-            waiting = len(engine.scheduler.waiting) if engine else 0
-            offload = engine.offload if engine else None
-            prefix = engine.scheduler.allocator.prefix if engine else None
-            return ManagerStats(
-                queued=len(self._incoming) + waiting,
-                running=running,
-                finished=self._counts[RequestStatus.FINISHED],
-                failed=self._counts[RequestStatus.FAILED],
-                cancelled=self._counts[RequestStatus.CANCELLED],
-                preemptions=engine.scheduler.num_preemptions if engine else 0,
-                pages_in_use=engine.cache.num_used_pages if engine else 0,
-                pages_total=engine.cache.num_total_pages if engine else 0,
-                pages_in_use_by_group=engine.scheduler.allocator.pages_in_use() if engine else {},
-                prefill_tokens=engine.counters.prefill_tokens if engine else 0,
-                decode_tokens=engine.counters.decode_tokens if engine else 0,
-                prefix_cache_hit_rate=prefix.stats.hit_rate if prefix else 0.0,
-                prefix_cache_hit_tokens=prefix.stats.hit_tokens if prefix else 0,
-                prefix_cache_pages=engine.scheduler.allocator.num_cached_pages if engine else 0,
-                prefix_cache_evictions=engine.scheduler.allocator.num_evictions if engine else 0,
-                tokens_per_second=self._throughput.rate(),
-                delivered_tokens=self._throughput.total,
-                recomputed_tokens=engine.scheduler.recomputed.total if engine else 0,
-                swapped_out=offload.num_swapped_out if offload else 0,
-                swap_out_pages=offload.swap_out_pages if offload else 0,
-                swap_in_pages=offload.swap_in_pages if offload else 0,
-            )
+        """A snapshot of the queue, the cache and the counters (see `ManagerStats`)."""
+        with self._state.lock:
+            return snapshot(self._state, self._throughput)

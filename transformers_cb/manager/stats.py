@@ -1,4 +1,8 @@
-"""Observability: `ManagerStats` snapshots and a recent-throughput window."""
+"""Observability: `ManagerStats` snapshots and a recent-throughput window.
+
+`snapshot()` builds a `ManagerStats` from the manager's own counts and from `EngineFigures`, the figures
+read from the engine; `engine_figures()` is the one place that reaches into the engine for them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..requests import RequestStatus
+
+if TYPE_CHECKING:  # engine/scheduler.py imports `RecomputeCounter` from here
+    from ..engine.engine import Engine
+    from .state import ManagerState
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,83 @@ class ManagerStats:
     swapped_out: int = 0
     swap_out_pages: int = 0
     swap_in_pages: int = 0
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    """What `ManagerStats` reads from the engine at one moment (all zero once the engine is released)."""
+
+    waiting: int = 0  # requests in the scheduler's waiting queue
+    running: int = 0
+    preemptions: int = 0
+    pages_in_use: int = 0
+    pages_total: int = 0
+    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_pages: int = 0
+    prefix_cache_evictions: int = 0
+    recomputed_tokens: int = 0
+    swapped_out: int = 0
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+
+
+def engine_figures(engine: Engine | None) -> EngineFigures:
+    """Read `EngineFigures` from `engine`: the scheduler's queues and page manager, the cache, the
+    counters and the CPU offload tier (an `Engine.snapshot()` would make this one call)."""
+    if engine is None:
+        return EngineFigures()
+    scheduler, pages, offload = engine.scheduler, engine.scheduler.allocator, engine.offload
+    prefix_stats = pages.prefix.stats if pages.prefix is not None else None
+    return EngineFigures(
+        waiting=len(scheduler.waiting),
+        running=len(scheduler.running),
+        preemptions=scheduler.num_preemptions,
+        pages_in_use=engine.cache.num_used_pages,
+        pages_total=engine.cache.num_total_pages,
+        pages_in_use_by_group=pages.pages_in_use(),
+        prefill_tokens=engine.counters.prefill_tokens,
+        decode_tokens=engine.counters.decode_tokens,
+        prefix_cache_hit_rate=prefix_stats.hit_rate if prefix_stats is not None else 0.0,
+        prefix_cache_hit_tokens=prefix_stats.hit_tokens if prefix_stats is not None else 0,
+        prefix_cache_pages=pages.num_cached_pages,
+        prefix_cache_evictions=pages.num_evictions,
+        recomputed_tokens=scheduler.recomputed.total,
+        swapped_out=offload.num_swapped_out if offload is not None else 0,
+        swap_out_pages=offload.swap_out_pages if offload is not None else 0,
+        swap_in_pages=offload.swap_in_pages if offload is not None else 0,
+    )
+
+
+def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
+    """The manager's `ManagerStats` now (`state.lock` held by the caller)."""
+    engine = engine_figures(state.engine)
+    return ManagerStats(
+        queued=len(state.incoming) + engine.waiting,
+        running=engine.running,
+        finished=state.counts[RequestStatus.FINISHED],
+        failed=state.counts[RequestStatus.FAILED],
+        cancelled=state.counts[RequestStatus.CANCELLED],
+        preemptions=engine.preemptions,
+        pages_in_use=engine.pages_in_use,
+        pages_total=engine.pages_total,
+        pages_in_use_by_group=engine.pages_in_use_by_group,
+        prefill_tokens=engine.prefill_tokens,
+        decode_tokens=engine.decode_tokens,
+        prefix_cache_hit_rate=engine.prefix_cache_hit_rate,
+        prefix_cache_hit_tokens=engine.prefix_cache_hit_tokens,
+        prefix_cache_pages=engine.prefix_cache_pages,
+        prefix_cache_evictions=engine.prefix_cache_evictions,
+        tokens_per_second=throughput.rate(),
+        delivered_tokens=throughput.total,
+        recomputed_tokens=engine.recomputed_tokens,
+        swapped_out=engine.swapped_out,
+        swap_out_pages=engine.swap_out_pages,
+        swap_in_pages=engine.swap_in_pages,
+    )
 
 
 class ThroughputWindow:
