@@ -8,7 +8,8 @@ import zlib
 import torch
 
 from transformers_cb.engine.engine import make_allocator
-from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.engine.scheduler import Scheduler, make_policy
+from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
@@ -41,11 +42,11 @@ class Rig:
             make_allocator(spec, pool, page_size, g)
             for g, (spec, pool) in enumerate(zip(self.groups, self.cache.pools, strict=True))
         ]
-        self.offload = None
+        self.offload = self.copier = None
         if host_pages:
-            self.host = HostKVCache(self.cache, host_pages)
-            copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
-            self.offload = CpuOffload(self.allocators, self.host, copier)
+            self.host = HostKVCache(self.cache, host_pages)  # the bytes; the page ids: `offload.host`
+            self.copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
+            self.offload = CpuOffload(self.allocators, host_pages)
         self.scheduler = Scheduler(
             PageManager(self.allocators, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
         )
@@ -82,15 +83,19 @@ class Rig:
                     position,
                 )
 
+    def run_swaps(self) -> None:
+        """Run the swaps planned outside `schedule()` (tests calling the offload hooks directly)."""
+        self.copier.run(self.offload.take_plan())
+
     def step(self) -> ScheduledBatch:
         batch = self.scheduler.schedule()
         self.execute(batch)
         return batch
 
     def execute(self, batch: ScheduledBatch) -> None:
-        """Run a scheduled step: the planned copies, then write and check the KV, then sample."""
-        if self.offload is not None:
-            self.offload.run_copies()
+        """Run a scheduled step: the planned swaps, then write and check the KV, then sample."""
+        if batch.swaps is not None:
+            self.copier.run(batch.swaps)
         sampled = []
         for entry in batch.entries:
             request = entry.request

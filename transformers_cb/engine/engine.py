@@ -20,11 +20,13 @@ from ..distributed import TensorParallelCoordinator
 from ..distributed.coordinator import Kind
 from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import kv_groups_from_config
-from ..kv.offload import make_offload
+from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.page_policies import make_allocator, num_pages_for
+from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
+from ..memory.swap import SwapCopier
 from ..requests import Request, RequestStatus
 from ..runner.model_runner import ModelRunner
 from ..runner.packing import BatchPacker
@@ -124,10 +126,18 @@ class Engine:
             self.kv_groups,
             sharing=self.cb_config.allow_block_sharing,
         )
-        # CPU offload: a host tier that preempted requests swap out to (None when off).
-        self.offload = make_offload(
-            self.cb_config, self.cache, allocator.allocators, workload, self.tp is not None
-        )
+        # CPU offload: a host tier that preempted requests swap out to (None when off). The scheduler
+        # plans with its page ids (`offload`), the runner copies into its tensors (`swapper`).
+        num_host_pages = resolve_host_pages(self.cb_config, self.cache, workload)
+        if num_host_pages and self.tp is not None:
+            raise NotImplementedError(
+                "ContinuousBatchingConfig.cpu_offload_space (CPU offload) is not implemented with tensor "
+                "parallelism yet: the other ranks would have to replay rank 0's swaps"
+            )
+        self.offload = CpuOffload(allocator.allocators, num_host_pages) if num_host_pages else None
+        swapper = None
+        if num_host_pages:
+            swapper = SwapCopier(self.cache.group_tensors, HostKVCache(self.cache, num_host_pages).tensors)
         self.scheduler = Scheduler(
             allocator,
             max_batch_tokens=self.sizing.max_batch_tokens,
@@ -138,7 +148,6 @@ class Engine:
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
         self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
-        self.scheduler.on_pages_freed.append(self.packer.release_request)
         self.sampling = SamplingSetup(
             self.generation_config,
             self.device,
@@ -151,7 +160,7 @@ class Engine:
             user_processors=list(logits_processor or ()),
         )
         sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device)
-        self.runner = ModelRunner(model, self.packer, sampler, self.step_options)
+        self.runner = ModelRunner(model, self.packer, sampler, self.step_options, swapper)
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
@@ -248,8 +257,9 @@ class Engine:
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """End `request` (cancel, fail): the scheduler's single exit."""
+        """End `request` (cancel, fail): the scheduler's single exit, and its block-table rows back."""
         self.scheduler.finish(request, status, error)
+        self.runner.release([request])
         if self.tp is not None and self.tp.is_driver:
             self.tp.record_finished([request])
 
@@ -304,9 +314,8 @@ class Engine:
         if self.tp is not None:
             self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
-        if self.offload is not None:  # this schedule's swaps (after forks' copies), before the forward
-            batch.copies = self.offload.run_copies(self.cache, batch.copies)
         if not batch.entries:
+            self.runner.apply(batch)  # the plan alone: copies, swaps, released rows
             return self._published(result)
         self.counters.steps += 1
         try:
@@ -328,6 +337,7 @@ class Engine:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
         finished = self.scheduler.update(batch, sampled)
+        self.runner.release(finished)
         self.counters.generated_tokens += len(sampled)
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
@@ -348,14 +358,11 @@ class Engine:
     def _follow(self) -> StepResult:
         """A follower's step: apply rank 0's next message and run the same forward."""
         message, batch, finished, progressed = self.tp.receive()
-        for request in [*batch.preempted, *finished]:
-            self.packer.release_request(request)
-        if batch.entries:
-            self.counters.steps += 1
-            try:
-                self.runner.forward(batch)
-            except Exception as error:
-                raise self.tp.fatal(error) from error
+        self.counters.steps += bool(batch.entries)
+        try:
+            self.runner.forward(batch)  # rank 0's plan (copies, swaps, released rows), then its forward
+        except Exception as error:
+            raise self.tp.fatal(error) from error
         self.counters.generated_tokens += len(message.tokens)
         return StepResult(finished=finished, progressed=progressed, num_tokens=batch.num_tokens)
 

@@ -1,8 +1,11 @@
 """The step scheduler: which requests run how many tokens in the next forward pass.
 
 The scheduler works on plain data (requests, page ids) and never touches a
-tensor: `schedule()` returns a `ScheduledBatch`, the runner executes it, and
-`update()` applies the sampled tokens. Policies (`fifo`, `prefill_first`)
+tensor: `schedule()` returns a `ScheduledBatch` holding every decision of the
+step (entries, preemptions, fork copies, swaps, block-table rows to release;
+step_plan.py), the runner executes it, and `update()` applies the sampled
+tokens. Rows of requests that end outside `schedule()` (`update()`, `finish()`
+called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`)
 only change the order in which candidates get the step's token budget.
 """
 
@@ -10,8 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
@@ -19,41 +21,7 @@ from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
 from ..manager.stats import RecomputeCounter
 from ..requests import FINISH_REASONS, Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step."""
-
-    request: Request
-    start: int
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step runs the request's last known token, so it yields a new one."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    entries: list[ScheduledRequest]
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    # Page copies (forks' copy-on-write) to run before this step's forward writes any KV.
-    copies: list[PageCopy] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(entry.num_tokens for entry in self.entries)
-
-    @property
-    def sampling_entries(self) -> list[ScheduledRequest]:
-        return [entry for entry in self.entries if entry.samples]
+from .step_plan import ScheduledBatch, ScheduledRequest
 
 
 class SchedulingPolicy:
@@ -120,10 +88,7 @@ class Scheduler:
         self.offload = offload
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
-        self._pending_copies: list[PageCopy] = []  # from forks, for the next step that runs
-        # Called with each request whose pages were just freed (preemption or finish), e.g. to give
-        # its block-table row back: per-request state elsewhere never outlives its pages.
-        self.on_pages_freed: list[Callable[[Request], None]] = []
+        self._pending_copies: list[PageCopy] = []  # from forks, for the next step's plan
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -200,8 +165,9 @@ class Scheduler:
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        if batch.entries and self._pending_copies:
-            batch.copies, self._pending_copies = self._pending_copies, []
+        batch.copies, self._pending_copies = self._pending_copies, []
+        if self.offload is not None:
+            batch.swaps = self.offload.take_plan()
         return batch
 
     def _attach_prefix(self, request: Request) -> bool:
@@ -297,6 +263,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+        batch.released.append(request)
 
     def _drop_kv(self, request: Request) -> None:
         self.recomputed.dropped(request.request_id, request.num_computed_tokens)
@@ -306,8 +273,6 @@ class Scheduler:
         if self.allocator.prefix is not None:
             self.allocator.prefix.withdraw(request)
         self.allocator.free(request)
-        for release in self.on_pages_freed:
-            release(request)
 
     def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
         self.finish(
@@ -319,6 +284,7 @@ class Scheduler:
             ),
         )
         batch.failed.append(request)
+        batch.released.append(request)
 
     # -- results -----------------------------------------------------------------
     def update(self, batch: ScheduledBatch, sampled: list[tuple]) -> list[Request]:
@@ -354,8 +320,9 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages and
-        whatever is tied to them (`on_pages_freed`), stamps the time, removes it from the queues."""
+        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and
+        its host pages), stamps the time, removes it from the queues. Its block-table rows are the
+        caller's to release (the engine's; in `schedule()`, the batch's `released`)."""
         if request.is_finished:
             return
         parent = request.fork_parent

@@ -1,6 +1,8 @@
 """The runner: everything that touches the device for one step.
 
-It packs the scheduled batch, runs the transformers model's own forward once
+It executes the step's plan (`ScheduledBatch`, engine/step_plan.py) in order: the forks' page
+copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
+packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs),
 computes logits only for positions that produce a token (and, for requests that
 ask for prompt logprobs, their prompt positions), and samples.
@@ -15,7 +17,10 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..attention.paged import METADATA_KWARG
-from ..engine.scheduler import ScheduledBatch
+from ..engine.step_plan import ScheduledBatch
+from ..invariants import check
+from ..memory.swap import SwapCopier
+from ..requests import Request
 from ..sampling.sampler import Sampler
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
@@ -26,7 +31,8 @@ if TYPE_CHECKING:
 
 
 class ModelRunner:
-    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward)."""
+    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
+    swapper: the copier between the device and the host tier (None: no CPU offload)."""
 
     def __init__(
         self,
@@ -34,10 +40,12 @@ class ModelRunner:
         packer: BatchPacker,
         sampler: Sampler,
         options: StepOptions | None = None,
+        swapper: SwapCopier | None = None,
     ) -> None:
         self.model = model
         self.packer = packer
         self.sampler = sampler
+        self.swapper = swapper
         self.device = packer.device
         self.options = options
         self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
@@ -46,11 +54,28 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[tuple]:
-        """Run one step; return (token, logprob[, top logprobs]) for each sampling entry, in
-        `batch.entries` order. Prompt logprobs are appended to their requests."""
-        if batch.copies:  # before the forward writes any KV: a copy's source may be rewritten
+    def apply(self, batch: ScheduledBatch) -> None:
+        """The step's plan before its forward: fork copies (they read the last forward's KV, which a
+        swap may move or hand over), then swaps, then the released block-table rows."""
+        if batch.copies:
             self.packer.cache.copy_pages(batch.copies)
+        if batch.swaps is not None:
+            check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
+            if self.swapper is not None:
+                self.swapper.run(batch.swaps)
+        self.release(batch.released)
+
+    def release(self, requests: list[Request]) -> None:
+        """Give the block-table rows of `requests` back (their pages were freed)."""
+        for request in requests:
+            self.packer.release_request(request)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[tuple]:
+        """Run one step (`batch.entries` not empty): its plan, then the forward; return (token,
+        logprob[, top logprobs]) for each sampling entry, in `batch.entries` order. Prompt logprobs
+        are appended to their requests."""
+        self.apply(batch)
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
         samples = self.sampler.sample(logits, [entry.request for entry in step.sampling_entries])
@@ -67,10 +92,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> None:
-        """The forward alone, no sampling (a tensor-parallel follower's step; rank 0 samples)."""
-        if batch.copies:
-            self.packer.cache.copy_pages(batch.copies)
-        self._forward(self.packer.pack(batch))
+        """A tensor-parallel follower's step: the plan, then the forward (when there are entries)
+        without sampling; rank 0 samples."""
+        self.apply(batch)
+        if batch.entries:
+            self._forward(self.packer.pack(batch))
 
     def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns float32 logits `[S, vocab]` for the sampled positions, and `[P, vocab]` for the
