@@ -45,8 +45,7 @@ def _is_number(value: Any) -> bool:
 class ContinuousBatchingConfig:
     """Hardware-side settings of continuous batching. See `docs/config.md` for every field.
 
-    Fields whose feature is not built yet are accepted when they leave the feature
-    off and raise `NotImplementedError` naming the feature when they turn it on.
+    Every field's feature is built, with or without tensor parallelism.
     """
 
     page_size: int = 256
@@ -113,8 +112,7 @@ class ContinuousBatchingConfig:
         self.validate()
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the field, value and allowed range for any invalid value,
-        and `NotImplementedError` for features this release does not provide."""
+        """Raise `ValueError` naming the field, value and allowed range for any invalid value."""
         _check_range("page_size", self.page_size, f"an int >= {MIN_PAGE_SIZE}", _is_int(self.page_size))
         _check_range(
             "page_size", self.page_size, f"an int >= {MIN_PAGE_SIZE}", self.page_size >= MIN_PAGE_SIZE

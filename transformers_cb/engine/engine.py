@@ -128,12 +128,11 @@ class Engine:
         )
         # CPU offload: a host tier that preempted requests swap out to (None when off). The scheduler
         # plans with its page ids (`offload`), the runner copies into its tensors (`swapper`).
+        # Under tensor parallelism every rank holds as many host pages (the fewest any rank can afford)
+        # and its runner replays rank 0's swaps on its own KV shard.
         num_host_pages = resolve_host_pages(self.cb_config, self.cache, workload)
-        if num_host_pages and self.tp is not None:
-            raise NotImplementedError(
-                "ContinuousBatchingConfig.cpu_offload_space (CPU offload) is not implemented with tensor "
-                "parallelism yet: the other ranks would have to replay rank 0's swaps"
-            )
+        if self.tp is not None:
+            num_host_pages = self.tp.agree_host_pages(num_host_pages)
         self.offload = CpuOffload(allocator.allocators, num_host_pages) if num_host_pages else None
         swapper = None
         if num_host_pages:
