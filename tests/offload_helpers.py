@@ -17,6 +17,7 @@ from transformers_cb.memory.host_cache import HostKVCache
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
+from transformers_cb.sampling.sampled_token import SampledToken
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Request:
@@ -107,7 +108,7 @@ class Rig:
                     self.cache.keys[layer][slot] = self.value(request, position)
                     self.cache.values[layer][slot] = -self.value(request, position)
             if entry.samples:
-                sampled.append((10 + sum(request.all_token_ids) % 200, None))
+                sampled.append(SampledToken(10 + sum(request.all_token_ids) % 200))
         self.scheduler.update(batch, sampled)
         self.steps += 1
         self.check_integrity()

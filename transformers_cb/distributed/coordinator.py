@@ -34,6 +34,7 @@ from ..engine.step_plan import ScheduledBatch, ScheduledRequest
 from ..kv.swap_plan import SwapPlan
 from ..memory.sizing import Sizing
 from ..requests import PageList, Request, RequestStatus
+from ..sampling.sampled_token import SampledToken
 from .cpu_group import CpuGroup, TensorParallelError
 from .sharding import is_distributed, tp_process_group, tp_size_of
 
@@ -80,7 +81,9 @@ class RequestSpec:
 @dataclass
 class StepMessage:
     kind: Kind
-    tokens: list[tuple[str, int, float | None]] = field(default_factory=list)  # sampled since last message
+    tokens: list[tuple[str, SampledToken]] = field(
+        default_factory=list
+    )  # (request id, token) since last message
     finals: list[tuple[str, int, str | None, str | None]] = field(
         default_factory=list
     )  # status, reason, error
@@ -155,10 +158,10 @@ class TensorParallelCoordinator:
             message.entries.append((request.request_id, entry.start, entry.num_tokens, pages))
         self.cpu.exchange(message)
 
-    def record_tokens(self, sampling: list[Request], sampled: list[tuple[int, float | None]]) -> None:
-        """`sampled[i]` is the (token, logprob) `sampling[i]` got this step."""
-        for request, (token, logprob) in zip(sampling, sampled, strict=True):
-            self._pending.tokens.append((request.request_id, token, logprob))
+    def record_tokens(self, sampling: list[Request], sampled: list[SampledToken]) -> None:
+        """`sampled[i]` is the token `sampling[i]` got this step."""
+        for request, token in zip(sampling, sampled, strict=True):
+            self._pending.tokens.append((request.request_id, token))
 
     def record_finished(self, requests: list[Request]) -> None:
         for request in requests:
@@ -192,9 +195,9 @@ class TensorParallelCoordinator:
         0's pages), the requests that ended and those that got a token and still run."""
         message: StepMessage = self.cpu.exchange()
         progressed, finished = [], []
-        for request_id, token, logprob in message.tokens:
+        for request_id, token in message.tokens:
             request = self.requests[request_id]
-            request.append_token(token, logprob)
+            request.append_token(token.token_id, token.logprob, token.top_logprobs)
             progressed.append(request)
         for request_id, status, reason, error in message.finals:
             request = self.requests.pop(request_id, None)

@@ -318,7 +318,7 @@ class Engine:
             return self._published(result)
         self.counters.steps += 1
         try:
-            sampled = self.runner.run(batch)
+            output = self.runner.run(batch)
         except Exception as error:  # noqa: BLE001 - recorded on every request of the step
             if self.tp is not None:
                 raise self.tp.fatal(error) from error
@@ -335,14 +335,14 @@ class Engine:
             else:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
-        finished = self.scheduler.update(batch, sampled)
+        finished = self.scheduler.update(batch, output.sampled, output.prompt_logprobs)
         self.runner.release(finished)
-        self.counters.generated_tokens += len(sampled)
+        self.counters.generated_tokens += len(output.sampled)
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
         if self.tp is not None:
-            self.tp.record_tokens(sampling, sampled)
+            self.tp.record_tokens(sampling, output.sampled)
         return self._published(result)
 
     # -- tensor parallelism (see distributed/coordinator.py) -----------------------

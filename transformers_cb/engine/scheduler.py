@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
@@ -21,6 +21,7 @@ from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
 from ..manager.stats import RecomputeCounter
 from ..requests import FINISH_REASONS, Request, RequestStatus
+from ..sampling.sampled_token import SampledToken
 from .step_plan import ScheduledBatch, ScheduledRequest
 
 
@@ -287,9 +288,15 @@ class Scheduler:
         batch.released.append(request)
 
     # -- results -----------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[tuple]) -> list[Request]:
-        """Advance every scheduled request; `sampled[i]` is (token, logprob[, top logprobs]) of the
-        i-th sampling entry.
+    def update(
+        self,
+        batch: ScheduledBatch,
+        sampled: Sequence[SampledToken],
+        prompt_logprobs: Mapping[str, list[float]] | None = None,
+    ) -> list[Request]:
+        """Advance every scheduled request; `sampled[i]` is the token of the i-th sampling entry,
+        `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
+        `StepOutput`).
 
         Returns the requests that finished in this step.
         """
@@ -298,6 +305,11 @@ class Scheduler:
         for entry in batch.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
+            scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
+            if scored:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = []
+                request.prompt_logprobs.extend(scored)
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
             if self.allocator.prefix is not None:
@@ -308,8 +320,8 @@ class Scheduler:
             self.allocator.trim(request)
             if not entry.samples:
                 continue
-            token_id, logprob, *top = next(samples)  # top: the token's best alternatives, if asked
-            request.append_token(token_id, logprob, *top)
+            token = next(samples)
+            request.append_token(token.token_id, token.logprob, token.top_logprobs)
             reason = request.stop_reason()
             if reason is not None:
                 request.finish_reason = reason
