@@ -8,7 +8,8 @@ import zlib
 import torch
 
 from transformers_cb.engine.engine import make_allocator
-from transformers_cb.engine.scheduler import Scheduler, make_policy
+from transformers_cb.engine.policies import make_policy
+from transformers_cb.engine.scheduler import Scheduler
 from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload

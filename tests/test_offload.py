@@ -334,7 +334,7 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
 def test_recomputed_tokens_count_what_runs_again() -> None:
     """Counted as they run: a request dropped at 10 computed tokens that re-runs [0, 6) then [6, 12) counts
     10; one dropped again before catching up keeps its older, larger mark; a cancelled one is forgotten."""
-    from transformers_cb.manager.stats import RecomputeCounter
+    from transformers_cb.engine.recompute import RecomputeCounter
 
     counter = RecomputeCounter()
     counter.dropped("a", 10)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.engine.policies import make_policy
+from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager

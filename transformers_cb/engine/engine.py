@@ -35,7 +35,8 @@ from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler, check_generation_config
 from .forks import add_siblings, num_return_sequences_of
 from .model_support import check_model_supported
-from .scheduler import Scheduler, make_policy
+from .policies import make_policy
+from .scheduler import Scheduler
 from .submission import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -233,7 +234,7 @@ class Engine:
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
         sharing a prefix run back to back and the later ones hit the pages of the first."""
-        if self.scheduler.allocator.prefix is None:
+        if not self.scheduler.allocator.sharing:
             return list(requests)
         return sorted(requests, key=lambda request: request.prompt_ids)
 

@@ -5,55 +5,25 @@ tensor: `schedule()` returns a `ScheduledBatch` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
 step_plan.py), the runner executes it, and `update()` applies the sampled
 tokens. Rows of requests that end outside `schedule()` (`update()`, `finish()`
-called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`)
-only change the order in which candidates get the step's token budget.
+called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`,
+policies.py) only change the order in which candidates get the step's token budget.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
-from ..manager.stats import RecomputeCounter
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .policies import SchedulingPolicy
+from .recompute import RecomputeCounter
 from .step_plan import ScheduledBatch, ScheduledRequest
-
-
-class SchedulingPolicy:
-    """FIFO: requests already running first (in admission order), then waiting ones."""
-
-    name = "fifo"
-
-    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
-        yield from list(running)
-        yield from list(waiting)
-
-
-class PrefillFirstPolicy(SchedulingPolicy):
-    """Prefill chunks first (running, then newly admitted), decodes get what is left."""
-
-    name = "prefill_first"
-
-    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
-        decoding = [r for r in running if r.status == RequestStatus.DECODING]
-        yield from [r for r in running if r.status != RequestStatus.DECODING]
-        yield from list(waiting)
-        yield from decoding
-
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fifo": SchedulingPolicy, "prefill_first": PrefillFirstPolicy}
-
-
-def make_policy(name: str) -> SchedulingPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduler_type {name!r}: supported {sorted(POLICIES)}")
-    return POLICIES[name]()
 
 
 class Scheduler:
@@ -96,7 +66,7 @@ class Scheduler:
         """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
         or, without prefix sharing, queue as requests of their own."""
         self.waiting.append(request)
-        if self.allocator.prefix is None and request.fork_children:
+        if not self.allocator.sharing and request.fork_children:
             self.waiting.extend(request.fork_children)
             request.fork_children = []
 
@@ -138,7 +108,7 @@ class Scheduler:
                 admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
                 if not admitting:
                     if hit:  # waiting requests hold no pages: the hit goes back to the cache
-                        self.allocator.prefix.detach(request)
+                        self.allocator.detach_prefix(request)
                         num_tokens = self.allocator.num_fitting_tokens(
                             request, min(request.num_remaining_tokens, budget)
                         )
@@ -149,8 +119,7 @@ class Scheduler:
                 self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
-                if self.allocator.prefix is not None:
-                    self.allocator.prefix.promise(request)
+                self.allocator.promise(request)
             elif num_tokens > 0:
                 self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
@@ -175,18 +144,17 @@ class Scheduler:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
 
         Requests asking for prompt logprobs compute every prompt position, so they take none."""
-        if self.allocator.prefix is None or request.wants_prompt_logprobs:
+        if request.wants_prompt_logprobs:
             return False
-        return self.allocator.prefix.attach(request) > 0
+        return self.allocator.attach_prefix(request) > 0
 
     def _waits_for_pages(self, request: Request, hit: bool) -> bool:
         """Leave `request` waiting (holding nothing) while a running request computes the next page
         of its prefix: it will hit that page in a later step instead of computing it again."""
-        prefix = self.allocator.prefix
-        if prefix is None or request.wants_prompt_logprobs or not prefix.waits_for_pages(request):
+        if request.wants_prompt_logprobs or not self.allocator.waits_for_pages(request):
             return False
         if hit:
-            prefix.detach(request)
+            self.allocator.detach_prefix(request)
         return True
 
     def _fork(self, parent: Request) -> None:
@@ -196,7 +164,7 @@ class Scheduler:
         position = self.running.index(parent) + 1
         unforked = []
         for child in children:
-            copies = self.allocator.prefix.fork(parent, child)
+            copies = self.allocator.fork(parent, child)
             if copies is None:
                 unforked.append(child)
                 continue
@@ -271,9 +239,7 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
-        if self.allocator.prefix is not None:
-            self.allocator.prefix.withdraw(request)
-        self.allocator.free(request)
+        self.allocator.free(request)  # with its promises of pages not computed yet
 
     def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
         self.finish(
@@ -312,10 +278,9 @@ class Scheduler:
                 request.prompt_logprobs.extend(scored)
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
-            if self.allocator.prefix is not None:
-                self.allocator.prefix.register(request)  # before a sliding group drops pages
-                if request.fork_children and entry.samples:
-                    self._fork(request)
+            self.allocator.register(request)  # before a sliding group drops pages
+            if request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
+                self._fork(request)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
             self.allocator.trim(request)
             if not entry.samples:

@@ -7,6 +7,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..engine.recompute import RecomputeCounter
+
+__all__ = ["ManagerStats", "RecomputeCounter", "ThroughputWindow"]  # RecomputeCounter: engine/recompute.py
+
 
 @dataclass(frozen=True)
 class ManagerStats:
@@ -69,31 +73,3 @@ class ThroughputWindow:
     def _trim(self, now: float) -> None:
         while self._events and self._events[0][0] < now - self.window_s:
             self._events.popleft()
-
-
-class RecomputeCounter:
-    """Tokens a preempted request runs again because its KV was dropped (recompute, not CPU offload).
-
-    Counted when they run, so that pages a returning request finds in the prefix cache do not count.
-    """
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.pending: dict[str, int] = {}  # request id -> end of what it had computed when last dropped
-
-    def dropped(self, request_id: str, num_computed_tokens: int) -> None:
-        until = max(num_computed_tokens, self.pending.get(request_id, 0))
-        if until:
-            self.pending[request_id] = until
-
-    def ran(self, request_id: str, start: int, end: int) -> None:
-        """The request computed tokens [start, end) in a step."""
-        until = self.pending.get(request_id)
-        if until is None:
-            return
-        self.total += max(0, min(end, until) - start)
-        if end >= until:
-            del self.pending[request_id]
-
-    def forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
