@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
@@ -23,6 +23,7 @@ from ..kv.layer_groups import kv_groups_from_config
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.page_policies import make_allocator, num_pages_for
+from ..kv.prefix_cache import PrefixStats
 from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
@@ -59,6 +60,26 @@ class EngineCounters:
     decode_tokens: int = 0
     generated_tokens: int = 0
     failed_steps: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counts at one moment (`Engine.snapshot()`; the defaults are those of no engine)."""
+
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    pages_in_use: int = 0
+    pages_total: int = 0
+    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
+    prefix: PrefixStats = field(default_factory=PrefixStats)  # all zero when sharing is off
+    prefix_cache_pages: int = 0  # pages kept only for later hits, all groups
+    prefix_cache_evictions: int = 0
+    recomputed_tokens: int = 0
+    swapped_out: int = 0  # requests in the host tier now (CPU offload)
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    counters: EngineCounters = field(default_factory=EngineCounters)
 
 
 class Engine:
@@ -375,6 +396,26 @@ class Engine:
         self.warmed_up = self.counters.steps > steps
         self.counters = EngineCounters()
         return self.warmed_up
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
+        scheduler, allocator, offload = self.scheduler, self.scheduler.allocator, self.offload
+        return EngineSnapshot(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.num_preemptions,
+            pages_in_use=self.cache.num_used_pages,
+            pages_total=self.cache.num_total_pages,
+            pages_in_use_by_group=allocator.pages_in_use(),
+            prefix=replace(allocator.prefix_stats),
+            prefix_cache_pages=allocator.num_cached_pages,
+            prefix_cache_evictions=allocator.num_evictions,
+            recomputed_tokens=scheduler.recomputed.total,
+            swapped_out=offload.num_swapped_out if offload is not None else 0,
+            swap_out_pages=offload.swap_out_pages if offload is not None else 0,
+            swap_in_pages=offload.swap_in_pages if offload is not None else 0,
+            counters=replace(self.counters),
+        )
 
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
