@@ -30,13 +30,15 @@ class Scheduler:
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
-        allocator: the page policies of every KV layer group (one allocator per group).
+        allocator: the device tier's pages, the scheduler's one facade over the KV groups' page
+            policies and prefix sharing (kv/page_manager.py).
         max_batch_tokens: query tokens per step.
         max_requests_per_batch: requests per step.
         safety_margin: new requests are admitted only while the free fraction of
             pages is at least this (unless nothing runs).
         policy: candidate ordering.
-        offload: the host tier (CPU offload): preempted requests swap out and back instead of
+        offload: the host tier's planner (CPU offload), given explicitly rather than behind the
+            facade (see kv/page_manager.py): preempted requests swap out and back instead of
             recomputing while it has room; None: always recompute.
     """
 
