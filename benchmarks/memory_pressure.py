@@ -53,6 +53,7 @@ def run_ours(model, workload: common.Workload, cb_kwargs: dict[str, Any]) -> tup
     """`generate_batch` under `cb_kwargs`; returns the result and the engine's preemption / swap counters."""
     from transformers_cb import ContinuousBatchingConfig
     from transformers_cb.engine.engine import Engine
+    from transformers_cb.memory.host_cache import host_page_bytes
 
     engines: list[Engine] = []
     original = Engine.step
@@ -77,7 +78,7 @@ def run_ours(model, workload: common.Workload, cb_kwargs: dict[str, Any]) -> tup
     engine = engines[-1]
     ordered = [outputs[f"req_{i}"].generated_tokens for i in range(len(workload.requests))]
     offload = engine.offload
-    page_bytes = 0 if offload is None else offload.host.nbytes() // offload.host.num_pages
+    page_bytes = host_page_bytes(engine.cache)  # one page in every KV group, as the host tier stores it
     counters = {
         "preemptions": engine.scheduler.num_preemptions,
         "recomputed": engine.scheduler.recomputed.total,

@@ -35,7 +35,7 @@ from transformers import (
 
 import transformers_cb  # noqa: F401  (installs the plugin)
 from transformers_cb.attention.metadata import AttentionMetadata
-from transformers_cb.engine.scheduler import ScheduledBatch, ScheduledRequest
+from transformers_cb.engine.step_plan import ScheduledBatch, ScheduledRequest
 from transformers_cb.kv.layer_groups import SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import GenerationOutput, PageList, Request, RequestStatus

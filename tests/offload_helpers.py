@@ -8,7 +8,9 @@ import zlib
 import torch
 
 from transformers_cb.engine.engine import make_allocator
-from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.engine.policies import make_policy
+from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
@@ -16,6 +18,7 @@ from transformers_cb.memory.host_cache import HostKVCache
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
+from transformers_cb.sampling.sampled_token import SampledToken
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Request:
@@ -41,11 +44,11 @@ class Rig:
             make_allocator(spec, pool, page_size, g)
             for g, (spec, pool) in enumerate(zip(self.groups, self.cache.pools, strict=True))
         ]
-        self.offload = None
+        self.offload = self.copier = None
         if host_pages:
-            self.host = HostKVCache(self.cache, host_pages)
-            copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
-            self.offload = CpuOffload(self.allocators, self.host, copier)
+            self.host = HostKVCache(self.cache, host_pages)  # the bytes; the page ids: `offload.host`
+            self.copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
+            self.offload = CpuOffload(self.allocators, host_pages)
         self.scheduler = Scheduler(
             PageManager(self.allocators, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
         )
@@ -82,15 +85,19 @@ class Rig:
                     position,
                 )
 
+    def run_swaps(self) -> None:
+        """Run the swaps planned outside `schedule()` (tests calling the offload hooks directly)."""
+        self.copier.run(self.offload.take_plan())
+
     def step(self) -> ScheduledBatch:
         batch = self.scheduler.schedule()
         self.execute(batch)
         return batch
 
     def execute(self, batch: ScheduledBatch) -> None:
-        """Run a scheduled step: the planned copies, then write and check the KV, then sample."""
-        if self.offload is not None:
-            self.offload.run_copies()
+        """Run a scheduled step: the planned swaps, then write and check the KV, then sample."""
+        if batch.swaps is not None:
+            self.copier.run(batch.swaps)
         sampled = []
         for entry in batch.entries:
             request = entry.request
@@ -102,7 +109,7 @@ class Rig:
                     self.cache.keys[layer][slot] = self.value(request, position)
                     self.cache.values[layer][slot] = -self.value(request, position)
             if entry.samples:
-                sampled.append((10 + sum(request.all_token_ids) % 200, None))
+                sampled.append(SampledToken(10 + sum(request.all_token_ids) % 200))
         self.scheduler.update(batch, sampled)
         self.steps += 1
         self.check_integrity()

@@ -128,7 +128,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
     batch = engine.scheduler.schedule()
     if decode:  # prefill eagerly, then take a decode-only step
         with paged_attention(model, FA2), torch.inference_mode():
-            engine.scheduler.update(batch, engine.runner.run(batch))
+            engine.scheduler.update(batch, engine.runner.run(batch).sampled)
         batch = engine.scheduler.schedule()
     step = engine.packer.pack(batch)
     prepare_flash_step(step.metadata, engine.step_options.max_blocks_per_request)

@@ -305,11 +305,17 @@ def test_block_table_rows_never_outlive_their_request():
     engine.check_integrity()
     (tables,) = engine.packer.block_tables  # one KV group: one table
     assert sorted(tables._rows) == ["r0", "r1", "r2"], "rows are keyed by request id"
-    # Any exit of the scheduler, not only the engine's, gives the row back (an unfittable request fails
-    # inside the scheduler; before, its row stayed, and a recycled id() inherited it).
-    engine.scheduler.finish(requests[0], RequestStatus.FAILED, "test")
+    # Every exit gives the row back: the engine's `finish` (fail, cancel), the end in `update()` (r2,
+    # below), and a preemption or failure inside `schedule()` (the step plan's `released`, run by the
+    # runner; checked after every step by conformance/test_parity_offload.py). Before, a row could
+    # stay, and a recycled id() inherited it.
+    engine.finish(requests[0], RequestStatus.FAILED, "test")
     engine.finish(requests[1], RequestStatus.CANCELLED)
     assert sorted(tables._rows) == ["r2"]
+    engine.check_integrity()
+    while engine.has_work():
+        engine.step()
+    assert not tables._rows
     engine.check_integrity()
     tables._rows["ghost"], tables._num_written["ghost"] = tables._free_rows.pop(), 0
     with pytest.raises(InvariantError, match="ghost"):

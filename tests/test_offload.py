@@ -34,12 +34,12 @@ def test_swap_out_and_in_with_exact_page_ids() -> None:
 
     batch = rig.scheduler.schedule()  # A and B each need a third page: C (newest) is preempted
     assert [r.request_id for r in batch.preempted] == ["C"]
-    plan = rig.offload.plan
+    plan = batch.swaps
     assert (plan.out_src, plan.out_dst) == ([[4, 5]], [[0, 1]])  # device 4, 5 -> host 0, 1
     assert (a.page_ids, b.page_ids, c.page_ids) == ([0, 1, 4], [2, 3, 5], [])
     assert c.num_computed_tokens == 7 and c.status == RequestStatus.EVICTED  # kept: nothing to recompute
-    assert rig.host.pools[0].num_free_pages == 6 and rig.offload.num_swapped_out == 1
-    rig.offload.run_copies()
+    assert rig.offload.host.pools[0].num_free_pages == 6 and rig.offload.num_swapped_out == 1
+    rig.copier.run(plan)
     for position in range(7):  # C's KV is in host pages 0, 1
         page, offset = divmod(position, 4)
         assert rig.host.tensors[0][0, 0, page, offset, 0, 0].item() == rig.value(c, position)
@@ -54,7 +54,7 @@ def test_trajectory_with_exact_page_ids_and_kv_checks() -> None:
     trace = []
     while rig.scheduler.has_work():
         batch = rig.scheduler.schedule()
-        plan = rig.offload.plan
+        plan = batch.swaps
         trace.append(
             (
                 [r.request_id for r in batch.preempted],
@@ -74,9 +74,9 @@ def test_trajectory_with_exact_page_ids_and_kv_checks() -> None:
     ]
     assert rig.scheduler.recomputed.total == 0
     assert (rig.offload.swap_out_pages, rig.offload.swap_in_pages) == (4, 4)
-    assert rig.offload.copier.num_copies == 4  # one gather/scatter per group and direction per step
+    assert rig.copier.num_copies == 4  # one gather/scatter per group and direction per step
     assert [len(r.generated_ids) for r in (a, b, c)] == [4, 8, 8]
-    assert rig.cache.pool.num_free_pages == 6 and rig.host.pools[0].num_free_pages == 8
+    assert rig.cache.pool.num_free_pages == 6 and rig.offload.host.pools[0].num_free_pages == 8
 
 
 def _outputs(num_pages: int, host_pages: int, **kwargs) -> tuple[Rig, dict[str, list[int]]]:
@@ -102,7 +102,7 @@ def test_host_exhaustion_falls_back_to_recompute() -> None:
     assert outputs == expected
     assert rig.offload.num_fallbacks > 0 and rig.scheduler.recomputed.total > 0
     assert rig.offload.num_swap_outs > 0
-    assert rig.host.pools[0].num_free_pages == 3
+    assert rig.offload.host.pools[0].num_free_pages == 3
 
 
 def test_request_bigger_than_the_host_tier_is_never_swapped() -> None:
@@ -113,7 +113,7 @@ def test_request_bigger_than_the_host_tier_is_never_swapped() -> None:
     assert [r.request_id for r in batch.preempted] == ["C"]
     assert rig.offload.num_swapped_out == 0 and rig.offload.num_fallbacks == 1
     assert c.num_computed_tokens == 0 and rig.scheduler.recomputed.pending == {"C": 7}
-    assert rig.host.pools[0].num_free_pages == 1
+    assert rig.offload.host.pools[0].num_free_pages == 1
     rig.run()
     assert rig.scheduler.recomputed.total >= 7 and not rig.scheduler.recomputed.pending
 
@@ -127,7 +127,7 @@ def test_sliding_group_swaps_only_the_pages_it_holds() -> None:
     first = b.pages[1].first_page
     batch = rig.scheduler.schedule()  # A needs a 5th full page: B is swapped out
     assert [r.request_id for r in batch.preempted] == ["B"]
-    assert rig.offload.plan.out_src[1] == b_sliding  # the sliding group: its window's pages only
+    assert batch.swaps.out_src[1] == b_sliding  # the sliding group: its window's pages only
     assert rig.offload.swapped["B"][1].first_page == first
     rig.execute(batch)
     rig.run()
@@ -153,7 +153,7 @@ def test_shared_pages_stay_resident_and_come_back() -> None:
     assert allocator.pool.refcount(0) == 2 and allocator.pool.refcount(2) == 0  # A + B's kept reference
     assert rig.offload.device_tables() == [[[0]]]
     allocator.pool.check_integrity([a.page_ids, *rig.offload.device_tables()[0]])
-    rig.offload.run_copies()
+    rig.run_swaps()
     assert torch.equal(rig.host.tensors[0][:, :, 0], marker)
     rig.cache.group_tensors[0][:, :, 2] = 0.0  # page 2 reused and overwritten
     x = make_request("X", 4, 1)
@@ -162,9 +162,9 @@ def test_shared_pages_stay_resident_and_come_back() -> None:
     rig.offload.swap_in(b)
     assert b.page_ids == [0, 4] and allocator.pool.refcount(0) == 2  # same shared page, fresh page 4
     assert (rig.offload.plan.in_src, rig.offload.plan.in_dst) == ([[0]], [[4]])
-    rig.offload.run_copies()
+    rig.run_swaps()
     assert torch.equal(rig.cache.group_tensors[0][:, :, 4], marker)
-    assert rig.host.pools[0].num_free_pages == 8
+    assert rig.offload.host.pools[0].num_free_pages == 8
 
 
 def test_cancel_while_swapped_out_frees_host_pages() -> None:
@@ -172,23 +172,32 @@ def test_cancel_while_swapped_out_frees_host_pages() -> None:
     a, b, c = _add(rig, ("A", 8, 4), ("B", 8, 8), ("C", 7, 8))
     rig.step()
     rig.step()
-    assert rig.offload.is_swapped(c) and rig.host.pools[0].num_used_pages == 2
+    assert rig.offload.is_swapped(c) and rig.offload.host.pools[0].num_used_pages == 2
     rig.scheduler.finish(c, RequestStatus.CANCELLED, "cancelled")
-    assert not rig.offload.is_swapped(c) and rig.host.pools[0].num_used_pages == 0
+    assert not rig.offload.is_swapped(c) and rig.offload.host.pools[0].num_used_pages == 0
     rig.check_integrity()
     rig.run()
     assert c.status == RequestStatus.CANCELLED and rig.cache.pool.num_free_pages == 6
 
 
 def test_discard_drops_copies_not_run_yet() -> None:
-    """Cancelled between its swap-out decision and the copies: its host pages may be reused at once."""
+    """Discarded between its swap-out decision and the plan's hand-over: the copy is dropped, so that its
+    host pages may be reused at once. Cancelled after `schedule()` (the copy is in the step's plan): its
+    host pages are free at once and the step's stale copy into them is harmless."""
     rig = Rig(num_pages=6, host_pages=8)
     a, b, c = _add(rig, ("A", 8, 4), ("B", 8, 8), ("C", 7, 8))
     rig.step()
-    rig.scheduler.schedule()
+    assert rig.offload.try_swap_out(c)
     assert rig.offload.plan.out_dst == [[0, 1]]
-    rig.scheduler.finish(c, RequestStatus.CANCELLED, "cancelled")
+    rig.offload.discard(c)
     assert rig.offload.plan.out_src == [[]] and rig.offload.plan.out_dst == [[]]
+    batch = rig.scheduler.schedule()
+    assert batch.swaps.out_src == [[4, 5]]  # C out again, in the step's plan
+    rig.scheduler.finish(c, RequestStatus.CANCELLED, "cancelled")
+    assert rig.offload.host.num_used_pages == 0
+    rig.execute(batch)
+    rig.run()
+    assert rig.offload.host.num_used_pages == 0 and rig.cache.pool.num_free_pages == 6
 
 
 def test_swapped_request_recomputes_when_nothing_runs_and_it_cannot_come_back() -> None:
@@ -212,6 +221,7 @@ def test_host_pool_sizing() -> None:
     rig = Rig(num_pages=4, host_pages=1, sliding_window=5)
     page_bytes = host_page_bytes(rig.cache)
     assert page_bytes == 2 * 2 * (4 * 1 * 2 * 4)  # 2 groups x (K, V) x page_size x heads x head_dim x fp32
+    assert resolve_host_pages(ContinuousBatchingConfig(), rig.cache) == 0  # 0.0: off
     config = ContinuousBatchingConfig(cpu_offload_space=10 * page_bytes / GIB)
     assert resolve_host_pages(config, rig.cache) == 10
     assert resolve_host_pages(config.copy(cpu_offload_space=30 * page_bytes / GIB), rig.cache) == 16
@@ -240,36 +250,21 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     copier = SwapCopier(cache.group_tensors, host.tensors)
     assert copier.stream is not None and copier.stream != torch.cuda.current_stream(device)
     allocator = make_allocator(cache.groups[0], cache.pool, 4, 0)
-    offload = CpuOffload([allocator], host, copier)
+    offload = CpuOffload([allocator], 4)
     request = make_request("A", 8, 2)
     assert allocator.allocate(request, 8)
     request.num_computed_tokens = 8
     cache.group_tensors[0][:, :, request.page_ids] = 5.0
     assert offload.try_swap_out(request)
     allocator.free(request)
-    offload.run_copies()
+    copier.run(offload.take_plan())
     cache.group_tensors[0].zero_()  # the forward may overwrite the freed pages right after
     copier.synchronize()
     assert bool((host.tensors[0][:, :, :2] == 5.0).all())
     offload.swap_in(request)
-    offload.run_copies()
+    copier.run(offload.take_plan())
     torch.cuda.current_stream(device).synchronize()
     assert bool((cache.group_tensors[0][:, :, request.page_ids] == 5.0).all())
-
-
-def test_make_offload_off_on_and_refused_with_tensor_parallelism() -> None:
-    from transformers_cb.kv.offload import make_offload
-
-    rig = Rig(num_pages=4, host_pages=1)
-    page_bytes = host_page_bytes(rig.cache)
-    assert make_offload(ContinuousBatchingConfig(), rig.cache, rig.allocators) is None  # 0.0: off
-    tiny = ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB)
-    assert make_offload(tiny, rig.cache, rig.allocators) is None  # less than one page: off, with a warning
-    on = ContinuousBatchingConfig(cpu_offload_space=3 * page_bytes / GIB)
-    offload = make_offload(on, rig.cache, rig.allocators)
-    assert offload is not None and offload.host.num_pages == 3
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        make_offload(on, rig.cache, rig.allocators, tensor_parallel=True)
 
 
 def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
@@ -320,15 +315,15 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
         for request in (b, c):
             assert rig.offload.try_swap_out(request)
             rig.scheduler.allocator.free(request)
-        rig.offload.run_copies()
-        assert len(calls) == 2 and rig.offload.copier.num_copies == 2
+        rig.run_swaps()
+        assert len(calls) == 2 and rig.copier.num_copies == 2
         for pages in before:  # the freed device pages are reused and overwritten
             for g in range(2):
                 rig.cache.group_tensors[g][:, :, pages[g]] = -1.0
         for request in (b, c):
             rig.offload.swap_in(request)
-        rig.offload.run_copies()
-        assert len(calls) == 4 and rig.offload.copier.num_copies == 4
+        rig.run_swaps()
+        assert len(calls) == 4 and rig.copier.num_copies == 4
     for request, old in zip((b, c), before, strict=True):
         for g in range(2):
             new = request.pages[g].page_ids
@@ -339,7 +334,7 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
 def test_recomputed_tokens_count_what_runs_again() -> None:
     """Counted as they run: a request dropped at 10 computed tokens that re-runs [0, 6) then [6, 12) counts
     10; one dropped again before catching up keeps its older, larger mark; a cancelled one is forgotten."""
-    from transformers_cb.manager.stats import RecomputeCounter
+    from transformers_cb.engine.recompute import RecomputeCounter
 
     counter = RecomputeCounter()
     counter.dropped("a", 10)

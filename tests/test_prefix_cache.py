@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.engine.policies import make_policy
+from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
@@ -12,6 +14,7 @@ from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWind
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
+from transformers_cb.sampling.sampled_token import SampledToken
 
 PS = 4
 
@@ -43,7 +46,7 @@ def step(scheduler: Scheduler, token: int = 99) -> ScheduledBatch:
     """One step with a fake model that samples `token`; integrity checked before and after."""
     batch = scheduler.schedule()
     scheduler.check_integrity()
-    scheduler.update(batch, [(token, None) for _ in batch.sampling_entries])
+    scheduler.update(batch, [SampledToken(token) for _ in batch.sampling_entries])
     scheduler.check_integrity()
     return batch
 
@@ -271,7 +274,7 @@ def test_hybrid_hit_needs_the_window_pages_of_the_sliding_group() -> None:
     # Queries from 20 read keys (14, 20]: logical pages 3 and 4 only.
     assert sliding.first_page == 3 and sliding.page_ids[:2] == [3, 4]
     assert second.pages[0].page_ids[:5] == [0, 1, 2, 3, 4]
-    scheduler.update(batch, [(99, None)] * len(batch.sampling_entries))
+    scheduler.update(batch, [SampledToken(99)] * len(batch.sampling_entries))
     scheduler.check_integrity()
 
 
@@ -291,7 +294,7 @@ def test_hybrid_hit_stops_where_a_window_page_is_missing() -> None:
     # 20 would need sliding pages 3-4; 16 needs pages 2-3, all there.
     assert batch.entries[0].start == 16
     assert second.pages[1].first_page == 2
-    scheduler.update(batch, [(99, None)] * len(batch.sampling_entries))
+    scheduler.update(batch, [SampledToken(99)] * len(batch.sampling_entries))
     scheduler.check_integrity()
 
 

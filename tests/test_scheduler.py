@@ -10,12 +10,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from transformers_cb.engine.policies import make_policy
+from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionAllocator
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
+from transformers_cb.sampling.sampled_token import SampledToken
 
 EOS = 2
 FIRST_NORMAL_TOKEN = 10
@@ -58,7 +61,7 @@ class FakeModel:
         self.kv: dict[str, list[int]] = {}
         self.eos_at = eos_at or {}  # request id -> number of generated tokens at which to emit EOS
 
-    def run(self, batch: ScheduledBatch) -> list[tuple[int, float | None]]:
+    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
         for request in batch.preempted:
             self.kv.pop(request.request_id, None)
         sampled = []
@@ -72,7 +75,7 @@ class FakeModel:
             kv.extend(request.all_token_ids[entry.start : entry.end])
             if entry.samples:
                 assert kv == request.all_token_ids
-                sampled.append((self.token(request, kv), None))
+                sampled.append(SampledToken(self.token(request, kv)))
         return sampled
 
     def token(self, request: Request, kv: list[int]) -> int:

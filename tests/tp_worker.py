@@ -154,6 +154,42 @@ def driver_dies(model) -> dict:
     return {"error": None}
 
 
+def offload(model) -> dict:
+    """CPU offload on every rank, under a device cache of about a quarter of the work (page_size 4: 30
+    pages at full length, 12 here, the largest request's 11 + 1): preempted requests swap out and back.
+    Each rank reports its outputs and what its runner copied; rank 0 also what was recomputed."""
+    from unittest import mock
+
+    from transformers_cb.engine.engine import Engine
+
+    engines: list[Engine] = []
+    original = Engine.step
+
+    def step(self):
+        if self not in engines:
+            engines.append(self)
+        result = original(self)
+        if not self.is_follower:
+            self.check_integrity()  # device pools, host pools, queues, block tables
+        return result
+
+    greedy = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16, cpu_offload_space=None)
+    with mock.patch.object(Engine, "step", step):
+        outputs = model.generate_batch(PROMPTS, greedy, config, progress_bar=False)
+    (engine,) = engines
+    swapper = engine.runner.swapper
+    return {
+        "outputs": outputs_json(outputs),
+        "host_pages": engine.offload.host.num_pages,
+        "pages_out": swapper.pages_out,
+        "pages_in": swapper.pages_in,
+        "recomputed": engine.scheduler.recomputed.total,
+        "preemptions": engine.scheduler.num_preemptions,
+        "planned_out": engine.offload.swap_out_pages,
+    }
+
+
 def bad_heads(model) -> dict:
     try:
         model.generate_batch([[5, 6, 7]], GenerationConfig(max_new_tokens=2), progress_bar=False)
@@ -169,6 +205,7 @@ SCENARIOS = {
     "hang": dies,
     "kill_driver": driver_dies,
     "bad_heads": bad_heads,
+    "offload": offload,
 }
 
 if __name__ == "__main__":

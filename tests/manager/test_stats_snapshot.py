@@ -1,8 +1,6 @@
-"""`manager/stats.py`: `ManagerStats` snapshots built from the shared state and the engine's figures."""
+"""`manager/stats.py`: `ManagerStats` built from the shared state and the engine's one `snapshot()`."""
 
 from __future__ import annotations
-
-import dataclasses
 
 from transformers import GenerationConfig
 
@@ -10,12 +8,26 @@ from tests.helpers import tiny_llama
 from transformers_cb import ContinuousBatchingConfig, ManagerStats
 from transformers_cb.engine.engine import Engine
 from transformers_cb.manager.state import ManagerState
-from transformers_cb.manager.stats import EngineFigures, ThroughputWindow, engine_figures, snapshot
+from transformers_cb.manager.stats import ThroughputWindow, snapshot
 from transformers_cb.requests import RequestStatus
+
+# ManagerStats fields copied as they are from the engine's snapshot.
+COPIED = (
+    "running",
+    "preemptions",
+    "pages_in_use",
+    "pages_total",
+    "pages_in_use_by_group",
+    "prefix_cache_pages",
+    "prefix_cache_evictions",
+    "recomputed_tokens",
+    "swapped_out",
+    "swap_out_pages",
+    "swap_in_pages",
+)
 
 
 def test_a_released_engine_reads_as_zeros() -> None:
-    assert engine_figures(None) == EngineFigures()
     state = ManagerState(engine=None)
     state.counts[RequestStatus.CANCELLED] = 2
     stats = snapshot(state, ThroughputWindow())
@@ -27,8 +39,13 @@ def test_every_engine_figure_reaches_the_snapshot() -> None:
     engine = Engine(
         tiny_llama(), GenerationConfig(do_sample=False), ContinuousBatchingConfig(page_size=16, num_blocks=8)
     )
-    figures = engine_figures(engine)
+    figures = engine.snapshot()
     assert figures.pages_total == engine.cache.num_total_pages > 0
     stats = snapshot(ManagerState(engine=engine), ThroughputWindow())
-    for name in (f.name for f in dataclasses.fields(EngineFigures) if f.name != "waiting"):
+    for name in COPIED:
         assert getattr(stats, name) == getattr(figures, name), name
+    assert stats.queued == figures.waiting
+    assert stats.prefill_tokens == figures.counters.prefill_tokens
+    assert stats.decode_tokens == figures.counters.decode_tokens
+    assert stats.prefix_cache_hit_rate == figures.prefix.hit_rate
+    assert stats.prefix_cache_hit_tokens == figures.prefix.hit_tokens

@@ -46,7 +46,7 @@ def _is_number(value: Any) -> bool:
 class ContinuousBatchingConfig:
     """Hardware-side settings of continuous batching. See `docs/config.md` for every field.
 
-    Every field's feature is built. Creating (or `copy()`-ing) a config runs `validate()`, which raises
+    Every field's feature is built, with or without tensor parallelism. Creating (or `copy()`-ing) a config runs `validate()`, which raises
     `ValueError` for a value of the wrong type or out of range. Options that need a CUDA device are
     turned off with a warning on other devices (`resolve_device_options`, at engine start); whether the
     model and the rest of the setup can run is checked by the engine when it starts.

@@ -2,10 +2,12 @@
 
 Rank 0 (the driver) runs the scheduler, the request queue, sampling and the manager. At every
 `Engine.step()` it sends one `StepMessage` over the CPU group: the tokens it sampled and the
-requests that ended since the last message, the requests preempted now, the first-seen requests'
-prompts, and this step's entries (request, first token, token count, page ids). Every other rank
-(a follower) applies the message to its mirror of the requests and runs the same forward over
-the same pages of its own cache shard, so the model's collectives line up.
+requests that ended since the last message, the first-seen requests' prompts, and this step's
+whole plan (`ScheduledBatch`): entries (request, first token, token count, page ids), fork page
+copies, host-tier swaps, block-table rows to release. Every other rank (a follower) applies the
+message to its mirror of the requests and its runner executes the same plan over the same pages
+of its own cache shard (its host tier has as many pages as rank 0's: `agree_host_pages`), so the
+KV shards stay in step and the model's collectives line up.
 
 Tokens are sampled on rank 0 only and reach the followers in the next message: identical on every
 rank without relying on bit-identical logits across ranks or on RNG state kept in step (a
@@ -28,9 +30,11 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from ..engine.scheduler import ScheduledBatch, ScheduledRequest
+from ..engine.step_plan import ScheduledBatch, ScheduledRequest
+from ..kv.swap_plan import SwapPlan
 from ..memory.sizing import Sizing
 from ..requests import PageList, Request, RequestStatus
+from ..sampling.sampled_token import SampledToken
 from .cpu_group import CpuGroup, TensorParallelError
 from .sharding import is_distributed, tp_process_group, tp_size_of
 
@@ -77,15 +81,18 @@ class RequestSpec:
 @dataclass
 class StepMessage:
     kind: Kind
-    tokens: list[tuple[str, int, float | None]] = field(default_factory=list)  # sampled since last message
+    tokens: list[tuple[str, SampledToken]] = field(
+        default_factory=list
+    )  # (request id, token) since last message
     finals: list[tuple[str, int, str | None, str | None]] = field(
         default_factory=list
     )  # status, reason, error
-    released: list[str] = field(default_factory=list)  # preempted: block-table rows go back
+    released: list[str] = field(default_factory=list)  # pages freed in the schedule: rows go back
     new: list[RequestSpec] = field(default_factory=list)
     # id, start, n, and per KV layer group (first logical page, page ids)
     entries: list[tuple[str, int, int, list[tuple[int, list[int]]]]] = field(default_factory=list)
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # forks' page copies, run first
+    swaps: SwapPlan | None = None  # the host-tier swaps, run after the copies
 
 
 class TensorParallelCoordinator:
@@ -123,6 +130,12 @@ class TensorParallelCoordinator:
         max_pages = min(sizing.max_pages_per_request, num_pages)
         return Sizing(num_pages, sizing.page_size, max_batch_tokens, max_requests, max_pages)
 
+    def agree_host_pages(self, num_pages: int) -> int:
+        """CPU offload: every rank sizes its host tier from its own RAM; all use the smallest, so rank
+        0's host page ids are valid everywhere (0 on any rank: offload off on every rank)."""
+        (agreed,) = self.cpu.min_ints([num_pages])
+        return agreed
+
     def fatal(self, error: BaseException) -> TensorParallelError:
         """A forward failed: the ranks cannot be known to agree any more, so the group is over."""
         if isinstance(error, TensorParallelError):
@@ -133,8 +146,9 @@ class TensorParallelCoordinator:
     def publish(self, batch: ScheduledBatch) -> None:
         """Send this step's decision (with everything that happened since the last message)."""
         message, self._pending = self._pending, StepMessage(Kind.STEP)
-        message.released.extend(request.request_id for request in batch.preempted)
+        message.released.extend(request.request_id for request in batch.released)
         message.copies = list(batch.copies)
+        message.swaps = batch.swaps
         for entry in batch.entries:
             request = entry.request
             if request.request_id not in self._known:
@@ -144,10 +158,10 @@ class TensorParallelCoordinator:
             message.entries.append((request.request_id, entry.start, entry.num_tokens, pages))
         self.cpu.exchange(message)
 
-    def record_tokens(self, sampling: list[Request], sampled: list[tuple[int, float | None]]) -> None:
-        """`sampled[i]` is the (token, logprob) `sampling[i]` got this step."""
-        for request, (token, logprob) in zip(sampling, sampled, strict=True):
-            self._pending.tokens.append((request.request_id, token, logprob))
+    def record_tokens(self, sampling: list[Request], sampled: list[SampledToken]) -> None:
+        """`sampled[i]` is the token `sampling[i]` got this step."""
+        for request, token in zip(sampling, sampled, strict=True):
+            self._pending.tokens.append((request.request_id, token))
 
     def record_finished(self, requests: list[Request]) -> None:
         for request in requests:
@@ -181,9 +195,9 @@ class TensorParallelCoordinator:
         0's pages), the requests that ended and those that got a token and still run."""
         message: StepMessage = self.cpu.exchange()
         progressed, finished = [], []
-        for request_id, token, logprob in message.tokens:
+        for request_id, token in message.tokens:
             request = self.requests[request_id]
-            request.append_token(token, logprob)
+            request.append_token(token.token_id, token.logprob, token.top_logprobs)
             progressed.append(request)
         for request_id, status, reason, error in message.finals:
             request = self.requests.pop(request_id, None)
@@ -204,7 +218,12 @@ class TensorParallelCoordinator:
         released = [self.requests[i] for i in message.released if i in self.requests]
         for request in released:
             request.pages = []
-        batch = ScheduledBatch(entries=entries, preempted=released, copies=message.copies)
+        batch = ScheduledBatch(
+            entries=entries,
+            copies=message.copies,
+            swaps=message.swaps,
+            released=[*released, *finished],  # rows of requests ended since the last message too
+        )
         if message.kind == Kind.END:
             self.run_ended = True
         elif message.kind == Kind.STOP:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
@@ -20,11 +20,14 @@ from ..distributed import TensorParallelCoordinator
 from ..distributed.coordinator import Kind
 from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import kv_groups_from_config
-from ..kv.offload import make_offload
+from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.page_policies import make_allocator, num_pages_for
+from ..kv.prefix_cache import PrefixStats
+from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
+from ..memory.swap import SwapCopier
 from ..requests import Request, RequestStatus
 from ..runner.model_runner import ModelRunner
 from ..runner.packing import BatchPacker
@@ -33,7 +36,8 @@ from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler, check_generation_config
 from .forks import add_siblings, num_return_sequences_of
 from .model_support import check_model_supported
-from .scheduler import Scheduler, make_policy
+from .policies import make_policy
+from .scheduler import Scheduler
 from .submission import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,26 @@ class EngineCounters:
     decode_tokens: int = 0
     generated_tokens: int = 0
     failed_steps: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counts at one moment (`Engine.snapshot()`; the defaults are those of no engine)."""
+
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    pages_in_use: int = 0
+    pages_total: int = 0
+    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
+    prefix: PrefixStats = field(default_factory=PrefixStats)  # all zero when sharing is off
+    prefix_cache_pages: int = 0  # pages kept only for later hits, all groups
+    prefix_cache_evictions: int = 0
+    recomputed_tokens: int = 0
+    swapped_out: int = 0  # requests in the host tier now (CPU offload)
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    counters: EngineCounters = field(default_factory=EngineCounters)
 
 
 class Engine:
@@ -124,10 +148,17 @@ class Engine:
             self.kv_groups,
             sharing=self.cb_config.allow_block_sharing,
         )
-        # CPU offload: a host tier that preempted requests swap out to (None when off).
-        self.offload = make_offload(
-            self.cb_config, self.cache, allocator.allocators, workload, self.tp is not None
-        )
+        # CPU offload: a host tier that preempted requests swap out to (None when off). The scheduler
+        # plans with its page ids (`offload`), the runner copies into its tensors (`swapper`).
+        # Under tensor parallelism every rank holds as many host pages (the fewest any rank can afford)
+        # and its runner replays rank 0's swaps on its own KV shard.
+        num_host_pages = resolve_host_pages(self.cb_config, self.cache, workload)
+        if self.tp is not None:
+            num_host_pages = self.tp.agree_host_pages(num_host_pages)
+        self.offload = CpuOffload(allocator.allocators, num_host_pages) if num_host_pages else None
+        swapper = None
+        if num_host_pages:
+            swapper = SwapCopier(self.cache.group_tensors, HostKVCache(self.cache, num_host_pages).tensors)
         self.scheduler = Scheduler(
             allocator,
             max_batch_tokens=self.sizing.max_batch_tokens,
@@ -138,7 +169,6 @@ class Engine:
         )
         initial_pages = num_pages_for(max(workload), self.sizing.page_size) if workload else None
         self.packer = BatchPacker(self.cache, group_widths, self.device, initial_pages)
-        self.scheduler.on_pages_freed.append(self.packer.release_request)
         self.sampling = SamplingSetup(
             self.generation_config,
             self.device,
@@ -151,7 +181,7 @@ class Engine:
             user_processors=list(logits_processor or ()),
         )
         sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device)
-        self.runner = ModelRunner(model, self.packer, sampler, self.step_options)
+        self.runner = ModelRunner(model, self.packer, sampler, self.step_options, swapper)
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
@@ -220,7 +250,7 @@ class Engine:
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
         sharing a prefix run back to back and the later ones hit the pages of the first."""
-        if self.scheduler.allocator.prefix is None:
+        if not self.scheduler.allocator.sharing:
             return list(requests)
         return sorted(requests, key=lambda request: request.prompt_ids)
 
@@ -243,8 +273,9 @@ class Engine:
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """End `request` (cancel, fail): the scheduler's single exit."""
+        """End `request` (cancel, fail): the scheduler's single exit, and its block-table rows back."""
         self.scheduler.finish(request, status, error)
+        self.runner.release([request])
         if self.tp is not None and self.tp.is_driver:
             self.tp.record_finished([request])
 
@@ -299,13 +330,12 @@ class Engine:
         if self.tp is not None:
             self.tp.publish(batch)
         result = StepResult(finished=list(batch.failed))
-        if self.offload is not None:  # this schedule's swaps (after forks' copies), before the forward
-            batch.copies = self.offload.run_copies(self.cache, batch.copies)
         if not batch.entries:
+            self.runner.apply(batch)  # the plan alone: copies, swaps, released rows
             return self._published(result)
         self.counters.steps += 1
         try:
-            sampled = self.runner.run(batch)
+            output = self.runner.run(batch)
         except Exception as error:  # noqa: BLE001 - recorded on every request of the step
             if self.tp is not None:
                 raise self.tp.fatal(error) from error
@@ -322,13 +352,14 @@ class Engine:
             else:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
-        finished = self.scheduler.update(batch, sampled)
-        self.counters.generated_tokens += len(sampled)
+        finished = self.scheduler.update(batch, output.sampled, output.prompt_logprobs)
+        self.runner.release(finished)
+        self.counters.generated_tokens += len(output.sampled)
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
         if self.tp is not None:
-            self.tp.record_tokens(sampling, sampled)
+            self.tp.record_tokens(sampling, output.sampled)
         return self._published(result)
 
     # -- tensor parallelism (see distributed/coordinator.py) -----------------------
@@ -343,14 +374,11 @@ class Engine:
     def _follow(self) -> StepResult:
         """A follower's step: apply rank 0's next message and run the same forward."""
         message, batch, finished, progressed = self.tp.receive()
-        for request in [*batch.preempted, *finished]:
-            self.packer.release_request(request)
-        if batch.entries:
-            self.counters.steps += 1
-            try:
-                self.runner.forward(batch)
-            except Exception as error:
-                raise self.tp.fatal(error) from error
+        self.counters.steps += bool(batch.entries)
+        try:
+            self.runner.forward(batch)  # rank 0's plan (copies, swaps, released rows), then its forward
+        except Exception as error:
+            raise self.tp.fatal(error) from error
         self.counters.generated_tokens += len(message.tokens)
         return StepResult(finished=finished, progressed=progressed, num_tokens=batch.num_tokens)
 
@@ -363,6 +391,26 @@ class Engine:
         self.warmed_up = self.counters.steps > steps
         self.counters = EngineCounters()
         return self.warmed_up
+
+    def snapshot(self) -> EngineSnapshot:
+        """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
+        scheduler, allocator, offload = self.scheduler, self.scheduler.allocator, self.offload
+        return EngineSnapshot(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.num_preemptions,
+            pages_in_use=self.cache.num_used_pages,
+            pages_total=self.cache.num_total_pages,
+            pages_in_use_by_group=allocator.pages_in_use(),
+            prefix=replace(allocator.prefix_stats),
+            prefix_cache_pages=allocator.num_cached_pages,
+            prefix_cache_evictions=allocator.num_evictions,
+            recomputed_tokens=scheduler.recomputed.total,
+            swapped_out=offload.num_swapped_out if offload is not None else 0,
+            swap_out_pages=offload.swap_out_pages if offload is not None else 0,
+            swap_in_pages=offload.swap_in_pages if offload is not None else 0,
+            counters=replace(self.counters),
+        )
 
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""

@@ -2,7 +2,7 @@
 
 A request submitted with n sequences carries n - 1 siblings (`Request.siblings`), ids
 `f"{request_id}__child#{i}"` as in transformers. With prefix sharing the scheduler forks them
-from the request once its prompt is computed (they share its pages, see cache/prefix_cache.py);
+from the request once its prompt is computed (they share its pages, see kv/prefix_cache.py);
 without it they run as requests of their own.
 """
 

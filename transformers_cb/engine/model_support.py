@@ -8,7 +8,7 @@ Refused, with the model type and what is missing:
   recurrent state is not a paged KV cache;
 - attention the kernels do not implement: chunked (local block) attention,
   bidirectional sliding windows, multi-latent attention with its own value size,
-  or any unknown `layer_types` entry (`cache/layer_groups.py`).
+  or any unknown `layer_types` entry (`kv/layer_groups.py`).
 """
 
 from __future__ import annotations

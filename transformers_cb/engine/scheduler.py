@@ -1,103 +1,44 @@
 """The step scheduler: which requests run how many tokens in the next forward pass.
 
 The scheduler works on plain data (requests, page ids) and never touches a
-tensor: `schedule()` returns a `ScheduledBatch`, the runner executes it, and
-`update()` applies the sampled tokens. Policies (`fifo`, `prefill_first`)
-only change the order in which candidates get the step's token budget.
+tensor: `schedule()` returns a `ScheduledBatch` holding every decision of the
+step (entries, preemptions, fork copies, swaps, block-table rows to release;
+step_plan.py), the runner executes it, and `update()` applies the sampled
+tokens. Rows of requests that end outside `schedule()` (`update()`, `finish()`
+called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`,
+policies.py) only change the order in which candidates get the step's token budget.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
-from ..manager.stats import RecomputeCounter
 from ..requests import FINISH_REASONS, Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step."""
-
-    request: Request
-    start: int
-    num_tokens: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step runs the request's last known token, so it yields a new one."""
-        return self.end == self.request.num_tokens
-
-
-@dataclass
-class ScheduledBatch:
-    entries: list[ScheduledRequest]
-    preempted: list[Request] = field(default_factory=list)
-    failed: list[Request] = field(default_factory=list)
-    # Page copies (forks' copy-on-write) to run before this step's forward writes any KV.
-    copies: list[PageCopy] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(entry.num_tokens for entry in self.entries)
-
-    @property
-    def sampling_entries(self) -> list[ScheduledRequest]:
-        return [entry for entry in self.entries if entry.samples]
-
-
-class SchedulingPolicy:
-    """FIFO: requests already running first (in admission order), then waiting ones."""
-
-    name = "fifo"
-
-    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
-        yield from list(running)
-        yield from list(waiting)
-
-
-class PrefillFirstPolicy(SchedulingPolicy):
-    """Prefill chunks first (running, then newly admitted), decodes get what is left."""
-
-    name = "prefill_first"
-
-    def candidates(self, running: list[Request], waiting: Iterable[Request]) -> Iterator[Request]:
-        decoding = [r for r in running if r.status == RequestStatus.DECODING]
-        yield from [r for r in running if r.status != RequestStatus.DECODING]
-        yield from list(waiting)
-        yield from decoding
-
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {"fifo": SchedulingPolicy, "prefill_first": PrefillFirstPolicy}
-
-
-def make_policy(name: str) -> SchedulingPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown scheduler_type {name!r}: supported {sorted(POLICIES)}")
-    return POLICIES[name]()
+from ..sampling.sampled_token import SampledToken
+from .policies import SchedulingPolicy
+from .recompute import RecomputeCounter
+from .step_plan import ScheduledBatch, ScheduledRequest
 
 
 class Scheduler:
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
-        allocator: the page policies of every KV layer group (one allocator per group).
+        allocator: the device tier's pages, the scheduler's one facade over the KV groups' page
+            policies and prefix sharing (kv/page_manager.py).
         max_batch_tokens: query tokens per step.
         max_requests_per_batch: requests per step.
         safety_margin: new requests are admitted only while the free fraction of
             pages is at least this (unless nothing runs).
         policy: candidate ordering.
-        offload: the host tier (CPU offload): preempted requests swap out and back instead of
+        offload: the host tier's planner (CPU offload), given explicitly rather than behind the
+            facade (see kv/page_manager.py): preempted requests swap out and back instead of
             recomputing while it has room; None: always recompute.
     """
 
@@ -120,17 +61,14 @@ class Scheduler:
         self.offload = offload
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
-        self._pending_copies: list[PageCopy] = []  # from forks, for the next step that runs
-        # Called with each request whose pages were just freed (preemption or finish), e.g. to give
-        # its block-table row back: per-request state elsewhere never outlives its pages.
-        self.on_pages_freed: list[Callable[[Request], None]] = []
+        self._pending_copies: list[PageCopy] = []  # from forks, for the next step's plan
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
         or, without prefix sharing, queue as requests of their own."""
         self.waiting.append(request)
-        if self.allocator.prefix is None and request.fork_children:
+        if not self.allocator.sharing and request.fork_children:
             self.waiting.extend(request.fork_children)
             request.fork_children = []
 
@@ -172,7 +110,7 @@ class Scheduler:
                 admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
                 if not admitting:
                     if hit:  # waiting requests hold no pages: the hit goes back to the cache
-                        self.allocator.prefix.detach(request)
+                        self.allocator.detach_prefix(request)
                         num_tokens = self.allocator.num_fitting_tokens(
                             request, min(request.num_remaining_tokens, budget)
                         )
@@ -183,8 +121,7 @@ class Scheduler:
                 self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
-                if self.allocator.prefix is not None:
-                    self.allocator.prefix.promise(request)
+                self.allocator.promise(request)
             elif num_tokens > 0:
                 self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
@@ -200,26 +137,26 @@ class Scheduler:
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        if batch.entries and self._pending_copies:
-            batch.copies, self._pending_copies = self._pending_copies, []
+        batch.copies, self._pending_copies = self._pending_copies, []
+        if self.offload is not None:
+            batch.swaps = self.offload.take_plan()
         return batch
 
     def _attach_prefix(self, request: Request) -> bool:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
 
         Requests asking for prompt logprobs compute every prompt position, so they take none."""
-        if self.allocator.prefix is None or request.wants_prompt_logprobs:
+        if request.wants_prompt_logprobs:
             return False
-        return self.allocator.prefix.attach(request) > 0
+        return self.allocator.attach_prefix(request) > 0
 
     def _waits_for_pages(self, request: Request, hit: bool) -> bool:
         """Leave `request` waiting (holding nothing) while a running request computes the next page
         of its prefix: it will hit that page in a later step instead of computing it again."""
-        prefix = self.allocator.prefix
-        if prefix is None or request.wants_prompt_logprobs or not prefix.waits_for_pages(request):
+        if request.wants_prompt_logprobs or not self.allocator.waits_for_pages(request):
             return False
         if hit:
-            prefix.detach(request)
+            self.allocator.detach_prefix(request)
         return True
 
     def _fork(self, parent: Request) -> None:
@@ -229,7 +166,7 @@ class Scheduler:
         position = self.running.index(parent) + 1
         unforked = []
         for child in children:
-            copies = self.allocator.prefix.fork(parent, child)
+            copies = self.allocator.fork(parent, child)
             if copies is None:
                 unforked.append(child)
                 continue
@@ -297,17 +234,14 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         batch.preempted.append(request)
+        batch.released.append(request)
 
     def _drop_kv(self, request: Request) -> None:
         self.recomputed.dropped(request.request_id, request.num_computed_tokens)
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
-        if self.allocator.prefix is not None:
-            self.allocator.prefix.withdraw(request)
-        self.allocator.free(request)
-        for release in self.on_pages_freed:
-            release(request)
+        self.allocator.free(request)  # with its promises of pages not computed yet
 
     def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
         self.finish(
@@ -319,11 +253,18 @@ class Scheduler:
             ),
         )
         batch.failed.append(request)
+        batch.released.append(request)
 
     # -- results -----------------------------------------------------------------
-    def update(self, batch: ScheduledBatch, sampled: list[tuple]) -> list[Request]:
-        """Advance every scheduled request; `sampled[i]` is (token, logprob[, top logprobs]) of the
-        i-th sampling entry.
+    def update(
+        self,
+        batch: ScheduledBatch,
+        sampled: Sequence[SampledToken],
+        prompt_logprobs: Mapping[str, list[float]] | None = None,
+    ) -> list[Request]:
+        """Advance every scheduled request; `sampled[i]` is the token of the i-th sampling entry,
+        `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
+        `StepOutput`).
 
         Returns the requests that finished in this step.
         """
@@ -332,18 +273,22 @@ class Scheduler:
         for entry in batch.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
+            scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
+            if scored:
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = []
+                request.prompt_logprobs.extend(scored)
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
-            if self.allocator.prefix is not None:
-                self.allocator.prefix.register(request)  # before a sliding group drops pages
-                if request.fork_children and entry.samples:
-                    self._fork(request)
+            self.allocator.register(request)  # before a sliding group drops pages
+            if request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
+                self._fork(request)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
             self.allocator.trim(request)
             if not entry.samples:
                 continue
-            token_id, logprob, *top = next(samples)  # top: the token's best alternatives, if asked
-            request.append_token(token_id, logprob, *top)
+            token = next(samples)
+            request.append_token(token.token_id, token.logprob, token.top_logprobs)
             reason = request.stop_reason()
             if reason is not None:
                 request.finish_reason = reason
@@ -354,8 +299,9 @@ class Scheduler:
         return finished
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages and
-        whatever is tied to them (`on_pages_freed`), stamps the time, removes it from the queues."""
+        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and
+        its host pages), stamps the time, removes it from the queues. Its block-table rows are the
+        caller's to release (the engine's; in `schedule()`, the batch's `released`)."""
         if request.is_finished:
             return
         parent = request.fork_parent

@@ -16,22 +16,22 @@ swapped-out request keeps its own reference (taken here, so the scheduler's rele
 resident) and gets the same page back on swap-in. Only exclusively owned pages move. Sliding-window
 groups swap only the pages the request still holds (from `first_page` on).
 
-The copies of one step are collected in a `SwapPlan` and run by the engine (`run_copies`) before
-the step's forward, one gather/scatter per group and direction (`swap.py`).
+The copies of one step are collected in a `SwapPlan` (plain ids, swap_plan.py) that `schedule()`
+moves into the step's `ScheduledBatch` (`take_plan`); the runner's `SwapCopier` (memory/swap.py)
+runs it before the step's forward, one gather/scatter per group and direction, on every
+tensor-parallel rank. This module stays torch-free: the host tier's bytes are
+`memory.host_cache.HostKVCache`, its page ids (`HostPages`, one `PagePool` per group) are here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config.continuous_batching import ContinuousBatchingConfig
 from ..invariants import InvariantError, check
-from ..memory.host_cache import HostKVCache, resolve_host_pages
-from ..memory.kv_cache import PagedKVCache
-from ..memory.swap import SwapCopier, SwapPlan
 from ..requests import PageList, Request
 from .page_policies import FullAttentionAllocator, num_pages_for
-from .prefix_cache import PageCopy
+from .pool import PagePool
+from .swap_plan import SwapPlan
 
 
 @dataclass
@@ -52,20 +52,37 @@ class SwappedGroup:
         return [p for p, host in zip(self.page_ids, self.on_host, strict=True) if not host]
 
 
+class HostPages:
+    """The host tier's page ids: `num_pages` in each KV group's own pool (host page 3 has nothing to do
+    with device page 3)."""
+
+    def __init__(self, num_pages: int, num_groups: int) -> None:
+        check(num_pages >= 1, f"{num_pages=}")
+        self.num_pages = num_pages
+        self.pools = [PagePool(num_pages) for _ in range(num_groups)]
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(pool.num_used_pages for pool in self.pools)
+
+    def check_integrity(self, page_tables: list[list[list[int]]]) -> None:
+        """`page_tables[g]`: the host page lists of every swapped-out request in group `g`."""
+        if len(page_tables) != len(self.pools):
+            raise InvariantError(f"{len(page_tables)} groups of host tables for {len(self.pools)} host pools")
+        for pool, tables in zip(self.pools, page_tables, strict=True):
+            pool.check_integrity(tables)
+
+
 class CpuOffload:
     """Args: allocators: the device tier's page policies, one per KV group (as in `PageManager`);
-    host: the host tier; copier: runs the planned copies between the two."""
+    num_host_pages: host pages of every group (>= 1; the same on every tensor-parallel rank)."""
 
-    def __init__(
-        self, allocators: list[FullAttentionAllocator], host: HostKVCache, copier: SwapCopier
-    ) -> None:
-        check(len(allocators) == len(host.pools), "one host pool per KV group")
+    def __init__(self, allocators: list[FullAttentionAllocator], num_host_pages: int) -> None:
         self.allocators = allocators
-        self.host = host
-        self.copier = copier
+        self.host = HostPages(num_host_pages, len(allocators))
         self.page_size = allocators[0].page_size
         self.swapped: dict[str, list[SwappedGroup]] = {}  # request id -> its pages, per group
-        self.plan = SwapPlan(len(allocators))
+        self.plan = SwapPlan(len(allocators))  # planned since the last `take_plan`
         self.swap_out_pages = 0  # pages copied to the host tier, since creation
         self.swap_in_pages = 0  # pages copied back
         self.kept_pages = 0  # shared pages a swap-out left resident (not copied), since creation
@@ -173,18 +190,10 @@ class CpuOffload:
                 self.plan.out_src[g] = [s for s, _ in pairs]
                 self.plan.out_dst[g] = [d for _, d in pairs]
 
-    # -- the engine's part -------------------------------------------------------------------------
-    def run_copies(
-        self, cache: PagedKVCache | None = None, fork_copies: list[PageCopy] | None = None
-    ) -> list:
-        """Run this step's planned copies (before its forward), after the forks' page copies of the step
-        (prefix_cache.py): those read the last forward's KV, which a swap may move or hand to another
-        request. Returns the fork copies left to run (none)."""
-        if fork_copies:
-            cache.copy_pages(fork_copies)
+    def take_plan(self) -> SwapPlan:
+        """The swaps planned since the last call (the step's), for its `ScheduledBatch`."""
         plan, self.plan = self.plan, SwapPlan(len(self.allocators))
-        self.copier.run(plan)
-        return []
+        return plan
 
     def device_tables(self) -> list[list[list[int]]]:
         """Per group, the device pages each swapped-out request still references (for pool integrity)."""
@@ -204,25 +213,3 @@ class CpuOffload:
         for groups in self.swapped.values():
             for group in groups:
                 check(len(group.page_ids) == len(group.on_host), "a swapped group's lists disagree")
-
-
-def make_offload(
-    config: ContinuousBatchingConfig,
-    device_cache: PagedKVCache,
-    allocators: list[FullAttentionAllocator],
-    workload: list[int] | None = None,
-    tensor_parallel: bool = False,
-) -> CpuOffload | None:
-    """The host tier `config.cpu_offload_space` asks for, or None (off, or too small for one page)."""
-    if config.cpu_offload_space == 0.0:
-        return None
-    if tensor_parallel:
-        raise NotImplementedError(
-            "ContinuousBatchingConfig.cpu_offload_space (CPU offload) is not implemented with tensor "
-            "parallelism yet: the other ranks would have to replay rank 0's swaps"
-        )
-    num_pages = resolve_host_pages(config, device_cache, workload)
-    if num_pages < 1:
-        return None
-    host = HostKVCache(device_cache, num_pages)
-    return CpuOffload(allocators, host, SwapCopier(device_cache.group_tensors, host.tensors))

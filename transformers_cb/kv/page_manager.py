@@ -1,9 +1,18 @@
-"""`PageManager`: the page policies of every KV layer group, as one allocator for the scheduler.
+"""`PageManager`: the device tier's pages as one facade for the scheduler.
 
-A request runs `n` more tokens only if every group can take them, so fit checks
-take the minimum over groups and allocation is check-then-commit across all
-groups (nothing changes unless every group has the pages). Release, preemption
-and the step-boundary trim of sliding windows go to every group at once.
+It holds the page policies of every KV layer group and, when prefix sharing is on, the
+`PrefixCache` over them. A request runs `n` more tokens only if every group can take them, so fit
+checks take the minimum over groups and allocation is check-then-commit across all groups (nothing
+changes unless every group has the pages). Release, preemption and the step-boundary trim of sliding
+windows go to every group at once. Prefix sharing is reached through it too (`attach_prefix`,
+`promise`, `waits_for_pages`, `register`, `fork`, ...; each a no-op or "nothing" when sharing is
+off), so that the scheduler never needs to know whether it is on beyond `sharing`.
+
+The host tier (CPU offload, offload.py) is not behind this facade: the scheduler gets it explicitly.
+It is a second tier with its own pools and its own decision (swap out or recompute, which victim
+comes back when), while everything here is about one tier's pages; keeping it out keeps this
+facade's contract (one check-then-commit over the device groups) whole, and lets a scheduler run
+without offload by passing nothing rather than by a facade that half-exists.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from ..requests import Request
 from .layer_groups import KVGroupSpec
 from .page_policies import FullAttentionAllocator
 from .pool import PagePool
-from .prefix_cache import PrefixCache, PrefixStats
+from .prefix_cache import PageCopy, PrefixCache, PrefixStats
 
 
 class PageManager:
@@ -34,6 +43,16 @@ class PageManager:
         # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
         self._trimming = [a for a in allocators if a.sliding_window is not None]
         self.prefix = PrefixCache(allocators) if sharing else None
+
+    @property
+    def sharing(self) -> bool:
+        """Prefix sharing (and forks) on."""
+        return self.prefix is not None
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix-cache lookups since creation (all zero when sharing is off)."""
+        return self.prefix.stats if self.prefix is not None else PrefixStats()
 
     @property
     def pools(self) -> list[PagePool]:
@@ -67,8 +86,40 @@ class PageManager:
         return sum(a.trim(request) for a in self._trimming) if self._trimming else 0
 
     def free(self, request: Request) -> None:
+        """Release the request's pages in every group, and (sharing) its promises of pages not computed."""
+        if self.prefix is not None:
+            self.prefix.withdraw(request)
         for allocator in self.allocators:
             allocator.free(request)
+
+    # -- prefix sharing (prefix_cache.py); no-ops when it is off -------------------------------------
+    def attach_prefix(self, request: Request) -> int:
+        """Give a request that holds nothing its cached prefix pages; returns the tokens skipped."""
+        return self.prefix.attach(request) if self.prefix is not None else 0
+
+    def detach_prefix(self, request: Request) -> None:
+        """Undo `attach_prefix` for a request that was not admitted after all."""
+        if self.prefix is not None:
+            self.prefix.detach(request)
+
+    def promise(self, request: Request) -> None:
+        """An admitted request will compute its full pages: same-prefix requests wait for them."""
+        if self.prefix is not None:
+            self.prefix.promise(request)
+
+    def waits_for_pages(self, request: Request) -> bool:
+        """True when a running request is computing the page after the request's hit."""
+        return self.prefix is not None and self.prefix.waits_for_pages(request)
+
+    def register(self, request: Request) -> None:
+        """Key the pages a step completed (before a sliding group drops them)."""
+        if self.prefix is not None:
+            self.prefix.register(request)
+
+    def fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
+        """`child` shares `parent`'s prompt pages (sharing on); the copies to run, or None (no room)."""
+        check(self.prefix is not None, "fork without prefix sharing")
+        return self.prefix.fork(parent, child)
 
     def unfittable_reason(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` KV tokens can never run in this cache, or None if it can."""

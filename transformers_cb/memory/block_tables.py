@@ -7,8 +7,9 @@ recycles), while it holds pages. Logical page `i` of a request sits in column `i
 full-attention group's width covers a whole request, so that is column `i`; a sliding-window group
 only ever holds a bounded run of consecutive pages, so its row is a ring that old pages leave and
 new ones enter. Pages are only ever appended to a running request, so a step writes just the new
-pages instead of rebuilding the table; the scheduler's page release (preemption, or the single
-`finish()` exit) gives the row back.
+pages instead of rebuilding the table; when the scheduler frees a request's pages (preemption, or
+the single `finish()` exit) the runner gives the row back (the step plan's `released`, or the
+engine for requests that end outside `schedule()`).
 """
 
 from __future__ import annotations

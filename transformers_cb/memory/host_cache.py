@@ -1,10 +1,12 @@
-"""`HostKVCache`: the host tier of the KV cache (CPU offload), and how big it is.
+"""`HostKVCache`: the bytes of the host tier of the KV cache (CPU offload), and how big it is.
 
 A second set of pages in host memory that receives a preempted request's pages and gives them back
-(see `offload.py` for who goes there, `swap.py` for the copies). It mirrors the device cache group by
-group: each KV layer group has its own `PagePool` of host page ids and one tensor shaped like the
-device group's tensor `[2, layers, pages, page_size, kv heads, head_dim]`, so a page moves between the
-tiers as one slice along the page dimension. Allocated once; pinned when the device is CUDA (so that
+(see kv/offload.py for who goes there and which host page ids are free, `swap.py` for the copies).
+It mirrors the device cache group by group: each KV layer group has one tensor shaped like the
+device group's tensor `[2, layers, pages, page_size, kv heads, head_dim]`, so a page moves between
+the tiers as one slice along the page dimension. The host page ids (a `PagePool` per group) live
+with the planner, torch-free (`kv.offload.HostPages`); under tensor parallelism every rank holds a
+tier of the same number of pages (the smallest any rank can afford) and replays rank 0's swaps. Allocated once; pinned when the device is CUDA (so that
 copies are asynchronous DMA), plain memory on a CPU device, where the tier is simply a bounded
 second pool whose point is to skip recomputation.
 
@@ -19,9 +21,8 @@ import psutil
 import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..invariants import InvariantError, check
+from ..invariants import check
 from ..kv.page_policies import num_pages_for
-from ..kv.pool import PagePool
 from .kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,10 @@ def resolve_host_pages(
     once: more could never be used, so the tier fits the job rather than all RAM. On a CPU device with
     the workload unknown (a server), where both tiers share the same RAM, at most
     `CPU_HOST_CACHE_FACTOR` times the device cache (as the device cache itself is capped there).
+    0 when offload is off (`cpu_offload_space == 0.0`) or the budget is smaller than one page.
     """
+    if config.cpu_offload_space == 0.0:
+        return 0
     num_pages = offload_budget_bytes(config) // host_page_bytes(device_cache)
     if workload:
         num_pages = min(num_pages, sum(num_pages_for(n, device_cache.page_size) for n in workload))
@@ -90,7 +94,6 @@ class HostKVCache:
         self.page_size = device_cache.page_size
         device = device_cache.group_tensors[0].device
         self.pinned = device.type == "cuda"
-        self.pools = [PagePool(num_pages) for _ in device_cache.group_tensors]
         # `empty`, not `zeros`: a host page is only ever read after a swap-out wrote it, and an untouched
         # allocation costs no RAM on a CPU host until used.
         self.tensors = [
@@ -103,16 +106,5 @@ class HostKVCache:
             for t in device_cache.group_tensors
         ]
 
-    @property
-    def num_used_pages(self) -> int:
-        return sum(pool.num_used_pages for pool in self.pools)
-
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    def check_integrity(self, page_tables: list[list[list[int]]]) -> None:
-        """`page_tables[g]`: the host page lists of every swapped-out request in group `g`."""
-        if len(page_tables) != len(self.pools):
-            raise InvariantError(f"{len(page_tables)} groups of host tables for {len(self.pools)} host pools")
-        for pool, tables in zip(self.pools, page_tables, strict=True):
-            pool.check_integrity(tables)

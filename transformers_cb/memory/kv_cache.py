@@ -48,7 +48,7 @@ class PagedKVCache:
         self.pools = [PagePool(n) for n in pages_per_group]
         self.has_scratch_page = scratch_page
         # One tensor per group, `[2 (K, V), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
-        # head_dim]`, so that moving pages between tiers (cache/offload.py) is one copy per group; each layer's K
+        # head_dim]`, so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
         # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
         # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
         self.group_tensors = [

@@ -1,9 +1,11 @@
 """`SwapCopier`: the page copies between the device tier and the host tier, batched per step.
 
-The scheduler decides swaps as plain page ids (`SwapPlan`); the engine hands the step's plan to the
-copier before the forward. Each direction is one gather and one scatter per KV layer group, whatever
-the number of pages and requests: all layers of a group, K and V, move in one `index_select` along the
-page dimension of the group tensor `[2, layers, pages, page_size, kv heads, head_dim]`.
+The scheduler decides swaps as plain page ids (`SwapPlan`, kv/swap_plan.py) and the step's
+`ScheduledBatch` carries them; the runner hands them to its copier before the forward (on every
+tensor-parallel rank, each on its own KV shard). Each direction is one gather and one scatter per
+KV layer group, whatever the number of pages and requests: all layers of a group, K and V, move in
+one `index_select` along the page dimension of the group tensor
+`[2, layers, pages, page_size, kv heads, head_dim]`.
 
 Ordering inside a step: a page freed by a swap-out may be handed to a swap-in (or to a request that
 writes it in this forward) in the same step, and a host page freed by a swap-in may receive a swap-out.
@@ -17,31 +19,12 @@ The device-to-host transfer overlaps the forward; its host scatter happens at th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..invariants import check
-
-
-@dataclass
-class SwapPlan:
-    """Copies decided by one `schedule()`, per KV group `g`: `out_src[g][i]` (device page) goes to
-    `out_dst[g][i]` (host page), `in_src[g][i]` (host page) goes to `in_dst[g][i]` (device page)."""
-
-    num_groups: int
-    out_src: list[list[int]] = field(default_factory=list)
-    out_dst: list[list[int]] = field(default_factory=list)
-    in_src: list[list[int]] = field(default_factory=list)
-    in_dst: list[list[int]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        for lists in (self.out_src, self.out_dst, self.in_src, self.in_dst):
-            lists.extend([] for _ in range(self.num_groups - len(lists)))
-
-    @property
-    def is_empty(self) -> bool:
-        return not any(self.out_src) and not any(self.in_src)
+from ..kv.swap_plan import SwapPlan
 
 
 @dataclass
@@ -67,12 +50,16 @@ class SwapCopier:
         self._pending: list[_PendingOut] = []  # CUDA: swap-outs not scattered into the host pool yet
         self._in_flight: list[tuple[torch.cuda.Event, torch.Tensor]] = []  # swap-in staging kept alive
         self.num_copies = 0  # gather + scatter pairs run (one per group and direction per step)
+        self.pages_out = 0  # pages copied to the host tier, since creation
+        self.pages_in = 0  # pages copied back
 
     @torch.inference_mode()
     def run(self, plan: SwapPlan) -> None:
         if plan.is_empty:
             self._collect(wait=False)
             return
+        self.pages_out += plan.num_out_pages
+        self.pages_in += plan.num_in_pages
         if self.cuda:
             self._run_cuda(plan)
         else:

@@ -1,13 +1,17 @@
 """The runner: everything that touches the device for one step.
 
-It packs the scheduled batch, runs the transformers model's own forward once
+It executes the step's plan (`ScheduledBatch`, engine/step_plan.py) in order: the forks' page
+copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
+packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs),
 computes logits only for positions that produce a token (and, for requests that
-ask for prompt logprobs, their prompt positions), and samples.
+ask for prompt logprobs, their prompt positions), and samples. It returns a
+`StepOutput` and mutates no `Request`: the engine's scheduler applies it (`update`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +19,11 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..attention.paged import METADATA_KWARG
-from ..engine.scheduler import ScheduledBatch
+from ..engine.step_plan import ScheduledBatch
+from ..invariants import check
+from ..memory.swap import SwapCopier
+from ..requests import Request
+from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
@@ -25,8 +33,18 @@ if TYPE_CHECKING:
     from .step_options import StepOptions
 
 
+@dataclass
+class StepOutput:
+    """`sampled[i]`: the token of the i-th sampling entry, in `batch.entries` order; `prompt_logprobs`:
+    request id -> raw-model log-probabilities of the prompt tokens this step scored (in order)."""
+
+    sampled: list[SampledToken] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+
+
 class ModelRunner:
-    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward)."""
+    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
+    swapper: the copier between the device and the host tier (None: no CPU offload)."""
 
     def __init__(
         self,
@@ -34,10 +52,12 @@ class ModelRunner:
         packer: BatchPacker,
         sampler: Sampler,
         options: StepOptions | None = None,
+        swapper: SwapCopier | None = None,
     ) -> None:
         self.model = model
         self.packer = packer
         self.sampler = sampler
+        self.swapper = swapper
         self.device = packer.device
         self.options = options
         self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
@@ -46,31 +66,48 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[tuple]:
-        """Run one step; return (token, logprob[, top logprobs]) for each sampling entry, in
-        `batch.entries` order. Prompt logprobs are appended to their requests."""
-        if batch.copies:  # before the forward writes any KV: a copy's source may be rewritten
+    def apply(self, batch: ScheduledBatch) -> None:
+        """The step's plan before its forward: fork copies (they read the last forward's KV, which a
+        swap may move or hand over), then swaps, then the released block-table rows."""
+        if batch.copies:
             self.packer.cache.copy_pages(batch.copies)
+        if batch.swaps is not None:
+            check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
+            if self.swapper is not None:
+                self.swapper.run(batch.swaps)
+        self.release(batch.released)
+
+    def release(self, requests: list[Request]) -> None:
+        """Give the block-table rows of `requests` back (their pages were freed)."""
+        for request in requests:
+            self.packer.release_request(request)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step (`batch.entries` not empty): its plan, then the forward and the sampling."""
+        self.apply(batch)
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
         samples = self.sampler.sample(logits, [entry.request for entry in step.sampling_entries])
-        if prompt_logits is not None:
-            _record_prompt_logprobs(step, prompt_logits)
         by_entry = {}
         for i, entry in enumerate(step.sampling_entries):
-            logprob = None if samples.logprobs is None else samples.logprobs[i]
-            top = None if samples.top_logprobs is None else samples.top_logprobs[i]
-            by_entry[id(entry)] = (
-                (samples.tokens[i], logprob) if top is None else (samples.tokens[i], logprob, top)
+            by_entry[id(entry)] = SampledToken(
+                samples.tokens[i],
+                None if samples.logprobs is None else samples.logprobs[i],
+                None if samples.top_logprobs is None else samples.top_logprobs[i],
             )
-        return [by_entry[id(entry)] for entry in batch.entries if entry.samples]
+        return StepOutput(
+            sampled=[by_entry[id(entry)] for entry in batch.entries if entry.samples],
+            prompt_logprobs={} if prompt_logits is None else _prompt_logprobs(step, prompt_logits),
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> None:
-        """The forward alone, no sampling (a tensor-parallel follower's step; rank 0 samples)."""
-        if batch.copies:
-            self.packer.cache.copy_pages(batch.copies)
-        self._forward(self.packer.pack(batch))
+        """A tensor-parallel follower's step: the plan, then the forward (when there are entries)
+        without sampling; rank 0 samples."""
+        self.apply(batch)
+        if batch.entries:
+            self._forward(self.packer.pack(batch))
 
     def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns float32 logits `[S, vocab]` for the sampled positions, and `[P, vocab]` for the
@@ -105,16 +142,16 @@ class ModelRunner:
         return logits[:num_sampled], logits[num_sampled:]
 
 
-def _record_prompt_logprobs(step: PackedStep, logits: torch.Tensor) -> None:
+def _prompt_logprobs(step: PackedStep, logits: torch.Tensor) -> dict[str, list[float]]:
     """Raw-model log-probability of each scored prompt token (what log-likelihood evaluation uses)."""
     targets = []
     for request, first, count in step.prompt_spans:
         targets.extend(request.all_token_ids[first : first + count])
     index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
     values = logits.log_softmax(dim=-1).gather(1, index).squeeze(1).tolist()
+    scored: dict[str, list[float]] = {}
     offset = 0
     for request, _first, count in step.prompt_spans:
-        if request.prompt_logprobs is None:
-            request.prompt_logprobs = []
-        request.prompt_logprobs.extend(values[offset : offset + count])
+        scored.setdefault(request.request_id, []).extend(values[offset : offset + count])
         offset += count
+    return scored

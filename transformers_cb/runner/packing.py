@@ -19,7 +19,7 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, DecodeGroup, GroupMetadata, PrefillGroup
 from ..attention.native import native_supported
-from ..engine.scheduler import ScheduledBatch, ScheduledRequest
+from ..engine.step_plan import ScheduledBatch, ScheduledRequest
 from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
@@ -113,7 +113,7 @@ class BatchPacker:
         self._page_offsets = torch.arange(self.page_size, device=device)
 
     def release_request(self, request) -> None:
-        """Give `request`'s rows back in every group (the scheduler calls it whenever it frees pages)."""
+        """Give `request`'s rows back in every group (the runner, for each request whose pages were freed)."""
         for tables in self.block_tables:
             tables.release(request)
 

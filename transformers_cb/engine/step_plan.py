@@ -1,0 +1,63 @@
+"""The plan of one step: everything `Scheduler.schedule()` decided, as plain data (no tensor).
+
+A `ScheduledBatch` is the whole decision of a step, so that whoever executes it (the runner on
+rank 0, and on every tensor-parallel follower from rank 0's step message) needs nothing else.
+The runner executes it in this order:
+
+1. `copies`: forks' copy-on-write page copies. They read the KV the last forward wrote, which a
+   swap of this step may move out or hand to another request, so they run first;
+2. `swaps`: the host-tier swaps (`SwapPlan`, gathers before scatters, see memory/swap.py);
+3. `released`: the block-table rows of requests whose pages were freed in this schedule
+   (preempted, failed), given back before packing;
+4. pack `entries` and run the forward.
+
+`preempted` and `failed` tell the engine what happened to those requests (the failed ones are
+already finished).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kv.prefix_cache import PageCopy
+from ..kv.swap_plan import SwapPlan
+from ..requests import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step runs the request's last known token, so it yields a new one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    entries: list[ScheduledRequest]
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+    # Page copies (forks' copy-on-write) to run before anything else of the step.
+    copies: list[PageCopy] = field(default_factory=list)
+    # The host-tier swaps of this schedule (None: no host tier).
+    swaps: SwapPlan | None = None
+    # Requests whose pages this schedule freed: their block-table rows go back before packing.
+    released: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(entry.num_tokens for entry in self.entries)
+
+    @property
+    def sampling_entries(self) -> list[ScheduledRequest]:
+        return [entry for entry in self.entries if entry.samples]
