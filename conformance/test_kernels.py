@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conformance.common import TOLERANCES, KernelStep, assert_close, build_kernel_step
-from tests import flash_double
+from tests.support import flash_double
 from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.fast_path import prepare_flash_step

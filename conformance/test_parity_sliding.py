@@ -19,19 +19,9 @@ from unittest import mock
 import pytest
 from transformers import PreTrainedModel
 
-from conformance.common import (
-    SLIDING_FAMILIES,
-    ReferenceCache,
-    backends_for,
-    build_tiny_model,
-    check_parity,
-    greedy_config,
-    random_prompts,
-    run_batch,
-    tight_num_blocks,
-    using_backend,
-    vocab_size,
-)
+from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
+from tests.support.models import SLIDING_FAMILIES, backends_for, build_tiny_model, using_backend, vocab_size
+from tests.support.prompts import random_prompts
 from transformers_cb.engine.engine import Engine
 
 MAX_NEW_TOKENS = 12

@@ -425,7 +425,7 @@ def test_blocks_of_later_issues(name, order, model_dirs, reference, tmp_path) ->
 FLASH_DOUBLE = f"""
 import sys as _sys
 _sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-from tests import flash_double as _flash_double
+from tests.support import flash_double as _flash_double
 _flash_context = _flash_double.injected(fa2=True)  # kept referenced: collecting it would undo it
 _flash_context.__enter__()  # `import flash_attn` finds the CPU test double
 """

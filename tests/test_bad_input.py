@@ -8,7 +8,9 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.helpers import VOCAB_SIZE, greedy_reference, random_prompts, tiny_llama
+from tests.support.models import VOCAB_SIZE, tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.runner.model_runner import ModelRunner
 
@@ -114,7 +116,7 @@ def test_generation_config_rejects_zero_max_new_tokens() -> None:
 
 def test_request_longer_than_the_model_context(model, forward_calls) -> None:
     max_positions = model.config.max_position_embeddings
-    long = random_prompts([max_positions - 10], seed=0)[0]
+    long = prompts_of_lengths([max_positions - 10], seed=0)[0]
     check_rejected(
         model,
         forward_calls,
@@ -124,7 +126,7 @@ def test_request_longer_than_the_model_context(model, forward_calls) -> None:
         ),
         generation_config=GenerationConfig(max_new_tokens=20),
     )
-    prompt_too_long = random_prompts([max_positions + 1], seed=0)[0]
+    prompt_too_long = prompts_of_lengths([max_positions + 1], seed=0)[0]
     check_rejected(model, forward_calls, [prompt_too_long], match=r"inputs\[0\]: .*max_position_embeddings")
 
 
@@ -175,7 +177,7 @@ def test_valid_alternative_prompt_types_are_accepted(model) -> None:
 
 
 def test_failing_step_fails_only_its_requests(model, monkeypatch) -> None:
-    prompts = random_prompts([6, 9, 12, 5], seed=11)
+    prompts = prompts_of_lengths([6, 9, 12, 5], seed=11)
     max_new_tokens = 5
     references = [greedy_reference(model, p, max_new_tokens) for p in prompts]
     steps: list[list[str]] = []

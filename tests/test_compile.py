@@ -7,7 +7,9 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.engine import Engine
@@ -64,7 +66,7 @@ def test_compiled_run_on_cpu_matches_generate() -> None:
     """Level 1 on CPU: both paths run through torch.compile'd forwards and the tokens equal generate()."""
     torch._dynamo.reset()
     model = tiny_llama()
-    prompts = random_prompts([9, 3, 21], seed=5)
+    prompts = prompts_of_lengths([9, 3, 21], seed=5)
     generation_config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
     engine = Engine(model, generation_config, config)

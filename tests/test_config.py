@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from tests.helpers import TINY_SHAPE, random_prompts, tiny_llama
+from tests.support.models import TINY_SHAPE, tiny_llama
+from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.api import generate_batch as generation_module
 from transformers_cb.config.generation_fields import resolve_generation_config
@@ -244,7 +245,7 @@ def test_generate_batch_does_not_mutate_configs(model) -> None:
     gen_before = copy.deepcopy(generation_config.to_dict())
     cb_before = dataclasses.asdict(cb_config)
     outputs = model.generate_batch(
-        random_prompts([7, 40, 3], seed=3), generation_config, cb_config, progress_bar=False
+        prompts_of_lengths([7, 40, 3], seed=3), generation_config, cb_config, progress_bar=False
     )
     assert len(outputs) == 3
     assert all(
@@ -286,7 +287,7 @@ def test_generation_config_resolves_like_generate(model, user_config) -> None:
 def test_stopping_length_matches_generate(model, user_config) -> None:
     """Without max_new_tokens, generate() reads the default max_length (20) as 20 new tokens,
     and a max_length the user set as the total length."""
-    prompts = random_prompts([6, 12], seed=2)
+    prompts = prompts_of_lengths([6, 12], seed=2)
     outputs = model.generate_batch(prompts, user_config, progress_bar=False)
     for i, prompt in enumerate(prompts):
         input_ids = torch.tensor([prompt])
@@ -451,7 +452,7 @@ def test_generate_batch_sizes_from_its_prompts(model, monkeypatch) -> None:
             engines.append(self)
 
     monkeypatch.setattr(generation_module, "Engine", RecordingEngine)
-    prompts = random_prompts([5, 20, 33], seed=1)
+    prompts = prompts_of_lengths([5, 20, 33], seed=1)
     model.generate_batch(
         prompts,
         GenerationConfig(max_new_tokens=4),
@@ -475,7 +476,7 @@ def test_explicit_decode_fast_path_falls_back_with_a_warning(caplog) -> None:
 
     from transformers import GenerationConfig
 
-    from tests.helpers import tiny_llama
+    from tests.support.models import tiny_llama
 
     model = tiny_llama()
     generation_config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)

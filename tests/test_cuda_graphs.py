@@ -13,8 +13,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests import flash_double
-from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from tests.support import flash_double
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA2
@@ -57,7 +59,7 @@ def _run(engine: Engine, model, prompts) -> list:
 
 def _run_matches_generate(engine: Engine, model) -> None:
     """Four ragged prompts through `engine`; each equals plain greedy `generate()` (run with sdpa)."""
-    prompts = random_prompts([13, 2, 30, 7], seed=6)
+    prompts = prompts_of_lengths([13, 2, 30, 7], seed=6)
     requests = _run(engine, model, prompts)
     model.set_attn_implementation("sdpa")
     for request, prompt in zip(requests, prompts, strict=True):

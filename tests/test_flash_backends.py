@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from conformance.common import build_tiny_model
-from tests import flash_double
-from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from tests.support import flash_double
+from tests.support.models import build_tiny_model, tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.fast_path import prepare_flash_step, resolve_max_blocks_per_request
 from transformers_cb.attention.flash import flash_paged_attention
@@ -104,7 +105,7 @@ def test_flash_backend_off_a_flash_device_is_refused() -> None:
 @pytest.mark.parametrize("fast_path", [None, 0])
 def test_flash_attention_2_matches_generate(fast_path) -> None:
     model = tiny_llama()
-    prompts = random_prompts([5, 40, 17, 3], seed=1)
+    prompts = prompts_of_lengths([5, 40, 17, 3], seed=1)
     with flash_double.injected(fa2=True) as calls:
         model.set_attn_implementation(FA2)
         outputs = model.generate_batch(
@@ -128,7 +129,7 @@ def test_flash_attention_3_reads_pages_through_kvcache_with_packed_queries() -> 
     """flash-attn 3's varlen function takes no page table: mixed steps go through flash_attn_with_kvcache
     with cu_seqlens_q / cache_seqlens / page_table; small pages give multi-page block tables."""
     model = tiny_llama()
-    prompts = random_prompts([30, 70, 9], seed=2)
+    prompts = prompts_of_lengths([30, 70, 9], seed=2)
     with flash_double.injected(fa2=False, fa3=True) as calls:
         model.set_attn_implementation(FA3)
         outputs = model.generate_batch(
@@ -147,7 +148,7 @@ def test_flash_attention_3_reads_pages_through_kvcache_with_packed_queries() -> 
 def test_sliding_models_pass_their_window_and_never_take_the_fast_path(family: str, caplog) -> None:
     model = build_tiny_model(family)
     window = model.config.sliding_window
-    prompts = random_prompts([3, 25, 12], seed=3, low=3)
+    prompts = prompts_of_lengths([3, 25, 12], seed=3, low=3)
     prompts = [[t % 300 + 3 for t in p] for p in prompts]
     with flash_double.injected(fa2=True) as calls:
         model.set_attn_implementation(FA2)
@@ -306,7 +307,7 @@ def test_auto_switch_needs_a_flash_device_and_a_flash_model() -> None:
 
 def test_auto_switch_runs_flash_for_the_run_only() -> None:
     model = tiny_llama()
-    prompts = random_prompts([9, 33], seed=4)
+    prompts = prompts_of_lengths([9, 33], seed=4)
     with flash_double.injected(fa2=True, fa3=True) as calls:
         outputs = model.generate_batch(prompts, GREEDY, _config(), progress_bar=False)
     assert model.config._attn_implementation == "sdpa"  # restored after the run

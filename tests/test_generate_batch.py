@@ -10,10 +10,11 @@ import torch
 from transformers import GenerationConfig
 
 import transformers_cb
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.engine.engine import Engine
-
-from .helpers import greedy_reference, random_prompts, tiny_llama
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -27,7 +28,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts([5, 17, 1, 30], seed=11)
+    return prompts_of_lengths([5, 17, 1, 30], seed=11)
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
@@ -132,7 +133,7 @@ def test_generate_batch_is_our_function_and_uninstall_restores(model) -> None:
 def test_a_job_that_fits_is_admitted_at_once(model) -> None:
     """Regression: a cache sized exactly to the work made the safety margin hold back the last
     requests until the first ones finished (twice the steps on long decodes)."""
-    prompts = random_prompts([20 + i for i in range(16)], seed=5)
+    prompts = prompts_of_lengths([20 + i for i in range(16)], seed=5)
     workload = [len(p) + 64 for p in prompts]
     # One page of 256 per request: exactly 16 pages would admit only 14 under a 0.15 margin.
     engine = Engine(model, GREEDY, ContinuousBatchingConfig(), workload=workload)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig
 
-from tests.helpers import tiny_llama
+from tests.support.models import tiny_llama
 from transformers_cb.config.generation_fields import (
     HARMLESS,
     IMPLEMENTED,

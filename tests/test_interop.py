@@ -18,12 +18,13 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.continuous_batching.utils import WorkloadHints as HFHints
 
 import transformers_cb
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.api.model_methods import CACHED_MANAGER_ATTR
 from transformers_cb.config.interop import as_cb_config, from_transformers_config
-
-from .helpers import greedy_reference, random_prompts, tiny_llama
 
 GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -37,7 +38,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts([4, 9, 13], seed=5)
+    return prompts_of_lengths([4, 9, 13], seed=5)
 
 
 def _check_greedy(model, prompts, out, max_new_tokens: int = 5) -> None:
@@ -362,7 +363,7 @@ def test_workload_hints_size_cache_and_block_tables(model, prompts, hints_cls) -
     assert unhinted.engine.packer.block_tables[0].table.shape[1] == 512 // 16
     unhinted.destroy()
     with model.continuous_batching_context_manager(GREEDY, config, workload_hints=hints) as ctx:
-        long_prompt = random_prompts([60], seed=1)[0]  # longer than the hint: rows widen on demand
+        long_prompt = prompts_of_lengths([60], seed=1)[0]  # longer than the hint: rows widen on demand
         rid = ctx.add_request(long_prompt, max_new_tokens=5)
         assert ctx.get_result(rid, timeout=30).generated_tokens == greedy_reference(model, long_prompt, 5)
     manager.destroy()
@@ -378,7 +379,7 @@ def test_trl_style_rollout_matches_generate() -> None:
     max_memory_percent, each prompt repeated num_generations times, progress_bar=False, outputs read
     in input order with the eos kept."""
     model = tiny_llama(seed=3)
-    prompts = random_prompts([6, 11, 3], seed=9, low=8)
+    prompts = prompts_of_lengths([6, 11, 3], seed=9, low=8)
     eos = greedy_reference(model, prompts[1], 8, eos_token_id=[])[5]  # a token greedy decoding does emit
     model.generation_config.eos_token_id = eos
     num_generations = 4

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import (
     ContinuousBatchingConfig,
     ContinuousBatchingManager,
@@ -34,7 +36,7 @@ from transformers_cb.api.model_methods import CACHED_MANAGER_ATTR
 CB_CONFIG = {"page_size": 16, "num_blocks": 64}
 TIMEOUT = 30.0  # generous: a hang becomes a failure, a slow shared CPU does not
 MANAGER_LOGGER = "transformers_cb.manager.manager"
-PROMPTS = random_prompts([4, 7, 11, 5, 9, 13, 6, 8], seed=1)
+PROMPTS = prompts_of_lengths([4, 7, 11, 5, 9, 13, 6, 8], seed=1)
 
 
 def make_model(seed: int = 0):

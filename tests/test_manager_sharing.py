@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import random_prompts
+from tests.support.prompts import prompts_of_lengths
 from tests.test_manager import TIMEOUT, References, collect, make_model, new_manager
 from transformers_cb import RequestStatus
 
-SHARED = random_prompts([32], seed=3)[0]
-PROMPTS = [SHARED + tail for tail in random_prompts([3, 9, 5, 7], seed=4)]
+SHARED = prompts_of_lengths([32], seed=3)[0]
+PROMPTS = [SHARED + tail for tail in prompts_of_lengths([3, 9, 5, 7], seed=4)]
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 
 MAX_NEW = 8
 TIMEOUT = 30.0
-PROMPTS = random_prompts([3, 6, 9, 12, 17], seed=7)
+PROMPTS = prompts_of_lengths([3, 6, 9, 12, 17], seed=7)
 
 
 def _model(seed: int = 0):

@@ -12,17 +12,9 @@ from unittest import mock
 import pytest
 import torch
 
-from conformance.common import (
-    ReferenceCache,
-    backends_for,
-    build_tiny_model,
-    check_parity,
-    greedy_config,
-    random_prompts,
-    run_batch,
-    using_backend,
-    vocab_size,
-)
+from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch
+from tests.support.models import backends_for, build_tiny_model, using_backend, vocab_size
+from tests.support.prompts import random_prompts
 from transformers_cb.attention import native, paged
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.runner.model_runner import ModelRunner

@@ -13,7 +13,8 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.offload_helpers import Rig, make_request
+from tests.support.offload import Rig
+from tests.support.requests import make_request
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.memory.host_cache import GIB, HostKVCache, host_page_bytes, resolve_host_pages
 from transformers_cb.requests import RequestStatus
@@ -276,7 +277,8 @@ def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
     """`cpu_offload_space=8.0` on a small job takes what the job can use, not 8 GiB."""
     from unittest import mock
 
-    from tests.helpers import random_prompts, tiny_llama
+    from tests.support.models import tiny_llama
+    from tests.support.prompts import prompts_of_lengths
     from transformers_cb.engine.engine import Engine
 
     model = tiny_llama()
@@ -287,7 +289,7 @@ def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
         engines.append(self)
         return original(self)
 
-    prompts = random_prompts([10, 30], seed=2)
+    prompts = prompts_of_lengths([10, 30], seed=2)
     with mock.patch.object(Engine, "step", step):
         model.generate_batch(
             prompts,

@@ -14,13 +14,15 @@ from unittest import mock
 
 import pytest
 
-from tests.helpers import greedy_reference, random_prompts, tiny_llama
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.engine.engine import Engine
 
 TIMEOUT = 30.0
 MAX_NEW = 12
-PROMPTS = random_prompts([20, 26, 23, 30], seed=5)
+PROMPTS = prompts_of_lengths([20, 26, 23, 30], seed=5)
 CONFIG = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=32, cpu_offload_space=None)
 
 

@@ -10,7 +10,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from transformers.models.llama import modeling_llama
 
 import transformers_cb
-from tests.helpers import TINY_MODELS, greedy_reference, random_prompts, tiny_llama
+from tests.support.models import TINY_MODELS, tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
 from transformers_cb import plugin
 from transformers_cb.api.generate_batch import generate_batch
 from transformers_cb.attention import PAGED_BACKENDS
@@ -51,7 +53,7 @@ def sdpa_model(saved_dir):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts([5, 11, 3], seed=4)
+    return prompts_of_lengths([5, 11, 3], seed=4)
 
 
 def load(saved_dir, attn_implementation: str) -> PreTrainedModel:
@@ -210,7 +212,7 @@ def test_tiny_model_families_run_paged(family: str, monkeypatch) -> None:
     model = TINY_MODELS[family]()
     assert model.config._attn_implementation == "sdpa"
     seen = record_step_attention(monkeypatch)
-    prompts = random_prompts([4, 9], seed=5)
+    prompts = prompts_of_lengths([4, 9], seed=5)
     outputs = model.generate_batch(
         prompts, GenerationConfig(max_new_tokens=4, do_sample=False), progress_bar=False
     )

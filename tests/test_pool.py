@@ -10,14 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.support.requests import make_request
 from transformers_cb.kv.page_policies import FullAttentionAllocator, num_pages_for
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.block_tables import BlockTables
-from transformers_cb.requests import Request
-
-
-def make_request(request_id: str = "r", num_prompt_tokens: int = 4, max_new_tokens: int = 4) -> Request:
-    return Request(request_id=request_id, prompt_ids=[7] * num_prompt_tokens, max_new_tokens=max_new_tokens)
 
 
 def free_list(pool: PagePool) -> list[int]:

@@ -9,7 +9,8 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
-from tests.helpers import random_prompts, tiny_llama
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling import warpers
@@ -168,8 +169,8 @@ def test_sampled_logprobs_equal_generate_processed_scores(model, warper) -> None
 def test_seeded_request_is_batch_invariant(model) -> None:
     """The same seeded request gives the same tokens alone and inside busy batches, however they are
     scheduled, chunked or evicted and recomputed."""
-    target = random_prompts([23], seed=7)[0]
-    others = random_prompts([5, 40, 12, 31, 8, 19], seed=8)
+    target = prompts_of_lengths([23], seed=7)[0]
+    others = prompts_of_lengths([5, 40, 12, 31, 8, 19], seed=8)
     config = GenerationConfig(max_new_tokens=12, do_sample=True, temperature=1.5, eos_token_id=None)
     alone = _run(model, [target], config, {"seed": 4, "page_size": 4})["req_0"]
     runs = [
@@ -210,7 +211,7 @@ def test_per_request_seed_reproduces_whatever_the_ids(model) -> None:
     "settings", [{}, {"max_batch_tokens": 16, "page_size": 4}, {"page_size": 4, "num_blocks": 14}]
 )
 def test_prompt_logprobs_equal_a_plain_forward(model, settings) -> None:
-    prompts = random_prompts([37, 3, 20, 1], seed=9)
+    prompts = prompts_of_lengths([37, 3, 20, 1], seed=9)
     config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None)
     outputs = _run(model, prompts, config, {"prompt_logprobs": True, **settings})
     model.set_attn_implementation("sdpa")

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.helpers import tiny_llama
+from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 
 NUM_DRAWS = 2000

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -10,15 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformers_cb.engine.scheduler import ScheduledBatch, Scheduler, make_policy
+from tests.support.fakes import EOS, FakeModel
+from tests.support.requests import make_request
+from transformers_cb.engine.scheduler import Scheduler, make_policy
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionAllocator
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
-
-EOS = 2
-FIRST_NORMAL_TOKEN = 10
 
 
 def make_scheduler(
@@ -33,57 +31,6 @@ def make_scheduler(
         [FullAttentionAllocator(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
     )
     return Scheduler(allocator, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy))
-
-
-def make_request(
-    request_id: str, num_prompt_tokens: int, max_new_tokens: int, eos: frozenset[int] = frozenset()
-) -> Request:
-    prompt = [
-        FIRST_NORMAL_TOKEN + (zlib.crc32(f"{request_id}/{i}".encode()) % 200)
-        for i in range(num_prompt_tokens)
-    ]
-    return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, eos_token_ids=eos)
-
-
-class FakeModel:
-    """Stands in for the model: keeps a per-request 'KV' of the tokens it was fed.
-
-    It checks that every entry continues exactly where the request's KV ends (so a
-    preempted request is recomputed from position 0 over prompt + generated tokens),
-    and samples a token that depends on the whole KV, so any scheduling mistake
-    would change the generated sequence.
-    """
-
-    def __init__(self, eos_at: dict[str, int] | None = None) -> None:
-        self.kv: dict[str, list[int]] = {}
-        self.eos_at = eos_at or {}  # request id -> number of generated tokens at which to emit EOS
-
-    def run(self, batch: ScheduledBatch) -> list[tuple[int, float | None]]:
-        for request in batch.preempted:
-            self.kv.pop(request.request_id, None)
-        sampled = []
-        for entry in batch.entries:
-            request = entry.request
-            kv = self.kv.setdefault(request.request_id, [])
-            assert entry.start == len(kv) == request.num_computed_tokens, (
-                f"{request.request_id}: {entry.start=} {len(kv)=} {request.num_computed_tokens=}"
-            )
-            assert entry.num_tokens >= 1
-            kv.extend(request.all_token_ids[entry.start : entry.end])
-            if entry.samples:
-                assert kv == request.all_token_ids
-                sampled.append((self.token(request, kv), None))
-        return sampled
-
-    def token(self, request: Request, kv: list[int]) -> int:
-        if self.eos_at.get(request.request_id) == len(request.generated_ids) + 1:
-            return EOS
-        digest = zlib.crc32(repr((request.request_id, kv)).encode())
-        return FIRST_NORMAL_TOKEN + digest % 200
-
-    def forget(self, requests: list[Request]) -> None:
-        for request in requests:
-            self.kv.pop(request.request_id, None)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.serve_helpers import CHAT_TEMPLATE, greedy_config, requires_serve
+from tests.support.serve import CHAT_TEMPLATE, greedy_config, requires_serve
 from transformers_cb.cli.main import EXIT_BAD_INPUT, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.serve_helpers import (
+from tests.support.serve import (
     MISSING,
     MODEL_NAME,
     LiveServer,

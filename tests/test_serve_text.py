@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.serve_helpers import MISSING, requires_serve
+from tests.support.serve import MISSING, requires_serve
 from transformers_cb.cli.tiny import build_tiny_tokenizer
 from transformers_cb.manager.stats import ManagerStats
 from transformers_cb.serve.metrics import Histogram, ServerMetrics

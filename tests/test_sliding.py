@@ -17,8 +17,11 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from conformance.common import SLIDING_WINDOW, build_tiny_model, check_parity, prompts_of_lengths, vocab_size
-from tests.helpers import greedy_reference
+from conformance.common import check_parity
+from tests.support.models import SLIDING_WINDOW, build_tiny_model, vocab_size
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
+from tests.support.requests import make_request
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention import native
 from transformers_cb.attention import paged as paged_module
@@ -38,11 +41,7 @@ from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWind
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.block_tables import BlockTables
 from transformers_cb.memory.kv_cache import PagedKVCache
-from transformers_cb.requests import PageList, Request
-
-
-def make_request(request_id: str = "r", num_tokens: int = 100) -> Request:
-    return Request(request_id=request_id, prompt_ids=list(range(3, 3 + num_tokens)), max_new_tokens=1)
+from transformers_cb.requests import PageList
 
 
 # -- layer groups from configs ---------------------------------------------------------------------
@@ -68,7 +67,7 @@ def test_layer_groups_follow_each_models_convention() -> None:
 def test_sliding_allocator_drops_pages_outside_the_window() -> None:
     pool = PagePool(10)
     allocator = SlidingWindowAllocator(pool, page_size=4, sliding_window=6)
-    request = make_request()
+    request = make_request(num_prompt_tokens=100, max_new_tokens=1)
     # A query at q reads keys (q - 6, q]: positions 0..5 need page 0, 6 reads 1..6 -> still page 0.
     assert [allocator.first_needed_page(q) for q in (0, 5, 6, 8, 9, 12, 13)] == [0, 0, 0, 0, 1, 1, 2]
     assert allocator.window_pages() == 3 == math.ceil(6 / 4) + 1
@@ -95,7 +94,7 @@ def test_sliding_allocator_drops_pages_outside_the_window() -> None:
 def test_window_of_one_token_can_drop_every_page() -> None:
     pool = PagePool(4)
     allocator = SlidingWindowAllocator(pool, page_size=4, sliding_window=1)
-    request = make_request()
+    request = make_request(num_prompt_tokens=100, max_new_tokens=1)
     assert allocator.allocate(request, 8)
     request.num_computed_tokens = 8
     assert allocator.trim(request) == 2
@@ -111,7 +110,7 @@ def test_cache_allocator_is_check_then_commit_across_groups() -> None:
         [FullAttentionAllocator(full_pool, 4, 0), SlidingWindowAllocator(sliding_pool, 4, 4, 1)],
         [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), 4)],
     )
-    a, b = make_request("a"), make_request("b")
+    a, b = make_request("a", 100, 1), make_request("b", 100, 1)
     assert allocator.allocate(a, 8)
     assert [p.page_ids for p in a.pages] == [[0, 1], [0, 1]]
     # b needs 2 full pages, only 1 is free: neither group changes.
@@ -133,7 +132,7 @@ def test_cache_allocator_is_check_then_commit_across_groups() -> None:
 
 def test_block_table_ring_keeps_logical_pages_in_place() -> None:
     tables = BlockTables(max_pages_per_request=3, device=torch.device("cpu"), initial_rows=1)
-    request = make_request()
+    request = make_request(num_prompt_tokens=100, max_new_tokens=1)
     request.pages = [PageList([7, 8], 0)]
     row = tables.sync(request)
     request.pages[0] = PageList([8, 5, 6], 1)  # page 0 dropped, logical pages 2 and 3 added

@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: two ranks over gloo, a tiny Llama with 4 KV heads (2 per rank).
 
-Each scenario runs `tests/tp_worker.py` in two fresh processes with the environment torchrun sets
+Each scenario runs `tests/support/tp_worker.py` in two fresh processes with the environment torchrun sets
 (not torchrun itself: its agent kills the surviving rank as soon as one dies, which the failure
 tests need to observe). The documents' torchrun example is in conformance/test_seed_documents.py.
 """
@@ -17,31 +17,26 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DistributedConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, DistributedConfig
 
+from tests.support.models import tiny_llama
+from tests.support.paths import REPO_ROOT, TP_WORKER
+from tests.support.reference import greedy_reference
+from tests.support.tp_worker import MAX_NEW, PROMPTS
 from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
 from transformers_cb.memory.sizing import ModelShape
 
-from .helpers import greedy_reference
-from .tp_worker import MAX_NEW, PROMPTS
-
-WORKER = Path(__file__).with_name("tp_worker.py")
-REPO = WORKER.parent.parent
 RANK_TIMEOUT_S = 240
 
 
 def _save_llama(path: Path, num_key_value_heads: int, num_attention_heads: int, hidden_size: int) -> str:
-    config = LlamaConfig(
-        hidden_size=hidden_size,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=num_attention_heads,
+    model = tiny_llama(
+        None,
         num_key_value_heads=num_key_value_heads,
-        vocab_size=300,
-        max_position_embeddings=512,
+        num_attention_heads=num_attention_heads,
+        hidden_size=hidden_size,
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
+    model.save_pretrained(path)
     return str(path)
 
 
@@ -80,9 +75,9 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         }
-        command = [sys.executable, str(WORKER), scenario, model_dir, str(out_dir)]
+        command = [sys.executable, str(TP_WORKER), scenario, model_dir, str(out_dir)]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
         logs = procs[0].communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace")

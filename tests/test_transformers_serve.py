@@ -2,7 +2,7 @@
 
 transformers' own server is the real client of the manager's contract (handlers registered before
 `add_request`, delivery on the event loop, `background_thread_status`, its config class). A launcher
-(tests/serve/launcher.py) imports `transformers_cb` and then runs transformers' CLI entry point in a
+(tests/support/serve_launcher.py) imports `transformers_cb` and then runs transformers' CLI entry point in a
 subprocess on 127.0.0.1. Chat and completion, streaming and not, 8 concurrent requests each: all
 succeed and the greedy texts equal `generate()`'s. The latency comparison with transformers' built-in
 continuous batching is a benchmark, not a timed test: `python benchmarks/transformers_serve_latency.py`.
@@ -14,18 +14,22 @@ Skipped, with the reason, when the `serve` extra (`pip install -e ".[serve]"`) i
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.transformers_serve import (
+    MAX_TOKENS,
+    MODES,
+    PROMPTS,
+    Server,
+    build_model_dir,
+    run_concurrently,
+    start_server,
+)
 
 SERVE_MODULES = ("fastapi", "uvicorn", "starlette", "pydantic", "openai", "rich")
 _missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
@@ -33,46 +37,6 @@ pytestmark = pytest.mark.skipif(
     bool(_missing),
     reason=f"the serve extra is not installed (pip install -e '.[serve]'): missing {', '.join(_missing)}",
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = ROOT / "tests" / "serve" / "launcher.py"
-MAX_TOKENS = 16
-CONCURRENCY = 8
-STARTUP_TIMEOUT = 240.0
-REQUEST_TIMEOUT = 120.0
-PROMPTS = [" ".join(f"w{(7 * i + 3 * k) % 252}" for k in range(3 + 2 * i)) for i in range(CONCURRENCY)]
-MODES = [("chat", False), ("chat", True), ("completion", False), ("completion", True)]
-
-
-def build_model_dir(path: Path) -> Path:
-    """A tiny random Llama and a word-level tokenizer with a chat template, saved for `serve` to load."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[BOS]": 1, "[EOS]": 2, "[UNK]": 3, **{f"w{i}": i + 4 for i in range(252)}}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]", unk_token="[UNK]"
-    )
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -105,112 +69,11 @@ def expected(model_dir: Path) -> dict[tuple[str, int], str]:
     return texts
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """A `transformers serve` subprocess; `builtin=True` runs transformers' own continuous batching."""
-
-    def __init__(self, model_dir: Path, log_path: Path, builtin: bool = False) -> None:
-        self.model_dir, self.log_path = model_dir, log_path
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, str(LAUNCHER), *(["--builtin"] if builtin else [])]
-        args += ["serve", str(model_dir), "--continuous-batching", "--host", "127.0.0.1"]
-        args += [
-            "--port",
-            str(self.port),
-            "--device",
-            "cpu",
-            "--cb-num-blocks",
-            "128",
-            "--cb-block-size",
-            "16",
-        ]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"transformers serve exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        pytest.fail(f"transformers serve did not become healthy in {STARTUP_TIMEOUT}s:\n{self.log()}")
-
-    def log(self, tail: int = 6000) -> str:
-        self._log.flush()
-        text = self.log_path.read_text()
-        return text[-tail:] if tail else text
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
-        self._log.close()
-
-
-def start_server(model_dir: Path, log_path: Path, builtin: bool = False) -> Server:
-    server = Server(model_dir, log_path, builtin)
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 @pytest.fixture
 def server(model_dir: Path, tmp_path: Path) -> Iterator[Server]:
     server = start_server(model_dir, tmp_path / "serve.log")
     yield server
     server.stop()
-
-
-def request(client, model: str, mode: str, stream: bool, prompt: str) -> tuple[str, float]:
-    """One request through the openai client: (text, seconds to its last byte)."""
-    start = time.perf_counter()
-    if mode == "chat":
-        kwargs = {
-            "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-        }
-        if stream:
-            chunks = client.chat.completions.create(model=model, stream=True, **kwargs)
-            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        else:
-            text = client.chat.completions.create(model=model, **kwargs).choices[0].message.content
-    else:
-        kwargs = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
-        if stream:
-            chunks = client.completions.create(model=model, stream=True, **kwargs)
-            text = "".join(c.choices[0].text or "" for c in chunks if c.choices)
-        else:
-            text = client.completions.create(model=model, **kwargs).choices[0].text
-    return text, time.perf_counter() - start
-
-
-def run_concurrently(server: Server, mode: str, stream: bool) -> list[tuple[str, float]]:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT, max_retries=0)
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        futures = [pool.submit(request, client, str(server.model_dir), mode, stream, p) for p in PROMPTS]
-        return [future.result() for future in futures]
 
 
 def test_transformers_serve_on_the_plugin_matches_generate(server: Server, expected) -> None:

@@ -1,6 +1,6 @@
 """`transformers serve` with the plugin: import `transformers_cb` first, then run transformers' own CLI.
 
-    python tests/serve/launcher.py serve MODEL_DIR --continuous-batching --host 127.0.0.1 --port N ...
+    python tests/support/serve_launcher.py serve MODEL_DIR --continuous-batching --host 127.0.0.1 --port N ...
 
 With `--builtin` as the first argument the plugin is not imported: transformers' built-in continuous
 batching serves instead (the reference the latency test compares with).

@@ -18,11 +18,6 @@ from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
 
 
-def make_request(request_id: str, num_prompt_tokens: int, max_new_tokens: int) -> Request:
-    prompt = [10 + zlib.crc32(f"{request_id}/{i}".encode()) % 200 for i in range(num_prompt_tokens)]
-    return Request(request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new_tokens)
-
-
 class Rig:
     """Args: num_pages / host_pages: pages of each group in the device / host tier (host 0: no offload);
     sliding_window: adds a second, sliding group (layer 1) next to the full one (layer 0)."""
