@@ -1,4 +1,4 @@
-"""One rank of the tensor-parallel tests (run by `tests/test_tensor_parallel.py` under a launcher
+"""One rank of the tensor-parallel tests (run by `tests/distributed/test_tensor_parallel.py` under a launcher
 that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT like torchrun does).
 
 Usage: python tests/support/tp_worker.py SCENARIO MODEL_DIR OUT_DIR. Each rank writes OUT_DIR/rank<r>.json.

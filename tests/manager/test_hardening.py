@@ -15,7 +15,7 @@ import time
 import pytest
 from transformers import GenerationConfig
 
-from tests.test_manager import (  # noqa: F401 - fixtures
+from tests.manager.test_manager import (  # noqa: F401 - fixtures
     PROMPTS,
     TIMEOUT,
     assert_finished_like_generate,

@@ -1,4 +1,4 @@
-"""The paged flash backends, through the CPU test double of flash-attn (tests/flash_double.py).
+"""The paged flash backends, through the CPU test double of flash-attn (tests/support/flash_double.py).
 
 The double computes with the reference kernel and checks what the real kernels check, so these tests
 prove the glue: names and errors, the arguments of each call (cu_seqlens, block tables, seqused_k,

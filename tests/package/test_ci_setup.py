@@ -4,7 +4,6 @@ and installs the serve extra."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 import tomllib
 from importlib import metadata
@@ -14,8 +13,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+from tests.support.paths import REPO_ROOT
+
+PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
 
 
 def _declared(name: str) -> SpecifierSet:
@@ -68,15 +68,15 @@ def test_serve_extra_brings_what_transformers_serve_needs_and_ci_installs_it():
         if 'extra == "serving"' in line and Requirement(line).name != "torch"
     }
     assert needed <= names, f"missing from the serve extra: {sorted(needed - names)}"
-    assert '".[test,serve]"' in (ROOT / "Makefile").read_text(), (
+    assert '".[test,serve]"' in (REPO_ROOT / "Makefile").read_text(), (
         "make install-test must install the serve extra"
     )
 
 
 def test_ci_reruns_the_core_under_python_O_and_derandomizes_hypothesis():
-    run = (ROOT / ".ci" / "run").read_text()
+    run = (REPO_ROOT / ".ci" / "run").read_text()
     assert re.search(r"python\"? -O -m pytest", run), ".ci/run has no python -O pass"
-    for path in ("tests/test_scheduler.py", "tests/test_pool.py", "conformance"):
+    for path in ("tests/engine/test_scheduler.py", "tests/kv/test_pool.py", "conformance"):
         assert path in run, f"the -O pass skips {path}"
     assert 'HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"' in run
     profile = settings.get_profile("ci")

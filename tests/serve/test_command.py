@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.paths import REPO_ROOT
 from tests.support.serve import CHAT_TEMPLATE, greedy_config, requires_serve
 from transformers_cb.cli.main import EXIT_BAD_INPUT, main
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 CACHE_ARGS = ["--page-size", "16", "--num-blocks", "128", "--device", "cpu", "--log-level", "warning"]
 PROMPTS = ["Hello world", "The capital of France is", "Streaming text, one token at a time: é, 日本, 🙂"]
 

@@ -1,6 +1,6 @@
 """Sampling: per-request parameters, batch-invariant seeds, logprobs (sampled, top-k, prompt),
 stop strings and finish reasons. Greedy parity per processor is in conformance/test_processors.py,
-the statistical tests of the warpers in tests/test_sampling_stats.py."""
+the statistical tests of the warpers in tests/sampling/test_distributions.py."""
 
 from __future__ import annotations
 

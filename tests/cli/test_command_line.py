@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.paths import REPO_ROOT
 from transformers_cb.cli.inputs import InputError, parse_requests
 from transformers_cb.cli.main import main
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Small cache so that CPU runs allocate little memory and stay fast.
 CACHE_ARGS = ["--device", "cpu", "--page-size", "16", "--num-blocks", "64", "--no-progress"]

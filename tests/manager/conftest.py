@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_manager import TIMEOUT, References, make_model, new_manager
+from tests.manager.test_manager import TIMEOUT, References, make_model, new_manager
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 (the static steps run eagerly there: `capture=False`), and the capture itself on CUDA (skipped without).
 
 Graphs replay static-shape kernels, i.e. the paged flash backends: these tests run them through the
-flash-attn test double (tests/flash_double.py), whose no-host-sync form is what a capture records.
+flash-attn test double (tests/support/flash_double.py), whose no-host-sync form is what a capture records.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Unit tests of the server's text handling: incremental detokenization, stop strings, request bodies,
-the Prometheus rendering. No HTTP here (see test_serve_http.py and test_serve_cli.py)."""
+the Prometheus rendering. No HTTP here (see test_http.py and test_command.py)."""
 
 from __future__ import annotations
 
