@@ -1,10 +1,12 @@
-"""Fixtures shared by the manager tests (test_manager.py, test_manager_hardening.py)."""
+"""Fixtures of the manager tests: `ref` (the `generate()` references, one per module), `model` and a
+`manager` on it that is hard-stopped and destroyed after the test."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.manager.test_manager import TIMEOUT, References, make_model, new_manager
+from tests.support.manager import References, make_model, new_manager
+from tests.support.threads import TIMEOUT
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Regression tests of issue 14: every lifecycle path ends each request exactly once, outputs arrive in
+"""Manager lifecycle regressions: every lifecycle path ends each request exactly once, outputs arrive in
 order, streaming works the way transformers' own tests write it, handlers run where asyncio callers
 can use them, block-table rows never outlive their request.
 
@@ -15,17 +15,14 @@ import time
 import pytest
 from transformers import GenerationConfig
 
-from tests.manager.test_manager import (  # noqa: F401 - fixtures
+from tests.support.manager import (
     PROMPTS,
-    TIMEOUT,
     assert_finished_like_generate,
     collect,
     make_model,
-    new_manager,
     partial_lengths_ok,
-    run_with_timeout,
-    wait_for,
 )
+from tests.support.threads import TIMEOUT, run_with_timeout, wait_for
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from transformers_cb.engine.engine import Engine
 from transformers_cb.invariants import InvariantError

@@ -14,7 +14,7 @@ from unittest import mock
 
 import pytest
 
-from tests.support.models import tiny_llama
+from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
@@ -28,9 +28,7 @@ CONFIG = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=3
 
 @pytest.fixture(scope="module")
 def model():
-    model = tiny_llama(seed=1)
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_llama_without_eos(seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.manager.test_manager import TIMEOUT, References, collect, make_model, new_manager
+from tests.support.manager import References, collect, make_model, new_manager
 from tests.support.prompts import prompts_of_lengths
+from tests.support.threads import TIMEOUT
 from transformers_cb import RequestStatus
 
 SHARED = prompts_of_lengths([32], seed=3)[0]

@@ -15,33 +15,25 @@ queue emptied) and the invariants are checked:
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
-from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tests.support.models import tiny_llama
+from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
+from tests.support.threads import TIMEOUT, call_in_thread, run_with_timeout
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 
 MAX_NEW = 8
-TIMEOUT = 30.0
 PROMPTS = prompts_of_lengths([3, 6, 9, 12, 17], seed=7)
 
 
-def _model(seed: int = 0):
-    model = tiny_llama(seed=seed)
-    model.generation_config.eos_token_id = None
-    return model
-
-
-MODEL = _model()  # driven by the managers (switched to paged attention while a thread runs)
-REFERENCE_MODEL = _model()  # same weights, only ever runs plain generate()
+MODEL = tiny_llama_without_eos()  # driven by the managers (switched to paged attention while a thread runs)
+REFERENCE_MODEL = tiny_llama_without_eos()  # same weights, only ever runs plain generate()
 _REFERENCES: dict[int, list[int]] = {}
 
 
@@ -54,21 +46,9 @@ def reference(prompt_index: int, max_new_tokens: int) -> list[int]:
 
 def _drain_stream(manager, request_id: str) -> list[GenerationOutput]:
     """`request_id_iter` in a helper thread so that a bug fails instead of hanging."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["outputs"] = list(manager.request_id_iter(request_id))
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            box["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(TIMEOUT)
-    assert not thread.is_alive(), f"request_id_iter({request_id!r}) hangs"
-    if "error" in box:
-        raise box["error"]
-    return box["outputs"]
+    return run_with_timeout(
+        lambda: list(manager.request_id_iter(request_id)), what=f"request_id_iter({request_id!r})"
+    )
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -146,23 +126,14 @@ class ManagerMachine(RuleBasedStateMachine):
             with pytest.raises(KeyError, match=rid):  # its final output was delivered: nothing left
                 self.manager.request_id_iter(rid)
             return
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["output"] = next(self.manager.request_id_iter(rid))
-            except BaseException as error:  # noqa: BLE001 - checked below
-                box["error"] = error
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        thread.join(TIMEOUT)
-        assert not thread.is_alive(), f"next(request_id_iter({rid!r})) hangs"
-        if "error" in box:
+        output, error = call_in_thread(
+            lambda: next(self.manager.request_id_iter(rid)), what=f"next(request_id_iter({rid!r}))"
+        )
+        if error is not None:
             # Nothing buffered and no thread to produce it: a clear RuntimeError, never a hang.
-            assert isinstance(box["error"], RuntimeError) and not self.manager.is_running(), box["error"]
+            assert isinstance(error, RuntimeError) and not self.manager.is_running(), error
             return
-        self._record(box["output"])
+        self._record(output)
 
     @rule(hard=st.booleans(), block=st.booleans())
     def stop(self, hard: bool, block: bool) -> None:
