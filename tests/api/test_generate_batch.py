@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig
 
 import transformers_cb
-from tests.support.models import tiny_llama
+from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
@@ -21,9 +21,7 @@ GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, 
 
 @pytest.fixture(scope="module")
 def model():
-    model = tiny_llama()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_llama_without_eos()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 from transformers.generation.continuous_batching.utils import WorkloadHints as HFHints
 
 import transformers_cb
-from tests.support.models import tiny_llama
+from tests.support.models import tiny_llama, tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
@@ -31,9 +31,7 @@ GREEDY = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, 
 
 @pytest.fixture(scope="module")
 def model():
-    model = tiny_llama()
-    model.generation_config.eos_token_id = None
-    return model
+    return tiny_llama_without_eos()
 
 
 @pytest.fixture(scope="module")
