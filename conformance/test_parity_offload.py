@@ -1,4 +1,4 @@
-"""Greedy parity under heavy memory pressure with CPU offload on and off (issue 9).
+"""Greedy parity under heavy memory pressure with CPU offload (the host KV tier) on and off.
 
 Every family the suite runs (full attention, sliding and hybrid) on its paged backend x page sizes {4, 16}:
 8 requests on a device cache holding about a quarter of their working set (never less than the largest

@@ -2,8 +2,8 @@
 `import transformers_cb`, in a fresh interpreter, with the plugin imported before the transformers
 imports and after them. Outputs are compared with plain `generate()` on the same saved model.
 
-Blocks whose feature belongs to a later issue are `xfail(strict=True)`: the day the feature lands
-they pass, the strict marker turns the test red, and the marker must go.
+Blocks whose feature is not built yet are `xfail(strict=True)`: the day the feature lands they pass,
+the strict marker turns the test red, and the marker must go.
 """
 
 from __future__ import annotations

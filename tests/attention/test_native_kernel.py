@@ -69,7 +69,7 @@ def test_parity_with_and_without_the_native_kernel(family: str, switch: str, mon
 
 
 def test_one_attention_call_per_layer_whatever_the_number_of_short_requests() -> None:
-    """Point 7 of issue 11: a step of N short prompts is one native call per layer, not N."""
+    """A step of N short prompts is one native call per layer, not N."""
     model = build_tiny_model("llama", seed=0)
     layers = model.config.num_hidden_layers
     for count in (4, 40):

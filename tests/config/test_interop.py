@@ -1,5 +1,5 @@
 """transformers' own continuous-batching objects as inputs: configs, workload hints, statuses, and
-every public parameter of transformers' API (issue 6)."""
+every public parameter of transformers' API."""
 
 from __future__ import annotations
 

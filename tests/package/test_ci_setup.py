@@ -1,6 +1,6 @@
-"""Honest metadata and a CI that checks what the issue tracker promised: declared Python / torch floors
-match what the code and transformers need; CI reruns the core under `python -O`, derandomizes Hypothesis
-and installs the serve extra."""
+"""Honest metadata and a CI that checks what the README promises: declared Python / torch floors match
+what the code and transformers need; CI reruns the core under `python -O`, derandomizes Hypothesis and
+installs the serve extra."""
 
 from __future__ import annotations
 
