@@ -227,6 +227,7 @@ def test_host_pool_sizing() -> None:
     assert host.nbytes() == 3 * page_bytes and not host.pinned
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     from transformers_cb.engine.engine import make_allocator

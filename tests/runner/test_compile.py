@@ -62,6 +62,7 @@ def test_flash_varlen_path_is_not_compiled_by_the_level() -> None:
     assert resolve_compile_plan(config, None, is_flash=True).varlen is explicit
 
 
+@pytest.mark.slow  # inductor compiles on the CPU: over 30 s on a quiet machine
 def test_compiled_run_on_cpu_matches_generate() -> None:
     """Level 1 on CPU: both paths run through torch.compile'd forwards and the tokens equal generate()."""
     torch._dynamo.reset()

@@ -192,6 +192,7 @@ def test_buffer_turns_alternate_only_when_async() -> None:
 # -- on CUDA: capture, replay, async ------------------------------------------------------------------
 
 
+@pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("async_batching", [False, True])
 def test_capture_and_replay_on_cuda(graphs_on_cpu, async_batching: bool) -> None:
