@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.faults import FailOnCall
 from tests.support.manager import (
     MANAGER_LOGGER,
     PROMPTS,
@@ -32,21 +33,12 @@ from transformers_cb import (
 def test_forward_failure_fails_only_the_requests_of_that_step(manager, ref):
     manager.start()
     runner = manager.engine.runner
-    original = runner._forward
-    calls = {"n": 0, "fail_at": None}
-
-    def flaky_forward(step):
-        calls["n"] += 1
-        if calls["n"] == calls["fail_at"]:
-            raise RuntimeError("injected kernel error")
-        return original(step)
-
-    runner._forward = flaky_forward
+    runner._forward = flaky_forward = FailOnCall(runner._forward, RuntimeError("injected kernel error"))
     before = manager.add_request(PROMPTS[0], max_new_tokens=3)
     assert_finished_like_generate(manager.get_result(before, timeout=TIMEOUT), ref, PROMPTS[0], 3)
     with manager.pause():
         doomed = manager.add_requests(PROMPTS[1:3], max_new_tokens=4)
-        calls["fail_at"] = calls["n"] + 2  # their second step (first decode) raises
+        flaky_forward.at = flaky_forward.calls + 2  # their second step (first decode) raises
     results = collect(manager, doomed)
     for output in results.values():
         assert output.status == RequestStatus.FAILED
@@ -93,16 +85,7 @@ class _Die(BaseException):
 
 def test_thread_death_unblocks_every_waiter(manager, caplog):
     caplog.set_level(logging.ERROR, logger=MANAGER_LOGGER)
-    original_step = manager._step
-    calls = {"n": 0}
-
-    def dying_step(engine):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise _Die("injected thread death")
-        return original_step(engine)
-
-    manager._step = dying_step
+    manager._step = FailOnCall(manager._step, _Die("injected thread death"), at=3)
     manager.start()
     with manager.pause():
         plain = manager.add_requests(PROMPTS[:3], max_new_tokens=400)

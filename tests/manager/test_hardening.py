@@ -15,6 +15,7 @@ import time
 import pytest
 from transformers import GenerationConfig
 
+from tests.support.faults import FailOnCall
 from tests.support.manager import (
     PROMPTS,
     assert_finished_like_generate,
@@ -330,15 +331,7 @@ def test_throughput_counts_only_delivered_tokens(manager):
     assert output.status == RequestStatus.CANCELLED and output.generated_tokens
 
     runner = manager.engine.runner
-    original, calls = runner._forward, {"n": 0}
-
-    def fail_second_step(step):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected")
-        return original(step)
-
-    runner._forward = fail_second_step
+    runner._forward = FailOnCall(runner._forward, RuntimeError("injected"), at=2)
     failed = manager.add_request(PROMPTS[3], max_new_tokens=5)
     output = manager.get_result(failed, timeout=TIMEOUT)
     assert output.status == RequestStatus.FAILED and len(output.generated_tokens) == 1

@@ -17,10 +17,10 @@ import pytest
 from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
-from transformers_cb import ContinuousBatchingConfig, RequestStatus
+from tests.support.threads import TIMEOUT
+from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from transformers_cb.engine.engine import Engine
 
-TIMEOUT = 30.0
 MAX_NEW = 12
 PROMPTS = prompts_of_lengths([20, 26, 23, 30], seed=5)
 CONFIG = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=32, cpu_offload_space=None)
@@ -62,6 +62,25 @@ def _start(model):
     return manager, ids
 
 
+@contextmanager
+def one_request_swapped_out(
+    model,
+) -> Iterator[tuple[ContinuousBatchingManager, list[str], Engine, str, threading.Event]]:
+    """(manager, ids, engine, victim, release): a started manager whose loop waits in its step right after
+    the first swap-out (of `victim`) until `release` is set; hard-stopped and destroyed afterwards."""
+    with held_after_first_swap_out() as (swapped, release, engines):
+        manager, ids = _start(model)
+        try:
+            assert swapped.wait(TIMEOUT), "no request was swapped out"
+            (engine,) = engines
+            (victim,) = list(engine.offload.swapped)
+            yield manager, ids, engine, victim, release
+        finally:
+            release.set()
+            manager.stop(hard_stop=True, timeout=TIMEOUT)
+            manager.destroy()
+
+
 def _finals(manager, count: int) -> dict:
     finals = {}
     while len(finals) < count:
@@ -74,21 +93,12 @@ def _finals(manager, count: int) -> dict:
 
 
 def test_cancel_while_swapped_out(model, references) -> None:
-    with held_after_first_swap_out() as (swapped, release, engines):
-        manager, ids = _start(model)
-        try:
-            assert swapped.wait(TIMEOUT), "no request was swapped out"
-            (engine,) = engines
-            (victim,) = list(engine.offload.swapped)
-            manager.cancel_request(victim)
-            release.set()
-            finals = _finals(manager, len(ids))
-            manager.stop(block=True, timeout=TIMEOUT)
-            stats = manager.stats()
-        finally:
-            release.set()
-            manager.stop(hard_stop=True, timeout=TIMEOUT)
-            manager.destroy()
+    with one_request_swapped_out(model) as (manager, ids, engine, victim, release):
+        manager.cancel_request(victim)
+        release.set()
+        finals = _finals(manager, len(ids))
+        manager.stop(block=True, timeout=TIMEOUT)
+        stats = manager.stats()
     assert finals[victim].status == RequestStatus.CANCELLED
     index = ids.index(victim)
     assert finals[victim].generated_tokens == references[index][: len(finals[victim].generated_tokens)]
@@ -103,21 +113,12 @@ def test_cancel_while_swapped_out(model, references) -> None:
 
 
 def test_hard_stop_while_swapped_out(model, references) -> None:
-    with held_after_first_swap_out() as (swapped, release, engines):
-        manager, ids = _start(model)
-        try:
-            assert swapped.wait(TIMEOUT), "no request was swapped out"
-            (engine,) = engines
-            (victim,) = list(engine.offload.swapped)
-            assert manager.stats().swapped_out == 1
-            manager.stop(hard_stop=True, block=False)
-            release.set()
-            finals = _finals(manager, len(ids))
-            manager.join(0.0, timeout=TIMEOUT)
-        finally:
-            release.set()
-            manager.stop(hard_stop=True, timeout=TIMEOUT)
-            manager.destroy()
+    with one_request_swapped_out(model) as (manager, ids, engine, victim, release):
+        assert manager.stats().swapped_out == 1
+        manager.stop(hard_stop=True, block=False)
+        release.set()
+        finals = _finals(manager, len(ids))
+        manager.join(0.0, timeout=TIMEOUT)
     assert finals[victim].status == RequestStatus.FAILED and "hard-stopped" in finals[victim].error
     for i, rid in enumerate(ids):
         assert finals[rid].generated_tokens == references[i][: len(finals[rid].generated_tokens)]
