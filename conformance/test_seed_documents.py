@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.support.models import build_model
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 
 from . import seed_blocks as blocks
@@ -122,7 +123,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     # transformers 5.23 refuses sdpa for Gemma 2 (the block loads it with sdpa), so the block's model id
     # points at a tiny Gemma 3 (hybrid sliding + full attention), which runs sdpa.
     gemma = root / "tiny-gemma3"
-    config = Gemma3TextConfig(
+    gemma3 = build_model(
+        "gemma3",
+        seed=0,
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -136,8 +139,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    torch.manual_seed(0)
-    Gemma3ForCausalLM(config).eval().save_pretrained(gemma)
+    gemma3.save_pretrained(gemma)
     tokenizer.save_pretrained(gemma)
     return {
         "Qwen/Qwen3-0.6B": str(llama),

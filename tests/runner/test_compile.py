@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig
 
+from tests.support.engine import run_prompts
 from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.engine import Engine
 from transformers_cb.runner.compile_plan import DECODE, VARLEN, level_compile_config, resolve_compile_plan
 
@@ -71,12 +71,7 @@ def test_compiled_run_on_cpu_matches_generate() -> None:
     generation_config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
     engine = Engine(model, generation_config, config)
-    requests = [engine.build_request(p, f"r{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
-        for request in requests:
-            engine.add(request)
-        while engine.has_work():
-            engine.step()
+    requests = run_prompts(engine, model, prompts)
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.generated_ids == greedy_reference(model, prompt, 5)
     assert set(engine.runner.forwards.compiled_paths) == {VARLEN, DECODE}

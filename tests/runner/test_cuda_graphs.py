@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from tests.support import flash_double
+from tests.support.engine import run_prompts
 from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
@@ -47,20 +48,10 @@ def graphs_on_cpu(monkeypatch):
         yield calls
 
 
-def _run(engine: Engine, model, prompts) -> list:
-    requests = [engine.build_request(p, f"r{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
-        for request in requests:
-            engine.add(request)
-        while engine.has_work():
-            engine.step()
-    return requests
-
-
 def _run_matches_generate(engine: Engine, model) -> None:
     """Four ragged prompts through `engine`; each equals plain greedy `generate()` (run with sdpa)."""
     prompts = prompts_of_lengths([13, 2, 30, 7], seed=6)
-    requests = _run(engine, model, prompts)
+    requests = run_prompts(engine, model, prompts)
     model.set_attn_implementation("sdpa")
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.generated_ids == greedy_reference(model, prompt, 10)

@@ -58,19 +58,24 @@ WARPERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(WARPERS))
-def test_empirical_frequencies_match_generate_probabilities(model, name: str) -> None:
-    config = GenerationConfig(max_new_tokens=1, do_sample=True, eos_token_id=None, **WARPERS[name])
+def first_step_scores(model, config: GenerationConfig) -> torch.Tensor:
+    """The processed scores `generate(output_scores=True)` samples PROMPT's first new token from."""
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
-        reference = model.generate(
+        output = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             generation_config=config,
             output_scores=True,
             return_dict_in_generate=True,
         )
-    probs = reference.scores[0][0].float().softmax(-1)
+    return output.scores[0][0]
+
+
+@pytest.mark.parametrize("name", sorted(WARPERS))
+def test_empirical_frequencies_match_generate_probabilities(model, name: str) -> None:
+    config = GenerationConfig(max_new_tokens=1, do_sample=True, eos_token_id=None, **WARPERS[name])
+    probs = first_step_scores(model, config).float().softmax(-1)
     cb = ContinuousBatchingConfig(seed=20261201, page_size=16)
     outputs = model.generate_batch([PROMPT] * NUM_DRAWS, config, cb, progress_bar=False)
     counts = Counter(out.generated_tokens[0] for out in outputs.values())
@@ -84,15 +89,7 @@ def test_empirical_frequencies_match_generate_probabilities(model, name: str) ->
 def test_chi_square_detects_a_wrong_distribution(model) -> None:
     """The statistic rejects draws from a distribution at a different temperature (the test can fail)."""
     config = GenerationConfig(max_new_tokens=1, do_sample=True, eos_token_id=None, temperature=0.6, top_k=0)
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        logits = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            generation_config=config,
-            output_scores=True,
-            return_dict_in_generate=True,
-        ).scores[0][0]
+    logits = first_step_scores(model, config)
     wrong = GenerationConfig(max_new_tokens=1, do_sample=True, eos_token_id=None, temperature=0.9, top_k=0)
     cb = ContinuousBatchingConfig(seed=20261201, page_size=16)
     outputs = model.generate_batch([PROMPT] * NUM_DRAWS, wrong, cb, progress_bar=False)
