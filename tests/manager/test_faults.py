@@ -1,7 +1,5 @@
 """ContinuousBatchingManager fault isolation: a forward or scheduler failure fails only the requests it
-concerns, a dead manager thread unblocks every waiter, submissions racing `stop()` are served or refused.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+concerns, a dead manager thread unblocks every waiter, submissions racing `stop()` are served or refused."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """ContinuousBatchingManager lifecycle: a new manager is not started, the context manager starts, stops
-(gracefully, or hard when the block raises) and destroys, and the persistent manager is cached and reused.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+(gracefully, or hard when the block raises) and destroys, and the persistent manager is cached and reused."""
 
 from __future__ import annotations
 

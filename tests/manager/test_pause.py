@@ -1,7 +1,5 @@
 """ContinuousBatchingManager pause: the loop is held with requests in flight, weights changed during a pause
-are used by new requests, pausing a manager that is not running does not block.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+are used by new requests, pausing a manager that is not running does not block."""
 
 from __future__ import annotations
 

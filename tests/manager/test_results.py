@@ -1,7 +1,5 @@
 """ContinuousBatchingManager result routing: `get_result` (by id, timeout), iteration, streaming through
-`request_id_iter` (claimed late, unclaimed, non-streaming), result handlers, and asyncio streams.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+`request_id_iter` (claimed late, unclaimed, non-streaming), result handlers, and asyncio streams."""
 
 from __future__ import annotations
 

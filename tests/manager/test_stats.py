@@ -1,6 +1,4 @@
-"""ContinuousBatchingManager `stats()`: request, token and page counts, preemptions, with outputs unchanged.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+"""ContinuousBatchingManager `stats()`: request, token and page counts, preemptions, with outputs unchanged."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """ContinuousBatchingManager stop, hard stop and destroy: graceful stop completes queued and active
-requests, non-blocking stop and restart, hard stop fails what is pending or running, destroy is final.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+requests, non-blocking stop and restart, hard stop fails what is pending or running, destroy is final."""
 
 from __future__ import annotations
 

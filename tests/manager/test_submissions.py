@@ -1,8 +1,6 @@
 """ContinuousBatchingManager submissions and cancellation: ids (given, generated, duplicate, reused), bad
 submissions refused while the manager keeps serving, requests that never fit, the queue limit,
-`add_requests`, and cancelling pending, paused, running, unknown and finished requests.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+`add_requests`, and cancelling pending, paused, running, unknown and finished requests."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """ContinuousBatchingManager thread safety: concurrent submit, cancel and read from several threads, and
-`generate_batch` and the manager giving identical outputs.
-
-Shared helpers and fixtures: tests/support/manager.py, tests/manager/conftest.py."""
+`generate_batch` and the manager giving identical outputs."""
 
 from __future__ import annotations
 
