@@ -1,8 +1,8 @@
 """CPU offload (the host KV tier): exact page ids in both tiers, KV contents across swaps, shared pages,
 sliding groups, host exhaustion, cancellation; integrity (device pools, host pools, queues) after every step.
 
-The fake model in `offload_helpers.Rig` writes a known value for every (request, position) into real KV
-tensors and checks, before every step, that the pages each request reads hold its values: a swap that
+The fake model in `tests.support.offload.Rig` writes a known value for every (request, position) into
+real KV tensors and checks, before every step, that the pages each request reads hold its values: a swap that
 lost, mixed or misplaced a page fails there. Model-level parity lives in conformance/test_parity_offload.py.
 """
 

@@ -1,4 +1,5 @@
-"""ContinuousBatchingManager `stats()`: request, token and page counts, preemptions, with outputs unchanged."""
+"""ContinuousBatchingManager `stats()`: request, token and page counts, and preemptions, with the outputs
+unchanged."""
 
 from __future__ import annotations
 
