@@ -1,4 +1,4 @@
-"""Repository-wide pytest setup: Hypothesis profiles.
+"""Repository-wide pytest setup: Hypothesis profiles, and assertion rewriting in tests/support/.
 
 - "ci" (set by `.ci/run`, or by `CI=1`): derandomized, no example database, so every CI run explores the
   same examples and a failure reproduces exactly on any machine.
@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
+
+# The shared helpers (the scheduler's fake model, the manager checks, ...) assert like the tests do: have
+# pytest rewrite them as it rewrites test modules, so they keep checking, with its messages, under
+# `python -O` (which strips the asserts pytest did not rewrite) and show values on failure.
+pytest.register_assert_rewrite("tests.support")
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("dev", print_blob=True)
