@@ -46,31 +46,24 @@ from transformers.generation.utils import GenerationMixin
 # Models
 # --------------------------------------------------------------------------------------------------------------------
 
+# ~1.54M parameters: forward passes take well under a millisecond of arithmetic, so this model measures the
+# per-step overhead of an engine (scheduling, bookkeeping, Python) rather than the model.
+_TINY: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+}
+
 #: Llama configs of the benchmark models. Weights are random (seeded); the configs alone decide the cost.
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
-    # ~1.54M parameters: forward passes take well under a millisecond of arithmetic, so this model measures the
-    # per-step overhead of an engine (scheduling, bookkeeping, Python) rather than the model.
-    "tiny": {
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 512,
-        "vocab_size": 4096,
-        "max_position_embeddings": 2048,
-    },
+    "tiny": _TINY,
     # "tiny" with every layer sliding over a 256-token window (Mistral architecture = Llama + sliding window):
     # its KV cache holds at most ceil(256 / page) + 1 pages per request however long the decode.
-    "tiny-sliding": {
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 512,
-        "vocab_size": 4096,
-        "max_position_embeddings": 2048,
-        "sliding_window": 256,
-    },
+    "tiny-sliding": {**_TINY, "sliding_window": 256},
     # 4 layers, 256 wide (~3.4M parameters): the model of the many-short workload (evaluation / scoring traffic),
     # where a step holds hundreds of short prompts and the per-request op count decides the speed.
     "mini": {

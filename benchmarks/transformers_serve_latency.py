@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/transformers_serve_latency.py [--rounds 4]
 
-Both servers (tests/serve/launcher.py, tiny model, 127.0.0.1) run at once, idle between their
+Both servers (tests/support/serve_launcher.py, tiny model, 127.0.0.1) run at once, idle between their
 rounds, and are measured in alternating rounds so that a load change on a shared machine hits both
 alike. Per mode (chat / completion, streaming or not), the best of the rounds' mean latency of 8
 concurrent requests. Prints a table; the target is the plugin within 2x of the built-in.
@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.test_transformers_serve import (  # noqa: E402  (after the path set-up)
+from tests.support.transformers_serve import (  # noqa: E402  (after the path set-up)
     MODES,
     build_model_dir,
     run_concurrently,

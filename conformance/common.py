@@ -1,37 +1,15 @@
-"""Shared helpers of the conformance suite: tiny models, references, parity checks, kernel steps."""
+"""Shared helpers of the conformance suite: references, parity checks, kernel steps (the tiny models
+and prompts are in tests/support/)."""
 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
 import torch
-from transformers import (
-    Cohere2Config,
-    Cohere2ForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GenerationConfig,
-    GptOssConfig,
-    GptOssForCausalLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    PreTrainedModel,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import GenerationConfig, PreTrainedModel
 
 import transformers_cb  # noqa: F401  (installs the plugin)
 from transformers_cb.attention.metadata import AttentionMetadata
@@ -57,136 +35,6 @@ __all__ = [
     "greedy_config",
     "reference_greedy",
 ]
-
-BACKENDS = ("paged|sdpa", "paged|eager", "sdpa")
-FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
-
-BOS, EOS, PAD = 1, 2, 0
-SLIDING_WINDOW = 8
-TINY = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "intermediate_size": 128,
-    "max_position_embeddings": 512,
-    "bos_token_id": BOS,
-    "eos_token_id": EOS,
-    "pad_token_id": PAD,  # must be inside the vocabulary (Phi3's default is not)
-}
-# family -> (config class, model class, family-specific config arguments)
-FAMILY_SPECS = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {"vocab_size": 320}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"vocab_size": 384, "use_sliding_window": False}),
-    # head_dim deliberately != hidden_size / num_heads, so the cache must take head_dim from the config.
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"vocab_size": 448, "head_dim": 32}),
-    "phi3": (Phi3Config, Phi3ForCausalLM, {"vocab_size": 512}),
-    # Sliding-window and hybrid families, all with a window (8) shorter than most test prompts.
-    # Mistral: every layer sliding (no layer_types; the model's own convention).
-    "mistral": (MistralConfig, MistralForCausalLM, {"vocab_size": 320, "sliding_window": SLIDING_WINDOW}),
-    # Qwen2 with use_sliding_window: layers from max_window_layers on are sliding (layer 0 full, 1 sliding).
-    "qwen2_sliding": (
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        {
-            "vocab_size": 384,
-            "use_sliding_window": True,
-            "sliding_window": SLIDING_WINDOW,
-            "max_window_layers": 1,
-        },
-    ),
-    # Gemma 2: sliding/full alternating, attention logit softcap 50, final logit softcap 30, and a
-    # query_pre_attn_scalar (256) that makes the scale differ from head_dim ** -0.5.
-    "gemma2": (
-        Gemma2Config,
-        Gemma2ForCausalLM,
-        {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "head_dim": 16},
-    ),
-    # Gemma 3 text: 5 sliding : 1 full, local RoPE base on sliding layers.
-    "gemma3": (
-        Gemma3TextConfig,
-        Gemma3ForCausalLM,
-        {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "head_dim": 16, "num_hidden_layers": 6},
-    ),
-    # Cohere2: 3 sliding : 1 full, RoPE on sliding layers only.
-    "cohere2": (
-        Cohere2Config,
-        Cohere2ForCausalLM,
-        {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "num_hidden_layers": 4},
-    ),
-    # GPT-OSS: sliding/full alternating with attention sinks (s_aux), a tiny MoE.
-    "gpt_oss": (
-        GptOssConfig,
-        GptOssForCausalLM,
-        {
-            "vocab_size": 320,
-            "sliding_window": SLIDING_WINDOW,
-            "head_dim": 16,
-            "num_local_experts": 4,
-            "num_experts_per_tok": 2,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-    ),
-}
-SLIDING_FAMILIES = ("mistral", "qwen2_sliding", "gemma2", "gemma3", "cohere2", "gpt_oss")
-# transformers refuses `sdpa` for these (softcap / sinks): their plain implementation is eager.
-EAGER_ONLY_FAMILIES = ("gemma2", "gpt_oss")
-
-
-def plain_implementation(family: str) -> str:
-    return "eager" if family in EAGER_ONLY_FAMILIES else "sdpa"
-
-
-@contextmanager
-def using_backend(model: PreTrainedModel, family: str, attn_implementation: str) -> Iterator[PreTrainedModel]:
-    """`model` switched to `attn_implementation` for the block, then back to the family's plain one."""
-    model.set_attn_implementation(attn_implementation)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(plain_implementation(family))
-
-
-def backends_for(family: str) -> tuple[str, ...]:
-    """The attention implementations a family runs: paged and plain (switched to paged for the run)."""
-    return ("paged|eager", "eager") if family in EAGER_ONLY_FAMILIES else BACKENDS
-
-
-def build_tiny_model(
-    family: str, seed: int = 0, attn_implementation: str | None = None, **overrides
-) -> PreTrainedModel:
-    """A tiny random model of `family` (fp32, eval), eos disabled in its generation config.
-    `attn_implementation` defaults to the family's plain implementation (sdpa, or eager where
-    transformers refuses sdpa)."""
-    attn_implementation = attn_implementation or plain_implementation(family)
-    config_class, model_class, extra = FAMILY_SPECS[family]
-    config = config_class(**{**TINY, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = model_class(config).to(torch.float32).eval()
-    model.set_attn_implementation(attn_implementation)
-    model.generation_config.bos_token_id = BOS
-    model.generation_config.pad_token_id = PAD
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def vocab_size(model: PreTrainedModel) -> int:
-    return model.config.get_text_config().vocab_size
-
-
-def random_prompts(
-    count: int, vocab: int, min_len: int = 1, max_len: int = 40, seed: int = 0
-) -> list[list[int]]:
-    """Random prompts of ids in [3, vocab) (never bos/eos/pad). The lengths depend only on `seed`,
-    `count` and the length range, not on `vocab`, so every family gets the same step schedule."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(min_len, max_len) for _ in range(count)]
-    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
-
-
-def prompts_of_lengths(lengths: Sequence[int], vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(length)] for length in lengths]
 
 
 class ReferenceCache:

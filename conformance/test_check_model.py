@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.common import build_tiny_model
+from tests.support.models import build_tiny_model
 from transformers_cb import conformance_check
 from transformers_cb.engine.scheduler import Scheduler
 

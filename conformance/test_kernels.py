@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conformance.common import TOLERANCES, KernelStep, assert_close, build_kernel_step
-from tests import flash_double
+from tests.support import flash_double
 from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.fast_path import prepare_flash_step
@@ -40,8 +40,8 @@ def kernel_step(*args, kernel: str = "sdpa", **kwargs) -> KernelStep:
 
 
 # The registered backends run here: the pure-torch ones, and the flash glue through the CPU double of
-# flash-attn 3 (tests/flash_double.py; flash-attn 2's paged API needs 256-token pages, which the
-# model-level tests in tests/test_flash_backends.py use). The hub names share this glue.
+# flash-attn 3 (tests/support/flash_double.py; flash-attn 2's paged API needs 256-token pages, which the
+# model-level tests in tests/attention/test_flash_backends.py use). The hub names share this glue.
 BACKENDS = ["paged|eager", "paged|sdpa", FA3]
 
 

@@ -16,20 +16,15 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from conformance.common import (
-    BACKENDS,
-    FAMILIES,
     ReferenceCache,
-    build_tiny_model,
     check_parity,
     compare_tokens,
     greedy_config,
-    prompts_of_lengths,
-    random_prompts,
     run_batch,
     tight_num_blocks,
-    using_backend,
-    vocab_size,
 )
+from tests.support.models import BACKENDS, FAMILIES, build_tiny_model, using_backend, vocab_size
+from tests.support.prompts import prompts_of_lengths, random_prompts
 from transformers_cb import GenerationOutput, RequestStatus
 from transformers_cb.tools.conformance_check import next_token_logits
 

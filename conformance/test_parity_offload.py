@@ -1,4 +1,4 @@
-"""Greedy parity under heavy memory pressure with CPU offload on and off (issue 9).
+"""Greedy parity under heavy memory pressure with CPU offload (the host KV tier) on and off.
 
 Every family the suite runs (full attention, sliding and hybrid) on its paged backend x page sizes {4, 16}:
 8 requests on a device cache holding about a quarter of their working set (never less than the largest
@@ -17,20 +17,16 @@ from unittest import mock
 
 import pytest
 
-from conformance.common import (
+from conformance.common import ReferenceCache, check_parity, count_preemptions, greedy_config, run_batch
+from tests.support.models import (
     FAMILIES,
     SLIDING_FAMILIES,
-    ReferenceCache,
     backends_for,
     build_tiny_model,
-    check_parity,
-    count_preemptions,
-    greedy_config,
-    random_prompts,
-    run_batch,
     using_backend,
     vocab_size,
 )
+from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.engine import Engine
 from transformers_cb.kv.layer_groups import kv_groups_from_config

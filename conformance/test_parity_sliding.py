@@ -1,8 +1,8 @@
 """Greedy parity on sliding-window and hybrid models: `generate_batch` equals `generate()` token for token.
 
-Families (see `common.FAMILY_SPECS`): Mistral (every layer sliding), Qwen2 with `use_sliding_window`,
-Gemma 2 (alternating, logit softcaps, query_pre_attn_scalar), Gemma 3 text (5 sliding : 1 full, local
-RoPE), Cohere2 (3 : 1) and GPT-OSS (alternating, attention sinks), each with a window of 8 tokens,
+Families (see `tests.support.models.FAMILY_CONFIGS`): Mistral (every layer sliding), Qwen2 with
+`use_sliding_window`, Gemma 2 (alternating, logit softcaps, query_pre_attn_scalar), Gemma 3 text
+(5 sliding : 1 full, local RoPE), Cohere2 (3 : 1) and GPT-OSS (alternating, attention sinks), each with a window of 8 tokens,
 shorter than most prompts (1..40 tokens). Each runs under its paged backends and its plain backend
 (switched to paged for the run) x page sizes {4, 16} x token budgets (5: chunks start inside and cross
 the window boundary; default) x a cache small enough to force preemption. Sliding groups' pages are
@@ -19,19 +19,9 @@ from unittest import mock
 import pytest
 from transformers import PreTrainedModel
 
-from conformance.common import (
-    SLIDING_FAMILIES,
-    ReferenceCache,
-    backends_for,
-    build_tiny_model,
-    check_parity,
-    greedy_config,
-    random_prompts,
-    run_batch,
-    tight_num_blocks,
-    using_backend,
-    vocab_size,
-)
+from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
+from tests.support.models import SLIDING_FAMILIES, backends_for, build_tiny_model, using_backend, vocab_size
+from tests.support.prompts import random_prompts
 from transformers_cb.engine.engine import Engine
 
 MAX_NEW_TOKENS = 12

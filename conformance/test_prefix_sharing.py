@@ -19,12 +19,12 @@ from transformers import GenerationConfig
 
 from conformance.common import (
     ReferenceCache,
-    build_tiny_model,
     check_parity,
     count_preemptions,
     greedy_config,
     tight_num_blocks,
 )
+from tests.support.models import build_tiny_model
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.engine import Engine

@@ -16,7 +16,9 @@ import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-from conformance.common import build_tiny_model, prompts_of_lengths, tight_num_blocks, vocab_size
+from conformance.common import tight_num_blocks
+from tests.support.models import build_tiny_model, vocab_size
+from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 
 MAX_NEW_TOKENS = 8

@@ -18,18 +18,15 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conformance.common import (
+from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch
+from tests.support.models import (
     SLIDING_FAMILIES,
-    ReferenceCache,
     backends_for,
     build_tiny_model,
-    check_parity,
-    greedy_config,
     plain_implementation,
-    prompts_of_lengths,
-    run_batch,
     vocab_size,
 )
+from tests.support.prompts import prompts_of_lengths
 from transformers_cb import RequestStatus
 from transformers_cb.engine.engine import WARMUP_REQUEST_ID, Engine
 from transformers_cb.engine.scheduler import Scheduler

@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import common  # noqa: E402  (benchmarks/common.py: the benchmark models)
 
 import transformers_cb  # noqa: E402,F401
-from tests import flash_double  # noqa: E402
+from tests.support import flash_double  # noqa: E402
 from transformers_cb import ContinuousBatchingConfig  # noqa: E402
 
 FLASH = {"flash_attn": "paged|flash_attention_2", "flash_attn_interface": "paged|flash_attention_3"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig
 
-from tests.helpers import tiny_llama
+from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.config.generation_fields import default_max_new_tokens, resolve_generation_config
 from transformers_cb.engine.engine import Engine

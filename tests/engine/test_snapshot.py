@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
-from tests.helpers import random_prompts, tiny_llama
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.engine import Engine, EngineSnapshot
@@ -18,8 +19,8 @@ def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
         pages_total=engine.cache.num_total_pages, pages_in_use_by_group={"full_attention": 0}
     )
     assert engine.snapshot() == idle
-    prefix = random_prompts([12], seed=3)[0]
-    for i, suffix in enumerate(random_prompts([6, 9, 4, 7], seed=4)):
+    prefix = prompts_of_lengths([12], seed=3)[0]
+    for i, suffix in enumerate(prompts_of_lengths([6, 9, 4, 7], seed=4)):
         engine.add(engine.build_request(prefix + suffix, f"r{i}", max_new_tokens=8))
     seen_running = False
     with paged_attention(model, "paged|sdpa"):

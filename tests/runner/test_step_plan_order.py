@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers import GenerationConfig
 
-from tests.helpers import tiny_llama
+from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.step_plan import ScheduledBatch

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _PAGED_FOR_PLAIN = {None: "paged|sdpa", "sdpa": "paged|sdpa", "eager": "paged|eager"}
 # Devices the flash kernels run on (flash-attn: CUDA; kernels-community/flash-attn2 also XPU). Tests that
-# inject the CPU test double of flash-attn (tests/flash_double.py) add "cpu" here.
+# inject the CPU test double of flash-attn (tests/support/flash_double.py) add "cpu" here.
 FLASH_DEVICES = {"cuda", "xpu"}
 AUTO_SWITCH_ORDER = (FA3, FA2)
 

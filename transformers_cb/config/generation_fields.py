@@ -1,7 +1,7 @@
 """Which `GenerationConfig` fields the engine honours, ignores safely, or refuses: the one table.
 
 Every field of transformers' `GenerationConfig` is in exactly one of `IMPLEMENTED`, `HARMLESS` or
-`REFUSED` (tests/test_generation_fields.py walks them all, so a new transformers release that adds a
+`REFUSED` (tests/config/test_generation_fields.py walks them all, so a new transformers release that adds a
 field fails loudly until it is classified). A field that is *not at its default* is accepted only if it
 is implemented or harmless; a refused or unknown one raises `UnsupportedGenerationOption` naming it,
 instead of being silently ignored.

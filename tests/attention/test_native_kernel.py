@@ -1,0 +1,131 @@
+"""The native CPU paged-attention kernel in the engine: used when built, same tokens as generate()
+with it and without it, one attention call per layer however many short requests a step holds,
+and a clean fall-back when it cannot be built. The kernel's numerics against the reference kernel
+are in conformance/test_kernels.py (the "native" cases)."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from unittest import mock
+
+import pytest
+import torch
+
+from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch
+from tests.support.models import backends_for, build_tiny_model, using_backend, vocab_size
+from tests.support.prompts import random_prompts
+from transformers_cb.attention import native, paged
+from transformers_cb.memory.kv_cache import PagedKVCache
+from transformers_cb.runner.model_runner import ModelRunner
+from transformers_cb.runner.packing import BatchPacker
+
+pytestmark = pytest.mark.skipif(
+    native.native_module() is None,
+    reason="the native CPU kernel cannot be built here (see the logged reason)",
+)
+
+MAX_NEW_TOKENS = 8
+
+
+@contextmanager
+def counting_calls():
+    """Count the native kernel's calls and SDPA's (what the paged glue's per-group calls end in)."""
+    counts = {"native": 0, "attend": 0}
+    original_sdpa = torch.nn.functional.scaled_dot_product_attention
+    original_native = paged.native_paged_attention
+
+    def counted_native(*args, **kwargs):
+        counts["native"] += 1
+        return original_native(*args, **kwargs)
+
+    def counted_attend(*args, **kwargs):
+        counts["attend"] += 1
+        return original_sdpa(*args, **kwargs)
+
+    with (
+        mock.patch.object(paged, "native_paged_attention", counted_native),
+        mock.patch("torch.nn.functional.scaled_dot_product_attention", counted_attend),
+    ):
+        yield counts
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "mistral"])
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_parity_with_and_without_the_native_kernel(family: str, switch: str, monkeypatch) -> None:
+    """Full attention, sliding windows with softcaps (Gemma 2) and sinks (GPT-OSS): generate() tokens
+    either way; with the switch at 0 the kernel is never called."""
+    monkeypatch.setenv(native.ENV_SWITCH, switch)
+    model = build_tiny_model(family, seed=0)
+    prompts = random_prompts(6, vocab_size(model), 1, 90, seed=2)  # some chunks past 64 tokens
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    expected = [references.get(p) for p in prompts]
+    calls = mock.Mock(wraps=paged.native_paged_attention)
+    with using_backend(model, family, backends_for(family)[0]) as paged_model:
+        with mock.patch.object(paged, "native_paged_attention", calls):
+            outputs, _ = run_batch(paged_model, prompts, greedy_config(MAX_NEW_TOKENS), page_size=16)
+        check_parity(paged_model, prompts, outputs, expected, f"{family} native={switch}")
+    assert (calls.call_count > 0) == (switch == "1")
+
+
+def test_one_attention_call_per_layer_whatever_the_number_of_short_requests() -> None:
+    """A step of N short prompts is one native call per layer, not N."""
+    model = build_tiny_model("llama", seed=0)
+    layers = model.config.num_hidden_layers
+    for count in (4, 40):
+        prompts = random_prompts(count, vocab_size(model), 8, 40, seed=count)
+        steps: list = []
+
+        def run(self, batch, counts, steps=steps, original_run=ModelRunner.run):
+            before = dict(counts)
+            result = original_run(self, batch)
+            steps.append((len(batch.entries), {k: counts[k] - before[k] for k in counts}))
+            return result
+
+        with (
+            counting_calls() as counts,
+            mock.patch.object(ModelRunner, "run", lambda s, b: run(s, b, counts)),
+        ):
+            outputs, _ = run_batch(
+                model,
+                prompts,
+                greedy_config(1),
+                max_batch_tokens=4096,
+                page_size=64,
+                num_blocks=64,
+                safety_margin=0.0,
+            )
+        assert len(outputs) == count
+        # Every prompt fits the budget and needs one token: one step of all of them (after the
+        # warmup's), with one native call per layer and no per-request attention call.
+        assert steps[-1] == (count, {"native": layers, "attend": 0}), steps
+
+
+def test_failed_build_falls_back_to_the_python_kernels(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(native, "_state", {})
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found\nmore detail")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native.native_module() is None
+    assert (
+        "native CPU paged-attention kernel unavailable (RuntimeError: no C++ compiler found)" in caplog.text
+    )
+    cache = PagedKVCache(1, 4, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert not BatchPacker(cache, 2, torch.device("cpu")).native
+    model = build_tiny_model("llama", seed=0)
+    prompts = random_prompts(3, vocab_size(model), 1, 20, seed=3)
+    references = ReferenceCache(model, 4)
+    outputs, _ = run_batch(model, prompts, greedy_config(4))
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], "fallback")
+
+
+def test_native_required_where_it_cannot_run_is_an_error() -> None:
+    cache = PagedKVCache(1, 4, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
+    assert not BatchPacker(cache, 2, torch.device("cpu")).native  # bf16: the Python kernels
+    with pytest.raises(
+        ValueError, match="native paged-attention kernel cannot run on cpu with torch.bfloat16"
+    ):
+        BatchPacker(cache, 2, torch.device("cpu"), native=True)

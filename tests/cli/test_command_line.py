@@ -1,0 +1,329 @@
+"""Tests for the ``transformers-cb`` command line and its built-in tiny model."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.paths import REPO_ROOT
+from transformers_cb.cli.inputs import InputError, parse_requests
+from transformers_cb.cli.main import main
+from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+
+# Small cache so that CPU runs allocate little memory and stay fast.
+CACHE_ARGS = ["--device", "cpu", "--page-size", "16", "--num-blocks", "64", "--no-progress"]
+
+PROMPTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "Continuous batching",
+    "A much longer prompt that spans more tokens than the others, to vary the lengths in the batch.",
+]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _run_cli(args: list[str]) -> int:
+    return main(["generate", *CACHE_ARGS, *args])
+
+
+# ---------------------------------------------------------------------------
+# Tiny tokenizer and model
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Hello, world!",
+        "  leading and trailing  ",
+        "Héllo wörld\n\ttabs",
+        "日本語 🙂 emoji",
+        "a</s>b<s>c<pad>",
+    ],
+)
+def test_tiny_tokenizer_round_trips(text: str) -> None:
+    tokenizer = build_tiny_tokenizer()
+    ids = tokenizer.encode(text)
+    assert ids[0] == tokenizer.bos_token_id
+    assert len(ids) == 1 + len(text.encode("utf-8"))
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+
+
+def test_tiny_tokenizer_special_tokens_and_save_load(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    assert len(tokenizer) == 259
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
+    assert len({tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}) == 3
+
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "round trip </s> through disk ✓"
+    assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.decode(loaded.encode(text), skip_special_tokens=True) == text
+    assert loaded.eos_token_id == tokenizer.eos_token_id
+    assert loaded.pad_token_id == tokenizer.pad_token_id
+
+
+def test_tiny_model_shape_and_determinism() -> None:
+    tokenizer = build_tiny_tokenizer()
+    model_a = build_tiny_model(seed=3)
+    model_b = build_tiny_model(seed=3)
+    model_c = build_tiny_model(seed=4)
+    config = model_a.config
+    assert (config.hidden_size, config.num_hidden_layers) == (64, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert config.vocab_size == len(tokenizer)
+    assert model_a.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert not model_a.training
+    assert all(p.dtype == torch.float32 for p in model_a.parameters())
+    state_a, state_b, state_c = model_a.state_dict(), model_b.state_dict(), model_c.state_dict()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert not all(torch.equal(state_a[k], state_c[k]) for k in state_a)
+
+
+# ---------------------------------------------------------------------------
+# Input parsing
+# ---------------------------------------------------------------------------
+
+
+def test_parse_requests_mixed_formats() -> None:
+    lines = [
+        "plain prompt\n",
+        "\n",
+        '{"prompt": "json prompt", "id": "a", "max_new_tokens": 3}\n',
+        '{"prompt": "no id", "extra": 1}\n',
+        "   \n",
+        "last plain prompt\n",
+    ]
+    requests = parse_requests(lines)
+    assert [(r.id, r.prompt, r.max_new_tokens, r.line_no) for r in requests] == [
+        (0, "plain prompt", None, 1),
+        ("a", "json prompt", 3, 3),
+        (2, "no id", None, 4),
+        (3, "last plain prompt", None, 6),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "x",}', "line 2: invalid JSON"),
+        ('{"id": 1}', "line 2: missing required key 'prompt'"),
+        ('{"prompt": 5}', "line 2: 'prompt' must be a string"),
+        ('{"prompt": "x", "max_new_tokens": 0}', "line 2: 'max_new_tokens' must be a positive integer"),
+        ('{"prompt": "x", "max_new_tokens": "4"}', "line 2: 'max_new_tokens' must be a positive integer"),
+        ('{"prompt": "x", "id": [1]}', "line 2: 'id' must be a string or an integer"),
+        ('{"prompt": "x", "id": "first"}', "line 2: duplicate id 'first' (first used on line 1)"),
+    ],
+)
+def test_parse_requests_errors_name_the_line(line: str, message: str) -> None:
+    with pytest.raises(InputError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        parse_requests(['{"prompt": "ok", "id": "first"}', line])
+
+
+def test_malformed_json_line_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    input_file = tmp_path / "in.jsonl"
+    input_file.write_text('{"prompt": "fine"}\n\n{"prompt": "broken"\n', encoding="utf-8")
+    output_file = tmp_path / "out.jsonl"
+    code = _run_cli(["--input", str(input_file), "--output", str(output_file)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "line 3" in err and "invalid JSON" in err
+    assert not output_file.exists()
+
+
+def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--max-new-tokens", "0"]) == 2
+    assert "positive integer" in capsys.readouterr().err
+    assert main(["generate", "--input", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read input file" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n", encoding="utf-8")
+    assert main(["generate", "--page-size", "2", "--input", str(prompts)]) == 2
+    assert "page_size" in capsys.readouterr().err
+
+
+def test_request_rejected_at_submission_fails_alone(tmp_path: Path) -> None:
+    input_file = tmp_path / "prompts.txt"
+    input_file.write_text("short prompt\n" + "x" * 2100 + "\nanother short prompt\n", encoding="utf-8")
+    output_file = tmp_path / "out.jsonl"
+
+    code = _run_cli(["--input", str(input_file), "--output", str(output_file), "--max-new-tokens", "3"])
+
+    assert code == 1  # output written, one request failed
+    records = _read_jsonl(output_file)
+    assert [r["status"] for r in records] == ["FINISHED", "FAILED", "FINISHED"]
+    failed = records[1]
+    assert "max_position_embeddings" in failed["error"]
+    assert (failed["finish_reason"], failed["token_ids"], failed["prompt_tokens"]) == ("error", [], 2101)
+    assert all(1 <= r["generated_tokens"] <= 3 for r in (records[0], records[2]))
+
+
+# ---------------------------------------------------------------------------
+# End to end
+# ---------------------------------------------------------------------------
+
+
+def test_generate_default_model_from_text_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    input_file = tmp_path / "prompts.txt"
+    input_file.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    output_file = tmp_path / "out.jsonl"
+
+    code = _run_cli(["--input", str(input_file), "--output", str(output_file), "--max-new-tokens", "6"])
+
+    assert code == 0
+    records = _read_jsonl(output_file)
+    tokenizer = build_tiny_tokenizer()
+    assert [r["id"] for r in records] == list(range(len(PROMPTS)))
+    for prompt, record in zip(PROMPTS, records, strict=True):
+        assert record["status"] == "FINISHED"
+        assert record["error"] is None
+        assert record["prompt_tokens"] == len(tokenizer.encode(prompt))
+        assert 1 <= record["generated_tokens"] == len(record["token_ids"]) <= 6
+        assert record["text"] == tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+        assert record["finish_reason"] in ("stop", "length")
+        assert record["latency_s"] is None or record["latency_s"] >= 0
+    out = capsys.readouterr().out  # summary goes to stdout when the JSONL goes to a file
+    assert f"requests: {len(PROMPTS)}" in out and "failed: 0" in out
+
+
+def test_generate_jsonl_ids_and_per_request_limits(tmp_path: Path) -> None:
+    rows = [
+        {"id": "short", "prompt": PROMPTS[0], "max_new_tokens": 2},
+        {"id": 17, "prompt": PROMPTS[1]},
+        {"id": "long", "prompt": PROMPTS[2], "max_new_tokens": 9},
+        {"id": "short-again", "prompt": PROMPTS[3], "max_new_tokens": 2},
+    ]
+    input_file = tmp_path / "in.jsonl"
+    input_file.write_text(
+        "".join(json.dumps(row) + "\n" for row in rows) + "plain text line\n", encoding="utf-8"
+    )
+    output_file = tmp_path / "out.jsonl"
+
+    code = _run_cli(["--input", str(input_file), "--output", str(output_file), "--max-new-tokens", "5"])
+
+    assert code == 0
+    records = _read_jsonl(output_file)
+    assert [r["id"] for r in records] == ["short", 17, "long", "short-again", 4]
+    limits = [2, 5, 9, 2, 5]
+    for record, limit in zip(records, limits, strict=True):
+        assert record["status"] == "FINISHED"
+        assert 1 <= record["generated_tokens"] <= limit
+        if record["finish_reason"] == "length":
+            assert record["generated_tokens"] == limit
+
+
+def test_generate_demo_prompts_when_stdin_is_a_tty(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class FakeTTY(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdin", FakeTTY())
+    assert _run_cli(["--max-new-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    records = [json.loads(line) for line in captured.out.splitlines()]
+    assert len(records) >= 4 and all(r["status"] == "FINISHED" for r in records)
+    assert "requests:" in captured.err  # summary on stderr when the JSONL is on stdout
+
+
+def _first_divergence_note(model, prompt_ids: list[int], ours: list[int], ref: list[int]) -> str:
+    """Describe where two greedy continuations diverge and how close the top-2 logits were."""
+    common = next(
+        (i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b), min(len(ours), len(ref))
+    )
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + ref[:common]])).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    return f"diverge at step {common}: ours={ours} ref={ref}; top-2 logit gap there {float(top2[0] - top2[1]):.3e}"
+
+
+def test_saved_model_matches_plain_generate(tmp_path: Path) -> None:
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(seed=1, attn_implementation="sdpa", tokenizer=tokenizer)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    input_file = tmp_path / "prompts.txt"
+    input_file.write_text("\n".join(PROMPTS) + "\n", encoding="utf-8")
+    output_file = tmp_path / "out.jsonl"
+    max_new_tokens = 12
+    code = _run_cli(
+        [
+            "--model",
+            str(model_dir),
+            "--input",
+            str(input_file),
+            "--output",
+            str(output_file),
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--max-batch-tokens",
+            "64",
+        ]
+    )
+    assert code == 0
+    records = _read_jsonl(output_file)
+
+    for prompt, record in zip(PROMPTS, records, strict=True):
+        prompt_ids = tokenizer.encode(prompt)
+        with torch.no_grad():
+            reference = model.generate(
+                torch.tensor([prompt_ids]),
+                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        ref = reference[0, len(prompt_ids) :].tolist()
+        ours = record["token_ids"]
+        assert ours == ref, _first_divergence_note(model, prompt_ids, ours, ref)
+        assert record["finish_reason"] == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
+
+
+def test_module_entry_point_reads_stdin() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "transformers_cb.cli.main",
+            "generate",
+            "--input",
+            "-",
+            "--max-new-tokens",
+            "3",
+        ]
+        + CACHE_ARGS,
+        input='first prompt\n{"id": "x", "prompt": "second prompt"}\n',
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    records = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [r["id"] for r in records] == [0, "x"]
+    assert all(1 <= r["generated_tokens"] <= 3 for r in records)
+    assert "requests: 2" in completed.stderr

@@ -1,0 +1,233 @@
+"""Tensor parallelism on CPU: two ranks over gloo, a tiny Llama with 4 KV heads (2 per rank).
+
+Each scenario runs `tests/support/tp_worker.py` in two fresh processes with the environment torchrun sets
+(not torchrun itself: its agent kills the surviving rank as soon as one dies, which the failure
+tests need to observe). The documents' torchrun example is in conformance/test_seed_documents.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DistributedConfig
+
+from tests.support.models import tiny_llama
+from tests.support.paths import REPO_ROOT, TP_WORKER
+from tests.support.reference import greedy_reference
+from tests.support.tp_worker import MAX_NEW, PROMPTS
+from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
+from transformers_cb.memory.sizing import ModelShape
+
+RANK_TIMEOUT_S = 240
+
+
+def _save_llama(path: Path, num_key_value_heads: int, num_attention_heads: int, hidden_size: int) -> str:
+    model = tiny_llama(
+        None,
+        num_key_value_heads=num_key_value_heads,
+        num_attention_heads=num_attention_heads,
+        hidden_size=hidden_size,
+    )
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return _save_llama(tmp_path_factory.mktemp("tp") / "llama4kv", 4, 4, 64)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return lambda prompt, max_new: greedy_reference(model, prompt, max_new)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(
+    scenario: str, model_dir: str, out_dir: Path, world_size: int = 2, kill_others: bool = False
+) -> dict[int, dict]:
+    """Run one scenario on `world_size` ranks; return each rank's JSON record (rank 0's must exist).
+
+    With `kill_others` (a SIGSTOPped rank), the other ranks are killed once rank 0 is done."""
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        command = [sys.executable, str(TP_WORKER), scenario, model_dir, str(out_dir)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        logs = procs[0].communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace")
+        for proc in procs[1:]:
+            if kill_others:
+                proc.kill()
+            try:
+                logs += proc.communicate(timeout=30)[0].decode(errors="replace")
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    records = {}
+    for rank in range(world_size):
+        path = out_dir / f"rank{rank}.json"
+        if path.exists():
+            records[rank] = json.loads(path.read_text())
+    assert records, f"no rank wrote a result:\n{logs[-6000:]}"
+    return records
+
+
+def test_generate_batch_matches_generate_on_every_rank(model_dir, reference, tmp_path) -> None:
+    records = run_ranks("generate_batch", model_dir, tmp_path)
+    assert set(records) == {0, 1}
+    greedy = records[0]["greedy"]
+    assert list(greedy) == [f"req_{i}" for i in range(len(PROMPTS))]
+    for i, prompt in enumerate(PROMPTS):
+        out = greedy[f"req_{i}"]
+        assert out["error"] is None and out["status"] == 3
+        assert out["tokens"] == reference(prompt, MAX_NEW), i
+    forks = records[0]["forks"]
+    assert list(forks) == ["req_0__child#0", "req_0", "req_1__child#0", "req_1"]
+    for name, prompt in [("req_0", PROMPTS[1]), ("req_1", PROMPTS[1] + [3])]:
+        assert forks[name]["tokens"] == forks[f"{name}__child#0"]["tokens"] == reference(prompt, MAX_NEW)
+    # Same dict on every rank, for greedy and for seeded sampling (tokens are sampled on rank 0 only).
+    assert records[1] == records[0]
+    assert all(len(out["tokens"]) == MAX_NEW for out in records[0]["sampled"].values())
+
+
+def test_manager_streams_cancels_and_matches_generate(model_dir, reference, tmp_path) -> None:
+    """Rank 0 also idles past `cpu_group_timeout` before submitting: the follower must not time out."""
+    records = run_ranks("manager", model_dir, tmp_path)
+    rank0 = records[0]
+    finals = rank0["finals"]
+    for i in range(3):
+        assert finals[f"req_{i}"]["status"] == 3
+        assert finals[f"req_{i}"]["tokens"] == reference(PROMPTS[i], MAX_NEW), i
+    expected_stream = reference(PROMPTS[3], MAX_NEW)
+    assert rank0["stream"][-1] == expected_stream
+    assert rank0["stream"] == [expected_stream[: n + 1] for n in range(len(expected_stream))]
+    cancelled = finals["cancel"]
+    assert cancelled["status"] == 5  # CANCELLED, with a prefix of what generate() produces
+    assert cancelled["tokens"] == reference(PROMPTS[4], len(cancelled["tokens"]))
+    # The follower refuses submissions with a message naming its role, and its stop() returned.
+    assert "submit requests on rank 0" in records[1]["follower_submit_error"]
+
+
+@pytest.mark.parametrize("scenario", ["kill", "hang"])
+def test_lost_rank_fails_rank_0_with_the_timeout_and_one_result_each(scenario, model_dir, tmp_path) -> None:
+    """kill: rank 1 is SIGKILLed (rank 0 sees the connection drop); hang: rank 1 is SIGSTOPped in the
+    middle of a step, so rank 0 waits in the forward's all-reduce until `cpu_group_timeout=4`."""
+    rank0 = run_ranks(scenario, model_dir, tmp_path, kill_others=scenario == "hang")[0]
+    assert "ManagerDeadError" in rank0["error"] and "TensorParallelError" in rank0["error"]
+    assert "cpu_group_timeout=4 s" in rank0["error"]
+    if scenario == "hang":
+        # gloo's own message: the wait ended because the timeout fired, not because a peer vanished.
+        assert "running a step's forward" in rank0["error"] and "Timed out waiting 4000ms" in rank0["error"]
+    finals = rank0["finals"]
+    assert sorted(finals) == [f"req_{i}" for i in range(len(PROMPTS))]
+    assert all(len(results) == 1 for results in finals.values()), finals  # exactly one final result each
+    failed = [results[0] for results in finals.values() if results[0]["status"] == 4]
+    assert failed, "no request was running when the rank was lost"
+    assert all("cpu_group_timeout=4 s" in result["error"] for result in failed)
+
+
+def test_lost_driver_fails_the_follower_with_the_timeout(model_dir, tmp_path) -> None:
+    records = run_ranks("kill_driver", model_dir, tmp_path)
+    assert 0 not in records  # rank 0 was killed before it could answer
+    error = records[1]["error"]
+    assert error is not None and "cpu_group_timeout=4 s" in error and "rank 1 failed" in error
+
+
+def test_tp_size_not_dividing_kv_heads_raises_at_start(tmp_path) -> None:
+    model_dir = _save_llama(tmp_path / "llama3kv", 3, 6, 96)
+    records = run_ranks("bad_heads", model_dir, tmp_path)
+    for rank in (0, 1):
+        error = records[rank]["error"]
+        assert error is not None, rank
+        assert "tp_size=2" in error and "num_key_value_heads=3" in error and "[1, 3]" in error
+
+
+def test_kv_heads_per_shard() -> None:
+    assert kv_heads_per_shard(8, 4) == 2
+    assert kv_heads_per_shard(4, 1) == 4
+    with pytest.raises(
+        ValueError, match=r"tp_size=3 does not divide .*num_key_value_heads=8.*\[1, 2, 4, 8\]"
+    ):
+        kv_heads_per_shard(8, 3)
+
+
+def _shape(num_kv_heads: int) -> ModelShape:
+    return ModelShape(2, num_kv_heads, 16, 64, 128, 300, 512)
+
+
+def test_shard_shape_splits_only_sharded_kv_projections() -> None:
+    sharded = SimpleNamespace(
+        tp_plan={"model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.self_attn.v_proj": "colwise"}
+    )
+    assert shard_shape(sharded, _shape(4), 2).num_kv_heads == 2
+    assert shard_shape(sharded, _shape(4), 1).num_kv_heads == 4
+    replicated = SimpleNamespace(tp_plan={"model.layers.*.mlp.up_proj": "colwise"})
+    assert shard_shape(replicated, _shape(3), 2).num_kv_heads == 3  # KV not split: no divisibility needed
+
+
+def test_device_map_with_distributed_config_is_refused(model_dir) -> None:
+    # transformers refuses it at load, before any process group exists ...
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, device_map="cpu", distributed_config=DistributedConfig(tp_size=2)
+        )
+    # ... and the engine refuses a sharded model that was dispatched with a device map anyway.
+    dispatched = SimpleNamespace(tp_plan={}, hf_device_map={"": "cpu"})
+    with pytest.raises(ValueError, match="device_map together with distributed_config") as error:
+        shard_shape(dispatched, _shape(4), 2)
+    assert DEVICE_MAP_REASON in str(error.value)
+
+
+def test_offload_swaps_on_every_rank_and_matches_generate(tmp_path) -> None:
+    """CPU offload under tensor parallelism, a cache of about a quarter of the work: rank 0 plans the swaps
+    with the rest of each step, its step message carries them and rank 1's runner replays them on its own KV
+    shard. Tokens equal `generate()` on every rank, every rank moved pages both ways (as many as rank 0
+    planned), and nothing was recomputed."""
+    model_dir = _save_llama(tmp_path / "llama4kv", 4, 4, 64)
+    records = run_ranks("offload", model_dir, tmp_path)
+    assert set(records) == {0, 1}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outputs = records[0]["outputs"]
+    assert list(outputs) == [f"req_{i}" for i in range(len(PROMPTS))]
+    for i, prompt in enumerate(PROMPTS):
+        out = outputs[f"req_{i}"]
+        assert out["error"] is None and out["status"] == 3, i
+        assert out["tokens"] == greedy_reference(model, prompt, MAX_NEW), i
+    assert records[1]["outputs"] == outputs
+    driver = records[0]
+    assert driver["preemptions"] > 0 and driver["recomputed"] == 0, driver
+    for rank, record in records.items():
+        assert record["host_pages"] == driver["host_pages"], rank  # agreed across ranks
+        assert record["pages_out"] == driver["planned_out"] > 0, (rank, record)
+        assert record["pages_in"] == record["pages_out"], (rank, record)

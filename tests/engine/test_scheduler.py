@@ -1,0 +1,428 @@
+"""The scheduler driven by a fake model (no tensors): chunking, budgets, preemption, admission, stops."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.support.fakes import EOS, FakeModel
+from tests.support.requests import make_request
+from transformers_cb.engine.policies import make_policy
+from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.kv.page_policies import FullAttentionAllocator
+from transformers_cb.kv.pool import PagePool
+from transformers_cb.requests import Request, RequestStatus
+
+
+def make_scheduler(
+    num_pages: int,
+    page_size: int = 4,
+    max_batch_tokens: int = 64,
+    max_requests_per_batch: int = 64,
+    safety_margin: float = 0.0,
+    policy: str = "fifo",
+) -> Scheduler:
+    allocator = PageManager(
+        [FullAttentionAllocator(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
+    )
+    return Scheduler(allocator, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy))
+
+
+@dataclass
+class Run:
+    # (request_id, start, num_tokens) of each entry, per step.
+    steps: list[list[tuple[str, int, int]]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    # ids of the requests that sampled a token, per step (`sampling_entries` is only valid before update).
+    sampled: list[list[str]] = field(default_factory=list)
+
+
+def run_to_completion(
+    scheduler: Scheduler,
+    requests: list[Request],
+    model: FakeModel | None = None,
+    max_steps: int = 5000,
+    arrivals: dict[int, list[Request]] | None = None,
+) -> Run:
+    """Drive `scheduler` until no work is left, checking budgets and integrity after every step.
+
+    `arrivals` adds requests before the given step index.
+    """
+    model = model or FakeModel()
+    arrivals = arrivals or {}
+    for request in requests:
+        scheduler.add(request)
+    scheduler.check_integrity()
+    run = Run()
+    step = 0
+    while scheduler.has_work() or any(i >= step for i in arrivals):
+        assert step < max_steps, f"no termination after {max_steps} steps"
+        for request in arrivals.get(step, []):
+            scheduler.add(request)
+        batch = scheduler.schedule()
+        scheduler.check_integrity()
+        assert batch.num_tokens <= scheduler.max_batch_tokens
+        assert len(batch.entries) <= scheduler.max_requests_per_batch
+        assert len({id(e.request) for e in batch.entries}) == len(batch.entries), "request twice in a step"
+        for request in batch.failed:
+            assert request.status == RequestStatus.FAILED
+            assert not request.page_ids
+        run.sampled.append([e.request.request_id for e in batch.sampling_entries])
+        finished = scheduler.update(batch, model.run(batch))
+        scheduler.check_integrity()
+        model.forget(finished + batch.failed)
+        run.steps.append([(e.request.request_id, e.start, e.num_tokens) for e in batch.entries])
+        run.finished.extend(batch.failed + finished)
+        run.preempted.extend(r.request_id for r in batch.preempted)
+        step += 1
+    assert scheduler.allocator.pools[0].num_free_pages == scheduler.allocator.pools[0].num_pages, (
+        "pages leaked"
+    )
+    assert not scheduler.running and not scheduler.waiting
+    return run
+
+
+def assert_finished_once(run: Run, requests: list[Request]) -> None:
+    counts = Counter(r.request_id for r in run.finished)
+    assert counts == Counter(r.request_id for r in requests), counts
+    for request in requests:
+        assert request.is_finished
+        assert request.finish_time is not None
+
+
+def generated(requests: list[Request]) -> dict[str, list[int]]:
+    return {r.request_id: list(r.generated_ids) for r in requests}
+
+
+def huge_cache_reference(specs: list[tuple[str, int, int]]) -> dict[str, list[int]]:
+    requests = [make_request(*spec) for spec in specs]
+    run_to_completion(make_scheduler(num_pages=10_000, max_batch_tokens=100_000), requests)
+    return generated(requests)
+
+
+# -- chunked prefill, mixing, caps ---------------------------------------------------------------
+
+
+def test_chunked_prefill_splits_a_long_prompt() -> None:
+    scheduler = make_scheduler(num_pages=64, page_size=4, max_batch_tokens=16)
+    request = make_request("long", 50, 3)
+    run = run_to_completion(scheduler, [request])
+    assert run.steps == [
+        [("long", 0, 16)],
+        [("long", 16, 16)],
+        [("long", 32, 16)],
+        [("long", 48, 2)],  # last prompt chunk: samples the first token
+        [("long", 50, 1)],
+        [("long", 51, 1)],
+    ]
+    assert run.sampled == [[], [], [], ["long"], ["long"], ["long"]]
+    assert len(request.generated_ids) == 3
+    assert request.status == RequestStatus.FINISHED
+    assert request.finish_reason == "length"
+
+
+def test_decodes_and_prefill_chunks_share_a_step() -> None:
+    scheduler = make_scheduler(num_pages=64, page_size=4, max_batch_tokens=16)
+    short, long = make_request("short", 4, 10), make_request("long", 40, 2)
+    run = run_to_completion(scheduler, [short, long])
+    assert run.steps[0] == [("short", 0, 4), ("long", 0, 12)]
+    assert run.steps[1] == [("short", 4, 1), ("long", 12, 15)]
+    assert run.steps[2] == [("short", 5, 1), ("long", 27, 13)]  # long samples its first token here
+    assert run.steps[3] == [("short", 6, 1), ("long", 40, 1)]
+    assert generated([short, long]) == huge_cache_reference([("short", 4, 10), ("long", 40, 2)])
+
+
+def test_request_cap_per_step() -> None:
+    scheduler = make_scheduler(num_pages=64, max_batch_tokens=1000, max_requests_per_batch=2)
+    requests = [make_request(f"r{i}", 3, 2) for i in range(5)]
+    run = run_to_completion(scheduler, requests)
+    assert all(len(step) <= 2 for step in run.steps)
+    assert [rid for rid, _, _ in run.steps[0]] == ["r0", "r1"]
+    assert [rid for rid, _, _ in run.steps[1]] == ["r0", "r1"]
+    assert [rid for rid, _, _ in run.steps[2]] == ["r2", "r3"]
+    assert_finished_once(run, requests)
+
+
+def test_token_budget_is_never_exceeded() -> None:
+    scheduler = make_scheduler(num_pages=200, page_size=4, max_batch_tokens=7, max_requests_per_batch=100)
+    specs = [(f"r{i}", 3 + 5 * i, 4) for i in range(8)]
+    requests = [make_request(*spec) for spec in specs]
+    run = run_to_completion(scheduler, requests)
+    sizes = [sum(n for _, _, n in step) for step in run.steps]
+    assert max(sizes) == 7
+    assert all(size <= 7 for size in sizes)
+    assert sum(sizes) == sum(3 + 5 * i for i in range(8)) + 8 * 3  # prompts + (max_new - 1) decodes
+    assert_finished_once(run, requests)
+    assert generated(requests) == huge_cache_reference(specs)
+
+
+# -- preemption ----------------------------------------------------------------------------------
+
+
+def test_preemption_evicts_newest_and_recomputes() -> None:
+    specs = [("old", 4, 12), ("new", 4, 12)]
+    reference = huge_cache_reference(specs)
+    scheduler = make_scheduler(num_pages=6, page_size=4, max_batch_tokens=64)
+    old, new = (make_request(*spec) for spec in specs)
+    scheduler.add(old)
+    scheduler.add(new)
+    model = FakeModel()
+    preempted_at, recomputed = None, False
+    for step in range(200):
+        if not scheduler.has_work():
+            break
+        batch = scheduler.schedule()
+        scheduler.check_integrity()
+        if batch.preempted and preempted_at is None:
+            preempted_at = step
+            assert batch.preempted == [new], "the newest running request is evicted"
+            assert new.num_computed_tokens == 0
+            assert new.page_ids == []
+            assert new.status == RequestStatus.EVICTED
+            assert new.num_preemptions == 1
+            assert scheduler.num_preemptions == 1
+            assert new not in [e.request for e in batch.entries]
+            tokens_at_eviction = list(new.all_token_ids)
+            assert len(tokens_at_eviction) > len(new.prompt_ids)
+        elif preempted_at is not None and any(e.request is new for e in batch.entries):
+            entry = next(e for e in batch.entries if e.request is new)
+            if entry.start == 0:
+                # The recompute runs prompt + every token generated before the eviction.
+                recomputed = True
+                assert new.all_token_ids == tokens_at_eviction
+                assert new.num_remaining_tokens == len(tokens_at_eviction)
+                assert new.status == RequestStatus.PREFILLING
+        finished = scheduler.update(batch, model.run(batch))
+        scheduler.check_integrity()
+        model.forget(finished)
+    assert preempted_at is not None, "the cache was expected to run out"
+    assert recomputed
+    assert not scheduler.has_work()
+    assert old.num_preemptions == 0
+    assert old.status == new.status == RequestStatus.FINISHED
+    assert generated([old, new]) == reference
+    assert scheduler.allocator.pools[0].num_free_pages == 6
+
+
+def test_preemption_under_pressure_keeps_outputs() -> None:
+    specs = [(f"r{i}", 3 + 4 * i, 10) for i in range(6)]
+    reference = huge_cache_reference(specs)
+    requests = [make_request(*spec) for spec in specs]
+    # The largest request needs ceil((23 + 9) / 4) = 8 pages; the pool holds a little more.
+    run = run_to_completion(make_scheduler(num_pages=10, page_size=4, max_batch_tokens=16), requests)
+    assert run.preempted, "expected preemptions with this little cache"
+    assert sum(r.num_preemptions for r in requests) == len(run.preempted)
+    assert generated(requests) == reference
+    assert_finished_once(run, requests)
+    assert all(r.status == RequestStatus.FINISHED for r in requests)
+
+
+def test_request_that_can_never_fit_fails_clearly() -> None:
+    scheduler = make_scheduler(num_pages=2, page_size=4, max_batch_tokens=64)
+    huge = make_request("huge", 20, 4)  # 23 tokens of KV need 6 pages
+    run = run_to_completion(scheduler, [huge], max_steps=10)
+    assert huge.status == RequestStatus.FAILED
+    assert "needs more KV pages than the cache has" in huge.error
+    assert "'huge'" in huge.error
+    assert huge.finish_reason == "error"
+    assert len(run.steps) <= 3
+    assert_finished_once(run, [huge])
+
+
+def test_growth_beyond_the_cache_fails_only_that_request() -> None:
+    specs = [("grows", 4, 30), ("small", 3, 3)]
+    reference = huge_cache_reference(specs)
+    scheduler = make_scheduler(num_pages=4, page_size=4, max_batch_tokens=64)
+    grows, small = (make_request(*spec) for spec in specs)  # grows needs 9 pages, small needs 2
+    run = run_to_completion(scheduler, [grows, small], max_steps=100)
+    assert grows.status == RequestStatus.FAILED
+    assert "needs more KV pages" in grows.error
+    assert len(grows.generated_ids) < 30
+    assert small.status == RequestStatus.FINISHED
+    assert small.generated_ids == reference["small"]
+    assert grows.generated_ids == reference["grows"][: len(grows.generated_ids)]
+    assert_finished_once(run, [grows, small])
+
+
+# -- admission -----------------------------------------------------------------------------------
+
+
+def test_safety_margin_blocks_admission_not_decodes() -> None:
+    scheduler = make_scheduler(num_pages=10, page_size=4, max_batch_tokens=64, safety_margin=0.5)
+    big, waiter = make_request("big", 24, 6), make_request("waiter", 4, 2)  # big takes 6-7 of 10 pages
+    run = run_to_completion(scheduler, [big, waiter])
+    big_steps = [i for i, step in enumerate(run.steps) if any(rid == "big" for rid, _, _ in step)]
+    waiter_steps = [i for i, step in enumerate(run.steps) if any(rid == "waiter" for rid, _, _ in step)]
+    assert big_steps == list(range(6)), "big decodes every step"
+    assert waiter_steps[0] == 6, "the waiter is admitted only once big has finished"
+    assert generated([big, waiter]) == huge_cache_reference([("big", 24, 6), ("waiter", 4, 2)])
+
+
+def test_without_safety_margin_both_start_together() -> None:
+    scheduler = make_scheduler(num_pages=10, page_size=4, max_batch_tokens=64, safety_margin=0.0)
+    big, waiter = make_request("big", 24, 6), make_request("waiter", 4, 2)
+    run = run_to_completion(scheduler, [big, waiter])
+    assert run.steps[0] == [("big", 0, 24), ("waiter", 0, 4)]
+
+
+def test_safety_margin_does_not_block_the_first_request() -> None:
+    scheduler = make_scheduler(num_pages=4, page_size=4, max_batch_tokens=64, safety_margin=1.0)
+    requests = [make_request("a", 4, 3), make_request("b", 4, 3)]
+    run = run_to_completion(scheduler, requests)
+    assert run.steps[0] == [("a", 0, 4)]
+    assert all(r.status == RequestStatus.FINISHED for r in requests)
+
+
+def test_partial_admission_with_the_last_free_page() -> None:
+    """A waiting request may start with the pages left (a shorter chunk); later ones wait."""
+    scheduler = make_scheduler(num_pages=6, page_size=4, max_batch_tokens=64)
+    first, second, third = (
+        make_request("first", 16, 2),
+        make_request("second", 12, 2),
+        make_request("third", 2, 2),
+    )
+    model = FakeModel()
+    scheduler.add(first)
+    batch = scheduler.schedule()
+    scheduler.update(batch, model.run(batch))
+    assert first.page_ids == [0, 1, 2, 3]
+    scheduler.add(second)
+    scheduler.add(third)
+    batch = scheduler.schedule()
+    scheduler.check_integrity()
+    # first's decode opens page 4; second starts with the last page (4 of its 12 tokens); third waits.
+    assert [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries] == [
+        ("first", 16, 1),
+        ("second", 0, 4),
+    ]
+    assert first.page_ids == [0, 1, 2, 3, 4]
+    assert second.page_ids == [5]
+    assert second.status == RequestStatus.PREFILLING
+    assert third.status == RequestStatus.PENDING
+    assert list(scheduler.waiting) == [third]
+    assert batch.sampling_entries == [batch.entries[0]]
+
+
+def test_prefill_first_policy_orders_candidates() -> None:
+    policy = make_policy("prefill_first")
+    a, b, c = make_request("a", 2, 2), make_request("b", 2, 2), make_request("c", 2, 2)
+    a.status, b.status = RequestStatus.DECODING, RequestStatus.PREFILLING
+    assert list(policy.candidates([a, b], [c])) == [b, c, a]
+    assert list(make_policy("fifo").candidates([a, b], [c])) == [a, b, c]
+    with pytest.raises(ValueError, match="unknown scheduler_type 'lifo'"):
+        make_policy("lifo")
+
+
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first"])
+def test_policy_decides_who_gets_the_budget(policy: str) -> None:
+    scheduler = make_scheduler(num_pages=64, page_size=4, max_batch_tokens=8, policy=policy)
+    decoder, prefiller = make_request("decoder", 4, 8), make_request("prefiller", 30, 2)
+    # The prefiller arrives at step 2, while decoder is decoding.
+    run = run_to_completion(scheduler, [decoder], arrivals={2: [prefiller]})
+    assert run.steps[:2] == [[("decoder", 0, 4)], [("decoder", 4, 1)]]
+    if policy == "fifo":
+        assert run.steps[2] == [("decoder", 5, 1), ("prefiller", 0, 7)]
+        assert run.steps[3] == [("decoder", 6, 1), ("prefiller", 7, 7)]
+    else:
+        # Prefill chunks take the whole budget; the decode waits until a chunk leaves room.
+        assert run.steps[2] == [("prefiller", 0, 8)]
+        assert run.steps[3] == [("prefiller", 8, 8)]
+        assert run.steps[4] == [("prefiller", 16, 8)]
+        assert run.steps[5] == [("decoder", 5, 1), ("prefiller", 24, 6)]
+    assert generated([decoder, prefiller]) == huge_cache_reference([("decoder", 4, 8), ("prefiller", 30, 2)])
+
+
+# -- stopping ------------------------------------------------------------------------------------
+
+
+def test_eos_stop_includes_eos() -> None:
+    scheduler = make_scheduler(num_pages=16)
+    stops, runs = (
+        make_request("stops", 5, 10, eos=frozenset({EOS})),
+        make_request("runs", 5, 4, eos=frozenset({EOS})),
+    )
+    run = run_to_completion(scheduler, [stops, runs], model=FakeModel(eos_at={"stops": 3}))
+    assert len(stops.generated_ids) == 3
+    assert stops.generated_ids[-1] == EOS
+    assert EOS not in stops.generated_ids[:-1]
+    assert stops.finish_reason == "stop"
+    assert stops.status == RequestStatus.FINISHED
+    assert len(runs.generated_ids) == 4
+    assert runs.finish_reason == "length"
+    assert_finished_once(run, [stops, runs])
+    output = stops.to_output()
+    assert output.generated_tokens == stops.generated_ids
+    assert output.status == RequestStatus.FINISHED
+
+
+def test_eos_on_first_token() -> None:
+    scheduler = make_scheduler(num_pages=16)
+    request = make_request("r", 5, 10, eos=frozenset({EOS, 3}))
+    run_to_completion(scheduler, [request], model=FakeModel(eos_at={"r": 1}))
+    assert request.generated_ids == [EOS]
+    assert request.finish_reason == "stop"
+
+
+def test_max_new_tokens_one() -> None:
+    scheduler = make_scheduler(num_pages=16)
+    request = make_request("r", 9, 1)
+    run = run_to_completion(scheduler, [request])
+    assert len(run.steps) == 1
+    assert len(request.generated_ids) == 1
+    assert request.finish_reason == "length"
+
+
+def test_every_request_finishes_exactly_once_with_staggered_arrivals() -> None:
+    scheduler = make_scheduler(num_pages=12, page_size=4, max_batch_tokens=10, max_requests_per_batch=3)
+    specs = [(f"r{i}", 2 + (7 * i) % 13, 1 + i % 5) for i in range(12)]
+    requests = [make_request(*spec) for spec in specs]
+    arrivals = {i: [requests[i]] for i in range(12)}
+    run = run_to_completion(scheduler, [], arrivals=arrivals)
+    assert_finished_once(run, requests)
+    assert generated(requests) == huge_cache_reference(specs)
+    for request, (_, _, max_new) in zip(requests, specs, strict=True):
+        assert len(request.generated_ids) == max_new
+
+
+# -- property test -------------------------------------------------------------------------------
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> dict:
+    page_size = draw(st.integers(1, 8))
+    specs = [
+        (f"r{i}", draw(st.integers(1, 40)), draw(st.integers(1, 10))) for i in range(draw(st.integers(1, 8)))
+    ]
+    largest = max(-(-(n + m - 1) // page_size) for _, n, m in specs)
+    return {
+        "specs": specs,
+        "page_size": page_size,
+        "num_pages": draw(st.integers(largest, largest + 12)),
+        "max_batch_tokens": draw(st.integers(1, 64)),
+        "max_requests_per_batch": draw(st.integers(1, 8)),
+        "safety_margin": draw(st.sampled_from([0.0, 0.15, 0.5])),
+        "policy": draw(st.sampled_from(["fifo", "prefill_first"])),
+    }
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_scheduler_properties(workload: dict) -> None:
+    workload = dict(workload)
+    specs = workload.pop("specs")
+    scheduler = make_scheduler(**workload)
+    requests = [make_request(*spec) for spec in specs]
+    run = run_to_completion(scheduler, requests, max_steps=20_000)
+    assert_finished_once(run, requests)
+    for request, (_, _, max_new) in zip(requests, specs, strict=True):
+        assert request.status == RequestStatus.FINISHED, (request.request_id, request.error)
+        assert len(request.generated_ids) == max_new
+        assert request.page_ids == []
+    assert generated(requests) == huge_cache_reference(specs)

@@ -1,0 +1,202 @@
+"""ContinuousBatchingManager result routing: `get_result` (by id, timeout), iteration, streaming through
+`request_id_iter` (claimed late, unclaimed, non-streaming), result handlers, and asyncio streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from tests.support.manager import (
+    PROMPTS,
+    assert_finished_like_generate,
+    partial_lengths_ok,
+)
+from tests.support.threads import TIMEOUT, run_with_timeout, wait_for
+from transformers_cb import (
+    GenerationOutput,
+    RequestStatus,
+)
+
+
+# -- results ----------------------------------------------------------------------------------
+def test_get_result_by_id_takes_that_request_and_keeps_the_others_in_place(manager, ref):
+    manager.start()
+    first = manager.add_request(PROMPTS[0], max_new_tokens=2)
+    second = manager.add_request(PROMPTS[1], max_new_tokens=6)  # finishes after `first`
+    third = manager.add_request(PROMPTS[2], max_new_tokens=7)
+    manager.stop()  # graceful: all finished, their results wait in the queue
+    assert_finished_like_generate(manager.get_result(request_id=second, timeout=1), ref, PROMPTS[1], 6)
+    assert manager.get_result(request_id=second, timeout=0.1) is None, "delivered once"
+    assert manager.get_result(request_id="never-submitted") is None, "nothing can come: no wait"
+    assert_finished_like_generate(manager.get_result(timeout=1), ref, PROMPTS[0], 2)  # order kept
+    assert_finished_like_generate(manager.get_result(request_id=third, timeout=1), ref, PROMPTS[2], 7)
+    assert manager.get_result(timeout=0.1) is None
+    assert first != second
+
+
+def test_get_result_timeout_returns_none(manager):
+    manager.start()
+    assert manager.get_result(timeout=0.1) is None
+    rid = manager.add_request(PROMPTS[0], max_new_tokens=400)
+    assert manager.get_result(timeout=0.1) is None
+    assert manager.get_result(request_id=rid, timeout=0.1) is None
+    manager.cancel_request(rid)
+    assert manager.get_result(timeout=TIMEOUT).status == RequestStatus.CANCELLED
+
+
+def test_iteration_yields_all_unclaimed_results_then_ends(manager, ref):
+    manager.start()
+    ids = manager.add_requests(PROMPTS[:4], max_new_tokens=4)
+    claimed = manager.add_request(PROMPTS[4], max_new_tokens=4, streaming=True)
+    handled: list[GenerationOutput] = []
+    manager.register_result_handler(claimed, handled.append)
+    outputs = run_with_timeout(lambda: list(manager))
+    assert sorted(o.request_id for o in outputs) == sorted(ids), "claimed requests are not iterated"
+    by_id = {o.request_id: o for o in outputs}
+    for rid, prompt in zip(ids, PROMPTS, strict=False):
+        assert_finished_like_generate(by_id[rid], ref, prompt, 4)
+    wait_for(lambda: handled and handled[-1].is_finished(), what="the handler's final result")
+    assert_finished_like_generate(handled[-1], ref, PROMPTS[4], 4)
+    assert run_with_timeout(lambda: list(manager)) == [], "nothing outstanding: iteration ends at once"
+
+
+def test_iteration_after_stop_yields_the_remaining_results(manager, ref):
+    manager.start()
+    ids = manager.add_requests(PROMPTS[:3], max_new_tokens=3)
+    manager.stop()
+    outputs = run_with_timeout(lambda: list(manager))
+    assert sorted(o.request_id for o in outputs) == sorted(ids)
+
+
+def test_iteration_with_work_outstanding_but_not_started_raises(manager):
+    manager.add_request(PROMPTS[0], max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="start"):
+        run_with_timeout(lambda: list(manager))
+
+
+# -- streaming ---------------------------------------------------------------------------------
+def test_streaming_yields_growing_partials_then_finished(manager, ref):
+    manager.start()
+    rid = manager.add_request(PROMPTS[1], max_new_tokens=6, streaming=True)
+    outputs = run_with_timeout(lambda: list(manager.request_id_iter(rid)))
+    partial_lengths_ok(outputs)
+    assert [len(o.generated_tokens) for o in outputs] == [1, 2, 3, 4, 5, 6]
+    assert all(o.status in (RequestStatus.PREFILLING, RequestStatus.DECODING) for o in outputs[:-1])
+    assert_finished_like_generate(outputs[-1], ref, PROMPTS[1], 6)
+    assert manager.get_result(timeout=0.1) is None, "a claimed stream's final does not reach the queue"
+
+
+def test_streaming_claimed_after_the_request_finished_replays_everything(manager, ref):
+    manager.start()
+    rid = manager.add_request(PROMPTS[2], max_new_tokens=5, streaming=True)
+    wait_for(lambda: manager.stats().finished == 1, what="the request to finish")
+    outputs = run_with_timeout(lambda: list(manager.request_id_iter(rid)))
+    assert [len(o.generated_tokens) for o in outputs] == [1, 2, 3, 4, 5]
+    partial_lengths_ok(outputs)
+    assert_finished_like_generate(outputs[-1], ref, PROMPTS[2], 5)
+
+
+def test_streaming_unclaimed_partials_and_final_go_to_get_result_in_order(manager, ref):
+    manager.start()
+    rid = manager.add_request(PROMPTS[2], max_new_tokens=4, streaming=True)
+    outputs = [manager.get_result(timeout=TIMEOUT) for _ in range(4)]
+    partial_lengths_ok(outputs)
+    assert_finished_like_generate(outputs[-1], ref, PROMPTS[2], 4)
+    with pytest.raises(KeyError, match="unknown request id"):
+        manager.request_id_iter(rid)  # everything, the final included, was delivered
+
+
+def test_request_id_iter_of_non_streaming_request_yields_only_the_final(manager, ref):
+    manager.start()
+    rid = manager.add_request(PROMPTS[3], max_new_tokens=4)
+    outputs = run_with_timeout(lambda: list(manager.request_id_iter(rid)))
+    assert len(outputs) == 1
+    assert_finished_like_generate(outputs[0], ref, PROMPTS[3], 4)
+
+
+def test_request_id_iter_of_unknown_id_raises(manager):
+    manager.start()
+    with pytest.raises(ValueError, match="unknown request id"):
+        run_with_timeout(lambda: list(manager.request_id_iter("nope")))
+
+
+# -- callbacks ---------------------------------------------------------------------------------
+def test_result_handler_gets_partials_and_exactly_one_final(manager, ref):
+    manager.start()
+    streaming = manager.add_request(PROMPTS[0], max_new_tokens=5, streaming=True)
+    plain = manager.add_request(PROMPTS[1], max_new_tokens=5)
+    received: dict[str, list[GenerationOutput]] = {streaming: [], plain: []}
+    manager.register_result_handler(streaming, received[streaming].append)
+    manager.register_result_handler(plain, received[plain].append)
+    wait_for(lambda: manager.stats().finished == 2, what="both requests")
+    stream = received[streaming]
+    assert [o.is_finished() for o in stream].count(True) == 1
+    partial_lengths_ok(stream)
+    assert_finished_like_generate(stream[-1], ref, PROMPTS[0], 5)
+    assert len(received[plain]) == 1
+    assert_finished_like_generate(received[plain][0], ref, PROMPTS[1], 5)
+    assert manager.get_result(timeout=0.1) is None
+
+
+def test_result_handler_that_raises_does_not_kill_the_manager(manager, ref, caplog):
+    manager.start()
+    seen: list[GenerationOutput] = []
+
+    def bad_handler(output: GenerationOutput) -> None:
+        seen.append(output)
+        raise RuntimeError("handler bug")
+
+    rid = manager.add_request(PROMPTS[0], max_new_tokens=4, streaming=True)
+    with caplog.at_level(logging.ERROR):
+        manager.register_result_handler(rid, bad_handler)
+        wait_for(lambda: seen and seen[-1].is_finished(), what="the final result")
+    assert "handler bug" in caplog.text
+    assert manager.is_running()
+    assert [o.is_finished() for o in seen].count(True) == 1
+    assert_finished_like_generate(seen[-1], ref, PROMPTS[0], 4)
+    rid = manager.add_request(PROMPTS[1], max_new_tokens=4)
+    assert_finished_like_generate(manager.get_result(rid, timeout=TIMEOUT), ref, PROMPTS[1], 4)
+
+
+def test_handler_registered_before_add_request_gets_every_output(manager, ref):
+    """transformers serve registers its handler first (to not race a fast completion), then submits."""
+    received: list[GenerationOutput] = []
+    manager.register_result_handler("early", received.append)
+    manager.register_result_handler("refused", received.append)
+    with pytest.raises(ValueError, match="empty prompt"):
+        manager.add_request([], request_id="refused", max_new_tokens=3)  # its early handler is dropped
+    manager.start()
+    assert manager.add_request(PROMPTS[0], request_id="early", max_new_tokens=4, streaming=True) == "early"
+    wait_for(lambda: received and received[-1].is_finished(), what="the final output")
+    partial_lengths_ok(received)
+    assert_finished_like_generate(received[-1], ref, PROMPTS[0], 4)
+    assert manager.get_result(timeout=0.1) is None
+    rid = manager.add_request(PROMPTS[1], request_id="refused", max_new_tokens=2)
+    assert_finished_like_generate(manager.get_result(rid, timeout=TIMEOUT), ref, PROMPTS[1], 2)
+    assert len(received) == 4, "the dropped handler got nothing"
+
+
+# -- asyncio -----------------------------------------------------------------------------------
+def test_asyncio_streams_run_concurrently(manager, ref):
+    manager.start()
+    prompts = PROMPTS[:3]
+
+    async def consume(rid: str) -> list[GenerationOutput]:
+        return [output async for output in manager.stream(rid)]
+
+    async def main():
+        ids = [manager.add_request(p, max_new_tokens=5, streaming=True) for p in prompts]
+        plain = manager.add_request(PROMPTS[3], max_new_tokens=5)
+        streams = await asyncio.wait_for(asyncio.gather(*(consume(r) for r in [*ids, plain])), TIMEOUT)
+        return ids, streams
+
+    ids, streams = run_with_timeout(lambda: asyncio.run(main()))
+    for prompt, outputs in zip(prompts, streams, strict=False):
+        partial_lengths_ok(outputs)
+        assert [len(o.generated_tokens) for o in outputs] == [1, 2, 3, 4, 5]
+        assert_finished_like_generate(outputs[-1], ref, prompt, 5)
+    assert len(streams[-1]) == 1
+    assert_finished_like_generate(streams[-1][0], ref, PROMPTS[3], 5)
+    assert [o.request_id for o in streams[0]] == [ids[0]] * 5

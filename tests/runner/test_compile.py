@@ -1,0 +1,77 @@
+"""`default_compile_level` / `varlen_compile_config` / `decode_compile_config`: the plan, and a compiled run
+on CPU (inductor with the system C++ compiler) that matches `generate()`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig, GenerationConfig
+
+from tests.support.engine import run_prompts
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.engine.engine import Engine
+from transformers_cb.runner.compile_plan import DECODE, VARLEN, level_compile_config, resolve_compile_plan
+
+
+@pytest.mark.parametrize(
+    ("level", "mode", "dynamic"),
+    [
+        (1, "default", True),
+        (2, "max-autotune-no-cudagraphs", True),
+        (3, "max-autotune-no-cudagraphs", False),
+    ],
+)
+def test_levels_follow_the_documented_table(level: int, mode: str, dynamic: bool) -> None:
+    config = level_compile_config(level)
+    assert (config.mode, config.dynamic, config.fullgraph) == (mode, dynamic, False)
+    plan = resolve_compile_plan(ContinuousBatchingConfig(default_compile_level=level), None, is_flash=False)
+    assert plan.varlen.to_dict() == plan.decode.to_dict() == config.to_dict()
+
+
+def test_level_zero_compiles_nothing_unless_a_config_says_so() -> None:
+    assert level_compile_config(0) is None
+    plan = resolve_compile_plan(ContinuousBatchingConfig(), GenerationConfig(), is_flash=False)
+    assert plan.varlen is None and plan.decode is None
+    # The generation config's compile_config is the last fallback (as in transformers).
+    fallback = CompileConfig(mode="default", dynamic=True)
+    generation_config = GenerationConfig(compile_config=fallback)
+    plan = resolve_compile_plan(ContinuousBatchingConfig(), generation_config, is_flash=False)
+    assert plan.varlen is fallback and plan.decode is fallback
+
+
+def test_path_configs_take_precedence_over_the_level() -> None:
+    varlen = CompileConfig(mode="default", dynamic=False)
+    config = ContinuousBatchingConfig(default_compile_level=3, varlen_compile_config=varlen)
+    plan = resolve_compile_plan(config, None, is_flash=False)
+    assert plan.for_path(VARLEN) is varlen
+    assert plan.for_path(DECODE).to_dict() == level_compile_config(3).to_dict()
+    decode = ContinuousBatchingConfig(decode_compile_config={"mode": "default"})
+    plan = resolve_compile_plan(decode, None, is_flash=False)
+    assert plan.decode.mode == "default" and plan.varlen is None
+
+
+def test_flash_varlen_path_is_not_compiled_by_the_level() -> None:
+    """The documents: with flash attention the level applies to the decode path only."""
+    plan = resolve_compile_plan(ContinuousBatchingConfig(default_compile_level=1), None, is_flash=True)
+    assert plan.varlen is None and plan.decode is not None
+    explicit = CompileConfig(mode="default")
+    config = ContinuousBatchingConfig(default_compile_level=1, varlen_compile_config=explicit)
+    assert resolve_compile_plan(config, None, is_flash=True).varlen is explicit
+
+
+@pytest.mark.slow  # inductor compiles on the CPU: over 30 s on a quiet machine
+def test_compiled_run_on_cpu_matches_generate() -> None:
+    """Level 1 on CPU: both paths run through torch.compile'd forwards and the tokens equal generate()."""
+    torch._dynamo.reset()
+    model = tiny_llama()
+    prompts = prompts_of_lengths([9, 3, 21], seed=5)
+    generation_config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
+    engine = Engine(model, generation_config, config)
+    requests = run_prompts(engine, model, prompts)
+    for request, prompt in zip(requests, prompts, strict=True):
+        assert request.generated_ids == greedy_reference(model, prompt, 5)
+    assert set(engine.runner.forwards.compiled_paths) == {VARLEN, DECODE}

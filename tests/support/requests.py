@@ -1,0 +1,28 @@
+"""`Request` objects for the allocator, scheduler and offload tests (no model, no tensors)."""
+
+from __future__ import annotations
+
+import zlib
+
+from transformers_cb.requests import Request
+
+FIRST_NORMAL_TOKEN = 10  # prompt ids start here: clear of the fake model's eos (2)
+
+
+def prompt_for(request_id: str, num_tokens: int) -> list[int]:
+    """Token ids that depend only on (request id, position): distinct requests have distinct prompts."""
+    return [FIRST_NORMAL_TOKEN + (zlib.crc32(f"{request_id}/{i}".encode()) % 200) for i in range(num_tokens)]
+
+
+def make_request(
+    request_id: str = "r",
+    num_prompt_tokens: int = 4,
+    max_new_tokens: int = 4,
+    eos: frozenset[int] = frozenset(),
+) -> Request:
+    return Request(
+        request_id=request_id,
+        prompt_ids=prompt_for(request_id, num_prompt_tokens),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos,
+    )
