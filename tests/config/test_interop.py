@@ -52,44 +52,32 @@ def test_default_transformers_config_converts_to_our_defaults() -> None:
     assert from_transformers_config(HFConfig()) == ContinuousBatchingConfig()
 
 
+# Fields set explicitly on transformers' config, carried over as they are.
+CARRIED = {
+    "page_size": 64,
+    "num_blocks": 40,
+    "max_batch_tokens": 300,
+    "max_memory_percent": 0.5,
+    "max_requests_per_batch": 7,
+    "scheduler_type": "prefill_first",
+    "safety_margin": 0.1,
+    "return_logprobs": True,
+    "seed": 3,
+    "max_queue_size": 9,
+    "allow_block_sharing": False,
+    "cpu_group_timeout": None,
+    "kv_padding_interval_size": 128,
+    "use_cuda_graph": False,
+    "use_async_batching": False,
+}
+
+
 def test_explicit_fields_are_carried_and_auto_values_mapped() -> None:
-    theirs = HFConfig(
-        page_size=64,
-        num_blocks=40,
-        max_batch_tokens=300,
-        max_memory_percent=0.5,
-        max_requests_per_batch=7,
-        scheduler_type="prefill_first",
-        safety_margin=0.1,
-        return_logprobs=True,
-        seed=3,
-        max_queue_size=9,
-        allow_block_sharing=False,
-        cpu_group_timeout=None,
-        q_padding_interval_size=0,  # transformers' "preset": our default is kept
-        kv_padding_interval_size=128,
-        use_cuda_graph=False,
-        use_async_batching=False,
-    )
+    # q_padding_interval_size=0 is transformers' "preset": our default is kept.
+    theirs = HFConfig(**CARRIED, q_padding_interval_size=0)
     ours = as_cb_config(theirs)
     assert isinstance(ours, ContinuousBatchingConfig)
-    expected = ContinuousBatchingConfig(
-        page_size=64,
-        num_blocks=40,
-        max_batch_tokens=300,
-        max_memory_percent=0.5,
-        max_requests_per_batch=7,
-        scheduler_type="prefill_first",
-        safety_margin=0.1,
-        return_logprobs=True,
-        seed=3,
-        max_queue_size=9,
-        allow_block_sharing=False,
-        cpu_group_timeout=None,
-        kv_padding_interval_size=128,
-        use_cuda_graph=False,
-        use_async_batching=False,
-    )
+    expected = ContinuousBatchingConfig(**CARRIED)
     assert ours == expected
     assert theirs.page_size == 64 and theirs.q_padding_interval_size == 0  # not mutated
 
