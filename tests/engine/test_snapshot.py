@@ -8,7 +8,8 @@ from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.engine.engine import Engine, EngineSnapshot
+from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.snapshot import EngineSnapshot
 
 
 def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:

@@ -26,7 +26,8 @@ from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
-from ..engine.engine import Engine, EngineCounters
+from ..engine.engine import Engine
+from ..engine.snapshot import EngineCounters
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
 

@@ -23,7 +23,6 @@ from ..kv.layer_groups import kv_groups_from_config
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.page_policies import make_allocator, num_pages_for
-from ..kv.prefix_cache import PrefixStats
 from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
@@ -38,6 +37,7 @@ from .forks import add_siblings, num_return_sequences_of
 from .model_support import check_model_supported
 from .policies import make_policy
 from .scheduler import Scheduler
+from .snapshot import EngineCounters, EngineSnapshot
 from .submission import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
@@ -51,35 +51,6 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)  # ended this step (any final status)
     progressed: list[Request] = field(default_factory=list)  # got a new token this step, still running
     num_tokens: int = 0
-
-
-@dataclass
-class EngineCounters:
-    steps: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    generated_tokens: int = 0
-    failed_steps: int = 0
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine's counts at one moment (`Engine.snapshot()`; the defaults are those of no engine)."""
-
-    running: int = 0
-    waiting: int = 0
-    preemptions: int = 0
-    pages_in_use: int = 0
-    pages_total: int = 0
-    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
-    prefix: PrefixStats = field(default_factory=PrefixStats)  # all zero when sharing is off
-    prefix_cache_pages: int = 0  # pages kept only for later hits, all groups
-    prefix_cache_evictions: int = 0
-    recomputed_tokens: int = 0
-    swapped_out: int = 0  # requests in the host tier now (CPU offload)
-    swap_out_pages: int = 0
-    swap_in_pages: int = 0
-    counters: EngineCounters = field(default_factory=EngineCounters)
 
 
 class Engine:

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..engine.engine import EngineSnapshot
+from ..engine.snapshot import EngineSnapshot
 from ..requests import RequestStatus
 
 if TYPE_CHECKING:

@@ -1,0 +1,37 @@
+"""What the engine has done and holds, as plain numbers: `EngineCounters` (work since creation or the
+last reset) and `EngineSnapshot` (every count `manager.stats()` reports, at one moment)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..kv.prefix_cache import PrefixStats
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    generated_tokens: int = 0
+    failed_steps: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counts at one moment (`Engine.snapshot()`; the defaults are those of no engine)."""
+
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    pages_in_use: int = 0
+    pages_total: int = 0
+    pages_in_use_by_group: dict[str, int] = field(default_factory=dict)
+    prefix: PrefixStats = field(default_factory=PrefixStats)  # all zero when sharing is off
+    prefix_cache_pages: int = 0  # pages kept only for later hits, all groups
+    prefix_cache_evictions: int = 0
+    recomputed_tokens: int = 0
+    swapped_out: int = 0  # requests in the host tier now (CPU offload)
+    swap_out_pages: int = 0
+    swap_in_pages: int = 0
+    counters: EngineCounters = field(default_factory=EngineCounters)
