@@ -14,7 +14,7 @@ for module in flash_attn flash_attn_interface kernels; do
   "$PY" -c "import $module" 2>/dev/null && echo "$module: installed" || echo "$module: not installed (the test double stands in)"
 done
 status=0
-"$PY" -m pytest -q -p no:cacheprovider -rs tests/runner/test_cuda_graphs.py tests/attention/test_flash_backends.py tests/runner/test_compile.py || status=1
+"$PY" -m pytest -q -p no:cacheprovider -rs tests/runner/test_cuda_graphs.py tests/attention/test_flash_backends.py tests/runner/test_compile.py tests/memory/test_host_tier.py || status=1
 "$PY" scripts/gpu_check.py --dtype float32 || status=1
 if "$PY" -c "import flash_attn" 2>/dev/null || "$PY" -c "import flash_attn_interface" 2>/dev/null; then
   "$PY" scripts/gpu_check.py --dtype bfloat16 || status=1   # real flash kernels take fp16/bf16 only
