@@ -171,7 +171,7 @@ def _engine_for(
     cached = getattr(model, CACHED_ENGINE_ATTR, None)
     if cached is not None:
         cached_key, engine = cached
-        fits = all(engine.scheduler.allocator.unfittable_reason(n) is None for n in workload)
+        fits = all(engine.unfittable_reason(n) is None for n in workload)
         if cached_key == key and fits and not engine.has_work():
             engine.counters = EngineCounters()
             return engine

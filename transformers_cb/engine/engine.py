@@ -211,7 +211,7 @@ class Engine:
             record_timestamps=record_timestamps,
         )
         self.sampling.attach(request, sampling_kwargs, label)
-        reason = self.scheduler.allocator.unfittable_reason(request.max_total_tokens)
+        reason = self.unfittable_reason(request.max_total_tokens)
         if reason is not None:
             raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
         count = num_return_sequences_of(num_return_sequences, self.generation_config, label)
@@ -237,6 +237,19 @@ class Engine:
                 self.tp.add(member)
         else:
             self.scheduler.add(request)
+
+    def unfittable_reason(self, num_tokens: int) -> str | None:
+        """Why a request of `num_tokens` KV tokens can never run in this engine's cache, or None."""
+        return self.scheduler.allocator.unfittable_reason(num_tokens)
+
+    def running_requests(self) -> list[Request]:
+        """The requests running now (a copy: safe to finish them while iterating)."""
+        return list(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued in the engine and not admitted yet."""
+        return len(self.scheduler.waiting)
 
     def has_work(self) -> bool:
         if self.is_follower:
@@ -275,7 +288,7 @@ class Engine:
         length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
         length = max(1, length)
         request = Request(request_id=WARMUP_REQUEST_ID, prompt_ids=[0] * length, max_new_tokens=2)
-        if self.scheduler.allocator.unfittable_reason(request.max_total_tokens) is not None:
+        if self.unfittable_reason(request.max_total_tokens) is not None:
             return False
         # Greedy without processors (the request has no sampling state), so that warming up draws
         # nothing from any random generator the real requests use.

@@ -171,7 +171,7 @@ class ManagerLoop:
         except Exception as error:  # noqa: BLE001 - a scheduler bug fails the involved requests only
             logger.exception("continuous batching step raised outside the model forward")
             message = f"step failed: {type(error).__name__}: {error}"
-            for request in list(engine.scheduler.running):
+            for request in engine.running_requests():
                 engine.finish(request, RequestStatus.FAILED, message)
                 self._publish_final(request)
             return

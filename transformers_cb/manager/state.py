@@ -55,4 +55,4 @@ class ManagerState:
 
     def num_waiting(self) -> int:
         """Requests not scheduled yet: queued here or waiting in the engine (lock held by the caller)."""
-        return len(self.incoming) + (len(self.engine.scheduler.waiting) if self.engine is not None else 0)
+        return len(self.incoming) + (self.engine.num_waiting if self.engine is not None else 0)
