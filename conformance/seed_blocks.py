@@ -280,13 +280,14 @@ TENSOR_PARALLEL_LAUNCH = "torchrun --nproc-per-node 4 cb_tp.py"
 _MODEL_IDS = re.compile(r'"(Qwen/Qwen3-0\.6B|Qwen/Qwen3-4B|Qwen/Qwen3-32B|google/gemma-2-2b)"')
 
 
-def adapt(code: str, model_dirs: dict[str, str]) -> str:
-    """The block with only the model id (a local directory), device (cpu) and dtype (float32) changed."""
+def adapt(code: str, model_dirs: dict[str, str], keep_dtype: bool = False) -> str:
+    """The block with only the model id (a local directory), device (cpu) and dtype (float32, unless
+    `keep_dtype`: the document's own bfloat16) changed."""
     code = _MODEL_IDS.sub(lambda m: repr(model_dirs[m.group(1)]), code)
     code = code.replace('device_map="cuda"', 'device_map="cpu"').replace(
         'device_map="auto"', 'device_map="cpu"'
     )
-    return code.replace("torch.bfloat16", "torch.float32")
+    return code if keep_dtype else code.replace("torch.bfloat16", "torch.float32")
 
 
 def with_attn(code: str, attn_implementation: str) -> str:

@@ -422,3 +422,19 @@ def test_decode_groups_never_mix_requests(kv_lens: list[int], page_size: int, se
     # Decodes are packed longest first.
     packed_lens = [kv_lens[i] for i in step.packed_order]
     assert packed_lens == sorted(kv_lens, reverse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_decodes_attend_at_their_exact_length(dtype: torch.dtype) -> None:
+    """In bf16 / fp16 a decode group holds only equal KV lengths (no padded, masked keys): a softmax over a
+    padded key range rounds differently from `generate()`'s exact-length attention and flips greedy ties
+    (seen on the getting-started flow in bf16). float32 still pads within `DECODE_PADDING_BOUND`."""
+    kv_lens = [40, 38, 38, 35, 12]
+    step = build_kernel_step([(n - 1, 1) for n in kv_lens], 16, 4, 2, 16, dtype=dtype, seed=5)
+    groups = step.metadata.groups[0].decode_groups
+    widths = [group.kv_slots.shape[1] for group in groups]
+    if dtype == torch.float32:
+        assert len(groups) < len(set(kv_lens)) and any(group.kv_mask is not None for group in groups)
+    else:
+        assert all(group.kv_mask is None for group in groups)
+        assert sorted(widths, reverse=True) == sorted(set(kv_lens), reverse=True)

@@ -152,11 +152,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 class Reference:
     """Plain `generate()` on a saved model, greedy, memoized per (prompt, max_new_tokens)."""
 
-    def __init__(self, path: str, **config_overrides) -> None:
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32, **config_overrides) -> None:
         """`config_overrides`: the config changes the block itself makes before loading."""
-        self.model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, **config_overrides
-        ).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **config_overrides).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._memo: dict[tuple, tuple[list[int], list[float]]] = {}
 
@@ -212,6 +210,18 @@ def test_getting_started_script(order, model_dirs, reference, tmp_path) -> None:
     outputs = record["outputs"]["run"]
     assert len(outputs) == 3
     _check_outputs(outputs, reference, 64)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_getting_started_script_in_bfloat16(order, model_dirs, tmp_path) -> None:
+    """The getting-started script with its own `dtype=torch.bfloat16`: three prompts of uneven lengths
+    decode in one step, each equal to plain bf16 `generate()` token for token."""
+    script = blocks.adapt(blocks.GETTING_STARTED, model_dirs, keep_dtype=True) + "\n_save('run', outputs)\n"
+    assert "torch.bfloat16" in script
+    record = _run(script, order, tmp_path)
+    outputs = record["outputs"]["run"]
+    assert len(outputs) == 3
+    _check_outputs(outputs, Reference(model_dirs["Qwen/Qwen3-0.6B"], dtype=torch.bfloat16), 64)
 
 
 def _generate_batch_preamble(model_dirs) -> str:

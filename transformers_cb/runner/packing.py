@@ -1,8 +1,9 @@
 """Packing a `ScheduledBatch` into the varlen tensors of one forward pass.
 
 Token order inside the step: decodes first, sorted by KV length (longest first)
-and split into groups whose padded size stays within `DECODE_PADDING_BOUND` of
-their real size; then each prefill chunk. `entry_order` maps back to the
+and split into groups whose padded size stays within `decode_padding_bound(dtype)` of
+their real size (float32 KV only: in lower precision only equal lengths share a call); then each
+prefill chunk. `entry_order` maps back to the
 scheduler's entry order. Slots, gathers and masks are built once per KV layer
 group (full attention, sliding window) and shared by that group's layers.
 
@@ -24,7 +25,7 @@ from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 
-# A decode group may do at most this much more attention work than its real KV lengths need.
+# A float32 decode group may do at most this much more attention work than its real KV lengths need.
 DECODE_PADDING_BOUND = 1.25
 # Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
 # kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
@@ -43,6 +44,13 @@ class PackedStep:
     # (request, first prompt index scored, count) in the same order.
     prompt_indices: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+
+
+def decode_padding_bound(dtype: torch.dtype) -> float:
+    """How much padding a decode group may carry with KV of `dtype`. Only float32 pads: in bf16 / fp16
+    the softmax over a key range padded with masked keys rounds differently from `generate()`'s
+    exact-length attention, which flips greedy ties; decodes of equal KV length still share a call."""
+    return DECODE_PADDING_BOUND if dtype == torch.float32 else 1.0
 
 
 def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> list[tuple[int, int]]:
@@ -96,6 +104,7 @@ class BatchPacker:
         self.cache = cache
         dtype = cache.keys[0].dtype if cache.keys else torch.float32
         self.native = native is not False and native_supported(device, dtype)
+        self.decode_padding_bound = decode_padding_bound(dtype)
         if native and not self.native:
             raise ValueError(f"the native paged-attention kernel cannot run on {device} with {dtype} KV")
         self.page_size = cache.page_size
@@ -237,7 +246,7 @@ class BatchPacker:
         ends = [e.end for e in decodes]
         kv_lens = ends if window is None else [min(end, window) for end in ends]
         groups = []
-        for start, end in group_decodes(kv_lens):
+        for start, end in group_decodes(kv_lens, self.decode_padding_bound):
             kv_len = kv_lens[start]
             if window is None:
                 num_pages = -(-kv_len // self.page_size)
