@@ -126,9 +126,10 @@ class Engine:
         num_host_pages = resolve_host_pages(self.cb_config, self.cache, workload)
         if self.tp is not None:
             num_host_pages = self.tp.agree_host_pages(num_host_pages)
-        self.offload = CpuOffload(allocator.allocators, num_host_pages) if num_host_pages else None
+        self.offload: CpuOffload | None = None
         swapper = None
         if num_host_pages:
+            self.offload = CpuOffload(allocator.allocators, num_host_pages)
             swapper = SwapCopier(self.cache.group_tensors, HostKVCache(self.cache, num_host_pages).tensors)
         self.scheduler = Scheduler(
             allocator,

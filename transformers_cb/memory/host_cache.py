@@ -6,9 +6,9 @@ It mirrors the device cache group by group: each KV layer group has one tensor s
 device group's tensor `[2, layers, pages, page_size, kv heads, head_dim]`, so a page moves between
 the tiers as one slice along the page dimension. The host page ids (a `PagePool` per group) live
 with the planner, torch-free (`kv.offload.HostPages`); under tensor parallelism every rank holds a
-tier of the same number of pages (the smallest any rank can afford) and replays rank 0's swaps. Allocated once; pinned when the device is CUDA (so that
-copies are asynchronous DMA), plain memory on a CPU device, where the tier is simply a bounded
-second pool whose point is to skip recomputation.
+tier of the same number of pages (the smallest any rank can afford) and replays rank 0's swaps.
+Allocated once; pinned when the device is CUDA (so that copies are asynchronous DMA), plain memory
+on a CPU device, where the tier is simply a bounded second pool whose point is to skip recomputation.
 
 Host page ids are their own id space: host page 3 has nothing to do with device page 3.
 """
