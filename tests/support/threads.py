@@ -1,6 +1,7 @@
 """Bounded waits for the tests of threaded code: a bug fails the test instead of hanging it.
 
-`TIMEOUT` is generous: a hang becomes a failure, a slow shared CPU does not (no timing assertion)."""
+`TIMEOUT` is generous (`tests/support/timeouts.py` scales it): a hang becomes a failure, a slow shared
+CPU does not (no timing assertion)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-TIMEOUT = 30.0
+from tests.support.timeouts import hang_guard
+
+TIMEOUT = hang_guard(120.0)
 
 
 def call_in_thread(

@@ -17,11 +17,12 @@ import pytest
 
 from tests.support.models import tiny_llama
 from tests.support.paths import REPO_ROOT, SERVE_LAUNCHER
+from tests.support.timeouts import hang_guard
 
 MAX_TOKENS = 16
 CONCURRENCY = 8
-STARTUP_TIMEOUT = 240.0
-REQUEST_TIMEOUT = 120.0
+STARTUP_TIMEOUT = hang_guard(240.0)
+REQUEST_TIMEOUT = hang_guard(120.0)
 PROMPTS = [" ".join(f"w{(7 * i + 3 * k) % 252}" for k in range(3 + 2 * i)) for i in range(CONCURRENCY)]
 MODES = [("chat", False), ("chat", True), ("completion", False), ("completion", True)]
 
