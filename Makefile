@@ -2,7 +2,8 @@
 # only when pyproject.toml changes (stamp files inside the venv).
 #
 #   make run   [ARGS="--max-new-tokens 32 ..."]   transformers-cb generate
-#   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/
+#   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/ (the complete suite)
+#   make test-fast [ARGS=...]                     the same without the `slow` tier (minutes)
 #   make lint                                     ruff check + ruff format --check
 #   make bench [ARGS="..."]                       benchmarks/throughput.py
 #   make serve [ARGS="--port 8000 ..."]           transformers-cb serve (OpenAI-compatible HTTP)
@@ -20,7 +21,7 @@ PIP_ARGS ?=
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: install install-serve install-test run serve test lint format bench clean-venv
+.PHONY: install install-serve install-test run serve test test-fast lint format bench clean-venv
 
 install: $(VENV)/.installed-run
 
@@ -63,6 +64,12 @@ serve: $(VENV)/.installed-serve
 test: $(VENV)/.installed-test
 	@rc=0; $(BIN)/python -m pytest $(ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
+
+# Everything but the `slow` tier (compile, tensor parallelism, server subprocesses, big property runs).
+test-fast: $(VENV)/.installed-test
+	@rc=0; $(BIN)/python -m pytest -m "not slow" $(ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 
 lint: $(VENV)/.installed-test

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support.models import build_tiny_model
+from tests.support.processes import run_process
 from transformers_cb import conformance_check
 from transformers_cb.engine.scheduler import Scheduler
 
@@ -30,7 +30,7 @@ def test_check_model_command_passes(tiny_checkpoint: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "conformance.check_model", "--model", str(tiny_checkpoint)]
     command += ["--prompts", "4", "--max-new-tokens", "6", "--max-prompt-len", "40", "--attn", "paged|sdpa"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    result = run_process(command, cwd=REPO_ROOT, env=env, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PASS: generate_batch matches generate()" in result.stdout, result.stdout
     table = result.stdout.split("\n")

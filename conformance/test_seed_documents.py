@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.models import build_model
+from tests.support.processes import run_process
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 
 from . import seed_blocks as blocks
@@ -97,10 +97,9 @@ def _run(script: str, order: str, tmp_path: Path, launcher: tuple[str, ...] = ()
     out = tmp_path / f"seed_{order}.json"
     env = {**os.environ, "CB_SEED_OUT": str(out), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    done = subprocess.run(
+    done = run_process(
         [sys.executable, *launcher, str(path)],
         env=env,
-        capture_output=True,
         text=True,
         timeout=SCRIPT_TIMEOUT_S,
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tests.support.paths import REPO_ROOT
+from tests.support.processes import run_process
 from transformers_cb.cli.inputs import InputError, parse_requests
 from transformers_cb.cli.main import main
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
@@ -303,7 +303,7 @@ def test_module_entry_point_reads_stdin() -> None:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
     }
-    completed = subprocess.run(
+    completed = run_process(
         [
             sys.executable,
             "-m",
@@ -316,7 +316,6 @@ def test_module_entry_point_reads_stdin() -> None:
         ]
         + CACHE_ARGS,
         input='first prompt\n{"id": "x", "prompt": "second prompt"}\n',
-        capture_output=True,
         text=True,
         env=env,
         cwd=REPO_ROOT,

@@ -21,6 +21,7 @@ import transformers_cb
 from tests.support.models import tiny_llama, tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
+from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.api.model_methods import CACHED_MANAGER_ATTR
@@ -132,7 +133,9 @@ def test_transformers_config_accepted_everywhere(model, prompts) -> None:
     manager.destroy()
     with model.continuous_batching_context_manager(GREEDY, continuous_batching_config=theirs) as manager:
         rid = manager.add_request(prompts[0], max_new_tokens=5)
-        assert manager.get_result(rid, timeout=30).generated_tokens == greedy_reference(model, prompts[0], 5)
+        assert manager.get_result(rid, timeout=TIMEOUT).generated_tokens == greedy_reference(
+            model, prompts[0], 5
+        )
     direct = ContinuousBatchingManager(model, GREEDY, theirs)
     assert direct.engine.cb_config.max_batch_tokens == 256
     direct.destroy()
@@ -265,7 +268,7 @@ def test_record_timestamps_one_per_token(model, prompts) -> None:
     )
     with model.continuous_batching_context_manager(GREEDY) as manager:
         rid = manager.add_request(prompts[1], max_new_tokens=4, record_timestamps=True)
-        assert len(manager.get_result(rid, timeout=30).timestamps) == 4
+        assert len(manager.get_result(rid, timeout=TIMEOUT).timestamps) == 4
 
 
 @pytest.mark.parametrize("warmup", [True, False])
@@ -289,7 +292,7 @@ def test_manager_warmup_runs_once_and_leaves_nothing(model, prompts) -> None:
     engine.check_integrity()
     manager.start()
     rid = manager.add_request(prompts[2], max_new_tokens=5)
-    assert manager.get_result(rid, timeout=30).generated_tokens == greedy_reference(model, prompts[2], 5)
+    assert manager.get_result(rid, timeout=TIMEOUT).generated_tokens == greedy_reference(model, prompts[2], 5)
     manager.warmup()  # running: skipped with a warning, no effect
     manager.destroy()
 
@@ -317,7 +320,7 @@ def test_stop_keep_for_next_session_caches_the_manager(model, prompts) -> None:
     manager.stop(block=True, keep_for_next_session=True)
     assert getattr(model, CACHED_MANAGER_ATTR) is manager
     assert model.init_continuous_batching() is manager
-    assert manager.get_result(rid, timeout=5).generated_tokens == greedy_reference(model, prompts[0], 5)
+    assert manager.get_result(rid, timeout=TIMEOUT).generated_tokens == greedy_reference(model, prompts[0], 5)
     model.destroy_cached_continuous_batching_manager()
     assert getattr(model, CACHED_MANAGER_ATTR, None) is None
     assert model.init_continuous_batching(GREEDY) is not manager
@@ -331,7 +334,7 @@ def test_join_waits_for_the_thread(model, prompts) -> None:
     manager.start()
     manager.add_request(prompts[0], max_new_tokens=5)
     manager.stop(block=False)
-    manager.join(time.perf_counter(), timeout=30)
+    manager.join(time.perf_counter(), timeout=TIMEOUT)
     assert not manager.is_running()
     manager.destroy()
 
@@ -351,7 +354,9 @@ def test_workload_hints_size_cache_and_block_tables(model, prompts, hints_cls) -
     with model.continuous_batching_context_manager(GREEDY, config, workload_hints=hints) as ctx:
         long_prompt = prompts_of_lengths([60], seed=1)[0]  # longer than the hint: rows widen on demand
         rid = ctx.add_request(long_prompt, max_new_tokens=5)
-        assert ctx.get_result(rid, timeout=30).generated_tokens == greedy_reference(model, long_prompt, 5)
+        assert ctx.get_result(rid, timeout=TIMEOUT).generated_tokens == greedy_reference(
+            model, long_prompt, 5
+        )
     manager.destroy()
     with pytest.raises(ValueError, match="num_requests"):
         transformers_cb.config.interop.as_workload_hints({"max_prompt_length": 1, "num_requests": -1})

@@ -22,11 +22,13 @@ from transformers import AutoModelForCausalLM, DistributedConfig
 from tests.support.models import tiny_llama
 from tests.support.paths import REPO_ROOT, TP_WORKER
 from tests.support.reference import greedy_reference
-from tests.support.tp_worker import MAX_NEW, PROMPTS
+from tests.support.timeouts import hang_guard
+from tests.support.tp_worker import FAILURE_TIMEOUT_S, MAX_NEW, PROMPTS
 from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
 from transformers_cb.memory.sizing import ModelShape
 
-RANK_TIMEOUT_S = 240
+RANK_TIMEOUT_S = hang_guard(240)
+TIMEOUT_TEXT = f"cpu_group_timeout={FAILURE_TIMEOUT_S:g} s"
 
 
 def _save_llama(path: Path, num_key_value_heads: int, num_attention_heads: int, hidden_size: int) -> str:
@@ -80,15 +82,26 @@ def run_ranks(
         command = [sys.executable, str(TP_WORKER), scenario, model_dir, str(out_dir)]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
-        logs = procs[0].communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace")
+        try:
+            logs = procs[0].communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                proc.kill()
+            output = "\n".join(
+                f"--- rank {r}:\n{p.communicate()[0].decode(errors='replace')[-4000:]}"
+                for r, p in enumerate(procs)
+            )
+            raise AssertionError(
+                f"rank 0 of {scenario!r} did not finish within {RANK_TIMEOUT_S:g} s:\n{output}"
+            ) from None
         for proc in procs[1:]:
             if kill_others:
                 proc.kill()
             try:
-                logs += proc.communicate(timeout=30)[0].decode(errors="replace")
+                logs += proc.communicate(timeout=hang_guard(30))[0].decode(errors="replace")
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.communicate()
+                logs += proc.communicate()[0].decode(errors="replace")
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -142,26 +155,29 @@ def test_manager_streams_cancels_and_matches_generate(model_dir, reference, tmp_
 @pytest.mark.parametrize("scenario", ["kill", "hang"])
 def test_lost_rank_fails_rank_0_with_the_timeout_and_one_result_each(scenario, model_dir, tmp_path) -> None:
     """kill: rank 1 is SIGKILLed (rank 0 sees the connection drop); hang: rank 1 is SIGSTOPped in the
-    middle of a step, so rank 0 waits in the forward's all-reduce until `cpu_group_timeout=4`."""
+    middle of a step, so rank 0 waits in the forward's all-reduce until `cpu_group_timeout` (`FAILURE_TIMEOUT_S`)."""
     rank0 = run_ranks(scenario, model_dir, tmp_path, kill_others=scenario == "hang")[0]
     assert "ManagerDeadError" in rank0["error"] and "TensorParallelError" in rank0["error"]
-    assert "cpu_group_timeout=4 s" in rank0["error"]
+    assert TIMEOUT_TEXT in rank0["error"]
     if scenario == "hang":
         # gloo's own message: the wait ended because the timeout fired, not because a peer vanished.
-        assert "running a step's forward" in rank0["error"] and "Timed out waiting 4000ms" in rank0["error"]
+        assert (
+            "running a step's forward" in rank0["error"]
+            and f"Timed out waiting {int(FAILURE_TIMEOUT_S * 1000)}ms" in rank0["error"]
+        )
     finals = rank0["finals"]
     assert sorted(finals) == [f"req_{i}" for i in range(len(PROMPTS))]
     assert all(len(results) == 1 for results in finals.values()), finals  # exactly one final result each
     failed = [results[0] for results in finals.values() if results[0]["status"] == 4]
     assert failed, "no request was running when the rank was lost"
-    assert all("cpu_group_timeout=4 s" in result["error"] for result in failed)
+    assert all(TIMEOUT_TEXT in result["error"] for result in failed)
 
 
 def test_lost_driver_fails_the_follower_with_the_timeout(model_dir, tmp_path) -> None:
     records = run_ranks("kill_driver", model_dir, tmp_path)
     assert 0 not in records  # rank 0 was killed before it could answer
     error = records[1]["error"]
-    assert error is not None and "cpu_group_timeout=4 s" in error and "rank 1 failed" in error
+    assert error is not None and TIMEOUT_TEXT in error and "rank 1 failed" in error
 
 
 def test_tp_size_not_dividing_kv_heads_raises_at_start(tmp_path) -> None:

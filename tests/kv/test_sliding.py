@@ -22,6 +22,7 @@ from tests.support.models import SLIDING_WINDOW, build_tiny_model, vocab_size
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.requests import make_request
+from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention import native
 from transformers_cb.attention import paged as paged_module
@@ -215,7 +216,7 @@ def test_manager_stats_report_pages_per_group() -> None:
         }
         assert manager.stats().pages_total == 64  # 32 pages in each group
         manager.add_request(prompt, request_id="a")
-        result = manager.get_result(request_id="a", timeout=60)
+        result = manager.get_result(request_id="a", timeout=TIMEOUT)
         assert result is not None and result.is_finished()
         stats = manager.stats()
         assert stats.pages_in_use_by_group == {"full_attention": 0, "sliding_attention(window=8)": 0}

@@ -134,7 +134,7 @@ def test_thread_death_unblocks_every_waiter(manager, caplog):
         thread.join(TIMEOUT)
         assert not thread.is_alive(), "a waiter hangs after the manager thread died"
     assert "manager thread died" in caplog.text
-    wait_for(lambda: not manager.is_running(), timeout=5, what="the thread to end")
+    wait_for(lambda: not manager.is_running(), what="the thread to end")
     assert isinstance(outcomes["reader"], ManagerDeadError)
     assert isinstance(outcomes["reader"], RuntimeError)
 
@@ -149,9 +149,9 @@ def test_thread_death_unblocks_every_waiter(manager, caplog):
 
     # Fresh calls fail fast instead of waiting forever.
     with pytest.raises(ManagerDeadError):
-        run_with_timeout(lambda: manager.get_result(), timeout=5)
+        run_with_timeout(lambda: manager.get_result())
     with pytest.raises(ManagerDeadError):
-        run_with_timeout(lambda: list(manager), timeout=5)
+        run_with_timeout(lambda: list(manager))
     # Later submissions are refused (not queued for a thread that will never serve them) ...
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=MANAGER_LOGGER):
@@ -177,8 +177,8 @@ def test_waiters_wake_even_if_failing_the_requests_raises(manager):
         manager.start()
         manager.add_request(PROMPTS[0], max_new_tokens=3)
         with pytest.raises(ManagerDeadError):
-            run_with_timeout(lambda: manager.get_result(), timeout=10)
-        wait_for(lambda: not manager.is_running(), timeout=5, what="the thread to end")
+            run_with_timeout(lambda: manager.get_result())
+        wait_for(lambda: not manager.is_running(), what="the thread to end")
     finally:
         del manager._loop.fail_everything  # back to the real one for the fixture's teardown
 
@@ -215,7 +215,7 @@ def test_submissions_racing_stop_are_served_or_refused(manager, ref, hard_stop):
     assert not manager.is_running()
     assert len(accepted) + len(refused) == 48
 
-    results = collect(manager, [rid for rid, _ in accepted], timeout=5)
+    results = collect(manager, [rid for rid, _ in accepted])
     assert manager.get_result(timeout=0.1) is None, "no extra results"
     for rid, prompt in accepted:
         output = results[rid]

@@ -63,4 +63,4 @@ def test_pause_of_a_manager_not_running_does_not_block(manager):
         with manager.pause():
             pass
 
-    run_with_timeout(pause_briefly, timeout=5)
+    run_with_timeout(pause_briefly)

@@ -27,11 +27,11 @@ def test_get_result_by_id_takes_that_request_and_keeps_the_others_in_place(manag
     second = manager.add_request(PROMPTS[1], max_new_tokens=6)  # finishes after `first`
     third = manager.add_request(PROMPTS[2], max_new_tokens=7)
     manager.stop()  # graceful: all finished, their results wait in the queue
-    assert_finished_like_generate(manager.get_result(request_id=second, timeout=1), ref, PROMPTS[1], 6)
+    assert_finished_like_generate(manager.get_result(request_id=second, timeout=TIMEOUT), ref, PROMPTS[1], 6)
     assert manager.get_result(request_id=second, timeout=0.1) is None, "delivered once"
     assert manager.get_result(request_id="never-submitted") is None, "nothing can come: no wait"
-    assert_finished_like_generate(manager.get_result(timeout=1), ref, PROMPTS[0], 2)  # order kept
-    assert_finished_like_generate(manager.get_result(request_id=third, timeout=1), ref, PROMPTS[2], 7)
+    assert_finished_like_generate(manager.get_result(timeout=TIMEOUT), ref, PROMPTS[0], 2)  # order kept
+    assert_finished_like_generate(manager.get_result(request_id=third, timeout=TIMEOUT), ref, PROMPTS[2], 7)
     assert manager.get_result(timeout=0.1) is None
     assert first != second
 

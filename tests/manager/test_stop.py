@@ -24,7 +24,7 @@ def test_graceful_stop_completes_queued_and_active_requests(manager, ref, caplog
     ids = manager.add_requests(PROMPTS[:5], max_new_tokens=5)
     manager.stop()
     assert not manager.is_running()
-    results = collect(manager, ids, timeout=1)
+    results = collect(manager, ids, timeout=TIMEOUT)
     for rid, prompt in zip(ids, PROMPTS, strict=False):
         assert_finished_like_generate(results[rid], ref, prompt, 5)
     with caplog.at_level(logging.WARNING, logger=MANAGER_LOGGER):
@@ -46,7 +46,7 @@ def test_non_blocking_stop_returns_and_the_thread_ends(manager, ref):
     rid = manager.add_request(PROMPTS[0], max_new_tokens=4)
     manager.stop(block=False)
     wait_for(lambda: not manager.is_running(), what="the thread to end")
-    assert_finished_like_generate(manager.get_result(rid, timeout=1), ref, PROMPTS[0], 4)
+    assert_finished_like_generate(manager.get_result(rid, timeout=TIMEOUT), ref, PROMPTS[0], 4)
 
 
 def test_start_right_after_a_non_blocking_stop_starts_a_new_session(manager, ref):
@@ -71,7 +71,7 @@ def test_hard_stop_fails_pending_and_running_requests(manager):
         pending = manager.add_request(PROMPTS[2], max_new_tokens=5)
         manager.stop(hard_stop=True)
     assert not manager.is_running()
-    results = collect(manager, [*running, pending], timeout=1)
+    results = collect(manager, [*running, pending], timeout=TIMEOUT)
     for output in results.values():
         assert output.status == RequestStatus.FAILED
         assert "RuntimeError" in output.error
@@ -85,7 +85,7 @@ def test_hard_stop_fails_pending_and_running_requests(manager):
 def test_hard_stop_of_a_manager_never_started_fails_its_queue(manager):
     ids = manager.add_requests(PROMPTS[:3], max_new_tokens=3)
     manager.stop(hard_stop=True)
-    results = collect(manager, ids, timeout=1)
+    results = collect(manager, ids, timeout=TIMEOUT)
     assert {o.status for o in results.values()} == {RequestStatus.FAILED}
     assert all("RuntimeError" in o.error for o in results.values())
 

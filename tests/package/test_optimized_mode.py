@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ast
 import pathlib
-import subprocess
 import sys
 import textwrap
 
 import transformers_cb
+from tests.support.processes import run_process
 
 PACKAGE = pathlib.Path(transformers_cb.__file__).parent
 
@@ -70,9 +70,8 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
 
 
 def test_scheduler_allocates_and_checks_under_python_O():
-    result = subprocess.run(
+    result = run_process(
         [sys.executable, "-O", "-c", OPTIMIZED_SCRIPT],
-        capture_output=True,
         text=True,
         timeout=120,
         cwd=PACKAGE.parent,

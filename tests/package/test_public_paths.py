@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import transformers_cb
 from tests.support.paths import REPO_ROOT
+from tests.support.processes import run_process
 
 
 def test_public_names_at_the_package_root() -> None:
@@ -52,10 +52,9 @@ def test_conformance_check_module_and_command() -> None:
 
     assert conformance_check.run_check is tool.run_check
     assert conformance_check.main is tool.main
-    done = subprocess.run(
+    done = run_process(
         [sys.executable, "-m", "transformers_cb.conformance_check", "--help"],
         cwd=REPO_ROOT,
-        capture_output=True,
         text=True,
         timeout=300,
     )

@@ -11,6 +11,7 @@ from transformers.generation import logits_process as lp
 
 from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
+from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling import warpers
@@ -126,7 +127,7 @@ def test_per_request_params_apply_independently_in_one_batch(model) -> None:
     cb = ContinuousBatchingConfig(per_request_processors=True, return_logprobs=True, top_logprobs=3, seed=1)
     with model.continuous_batching_context_manager(config, continuous_batching_config=cb) as manager:
         ids = [manager.add_request(prompt, **setting) for setting in settings]
-        results = {r.request_id: r for r in (manager.get_result(timeout=60) for _ in ids)}
+        results = {r.request_id: r for r in (manager.get_result(timeout=TIMEOUT) for _ in ids)}
     for request_id, setting in zip(ids, settings, strict=True):
         own = GenerationConfig(**{**config.to_dict(), **setting})
         out = model.generate(torch.tensor([prompt]), generation_config=own, output_scores=True,
@@ -297,7 +298,7 @@ def test_finish_reasons(model) -> None:
     assert _run(model, [prompt], config)["req_0"].finish_reason == "length"
     with model.continuous_batching_context_manager(config) as manager:
         manager.cancel_request(manager.add_request(prompt, request_id="c", max_new_tokens=400))
-        cancelled = manager.get_result("c", timeout=30)
+        cancelled = manager.get_result("c", timeout=TIMEOUT)
     assert (cancelled.status, cancelled.finish_reason) == (RequestStatus.CANCELLED, "cancelled")
 
 

@@ -19,6 +19,8 @@ import pytest
 
 from tests.support.paths import REPO_ROOT
 from tests.support.serve import CHAT_TEMPLATE, greedy_config, requires_serve
+from tests.support.threads import TIMEOUT
+from tests.support.timeouts import hang_guard
 from transformers_cb.cli.main import EXIT_BAD_INPUT, main
 
 CACHE_ARGS = ["--page-size", "16", "--num-blocks", "128", "--device", "cpu", "--log-level", "warning"]
@@ -34,7 +36,7 @@ class ServerProcess:
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        return self.process.wait(timeout=120)
+        return self.process.wait(timeout=TIMEOUT)
 
 
 def start_server(args: list[str]) -> ServerProcess:
@@ -48,7 +50,7 @@ def start_server(args: list[str]) -> ServerProcess:
     seen = []
     while True:
         try:
-            line = lines.get(timeout=180)
+            line = lines.get(timeout=hang_guard(180))
         except queue.Empty:
             process.kill()
             raise AssertionError(f"the server did not announce itself; output: {''.join(seen)}") from None
@@ -108,7 +110,7 @@ def reference(model_dir: Path) -> Any:
 def _client(live: ServerProcess) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 def _finish(tokens: list[int], tokenizer: Any, max_tokens: int) -> str:
@@ -120,7 +122,7 @@ def test_models_and_health(server: ServerProcess) -> None:
     assert [m.id for m in _client(server).models.list().data] == ["tiny-chat"]
     import httpx
 
-    assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
 
 
 @requires_serve
@@ -242,12 +244,12 @@ def test_a_signal_drains_in_flight_streams_then_exits_cleanly(sig: int) -> None:
         no_template = httpx.post(
             live.url + "/v1/chat/completions",
             json={"model": "transformers-cb-tiny", "messages": [{"role": "user", "content": "hi"}]},
-            timeout=60,
+            timeout=TIMEOUT,
         )
         assert no_template.status_code == 400 and "chat template" in no_template.json()["error"]["message"]
         body = {"model": "transformers-cb-tiny", "prompt": "drain me", "max_tokens": 200, "stream": True}
         with (
-            httpx.Client(timeout=120) as client,
+            httpx.Client(timeout=TIMEOUT) as client,
             client.stream("POST", live.url + "/v1/completions", json=body) as r,
         ):
             lines = r.iter_lines()
@@ -256,7 +258,7 @@ def test_a_signal_drains_in_flight_streams_then_exits_cleanly(sig: int) -> None:
             rest = [line for line in lines if line.startswith("data:")]
         assert rest[-1] == "data: [DONE]"
         assert json.loads(rest[-2][5:])["choices"][0]["finish_reason"] in ("length", "stop")
-        assert live.process.wait(timeout=120) == 0
+        assert live.process.wait(timeout=TIMEOUT) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(live.url + "/health", timeout=5)
     finally:

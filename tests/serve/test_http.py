@@ -22,6 +22,8 @@ from tests.support.serve import (
     tiny_model_and_tokenizer,
     wait_until,
 )
+from tests.support.threads import TIMEOUT
+from tests.support.timeouts import hang_guard
 from transformers_cb.sampling.sampler import Samples
 
 if MISSING:
@@ -49,12 +51,12 @@ def fresh() -> Any:
 
 
 def _client(live: LiveServer) -> Any:
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
 def _post(live: LiveServer, path: str, body: Any, **kwargs: Any) -> Any:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(live.url + path, content=content, timeout=120, **kwargs)
+    return httpx.post(live.url + path, content=content, timeout=TIMEOUT, **kwargs)
 
 
 def _completion(prompt: Any = "Hello", **fields: Any) -> dict[str, Any]:
@@ -62,7 +64,7 @@ def _completion(prompt: Any = "Hello", **fields: Any) -> dict[str, Any]:
 
 
 def _assert_serving(live: LiveServer) -> None:
-    assert httpx.get(live.url + "/health", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(live.url + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
     assert _post(live, "/v1/completions", _completion()).status_code == 200
 
 
@@ -219,7 +221,7 @@ def test_stream_disconnect_cancels_the_request_and_frees_its_pages(server: LiveS
     before = manager.stats()
     body = _completion(prompt="Tell me a long story", max_tokens=900, stream=True)
     with (
-        httpx.Client(timeout=120) as client,
+        httpx.Client(timeout=TIMEOUT) as client,
         client.stream("POST", server.url + "/v1/completions", json=body) as r,
     ):
         assert r.status_code == 200
@@ -241,7 +243,7 @@ def test_non_stream_disconnect_cancels_the_request(server: LiveServer) -> None:
     before = manager.stats()
 
     async def scenario() -> None:
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             task = asyncio.ensure_future(
                 client.post(server.url + "/v1/completions", json=_completion(max_tokens=50))
             )
@@ -262,7 +264,7 @@ def test_shutdown_cancels_what_outlives_the_grace_period(fresh: Any) -> None:
         manager = live.manager
         body = _completion(prompt="Tell me a long story", max_tokens=900, stream=True)
         with (
-            httpx.Client(timeout=120) as client,
+            httpx.Client(timeout=TIMEOUT) as client,
             client.stream("POST", live.url + "/v1/completions", json=body) as r,
         ):
             lines = r.iter_lines()
@@ -282,7 +284,7 @@ def test_full_queue_answers_429_and_the_queued_requests_still_complete(fresh: An
         manager = live.manager
 
         async def scenario() -> list[Any]:
-            async with httpx.AsyncClient(timeout=120) as client:
+            async with httpx.AsyncClient(timeout=TIMEOUT) as client:
                 with manager.pause():
                     tasks = [
                         asyncio.ensure_future(client.post(live.url + "/v1/completions", json=_completion()))
@@ -354,7 +356,7 @@ def test_a_dead_engine_thread_fails_in_flight_requests_and_refuses_new_ones(
         assert response.status_code == 500
         assert "manager thread died" in response.json()["error"]["message"]
         wait_until(lambda: not live.manager.is_running(), "the manager thread is gone")
-        assert httpx.get(live.url + "/health", timeout=30).status_code == 503
+        assert httpx.get(live.url + "/health", timeout=TIMEOUT).status_code == 503
         assert _post(live, "/v1/completions", _completion()).status_code == 503
 
 
@@ -378,7 +380,7 @@ def test_concurrent_streams_each_complete_exactly_once(server: LiveServer) -> No
 
     async def scenario() -> list[tuple[list[dict], int]]:
         limits = httpx.Limits(max_connections=num_clients)
-        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        async with httpx.AsyncClient(timeout=hang_guard(300), limits=limits) as client:
             return await asyncio.gather(*(one(client, i) for i in range(num_clients)))
 
     results = asyncio.run(asyncio.wait_for(scenario(), 600))
@@ -408,7 +410,7 @@ def _samples(text: str) -> dict[str, float]:
 def test_metrics_follow_stats_and_count_latencies(server: LiveServer) -> None:
     for _ in range(2):
         assert _post(server, "/v1/completions", _completion(max_tokens=3)).status_code == 200
-    response = httpx.get(server.url + "/metrics", timeout=30)
+    response = httpx.get(server.url + "/metrics", timeout=TIMEOUT)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     samples = _samples(response.text)
     stats = server.manager.stats()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.threads import TIMEOUT
 from transformers_cb.serve import INSTALL_HINT, missing_serve_modules
 
 MISSING = missing_serve_modules()
@@ -27,7 +28,7 @@ CHAT_TEMPLATE = (
 MODEL_NAME = "tiny-test"
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
     """Wait for an event that must happen (a liveness bound, not a timing assertion)."""
     deadline = time.monotonic() + timeout
     while not condition():
@@ -93,7 +94,7 @@ def live_server(
         yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state, server)
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(TIMEOUT)
         sock.close()
-        manager.stop(block=True, timeout=30)
+        manager.stop(block=True, timeout=TIMEOUT)
         manager.destroy()

@@ -16,12 +16,16 @@ import torch
 from transformers import AutoModelForCausalLM, DistributedConfig, GenerationConfig
 
 import transformers_cb  # noqa: F401 - installs the plugin
+from tests.support.timeouts import hang_guard
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.distributed.cpu_group import CpuGroup, TensorParallelError
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [41, 42], list(range(50, 61)), [70, 71, 72, 73]]
 MAX_NEW = 12
-IDLE_TIMEOUT_S = 3.0
+# The CPU group's timeout in the scenarios. A lost rank must fail the others after it (the failure tests read
+# it back in the errors), and a merely slow step must not: scaled like every hang guard of the suite.
+IDLE_TIMEOUT_S = hang_guard(3.0)
+FAILURE_TIMEOUT_S = hang_guard(4.0)
 
 
 def load(model_dir: str):
@@ -74,7 +78,7 @@ def manager(model) -> dict:
         for output in manager.request_id_iter(stream_id):
             partials.append(list(output.generated_tokens))
         manager.cancel_request(cancel_id)
-        finals = {rid: manager.get_result(rid, timeout=60) for rid in [*ids, cancel_id]}
+        finals = {rid: manager.get_result(rid, timeout=hang_guard(60)) for rid in [*ids, cancel_id]}
         finals[stream_id] = None
         result = {
             "finals": {
@@ -116,7 +120,7 @@ def dies(model) -> dict:
             return message
 
         CpuGroup.exchange = exchange_then_die
-    config = ContinuousBatchingConfig(page_size=8, cpu_group_timeout=4.0)
+    config = ContinuousBatchingConfig(page_size=8, cpu_group_timeout=FAILURE_TIMEOUT_S)
     manager = model.init_continuous_batching(GenerationConfig(max_new_tokens=40, do_sample=False), config)
     manager.start()
     if rank != 0:
@@ -146,7 +150,7 @@ def driver_dies(model) -> dict:
             return exchange(self, message)
 
         CpuGroup.exchange = exchange_then_die
-    config = ContinuousBatchingConfig(page_size=8, cpu_group_timeout=4.0)
+    config = ContinuousBatchingConfig(page_size=8, cpu_group_timeout=FAILURE_TIMEOUT_S)
     try:
         model.generate_batch(PROMPTS, GenerationConfig(max_new_tokens=40), config, progress_bar=False)
     except TensorParallelError as error:
