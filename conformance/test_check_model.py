@@ -25,6 +25,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # the command in a fresh interpreter
 def test_check_model_command_passes(tiny_checkpoint: Path) -> None:
     """The documented command, in a subprocess, on a healthy model: exit 0 and a PASS table."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}

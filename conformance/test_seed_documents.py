@@ -25,6 +25,10 @@ from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 from . import seed_blocks as blocks
 
 ORDERS = ("plugin_first", "plugin_after")
+# Every block runs in a fresh interpreter (seconds of imports each): the `slow` tier, but for the getting-started
+# script with the plugin imported first, which the fast tier keeps as its one end-to-end run of the documents.
+SLOW_ORDERS = [pytest.param(order, marks=pytest.mark.slow) for order in ORDERS]
+FAST_FIRST_ORDERS = [ORDERS[0], pytest.param(ORDERS[1], marks=pytest.mark.slow)]
 SCRIPT_TIMEOUT_S = 300
 
 # Runs first in every script; stdlib only, so the import order under test is not disturbed.
@@ -202,7 +206,7 @@ def _check_outputs(outputs: dict, reference: Reference, max_new_tokens: int) -> 
 # -- the blocks -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", FAST_FIRST_ORDERS)
 def test_getting_started_script(order, model_dirs, reference, tmp_path) -> None:
     script = blocks.adapt(blocks.GETTING_STARTED, model_dirs) + "\n_save('run', outputs)\n"
     record = _run(script, order, tmp_path)
@@ -211,7 +215,7 @@ def test_getting_started_script(order, model_dirs, reference, tmp_path) -> None:
     _check_outputs(outputs, reference, 64)
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_getting_started_script_in_bfloat16(order, model_dirs, tmp_path) -> None:
     """The getting-started script with its own `dtype=torch.bfloat16`: three prompts of uneven lengths
     decode in one step, each equal to plain bf16 `generate()` token for token."""
@@ -228,7 +232,7 @@ def _generate_batch_preamble(model_dirs) -> str:
     return blocks.adapt(blocks.with_attn(blocks.GENERATE_BATCH, "sdpa"), model_dirs)
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_generate_batch_and_config_blocks(order, model_dirs, reference, tmp_path) -> None:
     parts = [_generate_batch_preamble(model_dirs), "_save('generate_batch', outputs)"]
     parts += [blocks.CONFIG_AND_GENERATE, "_save('config', outputs)"]
@@ -248,7 +252,7 @@ def test_generate_batch_and_config_blocks(order, model_dirs, reference, tmp_path
     assert sum(len(o["tokens"]) for o in record["outputs"]["return_logprobs"].values()) > 0
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_manager_blocks(order, model_dirs, reference, tmp_path) -> None:
     script = "\n".join(
         [
@@ -330,7 +334,7 @@ def _per_request_script(model_dirs, sampling: bool) -> str:
     )
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_per_request_sampling_block(order, model_dirs, tmp_path) -> None:
     """The guide's per-request block runs once the GenerationConfig creates the processors, and each
     request samples with its own parameters (temperature 0.1 + top_k 10 keeps the top 10 tokens)."""
@@ -339,7 +343,7 @@ def test_per_request_sampling_block(order, model_dirs, tmp_path) -> None:
     assert len(results) == 2 and all(r["error"] is None and r["tokens"] for r in results.values())
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_per_request_sampling_block_needs_the_processor(order, model_dirs, tmp_path) -> None:
     """With the guide's greedy GenerationConfig no temperature processor exists: the submission is
     refused with an error that says what to set (the built-in errors the request in its loop)."""
@@ -350,7 +354,7 @@ def test_per_request_sampling_block_needs_the_processor(order, model_dirs, tmp_p
 TP_RANKS = 2
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_tensor_parallel_block(order, model_dirs, reference, tmp_path) -> None:
     """The guide's tensor-parallel script under `torchrun --nproc-per-node 2` (tp_size 4 -> 2, the
     ranks we have on CPU/gloo; sdpa for its flash_attention_2, see issue 11): every rank returns
@@ -411,7 +415,7 @@ def _later_script(name: str, model_dirs) -> str:
     )
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 @pytest.mark.parametrize(
     "name",
     [
@@ -443,7 +447,7 @@ _flash_context.__enter__()  # `import flash_attn` finds the CPU test double
 """
 
 
-@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("order", SLOW_ORDERS)
 def test_flash_block_through_the_test_double(order, model_dirs, reference, tmp_path) -> None:
     """The guide's generate_batch block with paged|flash_attention_2 (transformers refuses its plain
     flash_attention_2 here, see LATER): the plugin's flash backend, through the flash-attn test double,

@@ -298,6 +298,7 @@ def test_saved_model_matches_plain_generate(tmp_path: Path) -> None:
         assert record["finish_reason"] == ("stop" if ref[-1] == tokenizer.eos_token_id else "length")
 
 
+@pytest.mark.slow  # the command in a fresh interpreter
 def test_module_entry_point_reads_stdin() -> None:
     env = {
         **os.environ,

@@ -116,6 +116,7 @@ def run_ranks(
     return records
 
 
+@pytest.mark.slow  # two rank processes
 def test_generate_batch_matches_generate_on_every_rank(model_dir, reference, tmp_path) -> None:
     records = run_ranks("generate_batch", model_dir, tmp_path)
     assert set(records) == {0, 1}
@@ -134,6 +135,7 @@ def test_generate_batch_matches_generate_on_every_rank(model_dir, reference, tmp
     assert all(len(out["tokens"]) == MAX_NEW for out in records[0]["sampled"].values())
 
 
+@pytest.mark.slow  # two rank processes
 def test_manager_streams_cancels_and_matches_generate(model_dir, reference, tmp_path) -> None:
     """Rank 0 also idles past `cpu_group_timeout` before submitting: the follower must not time out."""
     records = run_ranks("manager", model_dir, tmp_path)
@@ -152,6 +154,7 @@ def test_manager_streams_cancels_and_matches_generate(model_dir, reference, tmp_
     assert "submit requests on rank 0" in records[1]["follower_submit_error"]
 
 
+@pytest.mark.slow  # two rank processes
 @pytest.mark.parametrize("scenario", ["kill", "hang"])
 def test_lost_rank_fails_rank_0_with_the_timeout_and_one_result_each(scenario, model_dir, tmp_path) -> None:
     """kill: rank 1 is SIGKILLed (rank 0 sees the connection drop); hang: rank 1 is SIGSTOPped in the
@@ -173,6 +176,7 @@ def test_lost_rank_fails_rank_0_with_the_timeout_and_one_result_each(scenario, m
     assert all(TIMEOUT_TEXT in result["error"] for result in failed)
 
 
+@pytest.mark.slow  # two rank processes
 def test_lost_driver_fails_the_follower_with_the_timeout(model_dir, tmp_path) -> None:
     records = run_ranks("kill_driver", model_dir, tmp_path)
     assert 0 not in records  # rank 0 was killed before it could answer
@@ -180,6 +184,7 @@ def test_lost_driver_fails_the_follower_with_the_timeout(model_dir, tmp_path) ->
     assert error is not None and TIMEOUT_TEXT in error and "rank 1 failed" in error
 
 
+@pytest.mark.slow  # two rank processes
 def test_tp_size_not_dividing_kv_heads_raises_at_start(tmp_path) -> None:
     model_dir = _save_llama(tmp_path / "llama3kv", 3, 6, 96)
     records = run_ranks("bad_heads", model_dir, tmp_path)
@@ -225,6 +230,7 @@ def test_device_map_with_distributed_config_is_refused(model_dir) -> None:
     assert DEVICE_MAP_REASON in str(error.value)
 
 
+@pytest.mark.slow  # two rank processes
 def test_offload_swaps_on_every_rank_and_matches_generate(tmp_path) -> None:
     """CPU offload under tensor parallelism, a cache of about a quarter of the work: rank 0 plans the swaps
     with the rest of each step, its step message carries them and rank 1's runner replays them on its own KV

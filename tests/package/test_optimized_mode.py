@@ -12,6 +12,8 @@ import pathlib
 import sys
 import textwrap
 
+import pytest
+
 import transformers_cb
 from tests.support.processes import run_process
 
@@ -69,6 +71,7 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a fresh interpreter under -O
 def test_scheduler_allocates_and_checks_under_python_O():
     result = run_process(
         [sys.executable, "-O", "-c", OPTIMIZED_SCRIPT],

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 import transformers_cb
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import run_process
@@ -46,6 +48,7 @@ def test_config_and_requests_modules_keep_their_paths() -> None:
     assert GenerationOutput is transformers_cb.GenerationOutput
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_conformance_check_module_and_command() -> None:
     from transformers_cb import conformance_check
     from transformers_cb.tools import conformance_check as tool

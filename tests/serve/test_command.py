@@ -118,6 +118,7 @@ def _finish(tokens: list[int], tokenizer: Any, max_tokens: int) -> str:
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 def test_models_and_health(server: ServerProcess) -> None:
     assert [m.id for m in _client(server).models.list().data] == ["tiny-chat"]
     import httpx
@@ -126,6 +127,7 @@ def test_models_and_health(server: ServerProcess) -> None:
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 def test_completions_equal_generate_batch(server: ServerProcess, reference: Any) -> None:
     generate, tokenizer = reference
     max_tokens = 24
@@ -156,6 +158,7 @@ def test_completions_equal_generate_batch(server: ServerProcess, reference: Any)
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 def test_prompt_as_token_ids(server: ServerProcess, reference: Any) -> None:
     generate, tokenizer = reference
     ids = tokenizer.encode(PROMPTS[1])
@@ -166,6 +169,7 @@ def test_prompt_as_token_ids(server: ServerProcess, reference: Any) -> None:
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 def test_chat_completions_equal_generate_batch(server: ServerProcess, reference: Any) -> None:
     generate, tokenizer = reference
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, é?"}]
@@ -186,6 +190,7 @@ def test_chat_completions_equal_generate_batch(server: ServerProcess, reference:
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 def test_n_choices(server: ServerProcess, reference: Any) -> None:
     generate, tokenizer = reference
     [(tokens, _)] = generate([tokenizer.encode(PROMPTS[0])], 8)
@@ -205,6 +210,7 @@ def test_n_choices(server: ServerProcess, reference: Any) -> None:
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 def test_stop_string_cuts_the_text_and_counts_tokens_exactly(server: ServerProcess, reference: Any) -> None:
     generate, tokenizer = reference
     [(tokens, _)] = generate([tokenizer.encode(PROMPTS[1])], 32)
@@ -234,6 +240,7 @@ def test_stop_string_cuts_the_text_and_counts_tokens_exactly(server: ServerProce
 
 
 @requires_serve
+@pytest.mark.slow  # the server in a subprocess
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_drains_in_flight_streams_then_exits_cleanly(sig: int) -> None:
     # No --model: the built-in tiny model, as on a fresh machine (it has no chat template).

@@ -33,10 +33,13 @@ from tests.support.transformers_serve import (
 
 SERVE_MODULES = ("fastapi", "uvicorn", "starlette", "pydantic", "openai", "rich")
 _missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
-pytestmark = pytest.mark.skipif(
-    bool(_missing),
-    reason=f"the serve extra is not installed (pip install -e '.[serve]'): missing {', '.join(_missing)}",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        bool(_missing),
+        reason=f"the serve extra is not installed (pip install -e '.[serve]'): missing {', '.join(_missing)}",
+    ),
+    pytest.mark.slow,  # transformers serve in a subprocess
+]
 
 
 @pytest.fixture(scope="module")
