@@ -64,7 +64,11 @@ def test_token_ids_and_chat_prompts(predictor: CBPredictor) -> None:
     assert [list(t) for t in chat["generated_token_ids"]] == _reference(predictor, ids, [6, 6])
 
     wrapped = CBPredictor(
-        None, max_new_tokens=6, chat_template=CHAT_TEMPLATE, apply_chat_template=True, continuous_batching_config=CB
+        None,
+        max_new_tokens=6,
+        chat_template=CHAT_TEMPLATE,
+        apply_chat_template=True,
+        continuous_batching_config=CB,
     )
     out = wrapped({"prompt": np.array(["hello", "bye"])})
     assert [list(t) for t in out["generated_token_ids"]] == [list(t) for t in chat["generated_token_ids"]]

@@ -37,7 +37,10 @@ def test_map_batches_with_two_actors_equals_one_process(ray_cluster, model_dir: 
 
     prompts = text_prompts(500)
     limits = [4 + i % 5 for i in range(len(prompts))]
-    rows = [{"row": i, "prompt": p, "max_new_tokens": n} for i, (p, n) in enumerate(zip(prompts, limits))]
+    rows = [
+        {"row": i, "prompt": p, "max_new_tokens": n}
+        for i, (p, n) in enumerate(zip(prompts, limits, strict=True))
+    ]
     dataset = ray.data.from_items(rows).map_batches(
         CBPredictor,
         fn_constructor_kwargs={"model": str(model_dir), "continuous_batching_config": CB_CONFIG},

@@ -4,9 +4,9 @@ The driver reads and checks the prompt file (a local path or any URI pyarrow's f
 `s3://`, `gs://`, `hdfs://`, `file://`), Ray Data streams its rows through `N` `CBPredictor` actors,
 and the driver writes one JSON line per input in input order as the results come back (a reorder
 buffer keyed by row index; `preserve_order` keeps it small). The lines are those of the local CLI
-(`cli/records.py`). A killed actor is restarted by Ray (`max_restarts=-1`) and its unfinished
-batch runs again (`max_task_retries=-1`); a retried batch's output is delivered once, and the driver
-checks that every index arrives exactly once.
+(`cli/records.py`). A killed actor is restarted by Ray (`max_restarts=-1`, Ray Data's default for an
+actor pool) and its unfinished batch runs again (`max_task_retries=-1`, the same); a retried batch's
+output is delivered once, and the driver checks that every index arrives exactly once.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ class RayJobOptions:
     batch_size: int = 256
     num_cpus: float = 1.0  # per actor
     num_gpus: float = 0.0  # per actor (1 on a GPU cluster; TP inside an actor takes more)
-    max_restarts: int = -1
-    max_task_retries: int = -1
     predictor_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -133,8 +131,8 @@ def generate_on_ray(
         concurrency=options.replicas,
         num_cpus=options.num_cpus,
         num_gpus=options.num_gpus or None,
-        max_restarts=options.max_restarts,
-        max_task_retries=options.max_task_retries,
+        # No max_restarts / max_task_retries here: Ray Data's actor pool already sets both to -1 (restart a
+        # dead actor, rerun its batch), and Ray 2.60 deprecates passing them as remote args.
     )
     waiting: dict[int, dict[str, Any]] = {}
     next_index = 0
@@ -213,7 +211,11 @@ def run_ray_generate(args: argparse.Namespace, predictor_class: type = CBPredict
     records = []
     with ray_session(options.address), open_output_anywhere(args.output) as handle:
         start = time.perf_counter()
-        rows = generate_on_ray(requests, args.max_new_tokens, options, not args.no_progress, predictor_class)
+        rows = (
+            generate_on_ray(requests, args.max_new_tokens, options, not args.no_progress, predictor_class)
+            if requests
+            else iter(())
+        )
         for request, row in zip(requests, rows, strict=True):
             record = record_from_row(request, row)
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")

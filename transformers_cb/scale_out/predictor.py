@@ -61,6 +61,8 @@ class CBPredictor:
         chat_template: a Jinja template for a tokenizer that has none.
         max_new_tokens: the default of rows without a `max_new_tokens` value.
         return_logprobs: add a `logprobs` column.
+        detokenize: decode the generated tokens into `generated_text` (False: None there, for jobs
+            that only want token ids).
         generation_config: `GenerationConfig` fields (default greedy; `do_sample=True` to sample).
         continuous_batching_config: `ContinuousBatchingConfig` fields (`num_blocks`, `max_batch_tokens`,
             `per_request_processors=True` for per-row temperature / top-p / ..., ...).
@@ -79,6 +81,7 @@ class CBPredictor:
         chat_template: str | None = None,
         max_new_tokens: int = 32,
         return_logprobs: bool = False,
+        detokenize: bool = True,
         generation_config: Mapping[str, Any] | None = None,
         continuous_batching_config: Mapping[str, Any] | None = None,
     ) -> None:
@@ -103,6 +106,7 @@ class CBPredictor:
         self.apply_chat_template = apply_chat_template
         self.max_new_tokens = max_new_tokens
         self.return_logprobs = return_logprobs
+        self.detokenize = detokenize
         self.batches_done = 0
         self.load_s = time.perf_counter() - started  # the actor's start cost (docs/scale_out.md)
 
@@ -172,7 +176,9 @@ class CBPredictor:
             created = getattr(output, "created_time", None)
             first, finish = getattr(output, "first_token_time", None), getattr(output, "finish_time", None)
             row = {
-                "generated_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
+                "generated_text": (
+                    self.tokenizer.decode(tokens, skip_special_tokens=True) if self.detokenize else None
+                ),
                 "generated_token_ids": tokens,
                 "finish_reason": finish_reason(output, limit, self.eos_ids),
                 "status": status_name(output.status),

@@ -1,0 +1,36 @@
+"""Without the `ray` extra, `generate --ray` and `serve --ray-replicas` stop with a message naming it."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from transformers_cb.cli.main import EXIT_BAD_INPUT, main
+from transformers_cb.scale_out import RAY_INSTALL_HINT, missing_ray_modules, require_ray_extra
+
+
+@pytest.fixture
+def without_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A None entry makes `import ray` fail and find_spec report it missing, whether or not it is installed.
+    for name in ("ray", "ray.data", "ray.serve"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_missing_modules_are_named(without_ray) -> None:
+    assert missing_ray_modules() == ["ray", "ray.data", "ray.serve"]
+    with pytest.raises(ImportError, match=r"batch jobs needs the optional 'ray' extra \(ray, ray.data,"):
+        require_ray_extra("batch jobs")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--ray", "--replicas", "2", "--input", "-"],
+        ["serve", "--ray-replicas", "2", "--port", "0"],
+    ],
+)
+def test_commands_name_the_extra(without_ray, argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    assert main(argv) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "optional 'ray' extra" in err and RAY_INSTALL_HINT in err
