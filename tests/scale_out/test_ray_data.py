@@ -45,7 +45,7 @@ def test_map_batches_with_two_actors_equals_one_process(ray_cluster, model_dir: 
         CBPredictor,
         fn_constructor_kwargs={"model": str(model_dir), "continuous_batching_config": CB_CONFIG},
         batch_size=64,
-        concurrency=2,
+        compute=ray.data.ActorPoolStrategy(size=2),
         num_cpus=ACTOR_CPUS,
     )
     out = sorted(dataset.take_all(), key=lambda r: r["row"])

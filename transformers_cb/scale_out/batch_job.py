@@ -128,7 +128,7 @@ def generate_on_ray(
         predictor_class,
         fn_constructor_kwargs=options.predictor_kwargs,
         batch_size=options.batch_size,
-        concurrency=options.replicas,
+        compute=ray.data.ActorPoolStrategy(size=options.replicas),
         num_cpus=options.num_cpus,
         num_gpus=options.num_gpus or None,
         # No max_restarts / max_task_retries here: Ray Data's actor pool already sets both to -1 (restart a

@@ -1,6 +1,7 @@
 """`CBPredictor`: the callable class of Ray Data's `Dataset.map_batches`, one model and engine per actor.
 
-    ds.map_batches(CBPredictor, fn_constructor_kwargs={"model": "/models/x"}, concurrency=4, num_gpus=1)
+    ds.map_batches(CBPredictor, fn_constructor_kwargs={"model": "/models/x"}, batch_size=256,
+                   compute=ray.data.ActorPoolStrategy(size=4), num_gpus=1)
 
 Ray builds the class once per actor (the model loads in `__init__`) and calls it on every batch the
 streaming executor hands that actor. A batch is a dict of columns (Ray Data's default format); each
@@ -114,7 +115,7 @@ class CBPredictor:
         columns = {name: _as_list(values) for name, values in batch.items()}
         num_rows = len(next(iter(columns.values()))) if columns else 0
         if num_rows == 0:
-            return {**columns, **{name: _column([]) for name in OUTPUT_COLUMNS}}
+            return {**batch, **{name: _column([]) for name in OUTPUT_COLUMNS}}
         per_input = self._sampling_columns(columns, num_rows)
         token_lists = [self._prompt_ids(columns, row) for row in range(num_rows)]
         outputs = generate_rows(
@@ -127,7 +128,7 @@ class CBPredictor:
             persistent_manager=True,  # one engine per actor: its cache is built once, reused per batch
         )
         limits = per_input["max_new_tokens"]
-        result = {name: _column(values) for name, values in columns.items()}
+        result = dict(batch)  # the input columns pass through as Ray Data gave them
         result.update(self._output_columns(outputs, limits))
         self.batches_done += 1
         return result
@@ -218,7 +219,7 @@ def _scalar(value: Any) -> Any:
 
 def _column(values: list[Any]) -> np.ndarray:
     """One output column; ragged lists (token ids) stay one list per row instead of a 2-D array."""
-    if values and isinstance(values[0], list):
+    if values and isinstance(values[0], (list, np.ndarray)):
         column = np.empty(len(values), dtype=object)
         for i, value in enumerate(values):  # a slice assignment would broadcast equal-length lists
             column[i] = value

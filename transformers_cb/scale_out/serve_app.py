@@ -33,14 +33,27 @@ DEPLOYMENT_OPTIONS = ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_reque
 
 
 def serve_namespace(options: Mapping[str, Any]) -> argparse.Namespace:
-    """`transformers-cb serve`'s arguments: its defaults, overridden by `options` (names as attributes)."""
-    subparsers = argparse.ArgumentParser().add_subparsers()
+    """`transformers-cb serve`'s arguments from `options` (names as attributes, values typed or strings as
+    `serve run ... key=value` gives them), parsed by the command's own parser: same types, same checks."""
+    subparsers = argparse.ArgumentParser(prog="transformers-cb").add_subparsers()
     add_serve_parser(subparsers)
-    defaults = vars(subparsers.choices["serve"].parse_args([]))
-    unknown = sorted(set(options) - set(defaults))
+    parser = subparsers.choices["serve"]
+    flags = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    unknown = sorted(set(options) - set(flags))
     if unknown:
-        raise ValueError(f"unknown transformers-cb serve option(s) {unknown}; known: {sorted(defaults)}")
-    namespace = argparse.Namespace(**{**defaults, **options})
+        raise ValueError(f"unknown transformers-cb serve option(s) {unknown}; known: {sorted(flags)}")
+    argv: list[str] = []
+    for name, value in options.items():
+        action = flags[name]
+        if action.nargs == 0:  # a switch (--no-logprobs): given when true
+            if str(value).lower() in ("1", "true", "yes"):
+                argv.append(action.option_strings[0])
+        elif value is not None:
+            argv += [action.option_strings[0], str(value)]
+    try:
+        namespace = parser.parse_args(argv)
+    except SystemExit:  # argparse printed the problem (e.g. "--dtype: invalid choice")
+        raise ValueError(f"bad transformers-cb serve options: {dict(options)}") from None
     namespace.func = None  # the replica runs no command; the namespace only carries options
     return namespace
 
@@ -111,6 +124,8 @@ def run_ray_serve(args: argparse.Namespace) -> int:
         require_ray_extra("transformers-cb serve --ray-replicas", ("ray", "ray.serve"))
     except ImportError as error:
         raise InputError(str(error)) from None
+    if args.port == 0:
+        raise InputError("--ray-replicas needs a fixed --port: Ray Serve's proxy cannot pick a free one")
     import ray
     from ray import serve
 
