@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.ray_jobs import ACTOR_CPUS, CB_CONFIG, DyingPredictor, requires_ray, text_prompts
 from transformers_cb.cli.main import build_parser, main
+from transformers_cb.cli.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.batch_job import run_ray_generate
 from transformers_cb.scale_out.predictor import CBPredictor
 
@@ -85,12 +86,16 @@ def _cli_args(model_dir: Path, source: Path, output: Path) -> list[str]:
 
 def test_cli_with_ray_and_two_replicas_writes_the_local_output(ray_cluster, model_dir, tmp_path) -> None:
     source = _write_input(tmp_path / "in.jsonl", 120)
+    with source.open("a", encoding="utf-8") as handle:  # one refused request: FAILED in both, exit status 1
+        handle.write("x" * (TINY_MAX_POSITIONS + 1) + "\n")
     local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
-    assert main(_cli_args(model_dir, source, local)) == 0
+    assert main(_cli_args(model_dir, source, local)) == 1
     ray_args = ["--ray", "--replicas", "2", "--ray-batch-size", "16", "--replica-cpus", str(ACTOR_CPUS)]
-    assert main([*_cli_args(model_dir, source, on_ray), *ray_args]) == 0
-    assert _records(on_ray) == _records(local)
-    assert len(_records(on_ray)) == 120
+    assert main([*_cli_args(model_dir, source, on_ray), *ray_args]) == 1
+    records = _records(on_ray)
+    assert records == _records(local)
+    assert len(records) == 121
+    assert [r["status"] for r in records].count("FAILED") == 1 and "exceeds" in records[-1]["error"]
 
 
 def test_a_killed_actor_loses_no_row_and_repeats_none(ray_cluster, model_dir, tmp_path) -> None:

@@ -79,15 +79,22 @@ def open_output_anywhere(path: str) -> Iterator[IO[str]]:
         with handle:
             yield handle
         return
-    import io
-
     from pyarrow import fs
 
     filesystem, inner = fs.FileSystem.from_uri(path)
-    buffer = io.StringIO()
-    yield buffer
     with filesystem.open_output_stream(inner) as stream:
-        stream.write(buffer.getvalue().encode("utf-8"))
+        yield _TextOver(stream)
+
+
+class _TextOver:
+    """Text lines written to a binary pyarrow stream as UTF-8, as they come (the file is never held whole)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(text.encode("utf-8"))
+        return len(text)
 
 
 @contextlib.contextmanager
