@@ -5,7 +5,9 @@
 
 Starts a local Ray cluster of `--num-cpus` CPUs, saves the benchmark model to a temporary directory (each
 actor loads it with `from_pretrained`, as on a cluster), and runs, side by side in one run:
-  - `process`: one `generate_batch` call over the whole workload in this process (no Ray);
+  - `process`: the same batches through one warm `CBPredictor` in this process, one after the other (no
+    Ray), on 1 torch thread (what Ray gives a 1-CPU actor: OMP_NUM_THREADS=1; `--process-threads` for more),
+    before Ray starts;
   - `ray xN`: `ray.data.from_items(...).map_batches(CBPredictor, compute=ActorPoolStrategy(size=N))` over the same rows,
     one CPU per actor, timed from the dataset's creation to the last row (actor starts included).
 `generation s` is the span from the first batch's start to the last batch's end (actor starts excluded).
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--actors", default="1,2", help="comma list of actor counts (default 1,2)")
     p.add_argument("--batch-size", type=int, default=250, help="rows per actor call (default 250)")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster (default 2)")
+    p.add_argument(
+        "--process-threads", default="1", help="comma list: torch threads of the in-process runs (default 1)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     return p.parse_args(argv)
 
@@ -75,11 +80,13 @@ class TimedPredictor:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
+        import torch
 
         start = time.time()
         out = self.predictor(batch)
         rows = len(out["status"])
         out["batch_start"], out["batch_end"] = np.full(rows, start), np.full(rows, time.time())
+        out["threads"] = np.full(rows, torch.get_num_threads())
         return out
 
 
@@ -90,20 +97,37 @@ def idle_load(seconds: float = 1.0) -> float | None:
     return other_load(start, cpu_snapshot())
 
 
-def run_process(model_dir: Path, workload: Any) -> tuple[float, list[list[int]]]:
+def workload_rows(workload: Any) -> list[dict[str, Any]]:
+    return [
+        {"row": i, "prompt_token_ids": r.prompt, "max_new_tokens": r.max_new_tokens}
+        for i, r in enumerate(workload.requests)
+    ]
+
+
+def run_process(
+    model_dir: Path, workload: Any, threads: int, batch_size: int
+) -> tuple[float, list[list[int]]]:
+    """The actors' work in this process: one `CBPredictor`, the same batches one after the other, warm
+    (a first batch of the warmup workload), on `threads` torch threads."""
+    import torch
+
+    from benchmarks.common import make_warmup_workload
     from transformers_cb.scale_out.predictor import CBPredictor
 
+    torch.set_num_threads(threads)
     predictor = CBPredictor(**predictor_kwargs(model_dir))
+    predictor(_columns(workload_rows(make_warmup_workload(MODEL_CONFIGS["mini"]["vocab_size"]))))
+    rows = workload_rows(workload)
     start = time.perf_counter()
-    outputs = predictor.model.generate_batch(
-        [r.prompt for r in workload.requests],
-        generation_config=predictor.generation_config,
-        continuous_batching_config=predictor.cb_config,
-        progress_bar=False,
-        max_new_tokens=[r.max_new_tokens for r in workload.requests],
-    )
-    wall = time.perf_counter() - start
-    return wall, [o.generated_tokens for o in outputs.values()]
+    tokens = []
+    for first in range(0, len(rows), batch_size):
+        out = predictor(_columns(rows[first : first + batch_size]))
+        tokens += [[int(t) for t in ids] for ids in out["generated_token_ids"]]
+    return time.perf_counter() - start, tokens
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {name: [row[name] for row in rows] for name in rows[0]}
 
 
 def run_ray(
@@ -112,12 +136,8 @@ def run_ray(
     """(wall from the dataset's creation to its last row, first batch start to last batch end, tokens)."""
     import ray
 
-    rows = [
-        {"row": i, "prompt_token_ids": r.prompt, "max_new_tokens": r.max_new_tokens}
-        for i, r in enumerate(workload.requests)
-    ]
     start = time.perf_counter()
-    dataset = ray.data.from_items(rows).map_batches(
+    dataset = ray.data.from_items(workload_rows(workload)).map_batches(
         TimedPredictor,
         fn_constructor_kwargs=predictor_kwargs(model_dir),
         batch_size=batch_size,
@@ -127,7 +147,8 @@ def run_ray(
     out = sorted(dataset.take_all(), key=lambda r: r["row"])
     wall = time.perf_counter() - start
     span = max(r["batch_end"] for r in out) - min(r["batch_start"] for r in out)
-    return wall, span, [[int(t) for t in r["generated_token_ids"]] for r in out]
+    threads = sorted({int(r["threads"]) for r in out})
+    return wall, span, threads, [[int(t) for t in r["generated_token_ids"]] for r in out]
 
 
 def actor_start(model_dir: Path) -> tuple[float, float]:
@@ -147,11 +168,33 @@ def actor_start(model_dir: Path) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    import ray
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     workload = make_workload(args.workload, MODEL_CONFIGS[args.model]["vocab_size"])
     root = str(Path(__file__).resolve().parent.parent)
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_model(args.model, Path(tmp))
+        ready, model_load = run_all(args, workload, model_dir, root, results)
+    return report(args, workload, results, ready, model_load)
+
+
+def run_all(
+    args: argparse.Namespace, workload: Any, model_dir: Path, root: str, results: list[dict[str, Any]]
+) -> tuple[float, float]:
+    """The in-process runs (before Ray starts), then the Ray runs; (actor ready s, model load s)."""
+    import ray
+
+    reference = None
+    for threads in [int(n) for n in args.process_threads.split(",")]:
+        load = idle_load()
+        wall, tokens = run_process(model_dir, workload, threads, args.batch_size)
+        reference = reference or tokens
+        label = f"process ({threads} thread{'s' if threads > 1 else ''})"
+        results.append(
+            {"engine": label, "wall_s": wall, "span_s": wall, "threads": threads, "other_load": load}
+            | {"matches": tokens == reference}
+        )
     ray.init(
         num_cpus=args.num_cpus,
         include_dashboard=False,
@@ -159,29 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         runtime_env={"env_vars": {"PYTHONPATH": root, "TOKENIZERS_PARALLELISM": "false"}},
     )
     ray.data.DataContext.get_current().enable_progress_bars = False
-    results: list[dict[str, Any]] = []
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            model_dir = save_model(args.model, Path(tmp))
+        for count in [int(n) for n in args.actors.split(",")]:
             load = idle_load()
-            wall, reference = run_process(model_dir, workload)
+            wall, span, threads, tokens = run_ray(model_dir, workload, count, args.batch_size)
             results.append(
-                {"engine": "process", "wall_s": wall, "span_s": wall, "other_load": load, "matches": True}
+                {"engine": f"ray x{count}", "wall_s": wall, "span_s": span, "other_load": load}
+                | {"threads": ",".join(map(str, threads)), "matches": tokens == reference}
             )
-            for count in [int(n) for n in args.actors.split(",")]:
-                load = idle_load()
-                wall, tokens = run_ray(model_dir, workload, count, args.batch_size)
-                results.append(
-                    {
-                        "engine": f"ray x{count}",
-                        "wall_s": wall,
-                        "other_load": load,
-                        "matches": tokens == reference,
-                    }
-                )
-            ready, model_load = actor_start(model_dir)
+        return actor_start(model_dir)
     finally:
         ray.shutdown()
+
+
+def report(
+    args: argparse.Namespace, workload: Any, results: list[dict[str, Any]], ready: float, model_load: float
+) -> int:
     base = results[0]["wall_s"]
     for row in results:
         row["req_per_s"] = len(workload.requests) / row["span_s"]
@@ -192,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         ("span_s", "generation s (first batch to last)"),
         ("req_per_s", "requests/s (generation)"),
         ("vs_process", "generation speed vs process"),
+        ("threads", "torch threads (each)"),
         ("matches", "tokens == process"),
         ("other_load", "other load (cores)"),
     ]
