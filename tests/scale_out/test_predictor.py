@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.support.ray_jobs import one_call_reference
 from tests.support.serve import CHAT_TEMPLATE
 from transformers_cb.cli.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.predictor import OUTPUT_COLUMNS, CBPredictor
@@ -18,17 +19,6 @@ def predictor() -> CBPredictor:
     return CBPredictor(None, max_new_tokens=6, chat_template=CHAT_TEMPLATE, continuous_batching_config=CB)
 
 
-def _reference(predictor: CBPredictor, token_lists: list[list[int]], max_new_tokens: list[int]) -> list:
-    outputs = predictor.model.generate_batch(
-        token_lists,
-        generation_config=predictor.generation_config,
-        continuous_batching_config=predictor.cb_config,
-        progress_bar=False,
-        max_new_tokens=max_new_tokens,
-    )
-    return [output.generated_tokens for output in outputs.values()]
-
-
 def test_text_rows_in_order_with_per_row_max_new_tokens(predictor: CBPredictor) -> None:
     prompts = ["a longer prompt than the others", "hi", "the middle one"]
     batch = {"prompt": np.array(prompts), "max_new_tokens": np.array([3, np.nan, 5]), "key": np.arange(3)}
@@ -36,7 +26,7 @@ def test_text_rows_in_order_with_per_row_max_new_tokens(predictor: CBPredictor) 
     assert set(OUTPUT_COLUMNS) <= set(out)
     assert list(out["key"]) == [0, 1, 2] and list(out["prompt"]) == prompts  # input columns kept
     ids = [predictor.tokenizer.encode(p) for p in prompts]
-    expected = _reference(predictor, ids, [3, 6, 5])
+    expected = one_call_reference(predictor, ids, [3, 6, 5])
     assert [list(t) for t in out["generated_token_ids"]] == expected
     assert list(out["num_generated_tokens"]) == [len(t) for t in expected]
     assert list(out["num_prompt_tokens"]) == [len(i) for i in ids]
@@ -52,7 +42,7 @@ def test_token_ids_and_chat_prompts(predictor: CBPredictor) -> None:
     token_ids = np.empty(2, dtype=object)
     token_ids[0], token_ids[1] = np.array([1, 70, 71, 72]), np.array([1, 80, 81, 82])  # equal lengths
     out = predictor({"prompt_token_ids": token_ids})
-    assert [list(t) for t in out["generated_token_ids"]] == _reference(
+    assert [list(t) for t in out["generated_token_ids"]] == one_call_reference(
         predictor, [[1, 70, 71, 72], [1, 80, 81, 82]], [6, 6]
     )
 
@@ -61,7 +51,7 @@ def test_token_ids_and_chat_prompts(predictor: CBPredictor) -> None:
     templated = CBPredictor.__new__(CBPredictor)
     templated.tokenizer = predictor.tokenizer
     ids = [templated._chat_ids(m) for m in messages]
-    assert [list(t) for t in chat["generated_token_ids"]] == _reference(predictor, ids, [6, 6])
+    assert [list(t) for t in chat["generated_token_ids"]] == one_call_reference(predictor, ids, [6, 6])
 
     wrapped = CBPredictor(
         None,

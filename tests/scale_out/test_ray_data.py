@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.ray_jobs import ACTOR_CPUS, CB_CONFIG, DyingPredictor, requires_ray, text_prompts
+from tests.support.ray_jobs import (
+    ACTOR_CPUS,
+    CB_CONFIG,
+    DyingPredictor,
+    one_call_reference,
+    requires_ray,
+    text_prompts,
+)
 from transformers_cb.cli.main import build_parser, main
 from transformers_cb.cli.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.batch_job import run_ray_generate
@@ -22,15 +29,7 @@ TIMING_KEYS = ("ttft_s", "latency_s")
 def _local_reference(model_dir: Path, prompts: list[str], max_new_tokens: list[int]) -> list[list[int]]:
     """One process, one `generate_batch` call over every prompt (greedy)."""
     predictor = CBPredictor(str(model_dir), continuous_batching_config=CB_CONFIG)
-    ids = [predictor.tokenizer.encode(p) for p in prompts]
-    outputs = predictor.model.generate_batch(
-        ids,
-        generation_config=predictor.generation_config,
-        continuous_batching_config=predictor.cb_config,
-        progress_bar=False,
-        max_new_tokens=max_new_tokens,
-    )
-    return [output.generated_tokens for output in outputs.values()]
+    return one_call_reference(predictor, [predictor.tokenizer.encode(p) for p in prompts], max_new_tokens)
 
 
 def test_map_batches_with_two_actors_equals_one_process(ray_cluster, model_dir: Path) -> None:

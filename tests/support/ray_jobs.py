@@ -44,6 +44,20 @@ def text_prompts(count: int, seed: int = 0) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(3, 60))) for _ in range(count)]
 
 
+def one_call_reference(
+    predictor: CBPredictor, token_lists: list[list[int]], max_new_tokens: list[int]
+) -> list[list[int]]:
+    """What one `generate_batch` call over every prompt gives, on `predictor`'s model and configs."""
+    outputs = predictor.model.generate_batch(
+        token_lists,
+        generation_config=predictor.generation_config,
+        continuous_batching_config=predictor.cb_config,
+        progress_bar=False,
+        max_new_tokens=max_new_tokens,
+    )
+    return [output.generated_tokens for output in outputs.values()]
+
+
 class DyingPredictor(CBPredictor):
     """A `CBPredictor` whose actor exits hard (as if killed) after `exit_after` batches, once per job:
     the first actor to get there creates `marker` and dies; every other actor, and the restarted one,

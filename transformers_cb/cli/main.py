@@ -9,16 +9,15 @@ object per prompt, in input order. See ``docs/cli.md``. ``transformers-cb serve`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import Any
 
 from ..serve.server import add_serve_parser
 from .inputs import InputError, read_requests, tokenize_requests
-from .records import build_record, eos_set, format_summary, generate_all
+from .records import build_record, eos_set, format_summary, generate_all, open_output
 
 __all__ = ["build_parser", "generate_all", "main", "run_generate"]
 
@@ -155,20 +154,6 @@ def _cb_config(args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _open_output(path: str) -> Iterator[IO[str]]:
-    if path == "-":
-        yield sys.stdout
-        sys.stdout.flush()
-        return
-    try:
-        handle = open(path, "w", encoding="utf-8")  # noqa: SIM115  (closed below)
-    except OSError as exc:
-        raise InputError(f"cannot write output file {path!r}: {exc.strerror}") from None
-    with handle:
-        yield handle
-
-
 # ---------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------
@@ -194,7 +179,7 @@ def run_generate(args: argparse.Namespace) -> int:
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
 
-    with _open_output(args.output) as handle:
+    with open_output(args.output) as handle:
         start = time.perf_counter()
         outputs = (
             generate_all(

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from .inputs import CliRequest, InputError
 
@@ -162,3 +164,18 @@ def format_summary(records: Sequence[dict], wall_s: float) -> str:
         f"requests: {len(records)}  failed: {failed}  prompt tokens: {prompt}  "
         f"generated tokens: {generated}  wall: {wall_s:.3f} s  throughput: {rate:.1f} generated tokens/s"
     )
+
+
+@contextlib.contextmanager
+def open_output(path: str) -> Iterator[IO[str]]:
+    """The output lines' destination: `-` (stdout) or a local file."""
+    if path == "-":
+        yield sys.stdout
+        sys.stdout.flush()
+        return
+    try:
+        handle = open(path, "w", encoding="utf-8")  # noqa: SIM115  (closed below)
+    except OSError as exc:
+        raise InputError(f"cannot write output file {path!r}: {exc.strerror}") from None
+    with handle:
+        yield handle

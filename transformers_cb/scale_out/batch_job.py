@@ -23,7 +23,7 @@ from typing import IO, Any
 from tqdm.auto import tqdm
 
 from ..cli.inputs import CliRequest, InputError, parse_requests, read_requests
-from ..cli.records import format_summary
+from ..cli.records import format_summary, open_output
 from . import require_ray_extra
 from .predictor import CBPredictor
 
@@ -67,16 +67,8 @@ def read_requests_anywhere(path: str | None) -> list[CliRequest]:
 @contextlib.contextmanager
 def open_output_anywhere(path: str) -> Iterator[IO[str]]:
     """`-` (stdout), a local file, or a URI written through a pyarrow filesystem."""
-    if path == "-":
-        yield sys.stdout
-        sys.stdout.flush()
-        return
-    if not is_uri(path):
-        try:
-            handle = open(path, "w", encoding="utf-8")  # noqa: SIM115  (closed below)
-        except OSError as exc:
-            raise InputError(f"cannot write output file {path!r}: {exc.strerror}") from None
-        with handle:
+    if path == "-" or not is_uri(path):
+        with open_output(path) as handle:
             yield handle
         return
     from pyarrow import fs
