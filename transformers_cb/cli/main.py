@@ -9,37 +9,23 @@ object per prompt, in input order. See ``docs/cli.md``. ``transformers-cb serve`
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any
+from collections.abc import Sequence
+from typing import Any
 
 from ..serve.server import add_serve_parser
-from .inputs import CliRequest, InputError, read_requests, tokenize_requests
+from .inputs import InputError, read_requests, tokenize_requests
+from .records import build_record, eos_set, format_summary, generate_all, open_output
+
+__all__ = ["build_parser", "generate_all", "main", "run_generate"]
 
 EXIT_OK = 0
 EXIT_REQUEST_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class RejectedOutput:
-    """Stands in for a ``GenerationOutput`` when ``generate_batch`` refused a request at submission."""
-
-    prompt_ids: list[int]
-    error: str
-    generated_tokens: list[int] = field(default_factory=list)
-    status: str = "FAILED"
-    finish_reason: str = "error"
-    created_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -92,7 +78,47 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--seed", type=int, default=0, help="torch seed; also seeds the built-in model's weights (default: 0)"
     )
+    ray = gen.add_argument_group("on a Ray cluster (the 'ray' extra; docs/scale_out.md)")
+    ray.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run on Ray Data: the cluster at ADDRESS, else the running one, else a new local one",
+    )
+    ray.add_argument("--replicas", type=_positive_int, default=1, help="model replicas (actors), default: 1")
+    ray.add_argument("--ray-batch-size", type=_positive_int, default=256, help="rows per actor call")
+    _add_replica_resources(ray)
     gen.set_defaults(func=run_generate)
+
+
+def _add_replica_resources(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica (default: 1)")
+    group.add_argument(
+        "--replica-gpus", type=float, default=0.0, help="GPUs per replica (default: 0; 1 on a GPU cluster)"
+    )
+
+
+def _add_serve_replicas(subparsers: argparse._SubParsersAction) -> None:
+    """`serve --ray-replicas N`: the OpenAI app as a Ray Serve deployment (scale_out/serve_app.py)."""
+    serve = subparsers.choices["serve"]
+    ray = serve.add_argument_group("on a Ray cluster (the 'ray' extra; docs/scale_out.md)")
+    ray.add_argument(
+        "--ray-replicas", type=_positive_int, default=None, help="serve N replicas with Ray Serve"
+    )
+    ray.add_argument("--ray-address", default=None, help="Ray cluster address (default: running, else local)")
+    _add_replica_resources(ray)
+    serve_locally = serve.get_default("func")
+
+    def run_serve(args: argparse.Namespace) -> int:
+        if args.ray_replicas is None:
+            return serve_locally(args)
+        from ..scale_out.serve_app import run_ray_serve
+
+        return run_ray_serve(args)
+
+    serve.set_defaults(func=run_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_generate_parser(subparsers)
     add_serve_parser(subparsers)
+    _add_serve_replicas(subparsers)
     return parser
 
 
@@ -122,134 +149,9 @@ def _cb_config(args: argparse.Namespace) -> Any:
     return transformers_cb.ContinuousBatchingConfig(**overrides)
 
 
-def generate_all(
-    model: Any,
-    token_lists: Sequence[list[int]],
-    max_new_tokens: Sequence[int],
-    eos_token_id: Any,
-    pad_token_id: Any,
-    cb_config: Any,
-    progress_bar: bool,
-) -> list[Any]:
-    """One ``generate_batch`` call (per-request ``max_new_tokens``); results in input order.
-
-    ``generate_batch`` validates every request before running any and raises a
-    ``ValueError`` starting with ``inputs[i]:`` for a bad one (e.g. a prompt longer than
-    the model's context). Such a request becomes a ``FAILED`` :class:`RejectedOutput`
-    carrying that message, and the others are submitted again without it.
-    """
-    from transformers import GenerationConfig
-
-    generation_config = GenerationConfig(
-        do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
-    )
-    rejected: dict[int, RejectedOutput] = {}
-    while True:
-        live = [i for i in range(len(token_lists)) if i not in rejected]
-        if not live:
-            return [rejected[i] for i in range(len(token_lists))]
-        try:
-            outputs = model.generate_batch(
-                inputs=[token_lists[i] for i in live],
-                generation_config=generation_config,
-                continuous_batching_config=cb_config,
-                progress_bar=progress_bar,
-                max_new_tokens=[max_new_tokens[i] for i in live],
-            )
-        except ValueError as exc:
-            match = _INPUT_INDEX.match(str(exc))
-            if match is None or int(match.group(1)) >= len(live):
-                raise InputError(f"generation rejected the input: {exc}") from exc
-            index = live[int(match.group(1))]
-            rejected[index] = RejectedOutput(
-                prompt_ids=list(token_lists[index]), error=str(exc)[match.end() :]
-            )
-            continue
-        # generate_batch keys results "req_<position in its inputs>".
-        by_position = {i: outputs[f"req_{k}"] for k, i in enumerate(live)}
-        return [rejected[i] if i in rejected else by_position[i] for i in range(len(token_lists))]
-
-
-_INPUT_INDEX = re.compile(r"^inputs\[(\d+)\]:\s*")
-
-
 # ---------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------
-
-
-def _status_name(status: Any) -> str:
-    return getattr(status, "name", None) or str(status)
-
-
-def _elapsed(start: float | None, end: float | None) -> float | None:
-    if start is None or end is None:
-        return None
-    return round(end - start, 6)
-
-
-def _eos_set(eos_token_id: Any) -> set[int]:
-    if eos_token_id is None:
-        return set()
-    return set(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else {eos_token_id}
-
-
-def _finish_reason(output: Any, max_new_tokens: int, eos_ids: set[int]) -> str | None:
-    reason = getattr(output, "finish_reason", None)
-    if reason is not None:
-        return str(reason)
-    if _status_name(output.status) != "FINISHED":
-        return {"FAILED": "error"}.get(_status_name(output.status), _status_name(output.status).lower())
-    tokens = list(output.generated_tokens)
-    if tokens and tokens[-1] in eos_ids:
-        return "stop"
-    if len(tokens) >= max_new_tokens:
-        return "length"
-    return None
-
-
-def build_record(
-    request: CliRequest, output: Any, tokenizer: Any, max_new_tokens: int, eos_ids: set[int]
-) -> dict:
-    tokens = [int(t) for t in output.generated_tokens]
-    created = getattr(output, "created_time", None)
-    return {
-        "id": request.id,
-        "text": tokenizer.decode(tokens, skip_special_tokens=True),
-        "token_ids": tokens,
-        "finish_reason": _finish_reason(output, max_new_tokens, eos_ids),
-        "status": _status_name(output.status),
-        "error": getattr(output, "error", None),
-        "prompt_tokens": len(output.prompt_ids),
-        "generated_tokens": len(tokens),
-        "ttft_s": _elapsed(created, getattr(output, "first_token_time", None)),
-        "latency_s": _elapsed(created, getattr(output, "finish_time", None)),
-    }
-
-
-@contextlib.contextmanager
-def _open_output(path: str) -> Iterator[IO[str]]:
-    if path == "-":
-        yield sys.stdout
-        sys.stdout.flush()
-        return
-    try:
-        handle = open(path, "w", encoding="utf-8")  # noqa: SIM115  (closed below)
-    except OSError as exc:
-        raise InputError(f"cannot write output file {path!r}: {exc.strerror}") from None
-    with handle:
-        yield handle
-
-
-def format_summary(records: Sequence[dict], wall_s: float) -> str:
-    generated = sum(r["generated_tokens"] for r in records)
-    prompt = sum(r["prompt_tokens"] for r in records)
-    failed = sum(1 for r in records if r["status"] != "FINISHED")
-    rate = generated / wall_s if wall_s > 0 else 0.0
-    return (
-        f"requests: {len(records)}  failed: {failed}  prompt tokens: {prompt}  "
-        f"generated tokens: {generated}  wall: {wall_s:.3f} s  throughput: {rate:.1f} generated tokens/s"
-    )
 
 
 # ---------------------------------------------------------------------------
@@ -260,6 +162,10 @@ def format_summary(records: Sequence[dict], wall_s: float) -> str:
 def run_generate(args: argparse.Namespace) -> int:
     from .loading import load_for_command, special_ids
 
+    if args.ray is not None:
+        from ..scale_out.batch_job import run_ray_generate
+
+        return run_ray_generate(args)
     requests = read_requests(args.input)
     try:
         cb_config = _cb_config(args)
@@ -273,7 +179,7 @@ def run_generate(args: argparse.Namespace) -> int:
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
 
-    with _open_output(args.output) as handle:
+    with open_output(args.output) as handle:
         start = time.perf_counter()
         outputs = (
             generate_all(
@@ -283,7 +189,7 @@ def run_generate(args: argparse.Namespace) -> int:
             else []
         )
         wall_s = time.perf_counter() - start
-        eos_ids = _eos_set(eos_token_id)
+        eos_ids = eos_set(eos_token_id)
         records = [
             build_record(req, out, tokenizer, limit, eos_ids)
             for req, out, limit in zip(requests, outputs, limits, strict=True)
