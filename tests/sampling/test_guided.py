@@ -50,7 +50,12 @@ def _prompts(tokenizer, count: int, offset: int = 0) -> list[list[int]]:
 
 def _run(model, tokenizer, prompts, config=GREEDY, cb: dict | None = None, **kwargs):
     return model.generate_batch(
-        prompts, config, ContinuousBatchingConfig(**(cb or {})), progress_bar=False, tokenizer=tokenizer, **kwargs
+        prompts,
+        config,
+        ContinuousBatchingConfig(**(cb or {})),
+        progress_bar=False,
+        tokenizer=tokenizer,
+        **kwargs,
     )
 
 
@@ -75,7 +80,10 @@ def _schema_for(i: int) -> dict:
 
 def _check_all_valid(tokenizer, outputs, schemas) -> None:
     for (request_id, output), schema in zip(outputs.items(), schemas, strict=True):
-        assert output.status == RequestStatus.FINISHED and output.finish_reason == "stop", (request_id, output)
+        assert output.status == RequestStatus.FINISHED and output.finish_reason == "stop", (
+            request_id,
+            output,
+        )
         jsonschema.validate(json.loads(_text(tokenizer, output)), schema)
 
 
@@ -102,7 +110,9 @@ def test_every_kind_of_constraint(model, tokenizer) -> None:
     assert texts[2] in ("yes", "no", "maybe")
     assert re.fullmatch(r"\(\d+(\+\d+)?\)", texts[3]), texts[3]
     # Any object: a random model's keys are long strings, so it may run out of tokens inside one.
-    assert texts[4].startswith("{") and (outputs[4].finish_reason == "length" or isinstance(json.loads(texts[4]), dict))
+    assert texts[4].startswith("{") and (
+        outputs[4].finish_reason == "length" or isinstance(json.loads(texts[4]), dict)
+    )
     jsonschema.validate(json.loads(texts[5]), SCHEMA)
     assert [o.finish_reason for i, o in enumerate(outputs[:6]) if i != 4] == ["stop"] * 5
     assert outputs[6].finish_reason == "length"

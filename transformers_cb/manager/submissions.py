@@ -48,7 +48,13 @@ class SubmissionOptions:
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
         return cls(
-            max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, forks, tuple(item_kwargs or ())
+            max_new_tokens,
+            streaming,
+            eos_token_id,
+            record_timestamps,
+            kwargs,
+            forks,
+            tuple(item_kwargs or ()),
         )
 
 

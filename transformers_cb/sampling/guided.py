@@ -86,7 +86,9 @@ def as_guided(value: Any, label: str) -> GuidedDecoding | None:
             except json.JSONDecodeError as error:
                 raise ValueError(f"{label}: guided json is not valid JSON text: {error}") from None
         if not isinstance(item, (dict, bool)):
-            raise ValueError(f"{label}: guided json must be a JSON schema (an object), got {type(item).__name__}")
+            raise ValueError(
+                f"{label}: guided json must be a JSON schema (an object), got {type(item).__name__}"
+            )
     elif kind == "choice":
         if isinstance(item, str) or not all(isinstance(c, str) for c in item) or not item:
             raise ValueError(f"{label}: guided choice must be a non-empty list of strings, got {item!r}")
