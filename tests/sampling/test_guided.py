@@ -10,6 +10,8 @@ import re
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from transformers import GenerationConfig
 
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding, RequestStatus
@@ -251,3 +253,55 @@ def test_preemption_and_sharing_keep_the_constraint_state(model, tokenizer, cb) 
         assert preempted, "the small cache was meant to preempt"
     _check_all_valid(tokenizer, tight, schemas)
     assert [o.generated_tokens for o in tight.values()] == [o.generated_tokens for o in roomy.values()]
+
+
+# -- property: schemas from a small grammar of types ------------------------------------------------
+_leaves = st.one_of(
+    st.builds(
+        lambda low, width: {"type": "integer", "minimum": low, "maximum": low + width},
+        st.integers(-50, 50),
+        st.integers(0, 99),
+    ),
+    st.builds(lambda low: {"type": "number", "minimum": low, "maximum": low + 10}, st.integers(-20, 20)),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 5)),
+    st.lists(
+        st.sampled_from(["x", "yy", "z z", 1, 2.5, True, None]), min_size=1, max_size=4, unique=True
+    ).map(lambda values: {"enum": values}),
+    st.just({"type": "boolean"}),
+)
+SCHEMAS = st.recursive(
+    _leaves,
+    lambda children: st.one_of(
+        st.builds(
+            lambda items, n: {"type": "array", "items": items, "maxItems": n}, children, st.integers(0, 3)
+        ),
+        st.dictionaries(st.text("abcdef_", min_size=1, max_size=4), children, min_size=1, max_size=3).map(
+            lambda props: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(props),
+                "additionalProperties": False,
+            }
+        ),
+    ),
+    max_leaves=6,
+)
+
+
+@settings(
+    max_examples=8,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(schemas=st.lists(SCHEMAS, min_size=4, max_size=4))
+def test_sampled_outputs_validate_against_generated_schemas(model, tokenizer, schemas) -> None:
+    outputs = _run(
+        model,
+        tokenizer,
+        _prompts(tokenizer, len(schemas)),
+        GenerationConfig(do_sample=True, max_new_tokens=200),
+        cb={"seed": 0},
+        guided=[{"json": schema} for schema in schemas],
+    )
+    _check_all_valid(tokenizer, outputs, schemas)
