@@ -14,6 +14,7 @@ llguidance is the optional extra `structured` (why it and not xgrammar or outlin
 from __future__ import annotations
 
 import json
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,24 @@ def _llguidance() -> Any:
             f"{EXTRA_HINT} ({error})"
         ) from error
     return llguidance
+
+
+# llguidance's view of a tokenizer takes ~0.1-1 s to build (it walks the vocabulary): one per tokenizer object,
+# vocabulary width and eos ids, shared by every engine (each generate_batch call builds a new engine).
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _ll_tokenizer(lib: Any, tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
+    key = (vocab_size, tuple(eos))
+    try:
+        per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: not shared
+        per_tokenizer = {}
+    if key not in per_tokenizer:
+        per_tokenizer[key] = lib.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+    return per_tokenizer[key]
 
 
 @dataclass(eq=False)
@@ -94,9 +113,7 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 raise ValueError(f"{label}: guided decoding needs a tokenizer (pass tokenizer=...)")
             try:
-                self._lltokenizer = lib.hf.from_tokenizer(
-                    self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos or None
-                )
+                self._lltokenizer = _ll_tokenizer(lib, self._tokenizer, self.vocab_size, self._eos)
             except Exception as error:  # noqa: BLE001 - llguidance's message names the problem
                 raise ValueError(f"{label}: llguidance cannot use this tokenizer: {error}") from error
             self._lib = lib
