@@ -288,6 +288,7 @@ SCHEMAS = st.recursive(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=8,
     deadline=None,
