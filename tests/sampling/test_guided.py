@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
+from tests.support.timeouts import hang_guard
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding, RequestStatus
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling.grammars import EXTRA_HINT
@@ -194,7 +195,7 @@ def test_bad_constraint_never_reaches_the_manager_thread(model, tokenizer) -> No
             manager.add_requests(_prompts(tokenizer, 2), guided=[{"regex": "x"}, {"regex": "("}])
         ids = manager.add_requests(_prompts(tokenizer, 2), guided=[{"choice": ["on", "off"]}, None])
         manager.add_request(_prompts(tokenizer, 1)[0], request_id="one", guided={"regex": "[xyz]{4}"})
-        results = {r.request_id: r for r in (manager.get_result(timeout=60) for _ in range(3))}
+        results = {r.request_id: r for r in (manager.get_result(timeout=hang_guard(60)) for _ in range(3))}
     finally:
         manager.stop(block=True)
     assert _text(tokenizer, results[ids[0]]) in ("on", "off")
