@@ -154,3 +154,18 @@ def test_bad_constraints_are_400_naming_the_field(client: Any, body: dict, param
     # ... and the server keeps serving
     text, _ = _complete(client, False, extra_body={"guided_choice": ["ok"]})
     assert text == "ok"
+
+
+def test_without_the_structured_extra_it_is_a_400_naming_it(
+    server: LiveServer, client: Any, monkeypatch: Any
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    # As on a server that never loaded it: the engine's compiler has not met llguidance yet.
+    monkeypatch.setattr(server.manager.engine.sampling.grammars, "_lltokenizer", None)
+    with pytest.raises(openai.BadRequestError, match="structured") as info:
+        client.completions.create(
+            model=MODEL_NAME, prompt="x", max_tokens=4, extra_body={"guided_regex": "[a-z]+"}
+        )
+    assert info.value.body["param"] == "guided_regex"
