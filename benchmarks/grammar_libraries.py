@@ -12,36 +12,24 @@ imported only by its own function.
 
 # ruff: noqa: B023 - each walk calls its closures before the loop moves on
 import json
+import os
 import random
 import statistics
 import sys
 import time
 
 import torch
-from tokenizers import Tokenizer, decoders, pre_tokenizers
-from tokenizers.models import BPE
-from transformers import PreTrainedTokenizerFast
 
 VOCAB = 32000
-rng = random.Random(0)
+EOS = 2
 
 
 def build_tokenizer():
-    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2}
-    for s in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[s] = len(vocab)
-    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789" * 3 + '{}[]":,.-_ Ġ'
-    while len(vocab) < VOCAB:
-        n = rng.choice([2, 2, 3, 3, 4, 4, 5, 6, 7, 8])
-        tok = "".join(rng.choice(alphabet) for _ in range(n)).replace(" ", "Ġ")
-        vocab.setdefault(tok, len(vocab))
-    backend = Tokenizer(BPE(vocab=vocab, merges=[], fuse_unk=False))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<s>", "</s>", "<pad>"])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    """The structured workload's byte-level tokenizer (benchmarks/structured.py), `VOCAB` ids; eos is id 2."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import structured
+
+    return structured.byte_tokenizer(VOCAB)
 
 
 SCHEMA = {
@@ -81,7 +69,7 @@ def walk(allowed_fn, consume_fn, done_fn, steps, seed):
         allowed, dt = allowed_fn()
         times.append(dt)
         ids = allowed.nonzero().flatten().tolist()
-        ids = [i for i in ids if i != 1] or ids
+        ids = [i for i in ids if i != EOS] or ids
         if not ids or done_fn():
             break
         consume_fn(r.choice(ids))
@@ -181,7 +169,7 @@ def bench_outlines(tok):
         if i in (0, 1, 2):
             continue
         mapping.setdefault(tok.convert_tokens_to_string([t]), []).append(i)
-    vocab = Vocabulary(1, mapping)
+    vocab = Vocabulary(EOS, mapping)
     tok_s = time.perf_counter() - t0
     compile_s = []
     idx = []
