@@ -4,6 +4,7 @@
                                     [--engines static,builtin,ours,limit] [--json out.json] [--scale 1.0]
                                     [--threads N] [--repeats 1] [--ref-requests 4] [--busy-core]
     python benchmarks/throughput.py --models mini --workloads many-short,many-short-8 --busy-core
+    python benchmarks/throughput.py --workloads structured --scale 0.5   (guided decoding vs none, benchmarks/structured.py)
 
 Prints a markdown table and writes the rows plus metadata as JSON (default `benchmarks/results/throughput.json`).
 The machine may be noisy: compare engines through the ratios of one run (they are measured side by side), not
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["mixed", "shared-prefix", "long-decode"],
         help="comma list of: mixed, shared-prefix, long-decode, many-short (1000 prompts of 8-40 tokens, 1 new "
         "token), many-short-8 (the same, 8 new tokens), memory-pressure (recompute vs CPU offload, "
-        "benchmarks/memory_pressure.py)",
+        "benchmarks/memory_pressure.py), structured (JSON-schema guided decoding vs none, benchmarks/structured.py)",
     )
     p.add_argument(
         "--engines",
@@ -137,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
 
         args.workloads.remove("memory-pressure")
         memory_pressure.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not args.workloads:
+            return 0
+
+    if "structured" in args.workloads:  # guided vs unconstrained: its own engines and table
+        import structured
+
+        args.workloads.remove("structured")
+        structured.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
             return 0
 

@@ -8,11 +8,13 @@ from .manager.results import ManagerDeadError, UnknownRequestError
 from .manager.stats import ManagerStats
 from .plugin import install, is_installed, uninstall
 from .requests import GenerationOutput, RequestStatus
+from .sampling.guided import GuidedDecoding
 
 __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "GenerationOutput",
+    "GuidedDecoding",
     "ManagerDeadError",
     "ManagerStats",
     "RequestStatus",

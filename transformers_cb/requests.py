@@ -99,7 +99,7 @@ class GenerationOutput:
     status: RequestStatus
     logprobs: list[float] | None = None
     error: str | None = None
-    finish_reason: str | None = None  # "stop" (eos or stop string), "length", "cancelled", "error"
+    finish_reason: str | None = None  # "stop" (eos, stop string, guided end), "length", "cancelled", "error"
     top_logprobs: list[dict[int, float]] | None = None  # per generated token, best first
     prompt_logprobs: list[float | None] | None = None  # per prompt token; the first is None
     created_time: float = 0.0
@@ -234,10 +234,13 @@ class Request:
             self.top_logprobs.append(top_logprobs)
 
     def stop_reason(self) -> str | None:
-        """'stop' (eos or a stop string) or 'length' once the last token ends the request, else None."""
+        """'stop' (eos, a stop string, the end of its guided grammar) or 'length' once the last token ends
+        the request, else None."""
         if self.generated_ids and self.generated_ids[-1] in self.eos_token_ids:
             return "stop"
         if self.sampling is not None and self.sampling.hits_stop_string(self.all_token_ids):
+            return "stop"
+        if self.sampling is not None and self.sampling.grammar_finished(self.generated_ids):
             return "stop"
         if len(self.generated_ids) >= self.max_new_tokens:
             return "length"

@@ -23,7 +23,7 @@ from tests.support.models import tiny_llama
 from tests.support.paths import REPO_ROOT, TP_WORKER
 from tests.support.reference import greedy_reference
 from tests.support.timeouts import hang_guard
-from tests.support.tp_worker import FAILURE_TIMEOUT_S, MAX_NEW, PROMPTS
+from tests.support.tp_worker import FAILURE_TIMEOUT_S, MAX_NEW, PROMPTS, guided_config
 from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
 from transformers_cb.memory.sizing import ModelShape
 
@@ -253,3 +253,25 @@ def test_offload_swaps_on_every_rank_and_matches_generate(tmp_path) -> None:
         assert record["host_pages"] == driver["host_pages"], rank  # agreed across ranks
         assert record["pages_out"] == driver["planned_out"] > 0, (rank, record)
         assert record["pages_in"] == record["pages_out"], (rank, record)
+
+
+@pytest.mark.slow  # two rank processes
+def test_guided_decoding_under_tensor_parallelism(model_dir, tmp_path) -> None:
+    """Masks are computed on rank 0, which samples; both ranks return what one process returns, preempted."""
+    pytest.importorskip("llguidance")
+    from transformers_cb.cli.tiny import build_tiny_tokenizer
+
+    records = run_ranks("guided", model_dir, tmp_path)
+    assert set(records) == {0, 1}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    greedy, tight, kwargs = guided_config()
+    alone = model.generate_batch(
+        PROMPTS, greedy, tight, progress_bar=False, tokenizer=build_tiny_tokenizer(), **kwargs
+    )
+    assert records[0] == records[1]
+    assert {rid: out["tokens"] for rid, out in records[0].items()} == {
+        rid: out.generated_tokens for rid, out in alone.items()
+    }
+    tokenizer = build_tiny_tokenizer()
+    for i in (0, 3):
+        json.loads(tokenizer.decode(records[0][f"req_{i}"]["tokens"], skip_special_tokens=True))

@@ -78,7 +78,7 @@ def live_server(
         **{"page_size": 16, "num_blocks": 64, "return_logprobs": True, **config}
     )
     manager = model.init_continuous_batching(
-        generation_config=greedy_config(tokenizer), continuous_batching_config=cb_config
+        generation_config=greedy_config(tokenizer), continuous_batching_config=cb_config, tokenizer=tokenizer
     )
     manager.start()
     state = ServeState(manager, tokenizer, MODEL_NAME, model.config.max_position_embeddings)

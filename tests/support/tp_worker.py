@@ -194,6 +194,39 @@ def offload(model) -> dict:
     }
 
 
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+        "s": {"type": "string", "maxLength": 4},
+    },
+    "required": ["n", "s"],
+    "additionalProperties": False,
+}
+
+
+def guided_config() -> tuple[GenerationConfig, ContinuousBatchingConfig, dict]:
+    """The `guided` scenario's settings (also run in one process by the test, as the reference)."""
+    greedy = GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None)
+    tight = ContinuousBatchingConfig(page_size=4, num_blocks=20, max_batch_tokens=16)
+    return (
+        greedy,
+        tight,
+        {"guided": [{"json": GUIDED_SCHEMA}, None, {"regex": "[ab]{3}c"}, {"json": GUIDED_SCHEMA}, None]},
+    )
+
+
+def guided(model) -> dict:
+    """Guided decoding on rank 0 only (the masks are computed where tokens are sampled); a tight cache."""
+    from transformers_cb.cli.tiny import build_tiny_tokenizer
+
+    greedy, tight, kwargs = guided_config()
+    outputs = model.generate_batch(
+        PROMPTS, greedy, tight, progress_bar=False, tokenizer=build_tiny_tokenizer(), **kwargs
+    )
+    return outputs_json(outputs)
+
+
 def bad_heads(model) -> dict:
     try:
         model.generate_batch([[5, 6, 7]], GenerationConfig(max_new_tokens=2), progress_bar=False)
@@ -210,6 +243,7 @@ SCENARIOS = {
     "kill_driver": driver_dies,
     "bad_heads": bad_heads,
     "offload": offload,
+    "guided": guided,
 }
 
 if __name__ == "__main__":

@@ -84,6 +84,10 @@ def generate_batch(
         temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_strings, top_logprobs,
             prompt_logprobs (kwargs): per-request parameters, one value for all or a list with one per
             input (see docs/sampling.md; the processor ones need `per_request_processors=True`).
+        guided (kwarg): the output must match a JSON schema, regex, choice list or grammar: a
+            `GuidedDecoding`, a dict such as `{"json": schema}` or a pydantic model class, one for all
+            inputs or a list with one per input (None: unconstrained); needs `tokenizer=` and the
+            `structured` extra (docs/structured_outputs.md).
 
     Returns:
         `{request_id: GenerationOutput}` in input order; request ids are `"req_<index>"`, each
@@ -93,7 +97,7 @@ def generate_batch(
     Raises:
         ValueError: naming the input index, for an empty prompt, an out-of-vocabulary token id,
             `max_new_tokens <= 0`, a request longer than the model's context or the whole cache, a bad
-            per-request parameter, or a wrong type.
+            per-request parameter, a guided constraint that does not compile, or a wrong type.
     """
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")

@@ -151,8 +151,9 @@ class Engine:
             seed=self.cb_config.seed,
             tokenizer=tokenizer,
             user_processors=list(logits_processor or ()),
+            vocab_size=self.shape.vocab_size,
         )
-        sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device)
+        sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device, self.sampling.grammars)
         self.runner = ModelRunner(model, self.packer, sampler, self.step_options, swapper)
         self.counters = EngineCounters()
         self.warmed_up = False

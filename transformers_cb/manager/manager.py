@@ -24,6 +24,7 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
+from ..sampling.guided import GuidedDecoding
 from .channels import async_channel, blocking_channel
 from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
 from .results import Deliver, ResultRouter
@@ -256,6 +257,7 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        guided: GuidedDecoding | dict[str, Any] | type | None = None,
         **logit_processor_kwargs: Any,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
@@ -266,6 +268,10 @@ class ContinuousBatchingManager:
         `prompt_logprobs`; docs/sampling.md), and `num_return_sequences` (default: the generation
         config's): n > 1 also gives results for the siblings `f"{request_id}__child#{i}"`,
         i < n - 1, which share the prompt's KV pages (docs/prefix_sharing.md).
+        `guided`: the output must match a JSON schema, regex, choice list or grammar (a `GuidedDecoding`,
+        a dict such as `{"json": schema}`, or a pydantic model class; needs the `structured` extra and
+        the manager's tokenizer; docs/structured_outputs.md). One that does not compile is a `ValueError`
+        with the grammar library's message.
 
         Raises:
             ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
@@ -274,9 +280,8 @@ class ContinuousBatchingManager:
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        options = SubmissionOptions.of(
-            max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
-        )
+        kwargs = {**logit_processor_kwargs, "guided": guided}
+        options = SubmissionOptions.of(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs)
         ids = self._submissions.submit([(input_ids, request_id)], options, False, self.max_queue_size)
         return None if ids is None else ids[0]
 
@@ -287,6 +292,7 @@ class ContinuousBatchingManager:
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
+        guided: GuidedDecoding | dict[str, Any] | type | Sequence[Any] | None = None,
         **logit_processor_kwargs: Any,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
@@ -295,10 +301,18 @@ class ContinuousBatchingManager:
 
         With prefix sharing on (`allow_block_sharing`), the requests reach the scheduler sorted by
         prompt, so that prompts sharing a prefix run one after the other and hit the prefix cache;
-        ids are still given in input order."""
+        ids are still given in input order. `guided`: one constraint for all inputs, or a list with one
+        per input (None: unconstrained)."""
         items = [(input_ids, None) for input_ids in inputs]
+        per_input = None
+        if isinstance(guided, (list, tuple)):
+            if len(guided) != len(items):
+                raise ValueError(f"guided: got {len(guided)} values for {len(items)} inputs")
+            per_input = [{"guided": value} for value in guided]
+            guided = None
+        kwargs = {**logit_processor_kwargs, "guided": guided}
         options = SubmissionOptions.of(
-            max_new_tokens, streaming, eos_token_id, record_timestamps, logit_processor_kwargs
+            max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, per_input
         )
         return self._submissions.submit(items, options, True, self.max_queue_size)
 

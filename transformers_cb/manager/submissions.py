@@ -31,6 +31,8 @@ class SubmissionOptions:
     record_timestamps: bool = False
     sampling_kwargs: dict[str, Any] = field(default_factory=dict)
     num_return_sequences: int | None = None  # None: the generation config's
+    # Per-item sampling kwargs over `sampling_kwargs` (add_requests' per-input `guided`), one per item.
+    item_kwargs: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def of(
@@ -40,11 +42,20 @@ class SubmissionOptions:
         eos_token_id: int | list[int] | None,
         record_timestamps: bool,
         kwargs: dict[str, Any],
+        item_kwargs: list[dict[str, Any]] | None = None,
     ) -> SubmissionOptions:
         """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones."""
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
-        return cls(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, forks)
+        return cls(
+            max_new_tokens,
+            streaming,
+            eos_token_id,
+            record_timestamps,
+            kwargs,
+            forks,
+            tuple(item_kwargs or ()),
+        )
 
 
 class Submissions:
@@ -143,7 +154,11 @@ class Submissions:
                     options.streaming,
                     label=label,
                     record_timestamps=options.record_timestamps,
-                    sampling_kwargs=options.sampling_kwargs,
+                    sampling_kwargs=(
+                        {**options.sampling_kwargs, **options.item_kwargs[index]}
+                        if options.item_kwargs
+                        else options.sampling_kwargs
+                    ),
                     num_return_sequences=options.num_return_sequences,
                 )
             )

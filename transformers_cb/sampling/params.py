@@ -3,7 +3,8 @@ function that validates the keyword arguments a caller passes per request.
 
 The per-request names are transformers' own (`add_request(..., **logit_processor_kwargs)`):
 `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, plus the
-output options `top_logprobs` and `prompt_logprobs`. See docs/sampling.md.
+output options `top_logprobs` and `prompt_logprobs` and the output constraint `guided` (guided.py).
+See docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from .guided import GuidedDecoding, as_guided
+
 # Processors whose value may differ per request (vectorized over the step's rows).
 VECTOR_PARAMS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 # Per-request options that are not processors: they never need the GenerationConfig to enable them.
 REQUEST_OPTIONS = ("seed", "stop_strings")
 OUTPUT_OPTIONS = ("top_logprobs", "prompt_logprobs")
-PER_REQUEST_KWARGS = (*VECTOR_PARAMS, *REQUEST_OPTIONS, *OUTPUT_OPTIONS)
+# What the output must match (docs/structured_outputs.md); needs a tokenizer, not the flag.
+CONSTRAINT_OPTIONS = ("guided",)
+PER_REQUEST_KWARGS = (*VECTOR_PARAMS, *REQUEST_OPTIONS, *OUTPUT_OPTIONS, *CONSTRAINT_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class SamplingParams:
     return_logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    guided: GuidedDecoding | None = None
 
 
 def enabled_vector_params(config: GenerationConfig) -> set[str]:
@@ -116,6 +122,8 @@ def _checked(name: str, value: Any, label: str) -> Any:
         value = [value] if isinstance(value, str) else value
         ok = isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value)
         value = tuple(value) if ok else value
+    elif name == "guided":
+        return as_guided(value, label)
     elif name == "top_logprobs":
         value = _int(name, value, label)
         ok = value >= 0
@@ -146,7 +154,7 @@ def resolve_request_params(
         raise ValueError(
             f"{label}: unknown per-request parameter(s) {unknown}; supported: {list(PER_REQUEST_KWARGS)}"
         )
-    needs_flag = sorted(set(given) - set(OUTPUT_OPTIONS))
+    needs_flag = sorted(set(given) - set(OUTPUT_OPTIONS) - set(CONSTRAINT_OPTIONS))
     if needs_flag and not per_request_processors:
         raise ValueError(
             f"{label}: per-request {needs_flag} need ContinuousBatchingConfig(per_request_processors=True)"

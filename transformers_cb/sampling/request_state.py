@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from .grammars import GrammarCompiler, GrammarState
 from .params import (
     SamplingParams,
     check_config_values,
@@ -38,6 +39,7 @@ class RequestSampling:
     row_processors: list[LogitsProcessor | None]  # one per row stage, None where inactive
     generator: torch.Generator | None = None
     stop: StopStringCriteria | None = None
+    grammar: GrammarState | None = None  # guided decoding (grammars.py)
     _history: torch.Tensor | None = field(default=None, repr=False)  # [1, capacity]
     _filled: int = 0
     _seen: torch.Tensor | None = field(default=None, repr=False)  # [vocab] bool
@@ -69,13 +71,18 @@ class RequestSampling:
     def hits_stop_string(self, token_ids: list[int]) -> bool:
         return self.stop is not None and hits_stop_string(self.stop, token_ids)
 
+    def grammar_finished(self, generated_ids: list[int]) -> bool:
+        """The request's constraint has reached its end (nothing but eos may follow)."""
+        return self.grammar is not None and self.grammar.finished(generated_ids)
+
 
 class SamplingSetup:
     """Args:
     config: the resolved GenerationConfig (defaults of every request).
     per_request_processors / return_logprobs / top_logprobs / prompt_logprobs / seed: from the
         ContinuousBatchingConfig.
-    tokenizer: needed only for stop strings.
+    tokenizer: needed only for stop strings and guided decoding.
+    vocab_size: the width of the model's logits (guided decoding's masks).
     user_processors: the caller's `logits_processor` list, applied to each request's own history.
     """
 
@@ -91,6 +98,7 @@ class SamplingSetup:
         seed: int | None = None,
         tokenizer: Any | None = None,
         user_processors: Sequence[LogitsProcessor] = (),
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.device = device
@@ -103,6 +111,9 @@ class SamplingSetup:
         check_config_values(self.base, config)
         self.stop_strings = StopStrings(tokenizer)
         self.stop_strings.check_available(self.base.stop_strings, "GenerationConfig.stop_strings")
+        eos = config.eos_token_id
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
+        self.grammars = GrammarCompiler(tokenizer, vocab_size or 0, eos_ids)
 
     def attach(
         self,
@@ -124,6 +135,7 @@ class SamplingSetup:
             or params.return_logprobs
             or params.prompt_logprobs
             or bool(params.stop_strings)
+            or params.guided is not None
         )
         if not needs_state:
             request.sampling = None
@@ -144,4 +156,5 @@ class SamplingSetup:
             row_processors=[stage.factory(context) for stage in self.row_stages],
             generator=generator,
             stop=self.stop_strings.criteria(params.stop_strings) if params.stop_strings else None,
+            grammar=self.grammars.state(params.guided, label) if params.guided is not None else None,
         )

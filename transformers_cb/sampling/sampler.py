@@ -14,6 +14,7 @@ import torch
 
 from ..config.generation_fields import check_generation_config
 from . import warpers
+from .grammars import GrammarCompiler
 from .processors import Stage
 from .request_state import RequestSampling
 
@@ -35,12 +36,20 @@ class Sampler:
     Args:
         stages: the processing pipeline (processors.build_stages).
         do_sample: draw from the processed distribution; otherwise argmax.
+        grammars: masks the rows of guided requests (their `sampling.grammar`), before any stage.
     """
 
-    def __init__(self, stages: list[Stage], do_sample: bool, device: torch.device) -> None:
+    def __init__(
+        self,
+        stages: list[Stage],
+        do_sample: bool,
+        device: torch.device,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.stages = stages
         self.do_sample = do_sample
         self.device = device
+        self.grammars = grammars
         self._row_index = {id(stage): i for i, stage in enumerate(s for s in stages if s.kind == "row")}
 
     def sample(self, logits: torch.Tensor, requests: list[Any]) -> Samples:
@@ -49,9 +58,23 @@ class Sampler:
         if all(state is None for state in states):
             # Greedy without processors or outputs: the hot path, one argmax.
             return Samples(tokens=logits.argmax(dim=-1).tolist())
+        self._mask(logits, requests, states)
         scores = self.process(logits, requests)
         tokens = self._draw(scores, states) if self.do_sample else scores.argmax(dim=-1)
         return self._outputs(scores, tokens, states)
+
+    def _mask(self, logits: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> None:
+        """Guided rows: only the tokens their grammar allows next (in place, those rows only). As vLLM
+        does, before the processors: top-k / top-p then choose among allowed tokens."""
+        rows = [i for i, state in enumerate(states) if state is not None and state.grammar is not None]
+        if not rows:
+            return
+        grammar_states = []
+        for i in rows:
+            grammar = states[i].grammar
+            grammar.sync(requests[i].generated_ids)
+            grammar_states.append(grammar)
+        self.grammars.apply_masks(logits, rows, grammar_states)
 
     def process(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
         """The scores `generate()` would sample from for each row (its processed `scores`)."""

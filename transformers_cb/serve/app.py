@@ -31,6 +31,7 @@ from .choices import (
     sampling_kwargs,
     submit_choices,
 )
+from .guided import guided_of
 from .metrics import ServerMetrics
 from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .responses import ChoiceTotals, ResponseShape, sse
@@ -184,8 +185,16 @@ async def _generate(
     if want_logprobs and not _engine_returns_logprobs(state):
         raise ApiError(400, "logprobs: the server was started with --no-logprobs", param="logprobs")
     sampling = sampling_kwargs(state.manager, body.temperature, body.top_p, body.top_k, body.seed)
+    guided, guided_field = guided_of(body)
+    if guided is not None:
+        sampling["guided"] = guided
     prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    submitted = submit_choices(state.manager, prompts, body.n, max_new_tokens, sampling, prefix)
+    try:
+        submitted = submit_choices(state.manager, prompts, body.n, max_new_tokens, sampling, prefix)
+    except ApiError as error:
+        if error.param == "guided":  # name the field the client sent
+            error.param = guided_field
+        raise
     try:
         shape = ResponseShape(
             kind, prefix, state.model_name, state.tokenizer, want_logprobs, sum(map(len, prompts))

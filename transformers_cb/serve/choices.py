@@ -129,6 +129,9 @@ def submit_choices(
 def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseException:
     if isinstance(error, ApiError):
         return error
+    if isinstance(error, ImportError) and "guided" in sampling:
+        # Structured outputs without the `structured` extra: the message names it.
+        return ApiError(400, str(error), param="guided")
     if isinstance(error, queue.Full):
         return ApiError(429, f"the request queue is full, retry later ({error})", code="queue_full")
     if isinstance(error, (NotImplementedError, TypeError)) and sampling:

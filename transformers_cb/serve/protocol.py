@@ -46,6 +46,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`: the schema is under `schema`."""
+
+    name: str
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by completions and chat completions."""
 
@@ -64,6 +78,12 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # Structured outputs (serve/guided.py): OpenAI's response_format, vLLM's guided_* extensions.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -124,24 +144,17 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        _refuse_unless(self.response_format is None or self.response_format.type == "text", "response_format")
         _refuse_unless(not self.tools, "tools")
         _refuse_unless(self.tool_choice in (None, "none"), "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:

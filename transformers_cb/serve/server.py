@@ -129,7 +129,7 @@ def build_state(args: argparse.Namespace) -> Any:
         do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
     )
     manager = model.init_continuous_batching(
-        generation_config=generation_config, continuous_batching_config=cb_config
+        generation_config=generation_config, continuous_batching_config=cb_config, tokenizer=tokenizer
     )
     manager.start()
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
