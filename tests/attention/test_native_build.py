@@ -1,7 +1,8 @@
 """Building the native kernel ahead of use: a killed build blocks nobody, each environment builds its own
 binary once, a machine without a compiler runs and warns once.
 
-Every test runs real processes against a private kernel folder (`TRANSFORMERS_CB_KERNEL_DIR`): the build,
+Every test runs real processes (so all are `slow`, the tier of fresh interpreters; the venvs one compiles
+twice) against a private kernel folder (`TRANSFORMERS_CB_KERNEL_DIR`): the build,
 the lock and the warnings are per process, and what matters is what a *new* process does.
 """
 
@@ -17,9 +18,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support.paths import REPO_ROOT
+from tests.support.processes import run_process
 from tests.support.timeouts import hang_guard
 from transformers_cb.attention.native_build import KERNEL_DIR_ENV, MODULE_NAME, KernelFolder, lock_owner
 
@@ -38,6 +41,7 @@ SERVE_SCRIPT = textwrap.dedent(
     """
 )
 WARNING = "native CPU paged-attention kernel unavailable"
+pytestmark = pytest.mark.slow  # fresh interpreters, every one
 
 
 def _env(kernel_dir: Path, **extra: str) -> dict[str, str]:
@@ -48,24 +52,13 @@ def _env(kernel_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def _build_kernels(env: dict[str, str], python: str = sys.executable) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [python, "-m", "transformers_cb.cli.main", "build-kernels"],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=hang_guard(900),
-    )
+    command = [python, "-m", "transformers_cb.cli.main", "build-kernels"]
+    return run_process(command, timeout=900, env=env, cwd=REPO_ROOT, text=True)
 
 
 def _serve(env: dict[str, str], calls: int = 1) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", SERVE_SCRIPT, str(calls)],
-        env=env,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=hang_guard(180),
+    return run_process(
+        [sys.executable, "-c", SERVE_SCRIPT, str(calls)], timeout=180, env=env, cwd=REPO_ROOT, text=True
     )
 
 
@@ -79,9 +72,16 @@ def _wait_for(condition, seconds: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process under it (ninja starts the compiler in a process group of its own)."""
+    try:
+        process = psutil.Process(pid)
+        tree = [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.send_signal(signal.SIGKILL)
 
 
 def _folders(root: Path) -> list[Path]:
@@ -104,7 +104,7 @@ def test_a_build_killed_mid_compile_blocks_no_later_process(tmp_path: Path) -> N
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the kill takes ninja and the compiler too
+        start_new_session=True,
     )
     try:
         # Mid-compile: the lock is taken and torch has written the build file its ninja runs.
@@ -112,7 +112,7 @@ def test_a_build_killed_mid_compile_blocks_no_later_process(tmp_path: Path) -> N
         _wait_for(lambda: list(folder.glob("tmp-*/build.ninja")), 120, "the compile to start")
         assert builder.poll() is None, builder.stdout.read().decode() if builder.stdout else ""
     finally:
-        _kill_group(builder.pid)
+        _kill_tree(builder.pid)
         builder.wait(timeout=hang_guard(30))
     assert builder.returncode == -signal.SIGKILL
     assert (folder / "lock").exists() and lock_owner_pid(folder) == builder.pid
@@ -132,7 +132,7 @@ def test_a_build_killed_mid_compile_blocks_no_later_process(tmp_path: Path) -> N
     finally:
         owner = lock_owner_pid(folder)
         if owner and owner != builder.pid:
-            _kill_group(owner)  # the background build needs no finishing here
+            _kill_tree(owner)  # the background build needs no finishing here
     assert new_owner != builder.pid
 
 
@@ -159,7 +159,6 @@ def _stamp(library: Path) -> tuple[int, int]:
     return stat.st_ino, stat.st_mtime_ns
 
 
-@pytest.mark.slow
 def test_environments_build_their_own_kernel_once_and_never_each_others(tmp_path: Path) -> None:
     """Two venvs with the same torch share one binary (the second builds nothing); an environment that
     changes the binary (another compiler) gets its own folder; after all of it, each library is the one
