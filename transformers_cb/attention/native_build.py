@@ -279,10 +279,8 @@ def build(folder: KernelFolder, wait: bool, timeout: float | None = None) -> str
 
 def start_background_build(folder: KernelFolder) -> subprocess.Popen:
     """Run `build` in a detached subprocess (its own session: it outlives the caller, which never waits)."""
-    import transformers_cb
-
     folder.path.mkdir(parents=True, exist_ok=True)
-    package_parent = str(Path(transformers_cb.__file__).resolve().parent.parent)
+    package_parent = str(Path(__file__).resolve().parents[2])  # the folder holding transformers_cb/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     with open(folder.log, "ab") as log:
