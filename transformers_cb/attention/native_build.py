@@ -14,7 +14,7 @@ held longer than the build timeout counts as stale too: the next builder builds 
 makes two concurrent builds merely wasteful). A compile error is written to `failed.txt` and not retried
 until `transformers-cb build-kernels` is run again.
 
-`python -m transformers_cb.attention.native_build` is the background builder that `native.py` starts in a
+`native_build.main` (run with `python -c`) is the background builder that `native.py` starts in a
 subprocess at first use; `transformers-cb build-kernels` (cli/) runs the same build in the foreground.
 """
 
@@ -285,7 +285,8 @@ def start_background_build(folder: KernelFolder) -> subprocess.Popen:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     with open(folder.log, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", __name__, "--folder", str(folder.path)],
+            # -c, not -m: the package's import of this module precedes runpy's (its RuntimeWarning).
+            [sys.executable, "-c", _BUILDER, "--folder", str(folder.path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=log,
@@ -294,7 +295,11 @@ def start_background_build(folder: KernelFolder) -> subprocess.Popen:
         )
 
 
-def _main(argv: list[str] | None = None) -> int:
+_BUILDER = f"import sys; from {__name__} import main; sys.exit(main(sys.argv[1:]))"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The background builder: `build` of the folder the parent computed, bounded by the build timeout."""
     parser = argparse.ArgumentParser(description="background build of the native paged-attention kernel")
     parser.add_argument("--folder", required=True, help="the kernel folder the parent computed")
     args = parser.parse_args(argv)
@@ -313,7 +318,3 @@ def _main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: {outcome} {folder.library}", flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())
