@@ -10,6 +10,10 @@
 #
 # Without a working nvidia-smi, torch is installed as $(TORCH_CPU) first so that pip
 # does not pull a multi-GB CUDA build; with one, plain $(TORCH_GPU).
+#
+# Every install target then builds the native CPU paged-attention kernel (`transformers-cb
+# build-kernels`, into $XDG_CACHE_HOME/transformers_cb/kernels/<key>/), so the first request loads a
+# ready library; without a C++ compiler it warns once and the install still succeeds.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +25,7 @@ PIP_ARGS ?=
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: install install-serve install-test run serve test test-fast lint format bench clean-venv
+.PHONY: install install-serve install-test build-kernels run serve test test-fast lint format bench clean-venv
 
 install: $(VENV)/.installed-run
 
@@ -44,15 +48,22 @@ $(VENV)/.installed-torch: | $(BIN)/python
 
 $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-torch
 	$(PIP) install $(PIP_ARGS) -e .
+	$(BIN)/transformers-cb build-kernels
 	touch $@
 
 $(VENV)/.installed-serve: pyproject.toml | $(VENV)/.installed-torch
 	$(PIP) install $(PIP_ARGS) -e ".[serve]"
+	$(BIN)/transformers-cb build-kernels
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-torch
 	$(PIP) install $(PIP_ARGS) -e ".[test,serve]"
+	$(BIN)/transformers-cb build-kernels
 	touch $@
+
+# Again by hand (e.g. after clearing the cache folder, or to retry a failed build: ARGS=--retry).
+build-kernels: $(VENV)/.installed-run
+	$(BIN)/transformers-cb build-kernels $(ARGS)
 
 run: $(VENV)/.installed-run
 	$(BIN)/transformers-cb generate $(ARGS)

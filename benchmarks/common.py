@@ -26,7 +26,7 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -586,6 +586,34 @@ class OursNoSharingEngine(OursEngine):
     def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
         cfg, settings, ignored = super()._config(workload)
         return dataclasses.replace(cfg, allow_block_sharing=False), settings, ignored
+
+
+class OursTorchKernelsEngine(OursEngine):
+    """`OursEngine` with the native CPU kernel switched off (`TRANSFORMERS_CB_NATIVE_KERNEL=0`): the pure-torch
+    paged kernels, which is what ran in bf16 / fp16 before the kernel took those dtypes."""
+
+    name = "ours-torch-kernels"
+
+    def warmup(self, model: LlamaForCausalLM, workload: Workload) -> None:
+        with _native_kernel_off():
+            super().warmup(model, workload)
+
+    def run(self, model: LlamaForCausalLM, workload: Workload) -> RunResult:
+        with _native_kernel_off():
+            return super().run(model, workload)
+
+
+@contextlib.contextmanager
+def _native_kernel_off() -> Iterator[None]:
+    saved = os.environ.get("TRANSFORMERS_CB_NATIVE_KERNEL")
+    os.environ["TRANSFORMERS_CB_NATIVE_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["TRANSFORMERS_CB_NATIVE_KERNEL"]
+        else:
+            os.environ["TRANSFORMERS_CB_NATIVE_KERNEL"] = saved
 
 
 class OursTransformersConfigEngine(OursEngine):

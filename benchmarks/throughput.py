@@ -3,6 +3,7 @@
     python benchmarks/throughput.py [--models tiny,small] [--workloads mixed,shared-prefix,long-decode]
                                     [--engines static,builtin,ours,limit] [--json out.json] [--scale 1.0]
                                     [--threads N] [--repeats 1] [--ref-requests 4] [--busy-core]
+                                    [--dtype float32|bfloat16|float16]
     python benchmarks/throughput.py --models mini --workloads many-short,many-short-8 --busy-core
     python benchmarks/throughput.py --workloads structured --scale 0.5   (guided decoding vs none, benchmarks/structured.py)
 
@@ -24,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 ENGINE_NAMES = (
-    "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled", "limit"
+    "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
+    "ours-torch-kernels", "limit",
 )  # fmt: skip
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
 
 
@@ -53,8 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--engines",
         type=_csv,
-        default=[name for name in ENGINE_NAMES if name != "ours-compiled"],  # compile: opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), limit (limit is always added: ratios need it; see --no-limit)",
+        default=[
+            name for name in ENGINE_NAMES if name not in ("ours-compiled", "ours-torch-kernels")
+        ],  # opt in
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-torch-kernels (the native CPU kernel off), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -88,6 +93,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="time every engine twice, quiet and with a one-core busy loop process running beside it, and "
         "report the slowdown (busy / quiet)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="dtype of the model and its KV cache (default float32)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and of the workloads")
     p.add_argument(
@@ -171,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursSampledEngine(settings_fn)
         if name == "ours-compiled":
             return common.OursCompiledEngine(settings_fn)
+        if name == "ours-torch-kernels":
+            return common.OursTorchKernelsEngine(settings_fn)
         return common.LimitEngine(repeats=args.limit_repeats)
 
     def log(msg: str) -> None:
@@ -180,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     models_meta: dict[str, Any] = {}
     workloads_meta: dict[str, Any] = {}
     for model_name in args.models:
-        model = common.build_model(model_name, seed=args.seed)
+        model = common.build_model(model_name, seed=args.seed, dtype=getattr(torch, args.dtype))
         nparams = common.param_count(model)
         models_meta[model_name] = {"params": nparams, "config": common.MODEL_CONFIGS[model_name]}
         log(f"== model {model_name}: {nparams / 1e6:.2f}M parameters")
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         ("errors", "errors"),
     ]
     print()
-    print(f"threads={threads} scale={args.scale} repeats={args.repeats} seed={args.seed}")
+    print(f"threads={threads} scale={args.scale} repeats={args.repeats} seed={args.seed} dtype={args.dtype}")
     for name, meta in models_meta.items():
         print(f"model {name}: {meta['params']:,} parameters")
     for name, meta in workloads_meta.items():

@@ -19,7 +19,7 @@ from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA3, is_flash_backend
-from transformers_cb.attention.native import native_module
+from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
@@ -34,7 +34,7 @@ KERNELS = [*sorted(ATTENDS), NATIVE]
 def kernel_step(*args, kernel: str = "sdpa", **kwargs) -> KernelStep:
     """`build_kernel_step`, packed for the native kernel when `kernel` is "native" (skipped when it
     cannot be built on this machine)."""
-    if kernel == NATIVE and native_module() is None:
+    if kernel == NATIVE and ensure_native_module() is None:
         pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
     return build_kernel_step(*args, native=kernel == NATIVE, **kwargs)
 
@@ -219,13 +219,17 @@ def test_registered_backend_matches_reference(case: str, backend: str) -> None:
     check_kernel(step, backend)
 
 
-@pytest.mark.parametrize("attend_name", sorted(ATTENDS))
+@pytest.mark.parametrize("attend_name", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_kernel_low_precision(page_size: int, dtype: torch.dtype, attend_name: str) -> None:
+    """bf16 / fp16 caches, the native kernel included (it reads them as they are, accumulates in float32)."""
     seqs = [(37, 1), (5, 1), (page_size + 1, 2 * page_size), (0, 9), (60, 1)]
-    step = build_kernel_step(seqs, page_size, 8, 2, 32, dtype=dtype, seed=7)
+    step = kernel_step(seqs, page_size, 8, 2, 32, dtype=dtype, seed=7, kernel=attend_name)
     check_kernel(step, attend_name)
+    if attend_name == NATIVE:  # the decodes and the short chunks ran in the kernel, in this dtype
+        native = sum(q for past, q in seqs if q == 1 or q * (past + q) <= NATIVE_PREFILL_MAX_WORK)
+        assert step.metadata.native_tokens == native == sum(q for _, q in seqs)
 
 
 @st.composite
@@ -428,7 +432,10 @@ def test_decode_groups_never_mix_requests(kv_lens: list[int], page_size: int, se
 def test_low_precision_decodes_attend_at_their_exact_length(dtype: torch.dtype) -> None:
     """In bf16 / fp16 a decode group holds only equal KV lengths (no padded, masked keys): a softmax over a
     padded key range rounds differently from `generate()`'s exact-length attention and flips greedy ties
-    (seen on the getting-started flow in bf16). float32 still pads within `DECODE_PADDING_BOUND`."""
+    (seen on the getting-started flow in bf16). float32 still pads within `DECODE_PADDING_BOUND`.
+    These are the torch kernels' decode groups (the packer without the native kernel: CUDA, or a machine
+    without a compiler); with the native kernel there are no decode groups at all, each row attends at its
+    exact length in the kernel, whatever the dtype (`test_kernel_low_precision`)."""
     kv_lens = [40, 38, 38, 35, 12]
     step = build_kernel_step([(n - 1, 1) for n in kv_lens], 16, 4, 2, 16, dtype=dtype, seed=5)
     groups = step.metadata.groups[0].decode_groups

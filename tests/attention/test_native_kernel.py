@@ -1,6 +1,7 @@
 """The native CPU paged-attention kernel in the engine: used when built, same tokens as generate()
-with it and without it, one attention call per layer however many short requests a step holds,
-and a clean fall-back when it cannot be built. The kernel's numerics against the reference kernel
+with it and without it (float32, and bf16 / fp16 against generate() in that dtype), one attention call
+per layer however many short requests a step holds, and a clean fall-back when it cannot be built.
+Building it (folders, locks, a missing compiler across processes) is tests/attention/test_native_build.py. The kernel's numerics against the reference kernel
 are in conformance/test_kernels.py (the "native" cases)."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers_cb.runner.model_runner import ModelRunner
 from transformers_cb.runner.packing import BatchPacker
 
 pytestmark = pytest.mark.skipif(
-    native.native_module() is None,
+    native.ensure_native_module() is None,
     reason="the native CPU kernel cannot be built here (see the logged reason)",
 )
 
@@ -101,17 +102,39 @@ def test_one_attention_call_per_layer_whatever_the_number_of_short_requests() ->
         assert steps[-1] == (count, {"native": layers, "attend": 0}), steps
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt_oss"])
+def test_low_precision_parity_through_the_native_kernel(family: str, dtype: torch.dtype) -> None:
+    """bf16 / fp16 models decode through the native kernel (it reads the caches as they are and
+    accumulates in float32), with generate()'s tokens in the same dtype: identical where the top-2 logit
+    margin allows, otherwise a near-tie within the dtype's tolerance, continued from there (check_parity,
+    as in the whole conformance suite). Uneven lengths, sliding windows with softcaps, sinks."""
+    model = build_tiny_model(family, seed=0).to(dtype)
+    prompts = random_prompts(8, vocab_size(model), 3, 40, seed=1)
+    references = ReferenceCache(model, 24)
+    expected = [references.get(p) for p in prompts]
+    calls = mock.Mock(wraps=paged.native_paged_attention)
+    with using_backend(model, family, backends_for(family)[0]) as paged_model:
+        with mock.patch.object(paged, "native_paged_attention", calls):
+            outputs, _ = run_batch(
+                paged_model, prompts, greedy_config(24), page_size=16, max_batch_tokens=256
+            )
+        check_parity(paged_model, prompts, outputs, expected, f"{family} {dtype} native")
+    assert calls.call_count > 0
+    assert all(call.args[0].dtype == dtype and call.args[1].dtype == dtype for call in calls.call_args_list)
+
+
 def test_failed_build_falls_back_to_the_python_kernels(monkeypatch, caplog) -> None:
+    """In-process: no compiler (a CXX that does not exist), so no kernel folder, one warning, the
+    torch kernels, generate()'s tokens."""
     monkeypatch.setattr(native, "_state", {})
-
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("no C++ compiler found\nmore detail")
-
-    monkeypatch.setattr("torch.utils.cpp_extension.load_inline", no_compiler)
+    monkeypatch.setenv("CXX", "/nonexistent/bin/c++")
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native.native_module() is None
-    assert (
-        "native CPU paged-attention kernel unavailable (RuntimeError: no C++ compiler found)" in caplog.text
+        assert native.native_module() is None
+        assert native.ensure_native_module() is None
+    assert caplog.text.count("native CPU paged-attention kernel unavailable (no C++ compiler") == 1, (
+        caplog.text
     )
     cache = PagedKVCache(1, 4, 4, 2, 8, torch.float32, torch.device("cpu"))
     assert not BatchPacker(cache, 2, torch.device("cpu")).native
@@ -122,10 +145,16 @@ def test_failed_build_falls_back_to_the_python_kernels(monkeypatch, caplog) -> N
     check_parity(model, prompts, outputs, [references.get(p) for p in prompts], "fallback")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_native_kernel_takes_every_float_dtype(dtype: torch.dtype) -> None:
+    cache = PagedKVCache(1, 4, 4, 2, 8, dtype, torch.device("cpu"))
+    assert BatchPacker(cache, 2, torch.device("cpu")).native
+
+
 def test_native_required_where_it_cannot_run_is_an_error() -> None:
-    cache = PagedKVCache(1, 4, 4, 2, 8, torch.bfloat16, torch.device("cpu"))
-    assert not BatchPacker(cache, 2, torch.device("cpu")).native  # bf16: the Python kernels
+    cache = PagedKVCache(1, 4, 4, 2, 8, torch.float64, torch.device("cpu"))
+    assert not BatchPacker(cache, 2, torch.device("cpu")).native  # float64: the Python kernels
     with pytest.raises(
-        ValueError, match="native paged-attention kernel cannot run on cpu with torch.bfloat16"
+        ValueError, match="native paged-attention kernel cannot run on cpu with torch.float64"
     ):
         BatchPacker(cache, 2, torch.device("cpu"), native=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import run_process
-from transformers_cb.cli.inputs import InputError, parse_requests
+from transformers_cb.cli.inputs import DEMO_PROMPTS, InputError, parse_requests, read_requests
 from transformers_cb.cli.main import main
 from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -327,3 +328,45 @@ def test_module_entry_point_reads_stdin() -> None:
     assert [r["id"] for r in records] == [0, "x"]
     assert all(1 <= r["generated_tokens"] <= 3 for r in records)
     assert "requests: 2" in completed.stderr
+
+
+def _run_module(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "transformers_cb.cli.main", *args]
+    return run_process(command, timeout=120, text=True, env=env, cwd=REPO_ROOT, **kwargs)
+
+
+@pytest.mark.slow  # the command in a fresh interpreter
+@pytest.mark.parametrize("stdin", ["dev-null", "empty-pipe", "blank-lines"])
+def test_generate_without_a_terminal_and_without_input_runs_the_demo_prompts(stdin: str) -> None:
+    """`make run < /dev/null`, from a script or CI: stdin is not a terminal but holds no prompt, so the
+    main job shows its work on the demo prompts (it used to print `requests: 0`)."""
+    feed = {
+        "dev-null": {"stdin": subprocess.DEVNULL},
+        "empty-pipe": {"input": ""},
+        "blank-lines": {"input": "\n \n"},
+    }
+    completed = _run_module(["generate", "--max-new-tokens", "3", *CACHE_ARGS], **feed[stdin])
+    assert completed.returncode == 0, completed.stderr
+    records = [json.loads(line) for line in completed.stdout.splitlines()]
+    assert [r["id"] for r in records] == list(range(len(DEMO_PROMPTS)))
+    assert all(r["status"] == "FINISHED" and r["generated_tokens"] >= 1 for r in records)
+    assert f"requests: {len(DEMO_PROMPTS)}" in completed.stderr
+    assert "stdin is empty; running the built-in demo prompts" in completed.stderr
+
+
+@pytest.mark.slow  # the command in a fresh interpreter
+def test_generate_input_dash_reads_stdin_even_when_empty() -> None:
+    """`--input -` asks for stdin explicitly: an empty one is zero requests, not the demo."""
+    completed = _run_module(["generate", "--input", "-", *CACHE_ARGS], stdin=subprocess.DEVNULL)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout == "" and "requests: 0" in completed.stderr
+
+
+def test_read_requests_demo_only_without_input() -> None:
+    assert [r.prompt for r in read_requests(None, io.StringIO(""))] == list(DEMO_PROMPTS)
+    assert [r.prompt for r in read_requests(None, io.StringIO("hi\n"))] == ["hi"]
+    assert read_requests("-", io.StringIO("")) == []

@@ -307,7 +307,7 @@ def test_softcap_layers_under_paged_sdpa_match_eager_generate(native_kernel: str
     that kernel applies the softcap itself (these short steps never reach SDPA). transformers 5.23
     refuses sdpa for every model that passes a softcap (Gemma 2 here), so the test lifts that refusal."""
     monkeypatch.setenv(native.ENV_SWITCH, native_kernel)
-    native_on = native_kernel == "1" and native.native_module() is not None
+    native_on = native_kernel == "1" and native.ensure_native_module() is not None
     model = build_tiny_model("gemma2", attn_implementation="eager", attn_logit_softcapping=0.5)
     prompts = prompts_of_lengths([3, 11, 26], vocab_size(model), seed=6)
     references = [greedy_reference(model, p, 12) for p in prompts]

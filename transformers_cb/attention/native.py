@@ -1,71 +1,144 @@
-"""The native CPU paged-attention kernel: built once on first use, optional, never required.
+"""The native CPU paged-attention kernel: loaded when built, optional, never waited on.
 
-`torch.utils.cpp_extension.load_inline` compiles `native_source.SOURCE` with the system C++
-compiler (cached under torch's extension directory, keyed by a hash of the source and flags, so
-later processes only load it). When anything about the build fails (no compiler, no ninja, a
-read-only cache directory) the reason is logged once and the Python kernels run instead: the
-package works the same without it, only slower on CPU.
+The kernel (`native_source.SOURCE`, float32 / bfloat16 / float16, accumulating in float32) is built ahead
+of use by `transformers-cb build-kernels` (which `make install` / `run` / `test` run) into a folder keyed by
+everything that changes the binary (`native_build.py`). A process only loads that library: when it is not
+there yet, the first call starts one background build in a subprocess and returns None, so that step (and
+every step until a later engine finds the library) runs the pure-torch kernels; no request waits on a
+compile. Without a compiler, or after a failed compile, one warning says why and the torch kernels run:
+the package works the same without the kernel, only slower on CPU.
 
 `TRANSFORMERS_CB_NATIVE_KERNEL=0` turns it off (the pure-torch paths then run every step).
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import logging
 import os
+import subprocess
 import threading
 from types import ModuleType
 
 import torch
 
-from .native_source import SOURCE
+from .native_build import (
+    MODULE_NAME,
+    KernelFolder,
+    KernelUnavailable,
+    build,
+    kernel_folder,
+    start_background_build,
+)
 
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TRANSFORMERS_CB_NATIVE_KERNEL"
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
-_state: dict[str, ModuleType | None] = {}
+# "module": the loaded library, or None once it is known unavailable in this process; "folder": the
+# KernelFolder (computed once); "builder": the background build this process started.
+_state: dict[str, object] = {}
 
 
-def _build() -> ModuleType | None:
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        digest = hashlib.sha256((SOURCE + " ".join(_FLAGS)).encode()).hexdigest()[:12]
-        return load_inline(
-            name=f"transformers_cb_paged_{digest}",
-            cpp_sources=[SOURCE],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as error:  # any build or load failure: fall back, say why once
+def _warn_once(reason: str) -> None:
+    if not _state.get("warned"):
+        _state["warned"] = True
         logger.warning(
-            "transformers_cb: native CPU paged-attention kernel unavailable (%s: %s); using the "
-            "pure-torch kernels (slower on CPU). Set %s=0 to skip the build.",
-            type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
+            "transformers_cb: native CPU paged-attention kernel unavailable (%s); using the pure-torch "
+            "kernels (slower on CPU). Set %s=0 to skip it.",
+            reason,
             ENV_SWITCH,
         )
-        return None
+
+
+def _load(folder: KernelFolder) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, folder.library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {folder.library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _folder() -> KernelFolder | None:
+    """This environment's kernel folder, computed once; None (with the warning) without a compiler."""
+    if "folder" not in _state:
+        try:
+            _state["folder"] = kernel_folder()
+        except KernelUnavailable as error:
+            _state["module"] = None
+            _warn_once(str(error))
+            return None
+    return _state["folder"]  # type: ignore[return-value]
+
+
+def _try_load(folder: KernelFolder) -> ModuleType | None:
+    try:
+        _state["module"] = _load(folder)
+    except Exception as error:  # a library that does not load is not retried in this process
+        _state["module"] = None
+        _warn_once(f"{folder.library} does not load: {type(error).__name__}: {error}")
+    return _state["module"]  # type: ignore[return-value]
 
 
 def native_module() -> ModuleType | None:
-    """The built extension, or None when it is switched off or cannot be built (tried once per process)."""
+    """The built extension, or None when it is switched off, cannot be built, or is not built yet (then a
+    background build starts, once per process). Never waits on a compile."""
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     with _lock:
-        if "module" not in _state:
-            _state["module"] = _build()
-        return _state["module"]
+        if "module" in _state:
+            return _state["module"]  # type: ignore[return-value]
+        folder = _folder()
+        if folder is None:
+            return None
+        if folder.library.exists():
+            return _try_load(folder)
+        if folder.failure.exists():
+            _state["module"] = None
+            _warn_once(f"its build failed, see {folder.failure}; `transformers-cb build-kernels` retries")
+            return None
+        if "builder" not in _state:  # once per process: a later call finds the library when it is there
+            logger.warning(
+                "transformers_cb: the native CPU paged-attention kernel is not built yet; building it in the "
+                "background into %s (the pure-torch kernels run until it is ready; `transformers-cb "
+                "build-kernels` builds it ahead of use)",
+                folder.path,
+            )
+            try:
+                _state["builder"] = start_background_build(folder)
+            except (OSError, subprocess.SubprocessError) as error:
+                _state["module"] = None
+                _warn_once(f"cannot start its build in {folder.path}: {error}")
+        return None
+
+
+def ensure_native_module(timeout: float | None = None) -> ModuleType | None:
+    """The extension, built in this process first if needed (waiting at most `timeout` seconds for another
+    builder): for `transformers-cb build-kernels` and the tests, never for a request. None (with the
+    warning) when it cannot be built here or is switched off."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    with _lock:
+        if _state.get("module") is not None:
+            return _state["module"]  # type: ignore[return-value]
+        folder = _folder()
+        if folder is None:
+            return None
+        try:
+            build(folder, wait=True, timeout=timeout)
+        except KernelUnavailable as error:
+            _state["module"] = None
+            _warn_once(str(error))
+            return None
+        return _try_load(folder)
 
 
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether steps on `device` with a KV cache of `dtype` can use the native kernel."""
-    return device.type == "cpu" and dtype == torch.float32 and native_module() is not None
+    """Whether steps on `device` with a KV cache of `dtype` can use the native kernel now."""
+    return device.type == "cpu" and dtype in NATIVE_DTYPES and native_module() is not None
 
 
 def native_paged_attention(
@@ -86,7 +159,8 @@ def native_paged_attention(
 
     Token t is at logical position `token_pos[t]` of block-table row `token_row[t]` (int64) and sees
     that row's keys up to itself, from `token_pos[t] - window + 1` when `window` is set;
-    `block_table` `[N, P]` int32 maps logical page p of a row to its page id."""
+    `block_table` `[N, P]` int32 maps logical page p of a row to its page id. Query, caches and `out`
+    share one dtype (float32, bfloat16 or float16); the kernel accumulates in float32."""
     module = native_module()
     if module is None:
         raise RuntimeError("the native paged-attention kernel is not available")

@@ -15,6 +15,7 @@ SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,47 +52,81 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// float32, bfloat16 and float16 caches: inputs are widened to float on load, every sum is a float.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
 struct Step {
-  const float* q; int64_t q_stride_t, q_stride_h;
-  const float* k; const float* v; int64_t slot_stride, kv_head_stride;
+  const T* q; int64_t q_stride_t, q_stride_h;
+  const T* k; const T* v; int64_t slot_stride, kv_head_stride;
   const int64_t* token_row; const int64_t* token_pos;
   const int32_t* block_table; int64_t table_stride;
   const float* sinks;
-  float* out;
+  T* out;
   int64_t heads, kv_heads, group, head_dim, page_size, window;
   float scale, softcap;
 };
 
-inline int64_t first_key(const Step& s, int64_t pos) {
-  return s.window > 0 ? std::max<int64_t>(0, pos - s.window + 1) : 0;
+inline int64_t first_key(int64_t window, int64_t pos) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
 }
 
 // Calls f(j, slot) for the keys lo..pos in order (j counts from 0), one page run at a time: slots
 // are consecutive within a page, so the page table is read once per page, not once per key.
 template <typename F>
-inline void for_each_key(const Step& s, const int32_t* pages, int64_t lo, int64_t pos, F&& f) {
+inline void for_each_key(int64_t page_size, const int32_t* pages, int64_t lo, int64_t pos, F&& f) {
   int64_t j = 0;
-  for (int64_t page = lo / s.page_size; page <= pos / s.page_size; ++page) {
-    const int64_t start = std::max(lo, page * s.page_size);
-    const int64_t end = std::min(pos + 1, (page + 1) * s.page_size);
-    int64_t slot = static_cast<int64_t>(pages[page]) * s.page_size + (start - page * s.page_size);
+  for (int64_t page = lo / page_size; page <= pos / page_size; ++page) {
+    const int64_t start = std::max(lo, page * page_size);
+    const int64_t end = std::min(pos + 1, (page + 1) * page_size);
+    int64_t slot = static_cast<int64_t>(pages[page]) * page_size + (start - page * page_size);
     for (int64_t p = start; p < end; ++p, ++j, ++slot) f(j, slot);
   }
 }
 
+// A key or value row as float: itself for float32, widened into `buffer` otherwise.
+template <typename T>
+inline const float* as_float(const T* row, int64_t n, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buffer[i] = widen(row[i]);
+    return buffer;
+  }
+}
+
+// Scratch space of one lane: scores, the widened queries, one widened K/V row, the float output.
+struct Scratch {
+  std::vector<float> scores, query, row, out;
+};
+
 // One (token, kv head): the `group` query heads that share this kv head.
-void attend_one(const Step& s, int64_t t, int64_t g, std::vector<float>& scores) {
+template <typename T>
+void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   const int64_t pos = s.token_pos[t];
-  const int64_t lo = first_key(s, pos);
+  const int64_t lo = first_key(s.window, pos);
   const int64_t n = pos - lo + 1;
   const int64_t D = s.head_dim, G = s.group;
-  scores.resize(static_cast<size_t>(G * n));
-  float* sc = scores.data();
+  scratch.scores.resize(static_cast<size_t>(G * n));
+  scratch.query.resize(static_cast<size_t>(G * D));
+  scratch.row.resize(static_cast<size_t>(D));
+  scratch.out.assign(static_cast<size_t>(G * D), 0.f);
+  float* sc = scratch.scores.data();
+  float* q0 = scratch.query.data();
+  float* o0 = scratch.out.data();
   const int32_t* pages = s.block_table + s.token_row[t] * s.table_stride;
-  const float* q0 = s.q + t * s.q_stride_t + g * G * s.q_stride_h;
-  for_each_key(s, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const float* key = s.k + slot * s.slot_stride + g * s.kv_head_stride;
-    for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * s.q_stride_h, key, D);
+  const T* q_in = s.q + t * s.q_stride_t + g * G * s.q_stride_h;
+  for (int64_t h = 0; h < G; ++h) {
+    const T* q_row = q_in + h * s.q_stride_h;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) q0[h * D + i] = widen(q_row[i]);
+  }
+  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
+    const float* key = as_float(s.k + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
+    for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * D, key, D);
   });
   for (int64_t h = 0; h < G; ++h) {
     float* row = sc + h * n;
@@ -117,54 +152,77 @@ void attend_one(const Step& s, int64_t t, int64_t g, std::vector<float>& scores)
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) row[j] *= inv;
   }
-  float* o0 = s.out + (t * s.heads + g * G) * D;
-  std::fill(o0, o0 + G * D, 0.f);
-  for_each_key(s, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const float* value = s.v + slot * s.slot_stride + g * s.kv_head_stride;
+  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
+    const float* value = as_float(s.v + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) axpy(o0 + h * D, sc[h * n + j], value, D);
   });
+  T* out = s.out + (t * s.heads + g * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o0[i]);
 }
 
-}  // namespace
-
-// query [T, H, D] (last dim contiguous), key/value cache [S, Hkv, D] contiguous, out [T, H, D] contiguous.
-void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
-                     int64_t page_size, double scale, int64_t window, double softcap,
-                     const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(), "layout");
-  TORCH_CHECK(out.is_contiguous() && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "layout");
-  TORCH_CHECK(token_row.scalar_type() == at::kLong && token_pos.scalar_type() == at::kLong, "int64 tokens");
-  Step s;
-  s.q = query.data_ptr<float>(); s.q_stride_t = query.stride(0); s.q_stride_h = query.stride(1);
-  s.k = key_cache.data_ptr<float>(); s.v = value_cache.data_ptr<float>();
+template <typename T>
+void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+              const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
+              int64_t page_size, double scale, int64_t window, double softcap, const float* sinks,
+              at::Tensor& out) {
+  Step<T> s;
+  s.q = query.data_ptr<T>(); s.q_stride_t = query.stride(0); s.q_stride_h = query.stride(1);
+  s.k = key_cache.data_ptr<T>(); s.v = value_cache.data_ptr<T>();
   s.slot_stride = key_cache.stride(0); s.kv_head_stride = key_cache.stride(1);
   s.token_row = token_row.data_ptr<int64_t>(); s.token_pos = token_pos.data_ptr<int64_t>();
   s.block_table = block_table.data_ptr<int32_t>(); s.table_stride = block_table.stride(0);
-  at::Tensor sink_values;
-  if (sinks.has_value()) sink_values = sinks->to(at::kFloat).contiguous();
-  s.sinks = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
-  s.out = out.data_ptr<float>();
+  s.sinks = sinks;
+  s.out = out.data_ptr<T>();
   s.heads = query.size(1); s.kv_heads = key_cache.size(1); s.group = s.heads / s.kv_heads;
   s.head_dim = query.size(2); s.page_size = page_size; s.window = window;
   s.scale = static_cast<float>(scale); s.softcap = static_cast<float>(softcap);
   const int64_t tokens = query.size(0);
   const int64_t items = tokens * s.kv_heads;
   int64_t work = 0;  // keys read, summed over tokens: small steps stay on one thread (no barrier to wait on)
-  for (int64_t t = 0; t < tokens; ++t) work += s.token_pos[t] - first_key(s, s.token_pos[t]) + 1;
+  for (int64_t t = 0; t < tokens; ++t) work += s.token_pos[t] - first_key(s.window, s.token_pos[t]) + 1;
   work *= s.heads * s.head_dim;
   const int64_t lanes = work < (1 << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   auto run_lanes = [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    Scratch scratch;
     // Round robin: items are sorted by length (longest decodes first), so lanes get even shares.
     for (int64_t lane = begin; lane < end; ++lane)
-      for (int64_t i = lane; i < items; i += lanes) attend_one(s, i / s.kv_heads, i % s.kv_heads, scores);
+      for (int64_t i = lane; i < items; i += lanes) attend_one(s, i / s.kv_heads, i % s.kv_heads, scratch);
   };
   if (lanes <= 1) {
     run_lanes(0, 1);
   } else {
     at::parallel_for(0, lanes, 1, run_lanes);
+  }
+}
+
+}  // namespace
+
+// query [T, H, D] (last dim contiguous), key/value cache [S, Hkv, D] contiguous, out [T, H, D] contiguous,
+// all of one dtype: float32, bfloat16 or float16.
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
+                     int64_t page_size, double scale, int64_t window, double softcap,
+                     const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "query, caches and out must share one dtype");
+  TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(), "layout");
+  TORCH_CHECK(out.is_contiguous() && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "layout");
+  TORCH_CHECK(token_row.scalar_type() == at::kLong && token_pos.scalar_type() == at::kLong, "int64 tokens");
+  at::Tensor sink_values;
+  if (sinks.has_value()) sink_values = sinks->to(at::kFloat).contiguous();
+  const float* sink_data = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
+  if (dtype == at::kFloat) {
+    run_step<float>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window,
+                    softcap, sink_data, out);
+  } else if (dtype == at::kBFloat16) {
+    run_step<c10::BFloat16>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
+                            window, softcap, sink_data, out);
+  } else if (dtype == at::kHalf) {
+    run_step<c10::Half>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
+                        window, softcap, sink_data, out);
+  } else {
+    TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", dtype);
   }
 }
 

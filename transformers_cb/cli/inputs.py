@@ -82,12 +82,25 @@ def parse_requests(lines: Iterable[str]) -> list[CliRequest]:
     return requests
 
 
+def demo_requests() -> list[CliRequest]:
+    return [CliRequest(id=i, prompt=p) for i, p in enumerate(DEMO_PROMPTS)]
+
+
 def read_requests(input_arg: str | None, stdin: IO[str] | None = None) -> list[CliRequest]:
+    """The requests of `--input` (a file, or '-' for stdin, read even when empty).
+
+    Without `--input`: stdin when it is redirected and holds at least one prompt; otherwise (a terminal,
+    `/dev/null`, an empty file or pipe, a closed stdin) the demo prompts, so a script or CI run of the
+    main job shows its work too. A pipe is read to its end, as any filter does."""
     stdin = stdin if stdin is not None else sys.stdin
     if input_arg is None:
-        if stdin is None or stdin.isatty():
-            return [CliRequest(id=i, prompt=p) for i, p in enumerate(DEMO_PROMPTS)]
-        return parse_requests(stdin)
+        if stdin is None or stdin.closed or stdin.isatty():
+            return demo_requests()
+        requests = parse_requests(stdin)
+        if not requests:
+            print("transformers-cb: stdin is empty; running the built-in demo prompts", file=sys.stderr)
+            return demo_requests()
+        return requests
     if input_arg == "-":
         return parse_requests(stdin)
     try:

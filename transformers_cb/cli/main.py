@@ -4,6 +4,7 @@
 through ``model.generate_batch`` with continuous batching, and writes one JSON
 object per prompt, in input order. See ``docs/cli.md``. ``transformers-cb serve``
 (``transformers_cb/serve/``) is an OpenAI-compatible HTTP server; see ``docs/serve.md``.
+``transformers-cb build-kernels`` (``build_kernels.py``) builds the native CPU kernel ahead of use.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..serve.server import add_serve_parser
+from .build_kernels import add_build_kernels_parser
 from .inputs import InputError, read_requests, tokenize_requests
 from .records import build_record, eos_set, format_summary, generate_all, open_output
 
@@ -60,7 +62,10 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--input",
         default=None,
-        help="prompt file, or '-' for stdin; default: stdin when piped, else built-in demo prompts",
+        help=(
+            "prompt file, or '-' for stdin; default: stdin when it is redirected and not empty, "
+            "else the built-in demo prompts"
+        ),
     )
     gen.add_argument("--output", default="-", help="JSONL output file, or '-' for stdout (default)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=32, help="default: 32")
@@ -130,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(subparsers)
     add_serve_parser(subparsers)
     _add_serve_replicas(subparsers)
+    add_build_kernels_parser(subparsers)
     return parser
 
 
