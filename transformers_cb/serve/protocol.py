@@ -7,7 +7,8 @@ and transformers serve do: clients send their own extensions); a known field it 
 silently different meaning.
 
 Per-request sampling fields reach the engine through one table, `ENGINE_FIELDS` (body field ->
-`add_request` keyword, neutral value): a new field is one declaration plus one row there.
+`add_request` keyword, neutral value): a new field is one declaration plus one row there. The output
+constraints (`response_format`, `guided_*`) become one `guided=` value in serve/guided.py.
 """
 
 from __future__ import annotations
