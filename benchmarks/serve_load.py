@@ -131,6 +131,7 @@ async def load(url: str, args: argparse.Namespace) -> tuple[list[ClientRun], flo
                             "model": args.model_name,
                             "prompt": prompt_text(i),
                             "max_tokens": args.max_tokens,
+                            "temperature": args.temperature,
                             "stream": True,
                             "logprobs": 0,
                             "stream_options": {"include_usage": True},
@@ -215,6 +216,9 @@ def main() -> int:
     )
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (the default here); OpenAI's default is 1"
+    )
     parser.add_argument("--model", default=None, help="local model directory (default: built-in tiny model)")
     parser.add_argument(
         "--model-name", default=None, help="served model name (default: derived like the server)"

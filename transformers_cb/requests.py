@@ -102,6 +102,7 @@ class GenerationOutput:
     finish_reason: str | None = None  # "stop" (eos, stop string, guided end), "length", "cancelled", "error"
     top_logprobs: list[dict[int, float]] | None = None  # per generated token, best first
     prompt_logprobs: list[float | None] | None = None  # per prompt token; the first is None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None  # the same, with top_logprobs > 0
     created_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -133,6 +134,7 @@ class Request:
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None  # logprobs of prompt tokens 1, 2, ... computed so far
+    prompt_top_logprobs: list[dict[int, float]] | None = None  # their top_logprobs alternatives
     sampling: RequestSampling | None = None  # None: plain greedy argmax (request_sampling.py)
     num_computed_tokens: int = 0
     pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `cache/layer_groups.py`
@@ -246,6 +248,11 @@ class Request:
             return "length"
         return None
 
+    def _prompt_tops(self) -> list[dict[int, float] | None] | None:
+        if not self.wants_prompt_logprobs or not self.sampling.params.top_logprobs:
+            return None
+        return [None, *(self.prompt_top_logprobs or ())]
+
     def to_output(self) -> GenerationOutput:
         return GenerationOutput(
             request_id=self.request_id,
@@ -257,6 +264,7 @@ class Request:
             finish_reason=self.finish_reason,
             top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
             prompt_logprobs=[None, *(self.prompt_logprobs or ())] if self.wants_prompt_logprobs else None,
+            prompt_top_logprobs=self._prompt_tops(),
             created_time=self.created_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,

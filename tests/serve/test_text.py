@@ -4,6 +4,7 @@ the Prometheus rendering. No HTTP here (see test_http.py and test_command.py).""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -92,10 +93,13 @@ def test_stop_scanner_matches_str_find(text: str, stop: str, data: st.DataObject
         (b'{"model": "m", "prompt": "x", "max_tokens": -3}', "max_tokens"),
         (b'{"model": "m", "prompt": "x", "max_tokens": "5"}', "max_tokens"),
         (b'{"model": "m", "prompt": "x", "n": 0}', "n"),
-        (b'{"model": "m", "prompt": "x", "bogus": 1}', "bogus"),
+        # Unknown fields and the once-refused frequency_penalty / echo are accepted now (below).
         (b'{"model": "m", "prompt": "x", "stream": "yes"}', "stream"),
-        (b'{"model": "m", "prompt": "x", "frequency_penalty": 0.5}', "frequency_penalty"),
-        (b'{"model": "m", "prompt": "x", "echo": true}', "echo"),
+        (b'{"model": "m", "prompt": "x", "frequency_penalty": 2.5}', "frequency_penalty"),
+        (b'{"model": "m", "prompt": "x", "logit_bias": {"a": 1}}', "logit_bias"),
+        (b'{"model": "m", "prompt": "x", "suffix": "y"}', "suffix"),
+        (b'{"model": "m", "prompt": "x", "logprobs": 21}', "logprobs"),
+        (b'{"model": "m", "prompt": "x", "stream_options": {"continuous_usage_stats": 1}}', "stream_options"),
         (b'{"model": "m", "prompt": "x", "stop": [""]}', None),
         (b'{"model": "m"}', "prompt"),
         (b'{"model": "m", "prompt": []}', "prompt"),
@@ -130,7 +134,18 @@ def test_stream_options_need_stream() -> None:
         b'{"model": "m", "prompt": "x", "stream_options": {"include_usage": true}}', CompletionRequest
     )
     with pytest.raises(ApiError, match="stream_options"):
-        request.include_usage_in_stream()
+        request.stream_usage()
+
+
+@requires_serve
+def test_unknown_fields_are_ignored_with_a_warning(caplog: Any) -> None:
+    body = b'{"model": "m", "prompt": "x", "bogus": 1, "echo": true, "frequency_penalty": 0.5, "top_k": -1}'
+    with caplog.at_level("WARNING", logger="transformers_cb.serve.protocol"):
+        request = parse_body(body, CompletionRequest)
+    assert "bogus" in caplog.text and "echo" not in caplog.text
+    # Only known, non-neutral fields reach the engine (top_k=-1 is vLLM's "off").
+    assert request.engine_kwargs() == {"frequency_penalty": 0.5}
+    assert request.echo is True
 
 
 SAMPLE_LINE = re.compile(

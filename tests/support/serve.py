@@ -65,22 +65,33 @@ class LiveServer:
         return self.state.manager
 
 
+def openai_client(live: LiveServer) -> Any:
+    """The official `openai` client on `live` (no retries, the scaled hang guard as its timeout)."""
+    import openai
+
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+@contextmanager
+def shared_server() -> Iterator[LiveServer]:
+    """A live server on the built-in tiny model with the tests' chat template (one per test module)."""
+    model, tokenizer = tiny_model_and_tokenizer()
+    with live_server(model, tokenizer) as live:
+        yield live
+
+
 @contextmanager
 def live_server(
     model: Any, tokenizer: Any, shutdown_timeout: float = 5.0, **config: Any
 ) -> Iterator[LiveServer]:
-    """A started manager on `model` and the real app served by uvicorn on 127.0.0.1:<free port>."""
+    """A started manager on `model`, set up as `transformers-cb serve` sets it up, and the real app
+    served by uvicorn on 127.0.0.1:<free port>."""
     from transformers_cb import ContinuousBatchingConfig
     from transformers_cb.serve.app import ServeState, build_app
-    from transformers_cb.serve.server import bind_socket, make_uvicorn_server
+    from transformers_cb.serve.server import bind_socket, make_uvicorn_server, start_serving_manager
 
-    cb_config = ContinuousBatchingConfig(
-        **{"page_size": 16, "num_blocks": 64, "return_logprobs": True, **config}
-    )
-    manager = model.init_continuous_batching(
-        generation_config=greedy_config(tokenizer), continuous_batching_config=cb_config, tokenizer=tokenizer
-    )
-    manager.start()
+    cb_config = ContinuousBatchingConfig(**{"page_size": 16, "num_blocks": 64, **config})
+    manager = start_serving_manager(model, tokenizer, cb_config)
     state = ServeState(manager, tokenizer, MODEL_NAME, model.config.max_position_embeddings)
     sock = bind_socket("127.0.0.1", 0)
     server = make_uvicorn_server(

@@ -23,6 +23,11 @@ TINY_NUM_HEADS = 4
 TINY_NUM_KV_HEADS = 2
 TINY_INTERMEDIATE_SIZE = 128
 TINY_MAX_POSITIONS = 2048
+# A small chat template (ChatML-like) so /v1/chat/completions works on the built-in model.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 
 def _byte_level_vocab() -> dict[str, int]:
@@ -36,7 +41,7 @@ def _byte_level_vocab() -> dict[str, int]:
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer (259 ids) under which any UTF-8 text round-trips exactly.
 
-    ``encode`` prepends ``<s>``; ``decode(..., skip_special_tokens=True)`` returns the
+    It carries a small chat template (``TINY_CHAT_TEMPLATE``). ``encode`` prepends ``<s>``; ``decode(..., skip_special_tokens=True)`` returns the
     original text. Special-token strings inside the text (a literal ``"</s>"``) are
     encoded as plain bytes (``split_special_tokens=True``), so the round trip is exact
     for every string.
@@ -58,6 +63,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         pad_token=PAD_TOKEN,
         split_special_tokens=True,
         model_max_length=TINY_MAX_POSITIONS,
+        chat_template=TINY_CHAT_TEMPLATE,
     )
 
 

@@ -240,6 +240,12 @@ class Engine:
         else:
             self.scheduler.add(request)
 
+    def clear_logits_processors(self) -> None:
+        """Drop every logits-processing stage (transformers' `manager.logit_processor.clear()`): requests
+        attached from now on see the raw logits."""
+        self.sampling.clear_stages()
+        self.runner.sampler = Sampler([], self.sampling.do_sample, self.device, self.sampling.grammars)
+
     def unfittable_reason(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` KV tokens can never run in this engine's cache, or None."""
         return self.scheduler.allocator.unfittable_reason(num_tokens)
@@ -338,7 +344,9 @@ class Engine:
             else:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
-        finished = self.scheduler.update(batch, output.sampled, output.prompt_logprobs)
+        finished = self.scheduler.update(
+            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs
+        )
         self.runner.release(finished)
         self.counters.generated_tokens += len(output.sampled)
         result.finished.extend(finished)

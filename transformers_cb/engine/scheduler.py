@@ -261,10 +261,11 @@ class Scheduler:
         batch: ScheduledBatch,
         sampled: Sequence[SampledToken],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
+        prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
     ) -> list[Request]:
         """Advance every scheduled request; `sampled[i]` is the token of the i-th sampling entry,
         `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
-        `StepOutput`).
+        `StepOutput`), `prompt_top_logprobs` their best alternatives where asked for.
 
         Returns the requests that finished in this step.
         """
@@ -278,6 +279,9 @@ class Scheduler:
                 if request.prompt_logprobs is None:
                     request.prompt_logprobs = []
                 request.prompt_logprobs.extend(scored)
+                tops = prompt_top_logprobs.get(request.request_id) if prompt_top_logprobs else None
+                if tops:
+                    request.prompt_top_logprobs = [*(request.prompt_top_logprobs or ()), *tops]
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
             self.allocator.register(request)  # before a sliding group drops pages

@@ -57,11 +57,13 @@ class ManagerLoop:
         self._model = model
         self._release = release
         self.thread: threading.Thread | None = None
+        self.steps_this_session = 0  # `Engine.step()` calls since the last `start()`
 
     # -- the caller side -------------------------------------------------------------------
     def start(self) -> None:
         """Start a new thread, at the speed of the calling one (`ThreadSettings`)."""
         settings = ThreadSettings.capture()
+        self.steps_this_session = 0
         self.thread = threading.Thread(target=self._run, args=(settings,), name=THREAD_NAME, daemon=True)
         self.thread.start()
 
@@ -164,6 +166,7 @@ class ManagerLoop:
         self.fail_everything(HARD_STOP_ERROR)
 
     def _step(self, engine: Engine) -> None:
+        self.steps_this_session += 1
         try:
             result = engine.step()
         except TensorParallelError:

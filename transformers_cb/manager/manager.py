@@ -26,6 +26,7 @@ from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
 from .channels import async_channel, blocking_channel
+from .compat import BatchProcessorView, LogitProcessorView, OutputRouterView
 from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
 from .results import Deliver, ResultRouter
 from .state import BackgroundThreadStatus, ManagerState
@@ -75,12 +76,32 @@ class ContinuousBatchingManager:
         self._loop = ManagerLoop(self._state, self._router, self._throughput, model, self._release_engine)
         self._submissions = Submissions(self._state, self._router, self._loop)
         self._pause_holders = threading.local()  # per thread: how many `pause()` blocks it is inside
+        self._batch_processor: BatchProcessorView | None = None  # compat: the started session's
+        self.output_router = OutputRouterView(self._router)  # compat: `.output_queue` (compat.py)
 
     @property
     def engine(self) -> Engine | None:
         """The engine the loop drives (None once destroyed). Only the loop thread touches it while the
         manager runs; read it from elsewhere inside `pause()`."""
         return self._state.engine
+
+    # -- transformers' built-in manager's attributes (manager/compat.py) ----------------
+    @property
+    def logit_processor(self) -> LogitProcessorView | None:
+        """The engine's logits processors; `.clear()` drops them (None once destroyed)."""
+        engine = self._state.engine
+        return None if engine is None else LogitProcessorView(engine)
+
+    @property
+    def batch_processor(self) -> BatchProcessorView | None:
+        """The session's step driver (`.cache`, `.has_pending_requests()`): None before `start()` and
+        after `stop()` (unless kept for the next session), as in the built-in manager."""
+        return self._batch_processor
+
+    @property
+    def current_batch(self) -> int:
+        """Steps run since the last `start()`."""
+        return self._loop.steps_this_session
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -108,6 +129,7 @@ class ContinuousBatchingManager:
             self._router.check_alive()  # a dead thread's manager cannot be restarted: ManagerDeadError
             state.accepting, state.stop_requested, state.hard_stop = True, False, False
             self._router.set_closed(False)
+            self._batch_processor = BatchProcessorView(state.engine, self._num_incoming)
             self._loop.start()
 
     def is_running(self) -> bool:
@@ -161,6 +183,8 @@ class ContinuousBatchingManager:
             )
         if keep_for_next_session:
             setattr(self.model, CACHED_MANAGER_ATTR, self)
+        else:
+            self._batch_processor = None
         state = self._state
         with state.lock:
             state.accepting = False
@@ -227,6 +251,7 @@ class ContinuousBatchingManager:
         with self._state.lock:
             self._state.destroyed = True
             self._state.engine = None
+        self._batch_processor = None
         if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
             delattr(self.model, CACHED_MANAGER_ATTR)
 
@@ -247,6 +272,10 @@ class ContinuousBatchingManager:
             with state.lock:
                 state.pause_requests -= 1
                 state.lock.notify_all()
+
+    def _num_incoming(self) -> int:
+        with self._state.lock:
+            return len(self._state.incoming)
 
     # -- submissions -------------------------------------------------------------------
     def add_request(

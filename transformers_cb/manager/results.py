@@ -297,6 +297,17 @@ class ResultRouter:
                     return None
                 self._cv.wait(0.5 if remaining is None else remaining)
 
+    def num_shared(self) -> int:
+        """Outputs waiting in the shared queue now."""
+        with self._cv:
+            return len(self._results)
+
+    def requeue(self, output: GenerationOutput) -> None:
+        """Put an output taken from the shared queue back at its end (manager/compat.py's `put`)."""
+        with self._cv:
+            self._results.append(output)
+            self._cv.notify_all()
+
     def has_unclaimed_work(self) -> bool:
         """True while some output may still arrive in (or is in) the shared queue."""
         with self._cv:

@@ -36,10 +36,12 @@ if TYPE_CHECKING:
 @dataclass
 class StepOutput:
     """`sampled[i]`: the token of the i-th sampling entry, in `batch.entries` order; `prompt_logprobs`:
-    request id -> raw-model log-probabilities of the prompt tokens this step scored (in order)."""
+    request id -> raw-model log-probabilities of the prompt tokens this step scored (in order);
+    `prompt_top_logprobs`: the same positions' best alternatives, for requests with `top_logprobs`."""
 
     sampled: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    prompt_top_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -96,10 +98,10 @@ class ModelRunner:
                 None if samples.logprobs is None else samples.logprobs[i],
                 None if samples.top_logprobs is None else samples.top_logprobs[i],
             )
-        return StepOutput(
-            sampled=[by_entry[id(entry)] for entry in batch.entries if entry.samples],
-            prompt_logprobs={} if prompt_logits is None else _prompt_logprobs(step, prompt_logits),
-        )
+        output = StepOutput(sampled=[by_entry[id(entry)] for entry in batch.entries if entry.samples])
+        if prompt_logits is not None:
+            output.prompt_logprobs, output.prompt_top_logprobs = _prompt_logprobs(step, prompt_logits)
+        return output
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> None:
@@ -142,16 +144,26 @@ class ModelRunner:
         return logits[:num_sampled], logits[num_sampled:]
 
 
-def _prompt_logprobs(step: PackedStep, logits: torch.Tensor) -> dict[str, list[float]]:
-    """Raw-model log-probability of each scored prompt token (what log-likelihood evaluation uses)."""
+def _prompt_logprobs(
+    step: PackedStep, logits: torch.Tensor
+) -> tuple[dict[str, list[float]], dict[str, list[dict[int, float]]]]:
+    """Raw-model log-probability of each scored prompt token (what log-likelihood evaluation uses),
+    and, for requests asking for `top_logprobs=k`, the k best tokens at each of those positions."""
     targets = []
     for request, first, count in step.prompt_spans:
         targets.extend(request.all_token_ids[first : first + count])
     index = torch.tensor(targets, dtype=torch.int64, device=logits.device)[:, None]
-    values = logits.log_softmax(dim=-1).gather(1, index).squeeze(1).tolist()
+    logprobs = logits.log_softmax(dim=-1)
+    values = logprobs.gather(1, index).squeeze(1).tolist()
     scored: dict[str, list[float]] = {}
+    tops: dict[str, list[dict[int, float]]] = {}
     offset = 0
     for request, _first, count in step.prompt_spans:
         scored.setdefault(request.request_id, []).extend(values[offset : offset + count])
+        k = min(request.sampling.params.top_logprobs, logprobs.shape[-1])
+        if k:
+            best, ids = logprobs[offset : offset + count].topk(k, dim=-1)
+            rows = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), best.tolist(), strict=True)]
+            tops.setdefault(request.request_id, []).extend(rows)
         offset += count
-    return scored
+    return scored, tops

@@ -2,9 +2,10 @@
 function that validates the keyword arguments a caller passes per request.
 
 The per-request names are transformers' own (`add_request(..., **logit_processor_kwargs)`):
-`temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, plus the
-output options `top_logprobs` and `prompt_logprobs` and the output constraint `guided` (guided.py).
-See docs/sampling.md.
+`temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, `do_sample`,
+OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `min_tokens` (sampling/openai.py),
+plus the output options `return_logprobs`, `top_logprobs` and `prompt_logprobs` and the output
+constraint `guided` (guided.py). See docs/sampling.md.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from .guided import GuidedDecoding, as_guided
 # Processors whose value may differ per request (vectorized over the step's rows).
 VECTOR_PARAMS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 # Per-request options that are not processors: they never need the GenerationConfig to enable them.
-REQUEST_OPTIONS = ("seed", "stop_strings")
-OUTPUT_OPTIONS = ("top_logprobs", "prompt_logprobs")
+REQUEST_OPTIONS = ("seed", "stop_strings", "do_sample")
+# OpenAI's processors: no GenerationConfig field creates them, so they need only the flag.
+OPENAI_PARAMS = ("presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
+OUTPUT_OPTIONS = ("return_logprobs", "top_logprobs", "prompt_logprobs")
 # What the output must match (docs/structured_outputs.md); needs a tokenizer, not the flag.
 CONSTRAINT_OPTIONS = ("guided",)
-PER_REQUEST_KWARGS = (*VECTOR_PARAMS, *REQUEST_OPTIONS, *OUTPUT_OPTIONS, *CONSTRAINT_OPTIONS)
+PER_REQUEST_KWARGS = (*VECTOR_PARAMS, *REQUEST_OPTIONS, *OPENAI_PARAMS, *OUTPUT_OPTIONS, *CONSTRAINT_OPTIONS)
+WARPER_PARAMS = ("temperature", "top_k", "top_p", "min_p")  # applied only to rows that sample
 
 
 @dataclass(frozen=True)
@@ -38,10 +42,29 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
+    do_sample: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_tokens: int = 0
     return_logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
     guided: GuidedDecoding | None = None
+
+    @property
+    def uses_openai_processors(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
+
+    @property
+    def changes_logits(self) -> bool:
+        """True when some vector or OpenAI processor changes this request's row."""
+        neutral = SamplingParams()
+        vector = any(getattr(self, name) != getattr(neutral, name) for name in VECTOR_PARAMS)
+        return vector or self.uses_openai_processors
+
+
+NEUTRAL = SamplingParams()
 
 
 def enabled_vector_params(config: GenerationConfig) -> set[str]:
@@ -80,6 +103,7 @@ def default_params(
         return_logprobs=return_logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
         prompt_logprobs=prompt_logprobs,
+        do_sample=bool(config.do_sample),
     )
 
 
@@ -127,11 +151,35 @@ def _checked(name: str, value: Any, label: str) -> Any:
     elif name == "top_logprobs":
         value = _int(name, value, label)
         ok = value >= 0
-    else:  # prompt_logprobs
+    elif name in ("presence_penalty", "frequency_penalty"):
+        value = _number(name, value, label)
+        ok = -2.0 <= value <= 2.0  # OpenAI's range
+    elif name == "logit_bias":
+        value, ok = _logit_bias(value)
+    elif name == "min_tokens":
+        value = _int(name, value, label)
+        ok = value >= 0
+    else:  # return_logprobs, prompt_logprobs, do_sample
         ok = isinstance(value, bool)
     if not ok:
         raise ValueError(f"{label}: invalid {name}={value!r} (see docs/sampling.md for the allowed range)")
     return value
+
+
+def _logit_bias(value: Any) -> tuple[Any, bool]:
+    """`{token_id: bias}` (int keys, or the digit strings JSON gives) as sorted pairs; biases in
+    OpenAI's [-100, 100]."""
+    if not isinstance(value, dict):
+        return value, False
+    pairs = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            return value, False
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            return value, False
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs)), True
 
 
 def resolve_request_params(
@@ -174,6 +222,9 @@ def resolve_request_params(
     params = replace(base, **changes)
     if params.top_logprobs > 0 and not params.return_logprobs:
         params = replace(params, return_logprobs=True)
+    if not params.do_sample:
+        # As `generate(do_sample=False)`: no sampling warper is built for a greedy request.
+        params = replace(params, **{name: getattr(NEUTRAL, name) for name in WARPER_PARAMS})
     return params
 
 

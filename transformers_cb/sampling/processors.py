@@ -7,6 +7,8 @@
   min-p), computed for all rows at once by `warpers.py` with one value per row;
 - `shared`: processors that read only the scores (suppress_tokens, typical_p, epsilon/eta cutoff,
   top_h, remove_invalid_values, renormalize_logits): one transformers processor over all rows;
+- `openai` (with `per_request_processors`): OpenAI's per-request logit_bias, min_tokens, presence and
+  frequency penalties (sampling/openai.py), all rows at once;
 - `row`: processors that read the sequence (no_repeat_ngram, min length, bad words, sequence bias,
   forced bos/eos, exponential decay, begin_suppress_tokens, the user's own `logits_processor`):
   each request gets its own instance, called with exactly its prompt + generated tokens, as
@@ -49,7 +51,7 @@ RowFactory = Callable[[RowContext], "lp.LogitsProcessor | None"]
 
 @dataclass(frozen=True)
 class Stage:
-    kind: str  # "vector" | "shared" | "row"
+    kind: str  # "vector" | "shared" | "row" | "openai"
     name: str  # a `VECTOR_PARAMS` name for vector stages, else the processor's class name
     processor: lp.LogitsProcessor | None = None  # shared stages
     factory: RowFactory | None = None  # row stages: the request's own instance (None: inactive for it)
@@ -184,8 +186,12 @@ def _warper_stages(config: GenerationConfig) -> list[Stage]:
     return stages
 
 
-def build_stages(config: GenerationConfig, user_processors: Sequence[lp.LogitsProcessor] = ()) -> list[Stage]:
-    """The ordered stages for `config` plus the user's `logits_processor` list."""
+def build_stages(
+    config: GenerationConfig, user_processors: Sequence[lp.LogitsProcessor] = (), openai: bool = False
+) -> list[Stage]:
+    """The ordered stages for `config` plus the user's `logits_processor` list; `openai`: the
+    per-request OpenAI processors (logit_bias, min_tokens, presence / frequency penalties) after
+    them and before the sampling warpers, where OpenAI and vLLM apply them (on the unscaled logits)."""
     merged: list[Stage] = []
     used: list[lp.LogitsProcessor] = []
     for cls, stage in _history_stages(config):
@@ -195,6 +201,8 @@ def build_stages(config: GenerationConfig, user_processors: Sequence[lp.LogitsPr
             stage = _same_instance(custom)
         merged.append(stage)
     merged += [_same_instance(p) for p in user_processors if not any(p is u for u in used)]
+    if openai:
+        merged.append(Stage("openai", "openai"))
     merged += _warper_stages(config)
     if config.renormalize_logits is True:
         merged.append(_shared(lp.LogitNormalization()))

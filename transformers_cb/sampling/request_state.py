@@ -1,13 +1,14 @@
 """Per-request sampling state, and `SamplingSetup`, which builds it at submission.
 
-A request that needs nothing beyond greedy argmax (no processor, no logprobs, no stop string)
-gets no state at all (`request.sampling is None`), so the greedy path stays a single argmax.
+A request that needs nothing beyond greedy argmax (no processor changes its row, no logprobs, no
+stop string) gets no state at all (`request.sampling is None`), so the greedy path stays a single
+argmax, also in an engine where other requests sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .grammars import GrammarCompiler, GrammarState
 from .params import (
+    NEUTRAL,
+    VECTOR_PARAMS,
     SamplingParams,
     check_config_values,
     default_params,
@@ -44,6 +47,8 @@ class RequestSampling:
     _filled: int = 0
     _seen: torch.Tensor | None = field(default=None, repr=False)  # [vocab] bool
     _seen_upto: int = 0
+    _counts: torch.Tensor | None = field(default=None, repr=False)  # [vocab] float: generated tokens
+    _counted: int = 0
 
     def history(self, token_ids: list[int], capacity: int, device: torch.device) -> torch.Tensor:
         """`[1, len(token_ids)]` prompt + generated ids, appended to incrementally (tokens never change)."""
@@ -67,6 +72,17 @@ class RequestSampling:
             self._seen[new.to(device)] = True
             self._seen_upto = len(token_ids)
         return self._seen
+
+    def generated_counts(self, generated: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+        """`[vocab]` float32: how often each token was generated so far (OpenAI's penalties count only
+        the completion, not the prompt)."""
+        if self._counts is None:
+            self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if self._counted < len(generated):
+            new = torch.tensor(generated[self._counted :], dtype=torch.long).clamp_(max=vocab_size - 1)
+            self._counts.index_add_(0, new.to(device), torch.ones(len(new), device=device))
+            self._counted = len(generated)
+        return self._counts
 
     def hits_stop_string(self, token_ids: list[int]) -> bool:
         return self.stop is not None and hits_stop_string(self.stop, token_ids)
@@ -105,8 +121,11 @@ class SamplingSetup:
         self.per_request_processors = per_request_processors
         self.seed = seed
         self.do_sample = bool(config.do_sample)
-        self.stages: list[Stage] = build_stages(config, user_processors)
+        self.stages: list[Stage] = build_stages(config, user_processors, openai=per_request_processors)
         self.row_stages = [stage for stage in self.stages if stage.kind == "row"]
+        # Shared and row stages may change any row: every request keeps state when one exists.
+        # Vector and OpenAI stages change only rows with non-neutral values (`changes_logits`).
+        self.has_fixed_stages = any(stage.kind in ("shared", "row") for stage in self.stages)
         self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs)
         check_config_values(self.base, config)
         self.stop_strings = StopStrings(tokenizer)
@@ -114,6 +133,11 @@ class SamplingSetup:
         eos = config.eos_token_id
         eos_ids = [eos] if isinstance(eos, int) else list(eos or ())
         self.grammars = GrammarCompiler(tokenizer, vocab_size or 0, eos_ids)
+
+    def clear_stages(self) -> None:
+        """No processing stage any more; requests attached later get neutral processor values."""
+        self.stages, self.row_stages, self.has_fixed_stages = [], [], False
+        self.base = replace(self.base, **{name: getattr(NEUTRAL, name) for name in VECTOR_PARAMS})
 
     def attach(
         self,
@@ -130,8 +154,9 @@ class SamplingSetup:
         )
         self.stop_strings.check_available(params.stop_strings, label)
         needs_state = (
-            bool(self.stages)
-            or self.do_sample
+            self.has_fixed_stages
+            or params.do_sample
+            or params.changes_logits
             or params.return_logprobs
             or params.prompt_logprobs
             or bool(params.stop_strings)
@@ -147,7 +172,7 @@ class SamplingSetup:
             device=self.device,
         )
         generator = None
-        if self.do_sample and (params.seed is not None or self.seed is not None):
+        if params.do_sample and (params.seed is not None or self.seed is not None):
             seed = params.seed if params.seed is not None else derive_seed(self.seed, request.request_id)
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from ..config.generation_fields import check_generation_config
-from . import warpers
+from . import openai, warpers
 from .grammars import GrammarCompiler
+from .params import NEUTRAL
 from .processors import Stage
 from .request_state import RequestSampling
 
@@ -35,8 +36,12 @@ class Sampler:
 
     Args:
         stages: the processing pipeline (processors.build_stages).
-        do_sample: draw from the processed distribution; otherwise argmax.
+        do_sample: the engine's default (each request's `params.do_sample` decides for its row):
+            draw from the processed distribution; otherwise argmax.
         grammars: masks the rows of guided requests (their `sampling.grammar`), before any stage.
+
+    A row whose request has no state (`sampling is None`: greedy, nothing changes its logits) is
+    passed through every stage unchanged and takes the argmax.
     """
 
     def __init__(
@@ -60,7 +65,14 @@ class Sampler:
             return Samples(tokens=logits.argmax(dim=-1).tolist())
         self._mask(logits, requests, states)
         scores = self.process(logits, requests)
-        tokens = self._draw(scores, states) if self.do_sample else scores.argmax(dim=-1)
+        sampled = [i for i, state in enumerate(states) if state is not None and state.params.do_sample]
+        if len(sampled) == len(states):
+            tokens = self._draw(scores, states)
+        else:
+            tokens = scores.argmax(dim=-1)
+            if sampled:
+                rows = torch.tensor(sampled, dtype=torch.long, device=scores.device)
+                tokens[rows] = self._draw(scores[rows], [states[i] for i in sampled])
         return self._outputs(scores, tokens, states)
 
     def _mask(self, logits: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> None:
@@ -79,26 +91,31 @@ class Sampler:
     def process(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
         """The scores `generate()` would sample from for each row (its processed `scores`)."""
         scores = logits
-        states: list[RequestSampling] = [request.sampling for request in requests]
+        states: list[RequestSampling | None] = [request.sampling for request in requests]
         for stage in self.stages:
             if stage.kind == "vector":
                 scores = self._vector(stage.name, scores, requests, states)
             elif stage.kind == "shared":
                 no_ids = torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
                 scores = stage.processor(no_ids, scores)
+            elif stage.kind == "openai":
+                scores = openai.apply(scores, requests, states)
             else:
                 scores = self._rows(stage, scores, requests, states)
         return scores
 
     def _vector(self, name: str, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
-        values = [getattr(state.params, name) for state in states]
+        values = [getattr(NEUTRAL if state is None else state.params, name) for state in states]
+        if all(v == getattr(NEUTRAL, name) for v in values):
+            return scores
         if name == "repetition_penalty":
             if all(v == 1.0 for v in values):
                 return scores
             vocab = scores.shape[-1]
+            none = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
             seen = torch.stack(
                 [
-                    state.seen(r.all_token_ids, vocab, scores.device)
+                    none if state is None else state.seen(r.all_token_ids, vocab, scores.device)
                     for state, r in zip(states, requests, strict=True)
                 ]
             )
@@ -110,7 +127,7 @@ class Sampler:
         index = self._row_index[id(stage)]
         rows = []
         for i, (state, request) in enumerate(zip(states, requests, strict=True)):
-            processor = state.row_processors[index]
+            processor = None if state is None else state.row_processors[index]
             row = scores[i : i + 1]
             if processor is not None:
                 capacity = request.num_prompt_tokens + request.max_new_tokens

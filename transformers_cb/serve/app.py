@@ -9,6 +9,7 @@ client that goes away cancels its manager requests (see `cancel_unfinished`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,10 +24,12 @@ from starlette.types import Receive, Scope, Send
 
 from .choices import (
     ChoiceEvent,
+    ChoiceOptions,
     Submitted,
     aclose,
     cancel_unfinished,
     choice_events,
+    eos_token_ids,
     merge_events,
     sampling_kwargs,
     submit_choices,
@@ -48,6 +51,7 @@ class ServeState:
     model_name: str
     max_positions: int
     default_max_tokens: int = 256  # chat requests without max_tokens
+    logprobs: bool = True  # False: `--no-logprobs`, requests asking for them get a 400
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -108,29 +112,29 @@ def build_app(state: ServeState) -> FastAPI:
     async def completions(request: Request) -> Response:
         body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
         _check_model(state, body.model)
-        prompts = [_encode_prompt(state, p) for p in body.prompts()]
-        if body.logprobs:
-            raise ApiError(
-                400,
-                "logprobs: top alternatives (logprobs > 0) are not built yet; logprobs=0 returns the "
-                "log-probability of each generated token",
-                param="logprobs",
-            )
-        return await _generate(
-            state, request, body, "completion", prompts, body.max_tokens, body.logprobs == 0
-        )
+        given = body.prompts()
+        prompts = [_encode_prompt(state, p) for p in given]
+        echoes = None
+        if body.echo:
+            echoes = [
+                (p if isinstance(p, str) else state.tokenizer.decode(ids), ids)
+                for p, ids in zip(given, prompts, strict=True)
+            ]
+        want_logprobs = body.logprobs is not None
+        options = _options(state, body, body.max_tokens, want_logprobs, body.logprobs or 0, body.echo)
+        return await _generate(state, request, body, "completion", prompts, options, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
         _check_model(state, body.model)
         prompt = _chat_prompt(state, body)
-        if body.top_logprobs:
-            raise ApiError(400, "top_logprobs: top alternatives are not built yet", param="top_logprobs")
         limit = body.token_limit()
         if limit is None:
             limit = max(1, min(state.default_max_tokens, state.max_positions - len(prompt)))
-        return await _generate(state, request, body, "chat", [prompt], limit, body.logprobs)
+        top = body.top_logprobs or 0
+        options = _options(state, body, limit, body.logprobs, top, echo=False)
+        return await _generate(state, request, body, "chat", [prompt], options)
 
     return app
 
@@ -166,9 +170,34 @@ def _chat_prompt(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _engine_returns_logprobs(state: ServeState) -> bool:
-    engine = getattr(state.manager, "engine", None)
-    return bool(engine is not None and engine.cb_config.return_logprobs)
+def _options(
+    state: ServeState,
+    body: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    want_logprobs: bool,
+    top_logprobs: int,
+    echo: bool,
+) -> ChoiceOptions:
+    """What every choice of `body` is submitted with."""
+    if want_logprobs and not state.logprobs:
+        raise ApiError(400, "logprobs: the server was started with --no-logprobs", param="logprobs")
+    chosen = body.engine_kwargs()
+    if want_logprobs:
+        chosen["return_logprobs"] = True
+        if top_logprobs:
+            chosen["top_logprobs"] = top_logprobs
+        if echo:
+            chosen["prompt_logprobs"] = True
+    return ChoiceOptions(
+        sampling=sampling_kwargs(state.manager, body.temperature, chosen),
+        seed=body.seed,
+        eos_token_id=eos_token_ids(state.manager, body.ignore_eos, body.stop_token_ids),
+        max_tokens=max_tokens,
+        stops=tuple(body.stop_strings()),
+        want_logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+        echo=echo,
+    )
 
 
 async def _generate(
@@ -177,30 +206,40 @@ async def _generate(
     body: CompletionRequest | ChatCompletionRequest,
     kind: str,
     prompts: list[list[int]],
-    max_new_tokens: int | None,
-    want_logprobs: bool,
+    options: ChoiceOptions,
+    echoes: list[tuple[str, list[int]]] | None = None,
 ) -> Response:
-    stops = body.stop_strings()
-    include_usage = body.include_usage_in_stream()
-    if want_logprobs and not _engine_returns_logprobs(state):
-        raise ApiError(400, "logprobs: the server was started with --no-logprobs", param="logprobs")
-    sampling = sampling_kwargs(state.manager, body.temperature, body.top_p, body.top_k, body.seed)
+    include_usage, continuous_usage = body.stream_usage()
     guided, guided_field = guided_of(body)
     if guided is not None:
-        sampling["guided"] = guided
+        options = dataclasses.replace(options, sampling={**options.sampling, "guided": guided})
     prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     try:
-        submitted = submit_choices(state.manager, prompts, body.n, max_new_tokens, sampling, prefix)
+        submitted = submit_choices(state.manager, prompts, body.n, options, prefix)
     except ApiError as error:
         if error.param == "guided":  # name the field the client sent
             error.param = guided_field
         raise
     try:
         shape = ResponseShape(
-            kind, prefix, state.model_name, state.tokenizer, want_logprobs, sum(map(len, prompts))
+            kind,
+            prefix,
+            state.model_name,
+            state.tokenizer,
+            options.want_logprobs,
+            sum(map(len, prompts)),
+            top_logprobs=options.top_logprobs,
+            continuous_usage=continuous_usage,
         )
         streams = [
-            choice_events(state.manager, c, state.tokenizer, stops, want_logprobs, state.metrics)
+            choice_events(
+                state.manager,
+                c,
+                state.tokenizer,
+                options,
+                state.metrics,
+                None if echoes is None else echoes[c.index // body.n],
+            )
             for c in submitted
         ]
         events = merge_events(streams)
@@ -265,7 +304,10 @@ async def _stream_body(
     try:
         if shape.kind == "chat":
             for index in indices:
-                yield sse(shape.chunk(ChoiceEvent(index), include_usage, role=True))
+                chunk = shape.chunk(ChoiceEvent(index), include_usage, role=True)
+                if shape.continuous_usage:
+                    chunk["usage"] = shape.usage(totals)
+                yield sse(chunk)
         async for event in events:
             if event.error is not None:
                 yield sse(event.error.body())
@@ -273,7 +315,10 @@ async def _stream_body(
             offset = len(totals[event.index].text)
             totals[event.index].add(event)
             if event.text or event.is_last or shape.want_logprobs:  # a token still held back: no chunk
-                yield sse(shape.chunk(event, include_usage, text_offset=offset))
+                chunk = shape.chunk(event, include_usage, text_offset=offset)
+                if shape.continuous_usage:
+                    chunk["usage"] = shape.usage(totals)
+                yield sse(chunk)
         else:
             if include_usage:
                 final = shape.chunk(None, include_usage)

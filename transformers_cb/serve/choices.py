@@ -4,23 +4,50 @@ Every choice is submitted with `streaming=True` (also for non-streaming HTTP
 requests), so stop strings are found as tokens arrive and the request is
 cancelled at once instead of generating to `max_tokens`. Tokens arrive through
 `manager.stream(rid)`, the manager's asyncio iterator: no polling.
+
+Sampling: OpenAI's default is `temperature=1`, so a request samples unless it
+sends `temperature=0` (greedy: with nothing else that changes its logits it
+costs the engine what a greedy engine costs, `request.sampling is None`). The
+server's engine is built with `serving_generation_config`, which creates every
+per-request processor; `sampling_kwargs` passes each request's values.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import queue
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers import GenerationConfig
+
 from ..manager.results import ManagerDeadError
 from ..requests import RequestStatus
+from ..sampling.params import derive_seed, enabled_vector_params
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner
+
+# The processors' neutral values: a request of this server passes them for what it does not set,
+# so `serving_generation_config`'s enabling values never apply to anyone.
+NEUTRAL_VALUES = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def serving_generation_config(eos_token_id: Any, pad_token_id: Any) -> GenerationConfig:
+    """The server engine's GenerationConfig: non-default values make it create every vectorized
+    processor (transformers' rule, docs/sampling.md); every request passes its own values."""
+    return GenerationConfig(
+        do_sample=True,
+        temperature=0.5,
+        top_k=50,
+        top_p=0.5,
+        min_p=0.0,
+        repetition_penalty=1.5,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
 
 
 @dataclass
@@ -31,12 +58,32 @@ class ChoiceEvent:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)  # None: the engine gave none
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)  # with top_logprobs > 0
+    echoed: int = 0  # how many leading `token_ids` are the echoed prompt (echo=true)
     finish_reason: str | None = None
     error: ApiError | None = None
 
     @property
     def is_last(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.echoed
+
+
+@dataclass(frozen=True)
+class ChoiceOptions:
+    """What the choices of one HTTP request share besides their prompt."""
+
+    sampling: dict[str, Any]  # `add_request` keywords
+    seed: int | None = None
+    eos_token_id: list[int] | None = None  # None: the engine's
+    max_tokens: int | None = None  # what the client may receive (0: the echoed prompt only)
+    stops: tuple[str, ...] = ()
+    want_logprobs: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
 
 
 @dataclass
@@ -59,62 +106,72 @@ def cancel_unfinished(manager: Any, submitted: list[Submitted]) -> None:
             manager.cancel_request(choice.request_id)
 
 
-def sampling_kwargs(
-    manager: Any,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-) -> dict[str, Any]:
-    """Per-request sampling arguments for `manager.add_request`, neutral values left out.
-
-    A parameter the manager's `add_request` does not take is a 400 naming it: never ignored.
-    """
-    chosen: dict[str, Any] = {}
-    if temperature is not None and not (temperature == 0.0 and not _samples_by_default(manager)):
-        chosen["temperature"] = temperature
-    if top_p is not None and top_p != 1.0:
-        chosen["top_p"] = top_p
-    if top_k is not None and top_k not in (0, -1):
-        chosen["top_k"] = top_k
-    if seed is not None:
-        chosen["seed"] = seed
-    accepted = inspect.signature(manager.add_request).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    for name in chosen:
-        if name not in accepted and not takes_any:
-            raise ApiError(
-                400, f"{name}: per-request {name} is not supported by this engine build", param=name
-            )
-    return chosen
+def sampling_kwargs(manager: Any, temperature: float | None, chosen: dict[str, Any]) -> dict[str, Any]:
+    """Per-request sampling arguments for `manager.add_request`: `chosen` (non-neutral body fields),
+    temperature as OpenAI means it (absent: 1; 0: greedy), and the neutral values of the processors
+    the engine creates. A value the engine cannot take is refused by it at submission (a 400)."""
+    config = _generation_config(manager)
+    default_sample = bool(config is not None and config.do_sample)
+    temperature = 1.0 if temperature is None else temperature
+    kwargs = dict(chosen)
+    if temperature > 0 and temperature != 1.0:
+        kwargs["temperature"] = temperature
+    if (temperature > 0) != default_sample:
+        kwargs["do_sample"] = temperature > 0
+    if config is not None:
+        enabled = enabled_vector_params(config)
+        for name, value in NEUTRAL_VALUES.items():
+            if name in enabled:
+                kwargs.setdefault(name, value)
+    return kwargs
 
 
-def _samples_by_default(manager: Any) -> bool:
+def eos_token_ids(manager: Any, ignore_eos: bool, stop_token_ids: list[int] | None) -> list[int] | None:
+    """The eos ids of a request: the engine's plus `stop_token_ids`; only the latter with `ignore_eos`."""
+    if not ignore_eos and not stop_token_ids:
+        return None
+    ids = list(stop_token_ids or ())
+    config = _generation_config(manager)
+    if not ignore_eos and config is not None and config.eos_token_id is not None:
+        eos = config.eos_token_id
+        ids = [*(eos if isinstance(eos, list) else [eos]), *ids]
+    return ids
+
+
+def _generation_config(manager: Any) -> GenerationConfig | None:
     engine = getattr(manager, "engine", None)
-    return bool(engine is not None and engine.generation_config.do_sample)
+    return None if engine is None else engine.generation_config
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice 0 samples with the request's seed, choice i > 0 with one derived from it: `n` seeded
+    choices differ from each other and are the same on every call."""
+    if seed is None or index == 0:
+        return seed
+    return derive_seed(seed, f"choice-{index}")
 
 
 def submit_choices(
-    manager: Any,
-    prompts: Sequence[list[int]],
-    n: int,
-    max_new_tokens: int | None,
-    sampling: dict[str, Any],
-    id_prefix: str,
+    manager: Any, prompts: Sequence[list[int]], n: int, options: ChoiceOptions, id_prefix: str
 ) -> list[Submitted]:
     """Submit `n` requests per prompt (choice index = prompt * n + j). All or nothing: on any
     refusal the ones already submitted are cancelled and an `ApiError` is raised."""
     submitted: list[Submitted] = []
+    # max_tokens=0 (echo only) still runs the prefill; its one token is dropped (`_ChoiceText`).
+    max_new_tokens = 1 if options.max_tokens == 0 else options.max_tokens
     try:
         for p, prompt in enumerate(prompts):
             for j in range(n):
                 index = p * n + j
+                seed = choice_seed(options.seed, index)
                 request_id = manager.add_request(
                     prompt,
                     request_id=f"{id_prefix}-{index}",
                     max_new_tokens=max_new_tokens,
                     streaming=True,
-                    **sampling,
+                    eos_token_id=options.eos_token_id,
+                    **options.sampling,
+                    **({} if seed is None else {"seed": seed}),
                 )
                 if request_id is None:
                     raise ApiError(503, "the server is shutting down and accepts no new requests")
@@ -122,7 +179,7 @@ def submit_choices(
                 submitted.append(Submitted(request_id, index, stream, time.perf_counter()))
     except BaseException as error:
         cancel_unfinished(manager, submitted)
-        raise _as_api_error(error, sampling) from error
+        raise _as_api_error(error, {**options.sampling, "seed": options.seed}) from error
     return submitted
 
 
@@ -151,33 +208,53 @@ def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseExcepti
 
 @dataclass
 class _ChoiceText:
-    """Turns one choice's successive outputs (growing `generated_tokens`) into events."""
+    """Turns one choice's successive outputs (growing `generated_tokens`) into events.
+
+    `echo`: the prompt (its text and ids) to send before the first generated token."""
 
     choice: Submitted
     detokenizer: IncrementalDetokenizer
     scanner: StopScanner
-    want_logprobs: bool
+    options: ChoiceOptions
     metrics: ServerMetrics
+    echo: tuple[str, list[int]] | None = None
     seen: int = 0
     last_arrival: float | None = None
 
     def take(self, output: Any) -> ChoiceEvent:
-        new_ids = output.generated_tokens[self.seen :]
+        limit = self.options.max_tokens
+        new_ids = output.generated_tokens[self.seen : None if limit is None else max(limit, self.seen)]
         new_logprobs = (output.logprobs or [])[self.seen :]
+        new_tops = (output.top_logprobs or [])[self.seen :]
         self.seen += len(new_ids)
         self._observe_latency(len(new_ids))
         event = ChoiceEvent(self.choice.index)
+        if self.echo is not None and (new_ids or output.status.is_finished):
+            self._add_echo(event, output)
         for k, token_id in enumerate(new_ids):
             event.token_ids.append(token_id)
-            if self.want_logprobs:
+            if self.options.want_logprobs:
                 event.logprobs.append(new_logprobs[k] if k < len(new_logprobs) else None)
+                if self.options.top_logprobs:
+                    event.top_logprobs.append(new_tops[k] if k < len(new_tops) else None)
             event.text += self.scanner.push(self.detokenizer.push(token_id))
             if self.scanner.stopped:
                 event.finish_reason = "stop"  # later tokens (same output) are dropped, as OpenAI does
                 return event
         if output.status.is_finished:
             _finish(event, output, self.scanner, self.detokenizer)
+            if limit == 0 and event.error is None:
+                event.finish_reason = "length"  # max_tokens=0: the engine's one token is not the client's
         return event
+
+    def _add_echo(self, event: ChoiceEvent, output: Any) -> None:
+        text, ids = self.echo
+        self.echo = None
+        event.text, event.token_ids, event.echoed = text, list(ids), len(ids)
+        if self.options.want_logprobs:
+            event.logprobs = list(output.prompt_logprobs or [None] * len(ids))
+            if self.options.top_logprobs:
+                event.top_logprobs = list(output.prompt_top_logprobs or [None] * len(ids))
 
     def _observe_latency(self, num_new: int) -> None:
         if not num_new:
@@ -195,15 +272,16 @@ async def choice_events(
     manager: Any,
     choice: Submitted,
     tokenizer: Any,
-    stops: list[str],
-    want_logprobs: bool,
+    options: ChoiceOptions,
     metrics: ServerMetrics,
+    echo: tuple[str, list[int]] | None = None,
 ) -> AsyncIterator[ChoiceEvent]:
     """Text events of one choice, ending with one event that carries `finish_reason` or `error`.
 
     Closing the generator early (client gone, stop string, shutdown) cancels the manager request.
     """
-    text = _ChoiceText(choice, IncrementalDetokenizer(tokenizer), StopScanner(stops), want_logprobs, metrics)
+    scanner = StopScanner(list(options.stops))
+    text = _ChoiceText(choice, IncrementalDetokenizer(tokenizer), scanner, options, metrics, echo)
     try:
         async for output in choice.stream:
             choice.over = choice.over or output.status.is_finished

@@ -1,20 +1,42 @@
 """The OpenAI request bodies we accept, and the OpenAI-style error we answer with.
 
-Bodies are validated strictly: a wrong type, an out-of-range value or an
-unknown field is a 400 naming it. OpenAI fields this server does not implement
-are accepted only at their neutral value (e.g. `frequency_penalty=0`), so a
-request never gets a silently different meaning.
+Known fields are validated strictly: a wrong type or an out-of-range value is a 400 naming it.
+A field this server does not know is accepted and ignored with a warning in the log (as vLLM
+and transformers serve do: clients send their own extensions); a known field it cannot honour
+(`suffix`, `tools`, ...) away from its neutral value is a 400 naming it, so a request never gets a
+silently different meaning.
+
+Per-request sampling fields reach the engine through one table, `ENGINE_FIELDS` (body field ->
+`add_request` keyword, neutral value): a new field is one declaration plus one row there. The output
+constraints (`response_format`, `guided_*`) become one `guided=` value in serve/guided.py.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 16  # choices per request: each is one manager request
+MAX_TOP_LOGPROBS = 20  # top alternatives per token (OpenAI's chat cap; completions' `logprobs` too)
+
+# Body field -> the `add_request` keyword it becomes, and the value at which it is left out.
+# `temperature`, `seed`, `stop*`, `ignore_eos`, `logprobs` / `echo` are shaped in choices.py.
+ENGINE_FIELDS: tuple[tuple[str, str, Any], ...] = (
+    ("top_p", "top_p", 1.0),
+    ("top_k", "top_k", 0),  # -1 (vLLM's "off") is normalized to 0
+    ("min_p", "min_p", 0.0),
+    ("repetition_penalty", "repetition_penalty", 1.0),
+    ("presence_penalty", "presence_penalty", 0.0),
+    ("frequency_penalty", "frequency_penalty", 0.0),
+    ("logit_bias", "logit_bias", None),
+    ("min_tokens", "min_tokens", 0),
+)
 
 
 @dataclass
@@ -38,15 +60,25 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Body(BaseModel):
+    # Unknown fields are kept in `model_extra` (and logged by `parse_body`), never used.
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    def check_neutral(self) -> None:
+        """Raise a 400 for a known field this server cannot honour (away from its neutral value)."""
 
 
-class StreamOptions(_Strict):
+class _Part(BaseModel):
+    # Inside a body (messages, stream_options), unknown keys are dropped like unknown fields.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Part):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: `usage` so far in every chunk
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(_Part):
     """OpenAI's `response_format.json_schema`: the schema is under `schema`."""
 
     name: str
@@ -55,29 +87,33 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Part):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)  # an extension (vLLM's): -1 or 0 turn it off
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's extension: -1 or 0 turn it off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Known OpenAI fields without an implementation: accepted at their neutral value only.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     # Structured outputs (serve/guided.py): OpenAI's response_format, vLLM's guided_* extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -91,28 +127,42 @@ class _SamplingFields(_Strict):
             raise ApiError(400, "stop: empty stop strings are not allowed", param="stop")
         return stops
 
-    def include_usage_in_stream(self) -> bool:
+    def stream_usage(self) -> tuple[bool, bool]:
+        """(`include_usage`, `continuous_usage_stats`) of a streaming request."""
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
-        return self.stream_options is not None and self.stream_options.include_usage
+        options = self.stream_options or StreamOptions()
+        return options.include_usage, options.continuous_usage_stats
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The `ENGINE_FIELDS` given away from their neutral value, as `add_request` keywords."""
+        chosen = {}
+        for name, keyword, neutral in ENGINE_FIELDS:
+            value = getattr(self, name)
+            if name == "top_k" and value == -1:
+                value = 0
+            if value is not None and value != neutral and value != {}:
+                chosen[keyword] = value
+        return chosen
 
     def check_neutral(self) -> None:
-        _refuse_unless(self.presence_penalty in (None, 0.0), "presence_penalty")
-        _refuse_unless(self.frequency_penalty in (None, 0.0), "frequency_penalty")
-        _refuse_unless(not self.logit_bias, "logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+            if not -100 <= self.logit_bias[key] <= 100:
+                raise ApiError(400, "logit_bias: biases must be in [-100, 100]", param="logit_bias")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default; 0 with echo scores the prompt only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        _refuse_unless(not self.echo, "echo")
         _refuse_unless(self.suffix is None, "suffix")
         _refuse_unless(self.best_of in (None, self.n), "best_of")
 
@@ -128,12 +178,12 @@ class CompletionRequest(_SamplingFields):
         return list(prompt)
 
 
-class TextPart(_Strict):
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -148,7 +198,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -157,7 +207,7 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_neutral()
         _refuse_unless(not self.tools, "tools")
         _refuse_unless(self.tool_choice in (None, "none"), "tool_choice")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def token_limit(self) -> int | None:
@@ -172,7 +222,7 @@ def _refuse_unless(neutral: bool, name: str) -> None:
         raise ApiError(400, f"{name} is not supported by this server (only its default value)", param=name)
 
 
-def parse_body(raw: bytes, model_type: type[_Strict]) -> Any:
+def parse_body(raw: bytes, model_type: type[_Body]) -> Any:
     """Decode and validate a JSON body into `model_type`, or raise a 400 `ApiError` naming the problem."""
     try:
         data = json.loads(raw)
@@ -186,5 +236,7 @@ def parse_body(raw: bytes, model_type: type[_Strict]) -> Any:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         raise ApiError(400, f"{where}: {first['msg']}", param=where or None) from None
+    if request.model_extra:
+        logger.warning("ignoring unknown request field(s): %s", ", ".join(sorted(request.model_extra)))
     request.check_neutral()
     return request

@@ -17,12 +17,16 @@ class ChoiceTotals:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    num_generated: int = 0  # `token_ids` less the echoed prompt
     finish_reason: str | None = None
 
     def add(self, event: ChoiceEvent) -> None:
         self.text += event.text
         self.token_ids += event.token_ids
         self.logprobs += event.logprobs
+        self.top_logprobs += event.top_logprobs
+        self.num_generated += event.num_generated
         self.finish_reason = event.finish_reason or self.finish_reason
 
 
@@ -36,31 +40,71 @@ class ResponseShape:
     tokenizer: Any
     want_logprobs: bool
     num_prompt_tokens: int
+    top_logprobs: int = 0  # alternatives per token (completions: `logprobs=k`; chat: `top_logprobs`)
+    continuous_usage: bool = False  # `stream_options.continuous_usage_stats`: usage in every chunk
     created: int = field(default_factory=lambda: int(time.time()))
 
     # -- logprobs ---------------------------------------------------------------
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def logprobs(self, token_ids: list[int], logprobs: list[float | None], text_offset: int = 0) -> Any:
+    def logprobs(
+        self,
+        token_ids: list[int],
+        logprobs: list[float | None],
+        text_offset: int = 0,
+        tops: list[dict[int, float] | None] | None = None,
+    ) -> Any:
         if not self.want_logprobs:
             return None
         tokens = [self._token_text(t) for t in token_ids]
+        tops = tops if tops and self.top_logprobs else [None] * len(tokens)
         if self.kind == "chat":
             return {
                 "content": [
-                    {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")), "top_logprobs": []}
-                    for s, lp in zip(tokens, logprobs, strict=True)
+                    {
+                        "token": s,
+                        "logprob": lp,
+                        "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [
+                            {"token": alt, "logprob": v, "bytes": list(alt.encode("utf-8"))}
+                            for alt, v in ((self._token_text(i), v) for i, v in (top or {}).items())
+                        ],
+                    }
+                    for s, lp, top in zip(tokens, logprobs, tops, strict=True)
                 ]
             }
         offsets, position = [], text_offset
         for s in tokens:
             offsets.append(position)
             position += len(s)
-        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+        top_field = None
+        if self.top_logprobs:
+            top_field = [
+                self._completion_top(t, lp, top) for t, lp, top in zip(token_ids, logprobs, tops, strict=True)
+            ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": logprobs,
+            "top_logprobs": top_field,
+            "text_offset": offsets,
+        }
+
+    def _completion_top(
+        self, token_id: int, logprob: float | None, top: dict[int, float] | None
+    ) -> dict[str, float] | None:
+        """OpenAI's legacy form: the k best by token text, plus the chosen token (up to k + 1)."""
+        if top is None:
+            return None  # the first prompt token: nothing predicts it
+        alternatives: dict[str, float] = {}
+        for i, v in top.items():  # best first: tokens sharing a text (e.g. partial bytes) keep the best
+            alternatives.setdefault(self._token_text(i), v)
+        if logprob is not None:
+            alternatives.setdefault(self._token_text(token_id), logprob)
+        return alternatives
 
     def usage(self, totals: dict[int, ChoiceTotals]) -> dict[str, int]:
-        completion = sum(len(t.token_ids) for t in totals.values())
+        completion = sum(t.num_generated for t in totals.values())
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion,
@@ -73,7 +117,7 @@ class ResponseShape:
         for index in sorted(totals):
             t = totals[index]
             choice: dict[str, Any] = {"index": index, "finish_reason": t.finish_reason}
-            choice["logprobs"] = self.logprobs(t.token_ids, t.logprobs)
+            choice["logprobs"] = self.logprobs(t.token_ids, t.logprobs, tops=t.top_logprobs)
             if self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": t.text}
             else:
@@ -102,7 +146,11 @@ class ResponseShape:
         }
         if event is not None:
             choice: dict[str, Any] = {"index": event.index, "finish_reason": event.finish_reason}
-            choice["logprobs"] = None if role else self.logprobs(event.token_ids, event.logprobs, text_offset)
+            choice["logprobs"] = (
+                None
+                if role
+                else self.logprobs(event.token_ids, event.logprobs, text_offset, event.top_logprobs)
+            )
             if self.kind == "chat":
                 choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": event.text}
             else:

@@ -66,7 +66,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=30.0,
         help="seconds to let in-flight requests finish on exit",
     )
-    serve.add_argument("--no-logprobs", action="store_true", help="do not compute token log-probabilities")
+    serve.add_argument("--no-logprobs", action="store_true", help="refuse requests asking for logprobs")
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
@@ -107,34 +107,50 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     names = ("page_size", "num_blocks", "max_batch_tokens", "scheduler_type")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     overrides["max_queue_size"] = args.max_queue_size
-    overrides["return_logprobs"] = not args.no_logprobs
     return overrides
+
+
+def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any) -> Any:
+    """A started manager as the server runs it: every per-request processor available
+    (`per_request_processors=True`, `serving_generation_config`); logprobs are computed per request."""
+    import dataclasses
+
+    from ..cli.loading import special_ids
+    from .choices import serving_generation_config
+
+    cb_config = dataclasses.replace(cb_config, per_request_processors=True)
+    eos_token_id, pad_token_id = special_ids(model, tokenizer)
+    manager = model.init_continuous_batching(
+        generation_config=serving_generation_config(eos_token_id, pad_token_id),
+        continuous_batching_config=cb_config,
+        tokenizer=tokenizer,
+    )
+    manager.start()
+    return manager
 
 
 def build_state(args: argparse.Namespace) -> Any:
     """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
-    from transformers import GenerationConfig
-
     import transformers_cb
 
-    from ..cli.loading import load_for_command, special_ids
+    from ..cli.loading import load_for_command
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-    eos_token_id, pad_token_id = special_ids(model, tokenizer)
-    generation_config = GenerationConfig(
-        do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
-    )
-    manager = model.init_continuous_batching(
-        generation_config=generation_config, continuous_batching_config=cb_config, tokenizer=tokenizer
-    )
-    manager.start()
+    manager = start_serving_manager(model, tokenizer, cb_config)
     name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
     max_positions = model.config.get_text_config().max_position_embeddings
-    return ServeState(manager, tokenizer, name, max_positions, default_max_tokens=args.default_max_tokens)
+    return ServeState(
+        manager,
+        tokenizer,
+        name,
+        max_positions,
+        default_max_tokens=args.default_max_tokens,
+        logprobs=not args.no_logprobs,
+    )
 
 
 def drain(manager: Any, timeout: float) -> None:
