@@ -173,6 +173,7 @@ class BatchPacker:
             native_tokens=native_tokens,
             token_row=token_entry[:native_tokens] if native_tokens else None,
             token_pos=position_ids[:native_tokens] if native_tokens else None,
+            all_native=num_native_rows == len(ordered),
         )
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
