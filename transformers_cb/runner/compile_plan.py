@@ -16,8 +16,14 @@ A step is on the *decode* path when every query is a single token (`max_seqlen_q
    recompile), as the documents say;
 3. the generation config's `compile_config`, if any;
 4. none.
-Paged attention itself stays out of the graphs (`torch.compiler.disable`, see attention/__init__.py):
-the compiled code is everything around it (embeddings, norms, rotary, MLP, heads, logits).
+With the torch backends on CPU, a step whose every token the native kernel attends (decodes, short
+prefill chunks) is one graph: each layer's paged attention is a custom op (`attention/paged.py`) with a
+fake implementation, so inductor takes the whole decoder forward. Any other step's attention, and the flash
+backends', stays out of the graphs (`torch.compiler.disable`): a graph break per layer.
+
+Shapes are dynamic (levels 1 and 2, and compiled with sizes 1 treated like any other size), so after the
+first steps of each path a new token count, row count or block-table width compiles nothing new;
+`PathForwards.graphs_compiled` counts the graphs compiled by this engine's steps (`ManagerStats`).
 """
 
 from __future__ import annotations
@@ -112,14 +118,22 @@ def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> Callable:
     return cache[key]
 
 
+def _graphs_compiled_in_process() -> int:
+    """Graphs dynamo has compiled in this process (torch's own counter, read before and after a call)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 class PathForwards:
-    """The model's forward for each path: compiled lazily on the path's first step (or plain)."""
+    """The model's forward for each path: compiled lazily on the path's first step (or plain).
+
+    `graphs_compiled`: graphs compiled (first compiles and recompiles) during this object's calls."""
 
     def __init__(self, model: torch.nn.Module, plan: CompilePlan) -> None:
         self._model = model
         self._forward = model.forward
         self._plan = plan
         self._compiled: dict[str, Callable] = {}
+        self.graphs_compiled = 0
 
     @property
     def plan(self) -> CompilePlan:
@@ -135,5 +149,17 @@ class PathForwards:
         if config is None:
             return self._forward
         if path not in self._compiled:
-            self._compiled[path] = compiled_forward(self._model, config)
+            self._compiled[path] = self._counted(compiled_forward(self._model, config))
         return self._compiled[path]
+
+    def _counted(self, compiled: Callable) -> Callable:
+        def run(*args, **kwargs):
+            before = _graphs_compiled_in_process()
+            # Size 1 compiled like any size: a one-row step (or a one-page block table) reuses the graph.
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    self.graphs_compiled += _graphs_compiled_in_process() - before
+
+        return run
