@@ -100,8 +100,9 @@ def paged_attention(
     Returns `[1, T, H, D]`, the layout transformers' attention functions return.
 
     A step whose every token the native kernel attends (decodes and short prefill chunks) is one custom op
-    per layer, which `torch.compile` keeps in its graph (no break); any other step runs `mixed_paged_attention`,
-    whose Python follows the step's groups and stays out of compiled graphs.
+    per layer, which `torch.compile` keeps in its graph (no break); any other step runs
+    `mixed_paged_attention`, whose Python follows the step's groups (the runner runs such steps' forward
+    eagerly: see runner/compile_plan.py).
     """
     if not metadata.all_native:
         return mixed_paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks)

@@ -128,7 +128,8 @@ class ModelRunner:
             graph_path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
-        output = self.forwards(path)(
+        traceable = step.metadata.all_native or (self.options is not None and self.options.is_flash)
+        output = self.forwards(path, step.input_ids.shape[1], traceable)(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             attention_mask=self._no_mask,

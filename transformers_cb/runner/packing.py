@@ -31,6 +31,8 @@ DECODE_PADDING_BOUND = 1.25
 # kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
 # chunks (see docs/design.md, "The native CPU kernel").
 NATIVE_PREFILL_MAX_WORK = 64 * 64
+# The native kernel's block tables are at least this wide (see `_group_metadata`).
+MIN_NATIVE_TABLE_COLUMNS = 2
 
 
 @dataclass
@@ -209,6 +211,11 @@ class BatchPacker:
             block_table = table_rows[:, :num_pages]
         else:
             block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
+        if self.native and block_table.shape[1] < MIN_NATIVE_TABLE_COLUMNS:
+            # Padding columns repeat the row's first page (never read): a compiled forward then never
+            # meets a one-column table, which torch.compile would specialise (and recompile) for.
+            pad = block_table[:, :1].expand(-1, MIN_NATIVE_TABLE_COLUMNS - block_table.shape[1])
+            block_table = torch.cat([block_table, pad], dim=1)
         # Rows the native kernel attends need no groups: decodes, then the prefills after them.
         decodes = [] if num_native_rows else ordered[:num_decodes]
         first_row = max(num_decodes, num_native_rows)
@@ -220,7 +227,8 @@ class BatchPacker:
             prefill_groups=self._prefill_groups(
                 ordered[first_row:], first_row, first_token, block_table, table_rows, ring, window
             ),
-            block_table=block_table.to(torch.int32),
+            # Canonical strides (a one-row slice keeps its parent's): a compiled forward guards on them.
+            block_table=block_table.to(torch.int32, memory_format=torch.contiguous_format),
         )
 
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
