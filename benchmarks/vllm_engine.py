@@ -19,6 +19,7 @@ from pathlib import Path
 import common
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+REPLY_PREFIX = "@@tcb-vllm "  # vllm_worker.PREFIX (the worker runs under another Python: not imported)
 
 
 def vllm_unavailable(python: str | None) -> str | None:
@@ -72,11 +73,13 @@ class VllmEngine(common.Engine):
         self._model_id = id(model)
 
     def _reply(self) -> dict:
-        line = self._process.stdout.readline() if self._process is not None else ""
-        if not line:
-            code = self._process.wait() if self._process is not None else None
-            raise RuntimeError(f"the vLLM worker exited (code {code}); its log is above on stderr")
-        return json.loads(line)
+        while True:
+            line = self._process.stdout.readline() if self._process is not None else ""
+            if not line:
+                code = self._process.wait() if self._process is not None else None
+                raise RuntimeError(f"the vLLM worker exited (code {code}); its log is above on stderr")
+            if line.startswith(REPLY_PREFIX):
+                return json.loads(line[len(REPLY_PREFIX) :])
 
     def warmup(self, model, workload: common.Workload) -> None:
         self._start(model)

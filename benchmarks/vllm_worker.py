@@ -3,7 +3,7 @@
     /path/to/vllm-venv/bin/python benchmarks/vllm_worker.py MODEL_DIR [--dtype float32] [--max-model-len 2048]
 
 Loads `MODEL_DIR` (a model saved by the benchmark) once, then prints one JSON line
-`{"ready": true, "startup_s": ...}`. Afterwards each line read from stdin is a workload
+`@@tcb-vllm {"ready": true, "startup_s": ...}`. Afterwards each line read from stdin is a workload
 `{"prompts": [[ids...]...], "max_new_tokens": [...]}` and gets one JSON line back:
 `{"outputs": [[ids...]...], "wall_s": ...}`, greedy, EOS ignored, token ids in and out (no tokenizer).
 Only `llm.generate` is timed. Every other line vLLM prints goes to stderr.
@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+PREFIX = "@@tcb-vllm "  # marks the reply lines (vllm_engine.py skips any other line)
+
 
 def main() -> int:
     p = argparse.ArgumentParser()
@@ -25,8 +27,11 @@ def main() -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     args = p.parse_args()
-    reply = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's own prints must not mix with the replies
+    # vLLM's own output (its engine-core process included, which inherits fd 1) goes to stderr; the replies
+    # keep a private copy of the original stdout.
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     start = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -40,7 +45,7 @@ def main() -> int:
         max_num_seqs=args.max_num_seqs,
         seed=0,
     )
-    reply.write(json.dumps({"ready": True, "startup_s": time.perf_counter() - start}) + "\n")
+    reply.write(PREFIX + json.dumps({"ready": True, "startup_s": time.perf_counter() - start}) + "\n")
     reply.flush()
     for line in sys.stdin:
         if not line.strip():
@@ -55,7 +60,7 @@ def main() -> int:
         results = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         outputs = [list(result.outputs[0].token_ids) for result in results]
-        reply.write(json.dumps({"outputs": outputs, "wall_s": wall}) + "\n")
+        reply.write(PREFIX + json.dumps({"outputs": outputs, "wall_s": wall}) + "\n")
         reply.flush()
     return 0
 
