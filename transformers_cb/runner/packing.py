@@ -31,8 +31,8 @@ DECODE_PADDING_BOUND = 1.25
 # kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
 # chunks (see docs/design.md, "The native CPU kernel").
 NATIVE_PREFILL_MAX_WORK = 64 * 64
-# The native kernel's block tables are at least this wide (see `_group_metadata`).
-MIN_NATIVE_TABLE_COLUMNS = 2
+# The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
+MIN_COMPILED_TABLE_COLUMNS = 2
 
 
 @dataclass
@@ -122,6 +122,9 @@ class BatchPacker:
             for g in range(num_groups)
         ]
         self._page_offsets = torch.arange(self.page_size, device=device)
+        # Narrowest block table handed to the native kernel: the runner sets MIN_COMPILED_TABLE_COLUMNS
+        # when the torch backends' forward is compiled.
+        self.min_table_columns = 1
 
     def release_request(self, request) -> None:
         """Give `request`'s rows back in every group (the runner, for each request whose pages were freed)."""
@@ -211,10 +214,10 @@ class BatchPacker:
             block_table = table_rows[:, :num_pages]
         else:
             block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
-        if self.native and block_table.shape[1] < MIN_NATIVE_TABLE_COLUMNS:
+        if self.native and block_table.shape[1] < self.min_table_columns:
             # Padding columns repeat the row's first page (never read): a compiled forward then never
             # meets a one-column table, which torch.compile would specialise (and recompile) for.
-            pad = block_table[:, :1].expand(-1, MIN_NATIVE_TABLE_COLUMNS - block_table.shape[1])
+            pad = block_table[:, :1].expand(-1, self.min_table_columns - block_table.shape[1])
             block_table = torch.cat([block_table, pad], dim=1)
         # Rows the native kernel attends need no groups: decodes, then the prefills after them.
         decodes = [] if num_native_rows else ordered[:num_decodes]
