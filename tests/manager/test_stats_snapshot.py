@@ -24,6 +24,7 @@ COPIED = (
     "swapped_out",
     "swap_out_pages",
     "swap_in_pages",
+    "compiled_graphs",
 )
 
 

@@ -12,8 +12,16 @@ from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.attention.native import native_module
 from transformers_cb.engine.engine import Engine
-from transformers_cb.runner.compile_plan import DECODE, VARLEN, level_compile_config, resolve_compile_plan
+from transformers_cb.runner.compile_plan import (
+    DECODE,
+    VARLEN,
+    CompilePlan,
+    PathForwards,
+    level_compile_config,
+    resolve_compile_plan,
+)
 
 
 @pytest.mark.parametrize(
@@ -75,3 +83,36 @@ def test_compiled_run_on_cpu_matches_generate() -> None:
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.generated_ids == greedy_reference(model, prompt, 5)
     assert set(engine.runner.forwards.compiled_paths) == {VARLEN, DECODE}
+
+
+@pytest.mark.slow  # inductor compiles on the CPU: minutes on a busy 2-core machine
+@pytest.mark.skipif(native_module() is None, reason="the native CPU kernel cannot be built here")
+def test_compiled_steps_are_one_graph_per_path_and_never_recompile() -> None:
+    """With the native kernel every step of these prompts is native-only: each path is one graph (the paged
+    attention custom op is inside it, no break), and batches of other sizes (one row, more rows, longer
+    block tables) reuse the graphs: `compiled_graphs` stays flat after the first batch."""
+    torch._dynamo.reset()
+    model = tiny_llama()
+    generation_config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
+    engine = Engine(model, generation_config, config)
+    counts = []
+    for lengths, seed in (([9, 3], 5), ([30], 6), ([5, 7, 33], 7), ([2, 40, 11, 3, 3], 8)):
+        prompts = prompts_of_lengths(lengths, seed=seed)
+        requests = run_prompts(engine, model, prompts)
+        for request, prompt in zip(requests, prompts, strict=True):
+            assert request.generated_ids == greedy_reference(model, prompt, 6)
+        counts.append(engine.snapshot().compiled_graphs)
+    assert set(engine.runner.forwards.compiled_paths) == {VARLEN, DECODE}
+    # Both paths share one config, so one graph (dynamo caches per code object) or one per path.
+    assert counts[0] in (1, 2) and counts == [counts[0]] * 4
+
+
+def test_one_token_steps_take_the_eager_forward() -> None:
+    """A compiled one-token step would be a graph of its own (sizes of 1 specialise): it runs eagerly."""
+    model = tiny_llama()
+    forwards = PathForwards(model, CompilePlan(decode=level_compile_config(1)))
+    assert forwards(DECODE, 1) == model.forward
+    assert forwards(DECODE, 3) != model.forward  # compiled (lazily: nothing compiles until it is called)
+    assert forwards(VARLEN, 3) == model.forward  # no config for this path
+    assert forwards.graphs_compiled == 0

@@ -17,16 +17,18 @@ from .sdpa import sdpa_paged_attention_forward
 
 
 def _compile_boundary(forward: Callable) -> Callable:
-    """Keep paged attention out of `torch.compile` graphs: its Python control flow follows each step's
-    layout, which would recompile every step; the rest of the model compiles around it."""
+    """Keep a flash backend's paged attention out of `torch.compile` graphs: its Python control flow follows
+    each step's layout, which would recompile every step; the rest of the model compiles around it. The
+    torch backends need no boundary: their native-only steps are one custom op per layer, and the rest of
+    their work is a boundary of its own (`paged.mixed_paged_attention`)."""
     wrapped = torch.compiler.disable(forward)
     wrapped.__name__ = wrapped.__qualname__ = forward.__name__
     return wrapped
 
 
 PAGED_BACKENDS: dict[str, Callable] = {
-    "paged|sdpa": _compile_boundary(sdpa_paged_attention_forward),
-    "paged|eager": _compile_boundary(eager_paged_attention_forward),
+    "paged|sdpa": sdpa_paged_attention_forward,
+    "paged|eager": eager_paged_attention_forward,
     **{name: _compile_boundary(make_flash_forward(name)) for name in flash_backend_names()},
 }
 

@@ -87,6 +87,9 @@ class AttentionMetadata:
     native_tokens: int = 0
     token_row: torch.Tensor | None = None  # [native_tokens] int64
     token_pos: torch.Tensor | None = None  # [native_tokens] int64
+    # Every token of the step is the native kernel's (no decode or prefill groups): each layer's attention
+    # is then one custom op that a compiled forward keeps in its graph (paged.py).
+    all_native: bool = False
     # Filled by the runner for flash backends only (see attention/flash.py).
     cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
     decode_fast_path: DecodeFastPath | None = None

@@ -31,6 +31,58 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
+@torch.library.custom_op("transformers_cb::native_paged_attention", mutates_args=("kv_storage",))
+def native_paged_attention_op(
+    query: torch.Tensor,
+    new_keys: torch.Tensor,
+    new_values: torch.Tensor,
+    kv_storage: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    token_row: torch.Tensor,
+    token_pos: torch.Tensor,
+    block_table: torch.Tensor,
+    page_size: int,
+    scale: float,
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """One layer of a step whose every token the native kernel attends, as one opaque torch op: write the
+    step's new K/V `[T, Hkv, D]` at `slot_mapping`, then attend `query` `[T, H, D]` from the pages.
+
+    `kv_storage` is the KV group's whole tensor (`PagedKVCache.group_tensors`) and `layer` the layer's
+    index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
+    that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off. Returns `[T, H, D]`.
+    """
+    heads, dim = kv_storage.shape[-2:]
+    key_cache = kv_storage[0, layer].view(-1, heads, dim)
+    value_cache = kv_storage[1, layer].view(-1, heads, dim)
+    key_cache.index_copy_(0, slot_mapping, new_keys.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, new_values.to(value_cache.dtype))
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    native_paged_attention(
+        query.contiguous(),
+        key_cache,
+        value_cache,
+        token_row,
+        token_pos,
+        block_table,
+        page_size,
+        scale,
+        window or None,
+        softcap or None,
+        sinks,
+        out,
+    )
+    return out
+
+
+@native_paged_attention_op.register_fake
+def _native_paged_attention_fake(query, new_keys, new_values, kv_storage, layer, *args) -> torch.Tensor:
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -46,7 +98,50 @@ def paged_attention(
     softcapping of this layer; sinks: `[H]` attention-sink logits of this layer.
 
     Returns `[1, T, H, D]`, the layout transformers' attention functions return.
+
+    A step whose every token the native kernel attends (decodes and short prefill chunks) is one custom op
+    per layer, which `torch.compile` keeps in its graph (no break); any other step runs
+    `mixed_paged_attention`, whose Python follows the step's groups (the runner runs such steps' forward
+    eagerly: see runner/compile_plan.py).
     """
+    if not metadata.all_native:
+        return mixed_paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks)
+    group_metadata = metadata.group_of(layer_idx)
+    storage, layer = metadata.cache.storage_of(layer_idx)
+    out = native_paged_attention_op(
+        query[0].transpose(0, 1),  # [T, H, D]
+        key[0].transpose(0, 1),  # [T, Hkv, D]
+        value[0].transpose(0, 1),
+        storage,
+        layer,
+        group_metadata.slot_mapping,
+        metadata.token_row,
+        metadata.token_pos,
+        group_metadata.block_table,
+        metadata.cache.page_size,
+        scale,
+        group_metadata.sliding_window or 0,
+        softcap or 0.0,
+        sinks,
+    )
+    return out.unsqueeze(0)
+
+
+@torch.compiler.disable
+def mixed_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    metadata: AttentionMetadata,
+    scale: float,
+    attend: Attend,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_attention` of any step: the native kernel's leading tokens, then the decode and prefill groups
+    through `attend`. Its control flow follows each step's layout (it would recompile every step), so it is
+    a graph break of a compiled forward by design."""
     group_metadata = metadata.group_of(layer_idx)
     q = query[0].transpose(0, 1)  # [T, H, D]
     new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]

@@ -403,6 +403,7 @@ class Engine:
             swapped_out=offload.num_swapped_out if offload is not None else 0,
             swap_out_pages=offload.swap_out_pages if offload is not None else 0,
             swap_in_pages=offload.swap_in_pages if offload is not None else 0,
+            compiled_graphs=self.runner.forwards.graphs_compiled,
             counters=replace(self.counters),
         )
 

@@ -34,4 +34,5 @@ class EngineSnapshot:
     swapped_out: int = 0  # requests in the host tier now (CPU offload)
     swap_out_pages: int = 0
     swap_in_pages: int = 0
+    compiled_graphs: int = 0  # torch.compile graphs built by this engine's steps (warm-up included)
     counters: EngineCounters = field(default_factory=EngineCounters)

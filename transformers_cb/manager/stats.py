@@ -50,6 +50,9 @@ class ManagerStats:
     swapped_out: int = 0
     swap_out_pages: int = 0
     swap_in_pages: int = 0
+    # torch.compile graphs built by the engine's steps (warm-up included): flat after the first steps of
+    # each path when shapes are dynamic (docs/fast_paths.md, "Compiling the forward").
+    compiled_graphs: int = 0
 
 
 def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
@@ -78,6 +81,7 @@ def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
         swapped_out=engine.swapped_out,
         swap_out_pages=engine.swap_out_pages,
         swap_in_pages=engine.swap_in_pages,
+        compiled_graphs=engine.compiled_graphs,
     )
 
 

@@ -66,9 +66,11 @@ class PagedKVCache:
         ]
         self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        self._index_in_group = [0] * num_layers
         for g, spec in enumerate(self.groups):
             storage = self.group_tensors[g]
             for i, layer in enumerate(spec.layer_indices):
+                self._index_in_group[layer] = i
                 self.keys[layer] = storage[0, i].view(-1, num_kv_heads, head_dim)
                 self.values[layer] = storage[1, i].view(-1, num_kv_heads, head_dim)
 
@@ -119,6 +121,10 @@ class PagedKVCache:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def storage_of(self, layer_idx: int) -> tuple[torch.Tensor, int]:
+        """The group tensor holding layer `layer_idx`'s K/V, and the layer's index inside it."""
+        return self.group_tensors[self.layer_group[layer_idx]], self._index_in_group[layer_idx]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.group_tensors)

@@ -16,8 +16,17 @@ A step is on the *decode* path when every query is a single token (`max_seqlen_q
    recompile), as the documents say;
 3. the generation config's `compile_config`, if any;
 4. none.
-Paged attention itself stays out of the graphs (`torch.compiler.disable`, see attention/__init__.py):
-the compiled code is everything around it (embeddings, norms, rotary, MLP, heads, logits).
+With the torch backends on CPU, a step whose every token the native kernel attends (decodes, short
+prefill chunks) is one graph: each layer's paged attention is a custom op (`attention/paged.py`) with a
+fake implementation, so inductor takes the whole decoder forward. The torch backends' other steps run the
+eager forward; the flash backends' attention stays out of the graphs (`torch.compiler.disable`), a graph
+break per layer.
+
+Shapes are dynamic (levels 1 and 2, traced without duck shapes and with sizes of 1 treated like any other
+size; one-token steps run eagerly and the native kernel's block tables are at least two columns wide, the
+two sizes of 1 that would still specialise), so after the first step of each path a new token count, row
+count or block-table width compiles nothing new;
+`PathForwards.graphs_compiled` counts the graphs compiled by this engine's steps (`ManagerStats`).
 """
 
 from __future__ import annotations
@@ -112,14 +121,22 @@ def compiled_forward(model: torch.nn.Module, config: CompileConfig) -> Callable:
     return cache[key]
 
 
+def _graphs_compiled_in_process() -> int:
+    """Graphs dynamo has compiled in this process (torch's own counter, read before and after a call)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 class PathForwards:
-    """The model's forward for each path: compiled lazily on the path's first step (or plain)."""
+    """The model's forward for each path: compiled lazily on the path's first step (or plain).
+
+    `graphs_compiled`: graphs compiled (first compiles and recompiles) during this object's calls."""
 
     def __init__(self, model: torch.nn.Module, plan: CompilePlan) -> None:
         self._model = model
         self._forward = model.forward
         self._plan = plan
         self._compiled: dict[str, Callable] = {}
+        self.graphs_compiled = 0
 
     @property
     def plan(self) -> CompilePlan:
@@ -130,10 +147,30 @@ class PathForwards:
         """The paths whose compiled forward has run (compiled on first use)."""
         return list(self._compiled)
 
-    def __call__(self, path: str) -> Callable:
+    def __call__(self, path: str, num_tokens: int = 2, traceable: bool = True) -> Callable:
+        """The forward of a step on `path` with `num_tokens` tokens; `traceable`: its attention compiles (or
+        is a clean break, as the flash backends' is).
+
+        Eager instead: a one-token step (compiled, it would need a graph of its own, as torch.compile
+        specialises sizes of 1, for a rare and short step: the last running request's decodes), and a step
+        whose attention is not traceable (the torch backends' mixed steps: their break would sit inside
+        the attention function, where dynamo compiles one frame per layer up to its recompile limit)."""
         config = self._plan.for_path(path)
-        if config is None:
+        if config is None or num_tokens == 1 or not traceable:
             return self._forward
         if path not in self._compiled:
-            self._compiled[path] = compiled_forward(self._model, config)
+            self._compiled[path] = self._counted(compiled_forward(self._model, config))
         return self._compiled[path]
+
+    def _counted(self, compiled: Callable) -> Callable:
+        def run(*args, **kwargs):
+            before = _graphs_compiled_in_process()
+            # Sizes that happen to be equal (or 1) in the first step are not guarded as such: a later step
+            # with other sizes reuses the graph instead of recompiling.
+            with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
+                try:
+                    return compiled(*args, **kwargs)
+                finally:
+                    self.graphs_compiled += _graphs_compiled_in_process() - before
+
+        return run

@@ -27,7 +27,7 @@ from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
-from .packing import BatchPacker, PackedStep
+from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 
 if TYPE_CHECKING:
     from .step_options import StepOptions
@@ -64,6 +64,9 @@ class ModelRunner:
         self.options = options
         self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
         self.graphs = make_graph_steps(model, packer, options, self.forwards)
+        plan = self.forwards.plan
+        if (plan.varlen is not None or plan.decode is not None) and not (options and options.is_flash):
+            packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
@@ -130,7 +133,8 @@ class ModelRunner:
             graph_path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
-        output = self.forwards(path)(
+        traceable = step.metadata.all_native or (self.options is not None and self.options.is_flash)
+        output = self.forwards(path, step.input_ids.shape[1], traceable)(
             input_ids=step.input_ids,
             position_ids=step.position_ids,
             attention_mask=self._no_mask,

@@ -31,6 +31,8 @@ DECODE_PADDING_BOUND = 1.25
 # kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
 # chunks (see docs/design.md, "The native CPU kernel").
 NATIVE_PREFILL_MAX_WORK = 64 * 64
+# The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
+MIN_COMPILED_TABLE_COLUMNS = 2
 
 
 @dataclass
@@ -120,6 +122,9 @@ class BatchPacker:
             for g in range(num_groups)
         ]
         self._page_offsets = torch.arange(self.page_size, device=device)
+        # Narrowest block table handed to the native kernel: the runner sets MIN_COMPILED_TABLE_COLUMNS
+        # when the torch backends' forward is compiled.
+        self.min_table_columns = 1
 
     def release_request(self, request) -> None:
         """Give `request`'s rows back in every group (the runner, for each request whose pages were freed)."""
@@ -173,6 +178,7 @@ class BatchPacker:
             native_tokens=native_tokens,
             token_row=token_entry[:native_tokens] if native_tokens else None,
             token_pos=position_ids[:native_tokens] if native_tokens else None,
+            all_native=num_native_rows == len(ordered),
         )
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
@@ -208,6 +214,11 @@ class BatchPacker:
             block_table = table_rows[:, :num_pages]
         else:
             block_table = table_rows[:, torch.arange(num_pages, device=self.device) % ring]
+        if self.native and block_table.shape[1] < self.min_table_columns:
+            # Padding columns repeat the row's first page (never read): a compiled forward then never
+            # meets a one-column table, which torch.compile would specialise (and recompile) for.
+            pad = block_table[:, :1].expand(-1, self.min_table_columns - block_table.shape[1])
+            block_table = torch.cat([block_table, pad], dim=1)
         # Rows the native kernel attends need no groups: decodes, then the prefills after them.
         decodes = [] if num_native_rows else ordered[:num_decodes]
         first_row = max(num_decodes, num_native_rows)
@@ -219,7 +230,8 @@ class BatchPacker:
             prefill_groups=self._prefill_groups(
                 ordered[first_row:], first_row, first_token, block_table, table_rows, ring, window
             ),
-            block_table=block_table.to(torch.int32),
+            # Canonical strides (a one-row slice keeps its parent's): a compiled forward guards on them.
+            block_table=block_table.to(torch.int32, memory_format=torch.contiguous_format),
         )
 
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:

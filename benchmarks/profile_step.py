@@ -1,0 +1,134 @@
+"""Where one engine step's time goes: a decode-only step and a prefill step of a benchmark model.
+
+    python benchmarks/profile_step.py [--model small] [--rows 16] [--kv 256] [--prefill 512]
+                                      [--compile-level 0] [--steps 20] [--top 25] [--no-profiler]
+
+Builds an `Engine` on the seeded benchmark model, admits `--rows` requests with `--kv`-token prompts, and
+times `--steps` decode-only steps split into their phases (schedule, pack, forward, sample, update), beside
+the same model's plain forward on a `DynamicCache` of the same shape (the benchmarks' "limit"). Then prints
+`torch.profiler`'s operator table of one decode step and of one `--prefill`-token prefill step. The machine
+may be noisy: read the phases as shares of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="small")
+    p.add_argument("--rows", type=int, default=16, help="decode rows (requests)")
+    p.add_argument("--kv", type=int, default=256, help="prompt tokens per request (the decode's KV length)")
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the profiled prefill step")
+    p.add_argument("--compile-level", type=int, default=0, help="default_compile_level of the engine")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--top", type=int, default=25, help="profiler rows printed")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-profiler", action="store_true", help="only the phase timings")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common
+    import transformers
+
+    import transformers_cb
+    from transformers_cb.attention.selection import paged_attention
+    from transformers_cb.engine.engine import Engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    model = common.build_model(args.model)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    cfg = transformers_cb.ContinuousBatchingConfig(default_compile_level=args.compile_level)
+    max_new = args.steps * 3 + 50
+    workload = [args.kv + max_new] * args.rows + [args.prefill + 2]
+    engine = Engine(model, common.greedy_generation_config(max_new), cfg, workload=workload)
+    phases = {"schedule": 0.0, "pack": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0}
+    runner = engine.runner
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            phases[name] += time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
+        engine.warmup()
+        for i in range(args.rows):
+            ids = torch.randint(3, vocab, (args.kv,), generator=gen).tolist()
+            engine.add(engine.build_request(ids, f"r{i}", max_new, None))
+        while any(not r.generated_ids for r in engine.running_requests()) or engine.num_waiting:
+            engine.step()
+        for _ in range(args.steps):  # warm (and compile) the decode path
+            engine.step()
+        engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+        runner.packer.pack = timed("pack", runner.packer.pack)
+        runner._forward = timed("forward", runner._forward)
+        runner.sampler.sample = timed("sample", runner.sampler.sample)
+        engine.scheduler.update = timed("update", engine.scheduler.update)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        total = (time.perf_counter() - t0) / args.steps * 1e3
+        kv_len = max(r.num_tokens for r in engine.running_requests())
+
+        # The limit: the same model's plain forward over a DynamicCache of the same shape.
+        common.restore_attn_implementation(model)
+        cache = transformers.DynamicCache(config=model.config)
+        prompt = torch.randint(3, vocab, (args.rows, kv_len), generator=gen)
+        model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        step_ids = torch.randint(3, vocab, (args.rows, 1), generator=gen)
+        limit = float("inf")
+        for _ in range(3):
+            t1 = time.perf_counter()
+            for _ in range(args.steps):
+                model(input_ids=step_ids, past_key_values=cache, use_cache=True).logits.argmax(-1).tolist()
+                cache.crop(-1)
+            limit = min(limit, (time.perf_counter() - t1) / args.steps * 1e3)
+
+    print(f"model {args.model}, {args.rows} decode rows at KV ~{kv_len}, compile level {args.compile_level}")
+    print(f"engine step {total:.2f} ms; limit forward {limit:.2f} ms ({total / limit:.2f}x)")
+    for name, seconds in phases.items():
+        ms = seconds / args.steps * 1e3
+        print(f"  {name:9s} {ms:7.2f} ms  {ms / total:6.1%}")
+    other = total - sum(phases.values()) / args.steps * 1e3
+    print(f"  {'other':9s} {other:7.2f} ms  {other / total:6.1%}")
+    if args.no_profiler:
+        return 0
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        print("\n== one decode step")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        ids = torch.randint(3, vocab, (args.prefill,), generator=gen).tolist()
+        engine.add(engine.build_request(ids, "prefill", 1, None))
+        for request in list(engine.running_requests()):
+            if request.request_id != "prefill":
+                engine.finish(request, transformers_cb.RequestStatus.FINISHED)
+                engine.runner.release([request])
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        print(f"\n== one prefill step ({args.prefill} tokens)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
