@@ -125,3 +125,30 @@ class SharedQueueView:
 class OutputRouterView:
     def __init__(self, router: ResultRouter) -> None:
         self.output_queue = SharedQueueView(router)
+
+
+class BuiltinManagerAttributes:
+    """The built-in manager's attributes above as properties of `ContinuousBatchingManager`, which keeps
+    `_state` (the engine), `_loop` (the step count) and `_batch_processor` (set at `start()`, cleared at
+    `stop()` / destroy)."""
+
+    _state: Any
+    _loop: Any
+    _batch_processor: BatchProcessorView | None
+
+    @property
+    def logit_processor(self) -> LogitProcessorView | None:
+        """The engine's logits processors; `.clear()` drops them (None once destroyed)."""
+        engine = self._state.engine
+        return None if engine is None else LogitProcessorView(engine)
+
+    @property
+    def batch_processor(self) -> BatchProcessorView | None:
+        """The session's step driver (`.cache`, `.has_pending_requests()`): None before `start()` and
+        after `stop()` (unless kept for the next session), as in the built-in manager."""
+        return self._batch_processor
+
+    @property
+    def current_batch(self) -> int:
+        """Steps run since the last `start()`."""
+        return self._loop.steps_this_session

@@ -26,7 +26,7 @@ from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
 from .channels import async_channel, blocking_channel
-from .compat import BatchProcessorView, LogitProcessorView, OutputRouterView
+from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
 from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
 from .results import Deliver, ResultRouter
 from .state import BackgroundThreadStatus, ManagerState
@@ -43,7 +43,7 @@ DESTROY_GRACE_S = 10.0
 HARD_STOP_JOIN_S = 60.0
 
 
-class ContinuousBatchingManager:
+class ContinuousBatchingManager(BuiltinManagerAttributes):
     """Serve requests with continuous batching from a background thread.
 
     Create it with `model.init_continuous_batching(...)` or
@@ -84,24 +84,6 @@ class ContinuousBatchingManager:
         """The engine the loop drives (None once destroyed). Only the loop thread touches it while the
         manager runs; read it from elsewhere inside `pause()`."""
         return self._state.engine
-
-    # -- transformers' built-in manager's attributes (manager/compat.py) ----------------
-    @property
-    def logit_processor(self) -> LogitProcessorView | None:
-        """The engine's logits processors; `.clear()` drops them (None once destroyed)."""
-        engine = self._state.engine
-        return None if engine is None else LogitProcessorView(engine)
-
-    @property
-    def batch_processor(self) -> BatchProcessorView | None:
-        """The session's step driver (`.cache`, `.has_pending_requests()`): None before `start()` and
-        after `stop()` (unless kept for the next session), as in the built-in manager."""
-        return self._batch_processor
-
-    @property
-    def current_batch(self) -> int:
-        """Steps run since the last `start()`."""
-        return self._loop.steps_this_session
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -333,15 +315,9 @@ class ContinuousBatchingManager:
         ids are still given in input order. `guided`: one constraint for all inputs, or a list with one
         per input (None: unconstrained)."""
         items = [(input_ids, None) for input_ids in inputs]
-        per_input = None
-        if isinstance(guided, (list, tuple)):
-            if len(guided) != len(items):
-                raise ValueError(f"guided: got {len(guided)} values for {len(items)} inputs")
-            per_input = [{"guided": value} for value in guided]
-            guided = None
         kwargs = {**logit_processor_kwargs, "guided": guided}
         options = SubmissionOptions.of(
-            max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, per_input
+            max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, num_items=len(items)
         )
         return self._submissions.submit(items, options, True, self.max_queue_size)
 

@@ -42,11 +42,20 @@ class SubmissionOptions:
         eos_token_id: int | list[int] | None,
         record_timestamps: bool,
         kwargs: dict[str, Any],
-        item_kwargs: list[dict[str, Any]] | None = None,
+        num_items: int | None = None,
     ) -> SubmissionOptions:
-        """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones."""
+        """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones.
+        With `num_items` (add_requests), `kwargs["guided"]` may be a list or tuple of one constraint per
+        item (None: unconstrained) instead of one for all."""
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
+        item_kwargs = None
+        guided = kwargs.get("guided")
+        if num_items is not None and isinstance(guided, (list, tuple)):
+            if len(guided) != num_items:
+                raise ValueError(f"guided: got {len(guided)} values for {num_items} inputs")
+            item_kwargs = [{"guided": value} for value in guided]
+            kwargs["guided"] = None
         return cls(
             max_new_tokens,
             streaming,
