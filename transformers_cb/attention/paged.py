@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..memory.kv_cache import layer_views, write_slots
 from .metadata import AttentionMetadata
 from .native import native_paged_attention
 
@@ -55,11 +56,8 @@ def native_paged_attention_op(
     index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
     that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off. Returns `[T, H, D]`.
     """
-    heads, dim = kv_storage.shape[-2:]
-    key_cache = kv_storage[0, layer].view(-1, heads, dim)
-    value_cache = kv_storage[1, layer].view(-1, heads, dim)
-    key_cache.index_copy_(0, slot_mapping, new_keys.to(key_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, new_values.to(value_cache.dtype))
+    key_cache, value_cache = layer_views(kv_storage, layer)
+    write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     native_paged_attention(
         query.contiguous(),

@@ -16,6 +16,25 @@ from ..kv.layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
 from ..kv.pool import PagePool
 
 
+def layer_views(storage: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index` of a KV group's tensor `[2, layers, pages, page_size, Hkv, D]` as its key and value
+    caches `[slots, Hkv, D]` (views: writes land in the group's tensor)."""
+    heads, dim = storage.shape[-2:]
+    return storage[0, index].view(-1, heads, dim), storage[1, index].view(-1, heads, dim)
+
+
+def write_slots(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Store `key`/`value` `[num_tokens, Hkv, D]` at `slot_mapping` of one layer's caches, in their dtype."""
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
 class PagedKVCache:
     """KV storage for `num_layers` layers.
 
@@ -71,8 +90,7 @@ class PagedKVCache:
             storage = self.group_tensors[g]
             for i, layer in enumerate(spec.layer_indices):
                 self._index_in_group[layer] = i
-                self.keys[layer] = storage[0, i].view(-1, num_kv_heads, head_dim)
-                self.values[layer] = storage[1, i].view(-1, num_kv_heads, head_dim)
+                self.keys[layer], self.values[layer] = layer_views(storage, i)
 
     @property
     def pool(self) -> PagePool:
@@ -100,8 +118,7 @@ class PagedKVCache:
         self, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
         """Store `key`/`value` `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` `[num_tokens]`."""
-        self.keys[layer_idx].index_copy_(0, slot_mapping, key.to(self.keys[layer_idx].dtype))
-        self.values[layer_idx].index_copy_(0, slot_mapping, value.to(self.values[layer_idx].dtype))
+        write_slots(self.keys[layer_idx], self.values[layer_idx], slot_mapping, key, value)
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """Run page copies `(group, source page, destination page)`: one batched copy per layer."""
