@@ -109,8 +109,6 @@ class Sampler:
         if all(v == getattr(NEUTRAL, name) for v in values):
             return scores
         if name == "repetition_penalty":
-            if all(v == 1.0 for v in values):
-                return scores
             vocab = scores.shape[-1]
             none = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
             seen = torch.stack(
