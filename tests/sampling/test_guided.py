@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from tests.support.timeouts import hang_guard
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding, RequestStatus
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling.grammars import EXTRA_HINT
 from transformers_cb.tools.conformance_check import count_preemptions
 

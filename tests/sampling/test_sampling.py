@@ -13,7 +13,7 @@ from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling import warpers
 from transformers_cb.sampling.params import derive_seed
 from transformers_cb.tools.conformance_check import count_preemptions

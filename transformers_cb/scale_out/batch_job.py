@@ -4,7 +4,7 @@ The driver reads and checks the prompt file (a local path or any URI pyarrow's f
 `s3://`, `gs://`, `hdfs://`, `file://`), Ray Data streams its rows through `N` `CBPredictor` actors,
 and the driver writes one JSON line per input in input order as the results come back (a reorder
 buffer keyed by row index; `preserve_order` keeps it small). The lines are those of the local CLI
-(`cli/records.py`). A killed actor is restarted by Ray (`max_restarts=-1`, Ray Data's default for an
+(`jobs/records.py`). A killed actor is restarted by Ray (`max_restarts=-1`, Ray Data's default for an
 actor pool) and its unfinished batch runs again (`max_task_retries=-1`, the same); a retried batch's
 output is delivered once, and the driver checks that every index arrives exactly once.
 """
@@ -22,8 +22,8 @@ from typing import IO, Any
 
 from tqdm.auto import tqdm
 
-from ..cli.inputs import CliRequest, InputError, parse_requests, read_requests
-from ..cli.records import format_summary, open_output
+from ..jobs.inputs import CliRequest, InputError, parse_requests, read_requests
+from ..jobs.records import format_summary, open_output
 from . import require_ray_extra
 from .predictor import CBPredictor
 
@@ -152,7 +152,7 @@ def generate_on_ray(
 
 
 def record_from_row(request: CliRequest, row: dict[str, Any]) -> dict[str, Any]:
-    """The local CLI's JSON line (cli/records.py `build_record`) from a predictor's output row."""
+    """The local CLI's JSON line (jobs/records.py `build_record`) from a predictor's output row."""
 
     def seconds(value: Any) -> float | None:
         return None if value is None or value != value else round(float(value), 6)  # NaN: missing

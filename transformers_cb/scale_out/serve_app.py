@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..cli.inputs import InputError
+from ..jobs.inputs import InputError
 from ..serve.server import DEFAULT_MODEL_NAME, add_serve_parser, build_state, drain
 from . import require_ray_extra
 

@@ -1,7 +1,7 @@
 """Loading the model a command runs: the device, the model and its tokenizer, their special ids.
 
 Shared by `transformers-cb generate` (cli/main.py) and `transformers-cb serve` (serve/server.py), so
-both load a checkpoint (or the built-in tiny model, cli/tiny.py) the same way.
+both load a checkpoint (or the built-in tiny model, models/tiny.py) the same way.
 """
 
 from __future__ import annotations
