@@ -38,7 +38,7 @@ from .model_support import check_model_supported
 from .policies import make_policy
 from .scheduler import Scheduler
 from .snapshot import EngineCounters, EngineSnapshot
-from .submission import as_eos_token_ids, as_max_new_tokens, as_token_ids
+from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
 
