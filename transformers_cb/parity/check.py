@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -133,7 +133,8 @@ def generate_batch_counting_preemptions(
     if held is not None:
         delattr(model, CACHED_ENGINE_ATTR)
     try:
-        outputs = model.generate_batch(
+        # The plugin installs `generate_batch` (api/generate_batch.py) on the model classes at run time.
+        outputs: dict[str, GenerationOutput] = cast(Any, model).generate_batch(
             prompts,
             generation_config=generation_config,
             continuous_batching_config=cb_config,

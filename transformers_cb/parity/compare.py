@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -53,7 +54,9 @@ def reference_greedy(
     """`model.generate()` on `prompt` alone (batch of one, no padding); the generated ids only."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    output = model.generate(
+    # `generate` is `GenerationMixin`'s, typed with a `self` protocol that a `PreTrainedModel` does not
+    # match statically; without `return_dict_in_generate` it returns the ids.
+    output: torch.Tensor = cast(Any, model).generate(
         input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
     )
     return output[0, input_ids.shape[1] :].tolist()

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -65,7 +66,7 @@ def read_requests_anywhere(path: str | None) -> list[CliRequest]:
 
 
 @contextlib.contextmanager
-def open_output_anywhere(path: str) -> Iterator[IO[str]]:
+def open_output_anywhere(path: str) -> Iterator[TextSink]:
     """`-` (stdout), a local file, or a URI written through a pyarrow filesystem."""
     if path == "-" or not is_uri(path):
         with open_output(path) as handle:
@@ -76,6 +77,12 @@ def open_output_anywhere(path: str) -> Iterator[IO[str]]:
     filesystem, inner = fs.FileSystem.from_uri(path)
     with filesystem.open_output_stream(inner) as stream:
         yield _TextOver(stream)
+
+
+class TextSink(Protocol):
+    """Where the output lines go: a text file, or `_TextOver` a pyarrow stream."""
+
+    def write(self, text: str, /) -> int: ...
 
 
 class _TextOver:
@@ -97,7 +104,7 @@ def ray_session(address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     try:
         yield
     finally:
