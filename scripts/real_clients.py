@@ -92,7 +92,7 @@ def free_port() -> int:
 
 def prepare(work: Path) -> tuple[Path, Path]:
     """The tiny model directory and the task directory (YAML configs over local JSONL files)."""
-    from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     model_dir = work / MODEL_NAME
     tokenizer = build_tiny_tokenizer()

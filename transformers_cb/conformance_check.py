@@ -1,37 +1,37 @@
-"""`python -m transformers_cb.conformance_check --model PATH`: the public path of the conformance check.
+"""`python -m transformers_cb.conformance_check --model PATH`: the conformance check on your own model.
 
-The check itself lives in `tools/conformance_check.py`; this entry point keeps the documented command and
-imports (`from transformers_cb.conformance_check import run_check`) working.
+The command and its public names (`from transformers_cb.conformance_check import run_check`); the check
+lives in `parity/check.py`, the token comparison in `parity/compare.py`. See docs/conformance.md.
 """
 
 from __future__ import annotations
 
 import sys
 
-from .tools.conformance_check import (
-    Mismatch,
+from .parity.check import (
     SettingResult,
-    compare_tokens,
-    count_preemptions,
     default_settings,
-    first_difference,
     format_table,
-    greedy_config,
     main,
+    parse_args,
+    random_prompts,
+    run_check,
+)
+from .parity.compare import (
+    Mismatch,
+    compare_tokens,
+    first_difference,
+    greedy_config,
     near_tie_tolerance,
     next_token_logits,
-    parse_args,
     plain_generation_config,
-    random_prompts,
     reference_greedy,
-    run_check,
 )
 
 __all__ = [
     "Mismatch",
     "SettingResult",
     "compare_tokens",
-    "count_preemptions",
     "default_settings",
     "first_difference",
     "format_table",

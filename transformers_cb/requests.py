@@ -135,16 +135,16 @@ class Request:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None  # logprobs of prompt tokens 1, 2, ... computed so far
     prompt_top_logprobs: list[dict[int, float]] | None = None  # their top_logprobs alternatives
-    sampling: RequestSampling | None = None  # None: plain greedy argmax (request_sampling.py)
+    sampling: RequestSampling | None = None  # None: plain greedy argmax (sampling/request_state.py)
     num_computed_tokens: int = 0
-    pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `cache/layer_groups.py`
+    pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `kv/layer_groups.py`
     num_preemptions: int = 0
     error: str | None = None
     finish_reason: str | None = None
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Prefix sharing (cache/prefix_cache.py): content keys of the full pages so far, and how many
+    # Prefix sharing (kv/prefix_cache.py): content keys of the full pages so far, and how many
     # of the pages held are keyed in the pools.
     page_keys: list[bytes] = field(default_factory=list, repr=False)
     num_registered_pages: int = 0

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.serve import MISSING, requires_serve
-from transformers_cb.cli.tiny import build_tiny_tokenizer
 from transformers_cb.manager.stats import ManagerStats
+from transformers_cb.models.tiny import build_tiny_tokenizer
 from transformers_cb.serve.metrics import Histogram, ServerMetrics
 from transformers_cb.serve.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopScanner
 

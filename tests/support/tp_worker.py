@@ -218,7 +218,7 @@ def guided_config() -> tuple[GenerationConfig, ContinuousBatchingConfig, dict]:
 
 def guided(model) -> dict:
     """Guided decoding on rank 0 only (the masks are computed where tokens are sampled); a tight cache."""
-    from transformers_cb.cli.tiny import build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_tokenizer
 
     greedy, tight, kwargs = guided_config()
     outputs = model.generate_batch(

@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..jobs.inputs import InputError, read_requests, tokenize_requests
+from ..jobs.records import build_record, eos_set, format_summary, generate_all, open_output
 from ..serve.server import add_serve_parser
 from .build_kernels import add_build_kernels_parser
-from .inputs import InputError, read_requests, tokenize_requests
-from .records import build_record, eos_set, format_summary, generate_all, open_output
 
 __all__ = ["build_parser", "generate_all", "main", "run_generate"]
 
@@ -166,7 +166,7 @@ def _cb_config(args: argparse.Namespace) -> Any:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .loading import load_for_command, special_ids
+    from ..models.loading import load_for_command, special_ids
 
     if args.ray is not None:
         from ..scale_out.batch_job import run_ray_generate

@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-# Honoured by the engine (sampling.py, processors.py, stop_strings.py, engine.py, requests.py).
+# Honoured by the engine (sampler.py, processors.py, warpers.py, stop_strings.py, engine.py, requests.py).
 IMPLEMENTED: frozenset[str] = frozenset(
     {
         "max_new_tokens",
@@ -48,8 +48,8 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "exponential_decay_length_penalty",
         "renormalize_logits",
         "remove_invalid_values",
-        "num_return_sequences",  # forks: siblings share the prompt's pages (cache/prefix_cache.py)
-        "continuous_batching_config",  # deprecated path, taken with a FutureWarning (generation.py)
+        "num_return_sequences",  # forks: siblings share the prompt's pages (kv/prefix_cache.py)
+        "continuous_batching_config",  # deprecated path, taken with a FutureWarning (config/interop.py, `take_cb_config`)
     }
 )
 

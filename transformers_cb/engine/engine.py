@@ -38,7 +38,7 @@ from .model_support import check_model_supported
 from .policies import make_policy
 from .scheduler import Scheduler
 from .snapshot import EngineCounters, EngineSnapshot
-from .submission import as_eos_token_ids, as_max_new_tokens, as_token_ids
+from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class Engine:
         """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input.
 
         `sampling_kwargs`: per-request parameters (`temperature`, `top_k`, `seed`, `stop_strings`,
-        `top_logprobs`, ...; see sampling_params.py), None values meaning "not given".
+        `top_logprobs`, ...; see sampling/params.py), None values meaning "not given".
         `num_return_sequences` (default: the generation config's): with n > 1 the request carries
         n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all."""
         label = label or f"request {request_id!r}"

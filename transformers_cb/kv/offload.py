@@ -113,7 +113,8 @@ class CpuOffload:
         groups = []
         for g, (allocator, pages, ids) in enumerate(zip(self.allocators, held, exclusive, strict=True)):
             host_ids = self.host.pools[g].allocate(len(ids))
-            check(host_ids is not None, "host pages counted as free but not allocated")
+            if host_ids is None:
+                raise InvariantError("host pages counted as free but not allocated")
             free_host = iter(host_ids)
             page_ids, on_host = [], []
             for page_id in pages.page_ids:
@@ -155,7 +156,8 @@ class CpuOffload:
         for g, (allocator, group) in enumerate(zip(self.allocators, groups, strict=True)):
             host_ids = group.host_ids
             device_ids = allocator.pool.allocate(len(host_ids))
-            check(device_ids is not None, "device pages counted as free but not allocated")
+            if device_ids is None:
+                raise InvariantError("device pages counted as free but not allocated")
             fresh = iter(device_ids)
             page_ids = [
                 next(fresh) if host else p for p, host in zip(group.page_ids, group.on_host, strict=True)

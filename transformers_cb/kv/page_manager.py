@@ -118,7 +118,8 @@ class PageManager:
 
     def fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
         """`child` shares `parent`'s prompt pages (sharing on); the copies to run, or None (no room)."""
-        check(self.prefix is not None, "fork without prefix sharing")
+        if self.prefix is None:
+            raise InvariantError("fork without prefix sharing")
         return self.prefix.fork(parent, child)
 
     def unfittable_reason(self, num_tokens: int) -> str | None:

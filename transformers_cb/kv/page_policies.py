@@ -109,6 +109,8 @@ class SlidingWindowAllocator(FullAttentionAllocator):
     it prefills.
     """
 
+    sliding_window: int  # never None here
+
     def __init__(self, pool: PagePool, page_size: int, sliding_window: int, group: int = 0) -> None:
         super().__init__(pool, page_size, group)
         check(sliding_window >= 1, f"{sliding_window=}")

@@ -28,6 +28,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from ..invariants import InvariantError
 from ..requests import Request
@@ -181,7 +182,7 @@ class PrefixCache:
         num_tokens = num_pages * self.page_size
         for g, allocator in enumerate(self.allocators):
             first = allocator.first_needed_page(num_tokens)
-            page_ids = [found[g][i] for i in range(first, num_pages)]
+            page_ids = [cast(int, found[g][i]) for i in range(first, num_pages)]  # all found above
             for page_id in page_ids:
                 allocator.pool.acquire(page_id)
             pages = allocator.pages(request)
@@ -218,7 +219,7 @@ class PrefixCache:
             first = max(source.first_page, allocator.first_needed_page(last))
             shared = source.page_ids[first - source.first_page : copied - source.first_page]
             allocator.pool.share(shared)
-            (new_page,) = allocator.pool.allocate(1)
+            (new_page,) = cast(list[int], allocator.pool.allocate(1))  # every pool has a free page
             copies.append((g, source.page_ids[copied - source.first_page], new_page))
             pages = allocator.pages(child)
             pages.first_page, pages.page_ids = first, [*shared, new_page]

@@ -3,8 +3,8 @@
 Token order inside the step: decodes first, sorted by KV length (longest first)
 and split into groups whose padded size stays within `decode_padding_bound(dtype)` of
 their real size (float32 KV only: in lower precision only equal lengths share a call); then each
-prefill chunk. `entry_order` maps back to the
-scheduler's entry order. Slots, gathers and masks are built once per KV layer
+prefill chunk. `PackedStep.sampling_entries` names the scheduled entry of each
+sampled row. Slots, gathers and masks are built once per KV layer
 group (full attention, sliding window) and shared by that group's layers.
 
 With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)

@@ -147,7 +147,7 @@ class SamplingSetup:
     ) -> None:
         """Validate `kwargs` (per-request parameters) and give `request` its sampling state.
 
-        Raises `ValueError` naming `label` (see `sampling_params.resolve_request_params`)."""
+        Raises `ValueError` naming `label` (see `params.resolve_request_params`)."""
         label = label or f"request {request.request_id!r}"
         params = resolve_request_params(
             self.base, kwargs or {}, self.config, self.per_request_processors, label

@@ -115,7 +115,7 @@ def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any) -> Any:
     (`per_request_processors=True`, `serving_generation_config`); logprobs are computed per request."""
     import dataclasses
 
-    from ..cli.loading import special_ids
+    from ..models.loading import special_ids
     from .choices import serving_generation_config
 
     cb_config = dataclasses.replace(cb_config, per_request_processors=True)
@@ -133,7 +133,7 @@ def build_state(args: argparse.Namespace) -> Any:
     """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
     import transformers_cb
 
-    from ..cli.loading import load_for_command
+    from ..models.loading import load_for_command
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
@@ -175,7 +175,7 @@ def _signals_end_quietly(on_signal: Any) -> Iterator[None]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from transformers_cb.cli.inputs import InputError
+    from transformers_cb.jobs.inputs import InputError
 
     try:
         require_serve_extra()

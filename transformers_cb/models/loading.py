@@ -1,16 +1,16 @@
 """Loading the model a command runs: the device, the model and its tokenizer, their special ids.
 
 Shared by `transformers-cb generate` (cli/main.py) and `transformers-cb serve` (serve/server.py), so
-both load a checkpoint (or the built-in tiny model, cli/tiny.py) the same way.
+both load a checkpoint (or the built-in tiny model, models/tiny.py) the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -43,21 +43,25 @@ def load_model_and_tokenizer(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
-) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """Load a local checkpoint directory, or build the tiny default model when ``path`` is None."""
     import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
 
+    # The models are cast to the `torch.nn.Module`s they are: `PreTrainedModel.to` is wrapped
+    # (`functools.wraps`), which type checkers read as a plain function that takes `self` again.
+    tokenizer: PreTrainedTokenizerBase
     if path is None:
         tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
-        model = model.to(dtype=dtype)
+        tiny = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
+        model = cast(torch.nn.Module, tiny).to(dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(
+        loaded = AutoModelForCausalLM.from_pretrained(
             path, attn_implementation=attn_implementation, dtype=dtype
         )
+        model = cast(torch.nn.Module, loaded)
     return model.to(device).eval(), tokenizer
 
 
