@@ -210,7 +210,6 @@ def wire(
     )
     sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
     runner = ModelRunner(model, packer, sampler, plan.step_options, swapper)
-    is_driver = tp is not None and tp.is_driver
     parts = EngineParts(
         model=model,
         pages=pages,
@@ -220,7 +219,7 @@ def wire(
         runner=runner,
         sampling=sampling,
         offload=offload,
-        publisher=TensorParallelPublisher(tp) if is_driver else StepPublisher(),
+        publisher=TensorParallelPublisher(tp) if tp is not None and tp.is_driver else StepPublisher(),
     )
     if tp is not None and not tp.is_driver:
         return FollowerEngine(plan, parts, tp)
