@@ -27,7 +27,7 @@ from conformance.common import (
 from tests.support.models import build_tiny_model
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 
 MAX_NEW_TOKENS = 8
 VOCAB = 300
@@ -95,7 +95,7 @@ def test_hits_skip_prefill_tokens(llama) -> None:
     """The same prompts twice through one persistent engine: the second pass prefills 1 token per page
     holding a last prompt token, everything else comes from the prefix cache."""
     prompts = shared_prompts(1.0, 4)
-    engine = Engine(llama, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
+    engine = build_engine(llama, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
     with paged_attention(llama), torch.inference_mode():
         counts = []
         for _ in range(2):
@@ -119,7 +119,7 @@ def test_sliding_and_hybrid_models_share_and_match_generate(family) -> None:
     model = build_tiny_model(family)
     refs = ReferenceCache(model, MAX_NEW_TOKENS)
     prompts = shared_prompts(1.0, 4) + shared_prompts(0.5, 4, seed=1)
-    engine = Engine(
+    engine = build_engine(
         model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
     )
     requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
@@ -166,7 +166,7 @@ def test_random_shared_prefixes_property(llama, references, workload) -> None:
         max_batch_tokens=workload["max_batch_tokens"],
         num_blocks=workload["num_blocks"],
     )
-    engine = Engine(llama, greedy_config(MAX_NEW_TOKENS), config)
+    engine = build_engine(llama, greedy_config(MAX_NEW_TOKENS), config)
     prompts, max_new = workload["prompts"], workload["max_new"]
     requests = [engine.build_request(p, f"req_{i}", max_new[i]) for i, p in enumerate(prompts)]
     finished: list[str] = []
@@ -226,7 +226,7 @@ def test_sampled_forks_are_reproducible_and_differ(llama) -> None:
 
 
 def test_forks_share_pages_while_they_run(llama) -> None:
-    engine = Engine(llama, greedy_config(4), ContinuousBatchingConfig(page_size=4))
+    engine = build_engine(llama, greedy_config(4), ContinuousBatchingConfig(page_size=4))
     parent = engine.build_request(list(range(3, 21)), "p", num_return_sequences=3)  # 18 tokens
     assert [r.request_id for r in parent.family] == ["p", "p__child#0", "p__child#1"]
     with paged_attention(llama), torch.inference_mode():

@@ -14,7 +14,7 @@ from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -110,7 +110,7 @@ def test_sampling_is_reproducible_under_a_seed(model, prompts) -> None:
 
 def test_cpu_defaults_are_sized_to_the_work(model, prompts) -> None:
     workload = [len(p) + 6 for p in prompts]
-    engine = Engine(model, GREEDY, ContinuousBatchingConfig(page_size=16), workload=workload)
+    engine = build_engine(model, GREEDY, ContinuousBatchingConfig(page_size=16), workload=workload)
     needed = sum(-(-n // 16) for n in workload)
     assert engine.sizing.num_pages == -(-needed // 0.85)  # + headroom for fifo's safety margin
     assert engine.sizing.max_requests_per_batch == len(prompts)
@@ -134,7 +134,7 @@ def test_a_job_that_fits_is_admitted_at_once(model) -> None:
     prompts = prompts_of_lengths([20 + i for i in range(16)], seed=5)
     workload = [len(p) + 64 for p in prompts]
     # One page of 256 per request: exactly 16 pages would admit only 14 under a 0.15 margin.
-    engine = Engine(model, GREEDY, ContinuousBatchingConfig(), workload=workload)
+    engine = build_engine(model, GREEDY, ContinuousBatchingConfig(), workload=workload)
     for i, prompt in enumerate(prompts):
         engine.add(engine.build_request(prompt, f"req_{i}", max_new_tokens=64))
     with torch.inference_mode():

@@ -72,7 +72,7 @@ def test_trajectory_with_exact_page_ids_and_kv_checks() -> None:
     assert (rig.offload.swap_out_pages, rig.offload.swap_in_pages) == (4, 4)
     assert rig.copier.num_copies == 4  # one gather/scatter per group and direction per step
     assert [len(r.generated_ids) for r in (a, b, c)] == [4, 8, 8]
-    assert rig.cache.pool.num_free_pages == 6 and rig.offload.host.pools[0].num_free_pages == 8
+    assert rig.pools[0].num_free_pages == 6 and rig.offload.host.pools[0].num_free_pages == 8
 
 
 def _outputs(num_pages: int, host_pages: int, **kwargs) -> tuple[Rig, dict[str, list[int]]]:
@@ -173,7 +173,7 @@ def test_cancel_while_swapped_out_frees_host_pages() -> None:
     assert not rig.offload.is_swapped(c) and rig.offload.host.pools[0].num_used_pages == 0
     rig.check_integrity()
     rig.run()
-    assert c.status == RequestStatus.CANCELLED and rig.cache.pool.num_free_pages == 6
+    assert c.status == RequestStatus.CANCELLED and rig.pools[0].num_free_pages == 6
 
 
 def test_discard_drops_copies_not_run_yet() -> None:
@@ -193,7 +193,7 @@ def test_discard_drops_copies_not_run_yet() -> None:
     assert rig.offload.host.num_used_pages == 0
     rig.execute(batch)
     rig.run()
-    assert rig.offload.host.num_used_pages == 0 and rig.cache.pool.num_free_pages == 6
+    assert rig.offload.host.num_used_pages == 0 and rig.pools[0].num_free_pages == 6
 
 
 def test_swapped_request_recomputes_when_nothing_runs_and_it_cannot_come_back() -> None:
@@ -207,7 +207,7 @@ def test_swapped_request_recomputes_when_nothing_runs_and_it_cannot_come_back() 
     for request in (a, b):
         rig.scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
     # Fill the device with pages held by nobody the scheduler knows (as the prefix cache could).
-    held = rig.cache.pool.allocate(5)
+    held = rig.pools[0].allocate(5)
     rig.scheduler.schedule()
     assert not rig.offload.is_swapped(c) and rig.scheduler.recomputed.pending == {"C": 7}
-    rig.cache.pool.release(held)
+    rig.pools[0].release(held)

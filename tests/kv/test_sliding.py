@@ -29,6 +29,7 @@ from transformers_cb.attention import paged as paged_module
 from transformers_cb.attention import sdpa as sdpa_module
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.native import native_paged_attention
+from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.model_support import check_model_supported
 from transformers_cb.kv.layer_groups import (
@@ -228,17 +229,18 @@ def test_manager_stats_report_pages_per_group() -> None:
 def test_max_blocks_per_request_is_forced_to_zero_on_sliding_models(caplog) -> None:
     model = build_tiny_model("mistral")
     with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
-        engine = Engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
-    assert engine.cb_config.max_blocks_per_request == 0
+        engine = build_engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
+    assert engine.step_options.max_blocks_per_request == 0
+    assert engine.cb_config.max_blocks_per_request == 32  # the setting as given: resolving writes no config
     assert "max_blocks_per_request=32 forced to 0" in caplog.text
 
 
 def test_sliding_group_is_sized_to_its_windows() -> None:
     model = build_tiny_model("qwen2_sliding")
-    engine = Engine(
+    engine = build_engine(
         model, None, ContinuousBatchingConfig(page_size=4, max_batch_tokens=16), workload=[200] * 4
     )
-    full, sliding = (pool.num_pages for pool in engine.cache.pools)
+    full, sliding = engine.cache.pages_per_group
     assert full >= 4 * 50
     # Each request holds its window + one chunk at most: ceil((8 - 1 + 16) / 4) + 1 = 7 pages.
     assert sliding < full and 4 * 7 <= sliding <= math.ceil(4 * 7 / (1 - 0.15))

@@ -19,16 +19,17 @@ def test_host_pool_sizing() -> None:
     rig = Rig(num_pages=4, host_pages=1, sliding_window=5)
     page_bytes = host_page_bytes(rig.cache)
     assert page_bytes == 2 * 2 * (4 * 1 * 2 * 4)  # 2 groups x (K, V) x page_size x heads x head_dim x fp32
-    assert resolve_host_pages(ContinuousBatchingConfig(), rig.cache) == 0  # 0.0: off
+    assert resolve_host_pages(ContinuousBatchingConfig(), rig.cache.layout) == 0  # 0.0: off
     config = ContinuousBatchingConfig(cpu_offload_space=10 * page_bytes / GIB)
-    assert resolve_host_pages(config, rig.cache) == 10
-    assert resolve_host_pages(config.copy(cpu_offload_space=30 * page_bytes / GIB), rig.cache) == 16
-    assert resolve_host_pages(config, rig.cache, workload=[9, 4]) == 4  # what the work can use: 3 + 1
+    assert resolve_host_pages(config, rig.cache.layout) == 10
+    assert resolve_host_pages(config.copy(cpu_offload_space=30 * page_bytes / GIB), rig.cache.layout) == 16
+    assert resolve_host_pages(config, rig.cache.layout, workload=[9, 4]) == 4  # what the work can use: 3 + 1
     assert (
-        resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB), rig.cache) == 0
+        resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB), rig.cache.layout)
+        == 0
     )
     # A CPU device with the workload unknown: at most 4x the device cache (both tiers share the RAM).
-    assert resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=None), rig.cache) == 16
+    assert resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=None), rig.cache.layout) == 16
     host = HostKVCache(rig.cache, 3)
     assert [tuple(t.shape) for t in host.tensors] == [(2, 1, 3, 4, 1, 2)] * 2
     assert host.nbytes() == 3 * page_bytes and not host.pinned
@@ -37,8 +38,9 @@ def test_host_pool_sizing() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
-    from transformers_cb.engine.engine import make_allocator
     from transformers_cb.kv.offload import CpuOffload
+    from transformers_cb.kv.page_policies import make_allocator
+    from transformers_cb.kv.pool import PagePool
     from transformers_cb.memory.kv_cache import PagedKVCache
     from transformers_cb.memory.swap import SwapCopier
 
@@ -48,7 +50,7 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     assert host.pinned and all(t.is_pinned() for t in host.tensors)
     copier = SwapCopier(cache.group_tensors, host.tensors)
     assert copier.stream is not None and copier.stream != torch.cuda.current_stream(device)
-    allocator = make_allocator(cache.groups[0], cache.pool, 4, 0)
+    allocator = make_allocator(cache.groups[0], PagePool(8), 4, 0)
     offload = CpuOffload([allocator], 4)
     request = make_request("A", 8, 2)
     assert allocator.allocate(request, 8)

@@ -7,14 +7,14 @@ from transformers import GenerationConfig
 
 from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.swap_plan import SwapPlan
 
 
 def test_apply_runs_copies_then_swaps_then_releases() -> None:
     config = ContinuousBatchingConfig(page_size=4, num_blocks=8, cpu_offload_space=0.001)
-    engine = Engine(tiny_llama(), GenerationConfig(max_new_tokens=2, do_sample=False), config)
+    engine = build_engine(tiny_llama(), GenerationConfig(max_new_tokens=2, do_sample=False), config)
     runner = engine.runner
     assert runner.swapper is not None  # the runner owns the copier of the host tier
     calls = []

@@ -8,6 +8,7 @@
 - `manager`: what the manager tests share (references, result collection, leak checks).
 - `offload`, `serve`, `transformers_serve`, `flash_double`: the offload rig, the in-thread server, the
   `transformers serve` subprocess, the CPU double of flash-attn.
+- `tp_pair`: rank 0's engine and a follower in one process, joined by an in-memory channel.
 - `tp_worker`, `serve_launcher`: scripts the tests start by file path (`paths`) in a subprocess.
 
 Import direction: `conformance` builds on `tests.support` (conformance/common.py adds the parity checks);

@@ -7,13 +7,14 @@ import zlib
 
 import torch
 
-from transformers_cb.engine.engine import make_allocator
 from transformers_cb.engine.policies import make_policy
 from transformers_cb.engine.scheduler import Scheduler
 from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.kv.page_policies import make_allocator
+from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.host_cache import HostKVCache
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
@@ -35,9 +36,12 @@ class Rig:
         self.cache = PagedKVCache(
             len(self.groups), num_pages, page_size, 1, 2, torch.float32, torch.device("cpu"), self.groups
         )
+        self.pools = [
+            PagePool(num_pages) for _ in self.groups
+        ]  # the device pages' ids: kv/'s, beside the policies
         self.allocators = [
             make_allocator(spec, pool, page_size, g)
-            for g, (spec, pool) in enumerate(zip(self.groups, self.cache.pools, strict=True))
+            for g, (spec, pool) in enumerate(zip(self.groups, self.pools, strict=True))
         ]
         self.offload = self.copier = None
         if host_pages:

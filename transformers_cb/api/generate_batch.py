@@ -26,8 +26,8 @@ from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
+from ..engine.build import build_engine
 from ..engine.engine import Engine
-from ..engine.snapshot import EngineCounters
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
 
@@ -137,7 +137,7 @@ def generate_batch(
         )
         for i, ids in enumerate(inputs)
     ]
-    with paged_attention(self, engine.step_options.attn_implementation), torch.inference_mode():
+    with paged_attention(self, engine.attn_implementation), torch.inference_mode():
         if warmup and not engine.warmed_up:
             engine.warmup()
         for request in engine.admission_order(requests):
@@ -164,7 +164,7 @@ def _engine_for(
     """A new engine, or with `persistent` the one cached on the model when it was built from the same
     configs (and the same tokenizer / logits processors) and its cache holds this workload's largest request."""
     if not persistent:
-        return Engine(model, generation_config, cb_config, workload=workload, **extras)
+        return build_engine(model, generation_config, cb_config, workload=workload, **extras)
     key = (
         resolve_generation_config(model, generation_config).to_json_string(),
         repr(cb_config if cb_config is not None else ContinuousBatchingConfig()),
@@ -177,9 +177,9 @@ def _engine_for(
         cached_key, engine = cached
         fits = all(engine.unfittable_reason(n) is None for n in workload)
         if cached_key == key and fits and not engine.has_work():
-            engine.counters = EngineCounters()
+            engine.reset_counters()
             return engine
-    engine = Engine(model, generation_config, cb_config, workload=workload, **extras)
+    engine = build_engine(model, generation_config, cb_config, workload=workload, **extras)
     setattr(model, CACHED_ENGINE_ATTR, (key, engine))
     return engine
 

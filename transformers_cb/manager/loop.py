@@ -17,6 +17,7 @@ import torch
 from ..attention.selection import paged_attention
 from ..distributed import TensorParallelError
 from ..engine.engine import Engine
+from ..engine.follower import FollowerEngine
 from ..requests import Request, RequestStatus
 from .results import ResultRouter
 from .state import ManagerState
@@ -109,13 +110,12 @@ class ManagerLoop:
     def _run(self, settings: ThreadSettings) -> None:
         state = self._state
         engine = state.engine
-        tp = engine.tp if engine is not None else None
         try:
             settings.apply()
-            target = engine.step_options.attn_implementation if engine is not None else None
+            target = engine.attn_implementation if engine is not None else None
             with paged_attention(self._model, target), torch.inference_mode():
-                if tp is not None and not tp.is_driver:
-                    self._follow(engine)
+                if isinstance(engine, FollowerEngine):
+                    engine.replay_session()  # a tensor-parallel follower replays rank 0's session
                 else:
                     self._loop(engine)
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
@@ -128,17 +128,11 @@ class ManagerLoop:
             finally:
                 self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
         finally:
-            if tp is not None and tp.is_driver:
-                tp.try_stop()  # the followers' sessions end with this one (skipped if the group broke)
+            if engine is not None:
+                engine.end_session()  # tensor parallelism: the followers' sessions end with this one
             self._router.set_closed(True)
             if state.release_on_exit:
                 self._release()
-
-    def _follow(self, engine: Engine) -> None:
-        """A tensor-parallel follower's session: replay rank 0's steps until its manager stops."""
-        engine.tp.stopped = False
-        while not engine.tp.stopped:
-            engine.step()
 
     def _loop(self, engine: Engine) -> None:
         state = self._state

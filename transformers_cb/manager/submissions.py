@@ -97,7 +97,7 @@ class Submissions:
                 raise RuntimeError("this ContinuousBatchingManager was destroyed")
             if engine.is_follower:
                 raise RuntimeError(
-                    f"tensor parallelism: submit requests on rank 0; this is rank {engine.tp.rank}, "
+                    f"tensor parallelism: submit requests on rank 0; this is rank {engine.rank}, "
                     "which only replays rank 0's steps (start() and stop() it like rank 0's manager)"
                 )
             if not state.accepting:

@@ -244,7 +244,7 @@ class GraphSteps:
 def make_graph_steps(
     model: Any, packer: BatchPacker, options: StepOptions | None, forwards: PathForwards
 ) -> GraphSteps | None:
-    """The runner's graph steps, when graphs are on (CUDA only: `config.resolve_device_options`)."""
+    """The runner's graph steps, when graphs are on (CUDA only: `config.continuous_batching.resolve_device_options`)."""
     if options is None or not any(options.cuda_graphs):
         return None
     return GraphSteps(forwards, packer.cache, options, packer.device, capture=packer.device.type == "cuda")

@@ -11,6 +11,8 @@ ask for prompt logprobs, their prompt positions), and samples. It returns a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ from .cuda_graphs import make_graph_steps
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 
 if TYPE_CHECKING:
+    from ..sampling.processors import Stage
     from .step_options import StepOptions
 
 
@@ -69,6 +72,22 @@ class ModelRunner:
             packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    # -- the sampler: replaced only through these two ---------------------------------------------
+    def replace_stages(self, stages: list[Stage]) -> None:
+        """Sample through `stages` from now on (the engine's `clear_logits_processors`); the default
+        (argmax or draw) and the guided decoding masks stay."""
+        self.sampler = Sampler(stages, self.sampler.do_sample, self.device, self.sampler.grammars)
+
+    @contextmanager
+    def plain_greedy_sampler(self) -> Iterator[None]:
+        """Inside: argmax with no processing stage and no guided masks (the engine's warmup, whose
+        request has no sampling state, so it draws from no generator a real request uses)."""
+        sampler, self.sampler = self.sampler, Sampler([], False, self.device)
+        try:
+            yield
+        finally:
+            self.sampler = sampler
 
     @torch.inference_mode()
     def apply(self, batch: ScheduledBatch) -> None:
