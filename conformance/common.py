@@ -13,11 +13,11 @@ from transformers import GenerationConfig, PreTrainedModel
 
 import transformers_cb  # noqa: F401  (installs the plugin)
 from transformers_cb.attention.metadata import AttentionMetadata
-from transformers_cb.engine.step_plan import ScheduledBatch, ScheduledRequest
 from transformers_cb.kv.layer_groups import SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import GenerationOutput, PageList, Request, RequestStatus
 from transformers_cb.runner.packing import BatchPacker
+from transformers_cb.scheduler.plan import ScheduledRequest, StepPlan
 from transformers_cb.tools.conformance_check import (
     Mismatch,
     compare_tokens,
@@ -268,7 +268,7 @@ def build_kernel_step(
         requests.append(request)
         entries.append(ScheduledRequest(request, past, q))
     packer = BatchPacker(cache, widths or max(num_pages_each), torch.device("cpu"), native=native)
-    step = packer.pack(ScheduledBatch(entries=entries))
+    step = packer.pack(StepPlan(entries=entries))
     metadata = step.metadata
     # The packer reorders requests; recover the order from the (unique) token ids.
     cu = metadata.cu_seqlens_q.tolist()

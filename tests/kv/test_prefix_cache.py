@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from transformers_cb.engine.policies import make_policy
-from transformers_cb.engine.scheduler import Scheduler
-from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
@@ -15,6 +12,9 @@ from transformers_cb.kv.pool import PagePool
 from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
+from transformers_cb.scheduler.plan import StepPlan
+from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.scheduler import Scheduler
 
 PS = 4
 
@@ -42,7 +42,7 @@ def request(request_id: str, prompt: list[int], max_new_tokens: int = 2) -> Requ
     return Request(request_id=request_id, prompt_ids=list(prompt), max_new_tokens=max_new_tokens)
 
 
-def step(scheduler: Scheduler, token: int = 99) -> ScheduledBatch:
+def step(scheduler: Scheduler, token: int = 99) -> StepPlan:
     """One step with a fake model that samples `token`; integrity checked before and after."""
     batch = scheduler.schedule()
     scheduler.check_integrity()
@@ -192,7 +192,7 @@ def test_refcounts_after_preemption_and_finish() -> None:
     first = request("a", PROMPT, max_new_tokens=8)
     scheduler.add(first)
     step(scheduler)
-    batch = ScheduledBatch(entries=[])
+    batch = StepPlan(entries=[])
     scheduler.preempt(first, batch)
     pool = scheduler.allocator.pools[0]
     assert pool.num_used_pages == 0 and pool.num_cached_pages == 5
@@ -387,7 +387,7 @@ def test_a_preempted_promiser_releases_the_waiters() -> None:
     scheduler.add(second)
     step(scheduler)
     assert second.status == RequestStatus.PENDING
-    scheduler.preempt(first, ScheduledBatch(entries=[]))
+    scheduler.preempt(first, StepPlan(entries=[]))
     scheduler.check_integrity()  # promises withdrawn with the pages
     assert not scheduler.allocator.prefix._in_flight or first.num_promised_pages == 0
     drain(scheduler)

@@ -43,8 +43,8 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     from transformers_cb.kv.pool import PagePool
     from transformers_cb.invariants import InvariantError
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.engine.policies import make_policy
-    from transformers_cb.engine.scheduler import Scheduler
+    from transformers_cb.scheduler.policies import make_policy
+    from transformers_cb.scheduler.scheduler import Scheduler
 
     pool = PagePool(8)
     allocator = PageManager([FullAttentionAllocator(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])

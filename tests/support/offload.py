@@ -8,9 +8,6 @@ import zlib
 import torch
 
 from transformers_cb.engine.engine import make_allocator
-from transformers_cb.engine.policies import make_policy
-from transformers_cb.engine.scheduler import Scheduler
-from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
@@ -19,6 +16,9 @@ from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
+from transformers_cb.scheduler.plan import StepPlan
+from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.scheduler import Scheduler
 
 
 class Rig:
@@ -84,12 +84,12 @@ class Rig:
         """Run the swaps planned outside `schedule()` (tests calling the offload hooks directly)."""
         self.copier.run(self.offload.take_plan())
 
-    def step(self) -> ScheduledBatch:
+    def step(self) -> StepPlan:
         batch = self.scheduler.schedule()
         self.execute(batch)
         return batch
 
-    def execute(self, batch: ScheduledBatch) -> None:
+    def execute(self, batch: StepPlan) -> None:
         """Run a scheduled step: the planned swaps, then write and check the KV, then sample."""
         if batch.swaps is not None:
             self.copier.run(batch.swaps)

@@ -1,2 +1,2 @@
-"""One step of continuous batching: the `Engine`, its scheduler and policies, the step's plan,
-forks, and the checks a submission passes to become a `Request`."""
+"""One step of continuous batching: the `Engine` (driving the scheduler and the runner), forks, and
+the checks a submission passes to become a `Request`."""

@@ -33,10 +33,10 @@ from ..runner.packing import BatchPacker
 from ..runner.step_options import resolve_step_options
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler, check_generation_config
+from ..scheduler.policies import make_policy
+from ..scheduler.scheduler import Scheduler
 from .forks import add_siblings, num_return_sequences_of
 from .model_support import check_model_supported
-from .policies import make_policy
-from .scheduler import Scheduler
 from .snapshot import EngineCounters, EngineSnapshot
 from .submission import as_eos_token_ids, as_max_new_tokens, as_token_ids
 

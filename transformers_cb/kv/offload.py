@@ -17,7 +17,7 @@ resident) and gets the same page back on swap-in. Only exclusively owned pages m
 groups swap only the pages the request still holds (from `first_page` on).
 
 The copies of one step are collected in a `SwapPlan` (plain ids, swap_plan.py) that `schedule()`
-moves into the step's `ScheduledBatch` (`take_plan`); the runner's `SwapCopier` (memory/swap.py)
+moves into the step's `StepPlan` (`take_plan`); the runner's `SwapCopier` (memory/swap.py)
 runs it before the step's forward, one gather/scatter per group and direction, on every
 tensor-parallel rank. This module stays torch-free: the host tier's bytes are
 `memory.host_cache.HostKVCache`, its page ids (`HostPages`, one `PagePool` per group) are here.
@@ -191,7 +191,7 @@ class CpuOffload:
                 self.plan.out_dst[g] = [d for _, d in pairs]
 
     def take_plan(self) -> SwapPlan:
-        """The swaps planned since the last call (the step's), for its `ScheduledBatch`."""
+        """The swaps planned since the last call (the step's), for its `StepPlan`."""
         plan, self.plan = self.plan, SwapPlan(len(self.allocators))
         return plan
 

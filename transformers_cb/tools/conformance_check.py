@@ -165,7 +165,7 @@ def compare_tokens(
 @contextmanager
 def count_preemptions() -> Iterator[list[str]]:
     """Records the request id of every preemption (`Scheduler.preempt` call) inside the block."""
-    from ..engine.scheduler import Scheduler
+    from ..scheduler.scheduler import Scheduler
 
     calls: list[str] = []
     original = Scheduler.preempt

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 
 from tests.support.fakes import EOS, FakeModel
 from tests.support.requests import make_request
-from transformers_cb.engine.policies import make_policy
-from transformers_cb.engine.scheduler import Scheduler
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionAllocator
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
+from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(

@@ -1,9 +1,9 @@
 """The step scheduler: which requests run how many tokens in the next forward pass.
 
 The scheduler works on plain data (requests, page ids) and never touches a
-tensor: `schedule()` returns a `ScheduledBatch` holding every decision of the
+tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
-step_plan.py), the runner executes it, and `update()` applies the sampled
+plan.py), the runner executes it, and `update()` applies the sampled
 tokens. Rows of requests that end outside `schedule()` (`update()`, `finish()`
 called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`,
 policies.py) only change the order in which candidates get the step's token budget.
@@ -21,9 +21,9 @@ from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .plan import ScheduledRequest, StepPlan
 from .policies import SchedulingPolicy
 from .recompute import RecomputeCounter
-from .step_plan import ScheduledBatch, ScheduledRequest
 
 
 class Scheduler:
@@ -79,12 +79,12 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     # -- one step ------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> StepPlan:
         """Pick the next step. May preempt running requests (in `preempted`) and fail
         requests that can never fit the cache (in `failed`, already finished)."""
         budget = self.max_batch_tokens
         scheduled: dict[int, ScheduledRequest] = {}
-        batch = ScheduledBatch(entries=[])
+        batch = StepPlan(entries=[])
         admitting = True
         for request in self.policy.candidates(self.running, self.waiting):
             if budget == 0 or len(scheduled) == self.max_requests_per_batch:
@@ -191,7 +191,7 @@ class Scheduler:
         request: Request,
         num_tokens: int,
         scheduled: dict[int, ScheduledRequest],
-        batch: ScheduledBatch,
+        batch: StepPlan,
     ) -> bool:
         """Allocate for a running request, preempting the newest unscheduled ones as needed.
 
@@ -220,7 +220,7 @@ class Scheduler:
             self._drop_kv(request)
         return False
 
-    def preempt(self, request: Request, batch: ScheduledBatch) -> None:
+    def preempt(self, request: Request, batch: StepPlan) -> None:
         """Take the pages of `request` away: swapped out to the host tier when there is one with room,
         else dropped (it recomputes prompt + generated tokens later)."""
         if self.offload is None or not self.offload.try_swap_out(request):
@@ -243,7 +243,7 @@ class Scheduler:
     def _free_pages(self, request: Request) -> None:
         self.allocator.free(request)  # with its promises of pages not computed yet
 
-    def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
+    def _fail_unfittable(self, request: Request, batch: StepPlan) -> None:
         self.finish(
             request,
             RequestStatus.FAILED,
@@ -258,7 +258,7 @@ class Scheduler:
     # -- results -----------------------------------------------------------------
     def update(
         self,
-        batch: ScheduledBatch,
+        batch: StepPlan,
         sampled: Sequence[SampledToken],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
         prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
