@@ -695,7 +695,7 @@ def _capture_ours_counters():
         def step(self, *args: Any, **kwargs: Any) -> Any:
             result = super().step(*args, **kwargs)
             # Peak KV pages per layer group, read after the step (its pages are still held).
-            pages_in_use = getattr(self.scheduler.allocator, "pages_in_use", None)
+            pages_in_use = getattr(self.scheduler.pages, "pages_in_use", None)
             if pages_in_use is not None:
                 for group, used in pages_in_use().items():
                     if used > self.peak_pages.get(group, 0):

@@ -240,7 +240,7 @@ def build_kernel_step(
 
     Every request's prompt tokens are unique to it, so the packed order is read back from `input_ids`.
     With `sliding_window`, the layer is in a sliding group: each request holds only the pages from its
-    window on (as `SlidingWindowAllocator.trim` leaves them) in a block-table ring just wide enough.
+    window on (as `SlidingWindowPolicy.trim` leaves them) in a block-table ring just wide enough.
     With `native`, the packer hands the decodes and short chunks to the native CPU kernel.
     """
     generator = torch.Generator().manual_seed(seed)

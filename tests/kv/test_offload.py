@@ -134,29 +134,29 @@ def test_shared_pages_stay_resident_and_come_back() -> None:
     """A page another request still references (refcount 2) is not copied; the swapped-out request keeps
     its reference and gets the same page back. Its own page moves through the host tier."""
     rig = Rig(num_pages=8, host_pages=8)
-    allocator = rig.allocators[0]
+    policy = rig.policies[0]
     a, b = make_request("A", 8, 4), make_request("B", 8, 4)
-    assert allocator.allocate(a, 8)  # A: pages 0, 1
-    allocator.pool.share([0])  # B shares A's first page (prefix sharing)
+    assert policy.allocate(a, 8)  # A: pages 0, 1
+    policy.pool.share([0])  # B shares A's first page (prefix sharing)
     b.page_ids = [0]
-    assert allocator.allocate(b, 8)  # B: pages 0 (shared), 2
+    assert policy.allocate(b, 8)  # B: pages 0 (shared), 2
     a.num_computed_tokens = b.num_computed_tokens = 8
     marker = torch.full_like(rig.cache.group_tensors[0][:, :, 2], 7.0)
     rig.cache.group_tensors[0][:, :, 2] = marker
     assert rig.offload.try_swap_out(b)
     assert (rig.offload.plan.out_src, rig.offload.plan.out_dst) == ([[2]], [[0]])
-    allocator.free(b)  # the scheduler's release after a swap-out
-    assert allocator.pool.refcount(0) == 2 and allocator.pool.refcount(2) == 0  # A + B's kept reference
+    policy.free(b)  # the scheduler's release after a swap-out
+    assert policy.pool.refcount(0) == 2 and policy.pool.refcount(2) == 0  # A + B's kept reference
     assert rig.offload.device_tables() == [[[0]]]
-    allocator.pool.check_integrity([a.page_ids, *rig.offload.device_tables()[0]])
+    policy.pool.check_integrity([a.page_ids, *rig.offload.device_tables()[0]])
     rig.run_swaps()
     assert torch.equal(rig.host.tensors[0][:, :, 0], marker)
     rig.cache.group_tensors[0][:, :, 2] = 0.0  # page 2 reused and overwritten
     x = make_request("X", 4, 1)
-    assert allocator.allocate(x, 4) and x.page_ids == [3]  # the free list is 3..7, then 2
+    assert policy.allocate(x, 4) and x.page_ids == [3]  # the free list is 3..7, then 2
     assert rig.offload.pages_to_swap_in(b) == [2]  # its host page, and a page for its next token
     rig.offload.swap_in(b)
-    assert b.page_ids == [0, 4] and allocator.pool.refcount(0) == 2  # same shared page, fresh page 4
+    assert b.page_ids == [0, 4] and policy.pool.refcount(0) == 2  # same shared page, fresh page 4
     assert (rig.offload.plan.in_src, rig.offload.plan.in_dst) == ([[0]], [[4]])
     rig.run_swaps()
     assert torch.equal(rig.cache.group_tensors[0][:, :, 4], marker)

@@ -1,4 +1,4 @@
-"""Prefix sharing at the allocator level: exact page ids, refcounts, LRU eviction, forks, hybrid groups."""
+"""Prefix sharing at the page level (PageManager, PagePool): exact page ids, refcounts, LRU eviction, forks, hybrid groups."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
-from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWindowAllocator
+from transformers_cb.kv.page_policies import FullAttentionPolicy, SlidingWindowPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
@@ -20,22 +20,22 @@ PS = 4
 
 
 def sharing_scheduler(num_pages: int, max_batch_tokens: int = 64, sharing: bool = True) -> Scheduler:
-    allocator = PageManager(
-        [FullAttentionAllocator(PagePool(num_pages), PS)],
+    page_manager = PageManager(
+        [FullAttentionPolicy(PagePool(num_pages), PS)],
         [KVGroupSpec(FULL_ATTENTION, (0,))],
         sharing=sharing,
     )
-    return Scheduler(allocator, max_batch_tokens, 64, 0.0, make_policy("fifo"))
+    return Scheduler(page_manager, max_batch_tokens, 64, 0.0, make_policy("fifo"))
 
 
 def hybrid_scheduler(num_pages: int, window: int) -> Scheduler:
     pools = [PagePool(num_pages), PagePool(num_pages)]
-    allocators = [
-        FullAttentionAllocator(pools[0], PS, 0),
-        SlidingWindowAllocator(pools[1], PS, window, 1),
+    policies = [
+        FullAttentionPolicy(pools[0], PS, 0),
+        SlidingWindowPolicy(pools[1], PS, window, 1),
     ]
     specs = [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), window)]
-    return Scheduler(PageManager(allocators, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
+    return Scheduler(PageManager(policies, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
 
 
 def request(request_id: str, prompt: list[int], max_new_tokens: int = 2) -> Request:
@@ -145,7 +145,7 @@ def test_full_hit_takes_every_page_but_the_one_holding_the_last_token() -> None:
     step(scheduler)
     assert first.page_ids == [0, 1, 2, 3, 4]
     drain(scheduler)
-    pool = scheduler.allocator.pools[0]
+    pool = scheduler.pages.pools[0]
     assert pool.num_cached_pages == 5  # pages 0-4 full (20 prompt tokens); 5 held only the sampled token
     second = request("b", PROMPT)
     scheduler.add(second)
@@ -154,7 +154,7 @@ def test_full_hit_takes_every_page_but_the_one_holding_the_last_token() -> None:
     assert [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries] == [("b", 16, 4)]
     assert second.page_ids[:4] == [0, 1, 2, 3]
     assert second.page_ids[4] not in (0, 1, 2, 3)
-    assert scheduler.allocator.prefix.stats.hit_tokens == 16
+    assert scheduler.pages.prefix.stats.hit_tokens == 16
 
 
 def test_partial_hit_and_miss() -> None:
@@ -179,7 +179,7 @@ def test_shared_pages_are_refcounted_while_both_run() -> None:
     second = request("b", PROMPT + [1], max_new_tokens=2)
     scheduler.add(second)
     step(scheduler)
-    pool = scheduler.allocator.pools[0]
+    pool = scheduler.pages.pools[0]
     assert second.page_ids[:5] == [0, 1, 2, 3, 4]
     assert [pool.refcount(p) for p in range(5)] == [2] * 5
     scheduler.finish(second, RequestStatus.CANCELLED)  # cancel: references drop, pages stay with a
@@ -194,7 +194,7 @@ def test_refcounts_after_preemption_and_finish() -> None:
     step(scheduler)
     batch = StepPlan(entries=[])
     scheduler.preempt(first, batch)
-    pool = scheduler.allocator.pools[0]
+    pool = scheduler.pages.pools[0]
     assert pool.num_used_pages == 0 and pool.num_cached_pages == 5
     assert first.num_registered_pages == 0
     back = step(scheduler)  # the preempted request comes back and hits its own pages
@@ -218,7 +218,7 @@ def test_not_admitted_hit_goes_back_to_the_cache() -> None:
     step(scheduler)  # the safety margin refuses admission: b holds nothing
     assert waiting.status == RequestStatus.PENDING and not waiting.holds_pages
     assert waiting.num_computed_tokens == 0
-    assert scheduler.allocator.prefix.stats.hit_tokens == 0
+    assert scheduler.pages.prefix.stats.hit_tokens == 0
 
 
 def test_eviction_under_pressure_keeps_outputs_correct() -> None:
@@ -227,7 +227,7 @@ def test_eviction_under_pressure_keeps_outputs_correct() -> None:
     drain(scheduler)
     scheduler.add(request("b", [1] * 20))  # needs 6 pages: evicts cached ones, oldest first
     drain(scheduler)
-    assert scheduler.allocator.num_evictions >= 3
+    assert scheduler.pages.num_evictions >= 3
     third = request("c", PROMPT)
     scheduler.add(third)
     batch = step(scheduler)
@@ -238,7 +238,7 @@ def test_sharing_off_never_hits() -> None:
     scheduler = sharing_scheduler(num_pages=16, sharing=False)
     scheduler.add(request("a", PROMPT))
     drain(scheduler)
-    assert scheduler.allocator.pools[0].num_cached_pages == 0
+    assert scheduler.pages.pools[0].num_cached_pages == 0
     scheduler.add(request("b", PROMPT))
     assert step(scheduler).entries[0].start == 0
 
@@ -264,7 +264,7 @@ def test_hybrid_hit_needs_the_window_pages_of_the_sliding_group() -> None:
     first = request("a", PROMPT, max_new_tokens=1)
     scheduler.add(first)
     drain(scheduler)
-    full_pool, sliding_pool = scheduler.allocator.pools
+    full_pool, sliding_pool = scheduler.pages.pools
     assert full_pool.num_cached_pages == 5 and sliding_pool.num_cached_pages == 5
     second = request("b", PROMPT + [1, 2, 3, 4])
     scheduler.add(second)
@@ -282,7 +282,7 @@ def test_hybrid_hit_stops_where_a_window_page_is_missing() -> None:
     scheduler = hybrid_scheduler(num_pages=32, window=6)
     scheduler.add(request("a", PROMPT, max_new_tokens=1))
     drain(scheduler)
-    full_pool, sliding_pool = scheduler.allocator.pools
+    full_pool, sliding_pool = scheduler.pages.pools
     evicted = sliding_pool._page_of[request_keys(request("x", PROMPT), 5, PS)[4]]
     del sliding_pool._cached[evicted]  # evict logical page 4 of the sliding group by hand
     sliding_pool._forget(evicted)
@@ -319,7 +319,7 @@ def test_fork_shares_full_pages_and_copies_the_last_prompt_page() -> None:
     child0, child1 = parent.siblings
     assert parent.page_ids == [0, 1, 2, 3, 4]
     assert child0.page_ids == [0, 1, 2, 3, 5] and child1.page_ids == [0, 1, 2, 3, 6]
-    pool = scheduler.allocator.pools[0]
+    pool = scheduler.pages.pools[0]
     assert [pool.refcount(p) for p in range(7)] == [3, 3, 3, 3, 1, 1, 1]
     second = step(scheduler)
     assert second.copies == [(0, 4, 5), (0, 4, 6)]
@@ -331,7 +331,7 @@ def test_fork_shares_full_pages_and_copies_the_last_prompt_page() -> None:
     ]
     drain(scheduler)
     assert all(r.is_finished and len(r.generated_ids) == 3 for r in parent.family)
-    assert scheduler.allocator.prefix.stats.forks == 2
+    assert scheduler.pages.prefix.stats.forks == 2
 
 
 def test_fork_without_a_free_page_falls_back_to_independent_requests() -> None:
@@ -389,6 +389,6 @@ def test_a_preempted_promiser_releases_the_waiters() -> None:
     assert second.status == RequestStatus.PENDING
     scheduler.preempt(first, StepPlan(entries=[]))
     scheduler.check_integrity()  # promises withdrawn with the pages
-    assert not scheduler.allocator.prefix._in_flight or first.num_promised_pages == 0
+    assert not scheduler.pages.prefix._in_flight or first.num_promised_pages == 0
     drain(scheduler)
     assert first.is_finished and second.is_finished

@@ -37,7 +37,7 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     import sys
     if not sys.flags.optimize:
         sys.exit("not running under -O")
-    from transformers_cb.kv.page_policies import FullAttentionAllocator
+    from transformers_cb.kv.page_policies import FullAttentionPolicy
     from transformers_cb.kv.page_manager import PageManager
     from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
     from transformers_cb.kv.pool import PagePool
@@ -47,8 +47,8 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     from transformers_cb.scheduler.scheduler import Scheduler
 
     pool = PagePool(8)
-    allocator = PageManager([FullAttentionAllocator(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    scheduler = Scheduler(allocator, 64, 64, 0.0, make_policy("fifo"))
+    page_manager = PageManager([FullAttentionPolicy(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
+    scheduler = Scheduler(page_manager, 64, 64, 0.0, make_policy("fifo"))
     running = Request(request_id="a", prompt_ids=list(range(10, 20)), max_new_tokens=4)
     scheduler.add(running)
     batch = scheduler.schedule()

@@ -13,7 +13,7 @@ from tests.support.fakes import EOS, FakeModel
 from tests.support.requests import make_request
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
-from transformers_cb.kv.page_policies import FullAttentionAllocator
+from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.scheduler.policies import make_policy
@@ -28,10 +28,12 @@ def make_scheduler(
     safety_margin: float = 0.0,
     policy: str = "fifo",
 ) -> Scheduler:
-    allocator = PageManager(
-        [FullAttentionAllocator(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
+    page_manager = PageManager(
+        [FullAttentionPolicy(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
     )
-    return Scheduler(allocator, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy))
+    return Scheduler(
+        page_manager, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy)
+    )
 
 
 @dataclass
@@ -82,9 +84,7 @@ def run_to_completion(
         run.finished.extend(batch.failed + finished)
         run.preempted.extend(r.request_id for r in batch.preempted)
         step += 1
-    assert scheduler.allocator.pools[0].num_free_pages == scheduler.allocator.pools[0].num_pages, (
-        "pages leaked"
-    )
+    assert scheduler.pages.pools[0].num_free_pages == scheduler.pages.pools[0].num_pages, "pages leaked"
     assert not scheduler.running and not scheduler.waiting
     return run
 
@@ -208,7 +208,7 @@ def test_preemption_evicts_newest_and_recomputes() -> None:
     assert old.num_preemptions == 0
     assert old.status == new.status == RequestStatus.FINISHED
     assert generated([old, new]) == reference
-    assert scheduler.allocator.pools[0].num_free_pages == 6
+    assert scheduler.pages.pools[0].num_free_pages == 6
 
 
 def test_preemption_under_pressure_keeps_outputs() -> None:

@@ -1,4 +1,4 @@
-"""`Request` objects for the allocator, scheduler and offload tests (no model, no tensors)."""
+"""`Request` objects for the page policy, scheduler and offload tests (no model, no tensors)."""
 
 from __future__ import annotations
 

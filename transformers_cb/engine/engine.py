@@ -22,7 +22,7 @@ from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import kv_groups_from_config
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
-from ..kv.page_policies import make_allocator, num_pages_for
+from ..kv.page_policies import make_page_policy, num_pages_for
 from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
@@ -113,7 +113,7 @@ class Engine:
         )
         allocator = PageManager(
             [
-                make_allocator(spec, pool, self.sizing.page_size, g)
+                make_page_policy(spec, pool, self.sizing.page_size, g)
                 for g, (spec, pool) in enumerate(zip(self.kv_groups, self.cache.pools, strict=True))
             ],
             self.kv_groups,
@@ -129,7 +129,7 @@ class Engine:
         self.offload: CpuOffload | None = None
         swapper = None
         if num_host_pages:
-            self.offload = CpuOffload(allocator.allocators, num_host_pages)
+            self.offload = CpuOffload(allocator.policies, num_host_pages)
             swapper = SwapCopier(self.cache.group_tensors, HostKVCache(self.cache, num_host_pages).tensors)
         self.scheduler = Scheduler(
             allocator,
@@ -223,7 +223,7 @@ class Engine:
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
         sharing a prefix run back to back and the later ones hit the pages of the first."""
-        if not self.scheduler.allocator.sharing:
+        if not self.scheduler.pages.sharing:
             return list(requests)
         return sorted(requests, key=lambda request: request.prompt_ids)
 
@@ -248,7 +248,7 @@ class Engine:
 
     def unfittable_reason(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` KV tokens can never run in this engine's cache, or None."""
-        return self.scheduler.allocator.unfittable_reason(num_tokens)
+        return self.scheduler.pages.unfittable_reason(num_tokens)
 
     def running_requests(self) -> list[Request]:
         """The requests running now (a copy: safe to finish them while iterating)."""
@@ -308,7 +308,7 @@ class Engine:
         finally:
             self.runner.sampler = sampler
             self.counters = EngineCounters()
-            self.scheduler.allocator.clear_prefix_cache()
+            self.scheduler.pages.clear_prefix_cache()
         self.warmed_up = True
         return True
 
@@ -388,7 +388,7 @@ class Engine:
 
     def snapshot(self) -> EngineSnapshot:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
-        scheduler, allocator, offload = self.scheduler, self.scheduler.allocator, self.offload
+        scheduler, allocator, offload = self.scheduler, self.scheduler.pages, self.offload
         return EngineSnapshot(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

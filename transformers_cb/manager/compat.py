@@ -72,7 +72,7 @@ class KVCacheView:
 
     @property
     def use_prefix_sharing(self) -> bool:
-        return self._engine.scheduler.allocator.sharing
+        return self._engine.scheduler.pages.sharing
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free pages, as a fraction of all pages (`relative`) or a count."""

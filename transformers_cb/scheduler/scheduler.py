@@ -30,7 +30,7 @@ class Scheduler:
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
-        allocator: the device tier's pages, the scheduler's one facade over the KV groups' page
+        pages: the device tier's pages, the scheduler's one facade over the KV groups' page
             policies and prefix sharing (kv/page_manager.py).
         max_batch_tokens: query tokens per step.
         max_requests_per_batch: requests per step.
@@ -44,14 +44,14 @@ class Scheduler:
 
     def __init__(
         self,
-        allocator: PageManager,
+        pages: PageManager,
         max_batch_tokens: int,
         max_requests_per_batch: int,
         safety_margin: float,
         policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
     ) -> None:
-        self.allocator = allocator
+        self.pages = pages
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.safety_margin = safety_margin
@@ -68,7 +68,7 @@ class Scheduler:
         """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
         or, without prefix sharing, queue as requests of their own."""
         self.waiting.append(request)
-        if not self.allocator.sharing and request.fork_children:
+        if not self.pages.sharing and request.fork_children:
             self.waiting.extend(request.fork_children)
             request.fork_children = []
 
@@ -103,15 +103,15 @@ class Scheduler:
             if waiting and admitting and not swapped_in and self._waits_for_pages(request, hit):
                 continue
             wanted = min(request.num_remaining_tokens, budget)
-            num_tokens = self.allocator.num_fitting_tokens(request, wanted)
+            num_tokens = self.pages.num_fitting_tokens(request, wanted)
             if waiting:
                 # FIFO admission: once one waiting request cannot start, later ones wait too.
                 # A swapped-in request holds its pages again: it is admitted (at least one token fits).
                 admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
                 if not admitting:
                     if hit:  # waiting requests hold no pages: the hit goes back to the cache
-                        self.allocator.detach_prefix(request)
-                        num_tokens = self.allocator.num_fitting_tokens(
+                        self.pages.detach_prefix(request)
+                        num_tokens = self.pages.num_fitting_tokens(
                             request, min(request.num_remaining_tokens, budget)
                         )
                     if not self.running and num_tokens == 0:
@@ -121,7 +121,7 @@ class Scheduler:
                 self._allocate(request, num_tokens)
                 self.waiting.remove(request)
                 self.running.append(request)
-                self.allocator.promise(request)
+                self.pages.promise(request)
             elif num_tokens > 0:
                 self._allocate(request, num_tokens)
             elif self._allocate_or_preempt(request, wanted, scheduled, batch):
@@ -148,15 +148,15 @@ class Scheduler:
         Requests asking for prompt logprobs compute every prompt position, so they take none."""
         if request.wants_prompt_logprobs:
             return False
-        return self.allocator.attach_prefix(request) > 0
+        return self.pages.attach_prefix(request) > 0
 
     def _waits_for_pages(self, request: Request, hit: bool) -> bool:
         """Leave `request` waiting (holding nothing) while a running request computes the next page
         of its prefix: it will hit that page in a later step instead of computing it again."""
-        if request.wants_prompt_logprobs or not self.allocator.waits_for_pages(request):
+        if request.wants_prompt_logprobs or not self.pages.waits_for_pages(request):
             return False
         if hit:
-            self.allocator.detach_prefix(request)
+            self.pages.detach_prefix(request)
         return True
 
     def _fork(self, parent: Request) -> None:
@@ -166,7 +166,7 @@ class Scheduler:
         position = self.running.index(parent) + 1
         unforked = []
         for child in children:
-            copies = self.allocator.fork(parent, child)
+            copies = self.pages.fork(parent, child)
             if copies is None:
                 unforked.append(child)
                 continue
@@ -178,13 +178,13 @@ class Scheduler:
 
     def _allocate(self, request: Request, num_tokens: int) -> None:
         """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
-        allocated = self.allocator.allocate(request, num_tokens)
+        allocated = self.pages.allocate(request, num_tokens)
         check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
 
     def _admits(self) -> bool:
         if not self.running:
             return True
-        return self.allocator.free_fraction >= self.safety_margin
+        return self.pages.free_fraction >= self.safety_margin
 
     def _allocate_or_preempt(
         self,
@@ -197,7 +197,7 @@ class Scheduler:
 
         Returns False if `request` itself had to be preempted or failed.
         """
-        while not self.allocator.allocate(request, num_tokens):
+        while not self.pages.allocate(request, num_tokens):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             if victims:
                 self.preempt(victims[-1], batch)
@@ -241,7 +241,7 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
-        self.allocator.free(request)  # with its promises of pages not computed yet
+        self.pages.free(request)  # with its promises of pages not computed yet
 
     def _fail_unfittable(self, request: Request, batch: StepPlan) -> None:
         self.finish(
@@ -249,7 +249,7 @@ class Scheduler:
             RequestStatus.FAILED,
             error=(
                 f"request {request.request_id!r} needs more KV pages than the cache has "
-                f"({self.allocator.describe_need(request.num_tokens)})"
+                f"({self.pages.describe_need(request.num_tokens)})"
             ),
         )
         batch.failed.append(request)
@@ -284,11 +284,11 @@ class Scheduler:
                     request.prompt_top_logprobs = [*(request.prompt_top_logprobs or ()), *tops]
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
-            self.allocator.register(request)  # before a sliding group drops pages
+            self.pages.register(request)  # before a sliding group drops pages
             if request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
                 self._fork(request)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
-            self.allocator.trim(request)
+            self.pages.trim(request)
             if not entry.samples:
                 continue
             token = next(samples)
@@ -331,7 +331,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         kept = self.offload.device_tables() if self.offload is not None else None
-        self.allocator.check_integrity(self.live_requests(), self.running, kept)
+        self.pages.check_integrity(self.live_requests(), self.running, kept)
         if self.offload is not None:
             self.offload.check_integrity({request.request_id for request in self.waiting})
         for request in self.running:
