@@ -25,6 +25,7 @@ from conformance.common import (
     tight_num_blocks,
 )
 from tests.support.models import build_tiny_model
+from tests.support.requests import page_ids
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.engine import Engine
@@ -234,9 +235,9 @@ def test_forks_share_pages_while_they_run(llama) -> None:
         engine.step()  # the parent's prefill; the siblings fork right after it
         engine.check_integrity()
         pool = engine.scheduler.pages.pools[0]
-        shared = parent.page_ids[:4]
+        shared = page_ids(parent)[:4]
         assert all(pool.refcount(p) == 3 for p in shared)
-        assert all(child.page_ids[:4] == shared for child in parent.siblings)
+        assert all(page_ids(child)[:4] == shared for child in parent.siblings)
         assert pool.num_used_pages == 5 + 2  # 4 shared pages + one copy of the partial page each
         while engine.has_work():
             engine.step()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.requests import page_ids, sampling_entries
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
@@ -46,7 +47,7 @@ def step(scheduler: Scheduler, token: int = 99) -> StepPlan:
     """One step with a fake model that samples `token`; integrity checked before and after."""
     batch = scheduler.schedule()
     scheduler.check_integrity()
-    scheduler.update(batch, [SampledToken(token) for _ in batch.sampling_entries])
+    scheduler.update(batch, [SampledToken(token) for _ in sampling_entries(batch)])
     scheduler.check_integrity()
     return batch
 
@@ -143,7 +144,7 @@ def test_full_hit_takes_every_page_but_the_one_holding_the_last_token() -> None:
     first = request("a", PROMPT)
     scheduler.add(first)
     step(scheduler)
-    assert first.page_ids == [0, 1, 2, 3, 4]
+    assert page_ids(first) == [0, 1, 2, 3, 4]
     drain(scheduler)
     pool = scheduler.pages.pools[0]
     assert pool.num_cached_pages == 5  # pages 0-4 full (20 prompt tokens); 5 held only the sampled token
@@ -152,8 +153,8 @@ def test_full_hit_takes_every_page_but_the_one_holding_the_last_token() -> None:
     batch = step(scheduler)
     # Pages 0-3 are hits; page 4 holds the last prompt token, which must run to give logits.
     assert [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries] == [("b", 16, 4)]
-    assert second.page_ids[:4] == [0, 1, 2, 3]
-    assert second.page_ids[4] not in (0, 1, 2, 3)
+    assert page_ids(second)[:4] == [0, 1, 2, 3]
+    assert page_ids(second)[4] not in (0, 1, 2, 3)
     assert scheduler.pages.prefix.stats.hit_tokens == 16
 
 
@@ -167,8 +168,8 @@ def test_partial_hit_and_miss() -> None:
     scheduler.add(miss)
     batch = step(scheduler)
     assert [(e.request.request_id, e.start) for e in batch.entries] == [("b", 8), ("c", 0)]
-    assert partial.page_ids[:2] == [0, 1]
-    assert not set(miss.page_ids) & {0, 1, 2, 3, 4}
+    assert page_ids(partial)[:2] == [0, 1]
+    assert not set(page_ids(miss)) & {0, 1, 2, 3, 4}
 
 
 def test_shared_pages_are_refcounted_while_both_run() -> None:
@@ -180,7 +181,7 @@ def test_shared_pages_are_refcounted_while_both_run() -> None:
     scheduler.add(second)
     step(scheduler)
     pool = scheduler.pages.pools[0]
-    assert second.page_ids[:5] == [0, 1, 2, 3, 4]
+    assert page_ids(second)[:5] == [0, 1, 2, 3, 4]
     assert [pool.refcount(p) for p in range(5)] == [2] * 5
     scheduler.finish(second, RequestStatus.CANCELLED)  # cancel: references drop, pages stay with a
     assert [pool.refcount(p) for p in range(5)] == [1] * 5
@@ -199,7 +200,7 @@ def test_refcounts_after_preemption_and_finish() -> None:
     assert first.num_registered_pages == 0
     back = step(scheduler)  # the preempted request comes back and hits its own pages
     assert [(e.start, e.num_tokens) for e in back.entries] == [(20, 1)]
-    assert first.page_ids[:5] == [0, 1, 2, 3, 4]
+    assert page_ids(first)[:5] == [0, 1, 2, 3, 4]
     drain(scheduler)
     assert first.is_finished
     assert all(pool.refcount(p) == 0 for p in range(32))
@@ -274,7 +275,7 @@ def test_hybrid_hit_needs_the_window_pages_of_the_sliding_group() -> None:
     # Queries from 20 read keys (14, 20]: logical pages 3 and 4 only.
     assert sliding.first_page == 3 and sliding.page_ids[:2] == [3, 4]
     assert second.pages[0].page_ids[:5] == [0, 1, 2, 3, 4]
-    scheduler.update(batch, [SampledToken(99)] * len(batch.sampling_entries))
+    scheduler.update(batch, [SampledToken(99)] * len(sampling_entries(batch)))
     scheduler.check_integrity()
 
 
@@ -294,7 +295,7 @@ def test_hybrid_hit_stops_where_a_window_page_is_missing() -> None:
     # 20 would need sliding pages 3-4; 16 needs pages 2-3, all there.
     assert batch.entries[0].start == 16
     assert second.pages[1].first_page == 2
-    scheduler.update(batch, [SampledToken(99)] * len(batch.sampling_entries))
+    scheduler.update(batch, [SampledToken(99)] * len(sampling_entries(batch)))
     scheduler.check_integrity()
 
 
@@ -317,8 +318,8 @@ def test_fork_shares_full_pages_and_copies_the_last_prompt_page() -> None:
     first = step(scheduler)
     assert [e.request.request_id for e in first.entries] == ["p"]
     child0, child1 = parent.siblings
-    assert parent.page_ids == [0, 1, 2, 3, 4]
-    assert child0.page_ids == [0, 1, 2, 3, 5] and child1.page_ids == [0, 1, 2, 3, 6]
+    assert page_ids(parent) == [0, 1, 2, 3, 4]
+    assert page_ids(child0) == [0, 1, 2, 3, 5] and page_ids(child1) == [0, 1, 2, 3, 6]
     pool = scheduler.pages.pools[0]
     assert [pool.refcount(p) for p in range(7)] == [3, 3, 3, 3, 1, 1, 1]
     second = step(scheduler)
@@ -377,7 +378,7 @@ def test_requests_submitted_together_wait_for_the_first_ones_prefix_pages() -> N
     assert second.status == RequestStatus.PENDING and not second.holds_pages
     batch = step(scheduler)
     assert [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries][-1] == ("b", 20, 1)
-    assert second.page_ids[:5] == first.page_ids[:5]
+    assert page_ids(second)[:5] == page_ids(first)[:5]
 
 
 def test_a_preempted_promiser_releases_the_waiters() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.offload import Rig
-from tests.support.requests import make_request
+from tests.support.requests import make_request, page_ids
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.memory.host_cache import GIB, HostKVCache, host_page_bytes, resolve_host_pages
 
@@ -53,7 +53,7 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     request = make_request("A", 8, 2)
     assert policy.allocate(request, 8)
     request.num_computed_tokens = 8
-    cache.group_tensors[0][:, :, request.page_ids] = 5.0
+    cache.group_tensors[0][:, :, page_ids(request)] = 5.0
     assert offload.try_swap_out(request)
     policy.free(request)
     copier.run(offload.take_plan())
@@ -63,7 +63,7 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     offload.swap_in(request)
     copier.run(offload.take_plan())
     torch.cuda.current_stream(device).synchronize()
-    assert bool((cache.group_tensors[0][:, :, request.page_ids] == 5.0).all())
+    assert bool((cache.group_tensors[0][:, :, page_ids(request)] == 5.0).all())
 
 
 def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:

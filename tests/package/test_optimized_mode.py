@@ -53,15 +53,15 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     scheduler.add(running)
     batch = scheduler.schedule()
     # The allocation used to live inside an `assert`: under -O the request ran without pages.
-    if running.page_ids != [0, 1, 2] or pool.num_used_pages != 3 or batch.num_tokens != 10:
-        sys.exit(f"pages not allocated under -O: {running.page_ids=} {pool.num_used_pages=}")
+    if running.pages[0].page_ids != [0, 1, 2] or pool.num_used_pages != 3 or batch.num_tokens != 10:
+        sys.exit(f"pages not allocated under -O: {running.pages[0].page_ids=} {pool.num_used_pages=}")
     scheduler.check_integrity()
     for corrupt in ("status", "pages"):
         try:
             if corrupt == "status":
                 running.set_status(RequestStatus.PENDING)  # an illegal transition
             else:
-                running.page_ids.append(7)  # a page the pool thinks is free
+                running.pages[0].page_ids.append(7)  # a page the pool thinks is free
                 scheduler.check_integrity()
         except InvariantError:
             continue

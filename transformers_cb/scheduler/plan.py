@@ -60,7 +60,3 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(entry.num_tokens for entry in self.entries)
-
-    @property
-    def sampling_entries(self) -> list[ScheduledRequest]:
-        return [entry for entry in self.entries if entry.samples]
