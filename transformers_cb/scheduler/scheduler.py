@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
@@ -24,6 +25,21 @@ from ..sampling.sampled_token import SampledToken
 from .plan import ScheduledRequest, StepPlan
 from .policies import SchedulingPolicy
 from .recompute import RecomputeCounter
+
+
+@dataclass(slots=True)
+class AdmissionGate:
+    """FIFO admission within one `schedule()`: once a waiting request cannot start, those behind it
+    wait too (no overtaking). Closed by a request that must wait; opened again only after one that
+    can never fit has failed."""
+
+    is_open: bool = True
+
+    def open(self) -> None:
+        self.is_open = True
+
+    def close(self) -> None:
+        self.is_open = False
 
 
 class Scheduler:
@@ -82,51 +98,28 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Pick the next step. May preempt running requests (in `preempted`) and fail
         requests that can never fit the cache (in `failed`, already finished)."""
+        # The algorithm: candidates come in the policy's order (fifo: running ones, then waiting ones)
+        # while the step has token budget and request slots left. A running request keeps its place:
+        # it runs the tokens that fit, else takes the pages of the newest unscheduled running requests
+        # (preempting them), else is preempted (or, alone, failed) itself. A waiting request starts
+        # only while the FIFO gate is open: it swaps back in (CPU offload), or takes its cached prefix
+        # and the pages its first chunk needs while the free share stays above the safety margin. The
+        # first waiting request that cannot start closes the gate for those behind it; one that can
+        # never fit (nothing runs, not one token fits) fails instead and opens it again.
         budget = self.max_batch_tokens
         scheduled: dict[int, ScheduledRequest] = {}
-        batch = StepPlan(entries=[])
-        admitting = True
+        plan = StepPlan(entries=[])
+        gate = AdmissionGate()
         for request in self.policy.candidates(self.running, self.waiting):
             if budget == 0 or len(scheduled) == self.max_requests_per_batch:
                 break
-            if request.is_finished or request in batch.preempted:
+            if request.is_finished or request in plan.preempted:
                 continue
-            waiting = request.status in (RequestStatus.PENDING, RequestStatus.EVICTED)
-            swapped_in = False
-            if waiting and self.offload is not None and self.offload.is_swapped(request):
-                swapped_in = self._swap_in(request, admitting)
-                if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
-                    admitting = False
-                    continue
-            # A swapped-in request has its own KV back: no prefix lookup.
-            hit = admitting and waiting and not swapped_in and self._attach_prefix(request)
-            if waiting and admitting and not swapped_in and self._waits_for_pages(request, hit):
-                continue
-            wanted = min(request.num_remaining_tokens, budget)
-            num_tokens = self.pages.num_fitting_tokens(request, wanted)
-            if waiting:
-                # FIFO admission: once one waiting request cannot start, later ones wait too.
-                # A swapped-in request holds its pages again: it is admitted (at least one token fits).
-                admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
-                if not admitting:
-                    if hit:  # waiting requests hold no pages: the hit goes back to the cache
-                        self.pages.detach_prefix(request)
-                        num_tokens = self.pages.num_fitting_tokens(
-                            request, min(request.num_remaining_tokens, budget)
-                        )
-                    if not self.running and num_tokens == 0:
-                        self._fail_unfittable(request, batch)
-                        admitting = True
-                    continue
-                self._allocate(request, num_tokens)
-                self.waiting.remove(request)
-                self.running.append(request)
-                self.pages.promise(request)
-            elif num_tokens > 0:
-                self._allocate(request, num_tokens)
-            elif self._allocate_or_preempt(request, wanted, scheduled, batch):
-                num_tokens = wanted
+            if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
+                num_tokens = self._admit(request, budget, gate, plan)
             else:
+                num_tokens = self._keep_running(request, budget, scheduled, plan)
+            if num_tokens is None:
                 continue
             request.set_status(
                 RequestStatus.DECODING
@@ -136,11 +129,56 @@ class Scheduler:
             scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens)
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
-        batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        batch.copies, self._pending_copies = self._pending_copies, []
+        plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
+        plan.copies, self._pending_copies = self._pending_copies, []
         if self.offload is not None:
-            batch.swaps = self.offload.take_plan()
-        return batch
+            plan.swaps = self.offload.take_plan()
+        return plan
+
+    def _keep_running(
+        self, request: Request, budget: int, scheduled: dict[int, ScheduledRequest], plan: StepPlan
+    ) -> int | None:
+        """A running request's tokens this step (pages allocated), or None when it had to be preempted
+        or failed itself."""
+        wanted = min(request.num_remaining_tokens, budget)
+        num_tokens = self.pages.num_fitting_tokens(request, wanted)
+        if num_tokens > 0:
+            self._allocate(request, num_tokens)
+            return num_tokens
+        if self._allocate_or_preempt(request, wanted, scheduled, plan):
+            return wanted
+        return None
+
+    def _admit(self, request: Request, budget: int, gate: AdmissionGate, plan: StepPlan) -> int | None:
+        """A waiting request's first tokens if it starts this step (moved to the running list, pages
+        allocated), else None: it keeps waiting (holding nothing), or failed because it can never fit."""
+        swapped_in = False
+        if self.offload is not None and self.offload.is_swapped(request):
+            swapped_in = self._swap_in(request, gate.is_open)
+            if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
+                gate.close()
+                return None
+        # A swapped-in request has its own KV back: no prefix lookup, no waiting for pages.
+        looks_up = gate.is_open and not swapped_in
+        hit = looks_up and self._attach_prefix(request)
+        if looks_up and self._waits_for_pages(request, hit):
+            return None
+        num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
+        # A swapped-in request holds its pages again: it is admitted (at least one token fits).
+        if not (swapped_in or (gate.is_open and num_tokens > 0 and self._admits())):
+            gate.close()
+            if hit:  # waiting requests hold no pages: the hit goes back to the cache
+                self.pages.detach_prefix(request)
+                num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
+            if not self.running and num_tokens == 0:
+                self._fail_unfittable(request, plan)
+                gate.open()  # it blocked nobody: the next waiting request may start
+            return None
+        self._allocate(request, num_tokens)
+        self.waiting.remove(request)
+        self.running.append(request)
+        self.pages.promise(request)
+        return num_tokens
 
     def _attach_prefix(self, request: Request) -> bool:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
@@ -191,7 +229,7 @@ class Scheduler:
         request: Request,
         num_tokens: int,
         scheduled: dict[int, ScheduledRequest],
-        batch: StepPlan,
+        plan: StepPlan,
     ) -> bool:
         """Allocate for a running request, preempting the newest unscheduled ones as needed.
 
@@ -200,12 +238,12 @@ class Scheduler:
         while not self.pages.allocate(request, num_tokens):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             if victims:
-                self.preempt(victims[-1], batch)
+                self.preempt(victims[-1], plan)
             elif scheduled:
-                self.preempt(request, batch)
+                self.preempt(request, plan)
                 return False
             else:
-                self._fail_unfittable(request, batch)
+                self._fail_unfittable(request, plan)
                 return False
         return True
 
@@ -220,7 +258,7 @@ class Scheduler:
             self._drop_kv(request)
         return False
 
-    def preempt(self, request: Request, batch: StepPlan) -> None:
+    def preempt(self, request: Request, plan: StepPlan) -> None:
         """Take the pages of `request` away: swapped out to the host tier when there is one with room,
         else dropped (it recomputes prompt + generated tokens later)."""
         if self.offload is None or not self.offload.try_swap_out(request):
@@ -233,8 +271,8 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
-        batch.preempted.append(request)
-        batch.released.append(request)
+        plan.preempted.append(request)
+        plan.released.append(request)
 
     def _drop_kv(self, request: Request) -> None:
         self.recomputed.dropped(request.request_id, request.num_computed_tokens)
@@ -243,7 +281,7 @@ class Scheduler:
     def _free_pages(self, request: Request) -> None:
         self.pages.free(request)  # with its promises of pages not computed yet
 
-    def _fail_unfittable(self, request: Request, batch: StepPlan) -> None:
+    def _fail_unfittable(self, request: Request, plan: StepPlan) -> None:
         self.finish(
             request,
             RequestStatus.FAILED,
@@ -252,13 +290,13 @@ class Scheduler:
                 f"({self.pages.describe_need(request.num_tokens)})"
             ),
         )
-        batch.failed.append(request)
-        batch.released.append(request)
+        plan.failed.append(request)
+        plan.released.append(request)
 
     # -- results -----------------------------------------------------------------
     def update(
         self,
-        batch: StepPlan,
+        plan: StepPlan,
         sampled: Sequence[SampledToken],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
         prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
@@ -271,7 +309,7 @@ class Scheduler:
         """
         finished: list[Request] = []
         samples = iter(sampled)
-        for entry in batch.entries:
+        for entry in plan.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
             scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
@@ -305,7 +343,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and
         its host pages), stamps the time, removes it from the queues. Its block-table rows are the
-        caller's to release (the engine's; in `schedule()`, the batch's `released`)."""
+        caller's to release (the engine's; in `schedule()`, the plan's `released`)."""
         if request.is_finished:
             return
         parent = request.fork_parent
