@@ -11,7 +11,7 @@ import pytest
 from tests.support.models import build_tiny_model
 from tests.support.processes import run_process
 from transformers_cb import conformance_check
-from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.scheduler.scheduler import Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

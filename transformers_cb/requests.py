@@ -171,15 +171,6 @@ class Request:
         return [self, *self.siblings]
 
     @property
-    def page_ids(self) -> list[int]:
-        """Page ids of the first KV group (the only one on a full-attention model)."""
-        return self.pages[0].page_ids if self.pages else []
-
-    @page_ids.setter
-    def page_ids(self, page_ids: list[int]) -> None:
-        self.group_pages(0).page_ids = list(page_ids)
-
-    @property
     def holds_pages(self) -> bool:
         return any(pages.page_ids for pages in self.pages)
 

@@ -34,7 +34,7 @@ def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
     assert snapshot.preemptions == engine.scheduler.num_preemptions > 0
     assert snapshot.swap_out_pages == snapshot.swap_in_pages == engine.offload.swap_out_pages > 0
     assert snapshot.recomputed_tokens == 0
-    assert snapshot.prefix.hit_tokens == engine.scheduler.allocator.prefix_stats.hit_tokens > 0
+    assert snapshot.prefix.hit_tokens == engine.scheduler.pages.prefix_stats.hit_tokens > 0
     assert snapshot.counters.generated_tokens == 4 * 8
     engine.counters.generated_tokens += 1  # a copy, not a view
     assert snapshot.counters.generated_tokens == 4 * 8

@@ -76,7 +76,7 @@ def test_serve_extra_brings_what_transformers_serve_needs_and_ci_installs_it():
 def test_ci_reruns_the_core_under_python_O_and_derandomizes_hypothesis():
     run = (REPO_ROOT / ".ci" / "run").read_text()
     assert re.search(r"python\"? -O -m pytest", run), ".ci/run has no python -O pass"
-    for path in ("tests/engine/test_scheduler.py", "tests/kv/test_pool.py", "conformance"):
+    for path in ("tests/scheduler/test_scheduler.py", "tests/kv/test_pool.py", "conformance"):
         assert path in run, f"the -O pass skips {path}"
     assert 'HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"' in run
     profile = settings.get_profile("ci")

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import torch
 
 from transformers_cb.attention.metadata import AttentionMetadata
-from transformers_cb.engine.step_plan import ScheduledBatch, ScheduledRequest
 from transformers_cb.kv.layer_groups import SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import PageList, Request
 from transformers_cb.runner.packing import BatchPacker
+from transformers_cb.scheduler.plan import ScheduledRequest, StepPlan
 
 
 @dataclass
@@ -63,7 +63,7 @@ def build_kernel_step(
 
     Every request's prompt tokens are unique to it, so the packed order is read back from `input_ids`.
     With `sliding_window`, the layer is in a sliding group: each request holds only the pages from its
-    window on (as `SlidingWindowAllocator.trim` leaves them) in a block-table ring just wide enough.
+    window on (as `SlidingWindowPolicy.trim` leaves them) in a block-table ring just wide enough.
     With `native`, the packer hands the decodes and short chunks to the native CPU kernel.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -91,7 +91,7 @@ def build_kernel_step(
         requests.append(request)
         entries.append(ScheduledRequest(request, past, q))
     packer = BatchPacker(cache, widths or max(num_pages_each), torch.device("cpu"), native=native)
-    step = packer.pack(ScheduledBatch(entries=entries))
+    step = packer.pack(StepPlan(entries=entries))
     metadata = step.metadata
     # The packer reorders requests; recover the order from the (unique) token ids.
     cu = metadata.cu_seqlens_q.tolist()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.scheduler.scheduler import Scheduler
 
 
 @contextmanager

@@ -31,7 +31,7 @@ from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
-from ..kv.page_policies import make_allocator, num_pages_for
+from ..kv.page_policies import make_page_policy, num_pages_for
 from ..kv.pool import PagePool
 from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import CacheLayout, PagedKVCache
@@ -42,12 +42,12 @@ from ..runner.packing import BatchPacker
 from ..runner.step_options import StepOptions, resolve_step_options
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler, check_generation_config
+from ..scheduler.policies import make_policy
+from ..scheduler.scheduler import Scheduler
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
 from .model_support import check_model_supported
-from .policies import make_policy
 from .publisher import StepPublisher, TensorParallelPublisher
-from .scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def wire(
     # kv/ owns pages: one pool per KV group, each handed to its group's page policy.
     pools = [PagePool(num_pages) for num_pages in plan.group_pages]
     policies = [
-        make_allocator(spec, pool, page_size, g)
+        make_page_policy(spec, pool, page_size, g)
         for g, (spec, pool) in enumerate(zip(plan.kv_groups, pools, strict=True))
     ]
     pages = PageManager(policies, list(plan.kv_groups), sharing=plan.sharing)

@@ -30,9 +30,9 @@ from ..requests import Request, RequestStatus
 from ..runner.model_runner import ModelRunner
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
+from ..scheduler.scheduler import Scheduler
 from .forks import add_siblings, num_return_sequences_of
 from .publisher import StepPublisher
-from .scheduler import Scheduler
 from .snapshot import EngineCounters, EngineSnapshot
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 

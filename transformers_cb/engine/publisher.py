@@ -21,15 +21,15 @@ from ..distributed.coordinator import Kind
 
 if TYPE_CHECKING:
     from ..distributed import TensorParallelCoordinator
-    from ..engine.step_plan import ScheduledBatch
     from ..requests import Request
     from ..sampling.sampled_token import SampledToken
+    from ..scheduler.plan import StepPlan
 
 
 class StepPublisher:
     """Nobody to tell: every hook is a no-op (a single process, or a tensor-parallel follower)."""
 
-    def step_planned(self, batch: ScheduledBatch) -> None:
+    def step_planned(self, batch: StepPlan) -> None:
         """The scheduler decided this step (before it runs)."""
 
     def step_failed(self, error: Exception) -> None:
@@ -62,7 +62,7 @@ class TensorParallelPublisher(StepPublisher):
     def __init__(self, tp: TensorParallelCoordinator) -> None:
         self.tp = tp
 
-    def step_planned(self, batch: ScheduledBatch) -> None:
+    def step_planned(self, batch: StepPlan) -> None:
         self.tp.publish(batch)
 
     def step_failed(self, error: Exception) -> None:

@@ -1,7 +1,7 @@
 """`SwapCopier`: the page copies between the device tier and the host tier, batched per step.
 
 The scheduler decides swaps as plain page ids (`SwapPlan`, kv/swap_plan.py) and the step's
-`ScheduledBatch` carries them; the runner hands them to its copier before the forward (on every
+`StepPlan` carries them; the runner hands them to its copier before the forward (on every
 tensor-parallel rank, each on its own KV shard). Each direction is one gather and one scatter per
 KV layer group, whatever the number of pages and requests: all layers of a group, K and V, move in
 one `index_select` along the page dimension of the group tensor

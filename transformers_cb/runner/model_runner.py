@@ -1,6 +1,6 @@
 """The runner: everything that touches the device for one step.
 
-It executes the step's plan (`ScheduledBatch`, engine/step_plan.py) in order: the forks' page
+It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' page
 copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
 packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs),
@@ -21,12 +21,12 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..attention.paged import METADATA_KWARG
-from ..engine.step_plan import ScheduledBatch
 from ..invariants import check
 from ..memory.swap import SwapCopier
 from ..requests import Request
 from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
+from ..scheduler.plan import StepPlan
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
@@ -90,7 +90,7 @@ class ModelRunner:
             self.sampler = sampler
 
     @torch.inference_mode()
-    def apply(self, batch: ScheduledBatch) -> None:
+    def apply(self, batch: StepPlan) -> None:
         """The step's plan before its forward: fork copies (they read the last forward's KV, which a
         swap may move or hand over), then swaps, then the released block-table rows."""
         if batch.copies:
@@ -107,7 +107,7 @@ class ModelRunner:
             self.packer.release_request(request)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def run(self, batch: StepPlan) -> StepOutput:
         """Run one step (`batch.entries` not empty): its plan, then the forward and the sampling."""
         self.apply(batch)
         step = self.packer.pack(batch)
@@ -126,7 +126,7 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> None:
+    def forward(self, batch: StepPlan) -> None:
         """A tensor-parallel follower's step: the plan, then the forward (when there are entries)
         without sampling; rank 0 samples."""
         self.apply(batch)
