@@ -84,8 +84,9 @@ def stream_once(url: str, model: str, tokens: int, logprobs: bool) -> tuple[list
 
 
 def engine_once(model: object, tokenizer: object, tokens: int) -> tuple[list[float], list[int]]:
-    import transformers_cb
     from transformers import GenerationConfig
+
+    import transformers_cb
 
     ids = list(tokenizer.encode(PROMPT))
     out = model.generate_batch(
@@ -148,7 +149,9 @@ def main() -> int:
     from tests.support.serve import MODEL_NAME, live_server, tiny_model_and_tokenizer
 
     print(f"transformers_cb from {Path(transformers_cb.__file__).parent}", flush=True)
-    print(f"torch threads {torch.get_num_threads()}, {args.tokens} tokens, windows of {args.window}", flush=True)
+    print(
+        f"torch threads {torch.get_num_threads()}, {args.tokens} tokens, windows of {args.window}", flush=True
+    )
     model, tokenizer = tiny_model_and_tokenizer()
     rows: dict[str, list[tuple[float, float]]] = {"engine": [], "plain": [], "logprobs": []}
     with torch.inference_mode():
@@ -165,7 +168,9 @@ def main() -> int:
         first = statistics.fmean(durations[: args.window])
         last = statistics.fmean(durations[-args.window :])
         rows.setdefault("step work", []).append((first, last))
-    print(f"{'path':<10} {'first ms/token':>15} {'last ms/token':>14} {'last / first':>13}   min of runs (median)")
+    print(
+        f"{'path':<10} {'first ms/token':>15} {'last ms/token':>14} {'last / first':>13}   min of runs (median)"
+    )
     for name, runs in rows.items():
         first, last = min(r[0] for r in runs) * 1e3, min(r[1] for r in runs) * 1e3
         median_first = statistics.median(r[0] for r in runs) * 1e3

@@ -61,6 +61,8 @@ class Engine:
     tokenizer: needed only for stop strings.
     logits_processor: the caller's own processors, applied to each request's own history.
     workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
+    all_request_stages: build every per-request processor stage, neutral unless a request gives a value
+        (the server's engine; see `SamplingSetup`).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Engine:
         tokenizer: Any | None = None,
         logits_processor: Any | None = None,
         workload: list[int] | None = None,
+        all_request_stages: bool = False,
     ) -> None:
         self.model = model
         self.cb_config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
@@ -152,6 +155,7 @@ class Engine:
             tokenizer=tokenizer,
             user_processors=list(logits_processor or ()),
             vocab_size=self.shape.vocab_size,
+            all_request_stages=all_request_stages,
         )
         sampler = Sampler(self.sampling.stages, self.sampling.do_sample, self.device, self.sampling.grammars)
         self.runner = ModelRunner(model, self.packer, sampler, self.step_options, swapper)
