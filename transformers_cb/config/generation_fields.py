@@ -13,6 +13,7 @@ To implement a field: move it from `REFUSED` to `IMPLEMENTED` in the same change
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
@@ -124,10 +125,22 @@ def transformers_defaults() -> dict[str, Any]:
     return defaults() if defaults is not None else {}
 
 
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A `GenerationConfig` already resolved for the model it is handed with (a private copy that
+    `resolve_generation_config` returns as it is): a caller that needs the resolved values before the
+    engine exists (`generate_batch`: the cache's workload) resolves once and hands this on."""
+
+    config: GenerationConfig
+
+
 def resolve_generation_config(
-    model: PreTrainedModel, generation_config: GenerationConfig | None
+    model: PreTrainedModel, generation_config: GenerationConfig | ResolvedConfig | None
 ) -> GenerationConfig:
-    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`)."""
+    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`).
+    A `ResolvedConfig` is resolved already: its config comes back as it is."""
+    if isinstance(generation_config, ResolvedConfig):
+        return generation_config.config
     model_config = getattr(model, "generation_config", None) or GenerationConfig()
     # NOTE: like `generate()`, no config means an empty one, so transformers' defaults (max_length=20,
     # top_k=50, ...) apply after the model's values.

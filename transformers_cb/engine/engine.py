@@ -15,7 +15,7 @@ from typing import Any
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig, resolve_device_options
-from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
+from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..distributed import TensorParallelCoordinator
 from ..distributed.coordinator import Kind
 from ..distributed.sharding import shard_shape, tp_size_of
@@ -68,7 +68,7 @@ class Engine:
     def __init__(
         self,
         model: PreTrainedModel,
-        generation_config: GenerationConfig | None,
+        generation_config: GenerationConfig | ResolvedConfig | None,
         cb_config: ContinuousBatchingConfig | None,
         tokenizer: Any | None = None,
         logits_processor: Any | None = None,
