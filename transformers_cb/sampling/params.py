@@ -103,13 +103,17 @@ def default_params(
     stop_strings = config.stop_strings
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
-    from_config = {
-        name: (int if name == "top_k" else float)(getattr(config, name))
-        for name in VECTOR_PARAMS
-        if name in enabled
-    }
+    neutral = NEUTRAL_VALUES
+
+    def value(name: str) -> Any:
+        return getattr(config, name) if name in enabled else neutral[name]
+
     return SamplingParams(
-        **from_config,  # the others keep their neutral defaults
+        temperature=float(value("temperature")),
+        top_k=int(value("top_k")),
+        top_p=float(value("top_p")),
+        min_p=float(value("min_p")),
+        repetition_penalty=float(value("repetition_penalty")),
         stop_strings=tuple(stop_strings or ()),
         return_logprobs=return_logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,

@@ -194,7 +194,8 @@ def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseExcepti
 
 @dataclass
 class _ChoiceText:
-    """Turns one choice's successive outputs (growing `generated_tokens`) into events.
+    """Turns one choice's successive outputs into events, reading only what each brings new
+    (`new_tokens`, `new_logprobs`, `new_top_logprobs`): O(1) per token however long the stream.
 
     `echo`: the prompt (its text and ids) to send before the first generated token."""
 
@@ -209,9 +210,11 @@ class _ChoiceText:
 
     def take(self, output: Any) -> ChoiceEvent:
         limit = self.options.max_tokens
-        new_ids = output.generated_tokens[self.seen : None if limit is None else max(limit, self.seen)]
-        new_logprobs = (output.logprobs or [])[self.seen :]
-        new_tops = (output.top_logprobs or [])[self.seen :]
+        new_ids = output.new_tokens
+        if limit is not None:
+            new_ids = new_ids[: max(limit - self.seen, 0)]
+        new_logprobs = output.new_logprobs or []
+        new_tops = output.new_top_logprobs or []
         self.seen += len(new_ids)
         self._observe_latency(len(new_ids))
         event = ChoiceEvent(self.choice.index)
