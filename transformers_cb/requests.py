@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class GenerationOutput:
     finish_time: float | None = None
     timestamps: list[float] | None = None  # one `time.perf_counter()` per generated token (record_timestamps)
     # Not a field: where `new_tokens` starts in `generated_tokens` (0 for an output built by hand).
-    new_from = 0
+    _new_from = 0
 
     def is_finished(self) -> bool:
         return self.status.is_finished
@@ -191,17 +191,17 @@ class GenerationOutput:
     def new_tokens(self) -> list[int]:
         """The generated tokens new since this request's previous output (all of them in its first or
         only one): the outputs of a streamed request, taken in order, concatenate to its tokens. O(new)."""
-        return _COPIED["generated_tokens"].tail(self, self.new_from) or []
+        return _COPIED["generated_tokens"].tail(self, self._new_from) or []
 
     @property
     def new_logprobs(self) -> list[float] | None:
         """`logprobs` of `new_tokens` (None when the request has none)."""
-        return _COPIED["logprobs"].tail(self, self.new_from)
+        return _COPIED["logprobs"].tail(self, self._new_from)
 
     @property
     def new_top_logprobs(self) -> list[dict[int, float]] | None:
         """`top_logprobs` of `new_tokens` (None when the request has none)."""
-        return _COPIED["top_logprobs"].tail(self, self.new_from)
+        return _COPIED["top_logprobs"].tail(self, self._new_from)
 
     @property
     def ttft(self) -> float | None:
@@ -211,17 +211,20 @@ class GenerationOutput:
         return self.first_token_time - self.created_time
 
 
+# The lists an output may share with its request, each behind a `CopiedOnRead` with the field's default.
+_SHARED_FIELDS = (
+    "prompt_ids",
+    "generated_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "prompt_top_logprobs",
+    "timestamps",
+)
 _COPIED: dict[str, CopiedOnRead[Any]] = {
-    name: CopiedOnRead(name, None if name not in ("prompt_ids", "generated_tokens") else _NO_DEFAULT)
-    for name in (
-        "prompt_ids",
-        "generated_tokens",
-        "logprobs",
-        "top_logprobs",
-        "prompt_logprobs",
-        "prompt_top_logprobs",
-        "timestamps",
-    )
+    f.name: CopiedOnRead(f.name, _NO_DEFAULT if f.default is MISSING else f.default)
+    for f in fields(GenerationOutput)
+    if f.name in _SHARED_FIELDS
 }
 for _name, _descriptor in _COPIED.items():
     setattr(GenerationOutput, _name, _descriptor)
@@ -385,5 +388,5 @@ class Request:
             finish_time=self.finish_time,
             timestamps=None if self.timestamps is None else shared(self.timestamps),
         )
-        output.new_from, self.num_output_tokens = self.num_output_tokens, num_tokens
+        output._new_from, self.num_output_tokens = self.num_output_tokens, num_tokens
         return output

@@ -142,6 +142,15 @@ def test_an_output_reads_like_a_plain_dataclass_of_lists():
     assert by_hand.new_tokens == [5, 6] and by_hand.new_logprobs is None and by_hand.logprobs is None
     with pytest.raises(TypeError, match="generated_tokens"):
         GenerationOutput("h", [1])  # still required, as every field without a default
+    # The dataclass itself is unchanged: its fields, their types and defaults.
+    assert [(f.name, f.type) for f in dataclasses.fields(GenerationOutput)][:4] == [
+        ("request_id", "str"),
+        ("prompt_ids", "list[int]"),
+        ("generated_tokens", "list[int]"),
+        ("status", "RequestStatus"),
+    ]
+    assert GenerationOutput.logprobs is None and GenerationOutput.timestamps is None
+    assert len(dataclasses.fields(GenerationOutput)) == 14
 
 
 def test_streaming_claimed_after_the_request_finished_replays_everything(manager, ref):
