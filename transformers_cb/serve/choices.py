@@ -26,8 +26,8 @@ from transformers import GenerationConfig
 
 from ..manager.results import ManagerDeadError
 from ..requests import RequestStatus
-from ..sampling.neutral import is_neutral
-from ..sampling.params import derive_seed
+from ..sampling.neutral import NEUTRAL_VALUES, is_neutral
+from ..sampling.params import VECTOR_PARAMS, derive_seed
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner
@@ -35,9 +35,11 @@ from .text import IncrementalDetokenizer, StopScanner
 
 def serving_generation_config(eos_token_id: Any, pad_token_id: Any) -> GenerationConfig:
     """The server engine's GenerationConfig: sampling on (OpenAI's default `temperature=1`), the
-    model's special ids. Its processor values are not used: the engine is built with
-    `all_request_stages`, so every request brings its own (neutral when it gives none)."""
-    return GenerationConfig(do_sample=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    model's special ids, and the per-request processors at their neutral values, so that the model's
+    own sampling defaults never reach the server's requests. The engine is built with
+    `all_request_stages`: every request brings its own values (neutral when it gives none)."""
+    neutral = {name: NEUTRAL_VALUES[name] for name in VECTOR_PARAMS}
+    return GenerationConfig(do_sample=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **neutral)
 
 
 @dataclass
