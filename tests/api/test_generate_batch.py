@@ -141,3 +141,60 @@ def test_a_job_that_fits_is_admitted_at_once(model) -> None:
         engine.step()
     assert not engine.scheduler.waiting
     assert len(engine.scheduler.running) == len(prompts)
+
+
+def _count_calls(monkeypatch, name: str, counted) -> list:
+    """Count the calls of `transformers_cb.config.generation_fields.<name>` wherever the package imported
+    it (`counted(args)` says whether a call counts)."""
+    import sys
+
+    from transformers_cb.config import generation_fields
+
+    original, calls = getattr(generation_fields, name), []
+
+    def counting(*args, **kwargs):
+        if counted(args):
+            calls.append(args)
+        return original(*args, **kwargs)
+
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("transformers_cb") and getattr(module, name, None) is original:
+            monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_generation_config_is_resolved_once_and_each_limit_defaulted_once(
+    model, prompts, monkeypatch, persistent: bool
+) -> None:
+    from transformers_cb.config.generation_fields import ResolvedConfig
+
+    resolved = _count_calls(
+        monkeypatch, "resolve_generation_config", lambda a: not isinstance(a[1], ResolvedConfig)
+    )
+    defaulted = _count_calls(monkeypatch, "default_max_new_tokens", lambda a: True)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    out = model.generate_batch(
+        prompts, config, progress_bar=False, warmup=False, persistent_manager=persistent
+    )
+    model.destroy_cached_continuous_batching_manager()
+    assert [len(o.generated_tokens) for o in out.values()] == [3] * len(prompts)
+    assert len(resolved) == 1
+    assert len(defaulted) == len(prompts)
+
+
+def test_per_item_lists_split_one_way_in_generate_batch_and_add_requests(model, prompts) -> None:
+    from transformers_cb.engine.validation import per_item
+
+    assert per_item(3, 2, "x") == [3, 3]
+    assert per_item([1, 2], 2, "x") == [1, 2]
+    assert per_item(("a", "b"), 2, "stop_strings", lists_are_values=True) == [("a", "b")] * 2
+    with pytest.raises(ValueError, match="guided: got 3 values for 2 inputs") as batch_error:
+        model.generate_batch(prompts[:2], GREEDY, progress_bar=False, guided=[None] * 3)
+    manager = model.init_continuous_batching(generation_config=GREEDY)
+    try:
+        with pytest.raises(ValueError, match="guided: got 3 values for 2 inputs") as manager_error:
+            manager.add_requests(prompts[:2], guided=[None] * 3)
+    finally:
+        manager.destroy()
+    assert str(batch_error.value) == str(manager_error.value)

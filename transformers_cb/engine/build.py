@@ -25,7 +25,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions, resolve_device_options
-from ..config.generation_fields import resolve_generation_config
+from ..config.generation_fields import ResolvedConfig, resolve_generation_config
 from ..distributed import TensorParallelCoordinator
 from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
@@ -79,6 +79,8 @@ class EnginePlan:
     top_logprobs: int
     prompt_logprobs: bool
     seed: int | None
+    # Every per-request processor stage built, neutral unless a request gives a value (the server's engine).
+    all_request_stages: bool = False
 
     @property
     def group_pages(self) -> tuple[int, ...]:
@@ -95,9 +97,10 @@ def private_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatc
 
 def resolve_plan(
     model: PreTrainedModel,
-    generation_config: GenerationConfig | None,
+    generation_config: GenerationConfig | ResolvedConfig | None,
     cb_config: ContinuousBatchingConfig | None,
     workload: list[int] | None = None,
+    all_request_stages: bool = False,
 ) -> tuple[EnginePlan, TensorParallelCoordinator | None]:
     """The plan of an engine for `model`, and this rank's tensor-parallel coordinator (None without
     tensor parallelism), which the ranks agree on sizes through. Raises (`ValueError`,
@@ -160,6 +163,7 @@ def resolve_plan(
         top_logprobs=config.top_logprobs,
         prompt_logprobs=config.prompt_logprobs,
         seed=config.seed,
+        all_request_stages=all_request_stages,
     )
     return plan, tp
 
@@ -207,6 +211,7 @@ def wire(
         tokenizer=tokenizer,
         user_processors=list(logits_processor or ()),
         vocab_size=plan.shape.vocab_size,
+        all_request_stages=plan.all_request_stages,
     )
     sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
     runner = ModelRunner(model, packer, sampler, plan.step_options, swapper)
@@ -228,11 +233,12 @@ def wire(
 
 def build_engine(
     model: PreTrainedModel,
-    generation_config: GenerationConfig | None,
+    generation_config: GenerationConfig | ResolvedConfig | None,
     cb_config: ContinuousBatchingConfig | None,
     tokenizer: Any | None = None,
     logits_processor: Any | None = None,
     workload: list[int] | None = None,
+    all_request_stages: bool = False,
 ) -> Engine:
     """An engine for `model`: the plan resolved (`resolve_plan`), then the parts wired (`wire`).
 
@@ -243,6 +249,8 @@ def build_engine(
         tokenizer: needed only for stop strings and guided decoding.
         logits_processor: the caller's own processors, applied to each request's own history.
         workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
+        all_request_stages: build every per-request processor stage, neutral unless a request gives a
+            value (the server's engine; see `SamplingSetup`).
     """
-    plan, tp = resolve_plan(model, generation_config, cb_config, workload)
+    plan, tp = resolve_plan(model, generation_config, cb_config, workload, all_request_stages)
     return wire(model, plan, tp, tokenizer, logits_processor)

@@ -59,7 +59,12 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         workload_hints: Any | None = None,
         tokenizer: Any | None = None,
         logits_processor: Any | None = None,
+        *,
+        all_request_stages: bool = False,
     ) -> None:
+        """`all_request_stages`: the engine builds every per-request processor stage, and a request
+        that gives no value for one uses its neutral value (the server's manager: each request brings
+        its own values; see `SamplingSetup`)."""
         self.model = model
         hints = as_workload_hints(workload_hints)
         engine = build_engine(
@@ -69,6 +74,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             tokenizer,
             logits_processor,
             workload=hints.workload() if hints is not None else None,
+            all_request_stages=all_request_stages,
         )
         self.max_queue_size = engine.max_queue_size
         self._state = ManagerState(engine)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
+from ..engine.validation import per_item
 from ..requests import Request
 from .loop import ManagerLoop
 from .results import ResultRouter
@@ -46,25 +47,16 @@ class SubmissionOptions:
     ) -> SubmissionOptions:
         """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones.
         With `num_items` (add_requests), `kwargs["guided"]` may be a list or tuple of one constraint per
-        item (None: unconstrained) instead of one for all."""
+        item (None: unconstrained) instead of one for all (split by `per_item`, as generate_batch's)."""
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
-        item_kwargs = None
-        guided = kwargs.get("guided")
-        if num_items is not None and isinstance(guided, (list, tuple)):
-            if len(guided) != num_items:
-                raise ValueError(f"guided: got {len(guided)} values for {num_items} inputs")
-            item_kwargs = [{"guided": value} for value in guided]
-            kwargs["guided"] = None
-        return cls(
-            max_new_tokens,
-            streaming,
-            eos_token_id,
-            record_timestamps,
-            kwargs,
-            forks,
-            tuple(item_kwargs or ()),
-        )
+        item_kwargs: tuple[dict[str, Any], ...] = ()
+        if num_items is not None and "guided" in kwargs:
+            item_kwargs = tuple(
+                {"guided": value} for value in per_item(kwargs["guided"], num_items, "guided")
+            )
+            kwargs["guided"] = None  # each item's value replaces it in place (checks keep the caller's order)
+        return cls(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, forks, item_kwargs)
 
 
 class Submissions:

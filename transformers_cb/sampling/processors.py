@@ -27,6 +27,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
+from .neutral import NEUTRAL_VALUES
 from .params import enabled_vector_params
 
 
@@ -73,15 +74,15 @@ def _same_instance(processor: lp.LogitsProcessor) -> Stage:
     return _row(type(processor), lambda ctx: processor)
 
 
-def _history_stages(config: GenerationConfig) -> list[tuple[type, Stage]]:
+def _history_stages(config: GenerationConfig, all_request_stages: bool) -> list[tuple[type, Stage]]:
     """The processors `generate()` builds before merging the user's list, with their types."""
     stages: list[tuple[type, Stage]] = []
-    enabled = enabled_vector_params(config)
+    enabled = enabled_vector_params(config, all_request_stages)
     if config.sequence_bias is not None:
         bias = lp.SequenceBiasLogitsProcessor(sequence_bias=config.sequence_bias)
         stages.append((lp.SequenceBiasLogitsProcessor, _same_instance(bias)))
     penalty = config.encoder_repetition_penalty
-    if penalty is not None and penalty != 1.0:
+    if penalty is not None and penalty != NEUTRAL_VALUES["encoder_repetition_penalty"]:
         # Decoder-only: `generate()` passes the prompt as the "encoder" input ids.
         stages.append(
             (
@@ -168,11 +169,12 @@ def _history_stages(config: GenerationConfig) -> list[tuple[type, Stage]]:
     return stages
 
 
-def _warper_stages(config: GenerationConfig) -> list[Stage]:
-    """The sampling warpers, applied after the user's processors, only when do_sample."""
+def _warper_stages(config: GenerationConfig, all_request_stages: bool) -> list[Stage]:
+    """The sampling warpers, applied after the user's processors, only when do_sample (with
+    `all_request_stages`, the vectorized ones also without: a request may sample on its own)."""
+    enabled = enabled_vector_params(config, all_request_stages)
     if not config.do_sample:
-        return []
-    enabled = enabled_vector_params(config)
+        return [_vector(name) for name in ("temperature", "top_k", "top_p", "min_p") if name in enabled]
     stages = [_vector("temperature")] if "temperature" in enabled else []
     if config.top_h is not None:
         stages.append(_shared(lp.TopHLogitsWarper(top_h=config.top_h)))
@@ -187,14 +189,19 @@ def _warper_stages(config: GenerationConfig) -> list[Stage]:
 
 
 def build_stages(
-    config: GenerationConfig, user_processors: Sequence[lp.LogitsProcessor] = (), openai: bool = False
+    config: GenerationConfig,
+    user_processors: Sequence[lp.LogitsProcessor] = (),
+    openai: bool = False,
+    all_request_stages: bool = False,
 ) -> list[Stage]:
     """The ordered stages for `config` plus the user's `logits_processor` list; `openai`: the
     per-request OpenAI processors (logit_bias, min_tokens, presence / frequency penalties) after
-    them and before the sampling warpers, where OpenAI and vLLM apply them (on the unscaled logits)."""
+    them and before the sampling warpers, where OpenAI and vLLM apply them (on the unscaled logits).
+    `all_request_stages`: every vectorized stage, in its place, whatever `config`'s values (the server's
+    engine, whose requests bring their own values)."""
     merged: list[Stage] = []
     used: list[lp.LogitsProcessor] = []
-    for cls, stage in _history_stages(config):
+    for cls, stage in _history_stages(config, all_request_stages):
         custom = next((p for p in user_processors if type(p) is cls), None)
         if custom is not None:
             used.append(custom)
@@ -203,7 +210,7 @@ def build_stages(
     merged += [_same_instance(p) for p in user_processors if not any(p is u for u in used)]
     if openai:
         merged.append(Stage("openai", "openai"))
-    merged += _warper_stages(config)
+    merged += _warper_stages(config, all_request_stages)
     if config.renormalize_logits is True:
         merged.append(_shared(lp.LogitNormalization()))
     return merged

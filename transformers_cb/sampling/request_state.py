@@ -17,8 +17,8 @@ from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from .grammars import GrammarCompiler, GrammarState
+from .neutral import NEUTRAL_VALUES
 from .params import (
-    NEUTRAL,
     VECTOR_PARAMS,
     SamplingParams,
     check_config_values,
@@ -100,6 +100,10 @@ class SamplingSetup:
     tokenizer: needed only for stop strings and guided decoding.
     vocab_size: the width of the model's logits (guided decoding's masks).
     user_processors: the caller's `logits_processor` list, applied to each request's own history.
+    all_request_stages: build every per-request processor stage (the vectorized ones and OpenAI's)
+        whatever `config`'s values, with neutral defaults: each request brings its own values (the
+        server's engine; otherwise transformers' rule holds, a processor exists only when the
+        GenerationConfig sets it away from neutral).
     """
 
     def __init__(
@@ -115,18 +119,25 @@ class SamplingSetup:
         tokenizer: Any | None = None,
         user_processors: Sequence[LogitsProcessor] = (),
         vocab_size: int | None = None,
+        all_request_stages: bool = False,
     ) -> None:
         self.config = config
+        self.all_request_stages = all_request_stages
         self.device = device
         self.per_request_processors = per_request_processors
         self.seed = seed
         self.do_sample = bool(config.do_sample)
-        self.stages: list[Stage] = build_stages(config, user_processors, openai=per_request_processors)
+        self.stages: list[Stage] = build_stages(
+            config,
+            user_processors,
+            openai=per_request_processors or all_request_stages,
+            all_request_stages=all_request_stages,
+        )
         self.row_stages = [stage for stage in self.stages if stage.kind == "row"]
         # Shared and row stages may change any row: every request keeps state when one exists.
         # Vector and OpenAI stages change only rows with non-neutral values (`changes_logits`).
         self.has_fixed_stages = any(stage.kind in ("shared", "row") for stage in self.stages)
-        self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs)
+        self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs, all_request_stages)
         check_config_values(self.base, config)
         self.stop_strings = StopStrings(tokenizer)
         self.stop_strings.check_available(self.base.stop_strings, "GenerationConfig.stop_strings")
@@ -137,7 +148,7 @@ class SamplingSetup:
     def clear_stages(self) -> None:
         """No processing stage any more; requests attached later get neutral processor values."""
         self.stages, self.row_stages, self.has_fixed_stages = [], [], False
-        self.base = replace(self.base, **{name: getattr(NEUTRAL, name) for name in VECTOR_PARAMS})
+        self.base = replace(self.base, **{name: NEUTRAL_VALUES[name] for name in VECTOR_PARAMS})
 
     def attach(
         self,
@@ -150,7 +161,12 @@ class SamplingSetup:
         Raises `ValueError` naming `label` (see `params.resolve_request_params`)."""
         label = label or f"request {request.request_id!r}"
         params = resolve_request_params(
-            self.base, kwargs or {}, self.config, self.per_request_processors, label
+            self.base,
+            kwargs or {},
+            self.config,
+            self.per_request_processors,
+            label,
+            self.all_request_stages,
         )
         self.stop_strings.check_available(params.stop_strings, label)
         needs_state = (

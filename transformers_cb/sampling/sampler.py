@@ -1,8 +1,8 @@
 """Turning a step's logits into tokens: the processing stages, then argmax or a seeded draw.
 
-Which `GenerationConfig` options may be set at all is decided in one table,
-`generation_fields.py` (`check_generation_config`, re-exported here); every processor `generate()`
-builds for an implemented option is applied (see processors.py and docs/sampling.md).
+Which `GenerationConfig` options may be set at all is decided by config/generation_fields.py's table
+(`neutral.check_generation_config`, re-exported here); every processor `generate()` builds for an
+implemented option is applied (see processors.py and docs/sampling.md).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ..config.generation_fields import check_generation_config
 from . import openai, warpers
 from .grammars import GrammarCompiler
+from .neutral import check_generation_config
 from .params import NEUTRAL
 from .processors import Stage
 from .request_state import RequestSampling

@@ -111,19 +111,23 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any) -> Any:
-    """A started manager as the server runs it: every per-request processor available
-    (`per_request_processors=True`, `serving_generation_config`); logprobs are computed per request."""
+    """A started manager as the server runs it: every per-request processor available and neutral
+    unless a request sets it (`per_request_processors=True`, `all_request_stages=True`); logprobs are
+    computed per request."""
     import dataclasses
 
+    from ..manager.manager import ContinuousBatchingManager
     from ..models.loading import special_ids
     from .choices import serving_generation_config
 
     cb_config = dataclasses.replace(cb_config, per_request_processors=True)
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
-    manager = model.init_continuous_batching(
-        generation_config=serving_generation_config(eos_token_id, pad_token_id),
-        continuous_batching_config=cb_config,
+    manager = ContinuousBatchingManager(
+        model,
+        serving_generation_config(eos_token_id, pad_token_id),
+        cb_config,
         tokenizer=tokenizer,
+        all_request_stages=True,
     )
     manager.start()
     return manager
