@@ -200,13 +200,13 @@ class TensorParallelCoordinator:
             request.append_token(token.token_id, token.logprob, token.top_logprobs)
             progressed.append(request)
         for request_id, status, reason, error in message.finals:
-            request = self.requests.pop(request_id, None)
-            if request is not None:
+            ended = self.requests.pop(request_id, None)
+            if ended is not None:
                 # A mirror copies the driver's checked transitions, so it takes the final status as is.
-                request.status, request.finish_reason, request.error = RequestStatus(status), reason, error
-                request.finish_time = time.perf_counter()
-                request.pages = []
-                finished.append(request)
+                ended.status, ended.finish_reason, ended.error = RequestStatus(status), reason, error
+                ended.finish_time = time.perf_counter()
+                ended.pages = []
+                finished.append(ended)
         for spec in message.new:
             self._mirror(spec)
         entries = []

@@ -13,11 +13,13 @@ import threading
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedModel
 
 from ..attention.selection import paged_attention
 from ..distributed import TensorParallelError
 from ..engine.engine import Engine
 from ..engine.follower import FollowerEngine
+from ..invariants import present
 from ..requests import Request, RequestStatus
 from .results import ResultRouter
 from .state import ManagerState
@@ -49,7 +51,7 @@ class ManagerLoop:
         state: ManagerState,
         router: ResultRouter,
         throughput: ThroughputWindow,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         release: Callable[[], None],
     ) -> None:
         self._state = state
@@ -85,10 +87,10 @@ class ManagerLoop:
         for request in incoming:
             engine.add(request)
         for request_id in cancels:
-            request = state.live.get(request_id)
-            if request is not None and not request.is_finished:
-                engine.finish(request, RequestStatus.CANCELLED, "cancelled by cancel_request()")
-                self._publish_final(request)
+            cancelled = state.live.get(request_id)
+            if cancelled is not None and not cancelled.is_finished:
+                engine.finish(cancelled, RequestStatus.CANCELLED, "cancelled by cancel_request()")
+                self._publish_final(cancelled)
 
     def fail_everything(self, message: str) -> None:
         """Give every unfinished request its one final result: FAILED with `message`."""
@@ -117,7 +119,8 @@ class ManagerLoop:
                 if isinstance(engine, FollowerEngine):
                     engine.replay_session()  # a tensor-parallel follower replays rank 0's session
                 else:
-                    self._loop(engine)
+                    # `start()` refuses a destroyed manager, whose engine is None.
+                    self._loop(present(engine, "the thread starts with an engine"))
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
             logger.exception("continuous batching manager thread died")
             with state.lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +76,7 @@ class Submissions:
 
     def submit(
         self,
-        items: list[tuple[Any, str | None]],
+        items: Sequence[tuple[Any, str | None]],
         options: SubmissionOptions,
         indexed: bool,
         max_queue_size: int,
@@ -130,7 +131,11 @@ class Submissions:
         self._loop.apply_submissions()
 
     def _build_requests(
-        self, engine: Engine, items: list[tuple[Any, str | None]], options: SubmissionOptions, indexed: bool
+        self,
+        engine: Engine,
+        items: Sequence[tuple[Any, str | None]],
+        options: SubmissionOptions,
+        indexed: bool,
     ) -> list[Request]:
         """Validate every item (all or nothing); the lock is held."""
         requests: list[Request] = []
@@ -169,7 +174,7 @@ class Submissions:
                 taken.add(member.request_id)
         return requests
 
-    def _drop_early_handlers(self, items: list[tuple[Any, str | None]]) -> None:
+    def _drop_early_handlers(self, items: Sequence[tuple[Any, str | None]]) -> None:
         for _, request_id in items:
             if isinstance(request_id, str):
                 self._router.drop_early_handler(request_id)

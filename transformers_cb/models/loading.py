@@ -10,7 +10,7 @@ import argparse
 from typing import Any, cast
 
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -43,7 +43,7 @@ def load_model_and_tokenizer(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
-) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a local checkpoint directory, or build the tiny default model when ``path`` is None."""
     import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
 
@@ -62,10 +62,11 @@ def load_model_and_tokenizer(
             path, attn_implementation=attn_implementation, dtype=dtype
         )
         model = cast(torch.nn.Module, loaded)
-    return model.to(device).eval(), tokenizer
+    # Moved and switched to eval mode, it is still the `PreTrainedModel` it was loaded as.
+    return cast(PreTrainedModel, model.to(device).eval()), tokenizer
 
 
-def load_for_command(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
     """The model and tokenizer of a command's `--model`, `--attn-implementation`, `--dtype`, `--device`
     and `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
     torch.manual_seed(args.seed)

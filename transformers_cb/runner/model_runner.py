@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..attention.paged import METADATA_KWARG
-from ..invariants import check
+from ..invariants import check, present
 from ..memory.swap import SwapCopier
 from ..requests import Request
 from ..sampling.sampled_token import SampledToken
@@ -183,7 +183,9 @@ def _prompt_logprobs(
     offset = 0
     for request, _first, count in step.prompt_spans:
         scored.setdefault(request.request_id, []).extend(values[offset : offset + count])
-        k = min(request.sampling.params.top_logprobs, logprobs.shape[-1])
+        # Only requests that want prompt logprobs have spans, and those have sampling state.
+        sampling = present(request.sampling, "a prompt-logprobs request has sampling state")
+        k = min(sampling.params.top_logprobs, logprobs.shape[-1])
         if k:
             best, ids = logprobs[offset : offset + count].topk(k, dim=-1)
             rows = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), best.tolist(), strict=True)]

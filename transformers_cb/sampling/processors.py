@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
+from ..invariants import present
 from .neutral import NEUTRAL_VALUES
 from .params import enabled_vector_params
 
@@ -38,6 +40,8 @@ class RowContext:
     prompt_ids: list[int]
     eos_token_ids: tuple[int, ...]
     max_new_tokens: int
+    # transformers' processors annotate their `device` as str but only hand it to `torch.tensor`, which takes a
+    # torch.device: passing this one needs a `type: ignore[arg-type]`.
     device: torch.device
 
     @property
@@ -56,6 +60,12 @@ class Stage:
     name: str  # a `VECTOR_PARAMS` name for vector stages, else the processor's class name
     processor: lp.LogitsProcessor | None = None  # shared stages
     factory: RowFactory | None = None  # row stages: the request's own instance (None: inactive for it)
+
+
+def _prompt_tensor(ctx: RowContext) -> torch.LongTensor:
+    """The prompt as `generate()`'s `[1, len]` input ids (int64 from Python ints; transformers' processors
+    annotate them `LongTensor`)."""
+    return cast(torch.LongTensor, torch.tensor([ctx.prompt_ids], device=ctx.device))
 
 
 def _vector(name: str) -> Stage:
@@ -89,9 +99,7 @@ def _history_stages(config: GenerationConfig, all_request_stages: bool) -> list[
                 lp.EncoderRepetitionPenaltyLogitsProcessor,
                 _row(
                     lp.EncoderRepetitionPenaltyLogitsProcessor,
-                    lambda ctx: lp.EncoderRepetitionPenaltyLogitsProcessor(
-                        penalty, torch.tensor([ctx.prompt_ids], device=ctx.device)
-                    ),
+                    lambda ctx: lp.EncoderRepetitionPenaltyLogitsProcessor(penalty, _prompt_tensor(ctx)),
                 ),
             )
         )
@@ -107,26 +115,35 @@ def _history_stages(config: GenerationConfig, all_request_stages: bool) -> list[
                 lp.EncoderNoRepeatNGramLogitsProcessor,
                 _row(
                     lp.EncoderNoRepeatNGramLogitsProcessor,
-                    lambda ctx: lp.EncoderNoRepeatNGramLogitsProcessor(
-                        size, torch.tensor([ctx.prompt_ids], device=ctx.device)
-                    ),
+                    lambda ctx: lp.EncoderNoRepeatNGramLogitsProcessor(size, _prompt_tensor(ctx)),
                 ),
             )
         )
     if config.bad_words_ids is not None:
         words = config.bad_words_ids
-        factory = lambda ctx: lp.NoBadWordsLogitsProcessor(words, ctx.eos)  # noqa: E731
+        factory: RowFactory = lambda ctx: lp.NoBadWordsLogitsProcessor(words, ctx.eos)  # noqa: E731
         stages.append((lp.NoBadWordsLogitsProcessor, _row(lp.NoBadWordsLogitsProcessor, factory)))
     if config.min_length:
         min_length = config.min_length
         factory = lambda ctx: (  # noqa: E731
-            lp.MinLengthLogitsProcessor(min_length, ctx.eos, device=ctx.device) if ctx.eos_token_ids else None
+            lp.MinLengthLogitsProcessor(
+                min_length,
+                present(ctx.eos, "eos_token_ids is non-empty"),
+                device=ctx.device,  # type: ignore[arg-type]  # see RowContext.device
+            )
+            if ctx.eos_token_ids
+            else None
         )
         stages.append((lp.MinLengthLogitsProcessor, _row(lp.MinLengthLogitsProcessor, factory)))
     if config.min_new_tokens:
         min_new = config.min_new_tokens
         factory = lambda ctx: (  # noqa: E731
-            lp.MinNewTokensLengthLogitsProcessor(len(ctx.prompt_ids), min_new, ctx.eos, device=ctx.device)
+            lp.MinNewTokensLengthLogitsProcessor(
+                len(ctx.prompt_ids),
+                min_new,
+                present(ctx.eos, "eos_token_ids is non-empty"),
+                device=ctx.device,  # type: ignore[arg-type]  # see RowContext.device
+            )
             if ctx.eos_token_ids
             else None
         )
@@ -140,14 +157,22 @@ def _history_stages(config: GenerationConfig, all_request_stages: bool) -> list[
         forced_eos = config.forced_eos_token_id
         # `generate()` turns max_new_tokens into max_length = prompt + max_new_tokens.
         factory = lambda ctx: lp.ForcedEOSTokenLogitsProcessor(  # noqa: E731
-            len(ctx.prompt_ids) + ctx.max_new_tokens, forced_eos, device=ctx.device
+            len(ctx.prompt_ids) + ctx.max_new_tokens,
+            forced_eos,
+            device=ctx.device,  # type: ignore[arg-type]  # see RowContext.device
         )
         stages.append((lp.ForcedEOSTokenLogitsProcessor, _row(lp.ForcedEOSTokenLogitsProcessor, factory)))
     if config.remove_invalid_values is True:
         stages.append((lp.InfNanRemoveLogitsProcessor, _shared(lp.InfNanRemoveLogitsProcessor())))
     if config.exponential_decay_length_penalty is not None:
         decay = config.exponential_decay_length_penalty
-        factory = lambda ctx: lp.ExponentialDecayLengthPenalty(decay, ctx.eos, len(ctx.prompt_ids))  # noqa: E731
+        # As `generate()`, it passes its eos tensor even when there is none (transformers then raises, as in
+        # `generate()`), which transformers' annotation does not allow for.
+        factory = lambda ctx: lp.ExponentialDecayLengthPenalty(  # noqa: E731
+            decay,
+            ctx.eos,  # type: ignore[arg-type]
+            len(ctx.prompt_ids),
+        )
         stages.append((lp.ExponentialDecayLengthPenalty, _row(lp.ExponentialDecayLengthPenalty, factory)))
     if config.suppress_tokens is not None:
         suppress = lp.SuppressTokensLogitsProcessor(config.suppress_tokens)
@@ -158,7 +183,11 @@ def _history_stages(config: GenerationConfig, all_request_stages: bool) -> list[
         def begin_suppress(ctx: RowContext) -> lp.LogitsProcessor:
             begin = len(ctx.prompt_ids)
             begin = begin if (begin > 1 or not has_bos) else begin + 1
-            return lp.SuppressTokensAtBeginLogitsProcessor(begin_tokens, begin, device=ctx.device)
+            return lp.SuppressTokensAtBeginLogitsProcessor(
+                begin_tokens,
+                begin,
+                device=ctx.device,  # type: ignore[arg-type]  # see RowContext.device
+            )
 
         stages.append(
             (

@@ -16,6 +16,7 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..invariants import present
 from .grammars import GrammarCompiler, GrammarState
 from .neutral import NEUTRAL_VALUES
 from .params import (
@@ -189,12 +190,18 @@ class SamplingSetup:
         )
         generator = None
         if params.do_sample and (params.seed is not None or self.seed is not None):
-            seed = params.seed if params.seed is not None else derive_seed(self.seed, request.request_id)
+            seed = (
+                params.seed
+                if params.seed is not None
+                else derive_seed(present(self.seed), request.request_id)
+            )
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         request.sampling = RequestSampling(
             params=params,
-            row_processors=[stage.factory(context) for stage in self.row_stages],
+            row_processors=[
+                present(stage.factory, "row stages carry their factory")(context) for stage in self.row_stages
+            ],
             generator=generator,
             stop=self.stop_strings.criteria(params.stop_strings) if params.stop_strings else None,
             grammar=self.grammars.state(params.guided, label) if params.guided is not None else None,

@@ -154,7 +154,7 @@ class Scheduler:
         allocated), else None: it keeps waiting (holding nothing), or failed because it can never fit."""
         swapped_in = False
         if self.offload is not None and self.offload.is_swapped(request):
-            swapped_in = self._swap_in(request, gate.is_open)
+            swapped_in = self._swap_in(self.offload, request, gate.is_open)
             if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
                 gate.close()
                 return None
@@ -247,14 +247,14 @@ class Scheduler:
                 return False
         return True
 
-    def _swap_in(self, request: Request, admitting: bool) -> bool:
+    def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool) -> bool:
         """Take a swapped-out request back from the host tier if it may start now. With nothing running
         and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
-        if admitting and self._admits() and self.offload.can_swap_in(request):
-            self.offload.swap_in(request)
+        if admitting and self._admits() and offload.can_swap_in(request):
+            offload.swap_in(request)
             return True
         if not self.running:
-            self.offload.discard(request)
+            offload.discard(request)
             self._drop_kv(request)
         return False
 

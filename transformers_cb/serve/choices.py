@@ -221,7 +221,7 @@ class _ChoiceText:
         self._observe_latency(len(new_ids))
         event = ChoiceEvent(self.choice.index)
         if self.echo is not None and (new_ids or output.status.is_finished):
-            self._add_echo(event, output)
+            self._add_echo(event, output, self.echo)
         for k, token_id in enumerate(new_ids):
             event.token_ids.append(token_id)
             if self.options.want_logprobs:
@@ -238,8 +238,8 @@ class _ChoiceText:
                 event.finish_reason = "length"  # max_tokens=0: the engine's one token is not the client's
         return event
 
-    def _add_echo(self, event: ChoiceEvent, output: Any) -> None:
-        text, ids = self.echo
+    def _add_echo(self, event: ChoiceEvent, output: Any, echo: tuple[str, list[int]]) -> None:
+        text, ids = echo
         self.echo = None
         event.text, event.token_ids, event.echoed = text, list(ids), len(ids)
         if self.options.want_logprobs:
@@ -329,11 +329,11 @@ async def merge_events(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterat
     try:
         remaining = len(tasks)
         while remaining:
-            event = await mailbox.get()
-            if event is None:
+            item = await mailbox.get()
+            if item is None:
                 remaining -= 1
                 continue
-            yield event
+            yield item
         for task in tasks:
             task.result()  # re-raise a pump's unexpected exception
     finally:

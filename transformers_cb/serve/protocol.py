@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -149,11 +149,16 @@ class _SamplingFields(_Body):
         return chosen
 
     def check_neutral(self) -> None:
-        for key in self.logit_bias or {}:
+        logit_bias = self.logit_bias or {}
+        for key in logit_bias:
             if not key.isdigit():
                 raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
-            if not -100 <= self.logit_bias[key] <= 100:
+            if not -100 <= logit_bias[key] <= 100:
                 raise ApiError(400, "logit_bias: biases must be in [-100, 100]", param="logit_bias")
+
+
+def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeGuard[list[int]]:
+    return all(isinstance(p, int) for p in prompt)
 
 
 class CompletionRequest(_SamplingFields):
@@ -176,9 +181,10 @@ class CompletionRequest(_SamplingFields):
             return [prompt]
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
+        if _is_token_ids(prompt):
             return [list(prompt)]
-        return list(prompt)
+        # Not one list of token ids: a batch of texts or of token-id lists (pydantic validated the prompt).
+        return list(cast("list[str] | list[list[int]]", prompt))
 
 
 class TextPart(_Part):

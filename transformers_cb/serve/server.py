@@ -98,7 +98,13 @@ def make_uvicorn_server(app: Any, log_level: str = "info", shutdown_timeout: flo
             self.started_event.set()
 
     config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="off", access_log=False
+        app,
+        log_level=log_level,
+        # uvicorn annotates it `int | None` but only hands it to `asyncio.wait_for(timeout=...)`, which
+        # takes seconds as a float.
+        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]
+        lifespan="off",
+        access_log=False,
     )
     return _Server(config)
 
