@@ -77,7 +77,7 @@ class Engine:
         self.cb_config.validate()
         self.generation_config = resolve_generation_config(model, generation_config)
         check_generation_config(self.generation_config)
-        check_model_supported(model.config)
+        check_model_supported(model)
         self.kv_groups = kv_groups_from_config(model.config)
         # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
         self.shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
