@@ -18,6 +18,14 @@ SHARED_PREFIX = 16  # prompt 2 starts with prompt 0's first 16 tokens: whole pag
 PROMPT_LENGTHS = (20, 9, SHARED_PREFIX + 6, 27)  # longer than the windows, chunks and token budget
 
 
+@dataclass
+class Generated:
+    """One request's greedy output: its tokens and, where the engine reports them, their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[float] | None = None
+
+
 class NotBuilt(Exception):
     """The tiny config or the model could not be built offline; the message says which and why."""
 
@@ -28,7 +36,7 @@ class Subject:
 
     model: PreTrainedModel
     prompts: list[list[int]]
-    references: list[list[int]] | None
+    references: list[Generated] | None
     reference_error: str | None
     family: str
     layer_kinds: str
@@ -55,7 +63,11 @@ def build_model(entry: Entry) -> PreTrainedModel:
         raise NotBuilt(f"model: {type(exc).__name__}: {exc}") from exc
     model.eval()
     # A neutral generation config: checkpoint-style defaults (sampling, penalties) stay out of the comparison.
-    saved = model.generation_config
+    saved = getattr(model, "generation_config", None)
+    if saved is None:
+        raise NotBuilt(
+            f"model: {type(model).__name__} has no generation_config (it is not a generating model)"
+        )
     model.generation_config = GenerationConfig(
         bos_token_id=saved.bos_token_id, pad_token_id=saved.pad_token_id, eos_token_id=None
     )
@@ -82,7 +94,9 @@ def special_ids(config: Any) -> set[int]:
 
 def make_prompts(model: PreTrainedModel) -> list[list[int]]:
     """Seeded random prompts of ordinary tokens; prompt 2 shares prompt 0's first SHARED_PREFIX tokens."""
-    vocab = model.get_input_embeddings().num_embeddings
+    # The smaller of the config's vocabulary (what the engine validates against) and the embedding's rows.
+    text_vocab = getattr(model.config.get_text_config(decoder=True), "vocab_size", None)
+    vocab = min(v for v in (text_vocab, model.get_input_embeddings().num_embeddings) if v)
     avoid = special_ids(model.config)
     pool = [t for t in range(3, vocab) if t not in avoid]
     rng = random.Random(SEED)
@@ -92,11 +106,21 @@ def make_prompts(model: PreTrainedModel) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def reference(model: PreTrainedModel, prompt: list[int]) -> list[int]:
-    """`generate()` on one prompt alone: the generated ids."""
+def reference(model: PreTrainedModel, prompt: list[int]) -> Generated:
+    """`generate()` on one prompt alone: the generated ids and the log-softmax of their raw logits."""
     input_ids = torch.tensor([prompt])
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=greedy())
-    return out[0, input_ids.shape[1] :].tolist()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        generation_config=greedy(),
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, input_ids.shape[1] :].tolist()
+    logprobs = [
+        float(step[0].float().log_softmax(-1)[t]) for step, t in zip(out.logits, tokens, strict=False)
+    ]
+    return Generated(tokens, logprobs)
 
 
 @torch.inference_mode()
@@ -146,8 +170,13 @@ def layer_kinds_of(config: Any) -> str:
 def build_subject(entry: Entry) -> Subject:
     """Build the model and its references (raises `NotBuilt` when the config or the model cannot be built)."""
     model = build_model(entry)
-    prompts = make_prompts(model)
-    references: list[list[int]] | None = None
+    try:
+        prompts = make_prompts(model)
+    except Exception as exc:  # noqa: BLE001
+        raise NotBuilt(
+            f"model: no token embeddings to draw prompts from: {type(exc).__name__}: {exc}"
+        ) from exc
+    references: list[Generated] | None = None
     error = None
     try:
         references = [reference(model, p) for p in prompts]

@@ -11,7 +11,7 @@ set-up (e.g. "Invalid layer type") is its refusal.
 
 from __future__ import annotations
 
-from .build import Subject, greedy
+from .build import Generated, Subject, greedy
 from .judge import RunFailed, judge, judge_error
 from .ours import PAGE_SIZE, STEP_TOKENS
 from .outcome import Outcome
@@ -44,4 +44,4 @@ def run_builtin(subject: Subject) -> Outcome:
         return judge_error(subject, exc, (), started=True)
     except Exception as exc:  # noqa: BLE001  (every failure is classified)
         return judge_error(subject, exc, (NotImplementedError, ValueError), started=False, require_type=False)
-    return judge(subject, {"generate_batch": [list(o.generated_tokens) for o in outputs]})
+    return judge(subject, {"generate_batch": [Generated(list(o.generated_tokens)) for o in outputs]})

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .build import Subject, logit_margin
+from .build import Generated, Subject, logit_margin
 from .outcome import CRASH, EXACT, MISMATCH, NOT_INSTANTIABLE, REFUSED, Outcome, one_line
 
 # Below this logit gap between generate()'s token and the engine's, a different greedy choice is a
 # floating-point near-tie (two summation orders legitimately disagree in float32), not a bug.
 NEAR_TIE = 1e-4
+# Equal tokens are not enough: a tiny random model often repeats one token whatever it attends to. The
+# engine's logprob of each token must match generate()'s within this (float32 paged vs dense: ~1e-6).
+LOGPROB_TOLERANCE = 1e-3
 
 
 class RunFailed(Exception):
@@ -23,13 +26,30 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def compare(subject: Subject, run: str, outputs: list[list[int]]) -> tuple[str | None, int]:
+def logprob_difference(expected: Generated, actual: Generated, upto: int) -> str | None:
+    """The first of the first `upto` tokens whose logprobs disagree beyond LOGPROB_TOLERANCE."""
+    if expected.logprobs is None or actual.logprobs is None:
+        return None
+    for k, (a, b) in enumerate(zip(expected.logprobs[:upto], actual.logprobs[:upto], strict=False)):
+        if abs(a - b) > LOGPROB_TOLERANCE:
+            return (
+                f"the logprob of generated token {k} ({expected.tokens[k]}) is {b:.5f}, generate()'s {a:.5f}"
+            )
+    return None
+
+
+def compare(subject: Subject, run: str, outputs: list[Generated]) -> tuple[str | None, int]:
     """(a description of the first real difference or None, the number of near-ties) for one run."""
     near_ties = 0
-    for i, (prompt, expected, actual) in enumerate(
+    for i, (prompt, reference, output) in enumerate(
         zip(subject.prompts, subject.references or [], outputs, strict=True)
     ):
+        expected, actual = reference.tokens, output.tokens
         index = first_difference(expected, actual)
+        same_upto = len(expected) if index is None else index
+        logprobs = logprob_difference(reference, output, same_upto)
+        if logprobs is not None:
+            return f"{run}: prompt {i} ({len(prompt)} tokens): {logprobs}", near_ties
         if index is None:
             continue
         if index < min(len(expected), len(actual)):
@@ -45,7 +65,7 @@ def compare(subject: Subject, run: str, outputs: list[list[int]]) -> tuple[str |
     return None, near_ties
 
 
-def judge(subject: Subject, runs: dict[str, list[list[int]]], notes: str = "") -> Outcome:
+def judge(subject: Subject, runs: dict[str, list[Generated]], notes: str = "") -> Outcome:
     """The outcome of runs that all completed (run name -> outputs in prompt order)."""
     if subject.references is None:
         return Outcome(NOT_INSTANTIABLE, one_line(f"generate() fails: {subject.reference_error}"), notes)

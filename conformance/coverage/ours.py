@@ -13,7 +13,7 @@ import time
 
 from transformers_cb import ContinuousBatchingConfig
 
-from .build import MAX_NEW_TOKENS, PROMPT_LENGTHS, Subject, greedy
+from .build import MAX_NEW_TOKENS, PROMPT_LENGTHS, Generated, Subject, greedy
 from .judge import RunFailed, judge, judge_error
 from .outcome import Outcome
 
@@ -24,19 +24,23 @@ SMALL_CACHE_PAGES = -(-(max(PROMPT_LENGTHS) + MAX_NEW_TOKENS) // PAGE_SIZE) + 2
 RESULT_TIMEOUT_S = 60.0
 
 
-def _outputs_in_order(subject: Subject, results: dict[str, object]) -> list[list[int]]:
-    outputs: list[list[int]] = []
+def generated(out) -> Generated:
+    return Generated(list(out.generated_tokens), list(out.logprobs) if out.logprobs is not None else None)
+
+
+def _outputs_in_order(subject: Subject, results: dict[str, object]) -> list[Generated]:
+    outputs: list[Generated] = []
     for i in range(len(subject.prompts)):
         out = results[f"req_{i}"]
         if out.error is not None:
             raise RunFailed(f"request {i} failed: {out.error}")
-        outputs.append(list(out.generated_tokens))
+        outputs.append(generated(out))
     return outputs
 
 
-def run_generate_batch(subject: Subject) -> list[list[int]]:
+def run_generate_batch(subject: Subject) -> list[Generated]:
     config = ContinuousBatchingConfig(
-        page_size=PAGE_SIZE, max_batch_tokens=STEP_TOKENS, allow_block_sharing=True
+        page_size=PAGE_SIZE, max_batch_tokens=STEP_TOKENS, allow_block_sharing=True, return_logprobs=True
     )
     results = subject.model.generate_batch(
         subject.prompts, greedy(), continuous_batching_config=config, progress_bar=False
@@ -51,19 +55,20 @@ def start_manager(subject: Subject):
         max_batch_tokens=STEP_TOKENS,
         num_blocks=SMALL_CACHE_PAGES,
         allow_block_sharing=True,
+        return_logprobs=True,
     )
     return subject.model.init_continuous_batching(
         generation_config=greedy(), continuous_batching_config=config
     )
 
 
-def run_manager(subject: Subject, manager) -> tuple[list[list[int]], str]:
+def run_manager(subject: Subject, manager) -> tuple[list[Generated], str]:
     """The outputs, and the stats that show the preemptions and prefix hits happened."""
     try:
         manager.start()
         ids = manager.add_requests(subject.prompts, max_new_tokens=MAX_NEW_TOKENS)
         index = {rid: i for i, rid in enumerate(ids)}
-        outputs: list[list[int] | None] = [None] * len(ids)
+        outputs: list[Generated | None] = [None] * len(ids)
         deadline = time.monotonic() + RESULT_TIMEOUT_S
         while any(o is None for o in outputs):
             if time.monotonic() > deadline:
@@ -79,7 +84,7 @@ def run_manager(subject: Subject, manager) -> tuple[list[list[int]], str]:
                 continue
             if result.error is not None:
                 raise RunFailed(f"request {index[result.request_id]} failed: {result.error}")
-            outputs[index[result.request_id]] = list(result.generated_tokens)
+            outputs[index[result.request_id]] = generated(result)
         stats = manager.stats()
         notes = f"preemptions={stats.preemptions} prefix_hit_tokens={stats.prefix_cache_hit_tokens}"
     finally:
@@ -93,7 +98,7 @@ def run_ours(subject: Subject) -> Outcome:
     try:
         manager = start_manager(subject)
         started = True
-        runs: dict[str, list[list[int]]] = {}
+        runs: dict[str, list[Generated]] = {}
         runs["manager"], notes = run_manager(subject, manager)
         runs["generate_batch"] = run_generate_batch(subject)
     except Exception as exc:  # noqa: BLE001  (every failure is classified)
