@@ -69,8 +69,9 @@ RECURRENT_CONFIG_ATTRIBUTES = (
 # do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
 ALIBI_FLAGS = ("alibi", "use_alibi")
 
-# The probe's verdict per model object: the forward's behaviour does not change between engines.
-_probed: weakref.WeakKeyDictionary[PreTrainedModel, list[str]] = weakref.WeakKeyDictionary()
+# The probe's verdict per model object and config (its forward does not change between engines; a config
+# edited in between is probed again).
+_probed: weakref.WeakKeyDictionary[PreTrainedModel, tuple[str, list[str]]] = weakref.WeakKeyDictionary()
 
 
 def _refuse(model_type: str, missing: str) -> None:
@@ -162,8 +163,13 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
 def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> list[str]:
     """The probe's findings (cached per model). Skipped under tensor parallelism (a forward there is a
     collective every rank must join) and for weights not materialised (meta device)."""
-    if model in _probed:
-        return _probed[model]
+    try:
+        fingerprint: str | None = config.to_json_string()
+    except (TypeError, ValueError):  # a config holding what JSON cannot: probe every time, cache nothing
+        fingerprint = None
+    cached = _probed.get(model)
+    if fingerprint is not None and cached is not None and cached[0] == fingerprint:
+        return cached[1]
     first = next(model.parameters(), None)
     if first is None or first.device.type == "meta" or tp_size_of(model) > 1:
         return []
@@ -171,9 +177,12 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     num_layers = shape.num_layers
     windows = [kv_groups[g].sliding_window for g in layer_to_group(kv_groups, num_layers)]
     result = run_probe(model)
-    if result.error is None and not result.calls:
+    if not result.calls and (
+        result.error is None or not getattr(type(model), "_supports_attention_backend", False)
+    ):
         problems = [_no_interface_reason(model)]
     else:
         problems = dispatch_problems(result, num_layers, (shape.num_kv_heads, shape.head_dim), windows)
-    _probed[model] = problems
+    if fingerprint is not None:
+        _probed[model] = (fingerprint, problems)
     return problems
