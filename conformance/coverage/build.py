@@ -135,10 +135,29 @@ def logit_margin(model: PreTrainedModel, ids: list[int], token: int) -> float | 
         return None
 
 
-def family_of(model: PreTrainedModel) -> str:
+def family_of_class(model_class: type) -> str:
     """The transformers modeling module that implements the class (`models/<family>/`)."""
-    parts = type(model).__module__.split(".")
-    return parts[2] if len(parts) > 2 and parts[1] == "models" else type(model).__module__
+    parts = model_class.__module__.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "models" else model_class.__module__
+
+
+def family_of(model: PreTrainedModel) -> str:
+    return family_of_class(type(model))
+
+
+def describe_unbuilt(entry: Entry) -> tuple[str, str]:
+    """(family, layer kinds) of an entry whose tiny model could not be built: from its class and the
+    config class's own defaults, where those build."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    family = kinds = ""
+    try:
+        family = family_of_class(getattr(transformers, entry.class_name))
+        kinds = layer_kinds_of(CONFIG_MAPPING[entry.model_type]())
+    except Exception:  # noqa: BLE001  (a description only: blank where the class cannot say)
+        pass
+    return family, kinds
 
 
 def layer_kinds_of(config: Any) -> str:

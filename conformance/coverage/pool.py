@@ -63,12 +63,13 @@ def _child(entry: Entry, conn: Connection, builtin: bool, quiet: bool) -> None:
 
 
 def _probe(entry: Entry, conn: Connection, builtin: bool) -> None:
-    from .build import NotBuilt, build_subject
+    from .build import NotBuilt, build_subject, describe_unbuilt
     from .ours import run_ours
 
     try:
         subject = build_subject(entry)
     except NotBuilt as exc:
+        conn.send(("info", describe_unbuilt(entry)))
         conn.send(("ours", Outcome(NOT_INSTANTIABLE, one_line(str(exc)))))
         return
     conn.send(("info", (subject.family, subject.layer_kinds)))

@@ -20,13 +20,15 @@ vocabulary 256, windows of 8; float32, CPU, seeded) and judged against greedy `g
 - **ours**: the manager with a cache a little larger than the largest request (requests are preempted
   and recomputed), then `generate_batch`; both with 4-token pages, a 16-token step budget (chunked
   prefill) and prefix sharing (two prompts share four pages);
-- **built-in**: transformers' own continuous batching (`generate_batch`, the same settings).
+- **built-in**: transformers' own continuous batching (`generate_batch`, the same settings and a
+  64-page cache); its column compares tokens only.
 
-States: **exact** (every token equal; a floating-point near-tie, a logit gap under 1e-4, is noted, not
-counted), **refused** (an error up front naming the model type and what is missing), **mismatch**,
-**crash** (any other error, a failed request, a hang, a dead thread or process), **not instantiable**
-(the class's own config, model or `generate()` fails on the tiny config offline, with the reason).
-See docs/model_support.md for the rules behind the refusals.
+States: **exact** (every token equal, and for ours every token's logprob within 1e-3 of `generate()`'s;
+a floating-point near-tie, a logit gap under 1e-4, is noted, not counted), **refused** (an error up front
+naming the model type and what is missing), **mismatch**, **crash** (any other error, a failed request,
+a hang, a dead thread or process), **not instantiable** (the class's own config, model or `generate()`
+fails on the tiny config offline, with the reason). The rules behind the refusals:
+[conformance.md](conformance.md#the-support-check).
 
 """
 

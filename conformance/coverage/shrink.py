@@ -91,7 +91,6 @@ EXACT_TARGETS: dict[str, int] = {
     # windows and chunks
     "sliding_window": WINDOW,
     "attention_chunk_size": WINDOW,
-    "index_topk": WINDOW,
     # KV shared by later layers: one layer, so the tiny model still has it
     "num_kv_shared_layers": 1,
 }
@@ -177,6 +176,15 @@ def _scaled(key: str, value: Any, global_value: Any) -> Any:
     return max(1, round(target * value / global_value))
 
 
+def _shrink_override(override: dict, d: dict) -> dict:
+    """One layer's overrides, scaled; a multi-head override (KV heads = heads) stays multi-head."""
+    out = {k: _scaled(k, v, d.get(k)) for k, v in override.items()}
+    kv, heads = override.get("num_key_value_heads"), override.get("num_attention_heads")
+    if kv is not None and kv == heads:
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    return out
+
+
 def shrink_dict(d: dict, special_ids: dict[int, int] | None = None) -> dict:
     """A shrunk copy of one config dict (sub-config dicts shrunk recursively). `special_ids`: the
     renumbering of special token ids beyond the tiny vocabulary, shared by the whole config tree."""
@@ -206,7 +214,7 @@ def shrink_dict(d: dict, special_ids: dict[int, int] | None = None) -> dict:
         overrides = _layer_overrides(d)
         if overrides:
             out["per_layer_config"] = {
-                str(new): {k: _scaled(k, v, d.get(k)) for k, v in overrides[old].items()}
+                str(new): _shrink_override(overrides[old], d)
                 for new, old in enumerate(chosen)
                 if old in overrides
             }
@@ -281,6 +289,14 @@ def _fix_consistency(d: dict, out: dict) -> None:
     heads, kv = out.get("num_attention_heads"), out.get("num_key_value_heads")
     if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
         out["num_key_value_heads"] = math.gcd(heads, kv)
+    # State-space heads span the expanded width: heads x head size = expand x hidden.
+    for heads_key, dim_key, expand_key in (
+        ("num_heads", "head_dim", "expand"),
+        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ):
+        n, expand, hidden = out.get(heads_key), d.get(expand_key), out.get("hidden_size")
+        if all(isinstance(v, int) and v > 0 for v in (n, expand, hidden)) and dim_key in out:
+            out[dim_key] = max(1, expand * hidden // n)
     # A window or chunk at least as long as the model's context would never apply.
     for key in ("sliding_window", "attention_chunk_size"):
         value = out.get(key)
