@@ -1,4 +1,4 @@
-"""What a model's forward really does with its attention, learned from two forwards of four tokens.
+"""What a model's forward really does with its attention, learned from three forwards of five tokens.
 
 The paged backends rely on a contract no config states: every decoder layer calls transformers' attention
 interface exactly once per forward, with its own `layer_idx`, causally, with K and V of the shape the
@@ -17,7 +17,9 @@ returns wrong tokens (or fails mid-run), so the support check runs this probe up
   `logits_to_keep`). It differs from A only in who numbers the positions: different logits mean the
   model's own positions are not 0..n-1 (an offset, learned positions counted from a padding index, ...).
 
-Each broken clause is one `Problem` line; the caller refuses the model with them.
+Each broken clause is one phrase of `dispatch_problems`; the support check refuses the model with them.
+The forwards run through `model.forward` in eval mode under `inference_mode`, and the attention
+implementation and training mode are restored afterwards.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ def probe_token_ids(model: PreTrainedModel) -> list[int]:
 
 @dataclass
 class ProbeResult:
-    """What the probe saw: calls per layer of forward A, and whether A and B agree."""
+    """What the probe saw: forward A's attention calls, and how A compares with A' and B."""
 
     calls: list[_Call]
     keeps_rows: bool  # logits_to_keep honoured
@@ -211,12 +213,11 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
         rtol=1e-3,
         atol=1e-3 * max(1.0, float(plain_call.abs().max())),
     )
-    # A bias that only the model's own mask carries (B) is lost all the same under the engine's call.
     # Ignored position_ids leave every operation and input the same: bitwise equal logits.
     used = not torch.equal(engine_call, spread_call)
-    return ProbeResult(
-        record.calls, keeps, agree, used, mask_bias=any(c.mask_bias for c in record.plain_calls)
-    )
+    # A bias that only the model's own mask carries (B) is lost all the same under the engine's call.
+    bias = any(c.mask_bias for c in record.plain_calls)
+    return ProbeResult(record.calls, keeps, agree, used, mask_bias=bias)
 
 
 def dispatch_problems(
