@@ -70,7 +70,10 @@ def _probe(entry: Entry, conn: Connection, builtin: bool) -> None:
         subject = build_subject(entry)
     except NotBuilt as exc:
         conn.send(("info", describe_unbuilt(entry)))
-        conn.send(("ours", Outcome(NOT_INSTANTIABLE, one_line(str(exc)))))
+        outcome = Outcome(NOT_INSTANTIABLE, one_line(str(exc)))
+        conn.send(("ours", outcome))
+        if builtin:  # no model, no peer run either: the same row in its column
+            conn.send(("builtin", outcome))
         return
     conn.send(("info", (subject.family, subject.layer_kinds)))
     conn.send(("ours", run_ours(subject)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -48,6 +49,28 @@ def summary_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def refusal_kind(reason: str) -> str:
+    """A refusal's first clause without its specifics (model type, class, layer numbers, details)."""
+    clause = re.sub(r"^continuous batching cannot run model_type=.*?: ", "", reason, count=1)
+    while re.search(r"\([^()]*\)", clause):
+        clause = re.sub(r"\s*\([^()]*\)", "", clause)
+    clause = clause.split("; ")[0]
+    clause = re.sub(r"\b[A-Z]\w*(LMHeadModel|ForCausalLM|ForConditionalGeneration)\b", "the class", clause)
+    clause = re.sub(r"\[[^]]*\]|\b\d+\b|'[^']*'", "…", clause)
+    return " ".join(clause.split())
+
+
+def refusals_table(rows: list[Row]) -> str:
+    groups: dict[str, list[str]] = {}
+    for r in rows:
+        if r.ours.state == "refused":
+            groups.setdefault(refusal_kind(r.ours.reason), []).append(r.name)
+    lines = ["| refused because | count | types |", "|---|---:|---|"]
+    for kind, names in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        lines.append(f"| {kind} | {len(names)} | {', '.join(names)} |")
+    return "\n".join(lines)
+
+
 def rows_table(rows: list[Row]) -> str:
     lines = [
         "| type | family | layer kinds | state | seconds | reason | built-in |",
@@ -69,7 +92,10 @@ def markdown(rows: list[Row], args: str, when: str, wall_s: float) -> str:
 
     machine = f"{platform.machine()}, {wall_s:.0f} s wall"
     header = MARKDOWN_HEADER.format(version=transformers.__version__, args=args, when=when, machine=machine)
-    return f"{header}## Counts\n\n{summary_table(rows)}\n\n## Per type\n\n{rows_table(rows)}\n"
+    return (
+        f"{header}## Counts\n\n{summary_table(rows)}\n\n## Refusals by reason\n\n{refusals_table(rows)}\n\n"
+        f"## Per type\n\n{rows_table(rows)}\n"
+    )
 
 
 def write_json(path: Path, rows: list[Row], meta: dict) -> None:
