@@ -108,7 +108,7 @@ def resolve_plan(
     config = private_config(cb_config)
     generation = resolve_generation_config(model, generation_config)
     check_generation_config(generation)
-    check_model_supported(model.config)
+    check_model_supported(model)
     kv_groups = tuple(kv_groups_from_config(model.config))
     # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
     shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))

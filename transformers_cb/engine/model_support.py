@@ -1,21 +1,39 @@
-"""Which models continuous batching can run, decided from the config before anything is allocated.
+"""Which models continuous batching can run, decided before anything is sized or allocated.
 
-Supported: decoder-only causal LMs whose layers are full attention or sliding-window
-attention (with logit softcapping and attention sinks where the model applies them).
-Refused, with the model type and what is missing:
+Supported: decoder-only causal LMs (and the text path of vision-language models) whose layers are full
+attention or sliding-window attention (with logit softcapping and attention sinks where the model
+applies them), computed through transformers' attention interface.
+
+Refused, with the model type and what is missing. From the config alone:
+- per-layer attribute configs (`per_layer_config`, e.g. Gemma 4's head_dim 512 on full layers): read
+  globally they raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and the cache has one shape;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - state-space and linear-attention hybrids (Mamba, Jamba, Qwen3-Next, ...): their
   recurrent state is not a paged KV cache;
-- attention the kernels do not implement: chunked (local block) attention,
-  bidirectional sliding windows, multi-latent attention with its own value size,
-  or any unknown `layer_types` entry (`kv/layer_groups.py`).
+- attention the kernels do not implement: chunked (local block) attention, bidirectional attention,
+  multi-latent attention with its own value size, ALiBi biases, cross-attention, or any unknown
+  `layer_types` entry (`kv/layer_groups.py`).
+From what the model's forward does (when the model is given; `attention_probe.py`):
+- attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
+  ...: classes with `_supports_attention_backend` False compute it themselves);
+- a forward that breaks the paged contract: kwargs not passed down to attention, two attention calls per
+  layer, K/V shapes or windows the config does not state, bidirectional layers, an attention bias in
+  the mask (ALiBi), positions numbered another way than 0..n-1, `logits_to_keep` ignored.
+The class flag alone is not the rule: composite models (Janus, DeepSeek-VL) leave it False on the outer
+class while their text model dispatches through the interface, and BioGPT or PLBart dispatch without it.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import weakref
+from typing import Any
 
-from ..kv.layer_groups import kv_groups_from_config
+from transformers import PreTrainedModel
+
+from ..distributed.sharding import tp_size_of
+from ..kv.layer_groups import kv_groups_from_config, layer_to_group
+from ..memory.sizing import ModelShape
+from .attention_probe import dispatch_problems, run_probe
 
 # Model types whose decoder mixes attention with recurrent (state-space / linear-attention) blocks.
 RECURRENT_MODEL_TYPES = frozenset(
@@ -47,20 +65,72 @@ RECURRENT_CONFIG_ATTRIBUTES = (
     "attn_layer_indices",
     "mamba_expand",
 )
+# Config flags of ALiBi (a per-head linear bias added to the attention logits, which the paged kernels
+# do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
+ALIBI_FLAGS = ("alibi", "use_alibi")
+
+# The probe's verdict per model object and config (its forward does not change between engines; a config
+# edited in between is probed again).
+_probed: weakref.WeakKeyDictionary[PreTrainedModel, tuple[str, list[str]]] = weakref.WeakKeyDictionary()
 
 
 def _refuse(model_type: str, missing: str) -> None:
-    raise NotImplementedError(f"continuous batching cannot run model_type={model_type!r}: {missing}")
+    raise NotImplementedError(f"continuous batching cannot run model_type={model_type}: {missing}")
 
 
-def check_model_supported(config: Any) -> None:
-    """Raise `NotImplementedError` naming the model type and what is missing, or return."""
+def _named(config: Any, text_config: Any) -> str:
+    """`'qwen2'`, or `'qwen2' (the text model of 'video_llama_3')` for a composite model."""
+    text_type = getattr(text_config, "model_type", None) or getattr(config, "model_type", "?")
+    outer = getattr(config, "model_type", None)
+    if outer and outer != text_type:
+        return f"{text_type!r} (the text model of {outer!r})"
+    return repr(text_type)
+
+
+def check_model_supported(model: PreTrainedModel | Any) -> None:
+    """Raise `NotImplementedError` naming the model type and what is missing, or return.
+
+    Args:
+        model: the model (every rule), or only its config (the config's rules).
+    """
+    is_model = isinstance(model, PreTrainedModel)
+    config: Any = model.config if is_model else model
     text_config = config.get_text_config()
-    # Configs name their type as a str class attribute (`PretrainedConfig.model_type`).
-    model_type = cast(str, getattr(text_config, "model_type", None) or getattr(config, "model_type", "?"))
+    model_type = _named(config, text_config)
+    _check_config(config, text_config, model_type)
+    kv_groups = kv_groups_from_config(config)  # raises on layer types the kernels do not know
+    if not is_model:
+        return
+    problems = _probe_problems(model, config, kv_groups)
+    if problems:
+        _refuse(model_type, "; ".join(problems))
+
+
+def _no_interface_reason(model: PreTrainedModel) -> str:
+    """Why a model's attention never reached the attention interface, as far as its class says."""
+    if not getattr(type(model), "_supports_attention_backend", False):
+        # transformers sets the flag on classes whose attention modules call `ALL_ATTENTION_FUNCTIONS`; the
+        # others compute attention themselves (ALiBi, learned or interleaved-rotary variants, their own KV).
+        return (
+            f"{type(model).__name__} computes attention itself instead of through transformers' attention "
+            "interface (`_supports_attention_backend` is False), so the paged KV cache is never used"
+        )
+    return "its attention does not go through transformers' attention interface"
+
+
+def _check_config(config: Any, text_config: Any, model_type: str) -> None:
+    # First: on a heterogeneous config, reading a per-layer attribute globally (as every rule below and
+    # `ModelShape` do) raises transformers' `AmbiguousGlobalPerLayerAttributeError`.
+    per_layer = getattr(text_config, "per_layer_attributes", None)
+    if per_layer:
+        _refuse(
+            model_type,
+            f"per-layer attributes {sorted(per_layer)} (per_layer_config) are not supported yet: the cache "
+            "has one head shape and one window per layer kind (per-layer head shapes not supported yet)",
+        )
     if getattr(config, "is_encoder_decoder", False):
         _refuse(model_type, "encoder-decoder models are not supported (decoder-only causal LMs only)")
-    if model_type in RECURRENT_MODEL_TYPES or any(
+    if getattr(text_config, "model_type", None) in RECURRENT_MODEL_TYPES or any(
         getattr(text_config, name, None) is not None for name in RECURRENT_CONFIG_ATTRIBUTES
     ):
         _refuse(
@@ -74,4 +144,45 @@ def check_model_supported(config: Any) -> None:
         _refuse(model_type, "bidirectional attention is not causal generation")
     if getattr(text_config, "kv_lora_rank", None) is not None:
         _refuse(model_type, "multi-latent attention (kv_lora_rank) needs its own cache layout")
-    kv_groups_from_config(config)  # raises on layer types the kernels do not know
+    # Why: an ALiBi bias is added to the logits inside the model's own attention; the paged kernels
+    # compute softmax(QK^T) without it.
+    attn_config = getattr(text_config, "attn_config", None)
+    if (
+        any(getattr(text_config, flag, False) is True for flag in ALIBI_FLAGS)
+        or getattr(attn_config, "alibi", False) is True
+        or getattr(text_config, "position_embedding_type", None) == "alibi"
+    ):
+        _refuse(model_type, "ALiBi attention biases are not implemented by the paged kernels")
+    # Why: cross-attention reads an encoder's states, which are not part of the paged self-attention cache.
+    if getattr(text_config, "add_cross_attention", False):
+        _refuse(
+            model_type, "cross-attention (add_cross_attention) needs the encoder's states, not a paged cache"
+        )
+
+
+def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> list[str]:
+    """The probe's findings (cached per model). Skipped under tensor parallelism (a forward there is a
+    collective every rank must join) and for weights not materialised (meta device)."""
+    try:
+        fingerprint: str | None = config.to_json_string()
+    except (TypeError, ValueError):  # a config holding what JSON cannot: probe every time, cache nothing
+        fingerprint = None
+    cached = _probed.get(model)
+    if fingerprint is not None and cached is not None and cached[0] == fingerprint:
+        return cached[1]
+    first = next(model.parameters(), None)
+    if first is None or first.device.type == "meta" or tp_size_of(model) > 1:
+        return []
+    shape = ModelShape.from_config(config)
+    num_layers = shape.num_layers
+    windows = [kv_groups[g].sliding_window for g in layer_to_group(kv_groups, num_layers)]
+    result = run_probe(model)
+    if not result.calls and (
+        result.error is None or not getattr(type(model), "_supports_attention_backend", False)
+    ):
+        problems = [_no_interface_reason(model)]
+    else:
+        problems = dispatch_problems(result, num_layers, (shape.num_kv_heads, shape.head_dim), windows)
+    if fingerprint is not None:
+        _probed[model] = (fingerprint, problems)
+    return problems

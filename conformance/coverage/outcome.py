@@ -1,0 +1,57 @@
+"""The states a model type ends in, and one row of the matrix."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+EXACT = "exact"  # every run's greedy tokens equal generate()'s, prompt by prompt
+REFUSED = "refused"  # a clear error up front naming the model type and what is missing
+MISMATCH = "mismatch"  # ran, but some tokens differ from generate() (beyond a floating-point near-tie)
+CRASH = "crash"  # any other exception, a failed request, a hang, a dead manager thread or process
+NOT_INSTANTIABLE = "not instantiable"  # the tiny config, the model or generate() itself fails offline
+STATES = (EXACT, REFUSED, MISMATCH, CRASH, NOT_INSTANTIABLE)
+FAILING = (MISMATCH, CRASH)  # what the tool's exit status (and CI) fails on
+
+
+@dataclass
+class Outcome:
+    """What one engine did on one model type."""
+
+    state: str
+    reason: str = ""
+    notes: str = ""  # e.g. "preemptions=3 prefix_hit_tokens=16 near_ties=1"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Outcome:
+        return cls(**d)
+
+
+@dataclass
+class Row:
+    """One model type (or image-text-to-text class) of the matrix: ours and the built-in's outcome."""
+
+    name: str
+    model_type: str
+    mapping: str
+    family: str = ""
+    layer_kinds: str = ""
+    seconds: float = 0.0
+    ours: Outcome = field(default_factory=lambda: Outcome(CRASH, "no result"))
+    builtin: Outcome | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Row:
+        d = dict(d)
+        d["ours"] = Outcome.from_dict(d["ours"])
+        d["builtin"] = Outcome.from_dict(d["builtin"]) if d.get("builtin") else None
+        return cls(**d)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """An error message as one table cell: first lines joined, pipes escaped, cut at `limit`."""
+    text = " ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
+    text = text.replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."

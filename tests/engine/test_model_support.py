@@ -1,0 +1,255 @@
+"""The support check refuses up front, naming the model type and what is missing, every model the paged
+engine would run wrong: one tiny model (or config) per rule, each from a real transformers class that
+breaks it; families that run exactly are still accepted, and the probe leaves the model as it found it."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM, PreTrainedModel
+
+from tests.support.models import FAMILY_CONFIGS, build_tiny_model
+from transformers_cb.engine.model_support import check_model_supported
+from transformers_cb.memory.kv_cache import PagedKVCache
+from transformers_cb.memory.sizing import ModelShape
+
+SMALL = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def tiny(model_type: str, **overrides) -> PreTrainedModel:
+    """A seeded random `model_type` causal LM (fp32, eval) of its own config class, small."""
+    config = AutoConfig.for_model(model_type, **overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def refusal(model_or_config) -> str:
+    with pytest.raises(NotImplementedError) as info:
+        check_model_supported(model_or_config)
+    return str(info.value)
+
+
+# rule -> (builder, model type named, words naming the missing capability)
+MODEL_RULES = {
+    # Attention computed inside the class (ALiBi here), never through the attention interface.
+    "outside the attention interface": (
+        lambda: tiny("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4),
+        "bloom",
+        "`_supports_attention_backend` is False",
+    ),
+    # NemotronDecoderLayer calls its attention without **kwargs: the step's metadata never arrives.
+    "kwargs not passed down": (
+        lambda: tiny("nemotron", **SMALL, intermediate_size=64, head_dim=8, num_key_value_heads=4),
+        "nemotron",
+        "do not pass the forward's attention kwargs down",
+    ),
+    # Differential attention: two attention calls per layer over the same K.
+    "two attention calls per layer": (
+        lambda: tiny("diffllama", **SMALL, intermediate_size=64, num_key_value_heads=2),
+        "diffllama",
+        "call attention 2 times per forward",
+    ),
+    # MiMo-V2-Flash doubles the KV heads of its sliding layers in code, not in the config.
+    "K/V shapes the config does not state": (
+        lambda: tiny(
+            "mimo_v2_flash",
+            **{**SMALL, "num_hidden_layers": 2},
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            num_key_value_heads=2,
+            head_dim=8,
+            v_head_dim=8,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention"],
+        ),
+        "mimo_v2_flash",
+        "attends with K of (heads, dim) (4, 8)",
+    ),
+    # BERT as a causal LM without is_decoder: every token attends to every other.
+    "bidirectional layers": (
+        lambda: tiny("bert", **SMALL, intermediate_size=64),
+        "bert",
+        "bidirectional (is_causal=False)",
+    ),
+    # RoBERTa numbers positions from padding_idx + 1, whatever position_ids the engine passes.
+    "positions numbered another way": (
+        lambda: tiny("roberta", **SMALL, intermediate_size=64, is_decoder=True),
+        "roberta",
+        "numbers positions its own way",
+    ),
+    # BART's decoder computes arange(row length) itself: every packed sequence but the first is shifted.
+    "position_ids ignored": (
+        lambda: tiny(
+            "bart",
+            vocab_size=64,
+            d_model=32,
+            decoder_layers=2,
+            encoder_layers=2,
+            decoder_attention_heads=4,
+            encoder_attention_heads=4,
+            decoder_ffn_dim=64,
+            encoder_ffn_dim=64,
+        ),
+        "bart",
+        "ignores `position_ids`",
+    ),
+    # Doge's dynamic-mask attention adds a learned bias to the logits through the mask.
+    "attention bias in the mask": (
+        lambda: tiny("doge", **SMALL, intermediate_size=64, num_key_value_heads=2),
+        "doge",
+        "attention mask carries a bias",
+    ),
+}
+
+
+class LlamaIgnoringLogitsToKeep(LlamaForCausalLM):
+    """A forward that computes logits for every position whatever `logits_to_keep` says (as Qwen2.5-Omni's
+    thinker or VideoLLaMA3's outer class do)."""
+
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def llama_ignoring_logits_to_keep() -> PreTrainedModel:
+    config = AutoConfig.for_model("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
+    torch.manual_seed(0)
+    return LlamaIgnoringLogitsToKeep(config).eval()
+
+
+def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
+    """A config carrying `sliding_window` (so the cache would keep 8-token windows) for a class whose layers
+    attend without one (Moshi's case): the cache would drop KV the model still attends to."""
+    model = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
+    model.config.sliding_window = 8
+    return model
+
+
+MODEL_RULES["logits_to_keep ignored"] = (llama_ignoring_logits_to_keep, "llama", "ignores `logits_to_keep`")
+MODEL_RULES["a window the layers do not apply"] = (
+    llama_with_a_window_it_does_not_apply,
+    "llama",
+    "layer 0 applies sliding_window=None but the config gives its layer kind window 8",
+)
+
+CONFIG_RULES = {
+    # Gemma 4: head_dim 512 on full layers, 256 on sliding ones (per_layer_config).
+    "per-layer attributes": (
+        lambda: AutoConfig.for_model("gemma4_text", num_hidden_layers=6),
+        "gemma4_text",
+        "per-layer head shapes not supported yet",
+    ),
+    "ALiBi": (lambda: AutoConfig.for_model("falcon", alibi=True), "falcon", "ALiBi"),
+    "cross-attention": (
+        lambda: AutoConfig.for_model("bert", is_decoder=True, add_cross_attention=True),
+        "bert",
+        "cross-attention",
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(MODEL_RULES))
+def test_model_refused_naming_type_and_capability(rule: str) -> None:
+    build, model_type, capability = MODEL_RULES[rule]
+    message = refusal(build())
+    assert f"model_type={model_type!r}" in message
+    assert capability in message
+
+
+@pytest.mark.parametrize("rule", sorted(CONFIG_RULES))
+def test_config_refused_naming_type_and_capability(rule: str) -> None:
+    build, model_type, capability = CONFIG_RULES[rule]
+    message = refusal(build())
+    assert f"model_type={model_type!r}" in message
+    assert capability in message
+
+
+def test_per_layer_config_is_refused_before_any_sizing() -> None:
+    """Reading Gemma 4's head_dim globally raises transformers' AmbiguousGlobalPerLayerAttributeError: the
+    refusal comes first, and generate_batch allocates nothing."""
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=64,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        per_layer_config={1: {"head_dim": 16}},
+    )
+    with pytest.raises(RuntimeError, match="per-layer attribute"):
+        ModelShape.from_config(config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with (
+        mock.patch.object(PagedKVCache, "__init__", side_effect=AssertionError("allocated")) as cache_init,
+        pytest.raises(
+            NotImplementedError, match="model_type='gemma4_text': per-layer attributes \\['head_dim'\\]"
+        ),
+    ):
+        model.generate_batch([[3, 4, 5]], GenerationConfig(max_new_tokens=2), progress_bar=False)
+    cache_init.assert_not_called()
+
+
+def test_composite_model_names_outer_and_text_type() -> None:
+    """A vision-language model's refusal names its text model and the composite it belongs to."""
+    config = AutoConfig.for_model("paligemma")
+    message = refusal(config)
+    assert "model_type='gemma' (the text model of 'paligemma')" in message
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_exact_families_are_accepted(family: str) -> None:
+    """The parity suite's families (full, sliding, hybrid, softcaps, sinks, MoE) all pass the check."""
+    check_model_supported(build_tiny_model(family))
+
+
+def test_kv_shared_layers_are_accepted() -> None:
+    """Gemma 3n's KV-shared layers attend through the interface with the producing layer's K/V: each
+    shared layer caches that K/V under its own index, which is exact (the coverage matrix runs it)."""
+    model = tiny(
+        "gemma3n_text",
+        **{**SMALL, "num_hidden_layers": 3},
+        intermediate_size=64,
+        num_key_value_heads=2,
+        head_dim=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=64,
+        num_kv_shared_layers=1,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        activation_sparsity_pattern=[0.0, 0.0, 0.0],
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        sliding_window=8,
+    )
+    check_model_supported(model)
+
+
+def test_the_probe_leaves_the_model_as_it_found_it() -> None:
+    """No forward hook fires (it is a check, not a generation step), and the attention implementation
+    and the training mode are restored."""
+    model = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
+    model.train()
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    before = model.config._attn_implementation
+    check_model_supported(model)
+    handle.remove()
+    assert calls == []
+    assert model.training
+    assert model.config._attn_implementation == before
+
+
+def test_a_config_edited_after_a_check_is_probed_again() -> None:
+    model = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
+    check_model_supported(model)
+    model.config.sliding_window = 8  # now the cache would keep windows the layers do not apply
+    assert "sliding_window=None" in refusal(model)

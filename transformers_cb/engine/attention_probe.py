@@ -1,0 +1,313 @@
+"""What a model's forward really does with its attention, learned from three forwards of five tokens.
+
+The paged backends rely on a contract no config states: every decoder layer calls transformers' attention
+interface exactly once per forward, with its own `layer_idx`, causally, with K and V of the shape the
+cache is sized for (`ModelShape`), with the window its KV group keeps, and with the step's attention
+kwargs passed down from the model's forward; the model numbers positions 0..n-1 as the `position_ids`
+the engine passes say, and honours `logits_to_keep`. A model that breaks any of it runs "fine" and
+returns wrong tokens (or fails mid-run), so the support check runs this probe up front:
+
+- forward A is the engine's call (`position_ids`, the 4D no-mask, a `logits_to_keep` index tensor, the
+  metadata kwarg) with the model switched to a recording attention function that computes plain causal
+  attention (so the forward continues with real values) and records each call;
+- forward A' is A with positions spread apart (0, 2, 4, ...): identical logits mean the model ignores
+  `position_ids` and numbers the packed row itself (BART's decoder: `arange(row length)`), which is
+  wrong for every sequence of a packed step but the first;
+- forward B is plain `generate()`'s call (no `position_ids`, the model's own mask, the same
+  `logits_to_keep`). It differs from A only in who numbers the positions: different logits mean the
+  model's own positions are not 0..n-1 (an offset, learned positions counted from a padding index, ...).
+
+Each broken clause is one phrase of `dispatch_problems`; the support check refuses the model with them.
+The forwards run through `model.forward` in eval mode under `inference_mode`, and the attention
+implementation and training mode are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from transformers import PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from ..attention.eager import eager_attend
+from ..attention.paged import METADATA_KWARG
+
+PROBE_NAME = "cb_dispatch_probe"
+# Five tokens: a count no head count or head size is likely to equal, so a model that swaps the token and
+# head axes (BART's decoder given position_ids builds 5D states) cannot look right by accident.
+PROBE_TOKENS = 5
+KEEP_ROWS = (1, PROBE_TOKENS - 1)  # like the runner: an index tensor, not "the last n"
+# Kwargs the paged forwards refuse (`attention/paged.py: unsupported_kwargs`).
+UNSUPPORTED_KWARGS = ("sinks", "attention_chunk_size")
+
+_register_lock = threading.Lock()
+
+
+@dataclass
+class _Call:
+    layer_idx: int | None
+    key_shape: tuple[int, int]  # (KV heads, head dim)
+    value_shape: tuple[int, int]
+    query_heads: int
+    layout_ok: bool  # query/key/value are [1, heads, PROBE_TOKENS, head_dim]
+    sliding_window: int | None
+    causal: bool
+    mask_bias: bool  # the mask carries finite nonzero values: an attention bias (ALiBi), not just masking
+    has_metadata: bool
+    unsupported: tuple[str, ...]
+
+
+@dataclass
+class _Record:
+    calls: list[_Call] = field(default_factory=list)  # forward A's (the engine's call)
+    plain_calls: list[_Call] = field(default_factory=list)  # forward B's (generate()'s call)
+    in_plain: bool = False
+
+
+# The record of the probe running in this thread (its attention function is global to transformers).
+_active: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("cb_dispatch_probe", default=None)
+
+
+def _recording_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The probe's attention function: records the call, returns plain causal attention over `key`/`value`."""
+    record = _active.get()
+    if record is not None:
+        (record.plain_calls if record.in_plain else record.calls).append(
+            _Call(
+                layer_idx=getattr(module, "layer_idx", None),
+                key_shape=(key.shape[1], key.shape[-1]),
+                value_shape=(value.shape[1], value.shape[-1]),
+                query_heads=query.shape[1],
+                layout_ok=all(
+                    t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == PROBE_TOKENS
+                    for t in (query, key, value)
+                ),
+                sliding_window=kwargs.get("sliding_window"),
+                causal=kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False,
+                mask_bias=_is_bias(attention_mask),
+                has_metadata=METADATA_KWARG in kwargs,
+                unsupported=tuple(n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None),
+            )
+        )
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return query.new_zeros(*query.shape[:-3], query.shape[-2], query.shape[-3], value.shape[-1]), None
+    batch, heads, q_len, _ = query.shape
+    if heads % key.shape[1] or key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
+        # A shape the paged kernels cannot run anyway (recorded above): keep the forward going.
+        return query.new_zeros(batch, q_len, heads, value.shape[-1]), None
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = eager_attend(query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"))
+    return out.transpose(1, 2).contiguous(), None  # [B, T, H, D], as transformers' functions return
+
+
+def _is_bias(mask: torch.Tensor | None) -> bool:
+    """A float mask whose kept entries are not all 0: it adds a bias to the logits (the paged kernels
+    mask by construction and add nothing)."""
+    if mask is None or not torch.is_floating_point(mask):
+        return False
+    kept = mask[mask > torch.finfo(mask.dtype).min / 2]
+    return bool((kept != 0).any())
+
+
+def _register() -> None:
+    with _register_lock:
+        if AttentionInterface._global_mapping.get(PROBE_NAME) is not _recording_attention:
+            AttentionInterface.register(PROBE_NAME, cast(Callable[..., Any], _recording_attention))
+            AttentionMaskInterface.register(
+                PROBE_NAME, cast(Callable[..., Any], AttentionMaskInterface._global_mapping["sdpa"])
+            )
+
+
+@contextmanager
+def _probing(model: PreTrainedModel):
+    """The model on the recording attention, in eval mode (dropout would make A and B differ)."""
+    _register()
+    saved_impl, was_training = model.config._attn_implementation, model.training
+    model.set_attn_implementation(PROBE_NAME)
+    model.eval()
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(saved_impl if saved_impl is not None else "sdpa")
+        model.train(was_training)
+
+
+def probe_token_ids(model: PreTrainedModel) -> list[int]:
+    """Ordinary token ids: none named by the config (an image token would ask for an image)."""
+    text = model.config.get_text_config(decoder=True)
+    # The config's vocabulary, else the embedding table's rows (an int either way).
+    vocab = int(getattr(text, "vocab_size", None) or cast(Any, model.get_input_embeddings()).num_embeddings)
+    special = {
+        v
+        for config in (model.config, text)
+        for k, v in config.to_dict().items()
+        if isinstance(v, int) and str(k).endswith(("_token_id", "_token_index"))
+    }
+    start = max(3, vocab // 3)
+    return [t for t in range(start, vocab) if t not in special][:PROBE_TOKENS]
+
+
+@dataclass
+class ProbeResult:
+    """What the probe saw: forward A's attention calls, and how A compares with A' and B."""
+
+    calls: list[_Call]
+    keeps_rows: bool  # logits_to_keep honoured
+    positions_agree: bool  # position_ids 0..n-1 give the model's own logits
+    positions_used: bool = True  # other position_ids give other logits
+    error: str | None = None
+    mask_bias: bool = False  # forward B's attention masks carry a bias
+
+
+@torch.inference_mode()
+def run_probe(model: PreTrainedModel) -> ProbeResult:
+    device = next(model.parameters()).device
+    ids = torch.tensor([probe_token_ids(model)], device=device)
+    positions = torch.arange(ids.shape[1], device=device)[None]
+    keep = torch.tensor(KEEP_ROWS, device=device)
+    # `model.forward`, not `model(...)`: the probe is a check, not a generation step, so the user's forward
+    # hooks (counters, profilers) do not see it; wrappers that replace `forward` (accelerate's device
+    # hooks) still run.
+    forward = model.forward
+    record = _Record()
+    token = _active.set(record)
+    try:
+        with _probing(model):
+            engine_call = forward(
+                input_ids=ids,
+                position_ids=positions,
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                use_cache=False,
+                logits_to_keep=keep,
+                **{METADATA_KWARG: record},
+            ).logits
+            record.in_plain = True
+            spread_call = forward(
+                input_ids=ids,
+                position_ids=positions * 2,
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                use_cache=False,
+                logits_to_keep=keep,
+            ).logits
+            plain_call = forward(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+    except Exception as error:  # noqa: BLE001  (any failure of the model's own forward is the reason)
+        return ProbeResult(record.calls, True, True, error=f"{type(error).__name__}: {error}")
+    finally:
+        _active.reset(token)
+    keeps = engine_call.shape[1] == len(KEEP_ROWS)
+    agree = engine_call.shape == plain_call.shape and torch.allclose(
+        engine_call.float(),
+        plain_call.float(),
+        rtol=1e-3,
+        atol=1e-3 * max(1.0, float(plain_call.abs().max())),
+    )
+    # Ignored position_ids leave every operation and input the same: bitwise equal logits.
+    used = not torch.equal(engine_call, spread_call)
+    # A bias that only the model's own mask carries (B) is lost all the same under the engine's call.
+    bias = any(c.mask_bias for c in record.plain_calls)
+    return ProbeResult(record.calls, keeps, agree, used, mask_bias=bias)
+
+
+def dispatch_problems(
+    result: ProbeResult,
+    num_layers: int,
+    kv_shape: tuple[int, int] | None,
+    windows: list[int | None],
+) -> list[str]:
+    """Each clause of the contract the probe saw broken, as a phrase for the refusal.
+
+    Args:
+        kv_shape: (KV heads, head dim) the cache is sized for; None skips the shape clause.
+        windows: the sliding window of each layer's KV group (None: full attention).
+    """
+    if result.error is not None:
+        return [f"a forward on token ids alone fails ({result.error})"]
+    calls = result.calls
+    if not calls:
+        return ["its attention does not go through transformers' attention interface"]
+    problems = []
+    if not all(c.has_metadata for c in calls):
+        problems.append(
+            "its layers do not pass the forward's attention kwargs down to the attention function "
+            "(the paged cache would never be reached)"
+        )
+    per_layer: dict[int | None, list[_Call]] = {}
+    for call in calls:
+        per_layer.setdefault(call.layer_idx, []).append(call)
+    bad_layout = [c.layer_idx for c in calls if not c.layout_ok]
+    if bad_layout:
+        return [
+            f"layer {bad_layout[0]} passes query/key/value that are not [batch, heads, tokens, head_dim] for "
+            "its token count (e.g. position embeddings broadcast to an extra axis)"
+        ]
+    if None in per_layer:
+        problems.append("some attention modules have no `layer_idx`")
+    repeated = sorted(i for i, c in per_layer.items() if i is not None and len(c) > 1)
+    if repeated:
+        problems.append(
+            f"layers {repeated} call attention {len(per_layer[repeated[0]])} times per forward "
+            "(e.g. differential attention); the cache holds one K/V write per layer"
+        )
+    missing = sorted(set(range(num_layers)) - set(per_layer))
+    if missing:
+        problems.append(f"layers {missing} do not attend through the attention interface")
+    if result.mask_bias or any(c.mask_bias for c in calls):
+        problems.append("its attention mask carries a bias (e.g. ALiBi), which the paged kernels do not add")
+    if any(not c.causal for c in calls):
+        problems.append("its attention is bidirectional (is_causal=False), not causal generation")
+    for c in calls:
+        if kv_shape is not None and (c.key_shape != kv_shape or c.value_shape != kv_shape):
+            problems.append(
+                f"layer {c.layer_idx} attends with K of (heads, dim) {c.key_shape} and V {c.value_shape}, but "
+                f"the config says {kv_shape} (per-layer or value head shapes are not supported yet)"
+            )
+            break
+    for c in calls:
+        if c.query_heads % max(1, c.key_shape[0]):
+            problems.append(
+                f"layer {c.layer_idx} has {c.query_heads} query heads for {c.key_shape[0]} KV heads"
+            )
+            break
+    for c in calls:
+        if (
+            isinstance(c.layer_idx, int)
+            and 0 <= c.layer_idx < len(windows)
+            and c.sliding_window != windows[c.layer_idx]
+        ):
+            problems.append(
+                f"layer {c.layer_idx} applies sliding_window={c.sliding_window!r} but the config gives its layer "
+                f"kind window {windows[c.layer_idx]!r}"
+            )
+            break
+    unsupported = sorted({name for c in calls for name in c.unsupported})
+    if unsupported:
+        problems.append(f"its attention passes {unsupported}, which the paged kernels do not implement")
+    if not result.positions_used:
+        problems.append(
+            "its forward ignores `position_ids` (it numbers the tokens of a packed step itself, so every "
+            "sequence but the first would get wrong positions; or it has no positional encoding at all)"
+        )
+    if not result.keeps_rows:
+        problems.append("its forward ignores `logits_to_keep` (the engine reads one row per sampled token)")
+    elif result.positions_used and not result.positions_agree:
+        problems.append(
+            "its forward numbers positions its own way: given position_ids 0..n-1 it computes other logits "
+            "than generate() (e.g. positions offset by a padding index)"
+        )
+    return problems
