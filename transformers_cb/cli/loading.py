@@ -43,9 +43,16 @@ def load_model_and_tokenizer(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    progress: bool = True,
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
-    """Load a local checkpoint directory, or build the tiny default model when ``path`` is None."""
+    """Load a local checkpoint directory, a registry model by name (`smollm2`: fetched and converted on
+    first use, models/fetch.py), or build the tiny default model when ``path`` is None or `tiny`.
+    Raises `OSError` for an unreadable checkpoint (`FetchError`, one line, for a failed fetch)."""
     import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
+
+    from ..models.fetch import resolve_model
+
+    path = resolve_model(path, progress=progress)
 
     if path is None:
         tokenizer = build_tiny_tokenizer()
@@ -71,4 +78,5 @@ def load_for_command(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
         dtype=getattr(torch, args.dtype),
         device=resolve_device(args.device),
         seed=args.seed,
+        progress=not getattr(args, "no_progress", False),
     )

