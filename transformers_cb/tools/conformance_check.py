@@ -303,7 +303,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Check that model.generate_batch (continuous batching) reproduces model.generate() "
         "token for token on a local checkpoint.",
     )
-    parser.add_argument("--model", required=True, help="local checkpoint directory (save_pretrained layout)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="local checkpoint directory (save_pretrained layout), or smollm2 (the real model, fetched once)",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="number of random prompts (default 8)")
     parser.add_argument(
         "--max-new-tokens", type=int, default=16, help="tokens generated per prompt (default 16)"
@@ -345,8 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import transformers_cb  # noqa: F401  (installs the plugin and registers the paged backends)
 
+    from ..models.fetch import resolve_model
+
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
+        resolve_model(args.model) or args.model, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
     )
     model = model.to(args.device).eval()
     generation_config = model.generation_config
