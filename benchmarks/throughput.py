@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["tiny", "small"],
         help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window), mini (4 layers, "
         "256 wide: the many-short model), smollm2 (the real model, SmolLM2-135M-Instruct from its cached folder, "
-        "on English questions through its chat template: benchmarks/real_prompts.py)",
+        "on English questions through its chat template: benchmarks/real_prompts.py), or a local model folder "
+        "(the same real prompts)",
     )
     p.add_argument(
         "--workloads",
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for model_name in args.models:
         tokenizer = None  # the random models' workloads are token ids; the real model's, questions
-        if model_name in real_prompts.REAL_MODELS:
+        if real_prompts.is_real(model_name):
             model, tokenizer = real_prompts.build_model(model_name, dtype=getattr(torch, args.dtype))
             config_meta = real_prompts.describe(model)
         else:

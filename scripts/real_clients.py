@@ -6,8 +6,8 @@
 
 The clients talk to the server over HTTP, so they live in their own virtual environment (`--clients-python`);
 this script runs with the project's Python. The model is the real one by default (SmolLM2-135M-Instruct from its
-cached folder, `transformers-cb models fetch`; docs/real_model.md), or with `--model tiny` the built-in random
-model saved to a temporary directory. It writes two small local tasks in plain English (below: a
+cached folder, `transformers-cb models fetch`; docs/real_model.md), `--model tiny` the built-in random model saved
+to a temporary directory, or `--model DIR` any local model folder. It writes two small local tasks in plain English (below: a
 multiple-choice set and a short-answer set), starts `transformers-cb serve` on 127.0.0.1 and checks:
 
 1. lm-eval `local-completions` gives the same scores as lm-eval's `hf` model on the same weights, on the
@@ -145,6 +145,8 @@ def prepare(work: Path, model: str) -> tuple[Path, Path]:
         tokenizer = build_tiny_tokenizer()
         build_tiny_model(seed=0, tokenizer=tokenizer).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
+    elif Path(model).is_dir():  # any local model folder
+        model_dir = Path(model)
     else:
         from transformers_cb.models.fetch import fetch_model
 
@@ -312,9 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--model",
-        choices=("smollm2", "tiny"),
         default="smollm2",
-        help="smollm2: the real model (default); tiny: the built-in random model (scores near chance)",
+        help="smollm2: the real model (default); tiny: the built-in random model (scores near chance); or a "
+        "local model folder",
     )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
     args = parser.parse_args(argv)
@@ -339,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "tiny":  # random weights: the scores only have to agree
             checks.append((f"scores ({scores})", True, ""))
         else:
-            checks.append((f"{args.model} scores above chance ({scores})", above_chance(hf), ""))
+            checks.append((f"{Path(args.model).name} scores above chance ({scores})", above_chance(hf), ""))
         chat_args = f"model={MODEL_NAME},base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1"
         # Chat has no prompt logprobs (lm-eval runs no log-likelihood task over it): generate-until only.
         chat = lm_eval(args.clients_python, work, tasks, "chat", "local-chat-completions", chat_args,
