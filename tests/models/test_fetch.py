@@ -91,6 +91,7 @@ def test_fetch_converts_once_and_later_calls_take_the_cache(
     assert "quantization_config" not in config  # a plain model: it saves and loads like any other
     assert (folder / "model.safetensors").stat().st_mode == (folder / "config.json").stat().st_mode
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == EOS_ID
+    assert (folder / "LICENSE").read_text() == "Apache License, Version 2.0 (test copy)\n"
 
     # The folder holds exactly the weights transformers dequantizes from the GGUF, and its tokenizer.
     gguf_dir = tmp_path / "gguf"

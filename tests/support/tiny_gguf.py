@@ -104,9 +104,9 @@ def build_wheel(folder: Path, gguf_file: Path, package: str, version: str, membe
             f"{info}/WHEEL",
             "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
         )
-        archive.writestr(
-            f"{info}/RECORD", f"{member},,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n"
-        )
+        archive.writestr(f"{info}/LICENSE", "Apache License, Version 2.0 (test copy)\n")
+        records = [member, f"{info}/METADATA", f"{info}/WHEEL", f"{info}/LICENSE", f"{info}/RECORD"]
+        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in records))
     return wheel
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerFast
 
+from .cpu_threads import cpu_threads
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
 
@@ -69,14 +70,19 @@ def load_model_and_tokenizer(
 
 
 def load_for_command(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
-    """The model and tokenizer of a command's `--model`, `--attn-implementation`, `--dtype`, `--device`
-    and `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
+    """The model and tokenizer of a command's `--model` (a folder, or a name: `tiny`, a registry model fetched
+    on first use), `--attn-implementation`, `--dtype`, `--device`, `--threads` (cli/cpu_threads.py) and
+    `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
+    device = resolve_device(args.device)
+    threads = cpu_threads(getattr(args, "threads", None), device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     return load_model_and_tokenizer(
         args.model,
         attn_implementation=args.attn_implementation,
         dtype=getattr(torch, args.dtype),
-        device=resolve_device(args.device),
+        device=device,
         seed=args.seed,
         progress=not getattr(args, "no_progress", False),
     )

@@ -96,6 +96,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (default: $OMP_NUM_THREADS, else the cores the load average leaves idle)",
+    )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument(
         "--seed", type=int, default=0, help="torch seed; also seeds the built-in model's weights (default: 0)"

