@@ -32,9 +32,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool = True) -> 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    # transformers' dequantization bar writes to stderr unconditionally: silenced when progress is off.
-    quiet = contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(io.StringIO())
-    with quiet:
+    with _quiet(show_progress):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     config = quantized.config
@@ -49,5 +47,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path, show_progress: bool = True) -> 
     plain.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=eos, pad_token_id=pad
     )
-    plain.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with _quiet(show_progress):  # save_pretrained's shard bar too
+        plain.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+
+
+def _quiet(show_progress: bool) -> contextlib.AbstractContextManager:
+    """transformers' own bars (dequantization, shard writing) write to stderr unconditionally: silenced when
+    progress is off."""
+    return contextlib.nullcontext() if show_progress else contextlib.redirect_stderr(io.StringIO())
