@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .gguf_convert import GGUF_MISSING, convert_gguf, gguf_available
-from .registry_model import TINY, RegistryModel, models_cache_root, registry_model
+from .registry_model import REGISTRY, TINY, RegistryModel, models_cache_root, registry_model
 
 #: Written last into a converted folder: what it was made from. Its presence marks a complete folder.
 PROVENANCE = "transformers_cb_source.json"
@@ -94,8 +94,6 @@ def resolve_model(value: str | None, progress: bool = True) -> str | None:
 def _lookup(name: str) -> RegistryModel:
     model = registry_model(name)
     if model is None:
-        from .registry_model import REGISTRY
-
         raise FetchError(f"no registry model called {name!r}; known: {', '.join(sorted(REGISTRY))}")
     return model
 
@@ -115,7 +113,7 @@ def _build(model: RegistryModel, scratch: Path, root: Path, progress: bool, pip:
         raise FetchError(f"cannot convert {model.name}: {_one_line(str(error))}") from error
     if licence_text is not None:  # redistributed weights travel with their licence
         (built / "LICENSE").write_text(licence_text, encoding="utf-8")
-    _write_provenance(model, gguf, built)
+    _write_provenance(model, built)
     # safetensors writes its file owner-only: every file gets the mode the umask gave config.json.
     mode = (built / "config.json").stat().st_mode & 0o777
     for path in built.iterdir():
@@ -215,7 +213,7 @@ def _licence_text(wheel: Path) -> str | None:
         return archive.read(names[0]).decode("utf-8", errors="replace") if names else None
 
 
-def _write_provenance(model: RegistryModel, gguf: Path, folder: Path) -> None:
+def _write_provenance(model: RegistryModel, folder: Path) -> None:
     record = {
         "name": model.name,
         "package": model.requirement,
