@@ -4,7 +4,7 @@
 #   make run   [ARGS="--model tiny ..."]           transformers-cb generate (the real model by default)
 #   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/ (the complete suite)
 #   make test-fast [ARGS=...]                     the same without the `slow` tier (minutes)
-#   make lint                                     ruff check + ruff format --check
+#   make lint                                     ruff check + ruff format --check + mypy
 #   make bench [ARGS="..."]                       benchmarks/throughput.py
 #   make serve [ARGS="--port 8000 ..."]           transformers-cb serve (OpenAI-compatible HTTP, the real model)
 #
@@ -92,6 +92,7 @@ test-fast: $(VENV)/.installed-test
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: $(VENV)/.installed-test
 	$(BIN)/ruff check --fix .

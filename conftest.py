@@ -5,7 +5,7 @@
 - "dev" (default elsewhere): random exploration, examples remembered in `.hypothesis/`.
 
 Both print a `@reproduce_failure` blob on failure. To replay a random run's failure, use the seed
-Hypothesis prints: `HYPOTHESIS_PROFILE=dev python -m pytest tests/engine/test_scheduler.py --hypothesis-seed=N`.
+Hypothesis prints: `HYPOTHESIS_PROFILE=dev python -m pytest tests/scheduler/test_scheduler.py --hypothesis-seed=N`.
 """
 
 from __future__ import annotations

@@ -672,41 +672,45 @@ class OursCompiledEngine(OursEngine):
 def _capture_ours_counters():
     """Record the token counters of every `transformers_cb` engine created inside the block.
 
-    `transformers_cb.generate_batch` does not return its `Engine`, so the benchmark temporarily substitutes a
-    subclass that remembers its instances (one extra list append per `generate_batch` call). Yields the list of
-    engines; empty if the core's layout differs (then the caller falls back to an estimate)."""
+    `transformers_cb.generate_batch` does not return its `Engine`, so the benchmark temporarily wraps the
+    builder it calls (`build_engine`) to remember the engines it builds, and wraps each one's `step` to read
+    its peak pages (one extra list append per `generate_batch` call, one dict read per step). Yields the list
+    of engines; empty if the core's layout differs (then the caller falls back to an estimate)."""
     engines: list[Any] = []
     try:
         import transformers_cb.api.generate_batch as generation_module
     except ImportError:
         yield engines
         return
-    original = getattr(generation_module, "Engine", None)
-    if not isinstance(original, type):
+    original = getattr(generation_module, "build_engine", None)
+    if not callable(original):
         yield engines
         return
 
-    class RecordingEngine(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.peak_pages: dict[str, int] = {}
-            engines.append(self)
+    def recording_build(*args: Any, **kwargs: Any) -> Any:
+        engine = original(*args, **kwargs)
+        engine.peak_pages = {}
+        step = engine.step
+        pages_in_use = getattr(engine, "pages_in_use_by_group", None)
 
-        def step(self, *args: Any, **kwargs: Any) -> Any:
-            result = super().step(*args, **kwargs)
+        def recorded_step(*step_args: Any, **step_kwargs: Any) -> Any:
+            result = step(*step_args, **step_kwargs)
             # Peak KV pages per layer group, read after the step (its pages are still held).
-            pages_in_use = getattr(self.scheduler.allocator, "pages_in_use", None)
             if pages_in_use is not None:
                 for group, used in pages_in_use().items():
-                    if used > self.peak_pages.get(group, 0):
-                        self.peak_pages[group] = used
+                    if used > engine.peak_pages.get(group, 0):
+                        engine.peak_pages[group] = used
             return result
 
-    generation_module.Engine = RecordingEngine
+        engine.step = recorded_step
+        engines.append(engine)
+        return engine
+
+    generation_module.build_engine = recording_build
     try:
         yield engines
     finally:
-        generation_module.Engine = original
+        generation_module.build_engine = original
 
 
 def _peak_pages(engines: list[Any]) -> dict[str, int] | None:

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import transformers_cb
     from transformers_cb.attention.selection import paged_attention
-    from transformers_cb.engine.engine import Engine
+    from transformers_cb.engine.build import build_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = transformers_cb.ContinuousBatchingConfig(default_compile_level=args.compile_level)
     max_new = args.steps * 3 + 50
     workload = [args.kv + max_new] * args.rows + [args.prefill + 2]
-    engine = Engine(model, common.greedy_generation_config(max_new), cfg, workload=workload)
+    engine = build_engine(model, common.greedy_generation_config(max_new), cfg, workload=workload)
     phases = {"schedule": 0.0, "pack": 0.0, "forward": 0.0, "sample": 0.0, "update": 0.0}
     runner = engine.runner
 

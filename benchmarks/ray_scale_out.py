@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def save_model(name: str, directory: Path) -> Path:
     """The benchmark model (eos disabled) plus the CLI's byte tokenizer, in `save_pretrained` layout."""
-    from transformers_cb.cli.tiny import build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_tokenizer
 
     build_model(name).save_pretrained(directory)
     build_tiny_tokenizer().save_pretrained(directory)  # never decodes here: detokenize=False

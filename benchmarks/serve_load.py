@@ -156,7 +156,7 @@ def engine_reference(args: argparse.Namespace) -> float:
     from transformers import GenerationConfig
 
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.cli.loading import load_model_and_tokenizer
+    from transformers_cb.models.loading import load_model_and_tokenizer
 
     torch.manual_seed(0)
     model, tokenizer = load_model_and_tokenizer(args.model, device=args.device)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp_path = Path(tmp)
         model_dir = tmp_path / "model"
         if args.byte_tokenizer:
-            from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+            from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
             tokenizer = build_tiny_tokenizer()
             build_tiny_model(seed=0, tokenizer=tokenizer).save_pretrained(model_dir)

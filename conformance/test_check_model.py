@@ -1,4 +1,4 @@
-"""The user-facing checker (`python -m conformance.check_model`) on a tiny model saved to disk."""
+"""The user-facing checker (`python -m transformers_cb.conformance_check`) on a tiny model saved to disk."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tests.support.models import build_tiny_model
 from tests.support.processes import run_process
 from transformers_cb import conformance_check
-from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.scheduler.scheduler import Scheduler
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 def test_check_model_command_passes(tiny_checkpoint: Path) -> None:
     """The documented command, in a subprocess, on a healthy model: exit 0 and a PASS table."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "conformance.check_model", "--model", str(tiny_checkpoint)]
+    command = [sys.executable, "-m", "transformers_cb.conformance_check", "--model", str(tiny_checkpoint)]
     command += ["--prompts", "4", "--max-new-tokens", "6", "--max-prompt-len", "40", "--attn", "paged|sdpa"]
     result = run_process(command, cwd=REPO_ROOT, env=env, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
+from tests.support.preemptions import count_preemptions
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling.grammars import JSON_OPTIONS
-from transformers_cb.tools.conformance_check import count_preemptions
 
 llguidance = pytest.importorskip("llguidance")
 llguidance_hf = pytest.importorskip("llguidance.hf")

@@ -13,8 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conformance.common import TOLERANCES, KernelStep, assert_close, build_kernel_step
+from conformance.common import TOLERANCES, assert_close
 from tests.support import flash_double
+from tests.support.packed_steps import KernelStep, build_kernel_step
 from transformers_cb.attention import PAGED_BACKENDS
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.fast_path import prepare_flash_step
@@ -23,7 +24,7 @@ from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
-from transformers_cb.runner.packing import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_WORK, group_decodes
+from transformers_cb.runner.packing import NATIVE_PREFILL_MAX_WORK
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
 # "native": the native CPU kernel for decodes and short chunks, sdpa for the long chunks.
@@ -332,20 +333,6 @@ def test_sliding_kernel_matches_reference_random_steps(
     check_kernel(step, attend_name, 1.5 if softcap else None, _sinks(num_heads, seed) if sinks else None)
 
 
-def test_native_run_covers_decodes_and_short_chunks_only() -> None:
-    """The native run is the decodes plus the chunks up to NATIVE_PREFILL_MAX_WORK pairs; the long chunks
-    after it keep their own groups, and no decode group is built."""
-    step = kernel_step(CASES["long_chunks_after_short_ones"], P, 8, 2, 16, kernel=NATIVE)
-    metadata = step.metadata
-    assert 5 * 15 < NATIVE_PREFILL_MAX_WORK < 70 * 70
-    assert metadata.native_tokens == 1 + 5 + 1 + 2
-    assert not metadata.groups[0].decode_groups
-    assert [(g.q_start, g.q_end) for g in metadata.groups[0].prefill_groups] == [(9, 79), (79, 159)]
-    rows = [step.packed_order[r] for r in metadata.token_row.tolist()]
-    assert [step.seqs[i] for i in rows] == [(50, 1), (3, 1)] + [(10, 5)] * 5 + [(0, 2)] * 2
-    assert metadata.token_pos.tolist() == [50, 3, 10, 11, 12, 13, 14, 0, 1]
-
-
 def test_layer_window_must_match_its_kv_group() -> None:
     """A layer asking for another window than its group keeps pages for is refused, not run wrongly."""
     step = build_kernel_step([(20, 1)], P, 4, 2, 16, sliding_window=W)
@@ -374,74 +361,3 @@ def test_layer_window_must_match_its_kv_group() -> None:
             sliding_window=W,
             **{METADATA_KWARG: full.metadata},
         )
-
-
-# -- decode grouping ----------------------------------------------------------------------------------
-@settings(max_examples=300, deadline=None, derandomize=True, database=None)
-@given(
-    st.lists(st.integers(1, 5000), max_size=40).map(lambda xs: sorted(xs, reverse=True)),
-    st.sampled_from([1.0, 1.1, DECODE_PADDING_BOUND, 2.0]),
-)
-def test_group_decodes_bound_and_cover(kv_lens: list[int], bound: float) -> None:
-    groups = group_decodes(kv_lens, bound)
-    # The groups cover every index once, in order, without empty groups.
-    assert [i for start, end in groups for i in range(start, end)] == list(range(len(kv_lens)))
-    assert all(end > start for start, end in groups)
-    for start, end in groups:
-        lens = kv_lens[start:end]
-        assert len(lens) * max(lens) <= bound * sum(lens) + 1e-9, (lens, bound)
-
-
-@settings(max_examples=100, deadline=None, derandomize=True, database=None)
-@given(
-    st.lists(st.integers(1, 300), min_size=1, max_size=24),
-    st.sampled_from([4, 16, 64]),
-    st.integers(0, 2**16),
-)
-def test_decode_groups_never_mix_requests(kv_lens: list[int], page_size: int, seed: int) -> None:
-    """Each decode row attends exactly to its own request's slots (the rest masked), and the padded
-    attention work stays within the padding bound of the real KV work."""
-    step = build_kernel_step([(n - 1, 1) for n in kv_lens], page_size, 4, 2, 16, seed=seed)
-    metadata = step.metadata
-    assert not metadata.groups[0].prefill_groups
-    covered, work = [], 0
-    for group in metadata.groups[0].decode_groups:
-        batch, width = group.kv_slots.shape
-        assert batch == group.q_end - group.q_start
-        lens = [sum(step.seqs[step.packed_order[row]]) for row in range(group.q_start, group.q_end)]
-        assert width == max(lens)
-        work += batch * width
-        for b, row in enumerate(range(group.q_start, group.q_end)):
-            i = step.packed_order[row]
-            n = lens[b]
-            assert torch.equal(group.kv_slots[b, :n].cpu(), step.slots(i, n)), f"row {row} reads foreign KV"
-            if group.kv_mask is None:
-                assert n == width
-            else:
-                mask = group.kv_mask[b, 0, 0].cpu()
-                assert mask[:n].all() and not mask[n:].any(), f"row {row}: mask {mask.int().tolist()} for {n}"
-        covered.extend(range(group.q_start, group.q_end))
-    assert covered == list(range(len(kv_lens)))
-    assert work <= DECODE_PADDING_BOUND * sum(kv_lens) + 1e-9, (work, sum(kv_lens))
-    # Decodes are packed longest first.
-    packed_lens = [kv_lens[i] for i in step.packed_order]
-    assert packed_lens == sorted(kv_lens, reverse=True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_low_precision_decodes_attend_at_their_exact_length(dtype: torch.dtype) -> None:
-    """In bf16 / fp16 a decode group holds only equal KV lengths (no padded, masked keys): a softmax over a
-    padded key range rounds differently from `generate()`'s exact-length attention and flips greedy ties
-    (seen on the getting-started flow in bf16). float32 still pads within `DECODE_PADDING_BOUND`.
-    These are the torch kernels' decode groups (the packer without the native kernel: CUDA, or a machine
-    without a compiler); with the native kernel there are no decode groups at all, each row attends at its
-    exact length in the kernel, whatever the dtype (`test_kernel_low_precision`)."""
-    kv_lens = [40, 38, 38, 35, 12]
-    step = build_kernel_step([(n - 1, 1) for n in kv_lens], 16, 4, 2, 16, dtype=dtype, seed=5)
-    groups = step.metadata.groups[0].decode_groups
-    widths = [group.kv_slots.shape[1] for group in groups]
-    if dtype == torch.float32:
-        assert len(groups) < len(set(kv_lens)) and any(group.kv_mask is not None for group in groups)
-    else:
-        assert all(group.kv_mask is None for group in groups)
-        assert sorted(widths, reverse=True) == sorted(set(kv_lens), reverse=True)

@@ -145,4 +145,4 @@ def test_offload_with_shared_prefixes_and_forks(_families, family_name: str, pag
     offload = engine.offload
     assert engine.scheduler.recomputed.total == 0, context
     assert offload.swap_out_pages > 0 and offload.kept_pages > 0, f"{context}: no shared page was kept"
-    assert offload.host.num_used_pages == 0 and engine.cache.num_used_pages == 0, context
+    assert offload.host.num_used_pages == 0 and engine.num_used_pages == 0, context

@@ -25,9 +25,10 @@ from conformance.common import (
     tight_num_blocks,
 )
 from tests.support.models import build_tiny_model
+from tests.support.requests import page_ids
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 
 MAX_NEW_TOKENS = 8
 VOCAB = 300
@@ -95,7 +96,7 @@ def test_hits_skip_prefill_tokens(llama) -> None:
     """The same prompts twice through one persistent engine: the second pass prefills 1 token per page
     holding a last prompt token, everything else comes from the prefix cache."""
     prompts = shared_prompts(1.0, 4)
-    engine = Engine(llama, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
+    engine = build_engine(llama, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
     with paged_attention(llama), torch.inference_mode():
         counts = []
         for _ in range(2):
@@ -110,7 +111,7 @@ def test_hits_skip_prefill_tokens(llama) -> None:
     assert counts[0] < total  # the 12 shared tokens are computed once (requests run one after the other)
     # Second pass: every full page before the last token's page hits.
     assert counts[1] == sum(len(p) - (len(p) - 1) // 4 * 4 for p in prompts)
-    assert engine.scheduler.allocator.prefix.stats.hit_rate > 0.5
+    assert engine.scheduler.pages.prefix.stats.hit_rate > 0.5
 
 
 @pytest.mark.parametrize("family", ["qwen2_sliding", "mistral", "gemma2"])
@@ -119,7 +120,7 @@ def test_sliding_and_hybrid_models_share_and_match_generate(family) -> None:
     model = build_tiny_model(family)
     refs = ReferenceCache(model, MAX_NEW_TOKENS)
     prompts = shared_prompts(1.0, 4) + shared_prompts(0.5, 4, seed=1)
-    engine = Engine(
+    engine = build_engine(
         model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
     )
     requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
@@ -131,7 +132,7 @@ def test_sliding_and_hybrid_models_share_and_match_generate(family) -> None:
             engine.check_integrity()
     outputs = {r.request_id: r.to_output() for r in requests}
     check_parity(model, prompts, outputs, [refs.get(p) for p in prompts], f"{family} sharing")
-    assert engine.scheduler.allocator.prefix.stats.hit_tokens > 0
+    assert engine.scheduler.pages.prefix.stats.hit_tokens > 0
 
 
 # -- property: random prompt sets from a few shared prefixes ---------------------------------------
@@ -166,7 +167,7 @@ def test_random_shared_prefixes_property(llama, references, workload) -> None:
         max_batch_tokens=workload["max_batch_tokens"],
         num_blocks=workload["num_blocks"],
     )
-    engine = Engine(llama, greedy_config(MAX_NEW_TOKENS), config)
+    engine = build_engine(llama, greedy_config(MAX_NEW_TOKENS), config)
     prompts, max_new = workload["prompts"], workload["max_new"]
     requests = [engine.build_request(p, f"req_{i}", max_new[i]) for i, p in enumerate(prompts)]
     finished: list[str] = []
@@ -180,7 +181,7 @@ def test_random_shared_prefixes_property(llama, references, workload) -> None:
     outputs = {r.request_id: r.to_output() for r in requests}
     expected = [references.get(p, n) for p, n in zip(prompts, max_new, strict=True)]
     check_parity(llama, prompts, outputs, expected, str(workload), max_new_tokens=max_new)
-    pools = engine.scheduler.allocator.pools
+    pools = engine.scheduler.pages.pools
     assert all(pool.num_used_pages == 0 for pool in pools)
 
 
@@ -226,17 +227,17 @@ def test_sampled_forks_are_reproducible_and_differ(llama) -> None:
 
 
 def test_forks_share_pages_while_they_run(llama) -> None:
-    engine = Engine(llama, greedy_config(4), ContinuousBatchingConfig(page_size=4))
+    engine = build_engine(llama, greedy_config(4), ContinuousBatchingConfig(page_size=4))
     parent = engine.build_request(list(range(3, 21)), "p", num_return_sequences=3)  # 18 tokens
     assert [r.request_id for r in parent.family] == ["p", "p__child#0", "p__child#1"]
     with paged_attention(llama), torch.inference_mode():
         engine.add(parent)
         engine.step()  # the parent's prefill; the siblings fork right after it
         engine.check_integrity()
-        pool = engine.scheduler.allocator.pools[0]
-        shared = parent.page_ids[:4]
+        pool = engine.scheduler.pages.pools[0]
+        shared = page_ids(parent)[:4]
         assert all(pool.refcount(p) == 3 for p in shared)
-        assert all(child.page_ids[:4] == shared for child in parent.siblings)
+        assert all(page_ids(child)[:4] == shared for child in parent.siblings)
         assert pool.num_used_pages == 5 + 2  # 4 shared pages + one copy of the partial page each
         while engine.has_work():
             engine.step()

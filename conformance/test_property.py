@@ -29,7 +29,7 @@ from tests.support.models import (
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import RequestStatus
 from transformers_cb.engine.engine import WARMUP_REQUEST_ID, Engine
-from transformers_cb.engine.scheduler import Scheduler
+from transformers_cb.scheduler.scheduler import Scheduler
 
 MAX_NEW_TOKENS = 10
 PROPERTY_FAMILIES = ("llama", *SLIDING_FAMILIES)

@@ -25,7 +25,7 @@ from conformance.common import (
 )
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 from transformers_cb.models.fetch import FetchError, fetch_model
 from transformers_cb.models.registry_model import SMOLLM2
 
@@ -71,9 +71,9 @@ def fp32(folder: str):
 
 
 def run_engine(model, prompts, **cb_kwargs):
-    """All prompts through one `Engine` (integrity checked after every step): outputs by `req_<i>`, the
+    """All prompts through one engine (`build_engine`; integrity checked after every step): outputs by `req_<i>`, the
     prefix cache's hit tokens, the preempted request ids."""
-    engine = Engine(
+    engine = build_engine(
         model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=PAGE_SIZE, **cb_kwargs)
     )
     requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
@@ -84,7 +84,7 @@ def run_engine(model, prompts, **cb_kwargs):
             engine.step()
             engine.check_integrity()
     outputs = {r.request_id: r.to_output() for r in requests}
-    return outputs, engine.scheduler.allocator.prefix.stats.hit_tokens, preempted
+    return outputs, engine.scheduler.pages.prefix.stats.hit_tokens, preempted
 
 
 def test_the_prompts_share_the_chat_templates_first_pages(fp32) -> None:
@@ -130,7 +130,7 @@ def test_bfloat16_equals_generate_up_to_genuine_near_ties(folder: str) -> None:
 
 def test_the_conformance_tool_passes_on_the_real_model(folder: str, capsys) -> None:
     """`python -m transformers_cb.conformance_check --model smollm2`: random prompts, every setting."""
-    from transformers_cb.tools.conformance_check import main
+    from transformers_cb.conformance_check import main
 
     assert main(["--model", "smollm2", "--prompts", "3", "--max-new-tokens", "6", "--device", "cpu"]) == 0
     assert "PASS: generate_batch matches generate()" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.models import build_model
 from tests.support.processes import run_process
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 from . import seed_blocks as blocks
 

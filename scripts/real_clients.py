@@ -139,7 +139,7 @@ def free_port() -> int:
 def prepare(work: Path, model: str) -> tuple[Path, Path]:
     """The model directory and the task directory (YAML configs over local JSONL files)."""
     if model == "tiny":
-        from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+        from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
         model_dir = work / "tiny"
         tokenizer = build_tiny_tokenizer()

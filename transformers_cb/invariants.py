@@ -8,6 +8,10 @@ The package therefore never uses `assert`; a broken invariant raises
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+_T = TypeVar("_T")
+
 
 class InvariantError(AssertionError):
     """An internal invariant of the engine does not hold (a bug in transformers_cb)."""
@@ -18,3 +22,10 @@ def check(condition: bool, message: str = "") -> None:
     on the hot path: build it with an f-string only where the check is rare."""
     if not condition:
         raise InvariantError(message)
+
+
+def present(value: _T | None, message: str = "") -> _T:
+    """`value`, known not to be None here (the type checker narrows it); `InvariantError(message)` if it is."""
+    if value is None:
+        raise InvariantError(message)
+    return value

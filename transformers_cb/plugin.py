@@ -68,7 +68,8 @@ def _wrap_check_and_adjust(original: Callable) -> Callable:
             return attn_implementation
         return original(self, attn_implementation, *args, **kwargs)
 
-    _check_and_adjust_attn_implementation.__wrapped__ = original
+    # What `functools.wraps` would set, alone (the function keeps its own name and doc).
+    _check_and_adjust_attn_implementation.__dict__["__wrapped__"] = original
     return _check_and_adjust_attn_implementation
 
 
@@ -78,7 +79,7 @@ def _wrap_get_interface(original: Callable) -> Callable:
             return self[attn_implementation]
         return original(self, attn_implementation, default)
 
-    get_interface.__wrapped__ = original
+    get_interface.__dict__["__wrapped__"] = original
     return get_interface
 
 

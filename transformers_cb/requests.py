@@ -11,14 +11,20 @@ The tokens still to run are `all_token_ids[num_computed_tokens:]`:
     after preemption: num_computed_tokens = 0, remaining = everything
 
 A step that runs the last remaining token produces the next token.
+
+A request's outputs (`to_output`) do not copy its growing lists: each output's `generated_tokens`,
+`logprobs`, ... is a `SharedPrefix` of the request's own list (which only grows), copied into a list
+the first time it is read. `new_tokens` (and `new_logprobs`, `new_top_logprobs`) are the items new
+since the request's previous output, so a stream of N tokens read through them costs O(N) in all.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 if TYPE_CHECKING:
     from .sampling.request_state import RequestSampling
@@ -89,9 +95,77 @@ class PageList:
         return self.first_page + len(self.page_ids)
 
 
+T = TypeVar("T")
+_NO_DEFAULT: Any = object()
+
+
+class SharedPrefix(Generic[T]):
+    """`head` followed by the first `stop` items of `items`, an append-only list: what one output of a
+    request holds instead of a copy of the request's list. The list only grows, so this prefix never
+    changes; it is copied only when read (`CopiedOnRead`), and pickles / deep-copies as that copy."""
+
+    __slots__ = ("head", "items", "stop")
+
+    def __init__(self, items: Sequence[T], stop: int | None = None, head: tuple[T, ...] = ()) -> None:
+        self.items, self.stop, self.head = items, len(items) if stop is None else stop, head
+
+    def to_list(self) -> list[T]:
+        return [*self.head, *self.items[: self.stop]]
+
+    def tail(self, start: int) -> list[T]:
+        """Items `start` to `stop` of `items` (`head` not counted): O(stop - start)."""
+        return list(self.items[start : self.stop])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self.to_list(),))
+
+
+def shared(items: Sequence[T], stop: int | None = None, head: tuple[T, ...] = ()) -> list[T]:
+    """A `SharedPrefix` where a `CopiedOnRead` field expects its list (it is the list once read)."""
+    return cast("list[T]", SharedPrefix(items, stop, head))
+
+
+class CopiedOnRead(Generic[T]):
+    """A dataclass field that may hold a `SharedPrefix`, copied into a list (and kept) when first read;
+    any other value is stored and read as it is. Installed on `GenerationOutput`'s list fields after the
+    class is made, so their declarations (signature, types, defaults) stay plain lists."""
+
+    def __init__(self, name: str, default: T = _NO_DEFAULT) -> None:
+        self.name, self.default = name, default
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> T: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> T:
+        if obj is None:  # the class's attribute: the field's default, or none (a required field)
+            if self.default is _NO_DEFAULT:
+                raise AttributeError(self.name)
+            return self.default
+        value = obj.__dict__[self.name]
+        if isinstance(value, SharedPrefix):
+            value = obj.__dict__[self.name] = value.to_list()
+        return cast(T, value)
+
+    def __set__(self, obj: object, value: T) -> None:
+        obj.__dict__[self.name] = value
+
+    def tail(self, obj: object, start: int) -> list[Any] | None:
+        """Items from `start` on of `obj`'s list (None if it has none), without copying the rest."""
+        value = obj.__dict__[self.name]
+        if value is None:
+            return None
+        return value.tail(start) if isinstance(value, SharedPrefix) else list(value[start:])
+
+
 @dataclass
 class GenerationOutput:
-    """What a user receives for one request (final, or partial when streaming)."""
+    """What a user receives for one request (final, or partial when streaming).
+
+    The per-token lists of an output made by `Request.to_output` are shared with the request until first
+    read (`SharedPrefix`); `new_tokens` and its siblings give what is new since the request's previous
+    output.
+    """
 
     request_id: str
     prompt_ids: list[int]
@@ -107,9 +181,27 @@ class GenerationOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     timestamps: list[float] | None = None  # one `time.perf_counter()` per generated token (record_timestamps)
+    # Not a field: where `new_tokens` starts in `generated_tokens` (0 for an output built by hand).
+    _new_from = 0
 
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def new_tokens(self) -> list[int]:
+        """The generated tokens new since this request's previous output (all of them in its first or
+        only one): the outputs of a streamed request, taken in order, concatenate to its tokens. O(new)."""
+        return _COPIED["generated_tokens"].tail(self, self._new_from) or []
+
+    @property
+    def new_logprobs(self) -> list[float] | None:
+        """`logprobs` of `new_tokens` (None when the request has none)."""
+        return _COPIED["logprobs"].tail(self, self._new_from)
+
+    @property
+    def new_top_logprobs(self) -> list[dict[int, float]] | None:
+        """`top_logprobs` of `new_tokens` (None when the request has none)."""
+        return _COPIED["top_logprobs"].tail(self, self._new_from)
 
     @property
     def ttft(self) -> float | None:
@@ -117,6 +209,25 @@ class GenerationOutput:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.created_time
+
+
+# The lists an output may share with its request, each behind a `CopiedOnRead` with the field's default.
+_SHARED_FIELDS = (
+    "prompt_ids",
+    "generated_tokens",
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "prompt_top_logprobs",
+    "timestamps",
+)
+_COPIED: dict[str, CopiedOnRead[Any]] = {
+    f.name: CopiedOnRead(f.name, _NO_DEFAULT if f.default is MISSING else f.default)
+    for f in fields(GenerationOutput)
+    if f.name in _SHARED_FIELDS
+}
+for _name, _descriptor in _COPIED.items():
+    setattr(GenerationOutput, _name, _descriptor)
 
 
 @dataclass(eq=False)
@@ -135,16 +246,16 @@ class Request:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None  # logprobs of prompt tokens 1, 2, ... computed so far
     prompt_top_logprobs: list[dict[int, float]] | None = None  # their top_logprobs alternatives
-    sampling: RequestSampling | None = None  # None: plain greedy argmax (request_sampling.py)
+    sampling: RequestSampling | None = None  # None: plain greedy argmax (sampling/request_state.py)
     num_computed_tokens: int = 0
-    pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `cache/layer_groups.py`
+    pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `kv/layer_groups.py`
     num_preemptions: int = 0
     error: str | None = None
     finish_reason: str | None = None
     created_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    # Prefix sharing (cache/prefix_cache.py): content keys of the full pages so far, and how many
+    # Prefix sharing (kv/prefix_cache.py): content keys of the full pages so far, and how many
     # of the pages held are keyed in the pools.
     page_keys: list[bytes] = field(default_factory=list, repr=False)
     num_registered_pages: int = 0
@@ -154,6 +265,7 @@ class Request:
     siblings: list[Request] = field(default_factory=list, repr=False)
     fork_children: list[Request] = field(default_factory=list, repr=False)
     fork_parent: Request | None = field(default=None, repr=False)
+    num_output_tokens: int = 0  # generated tokens in this request's previous output (`to_output`)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)
@@ -169,15 +281,6 @@ class Request:
     def family(self) -> list[Request]:
         """This request and the siblings it will fork (`num_return_sequences`), parent first."""
         return [self, *self.siblings]
-
-    @property
-    def page_ids(self) -> list[int]:
-        """Page ids of the first KV group (the only one on a full-attention model)."""
-        return self.pages[0].page_ids if self.pages else []
-
-    @page_ids.setter
-    def page_ids(self, page_ids: list[int]) -> None:
-        self.group_pages(0).page_ids = list(page_ids)
 
     @property
     def holds_pages(self) -> bool:
@@ -249,24 +352,32 @@ class Request:
         return None
 
     def _prompt_tops(self) -> list[dict[int, float] | None] | None:
-        if not self.wants_prompt_logprobs or not self.sampling.params.top_logprobs:
+        sampling = self.sampling
+        if sampling is None or not sampling.params.prompt_logprobs or not sampling.params.top_logprobs:
             return None
-        return [None, *(self.prompt_top_logprobs or ())]
+        return shared(self.prompt_top_logprobs or (), head=(None,))
 
     def to_output(self) -> GenerationOutput:
-        return GenerationOutput(
+        """The request's output now. Its lists are shared with the request, not copied (`SharedPrefix`):
+        the request only appends to them. `new_tokens` are the tokens since the previous `to_output()`."""
+        num_tokens = len(self.generated_ids)
+        output = GenerationOutput(
             request_id=self.request_id,
-            prompt_ids=list(self.prompt_ids),
-            generated_tokens=list(self.generated_ids),
+            prompt_ids=shared(self.prompt_ids),
+            generated_tokens=shared(self.generated_ids, num_tokens),
             status=self.status.user_visible,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
+            logprobs=None if self.logprobs is None else shared(self.logprobs),
             error=self.error,
             finish_reason=self.finish_reason,
-            top_logprobs=None if self.top_logprobs is None else list(self.top_logprobs),
-            prompt_logprobs=[None, *(self.prompt_logprobs or ())] if self.wants_prompt_logprobs else None,
+            top_logprobs=None if self.top_logprobs is None else shared(self.top_logprobs),
+            prompt_logprobs=shared(self.prompt_logprobs or (), head=(None,))
+            if self.wants_prompt_logprobs
+            else None,
             prompt_top_logprobs=self._prompt_tops(),
             created_time=self.created_time,
             first_token_time=self.first_token_time,
             finish_time=self.finish_time,
-            timestamps=None if self.timestamps is None else list(self.timestamps),
+            timestamps=None if self.timestamps is None else shared(self.timestamps),
         )
+        output._new_from, self.num_output_tokens = self.num_output_tokens, num_tokens
+        return output

@@ -14,7 +14,7 @@ from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -110,7 +110,7 @@ def test_sampling_is_reproducible_under_a_seed(model, prompts) -> None:
 
 def test_cpu_defaults_are_sized_to_the_work(model, prompts) -> None:
     workload = [len(p) + 6 for p in prompts]
-    engine = Engine(model, GREEDY, ContinuousBatchingConfig(page_size=16), workload=workload)
+    engine = build_engine(model, GREEDY, ContinuousBatchingConfig(page_size=16), workload=workload)
     needed = sum(-(-n // 16) for n in workload)
     assert engine.sizing.num_pages == -(-needed // 0.85)  # + headroom for fifo's safety margin
     assert engine.sizing.max_requests_per_batch == len(prompts)
@@ -134,10 +134,67 @@ def test_a_job_that_fits_is_admitted_at_once(model) -> None:
     prompts = prompts_of_lengths([20 + i for i in range(16)], seed=5)
     workload = [len(p) + 64 for p in prompts]
     # One page of 256 per request: exactly 16 pages would admit only 14 under a 0.15 margin.
-    engine = Engine(model, GREEDY, ContinuousBatchingConfig(), workload=workload)
+    engine = build_engine(model, GREEDY, ContinuousBatchingConfig(), workload=workload)
     for i, prompt in enumerate(prompts):
         engine.add(engine.build_request(prompt, f"req_{i}", max_new_tokens=64))
     with torch.inference_mode():
         engine.step()
     assert not engine.scheduler.waiting
     assert len(engine.scheduler.running) == len(prompts)
+
+
+def _count_calls(monkeypatch, name: str, counted) -> list:
+    """Count the calls of `transformers_cb.config.generation_fields.<name>` wherever the package imported
+    it (`counted(args)` says whether a call counts)."""
+    import sys
+
+    from transformers_cb.config import generation_fields
+
+    original, calls = getattr(generation_fields, name), []
+
+    def counting(*args, **kwargs):
+        if counted(args):
+            calls.append(args)
+        return original(*args, **kwargs)
+
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("transformers_cb") and getattr(module, name, None) is original:
+            monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_generation_config_is_resolved_once_and_each_limit_defaulted_once(
+    model, prompts, monkeypatch, persistent: bool
+) -> None:
+    from transformers_cb.config.generation_fields import ResolvedConfig
+
+    resolved = _count_calls(
+        monkeypatch, "resolve_generation_config", lambda a: not isinstance(a[1], ResolvedConfig)
+    )
+    defaulted = _count_calls(monkeypatch, "default_max_new_tokens", lambda a: True)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    out = model.generate_batch(
+        prompts, config, progress_bar=False, warmup=False, persistent_manager=persistent
+    )
+    model.destroy_cached_continuous_batching_manager()
+    assert [len(o.generated_tokens) for o in out.values()] == [3] * len(prompts)
+    assert len(resolved) == 1
+    assert len(defaulted) == len(prompts)
+
+
+def test_per_item_lists_split_one_way_in_generate_batch_and_add_requests(model, prompts) -> None:
+    from transformers_cb.engine.validation import per_item
+
+    assert per_item(3, 2, "x") == [3, 3]
+    assert per_item([1, 2], 2, "x") == [1, 2]
+    assert per_item(("a", "b"), 2, "stop_strings", lists_are_values=True) == [("a", "b")] * 2
+    with pytest.raises(ValueError, match="guided: got 3 values for 2 inputs") as batch_error:
+        model.generate_batch(prompts[:2], GREEDY, progress_bar=False, guided=[None] * 3)
+    manager = model.init_continuous_batching(generation_config=GREEDY)
+    try:
+        with pytest.raises(ValueError, match="guided: got 3 values for 2 inputs") as manager_error:
+            manager.add_requests(prompts[:2], guided=[None] * 3)
+    finally:
+        manager.destroy()
+    assert str(batch_error.value) == str(manager_error.value)

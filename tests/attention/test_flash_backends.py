@@ -28,7 +28,7 @@ from transformers_cb.attention.flash_kernels import (
     FlashKernelUnavailable,
     load_flash_kernel,
 )
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 from transformers_cb.sampling.sampled_token import SampledToken
 
 GREEDY = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -80,7 +80,7 @@ def test_flash_names_select_the_backend_through_transformers(tmp_path) -> None:
         assert model.config._attn_implementation == FA2
         model.set_attn_implementation(FA3)
         assert model.config._attn_implementation == FA3
-        engine = Engine(model, GREEDY, _config())
+        engine = build_engine(model, GREEDY, _config())
         assert engine.step_options.attn_implementation == FA3
 
 
@@ -89,7 +89,7 @@ def test_flash_backend_refuses_a_page_size_flash_attn_2_cannot_read() -> None:
     with flash_double.injected(fa2=True):
         model.set_attn_implementation(FA2)
         with pytest.raises(ValueError, match="multiple of 256"):
-            Engine(model, GREEDY, _config(page_size=64))
+            build_engine(model, GREEDY, _config(page_size=64))
 
 
 def test_flash_backend_off_a_flash_device_is_refused() -> None:
@@ -97,7 +97,7 @@ def test_flash_backend_off_a_flash_device_is_refused() -> None:
     with flash_double.injected(fa2=True, cpu=False):
         model.set_attn_implementation(FA2)
         with pytest.raises(ValueError, match="need a CUDA device"):
-            Engine(model, GREEDY, _config())
+            build_engine(model, GREEDY, _config())
 
 
 # -- parity through the double --------------------------------------------------------------------
@@ -188,7 +188,7 @@ def _vllm_style_varlen(
 def test_varlen_call_arguments_follow_the_kernels_signature() -> None:
     """A kernel that takes `seqused_k` and `s_aux` (vLLM's API) gets them instead of cu_seqlens_k."""
     model = tiny_llama()
-    engine = Engine(model, GREEDY, _config())
+    engine = build_engine(model, GREEDY, _config())
     request = engine.build_request([5, 6, 7, 8, 9], "r", max_new_tokens=2)
     engine.add(request)
     step = engine.packer.pack(engine.scheduler.schedule())
@@ -211,7 +211,7 @@ def test_sinks_on_a_kernel_without_them_are_refused() -> None:
     with flash_double.injected(fa2=True):
         kernel = load_flash_kernel(FA2)
         model = tiny_llama()
-        engine = Engine(model, GREEDY, _config())
+        engine = build_engine(model, GREEDY, _config())
         engine.add(engine.build_request([5, 6, 7], "r", max_new_tokens=2))
         step = engine.packer.pack(engine.scheduler.schedule())
         prepare_flash_step(step.metadata, 0)
@@ -248,7 +248,7 @@ def test_fast_path_width_resolution(caplog) -> None:
 
 def test_fast_path_only_for_decode_steps_that_fit_the_table() -> None:
     model = tiny_llama()
-    engine = Engine(model, GREEDY, _config(page_size=16, num_blocks=64))
+    engine = build_engine(model, GREEDY, _config(page_size=16, num_blocks=64))
     for i, n in enumerate([20, 5]):
         engine.add(engine.build_request(list(range(3, 3 + n)), f"r{i}", max_new_tokens=30))
     batch = engine.scheduler.schedule()
@@ -288,7 +288,7 @@ def test_auto_switch_order(loaded, fa2, fa3, auto, expected, caplog) -> None:
     if loaded == "paged|sdpa":
         model.set_attn_implementation("paged|sdpa")
     with flash_double.injected(fa2=fa2, fa3=fa3), caplog.at_level(logging.INFO, logger="transformers_cb"):
-        engine = Engine(model, GREEDY, _config(auto_switch_to_flash=auto))
+        engine = build_engine(model, GREEDY, _config(auto_switch_to_flash=auto))
     assert engine.step_options.attn_implementation == expected
     if expected == FA2:
         assert "flash-attn 3 is not installed" in caplog.text
@@ -299,11 +299,11 @@ def test_auto_switch_order(loaded, fa2, fa3, auto, expected, caplog) -> None:
 
 def test_auto_switch_needs_a_flash_device_and_a_flash_model() -> None:
     with flash_double.injected(fa2=True, fa3=True, cpu=False):
-        assert Engine(tiny_llama(), GREEDY, _config()).step_options.attn_implementation == "paged|sdpa"
+        assert build_engine(tiny_llama(), GREEDY, _config()).step_options.attn_implementation == "paged|sdpa"
     model = tiny_llama()
     with flash_double.injected(fa2=True, fa3=True):
         model._supports_flash_attn = False
-        assert Engine(model, GREEDY, _config()).step_options.attn_implementation == "paged|sdpa"
+        assert build_engine(model, GREEDY, _config()).step_options.attn_implementation == "paged|sdpa"
 
 
 def test_auto_switch_runs_flash_for_the_run_only() -> None:
@@ -340,4 +340,4 @@ def test_a_model_with_sinks_is_refused_at_start_by_a_kernel_without_them() -> No
     with flash_double.injected(fa2=True):
         model.set_attn_implementation(FA2)
         with pytest.raises(ValueError, match="attention sinks"):
-            Engine(model, GREEDY, _config())
+            build_engine(model, GREEDY, _config())

@@ -1,4 +1,4 @@
-"""Tests for the ``transformers-cb`` command line and its built-in tiny model."""
+"""The ``transformers-cb generate`` command: arguments, input errors, outputs, the module entry point."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import run_process
-from transformers_cb.cli.inputs import DEMO_PROMPTS, InputError, parse_requests, read_requests
 from transformers_cb.cli.main import main
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.jobs.inputs import DEMO_PROMPTS
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 # The built-in tiny model, JSON lines on stdout, and a small cache so that CPU runs allocate little memory
 # and stay fast (a later --model overrides the first).
@@ -50,101 +50,8 @@ def _run_cli(args: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Tiny tokenizer and model
+# Input errors through the command
 # ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        "",
-        "Hello, world!",
-        "  leading and trailing  ",
-        "Héllo wörld\n\ttabs",
-        "日本語 🙂 emoji",
-        "a</s>b<s>c<pad>",
-    ],
-)
-def test_tiny_tokenizer_round_trips(text: str) -> None:
-    tokenizer = build_tiny_tokenizer()
-    ids = tokenizer.encode(text)
-    assert ids[0] == tokenizer.bos_token_id
-    assert len(ids) == 1 + len(text.encode("utf-8"))
-    assert tokenizer.decode(ids, skip_special_tokens=True) == text
-
-
-def test_tiny_tokenizer_special_tokens_and_save_load(tmp_path: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tokenizer = build_tiny_tokenizer()
-    assert len(tokenizer) == 259
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
-    assert len({tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id}) == 3
-
-    tokenizer.save_pretrained(tmp_path)
-    loaded = AutoTokenizer.from_pretrained(tmp_path)
-    text = "round trip </s> through disk ✓"
-    assert loaded.encode(text) == tokenizer.encode(text)
-    assert loaded.decode(loaded.encode(text), skip_special_tokens=True) == text
-    assert loaded.eos_token_id == tokenizer.eos_token_id
-    assert loaded.pad_token_id == tokenizer.pad_token_id
-
-
-def test_tiny_model_shape_and_determinism() -> None:
-    tokenizer = build_tiny_tokenizer()
-    model_a = build_tiny_model(seed=3)
-    model_b = build_tiny_model(seed=3)
-    model_c = build_tiny_model(seed=4)
-    config = model_a.config
-    assert (config.hidden_size, config.num_hidden_layers) == (64, 2)
-    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
-    assert config.vocab_size == len(tokenizer)
-    assert model_a.generation_config.eos_token_id == tokenizer.eos_token_id
-    assert not model_a.training
-    assert all(p.dtype == torch.float32 for p in model_a.parameters())
-    state_a, state_b, state_c = model_a.state_dict(), model_b.state_dict(), model_c.state_dict()
-    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
-    assert not all(torch.equal(state_a[k], state_c[k]) for k in state_a)
-
-
-# ---------------------------------------------------------------------------
-# Input parsing
-# ---------------------------------------------------------------------------
-
-
-def test_parse_requests_mixed_formats() -> None:
-    lines = [
-        "plain prompt\n",
-        "\n",
-        '{"prompt": "json prompt", "id": "a", "max_new_tokens": 3}\n',
-        '{"prompt": "no id", "extra": 1}\n',
-        "   \n",
-        "last plain prompt\n",
-    ]
-    requests = parse_requests(lines)
-    assert [(r.id, r.prompt, r.max_new_tokens, r.line_no) for r in requests] == [
-        (0, "plain prompt", None, 1),
-        ("a", "json prompt", 3, 3),
-        (2, "no id", None, 4),
-        (3, "last plain prompt", None, 6),
-    ]
-
-
-@pytest.mark.parametrize(
-    ("line", "message"),
-    [
-        ('{"prompt": "x",}', "line 2: invalid JSON"),
-        ('{"id": 1}', "line 2: missing required key 'prompt'"),
-        ('{"prompt": 5}', "line 2: 'prompt' must be a string"),
-        ('{"prompt": "x", "max_new_tokens": 0}', "line 2: 'max_new_tokens' must be a positive integer"),
-        ('{"prompt": "x", "max_new_tokens": "4"}', "line 2: 'max_new_tokens' must be a positive integer"),
-        ('{"prompt": "x", "id": [1]}', "line 2: 'id' must be a string or an integer"),
-        ('{"prompt": "x", "id": "first"}', "line 2: duplicate id 'first' (first used on line 1)"),
-    ],
-)
-def test_parse_requests_errors_name_the_line(line: str, message: str) -> None:
-    with pytest.raises(InputError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
-        parse_requests(['{"prompt": "ok", "id": "first"}', line])
 
 
 def test_malformed_json_line_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -376,9 +283,3 @@ def test_generate_input_dash_reads_stdin_even_when_empty() -> None:
     completed = _run_module(["generate", "--input", "-", *CACHE_ARGS], stdin=subprocess.DEVNULL)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == "" and "requests: 0" in completed.stderr
-
-
-def test_read_requests_demo_only_without_input() -> None:
-    assert [r.prompt for r in read_requests(None, io.StringIO(""))] == list(DEMO_PROMPTS)
-    assert [r.prompt for r in read_requests(None, io.StringIO("hi\n"))] == ["hi"]
-    assert read_requests("-", io.StringIO("")) == []

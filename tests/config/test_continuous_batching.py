@@ -444,14 +444,13 @@ def test_max_requests_is_capped_by_the_token_budget(free_memory) -> None:
 
 def test_generate_batch_sizes_from_its_prompts(model, monkeypatch) -> None:
     engines = []
-    original = generation_module.Engine
+    original = generation_module.build_engine
 
-    class RecordingEngine(original):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            engines.append(self)
+    def recording_build(*args, **kwargs):
+        engines.append(original(*args, **kwargs))
+        return engines[-1]
 
-    monkeypatch.setattr(generation_module, "Engine", RecordingEngine)
+    monkeypatch.setattr(generation_module, "build_engine", recording_build)
     prompts = prompts_of_lengths([5, 20, 33], seed=1)
     model.generate_batch(
         prompts,
@@ -466,7 +465,7 @@ def test_generate_batch_sizes_from_its_prompts(model, monkeypatch) -> None:
     # plus headroom for the 0.15 safety margin: ceil(6 / 0.85) = 8.
     assert engine.sizing.num_pages == 8
     assert engine.scheduler.safety_margin == 0.15
-    assert engine.cache.pool.num_free_pages == 8
+    assert engine.num_total_pages - engine.num_used_pages == 8
 
 
 def test_explicit_decode_fast_path_falls_back_with_a_warning(caplog) -> None:

@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.config.generation_fields import default_max_new_tokens, resolve_generation_config
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 
 
 @pytest.mark.parametrize(
@@ -30,7 +30,7 @@ def test_the_rule(fields: dict, expected: int | None) -> None:
 def test_the_engine_applies_the_same_rule_to_its_resolved_config(fields: dict) -> None:
     model = tiny_llama()
     generation_config = GenerationConfig(do_sample=False, **fields)
-    engine = Engine(model, generation_config, ContinuousBatchingConfig(page_size=16, num_blocks=8))
+    engine = build_engine(model, generation_config, ContinuousBatchingConfig(page_size=16, num_blocks=8))
     resolved = resolve_generation_config(model, generation_config)
     for num_prompt_tokens in (1, 9):
         expected = default_max_new_tokens(resolved, num_prompt_tokens)

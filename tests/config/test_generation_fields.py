@@ -10,14 +10,12 @@ from tests.support.models import tiny_llama
 from transformers_cb.config.generation_fields import (
     HARMLESS,
     IMPLEMENTED,
-    NEUTRAL,
     REFUSED,
     UnsupportedGenerationOption,
-    check_generation_config,
     field_names,
-    is_default,
     transformers_defaults,
 )
+from transformers_cb.sampling.neutral import NEUTRAL_VALUES, check_generation_config, is_default
 
 # A value away from the default for each refused field. (The logits processors issue 14 listed here are
 # implemented since issue 10: conformance/test_processors.py checks each against generate().)
@@ -59,9 +57,8 @@ def test_every_refused_field_has_a_test_value_and_defaults_pass():
     assert set(NON_DEFAULT) == REFUSED
     check_generation_config(GenerationConfig())
     check_generation_config(GenerationConfig(**transformers_defaults()))
-    for name, values in NEUTRAL.items():
-        for value in values:
-            assert is_default(name, value)
+    for name, value in NEUTRAL_VALUES.items():
+        assert is_default(name, value)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -287,8 +287,8 @@ def test_manager_warmup_runs_once_and_leaves_nothing(model, prompts) -> None:
     manager.warmup()
     assert manager.warmed_up
     engine = manager.engine
-    assert engine.counters.steps == 0 and engine.cache.pool.num_used_pages == 0
-    assert engine.cache.pool.num_cached_pages == 0 and manager.stats().prefix_cache_hit_rate == 0.0
+    assert engine.counters.steps == 0 and engine.num_used_pages == 0
+    assert engine.snapshot().prefix_cache_pages == 0 and manager.stats().prefix_cache_hit_rate == 0.0
     engine.check_integrity()
     manager.start()
     rid = manager.add_request(prompts[2], max_new_tokens=5)

@@ -259,7 +259,7 @@ def test_offload_swaps_on_every_rank_and_matches_generate(tmp_path) -> None:
 def test_guided_decoding_under_tensor_parallelism(model_dir, tmp_path) -> None:
     """Masks are computed on rank 0, which samples; both ranks return what one process returns, preempted."""
     pytest.importorskip("llguidance")
-    from transformers_cb.cli.tiny import build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_tokenizer
 
     records = run_ranks("guided", model_dir, tmp_path)
     assert set(records) == {0, 1}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tests.support.offload import Rig
-from tests.support.requests import make_request
+from tests.support.requests import make_request, page_ids, set_page_ids
 from transformers_cb.requests import RequestStatus
 
 
@@ -26,13 +26,13 @@ def test_swap_out_and_in_with_exact_page_ids() -> None:
     rig = Rig(num_pages=6, host_pages=8)
     a, b, c = _add(rig, ("A", 8, 4), ("B", 8, 8), ("C", 7, 8))
     rig.step()  # all three prefill: A [0, 1], B [2, 3], C [4, 5]
-    assert (a.page_ids, b.page_ids, c.page_ids) == ([0, 1], [2, 3], [4, 5])
+    assert (page_ids(a), page_ids(b), page_ids(c)) == ([0, 1], [2, 3], [4, 5])
 
     batch = rig.scheduler.schedule()  # A and B each need a third page: C (newest) is preempted
     assert [r.request_id for r in batch.preempted] == ["C"]
     plan = batch.swaps
     assert (plan.out_src, plan.out_dst) == ([[4, 5]], [[0, 1]])  # device 4, 5 -> host 0, 1
-    assert (a.page_ids, b.page_ids, c.page_ids) == ([0, 1, 4], [2, 3, 5], [])
+    assert (page_ids(a), page_ids(b), page_ids(c)) == ([0, 1, 4], [2, 3, 5], [])
     assert c.num_computed_tokens == 7 and c.status == RequestStatus.EVICTED  # kept: nothing to recompute
     assert rig.offload.host.pools[0].num_free_pages == 6 and rig.offload.num_swapped_out == 1
     rig.copier.run(plan)
@@ -72,7 +72,7 @@ def test_trajectory_with_exact_page_ids_and_kv_checks() -> None:
     assert (rig.offload.swap_out_pages, rig.offload.swap_in_pages) == (4, 4)
     assert rig.copier.num_copies == 4  # one gather/scatter per group and direction per step
     assert [len(r.generated_ids) for r in (a, b, c)] == [4, 8, 8]
-    assert rig.cache.pool.num_free_pages == 6 and rig.offload.host.pools[0].num_free_pages == 8
+    assert rig.pools[0].num_free_pages == 6 and rig.offload.host.pools[0].num_free_pages == 8
 
 
 def _outputs(num_pages: int, host_pages: int, **kwargs) -> tuple[Rig, dict[str, list[int]]]:
@@ -134,29 +134,29 @@ def test_shared_pages_stay_resident_and_come_back() -> None:
     """A page another request still references (refcount 2) is not copied; the swapped-out request keeps
     its reference and gets the same page back. Its own page moves through the host tier."""
     rig = Rig(num_pages=8, host_pages=8)
-    allocator = rig.allocators[0]
+    policy = rig.policies[0]
     a, b = make_request("A", 8, 4), make_request("B", 8, 4)
-    assert allocator.allocate(a, 8)  # A: pages 0, 1
-    allocator.pool.share([0])  # B shares A's first page (prefix sharing)
-    b.page_ids = [0]
-    assert allocator.allocate(b, 8)  # B: pages 0 (shared), 2
+    assert policy.allocate(a, 8)  # A: pages 0, 1
+    policy.pool.share([0])  # B shares A's first page (prefix sharing)
+    set_page_ids(b, [0])
+    assert policy.allocate(b, 8)  # B: pages 0 (shared), 2
     a.num_computed_tokens = b.num_computed_tokens = 8
     marker = torch.full_like(rig.cache.group_tensors[0][:, :, 2], 7.0)
     rig.cache.group_tensors[0][:, :, 2] = marker
     assert rig.offload.try_swap_out(b)
     assert (rig.offload.plan.out_src, rig.offload.plan.out_dst) == ([[2]], [[0]])
-    allocator.free(b)  # the scheduler's release after a swap-out
-    assert allocator.pool.refcount(0) == 2 and allocator.pool.refcount(2) == 0  # A + B's kept reference
+    policy.free(b)  # the scheduler's release after a swap-out
+    assert policy.pool.refcount(0) == 2 and policy.pool.refcount(2) == 0  # A + B's kept reference
     assert rig.offload.device_tables() == [[[0]]]
-    allocator.pool.check_integrity([a.page_ids, *rig.offload.device_tables()[0]])
+    policy.pool.check_integrity([page_ids(a), *rig.offload.device_tables()[0]])
     rig.run_swaps()
     assert torch.equal(rig.host.tensors[0][:, :, 0], marker)
     rig.cache.group_tensors[0][:, :, 2] = 0.0  # page 2 reused and overwritten
     x = make_request("X", 4, 1)
-    assert allocator.allocate(x, 4) and x.page_ids == [3]  # the free list is 3..7, then 2
+    assert policy.allocate(x, 4) and page_ids(x) == [3]  # the free list is 3..7, then 2
     assert rig.offload.pages_to_swap_in(b) == [2]  # its host page, and a page for its next token
     rig.offload.swap_in(b)
-    assert b.page_ids == [0, 4] and allocator.pool.refcount(0) == 2  # same shared page, fresh page 4
+    assert page_ids(b) == [0, 4] and policy.pool.refcount(0) == 2  # same shared page, fresh page 4
     assert (rig.offload.plan.in_src, rig.offload.plan.in_dst) == ([[0]], [[4]])
     rig.run_swaps()
     assert torch.equal(rig.cache.group_tensors[0][:, :, 4], marker)
@@ -173,7 +173,7 @@ def test_cancel_while_swapped_out_frees_host_pages() -> None:
     assert not rig.offload.is_swapped(c) and rig.offload.host.pools[0].num_used_pages == 0
     rig.check_integrity()
     rig.run()
-    assert c.status == RequestStatus.CANCELLED and rig.cache.pool.num_free_pages == 6
+    assert c.status == RequestStatus.CANCELLED and rig.pools[0].num_free_pages == 6
 
 
 def test_discard_drops_copies_not_run_yet() -> None:
@@ -193,7 +193,7 @@ def test_discard_drops_copies_not_run_yet() -> None:
     assert rig.offload.host.num_used_pages == 0
     rig.execute(batch)
     rig.run()
-    assert rig.offload.host.num_used_pages == 0 and rig.cache.pool.num_free_pages == 6
+    assert rig.offload.host.num_used_pages == 0 and rig.pools[0].num_free_pages == 6
 
 
 def test_swapped_request_recomputes_when_nothing_runs_and_it_cannot_come_back() -> None:
@@ -207,7 +207,7 @@ def test_swapped_request_recomputes_when_nothing_runs_and_it_cannot_come_back() 
     for request in (a, b):
         rig.scheduler.finish(request, RequestStatus.CANCELLED, "cancelled")
     # Fill the device with pages held by nobody the scheduler knows (as the prefix cache could).
-    held = rig.cache.pool.allocate(5)
+    held = rig.pools[0].allocate(5)
     rig.scheduler.schedule()
     assert not rig.offload.is_swapped(c) and rig.scheduler.recomputed.pending == {"C": 7}
-    rig.cache.pool.release(held)
+    rig.pools[0].release(held)

@@ -1,4 +1,4 @@
-"""PagePool, FullAttentionAllocator and BlockTables: exact page ids, refcounts, integrity checks."""
+"""PagePool, FullAttentionPolicy and BlockTables: exact page ids, refcounts, integrity checks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tests.support.requests import make_request
-from transformers_cb.kv.page_policies import FullAttentionAllocator, num_pages_for
+from tests.support.requests import make_request, page_ids, set_page_ids
+from transformers_cb.kv.page_policies import FullAttentionPolicy, num_pages_for
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.block_tables import BlockTables
 
@@ -193,7 +193,7 @@ def test_integrity_detects_table_repeating_a_page() -> None:
         pool.check_integrity([[0, 0]])
 
 
-# -- FullAttentionAllocator ----------------------------------------------------------------------
+# -- FullAttentionPolicy ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -215,83 +215,85 @@ def test_num_pages_for(num_tokens: int, page_size: int, expected: int) -> None:
 
 
 def test_num_new_pages_at_page_boundaries() -> None:
-    allocator = FullAttentionAllocator(PagePool(8), page_size=4)
+    policy = FullAttentionPolicy(PagePool(8), page_size=4)
     request = make_request()
-    assert [allocator.num_new_pages(request, n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert [policy.num_new_pages(request, n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
     # 3 tokens computed in one page: 1 more fits, the 2nd opens a new page.
-    request.page_ids, request.num_computed_tokens = [0], 3
-    assert [allocator.num_new_pages(request, n) for n in (0, 1, 2, 5, 6)] == [0, 0, 1, 1, 2]
+    set_page_ids(request, [0])
+    request.num_computed_tokens = 3
+    assert [policy.num_new_pages(request, n) for n in (0, 1, 2, 5, 6)] == [0, 0, 1, 1, 2]
     # Exactly one full page computed: the next token needs a new page.
     request.num_computed_tokens = 4
-    assert allocator.num_new_pages(request, 1) == 1
-    assert allocator.num_new_pages(request, 4) == 1
-    assert allocator.num_new_pages(request, 5) == 2
+    assert policy.num_new_pages(request, 1) == 1
+    assert policy.num_new_pages(request, 4) == 1
+    assert policy.num_new_pages(request, 5) == 2
     # Pages held ahead of need (allocated for a chunk not yet computed) are counted.
-    request.page_ids, request.num_computed_tokens = [0, 1], 4
-    assert allocator.num_new_pages(request, 4) == 0
-    assert allocator.num_new_pages(request, 5) == 1
-    assert allocator.pool.num_free_pages == 8, "num_new_pages is pure"
+    set_page_ids(request, [0, 1])
+    request.num_computed_tokens = 4
+    assert policy.num_new_pages(request, 4) == 0
+    assert policy.num_new_pages(request, 5) == 1
+    assert policy.pool.num_free_pages == 8, "num_new_pages is pure"
 
 
 def test_num_fitting_tokens_at_page_boundaries() -> None:
     pool = PagePool(3)
-    allocator = FullAttentionAllocator(pool, page_size=4)
+    policy = FullAttentionPolicy(pool, page_size=4)
     request = make_request()
-    assert allocator.num_fitting_tokens(request, 5) == 5
-    assert allocator.num_fitting_tokens(request, 12) == 12
-    assert allocator.num_fitting_tokens(request, 13) == 12
-    assert allocator.num_fitting_tokens(request, 0) == 0
+    assert policy.num_fitting_tokens(request, 5) == 5
+    assert policy.num_fitting_tokens(request, 12) == 12
+    assert policy.num_fitting_tokens(request, 13) == 12
+    assert policy.num_fitting_tokens(request, 0) == 0
     other = make_request("other")
-    assert allocator.allocate(other, 8)
-    assert other.page_ids == [0, 1]
+    assert policy.allocate(other, 8)
+    assert page_ids(other) == [0, 1]
     # `request` holds one page with 3 tokens computed; one page is free: (1 + 1) * 4 - 3 = 5 fit.
-    request.page_ids = pool.allocate(1)
-    assert request.page_ids == [2]
+    set_page_ids(request, pool.allocate(1))
+    assert page_ids(request) == [2]
     request.num_computed_tokens = 3
-    assert allocator.num_fitting_tokens(request, 100) == 1  # pool is now full: only its own page's tail
-    allocator.free(other)
-    assert allocator.num_fitting_tokens(request, 100) == 9
-    assert allocator.num_fitting_tokens(request, 2) == 2
+    assert policy.num_fitting_tokens(request, 100) == 1  # pool is now full: only its own page's tail
+    policy.free(other)
+    assert policy.num_fitting_tokens(request, 100) == 9
+    assert policy.num_fitting_tokens(request, 2) == 2
     request.num_computed_tokens = 4
     pool.allocate(2)  # fill the pool again
-    assert allocator.num_fitting_tokens(request, 1) == 0
+    assert policy.num_fitting_tokens(request, 1) == 0
     assert pool.num_free_pages == 0
 
 
-def test_allocator_allocate_and_free_exact_pages() -> None:
+def test_page_policy_allocate_and_free_exact_pages() -> None:
     pool = PagePool(5)
-    allocator = FullAttentionAllocator(pool, page_size=4)
+    policy = FullAttentionPolicy(pool, page_size=4)
     a, b = make_request("a"), make_request("b")
-    assert allocator.allocate(a, 5)
-    assert a.page_ids == [0, 1]
-    assert allocator.allocate(b, 4)
-    assert b.page_ids == [2]
+    assert policy.allocate(a, 5)
+    assert page_ids(a) == [0, 1]
+    assert policy.allocate(b, 4)
+    assert page_ids(b) == [2]
     a.num_computed_tokens = 5
-    assert allocator.allocate(a, 3)  # 8 tokens: still 2 pages
-    assert a.page_ids == [0, 1]
+    assert policy.allocate(a, 3)  # 8 tokens: still 2 pages
+    assert page_ids(a) == [0, 1]
     a.num_computed_tokens = 8
-    assert allocator.allocate(a, 1)
-    assert a.page_ids == [0, 1, 3]
-    pool.check_integrity([a.page_ids, b.page_ids])
+    assert policy.allocate(a, 1)
+    assert page_ids(a) == [0, 1, 3]
+    pool.check_integrity([page_ids(a), page_ids(b)])
     # Too large: nothing changes.
     b.num_computed_tokens = 4
-    assert not allocator.allocate(b, 9)
-    assert b.page_ids == [2]
+    assert not policy.allocate(b, 9)
+    assert page_ids(b) == [2]
     assert free_list(pool) == [4]
-    allocator.free(a)
-    assert a.page_ids == []
+    policy.free(a)
+    assert page_ids(a) == []
     assert free_list(pool) == [4, 0, 1, 3]
-    assert allocator.allocate(b, 9)
-    assert b.page_ids == [2, 4, 0, 1]
-    pool.check_integrity([a.page_ids, b.page_ids])
-    allocator.free(b)
+    assert policy.allocate(b, 9)
+    assert page_ids(b) == [2, 4, 0, 1]
+    pool.check_integrity([page_ids(a), page_ids(b)])
+    policy.free(b)
     assert pool.num_free_pages == 5
     pool.check_integrity([])
 
 
-def test_allocator_max_pages() -> None:
-    allocator = FullAttentionAllocator(PagePool(2), page_size=16)
-    assert [allocator.max_pages(n) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
+def test_page_policy_max_pages() -> None:
+    policy = FullAttentionPolicy(PagePool(2), page_size=16)
+    assert [policy.max_pages(n) for n in (1, 16, 17, 32, 33)] == [1, 1, 2, 2, 3]
 
 
 # -- BlockTables ---------------------------------------------------------------------------------
@@ -300,22 +302,22 @@ def test_allocator_max_pages() -> None:
 def test_block_tables_rows_and_incremental_writes() -> None:
     tables = BlockTables(max_pages_per_request=4, device=torch.device("cpu"), initial_rows=2)
     a, b = make_request("a"), make_request("b")
-    a.page_ids = [5, 3]
+    set_page_ids(a, [5, 3])
     assert tables.sync(a) == 0
     assert tables.table[0, :2].tolist() == [5, 3]
-    b.page_ids = [1]
+    set_page_ids(b, [1])
     assert tables.sync(b) == 1
     assert tables.table[1, :1].tolist() == [1]
     # Only new pages are written: earlier entries of the row are left as they are.
     tables.table[0, 0] = 99
-    a.page_ids.append(7)
+    page_ids(a).append(7)
     assert tables.sync(a) == 0
     assert tables.table[0, :3].tolist() == [99, 3, 7]
     assert tables.sync(a) == 0  # idempotent
     # A released row is reused by the next request.
     tables.release(a)
     c = make_request("c")
-    c.page_ids = [2, 4]
+    set_page_ids(c, [2, 4])
     assert tables.sync(c) == 0
     assert tables.table[0, :2].tolist() == [2, 4]
     tables.release(make_request("unknown"))  # no-op
@@ -325,7 +327,7 @@ def test_block_tables_grow_and_keep_rows() -> None:
     tables = BlockTables(max_pages_per_request=3, device=torch.device("cpu"), initial_rows=2)
     requests = [make_request(f"r{i}") for i in range(5)]
     for i, request in enumerate(requests):
-        request.page_ids = [i, i + 10]
+        set_page_ids(request, [i, i + 10])
         assert tables.sync(request) == i
     assert tables.table.shape == (8, 3)
     for i in range(5):
@@ -335,12 +337,12 @@ def test_block_tables_grow_and_keep_rows() -> None:
 def test_block_tables_refuse_shrinking_or_overflowing_rows() -> None:
     tables = BlockTables(max_pages_per_request=2, device=torch.device("cpu"), initial_rows=1)
     request = make_request()
-    request.page_ids = [0, 1]
+    set_page_ids(request, [0, 1])
     tables.sync(request)
-    request.page_ids = [0]
+    set_page_ids(request, [0])
     with pytest.raises(AssertionError, match="shrank"):
         tables.sync(request)
-    request.page_ids = [0, 1, 2]
+    set_page_ids(request, [0, 1, 2])
     with pytest.raises(AssertionError, match="num_pages=3"):
         tables.sync(request)
 
@@ -428,31 +430,31 @@ TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, dea
     page_size=st.integers(1, 6),
     ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 25)), max_size=40),
 )
-def test_allocator_ops_keep_integrity(num_pages: int, page_size: int, ops: list[tuple[int, int]]) -> None:
-    """Grow / compute / free random requests through the allocator; integrity holds after every op."""
+def test_page_policy_ops_keep_integrity(num_pages: int, page_size: int, ops: list[tuple[int, int]]) -> None:
+    """Grow / compute / free random requests through the policy; integrity holds after every op."""
     pool = PagePool(num_pages)
-    allocator = FullAttentionAllocator(pool, page_size)
+    policy = FullAttentionPolicy(pool, page_size)
     requests = [make_request(f"r{i}") for i in range(4)]
     for index, num_tokens in ops:
         request = requests[index]
         if num_tokens == 0:
-            allocator.free(request)
+            policy.free(request)
             request.num_computed_tokens = 0
         else:
-            fitting = allocator.num_fitting_tokens(request, num_tokens)
-            needed = allocator.num_new_pages(request, num_tokens)
+            fitting = policy.num_fitting_tokens(request, num_tokens)
+            needed = policy.num_new_pages(request, num_tokens)
             free_before = pool.num_free_pages
-            ok = allocator.allocate(request, num_tokens)
+            ok = policy.allocate(request, num_tokens)
             assert ok == (needed <= free_before)
             assert ok == (fitting == num_tokens)
             if ok:
                 request.num_computed_tokens += num_tokens
-                assert len(request.page_ids) == num_pages_for(request.num_computed_tokens, page_size)
+                assert len(page_ids(request)) == num_pages_for(request.num_computed_tokens, page_size)
                 assert pool.num_free_pages == free_before - needed
             else:
                 assert pool.num_free_pages == free_before
-        pool.check_integrity([r.page_ids for r in requests])
+        pool.check_integrity([page_ids(r) for r in requests])
     for request in requests:
-        allocator.free(request)
+        policy.free(request)
     assert pool.num_free_pages == num_pages
     pool.check_integrity([])

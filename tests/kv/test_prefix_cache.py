@@ -1,52 +1,53 @@
-"""Prefix sharing at the allocator level: exact page ids, refcounts, LRU eviction, forks, hybrid groups."""
+"""Prefix sharing at the page level (PageManager, PagePool): exact page ids, refcounts, LRU eviction, forks, hybrid groups."""
 
 from __future__ import annotations
 
 import pytest
 
-from transformers_cb.engine.policies import make_policy
-from transformers_cb.engine.scheduler import Scheduler
-from transformers_cb.engine.step_plan import ScheduledBatch
+from tests.support.requests import page_ids, sampling_entries
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
-from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWindowAllocator
+from transformers_cb.kv.page_policies import FullAttentionPolicy, SlidingWindowPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
+from transformers_cb.scheduler.plan import StepPlan
+from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.scheduler import Scheduler
 
 PS = 4
 
 
 def sharing_scheduler(num_pages: int, max_batch_tokens: int = 64, sharing: bool = True) -> Scheduler:
-    allocator = PageManager(
-        [FullAttentionAllocator(PagePool(num_pages), PS)],
+    page_manager = PageManager(
+        [FullAttentionPolicy(PagePool(num_pages), PS)],
         [KVGroupSpec(FULL_ATTENTION, (0,))],
         sharing=sharing,
     )
-    return Scheduler(allocator, max_batch_tokens, 64, 0.0, make_policy("fifo"))
+    return Scheduler(page_manager, max_batch_tokens, 64, 0.0, make_policy("fifo"))
 
 
 def hybrid_scheduler(num_pages: int, window: int) -> Scheduler:
     pools = [PagePool(num_pages), PagePool(num_pages)]
-    allocators = [
-        FullAttentionAllocator(pools[0], PS, 0),
-        SlidingWindowAllocator(pools[1], PS, window, 1),
+    policies = [
+        FullAttentionPolicy(pools[0], PS, 0),
+        SlidingWindowPolicy(pools[1], PS, window, 1),
     ]
     specs = [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), window)]
-    return Scheduler(PageManager(allocators, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
+    return Scheduler(PageManager(policies, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
 
 
 def request(request_id: str, prompt: list[int], max_new_tokens: int = 2) -> Request:
     return Request(request_id=request_id, prompt_ids=list(prompt), max_new_tokens=max_new_tokens)
 
 
-def step(scheduler: Scheduler, token: int = 99) -> ScheduledBatch:
+def step(scheduler: Scheduler, token: int = 99) -> StepPlan:
     """One step with a fake model that samples `token`; integrity checked before and after."""
     batch = scheduler.schedule()
     scheduler.check_integrity()
-    scheduler.update(batch, [SampledToken(token) for _ in batch.sampling_entries])
+    scheduler.update(batch, [SampledToken(token) for _ in sampling_entries(batch)])
     scheduler.check_integrity()
     return batch
 
@@ -143,18 +144,18 @@ def test_full_hit_takes_every_page_but_the_one_holding_the_last_token() -> None:
     first = request("a", PROMPT)
     scheduler.add(first)
     step(scheduler)
-    assert first.page_ids == [0, 1, 2, 3, 4]
+    assert page_ids(first) == [0, 1, 2, 3, 4]
     drain(scheduler)
-    pool = scheduler.allocator.pools[0]
+    pool = scheduler.pages.pools[0]
     assert pool.num_cached_pages == 5  # pages 0-4 full (20 prompt tokens); 5 held only the sampled token
     second = request("b", PROMPT)
     scheduler.add(second)
     batch = step(scheduler)
     # Pages 0-3 are hits; page 4 holds the last prompt token, which must run to give logits.
     assert [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries] == [("b", 16, 4)]
-    assert second.page_ids[:4] == [0, 1, 2, 3]
-    assert second.page_ids[4] not in (0, 1, 2, 3)
-    assert scheduler.allocator.prefix.stats.hit_tokens == 16
+    assert page_ids(second)[:4] == [0, 1, 2, 3]
+    assert page_ids(second)[4] not in (0, 1, 2, 3)
+    assert scheduler.pages.prefix.stats.hit_tokens == 16
 
 
 def test_partial_hit_and_miss() -> None:
@@ -167,8 +168,8 @@ def test_partial_hit_and_miss() -> None:
     scheduler.add(miss)
     batch = step(scheduler)
     assert [(e.request.request_id, e.start) for e in batch.entries] == [("b", 8), ("c", 0)]
-    assert partial.page_ids[:2] == [0, 1]
-    assert not set(miss.page_ids) & {0, 1, 2, 3, 4}
+    assert page_ids(partial)[:2] == [0, 1]
+    assert not set(page_ids(miss)) & {0, 1, 2, 3, 4}
 
 
 def test_shared_pages_are_refcounted_while_both_run() -> None:
@@ -179,8 +180,8 @@ def test_shared_pages_are_refcounted_while_both_run() -> None:
     second = request("b", PROMPT + [1], max_new_tokens=2)
     scheduler.add(second)
     step(scheduler)
-    pool = scheduler.allocator.pools[0]
-    assert second.page_ids[:5] == [0, 1, 2, 3, 4]
+    pool = scheduler.pages.pools[0]
+    assert page_ids(second)[:5] == [0, 1, 2, 3, 4]
     assert [pool.refcount(p) for p in range(5)] == [2] * 5
     scheduler.finish(second, RequestStatus.CANCELLED)  # cancel: references drop, pages stay with a
     assert [pool.refcount(p) for p in range(5)] == [1] * 5
@@ -192,14 +193,14 @@ def test_refcounts_after_preemption_and_finish() -> None:
     first = request("a", PROMPT, max_new_tokens=8)
     scheduler.add(first)
     step(scheduler)
-    batch = ScheduledBatch(entries=[])
+    batch = StepPlan(entries=[])
     scheduler.preempt(first, batch)
-    pool = scheduler.allocator.pools[0]
+    pool = scheduler.pages.pools[0]
     assert pool.num_used_pages == 0 and pool.num_cached_pages == 5
     assert first.num_registered_pages == 0
     back = step(scheduler)  # the preempted request comes back and hits its own pages
     assert [(e.start, e.num_tokens) for e in back.entries] == [(20, 1)]
-    assert first.page_ids[:5] == [0, 1, 2, 3, 4]
+    assert page_ids(first)[:5] == [0, 1, 2, 3, 4]
     drain(scheduler)
     assert first.is_finished
     assert all(pool.refcount(p) == 0 for p in range(32))
@@ -218,7 +219,7 @@ def test_not_admitted_hit_goes_back_to_the_cache() -> None:
     step(scheduler)  # the safety margin refuses admission: b holds nothing
     assert waiting.status == RequestStatus.PENDING and not waiting.holds_pages
     assert waiting.num_computed_tokens == 0
-    assert scheduler.allocator.prefix.stats.hit_tokens == 0
+    assert scheduler.pages.prefix.stats.hit_tokens == 0
 
 
 def test_eviction_under_pressure_keeps_outputs_correct() -> None:
@@ -227,7 +228,7 @@ def test_eviction_under_pressure_keeps_outputs_correct() -> None:
     drain(scheduler)
     scheduler.add(request("b", [1] * 20))  # needs 6 pages: evicts cached ones, oldest first
     drain(scheduler)
-    assert scheduler.allocator.num_evictions >= 3
+    assert scheduler.pages.num_evictions >= 3
     third = request("c", PROMPT)
     scheduler.add(third)
     batch = step(scheduler)
@@ -238,7 +239,7 @@ def test_sharing_off_never_hits() -> None:
     scheduler = sharing_scheduler(num_pages=16, sharing=False)
     scheduler.add(request("a", PROMPT))
     drain(scheduler)
-    assert scheduler.allocator.pools[0].num_cached_pages == 0
+    assert scheduler.pages.pools[0].num_cached_pages == 0
     scheduler.add(request("b", PROMPT))
     assert step(scheduler).entries[0].start == 0
 
@@ -264,7 +265,7 @@ def test_hybrid_hit_needs_the_window_pages_of_the_sliding_group() -> None:
     first = request("a", PROMPT, max_new_tokens=1)
     scheduler.add(first)
     drain(scheduler)
-    full_pool, sliding_pool = scheduler.allocator.pools
+    full_pool, sliding_pool = scheduler.pages.pools
     assert full_pool.num_cached_pages == 5 and sliding_pool.num_cached_pages == 5
     second = request("b", PROMPT + [1, 2, 3, 4])
     scheduler.add(second)
@@ -274,7 +275,7 @@ def test_hybrid_hit_needs_the_window_pages_of_the_sliding_group() -> None:
     # Queries from 20 read keys (14, 20]: logical pages 3 and 4 only.
     assert sliding.first_page == 3 and sliding.page_ids[:2] == [3, 4]
     assert second.pages[0].page_ids[:5] == [0, 1, 2, 3, 4]
-    scheduler.update(batch, [SampledToken(99)] * len(batch.sampling_entries))
+    scheduler.update(batch, [SampledToken(99)] * len(sampling_entries(batch)))
     scheduler.check_integrity()
 
 
@@ -282,7 +283,7 @@ def test_hybrid_hit_stops_where_a_window_page_is_missing() -> None:
     scheduler = hybrid_scheduler(num_pages=32, window=6)
     scheduler.add(request("a", PROMPT, max_new_tokens=1))
     drain(scheduler)
-    full_pool, sliding_pool = scheduler.allocator.pools
+    full_pool, sliding_pool = scheduler.pages.pools
     evicted = sliding_pool._page_of[request_keys(request("x", PROMPT), 5, PS)[4]]
     del sliding_pool._cached[evicted]  # evict logical page 4 of the sliding group by hand
     sliding_pool._forget(evicted)
@@ -294,7 +295,7 @@ def test_hybrid_hit_stops_where_a_window_page_is_missing() -> None:
     # 20 would need sliding pages 3-4; 16 needs pages 2-3, all there.
     assert batch.entries[0].start == 16
     assert second.pages[1].first_page == 2
-    scheduler.update(batch, [SampledToken(99)] * len(batch.sampling_entries))
+    scheduler.update(batch, [SampledToken(99)] * len(sampling_entries(batch)))
     scheduler.check_integrity()
 
 
@@ -317,9 +318,9 @@ def test_fork_shares_full_pages_and_copies_the_last_prompt_page() -> None:
     first = step(scheduler)
     assert [e.request.request_id for e in first.entries] == ["p"]
     child0, child1 = parent.siblings
-    assert parent.page_ids == [0, 1, 2, 3, 4]
-    assert child0.page_ids == [0, 1, 2, 3, 5] and child1.page_ids == [0, 1, 2, 3, 6]
-    pool = scheduler.allocator.pools[0]
+    assert page_ids(parent) == [0, 1, 2, 3, 4]
+    assert page_ids(child0) == [0, 1, 2, 3, 5] and page_ids(child1) == [0, 1, 2, 3, 6]
+    pool = scheduler.pages.pools[0]
     assert [pool.refcount(p) for p in range(7)] == [3, 3, 3, 3, 1, 1, 1]
     second = step(scheduler)
     assert second.copies == [(0, 4, 5), (0, 4, 6)]
@@ -331,7 +332,7 @@ def test_fork_shares_full_pages_and_copies_the_last_prompt_page() -> None:
     ]
     drain(scheduler)
     assert all(r.is_finished and len(r.generated_ids) == 3 for r in parent.family)
-    assert scheduler.allocator.prefix.stats.forks == 2
+    assert scheduler.pages.prefix.stats.forks == 2
 
 
 def test_fork_without_a_free_page_falls_back_to_independent_requests() -> None:
@@ -377,7 +378,7 @@ def test_requests_submitted_together_wait_for_the_first_ones_prefix_pages() -> N
     assert second.status == RequestStatus.PENDING and not second.holds_pages
     batch = step(scheduler)
     assert [(e.request.request_id, e.start, e.num_tokens) for e in batch.entries][-1] == ("b", 20, 1)
-    assert second.page_ids[:5] == first.page_ids[:5]
+    assert page_ids(second)[:5] == page_ids(first)[:5]
 
 
 def test_a_preempted_promiser_releases_the_waiters() -> None:
@@ -387,8 +388,8 @@ def test_a_preempted_promiser_releases_the_waiters() -> None:
     scheduler.add(second)
     step(scheduler)
     assert second.status == RequestStatus.PENDING
-    scheduler.preempt(first, ScheduledBatch(entries=[]))
+    scheduler.preempt(first, StepPlan(entries=[]))
     scheduler.check_integrity()  # promises withdrawn with the pages
-    assert not scheduler.allocator.prefix._in_flight or first.num_promised_pages == 0
+    assert not scheduler.pages.prefix._in_flight or first.num_promised_pages == 0
     drain(scheduler)
     assert first.is_finished and second.is_finished

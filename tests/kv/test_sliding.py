@@ -1,4 +1,4 @@
-"""Sliding-window and hybrid models: layer groups, the sliding allocator, bounded pages, stats, refusals."""
+"""Sliding-window and hybrid models: layer groups, the sliding page policy, bounded pages, stats, refusals."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from transformers_cb.attention import paged as paged_module
 from transformers_cb.attention import sdpa as sdpa_module
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.native import native_paged_attention
+from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.model_support import check_model_supported
 from transformers_cb.kv.layer_groups import (
@@ -38,7 +39,7 @@ from transformers_cb.kv.layer_groups import (
     kv_groups_from_config,
 )
 from transformers_cb.kv.page_manager import PageManager
-from transformers_cb.kv.page_policies import FullAttentionAllocator, SlidingWindowAllocator
+from transformers_cb.kv.page_policies import FullAttentionPolicy, SlidingWindowPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.block_tables import BlockTables
 from transformers_cb.memory.kv_cache import PagedKVCache
@@ -64,71 +65,71 @@ def test_layer_groups_follow_each_models_convention() -> None:
     assert kv_groups_from_config(mistral_full) == [KVGroupSpec(FULL_ATTENTION, (0, 1, 2))]
 
 
-# -- the sliding allocator ---------------------------------------------------------------------------
-def test_sliding_allocator_drops_pages_outside_the_window() -> None:
+# -- the sliding policy ---------------------------------------------------------------------------
+def test_sliding_policy_drops_pages_outside_the_window() -> None:
     pool = PagePool(10)
-    allocator = SlidingWindowAllocator(pool, page_size=4, sliding_window=6)
+    policy = SlidingWindowPolicy(pool, page_size=4, sliding_window=6)
     request = make_request(num_prompt_tokens=100, max_new_tokens=1)
     # A query at q reads keys (q - 6, q]: positions 0..5 need page 0, 6 reads 1..6 -> still page 0.
-    assert [allocator.first_needed_page(q) for q in (0, 5, 6, 8, 9, 12, 13)] == [0, 0, 0, 0, 1, 1, 2]
-    assert allocator.window_pages() == 3 == math.ceil(6 / 4) + 1
-    assert [allocator.max_pages(n) for n in (1, 4, 5, 9, 100)] == [1, 1, 2, 3, 3]
-    assert allocator.allocate(request, 10)  # a 10-token chunk: pages 0, 1, 2
+    assert [policy.first_needed_page(q) for q in (0, 5, 6, 8, 9, 12, 13)] == [0, 0, 0, 0, 1, 1, 2]
+    assert policy.window_pages() == 3 == math.ceil(6 / 4) + 1
+    assert [policy.max_pages(n) for n in (1, 4, 5, 9, 100)] == [1, 1, 2, 3, 3]
+    assert policy.allocate(request, 10)  # a 10-token chunk: pages 0, 1, 2
     assert request.pages[0] == PageList([0, 1, 2], 0)
     request.num_computed_tokens = 10
-    assert allocator.trim(request) == 1  # the next query (10) reads keys 5..10: page 0 is out
+    assert policy.trim(request) == 1  # the next query (10) reads keys 5..10: page 0 is out
     assert request.pages[0] == PageList([1, 2], 1)
     assert pool.num_free_pages == 8
-    assert allocator.num_new_pages(request, 2) == 0 and allocator.num_new_pages(request, 3) == 1
-    assert allocator.num_fitting_tokens(request, 100) == (3 + 8) * 4 - 10  # held end + free pages
+    assert policy.num_new_pages(request, 2) == 0 and policy.num_new_pages(request, 3) == 1
+    assert policy.num_fitting_tokens(request, 100) == (3 + 8) * 4 - 10  # held end + free pages
     for _ in range(30):  # decode: never more than window_pages() pages
-        assert allocator.allocate(request, 1)
-        assert len(request.pages[0].page_ids) <= allocator.window_pages()
+        assert policy.allocate(request, 1)
+        assert len(request.pages[0].page_ids) <= policy.window_pages()
         request.num_computed_tokens += 1
-        allocator.trim(request)
-        allocator.check_request(request)
+        policy.trim(request)
+        policy.check_request(request)
         pool.check_integrity([request.pages[0].page_ids])
-    allocator.free(request)
+    policy.free(request)
     assert request.pages[0] == PageList([], 0) and pool.num_free_pages == 10
 
 
 def test_window_of_one_token_can_drop_every_page() -> None:
     pool = PagePool(4)
-    allocator = SlidingWindowAllocator(pool, page_size=4, sliding_window=1)
+    policy = SlidingWindowPolicy(pool, page_size=4, sliding_window=1)
     request = make_request(num_prompt_tokens=100, max_new_tokens=1)
-    assert allocator.allocate(request, 8)
+    assert policy.allocate(request, 8)
     request.num_computed_tokens = 8
-    assert allocator.trim(request) == 2
+    assert policy.trim(request) == 2
     assert request.pages[0] == PageList([], 2)
-    assert allocator.num_new_pages(request, 1) == 1
-    assert allocator.allocate(request, 1) and request.pages[0].end_page == 3
-    allocator.check_request(request)
+    assert policy.num_new_pages(request, 1) == 1
+    assert policy.allocate(request, 1) and request.pages[0].end_page == 3
+    policy.check_request(request)
 
 
-def test_cache_allocator_is_check_then_commit_across_groups() -> None:
+def test_page_manager_is_check_then_commit_across_groups() -> None:
     full_pool, sliding_pool = PagePool(3), PagePool(8)
-    allocator = PageManager(
-        [FullAttentionAllocator(full_pool, 4, 0), SlidingWindowAllocator(sliding_pool, 4, 4, 1)],
+    page_manager = PageManager(
+        [FullAttentionPolicy(full_pool, 4, 0), SlidingWindowPolicy(sliding_pool, 4, 4, 1)],
         [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), 4)],
     )
     a, b = make_request("a", 100, 1), make_request("b", 100, 1)
-    assert allocator.allocate(a, 8)
+    assert page_manager.allocate(a, 8)
     assert [p.page_ids for p in a.pages] == [[0, 1], [0, 1]]
     # b needs 2 full pages, only 1 is free: neither group changes.
-    assert allocator.num_fitting_tokens(b, 8) == 4
-    assert not allocator.allocate(b, 8)
+    assert page_manager.num_fitting_tokens(b, 8) == 4
+    assert not page_manager.allocate(b, 8)
     assert full_pool.num_free_pages == 1 and sliding_pool.num_free_pages == 6
     assert all(not p.page_ids for p in b.pages)
-    assert allocator.free_fraction == pytest.approx(1 / 3)
-    assert allocator.unfittable_reason(13) == (
+    assert page_manager.free_fraction == pytest.approx(1 / 3)
+    assert page_manager.unfittable_reason(13) == (
         "needs 4 KV pages of 4 tokens in layer group full_attention but the cache has only 3"
     )
     a.num_computed_tokens = 8
-    assert allocator.trim(a) == 1  # the sliding group drops page 0, the full group keeps everything
-    assert allocator.pages_in_use() == {"full_attention": 2, "sliding_attention(window=4)": 1}
-    allocator.check_integrity([a, b], [a])
-    allocator.free(a)
-    assert allocator.pages_in_use() == {"full_attention": 0, "sliding_attention(window=4)": 0}
+    assert page_manager.trim(a) == 1  # the sliding group drops page 0, the full group keeps everything
+    assert page_manager.pages_in_use() == {"full_attention": 2, "sliding_attention(window=4)": 1}
+    page_manager.check_integrity([a, b], [a])
+    page_manager.free(a)
+    assert page_manager.pages_in_use() == {"full_attention": 0, "sliding_attention(window=4)": 0}
 
 
 def test_block_table_ring_keeps_logical_pages_in_place() -> None:
@@ -153,11 +154,11 @@ def _pages_per_step(model, prompts, max_new_tokens, **cb_kwargs):
     def step(self):
         result = original(self)
         self.check_integrity()
-        allocators = self.scheduler.allocator.allocators
+        policies = self.scheduler.pages.policies
         per_request = [
-            max((len(a.pages(r).page_ids) for r in self.scheduler.running), default=0) for a in allocators
+            max((len(a.pages(r).page_ids) for r in self.scheduler.running), default=0) for a in policies
         ]
-        records.append((self.scheduler.allocator.pages_in_use(), per_request))
+        records.append((self.scheduler.pages.pages_in_use(), per_request))
         return result
 
     config = GenerationConfig(
@@ -228,17 +229,18 @@ def test_manager_stats_report_pages_per_group() -> None:
 def test_max_blocks_per_request_is_forced_to_zero_on_sliding_models(caplog) -> None:
     model = build_tiny_model("mistral")
     with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
-        engine = Engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
-    assert engine.cb_config.max_blocks_per_request == 0
+        engine = build_engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
+    assert engine.step_options.max_blocks_per_request == 0
+    assert engine.cb_config.max_blocks_per_request == 32  # the setting as given: resolving writes no config
     assert "max_blocks_per_request=32 forced to 0" in caplog.text
 
 
 def test_sliding_group_is_sized_to_its_windows() -> None:
     model = build_tiny_model("qwen2_sliding")
-    engine = Engine(
+    engine = build_engine(
         model, None, ContinuousBatchingConfig(page_size=4, max_batch_tokens=16), workload=[200] * 4
     )
-    full, sliding = (pool.num_pages for pool in engine.cache.pools)
+    full, sliding = engine.cache.pages_per_group
     assert full >= 4 * 50
     # Each request holds its window + one chunk at most: ceil((8 - 1 + 16) / 4) + 1 = 7 pages.
     assert sliding < full and 4 * 7 <= sliding <= math.ceil(4 * 7 / (1 - 0.15))

@@ -224,4 +224,4 @@ def test_submissions_racing_stop_are_served_or_refused(manager, ref, hard_stop):
         else:
             assert_finished_like_generate(output, ref, prompt, 2)
     manager.engine.check_integrity()
-    assert manager.engine.cache.pool.num_free_pages == manager.engine.cache.pool.num_pages
+    assert manager.engine.num_used_pages == 0

@@ -25,7 +25,7 @@ from tests.support.manager import (
 )
 from tests.support.threads import TIMEOUT, run_with_timeout, wait_for
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 from transformers_cb.invariants import InvariantError
 from transformers_cb.manager.loop import NOT_RUN_ERROR
 
@@ -293,7 +293,7 @@ def test_background_thread_status_reports_the_fatal_error(manager):
 # -- 6. block-table rows keyed by request id, freed on every exit ------------------------------------
 def test_block_table_rows_never_outlive_their_request():
     model = make_model()
-    engine = Engine(
+    engine = build_engine(
         model, GenerationConfig(do_sample=False), ContinuousBatchingConfig(page_size=16, num_blocks=32)
     )
     requests = [engine.build_request(p, f"r{i}", 5) for i, p in enumerate(PROMPTS[:3])]

@@ -108,7 +108,7 @@ def test_cancel_while_swapped_out(model, references) -> None:
                 finals[rid].status == RequestStatus.FINISHED and finals[rid].generated_tokens == references[i]
             )
     engine.check_integrity()
-    assert engine.offload.host.num_used_pages == 0 and engine.cache.num_used_pages == 0
+    assert engine.offload.host.num_used_pages == 0 and engine.num_used_pages == 0
     assert stats.swap_out_pages > 0 and stats.swapped_out == 0 and stats.cancelled == 1
 
 
@@ -123,7 +123,7 @@ def test_hard_stop_while_swapped_out(model, references) -> None:
     for i, rid in enumerate(ids):
         assert finals[rid].generated_tokens == references[i][: len(finals[rid].generated_tokens)]
     engine.check_integrity()
-    assert engine.offload.host.num_used_pages == 0 and engine.cache.num_used_pages == 0
+    assert engine.offload.host.num_used_pages == 0 and engine.num_used_pages == 0
 
 
 def test_stats_count_swaps_and_no_recompute(model, references) -> None:

@@ -27,11 +27,11 @@ def test_pause_holds_the_loop_and_keeps_in_flight_requests(manager, ref):
     engine = manager.engine
     wait_for(lambda: engine.counters.steps >= 2, what="a few steps")
     with manager.pause():
-        steps, used = engine.counters.steps, engine.cache.pool.num_used_pages
+        steps, used = engine.counters.steps, engine.num_used_pages
         running = [r.request_id for r in engine.scheduler.running]
         time.sleep(0.3)
         assert engine.counters.steps == steps, "no step runs while paused"
-        assert engine.cache.pool.num_used_pages == used > 0
+        assert engine.num_used_pages == used > 0
         assert sorted(running) == sorted(ids), "in-flight requests are kept"
         engine.check_integrity()
         with torch.no_grad():

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import logging
+import pickle
 
 import pytest
 
+from tests.support.counting import CountingList, count_request_reads
 from tests.support.manager import (
     PROMPTS,
     assert_finished_like_generate,
@@ -18,6 +22,7 @@ from transformers_cb import (
     GenerationOutput,
     RequestStatus,
 )
+from transformers_cb.requests import Request
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -86,6 +91,66 @@ def test_streaming_yields_growing_partials_then_finished(manager, ref):
     assert all(o.status in (RequestStatus.PREFILLING, RequestStatus.DECODING) for o in outputs[:-1])
     assert_finished_like_generate(outputs[-1], ref, PROMPTS[1], 6)
     assert manager.get_result(timeout=0.1) is None, "a claimed stream's final does not reach the queue"
+
+
+def test_streamed_deltas_concatenate_to_the_final_output(manager, ref):
+    manager.start()
+    rid = manager.add_request(PROMPTS[3], max_new_tokens=9, streaming=True, return_logprobs=True)
+    outputs = run_with_timeout(lambda: list(manager.request_id_iter(rid)))
+    final = outputs[-1]
+    assert_finished_like_generate(final, ref, PROMPTS[3], 9)
+    assert [len(o.new_tokens) for o in outputs] == [1] * 9, "each output carries its one new token"
+    assert [t for o in outputs for t in o.new_tokens] == final.generated_tokens
+    assert [lp for o in outputs for lp in o.new_logprobs] == final.logprobs
+    # The full lists stay where the API returns them, each output as it was when published.
+    assert [o.generated_tokens for o in outputs] == [final.generated_tokens[:k] for k in range(1, 10)]
+    assert [len(o.logprobs) for o in outputs] == list(range(1, 10))
+
+
+def test_a_streamed_step_reads_its_new_tokens_only_not_the_growing_lists():
+    """O(N) for a stream of N tokens: publishing an output and taking its delta read the new items, never
+    a copy of everything so far (what a full list costs is paid only by whoever reads it)."""
+    request = Request("r", [1, 2, 3], max_new_tokens=2000, streaming=True, record_timestamps=True)
+    count_request_reads(request)
+    tokens = []
+    for step in range(2000):
+        request.append_token(step % 50, -1.0, {step % 50: -1.0})
+        output = request.to_output()
+        tokens += output.new_tokens
+        assert output.new_logprobs == [-1.0] and output.new_top_logprobs == [{step % 50: -1.0}]
+    assert tokens == [step % 50 for step in range(2000)]
+    assert CountingList.read <= 3 * 2000, "each step reads its new items (tokens, logprobs, top logprobs)"
+    assert output.generated_tokens == tokens  # the full list, copied now that it is read
+    assert CountingList.read <= 4 * 2000
+
+
+def test_an_output_reads_like_a_plain_dataclass_of_lists():
+    request = Request("r", [1, 2, 3], max_new_tokens=8, record_timestamps=True)
+    request.append_token(7, -0.5)
+    first = request.to_output()
+    request.append_token(8, -0.25)
+    second = request.to_output()
+    assert (first.generated_tokens, first.logprobs, len(first.timestamps)) == ([7], [-0.5], 1)
+    assert (second.new_tokens, second.generated_tokens, second.new_logprobs) == ([8], [7, 8], [-0.25])
+    assert isinstance(second.generated_tokens, list) and second.generated_tokens is second.generated_tokens
+    second.generated_tokens.append(99)  # the user's own copy: the request is untouched
+    assert request.generated_ids == [7, 8] and request.to_output().generated_tokens == [7, 8]
+    for copied in (pickle.loads(pickle.dumps(first)), copy.deepcopy(first), dataclasses.replace(first)):
+        assert copied == first and copied.prompt_ids == [1, 2, 3] and copied.generated_tokens == [7]
+    assert dataclasses.asdict(first)["generated_tokens"] == [7]
+    by_hand = GenerationOutput("h", [1], [5, 6], RequestStatus.FINISHED)
+    assert by_hand.new_tokens == [5, 6] and by_hand.new_logprobs is None and by_hand.logprobs is None
+    with pytest.raises(TypeError, match="generated_tokens"):
+        GenerationOutput("h", [1])  # still required, as every field without a default
+    # The dataclass itself is unchanged: its fields, their types and defaults.
+    assert [(f.name, f.type) for f in dataclasses.fields(GenerationOutput)][:4] == [
+        ("request_id", "str"),
+        ("prompt_ids", "list[int]"),
+        ("generated_tokens", "list[int]"),
+        ("status", "RequestStatus"),
+    ]
+    assert GenerationOutput.logprobs is None and GenerationOutput.timestamps is None
+    assert len(dataclasses.fields(GenerationOutput)) == 14
 
 
 def test_streaming_claimed_after_the_request_finished_replays_everything(manager, ref):

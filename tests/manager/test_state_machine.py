@@ -181,7 +181,7 @@ class ManagerMachine(RuleBasedStateMachine):
         engine = self.manager.engine
         engine.check_integrity()  # with offload on: the host pools and the swapped-out requests too
         if not engine.has_work():
-            assert engine.cache.pool.num_free_pages == engine.cache.pool.num_pages
+            assert engine.num_used_pages == 0
             assert engine.offload is None or engine.offload.host.num_used_pages == 0
 
     def _check_final(self, rid: str, final: GenerationOutput) -> None:

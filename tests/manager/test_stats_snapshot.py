@@ -6,7 +6,7 @@ from transformers import GenerationConfig
 
 from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig, ManagerStats
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 from transformers_cb.manager.state import ManagerState
 from transformers_cb.manager.stats import ThroughputWindow, snapshot
 from transformers_cb.requests import RequestStatus
@@ -37,11 +37,11 @@ def test_a_released_engine_reads_as_zeros() -> None:
 
 
 def test_every_engine_figure_reaches_the_snapshot() -> None:
-    engine = Engine(
+    engine = build_engine(
         tiny_llama(), GenerationConfig(do_sample=False), ContinuousBatchingConfig(page_size=16, num_blocks=8)
     )
     figures = engine.snapshot()
-    assert figures.pages_total == engine.cache.num_total_pages > 0
+    assert figures.pages_total == engine.num_total_pages > 0
     stats = snapshot(ManagerState(engine=engine), ThroughputWindow())
     for name in COPIED:
         assert getattr(stats, name) == getattr(figures, name), name

@@ -33,7 +33,7 @@ def test_graceful_stop_completes_queued_and_active_requests(manager, ref, caplog
     assert manager.add_requests(PROMPTS[:2], max_new_tokens=3) is None
     assert manager.get_result(timeout=0.1) is None
     manager.engine.check_integrity()
-    assert manager.engine.cache.pool.num_free_pages == manager.engine.cache.pool.num_pages
+    assert manager.engine.num_used_pages == 0
 
     manager.start()  # a new session on the same manager
     rid = manager.add_request(PROMPTS[6], max_new_tokens=5)
@@ -78,7 +78,7 @@ def test_hard_stop_fails_pending_and_running_requests(manager):
     assert results[pending].generated_tokens == []
     assert manager.get_result(timeout=0.1) is None
     manager.engine.check_integrity()
-    assert manager.engine.cache.pool.num_free_pages == manager.engine.cache.pool.num_pages
+    assert manager.engine.num_used_pages == 0
     assert manager.stats().failed == 3
 
 

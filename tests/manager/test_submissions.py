@@ -144,7 +144,7 @@ def test_cancel_pending_request_before_start(manager, ref):
     assert output.generated_tokens == []
     engine = manager.engine
     engine.check_integrity()
-    assert engine.cache.pool.num_free_pages == engine.cache.pool.num_pages
+    assert engine.num_used_pages == 0
     manager.start()
     assert_finished_like_generate(manager.get_result(timeout=TIMEOUT), ref, PROMPTS[1], 5)
     assert manager.get_result(timeout=0.2) is None, "exactly one final result for the cancelled request"
@@ -172,7 +172,7 @@ def test_cancel_running_request_frees_its_pages(manager, ref):
     short_id = manager.add_request(PROMPTS[5], max_new_tokens=6)
     wait_for(lambda: manager.engine.counters.generated_tokens >= 4, what="the long request to run")
     with manager.pause():
-        assert manager.engine.cache.pool.num_used_pages > 0
+        assert manager.engine.num_used_pages > 0
         manager.cancel_request(long_id)
     results = collect(manager, [long_id, short_id])
     cancelled = results[long_id]

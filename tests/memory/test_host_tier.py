@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.support.offload import Rig
-from tests.support.requests import make_request
+from tests.support.requests import make_request, page_ids
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.memory.host_cache import GIB, HostKVCache, host_page_bytes, resolve_host_pages
 
@@ -19,16 +19,17 @@ def test_host_pool_sizing() -> None:
     rig = Rig(num_pages=4, host_pages=1, sliding_window=5)
     page_bytes = host_page_bytes(rig.cache)
     assert page_bytes == 2 * 2 * (4 * 1 * 2 * 4)  # 2 groups x (K, V) x page_size x heads x head_dim x fp32
-    assert resolve_host_pages(ContinuousBatchingConfig(), rig.cache) == 0  # 0.0: off
+    assert resolve_host_pages(ContinuousBatchingConfig(), rig.cache.layout) == 0  # 0.0: off
     config = ContinuousBatchingConfig(cpu_offload_space=10 * page_bytes / GIB)
-    assert resolve_host_pages(config, rig.cache) == 10
-    assert resolve_host_pages(config.copy(cpu_offload_space=30 * page_bytes / GIB), rig.cache) == 16
-    assert resolve_host_pages(config, rig.cache, workload=[9, 4]) == 4  # what the work can use: 3 + 1
+    assert resolve_host_pages(config, rig.cache.layout) == 10
+    assert resolve_host_pages(config.copy(cpu_offload_space=30 * page_bytes / GIB), rig.cache.layout) == 16
+    assert resolve_host_pages(config, rig.cache.layout, workload=[9, 4]) == 4  # what the work can use: 3 + 1
     assert (
-        resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB), rig.cache) == 0
+        resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=page_bytes / 2 / GIB), rig.cache.layout)
+        == 0
     )
     # A CPU device with the workload unknown: at most 4x the device cache (both tiers share the RAM).
-    assert resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=None), rig.cache) == 16
+    assert resolve_host_pages(ContinuousBatchingConfig(cpu_offload_space=None), rig.cache.layout) == 16
     host = HostKVCache(rig.cache, 3)
     assert [tuple(t.shape) for t in host.tensors] == [(2, 1, 3, 4, 1, 2)] * 2
     assert host.nbytes() == 3 * page_bytes and not host.pinned
@@ -37,8 +38,9 @@ def test_host_pool_sizing() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
-    from transformers_cb.engine.engine import make_allocator
     from transformers_cb.kv.offload import CpuOffload
+    from transformers_cb.kv.page_policies import make_page_policy
+    from transformers_cb.kv.pool import PagePool
     from transformers_cb.memory.kv_cache import PagedKVCache
     from transformers_cb.memory.swap import SwapCopier
 
@@ -48,14 +50,14 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     assert host.pinned and all(t.is_pinned() for t in host.tensors)
     copier = SwapCopier(cache.group_tensors, host.tensors)
     assert copier.stream is not None and copier.stream != torch.cuda.current_stream(device)
-    allocator = make_allocator(cache.groups[0], cache.pool, 4, 0)
-    offload = CpuOffload([allocator], 4)
+    policy = make_page_policy(cache.groups[0], PagePool(8), 4, 0)
+    offload = CpuOffload([policy], 4)
     request = make_request("A", 8, 2)
-    assert allocator.allocate(request, 8)
+    assert policy.allocate(request, 8)
     request.num_computed_tokens = 8
-    cache.group_tensors[0][:, :, request.page_ids] = 5.0
+    cache.group_tensors[0][:, :, page_ids(request)] = 5.0
     assert offload.try_swap_out(request)
-    allocator.free(request)
+    policy.free(request)
     copier.run(offload.take_plan())
     cache.group_tensors[0].zero_()  # the forward may overwrite the freed pages right after
     copier.synchronize()
@@ -63,7 +65,7 @@ def test_cuda_host_tier_is_pinned_and_copies_run_on_a_side_stream() -> None:
     offload.swap_in(request)
     copier.run(offload.take_plan())
     torch.cuda.current_stream(device).synchronize()
-    assert bool((cache.group_tensors[0][:, :, request.page_ids] == 5.0).all())
+    assert bool((cache.group_tensors[0][:, :, page_ids(request)] == 5.0).all())
 
 
 def test_generate_batch_sizes_the_host_tier_to_the_work() -> None:
@@ -100,7 +102,7 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
     rig = Rig(num_pages=12, host_pages=12, sliding_window=16)
     requests = [make_request(name, 8, 2) for name in "ABC"]
     for request in requests:
-        assert rig.scheduler.allocator.allocate(request, 8)
+        assert rig.scheduler.pages.allocate(request, 8)
         request.num_computed_tokens = 8
     for g, tensor in enumerate(rig.cache.group_tensors):
         for page in range(12):
@@ -114,7 +116,7 @@ def test_one_gather_and_scatter_per_group_and_direction_per_step() -> None:
     ):
         for request in (b, c):
             assert rig.offload.try_swap_out(request)
-            rig.scheduler.allocator.free(request)
+            rig.scheduler.pages.free(request)
         rig.run_swaps()
         assert len(calls) == 2 and rig.copier.num_copies == 2
         for pages in before:  # the freed device pages are reused and overwritten

@@ -1,6 +1,6 @@
 """Honest metadata and a CI that checks what the README promises: declared Python / torch floors match
-what the code and transformers need; CI reruns the core under `python -O`, derandomizes Hypothesis and
-installs the serve extra."""
+what the code and transformers need; CI reruns the core under `python -O`, derandomizes Hypothesis,
+installs the serve extra and type-checks the package."""
 
 from __future__ import annotations
 
@@ -76,8 +76,20 @@ def test_serve_extra_brings_what_transformers_serve_needs_and_ci_installs_it():
 def test_ci_reruns_the_core_under_python_O_and_derandomizes_hypothesis():
     run = (REPO_ROOT / ".ci" / "run").read_text()
     assert re.search(r"python\"? -O -m pytest", run), ".ci/run has no python -O pass"
-    for path in ("tests/engine/test_scheduler.py", "tests/kv/test_pool.py", "conformance"):
+    for path in ("tests/scheduler/test_scheduler.py", "tests/kv/test_pool.py", "conformance"):
         assert path in run, f"the -O pass skips {path}"
     assert 'HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"' in run
     profile = settings.get_profile("ci")
     assert profile.derandomize and profile.database is None
+
+
+def test_lint_and_ci_type_check_the_package():
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["mypy"]["packages"] == ["transformers_cb"]
+    assert "mypy" in {Requirement(item).name for item in PROJECT["optional-dependencies"]["test"]}
+    lint = (REPO_ROOT / "Makefile").read_text().split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert "$(BIN)/mypy" in lint, "make lint does not run mypy"
+    run = (REPO_ROOT / ".ci" / "run").read_text()
+    assert re.search(r'"\$VENV_BIN/mypy" \|\| failed\+=\("mypy"\)', run), (
+        ".ci/run has no mypy step of its own"
+    )

@@ -1,5 +1,5 @@
-"""The package layout: only the public entry points at the root, no import cycle, no private name
-imported from another room (docs/structure.md)."""
+"""The package layout: only the public entry points at the root, no import cycle, no import that runs
+upward, no private name imported from another room (docs/structure.md)."""
 
 from __future__ import annotations
 
@@ -139,3 +139,48 @@ def test_no_private_name_imported_from_another_room():
             if private:
                 offences.append(f"{name} imports {private} from {target}")
     assert not offences, offences
+
+
+# The rooms from the bottom up (docs/structure.md, "Direction of imports"): a module imports only from its
+# own room or from rooms before it. Rooms on one rung are peers that never import each other.
+IMPORT_ORDER: list[set[str]] = [
+    {"invariants"},
+    {"requests"},
+    {"config"},
+    {"kv"},
+    {"memory"},
+    {"attention"},
+    {"sampling"},
+    {"scheduler"},
+    {"runner"},
+    {"distributed"},
+    {"engine"},
+    {"manager"},
+    {"api"},
+    {"plugin"},
+    {"__init__"},  # the public names; `import transformers_cb` installs the plugin
+    {"models", "jobs", "parity"},
+    {"serve"},
+    {"scale_out"},
+    {"cli", "conformance_check"},
+]
+
+
+def rung_of(room: str) -> int:
+    for rung, rooms in enumerate(IMPORT_ORDER):
+        if room in rooms:
+            return rung
+    raise AssertionError(f"room {room!r} is not in IMPORT_ORDER (add it where docs/structure.md puts it)")
+
+
+def test_no_import_runs_upward():
+    modules = all_modules()
+    offences = []
+    for name, path in modules.items():
+        room = room_of(name)
+        for target, _ in imports_of(name, path, modules):
+            if target not in modules or room_of(target) == room:
+                continue
+            if rung_of(room_of(target)) >= rung_of(room):
+                offences.append(f"{name} ({room}) imports {target} ({room_of(target)})")
+    assert not offences, "imports that run upward or across peers:\n" + "\n".join(sorted(set(offences)))

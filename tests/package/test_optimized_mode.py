@@ -37,31 +37,31 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     import sys
     if not sys.flags.optimize:
         sys.exit("not running under -O")
-    from transformers_cb.kv.page_policies import FullAttentionAllocator
+    from transformers_cb.kv.page_policies import FullAttentionPolicy
     from transformers_cb.kv.page_manager import PageManager
     from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
     from transformers_cb.kv.pool import PagePool
     from transformers_cb.invariants import InvariantError
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.engine.policies import make_policy
-    from transformers_cb.engine.scheduler import Scheduler
+    from transformers_cb.scheduler.policies import make_policy
+    from transformers_cb.scheduler.scheduler import Scheduler
 
     pool = PagePool(8)
-    allocator = PageManager([FullAttentionAllocator(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    scheduler = Scheduler(allocator, 64, 64, 0.0, make_policy("fifo"))
+    page_manager = PageManager([FullAttentionPolicy(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
+    scheduler = Scheduler(page_manager, 64, 64, 0.0, make_policy("fifo"))
     running = Request(request_id="a", prompt_ids=list(range(10, 20)), max_new_tokens=4)
     scheduler.add(running)
     batch = scheduler.schedule()
     # The allocation used to live inside an `assert`: under -O the request ran without pages.
-    if running.page_ids != [0, 1, 2] or pool.num_used_pages != 3 or batch.num_tokens != 10:
-        sys.exit(f"pages not allocated under -O: {running.page_ids=} {pool.num_used_pages=}")
+    if running.pages[0].page_ids != [0, 1, 2] or pool.num_used_pages != 3 or batch.num_tokens != 10:
+        sys.exit(f"pages not allocated under -O: {running.pages[0].page_ids=} {pool.num_used_pages=}")
     scheduler.check_integrity()
     for corrupt in ("status", "pages"):
         try:
             if corrupt == "status":
                 running.set_status(RequestStatus.PENDING)  # an illegal transition
             else:
-                running.page_ids.append(7)  # a page the pool thinks is free
+                running.pages[0].page_ids.append(7)  # a page the pool thinks is free
                 scheduler.check_integrity()
         except InvariantError:
             continue

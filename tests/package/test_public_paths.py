@@ -51,10 +51,10 @@ def test_config_and_requests_modules_keep_their_paths() -> None:
 @pytest.mark.slow  # a fresh interpreter
 def test_conformance_check_module_and_command() -> None:
     from transformers_cb import conformance_check
-    from transformers_cb.tools import conformance_check as tool
+    from transformers_cb.parity import check
 
-    assert conformance_check.run_check is tool.run_check
-    assert conformance_check.main is tool.main
+    assert conformance_check.run_check is check.run_check
+    assert conformance_check.main is check.main
     done = run_process(
         [sys.executable, "-m", "transformers_cb.conformance_check", "--help"],
         cwd=REPO_ROOT,

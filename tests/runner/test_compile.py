@@ -13,7 +13,7 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import native_module
-from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.build import build_engine
 from transformers_cb.runner.compile_plan import (
     DECODE,
     VARLEN,
@@ -78,7 +78,7 @@ def test_compiled_run_on_cpu_matches_generate() -> None:
     prompts = prompts_of_lengths([9, 3, 21], seed=5)
     generation_config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
     config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
-    engine = Engine(model, generation_config, config)
+    engine = build_engine(model, generation_config, config)
     requests = run_prompts(engine, model, prompts)
     for request, prompt in zip(requests, prompts, strict=True):
         assert request.generated_ids == greedy_reference(model, prompt, 5)
@@ -95,7 +95,7 @@ def test_compiled_steps_are_one_graph_per_path_and_never_recompile() -> None:
     model = tiny_llama()
     generation_config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
     config = ContinuousBatchingConfig(default_compile_level=1, page_size=16, max_batch_tokens=16)
-    engine = Engine(model, generation_config, config)
+    engine = build_engine(model, generation_config, config)
     counts = []
     for lengths, seed in (([9, 3], 5), ([30], 6), ([5, 7, 33], 7), ([2, 40, 11, 3, 3], 8)):
         prompts = prompts_of_lengths(lengths, seed=seed)

@@ -22,8 +22,9 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA2
 from transformers_cb.attention.selection import paged_attention
-from transformers_cb.config.continuous_batching import resolve_device_options
-from transformers_cb.engine import engine as engine_module
+from transformers_cb.config.continuous_batching import DeviceOptions, resolve_device_options
+from transformers_cb.engine import build as build_module
+from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.runner.async_batching import BufferTurns
 from transformers_cb.runner.compile_plan import DECODE, VARLEN
@@ -39,11 +40,17 @@ def _config(**changes) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**{**base, **changes})
 
 
+def _as_configured(config: ContinuousBatchingConfig, device_type: str) -> DeviceOptions:
+    """The GPU-only options as set, whatever the device."""
+    graphs = config.cuda_graph_paths
+    return DeviceOptions(graphs, bool(config.use_async_batching) and any(graphs))
+
+
 @pytest.fixture
 def graphs_on_cpu(monkeypatch):
     """Keep `use_cuda_graph` on for a CPU engine: its graph steps then run eagerly (no capture)."""
     if not CUDA:
-        monkeypatch.setattr(engine_module, "resolve_device_options", lambda config, device_type: None)
+        monkeypatch.setattr(build_module, "resolve_device_options", _as_configured)
     with flash_double.injected(fa2=True) as calls:
         yield calls
 
@@ -78,7 +85,7 @@ def test_lru_cache_drops_the_least_recently_used() -> None:
 def test_steps_are_keyed_by_padded_query_and_kv_lengths(graphs_on_cpu) -> None:
     model = tiny_llama()
     model.set_attn_implementation(FA2)
-    engine = Engine(model, GREEDY, _config(q_padding_interval_size=8, kv_padding_interval_size=300))
+    engine = build_engine(model, GREEDY, _config(q_padding_interval_size=8, kv_padding_interval_size=300))
     graphs = engine.runner.graphs
     engine.add(engine.build_request(list(range(3, 23)), "a"))
     step = engine.packer.pack(engine.scheduler.schedule())
@@ -95,7 +102,7 @@ def test_graph_steps_match_generate_and_stay_within_max_cached_graphs(graphs_on_
     model = tiny_llama()
     model.set_attn_implementation(FA2)
     config = _config(q_padding_interval_size=4, max_cached_graphs=2, max_batch_tokens=16)
-    engine = Engine(model, GREEDY, config)
+    engine = build_engine(model, GREEDY, config)
     _run_matches_generate(engine, model)
     graphs = engine.runner.graphs
     assert graphs is not None and 1 <= len(graphs.graphs) <= 2
@@ -115,7 +122,7 @@ def _changed_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> set
 def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) -> None:
     model = tiny_llama()
     model.set_attn_implementation(FA2)
-    engine = Engine(model, GREEDY, _config(q_padding_interval_size=16))
+    engine = build_engine(model, GREEDY, _config(q_padding_interval_size=16))
     for i, n in enumerate([9, 4, 6]):
         engine.add(engine.build_request(list(range(5, 5 + n)), f"r{i}", max_new_tokens=4))
     batch = engine.scheduler.schedule()
@@ -148,7 +155,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
     assert real <= changed  # the step's own tokens were written
     assert changed - real <= set(range(scratch, scratch + cache.page_size))  # and nothing else but scratch
     assert changed - real, "the padded rows wrote their K/V somewhere: the scratch page"
-    assert cache.pools[0].num_pages * cache.page_size == scratch  # outside every request's pages
+    assert cache.pages_per_group[0] * cache.page_size == scratch  # outside every request's pages
 
 
 # -- device options ----------------------------------------------------------------------------------
@@ -156,21 +163,23 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
 
 def test_cuda_options_resolve_instead_of_raising(caplog) -> None:
     config = ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=True)
-    resolve_device_options(config, "cuda")
-    assert config.use_cuda_graph == (True, True) and config.use_async_batching is True
+    assert resolve_device_options(config, "cuda") == DeviceOptions((True, True), True)
     config = ContinuousBatchingConfig(use_async_batching=True)
     with caplog.at_level(logging.WARNING, logger="transformers_cb"):
-        resolve_device_options(config, "cuda")
-    assert config.use_async_batching is False and "needs use_cuda_graph=True" in caplog.text
+        options = resolve_device_options(config, "cuda")
+    assert options == DeviceOptions((False, False), False) and "needs use_cuda_graph=True" in caplog.text
     config = ContinuousBatchingConfig(use_cuda_graph=(False, True))
-    resolve_device_options(config, "cuda")
-    assert config.use_cuda_graph == (False, True)
+    assert resolve_device_options(config, "cuda").cuda_graphs == (False, True)
+    config = ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=True)
+    assert resolve_device_options(config, "cpu") == DeviceOptions((False, False), False)
+    # Resolving reads the config and writes nothing back.
+    assert config.use_cuda_graph is True and config.use_async_batching is True
 
 
 def test_graphs_need_a_flash_backend(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(engine_module, "resolve_device_options", lambda config, device_type: None)
+    monkeypatch.setattr(build_module, "resolve_device_options", _as_configured)
     with caplog.at_level(logging.WARNING, logger="transformers_cb"):
-        engine = Engine(tiny_llama(), GREEDY, _config(auto_switch_to_flash=False))
+        engine = build_engine(tiny_llama(), GREEDY, _config(auto_switch_to_flash=False))
     assert engine.runner.graphs is None and engine.step_options.cuda_graphs == (False, False)
     assert "needs a paged flash-attention backend" in caplog.text
 
@@ -190,7 +199,7 @@ def test_capture_and_replay_on_cuda(graphs_on_cpu, async_batching: bool) -> None
     model = tiny_llama().cuda()
     model.set_attn_implementation(FA2)
     config = _config(q_padding_interval_size=8, use_async_batching=async_batching)
-    engine = Engine(model, GREEDY, config)
+    engine = build_engine(model, GREEDY, config)
     _run_matches_generate(engine, model)
     graphs = engine.runner.graphs
     assert graphs.captures > 0 and sum(e.replays for e in graphs.graphs.values()) > graphs.captures

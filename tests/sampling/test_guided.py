@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
+from tests.support.preemptions import count_preemptions
 from tests.support.timeouts import hang_guard
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding, RequestStatus
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling.grammars import EXTRA_HINT
-from transformers_cb.tools.conformance_check import count_preemptions
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

@@ -10,13 +10,13 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
 from tests.support.models import tiny_llama
+from tests.support.preemptions import count_preemptions
 from tests.support.prompts import prompts_of_lengths
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 from transformers_cb.sampling import warpers
 from transformers_cb.sampling.params import derive_seed
-from transformers_cb.tools.conformance_check import count_preemptions
 
 SAMPLED = GenerationConfig(
     max_new_tokens=6, do_sample=True, temperature=0.7, top_k=40, top_p=0.9, eos_token_id=None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from transformers_cb.cli.inputs import CliRequest, InputError
+from transformers_cb.jobs.inputs import CliRequest, InputError
 from transformers_cb.scale_out.batch_job import open_output_anywhere, read_requests_anywhere, record_from_row
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from tests.support.ray_jobs import one_call_reference
 from tests.support.serve import CHAT_TEMPLATE
-from transformers_cb.cli.tiny import TINY_MAX_POSITIONS
+from transformers_cb.models.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.predictor import OUTPUT_COLUMNS, CBPredictor
 
 CB = {"page_size": 16, "num_blocks": 64}

@@ -17,7 +17,7 @@ from tests.support.ray_jobs import (
     text_prompts,
 )
 from transformers_cb.cli.main import build_parser, main
-from transformers_cb.cli.tiny import TINY_MAX_POSITIONS
+from transformers_cb.models.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.batch_job import run_ray_generate
 from transformers_cb.scale_out.predictor import CBPredictor
 

@@ -42,7 +42,7 @@ def server() -> Iterator[LiveServer]:
 @pytest.fixture(scope="module")
 def reference() -> tuple[Any, Any]:
     """The same weights as the server's model, with plain sdpa attention, for direct forwards."""
-    from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     return build_tiny_model(seed=0, attn_implementation="sdpa", tokenizer=tokenizer), tokenizer

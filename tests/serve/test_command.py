@@ -74,7 +74,7 @@ def start_server(args: list[str]) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-chat")
     tokenizer = build_tiny_tokenizer()
@@ -98,7 +98,7 @@ def server(model_dir: Path) -> Iterator[ServerProcess]:
 def reference(model_dir: Path) -> Any:
     """`generate_batch` on the same checkpoint: (token ids, logprobs) per prompt."""
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.cli.loading import load_model_and_tokenizer
+    from transformers_cb.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir), attn_implementation="paged|sdpa")
 

@@ -25,7 +25,7 @@ CAT = {
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[Any]:
-    from transformers_cb.cli.loading import load_model_and_tokenizer
+    from transformers_cb.models.loading import load_model_and_tokenizer
 
     try:
         folder = fetch_model(SMOLLM2, progress=False)

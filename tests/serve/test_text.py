@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.serve import MISSING, requires_serve
-from transformers_cb.cli.tiny import build_tiny_tokenizer
 from transformers_cb.manager.stats import ManagerStats
+from transformers_cb.models.tiny import build_tiny_tokenizer
 from transformers_cb.serve.metrics import Histogram, ServerMetrics
 from transformers_cb.serve.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopScanner
 
@@ -188,3 +188,44 @@ def test_histogram_bucket_bounds_are_inclusive() -> None:
     assert 'h_bucket{le="1.0"} 1' in lines
     assert 'h_bucket{le="2.0"} 1' in lines
     assert 'h_bucket{le="+Inf"} 2' in lines
+
+
+@requires_serve
+def test_choice_events_read_each_outputs_new_tokens_only() -> None:
+    """The server's side of a stream: every output is read through its delta (`new_tokens`, ...), so a
+    stream of N tokens costs O(N); the text and logprobs are the whole output's."""
+    import asyncio
+
+    from tests.support.counting import CountingList, count_request_reads
+    from transformers_cb.requests import Request, RequestStatus
+    from transformers_cb.serve.choices import ChoiceOptions, Submitted, choice_events
+
+    steps = 600
+    request = Request("r", [1], max_new_tokens=steps, streaming=True)
+    request.set_status(RequestStatus.DECODING)
+    count_request_reads(request)
+    ids = [TOKENIZER.encode(f"w{k % 7} ", add_special_tokens=False)[k % 2] for k in range(steps)]
+
+    async def outputs() -> Any:
+        for k, token in enumerate(ids):
+            request.append_token(token, -0.5 - k, {token: -0.5 - k})
+            if k == steps - 1:
+                request.finish_reason = "length"
+                request.set_status(RequestStatus.FINISHED)
+            yield request.to_output()
+
+    class Manager:
+        def cancel_request(self, request_id: str) -> None:
+            raise AssertionError("a finished choice is not cancelled")
+
+    async def events() -> list[Any]:
+        options = ChoiceOptions(sampling={}, max_tokens=steps, want_logprobs=True, top_logprobs=1)
+        choice = Submitted("r", 0, outputs(), 0.0)
+        return [e async for e in choice_events(Manager(), choice, TOKENIZER, options, ServerMetrics())]
+
+    got = asyncio.run(events())
+    assert "".join(e.text for e in got) == TOKENIZER.decode(ids, skip_special_tokens=True)
+    assert [t for e in got for t in e.token_ids] == ids
+    assert [lp for e in got for lp in e.logprobs] == [-0.5 - k for k in range(steps)]
+    assert got[-1].finish_reason == "length"
+    assert CountingList.read <= 3 * steps, f"{CountingList.read} items read for {steps} tokens"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import zlib
 
 from tests.support.requests import FIRST_NORMAL_TOKEN
-from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
+from transformers_cb.scheduler.plan import StepPlan
 
 EOS = 2
 
@@ -26,7 +26,7 @@ class FakeModel:
         self.kv: dict[str, list[int]] = {}
         self.eos_at = eos_at or {}  # request id -> number of generated tokens at which to emit EOS
 
-    def run(self, batch: ScheduledBatch) -> list[SampledToken]:
+    def run(self, batch: StepPlan) -> list[SampledToken]:
         for request in batch.preempted:
             self.kv.pop(request.request_id, None)
         sampled = []

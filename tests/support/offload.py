@@ -7,18 +7,19 @@ import zlib
 
 import torch
 
-from transformers_cb.engine.engine import make_allocator
-from transformers_cb.engine.policies import make_policy
-from transformers_cb.engine.scheduler import Scheduler
-from transformers_cb.engine.step_plan import ScheduledBatch
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
+from transformers_cb.kv.page_policies import make_page_policy
+from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.host_cache import HostKVCache
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
+from transformers_cb.scheduler.plan import StepPlan
+from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.scheduler import Scheduler
 
 
 class Rig:
@@ -35,17 +36,20 @@ class Rig:
         self.cache = PagedKVCache(
             len(self.groups), num_pages, page_size, 1, 2, torch.float32, torch.device("cpu"), self.groups
         )
-        self.allocators = [
-            make_allocator(spec, pool, page_size, g)
-            for g, (spec, pool) in enumerate(zip(self.groups, self.cache.pools, strict=True))
+        self.pools = [
+            PagePool(num_pages) for _ in self.groups
+        ]  # the device pages' ids: kv/'s, beside the policies
+        self.policies = [
+            make_page_policy(spec, pool, page_size, g)
+            for g, (spec, pool) in enumerate(zip(self.groups, self.pools, strict=True))
         ]
         self.offload = self.copier = None
         if host_pages:
             self.host = HostKVCache(self.cache, host_pages)  # the bytes; the page ids: `offload.host`
             self.copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
-            self.offload = CpuOffload(self.allocators, host_pages)
+            self.offload = CpuOffload(self.policies, host_pages)
         self.scheduler = Scheduler(
-            PageManager(self.allocators, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
+            PageManager(self.policies, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
         )
         self.steps = 0
 
@@ -59,7 +63,7 @@ class Rig:
         )
 
     def readable(self, request: Request, group: int, end: int) -> range:
-        start = self.allocators[group].first_needed_page(end) * self.page_size
+        start = self.policies[group].first_needed_page(end) * self.page_size
         return range(start, end)
 
     def check_kv(self, request: Request, end: int) -> None:
@@ -84,12 +88,12 @@ class Rig:
         """Run the swaps planned outside `schedule()` (tests calling the offload hooks directly)."""
         self.copier.run(self.offload.take_plan())
 
-    def step(self) -> ScheduledBatch:
+    def step(self) -> StepPlan:
         batch = self.scheduler.schedule()
         self.execute(batch)
         return batch
 
-    def execute(self, batch: ScheduledBatch) -> None:
+    def execute(self, batch: StepPlan) -> None:
         """Run a scheduled step: the planned swaps, then write and check the KV, then sample."""
         if batch.swaps is not None:
             self.copier.run(batch.swaps)

@@ -28,7 +28,7 @@ CB_CONFIG = {"page_size": 16}
 
 def save_tiny_model(directory: Path) -> Path:
     """The built-in tiny model and its tokenizer, saved in `save_pretrained` layout under `directory`."""
-    from transformers_cb.cli.tiny import build_tiny_model, build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(seed=0, attn_implementation="sdpa", tokenizer=tokenizer)

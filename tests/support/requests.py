@@ -1,10 +1,11 @@
-"""`Request` objects for the allocator, scheduler and offload tests (no model, no tensors)."""
+"""`Request` objects for the page policy, scheduler and offload tests (no model, no tensors)."""
 
 from __future__ import annotations
 
 import zlib
 
 from transformers_cb.requests import Request
+from transformers_cb.scheduler.plan import ScheduledRequest, StepPlan
 
 FIRST_NORMAL_TOKEN = 10  # prompt ids start here: clear of the fake model's eos (2)
 
@@ -26,3 +27,19 @@ def make_request(
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos,
     )
+
+
+def page_ids(request: Request) -> list[int]:
+    """The request's page ids in the first KV group (the only one on a full-attention model): the
+    list itself, so appending to it corrupts the request's pages (integrity tests)."""
+    return request.pages[0].page_ids if request.pages else []
+
+
+def set_page_ids(request: Request, ids: list[int]) -> None:
+    """Give the request these pages in the first KV group (as if allocated)."""
+    request.group_pages(0).page_ids = list(ids)
+
+
+def sampling_entries(plan: StepPlan) -> list[ScheduledRequest]:
+    """The plan's entries that sample a token this step, in order (valid until `Scheduler.update`)."""
+    return [entry for entry in plan.entries if entry.samples]

@@ -38,7 +38,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = TIMEOU
 
 
 def tiny_model_and_tokenizer(chat_template: bool = True) -> tuple[Any, Any]:
-    from transformers_cb.cli.loading import load_model_and_tokenizer
+    from transformers_cb.models.loading import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(None, attn_implementation="paged|sdpa", seed=0)
     if chat_template:

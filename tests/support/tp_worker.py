@@ -165,21 +165,28 @@ def offload(model) -> dict:
     from unittest import mock
 
     from transformers_cb.engine.engine import Engine
+    from transformers_cb.engine.follower import FollowerEngine
 
     engines: list[Engine] = []
-    original = Engine.step
+    originals = {Engine: Engine.step, FollowerEngine: FollowerEngine.step}
 
-    def step(self):
-        if self not in engines:
-            engines.append(self)
-        result = original(self)
-        if not self.is_follower:
-            self.check_integrity()  # device pools, host pools, queues, block tables
-        return result
+    def recording(cls):
+        def step(self):
+            if self not in engines:
+                engines.append(self)
+            result = originals[cls](self)
+            if not self.is_follower:
+                self.check_integrity()  # device pools, host pools, queues, block tables
+            return result
+
+        return step
 
     greedy = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False)
     config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16, cpu_offload_space=None)
-    with mock.patch.object(Engine, "step", step):
+    with (
+        mock.patch.object(Engine, "step", recording(Engine)),
+        mock.patch.object(FollowerEngine, "step", recording(FollowerEngine)),
+    ):
         outputs = model.generate_batch(PROMPTS, greedy, config, progress_bar=False)
     (engine,) = engines
     swapper = engine.runner.swapper
@@ -218,7 +225,7 @@ def guided_config() -> tuple[GenerationConfig, ContinuousBatchingConfig, dict]:
 
 def guided(model) -> dict:
     """Guided decoding on rank 0 only (the masks are computed where tokens are sampled); a tight cache."""
-    from transformers_cb.cli.tiny import build_tiny_tokenizer
+    from transformers_cb.models.tiny import build_tiny_tokenizer
 
     greedy, tight, kwargs = guided_config()
     outputs = model.generate_batch(

@@ -24,10 +24,11 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.generation_fields import default_max_new_tokens, resolve_generation_config
+from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
+from ..engine.build import build_engine
 from ..engine.engine import Engine
-from ..engine.snapshot import EngineCounters
+from ..engine.validation import per_item
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
 
@@ -36,19 +37,6 @@ ENGINE_KWARGS = ("tokenizer", "logits_processor")
 
 # Where `generate_batch(persistent_manager=True)` keeps its engine; `model_methods` drops it on request.
 CACHED_ENGINE_ATTR = "_transformers_cb_engine"
-
-
-def _per_request(value: Any, count: int, name: str, lists_are_values: bool = False) -> list[Any]:
-    """`value` for every input, or its i-th element for input i when it is a per-input list.
-
-    `lists_are_values`: a flat list of str (`stop_strings=["a", "b"]`) is one value for all inputs."""
-    if lists_are_values and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return [value] * count
-    if isinstance(value, (list, tuple)):
-        if len(value) != count:
-            raise ValueError(f"{name}: got {len(value)} values for {count} inputs")
-        return list(value)
-    return [value] * count
 
 
 def generate_batch(
@@ -111,19 +99,26 @@ def generate_batch(
     }
     if unknown:
         raise TypeError(f"generate_batch got unexpected keyword arguments {sorted(unknown)}")
-    max_new = _per_request(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
+    given_max_new = per_item(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
     eos_ids = [kwargs.get("eos_token_id")] * len(inputs)
-    forks = _per_request(kwargs.get("num_return_sequences"), len(inputs), "num_return_sequences")
+    forks = per_item(kwargs.get("num_return_sequences"), len(inputs), "num_return_sequences")
     per_request = {
-        name: _per_request(kwargs[name], len(inputs), name, lists_are_values=name == "stop_strings")
+        name: per_item(kwargs[name], len(inputs), name, lists_are_values=name == "stop_strings")
         for name in PER_REQUEST_KWARGS
         if name in kwargs
     }
     if not inputs:
         return {}
-    workload = _workload(self, generation_config, inputs, max_new, forks)
+    # Resolved once, here: the cache's workload needs its defaults before the engine exists, which
+    # takes it as it is. Each request's max_new_tokens is defaulted here too, once.
+    resolved = ResolvedConfig(resolve_generation_config(self, generation_config))
+    max_new = [
+        limit if limit is not None else default_max_new_tokens(resolved.config, _num_tokens(ids))
+        for ids, limit in zip(inputs, given_max_new, strict=True)
+    ]
+    workload = _workload(resolved.config, inputs, max_new, forks)
     extras = {name: kwargs.get(name) for name in ENGINE_KWARGS}
-    engine = _engine_for(self, generation_config, cb_config, workload, persistent_manager, extras)
+    engine = _engine_for(self, resolved, cb_config, workload, persistent_manager, extras)
     requests = [
         engine.build_request(
             ids,
@@ -137,7 +132,7 @@ def generate_batch(
         )
         for i, ids in enumerate(inputs)
     ]
-    with paged_attention(self, engine.step_options.attn_implementation), torch.inference_mode():
+    with paged_attention(self, engine.attn_implementation), torch.inference_mode():
         if warmup and not engine.warmed_up:
             engine.warmup()
         for request in engine.admission_order(requests):
@@ -155,7 +150,7 @@ def generate_batch(
 
 def _engine_for(
     model: PreTrainedModel,
-    generation_config: GenerationConfig | None,
+    generation_config: ResolvedConfig,
     cb_config: ContinuousBatchingConfig | None,
     workload: list[int],
     persistent: bool,
@@ -164,9 +159,9 @@ def _engine_for(
     """A new engine, or with `persistent` the one cached on the model when it was built from the same
     configs (and the same tokenizer / logits processors) and its cache holds this workload's largest request."""
     if not persistent:
-        return Engine(model, generation_config, cb_config, workload=workload, **extras)
+        return build_engine(model, generation_config, cb_config, workload=workload, **extras)
     key = (
-        resolve_generation_config(model, generation_config).to_json_string(),
+        generation_config.config.to_json_string(),
         repr(cb_config if cb_config is not None else ContinuousBatchingConfig()),
         # Identities are safe in the key: the cached engine holds these objects, so ids are not reused.
         id(extras["tokenizer"]),
@@ -177,31 +172,30 @@ def _engine_for(
         cached_key, engine = cached
         fits = all(engine.unfittable_reason(n) is None for n in workload)
         if cached_key == key and fits and not engine.has_work():
-            engine.counters = EngineCounters()
+            engine.reset_counters()
             return engine
-    engine = Engine(model, generation_config, cb_config, workload=workload, **extras)
+    engine = build_engine(model, generation_config, cb_config, workload=workload, **extras)
     setattr(model, CACHED_ENGINE_ATTR, (key, engine))
     return engine
 
 
+def _num_tokens(ids: Any) -> int:
+    return len(ids) if hasattr(ids, "__len__") else 1  # not a list: `Engine.build_request` refuses it
+
+
 def _workload(
-    model: PreTrainedModel,
-    generation_config: GenerationConfig | None,
+    config: GenerationConfig,
     inputs: Sequence[Sequence[int]],
     max_new: list[int | None],
     forks: list[int | None],
 ) -> list[int]:
     """Rough max KV length of each request (forks included), to size the cache; `Engine.build_request`
-    validates."""
-    resolved = resolve_generation_config(model, generation_config)
+    validates. `config`: the resolved generation config; `max_new`: each request's, defaulted."""
     workload = []
     for ids, limit, num_sequences in zip(inputs, max_new, forks, strict=False):
-        num_prompt = len(ids) if hasattr(ids, "__len__") else 1
-        if limit is None:
-            limit = default_max_new_tokens(resolved, num_prompt)
-        length = num_prompt + (limit if isinstance(limit, int) and limit > 0 else 1)
+        length = _num_tokens(ids) + (limit if isinstance(limit, int) and limit > 0 else 1)
         if num_sequences is None:
-            num_sequences = resolved.num_return_sequences or 1
+            num_sequences = config.num_return_sequences or 1
         workload.extend(
             [length] * (num_sequences if isinstance(num_sequences, int) and num_sequences > 0 else 1)
         )

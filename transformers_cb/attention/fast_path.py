@@ -53,7 +53,7 @@ def resolve_max_blocks_per_request(
             )
             logger.warning("max_blocks_per_request=%d: decode fast path unavailable (%s)", requested, why)
         return 0
-    if explicit:
+    if explicit and requested is not None:
         return requested
     if workload:
         return -(-max(workload) // page_size)

@@ -19,6 +19,7 @@ transformers' SDPA attention, with eager for softcapping / sinks, like `paged|sd
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -73,14 +74,15 @@ def flash_paged_attention(
     }
     fast = metadata.decode_fast_path
     if fast is not None and group.sliding_window is None:
-        out = kernel.with_kvcache(
+        # Only a kernel with a paged kvcache entry point gets the fast path (fast_path.py).
+        out = cast(Callable, kernel.with_kvcache)(
             q.unsqueeze(1),
             key_pages,
             value_pages,
             k=new_keys.unsqueeze(1).to(key_cache.dtype),
             v=new_values.unsqueeze(1).to(value_cache.dtype),
             cache_seqlens=fast.cache_seqlens,
-            **{kernel.kvcache_table_arg: fast.block_table},
+            **{cast(str, kernel.kvcache_table_arg): fast.block_table},
             **common,
             **_sinks_kwargs(kernel, kernel.kvcache_args, sinks),
         )  # [B, 1, H, D]
@@ -105,14 +107,14 @@ def flash_paged_attention(
             **_sinks_kwargs(kernel, kernel.varlen_args, sinks),
         )
     else:  # flash-attn 3: packed queries through the paged kvcache entry point
-        out = kernel.with_kvcache(
+        out = cast(Callable, kernel.with_kvcache)(
             q,
             key_pages,
             value_pages,
             cache_seqlens=metadata.seq_lens_k,
             cu_seqlens_q=metadata.cu_seqlens_q,
             max_seqlen_q=metadata.max_seqlen_q,
-            **{kernel.kvcache_table_arg: group.block_table},
+            **{cast(str, kernel.kvcache_table_arg): group.block_table},
             **common,
             **_sinks_kwargs(kernel, kernel.kvcache_args, sinks),
         )

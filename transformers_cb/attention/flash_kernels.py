@@ -20,6 +20,7 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 FA2 = "paged|flash_attention_2"
 FA3 = "paged|flash_attention_3"
@@ -40,7 +41,7 @@ class FlashKernelUnavailable(ImportError):
     """A flash backend was asked for but its kernel cannot be imported (the message names the fix)."""
 
 
-def is_flash_backend(name: str | None) -> bool:
+def is_flash_backend(name: str | None) -> TypeGuard[str]:
     return name is not None and (name in (FA2, FA3) or is_hub_flash_name(name))
 
 

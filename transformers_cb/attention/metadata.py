@@ -1,4 +1,4 @@
-"""Per-step attention metadata, built once by `batch.py` and shared by every layer.
+"""Per-step attention metadata, built once by `runner/packing.py` and shared by every layer.
 
 Packed layout of one step (decodes first, sorted by KV length, then prefill chunks):
 

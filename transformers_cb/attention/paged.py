@@ -13,6 +13,7 @@ masks built for that group), its logit `softcap`, and its attention sinks
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -153,8 +154,8 @@ def mixed_paged_attention(
             q[:n],
             key_cache,
             value_cache,
-            metadata.token_row,
-            metadata.token_pos,
+            cast(torch.Tensor, metadata.token_row),  # set whenever there are native tokens
+            cast(torch.Tensor, metadata.token_pos),
             group_metadata.block_table,
             metadata.cache.page_size,
             scale,
@@ -169,19 +170,19 @@ def mixed_paged_attention(
         v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
         o = attend(q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks)  # [B, H, 1, D]
         out[group.q_start : group.q_end] = o.squeeze(2)
-    for group in group_metadata.prefill_groups:
-        rows = slice(group.q_start, group.q_end)
+    for chunk in group_metadata.prefill_groups:
+        rows = slice(chunk.q_start, chunk.q_end)
         q_group = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        if group.kv_slots is None:
+        if chunk.kv_slots is None:
             # First chunk of a sequence: its whole KV is this chunk (causal, or windowed by `mask`).
             k_group = new_keys[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Q, D]
             v_group = new_values[rows].transpose(0, 1).unsqueeze(0)
-            is_causal = group.q_end - group.q_start > 1
-            o = attend(q_group, k_group, v_group, group.mask, is_causal, scale, softcap, sinks)
+            is_causal = chunk.q_end - chunk.q_start > 1
+            o = attend(q_group, k_group, v_group, chunk.mask, is_causal, scale, softcap, sinks)
         else:
-            k_group = _gather(key_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            v_group = _gather(value_cache, group.kv_slots).transpose(0, 1).unsqueeze(0)
-            o = attend(q_group, k_group, v_group, group.mask, False, scale, softcap, sinks)
+            k_group = _gather(key_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v_group = _gather(value_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)
+            o = attend(q_group, k_group, v_group, chunk.mask, False, scale, softcap, sinks)
         out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
 
@@ -233,9 +234,10 @@ def make_forward(
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
         unsupported_kwargs(kwargs)
-        check_window(module.layer_idx, sliding_window, metadata.group_of(module.layer_idx).sliding_window)
+        layer_idx = cast(int, module.layer_idx)  # transformers' attention modules know their layer
+        check_window(layer_idx, sliding_window, metadata.group_of(layer_idx).sliding_window)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return run(query, key, value, module.layer_idx, metadata, scale, softcap, sinks), None
+        return run(query, key, value, layer_idx, metadata, scale, softcap, sinks), None
 
     forward.__name__ = forward.__qualname__ = name
     return forward

@@ -1,1 +1,1 @@
-"""Command-line interface for transformers_cb (``transformers-cb generate``)."""
+"""The commands (``transformers-cb generate | serve | build-kernels``): the top room, which no other imports."""

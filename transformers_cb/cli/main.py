@@ -1,10 +1,11 @@
 """``transformers-cb``: batch generation from the command line.
 
 ``transformers-cb generate`` reads prompts (plain text or JSON lines), runs them
-through ``model.generate_batch`` with continuous batching, and writes one JSON
-object per prompt, in input order. See ``docs/cli.md``. ``transformers-cb serve``
+through ``model.generate_batch`` with continuous batching, and writes each answer as text (one JSON
+object per prompt with ``--jsonl``), in input order. See ``docs/cli.md``. ``transformers-cb serve``
 (``transformers_cb/serve/``) is an OpenAI-compatible HTTP server; see ``docs/serve.md``.
-``transformers-cb build-kernels`` (``build_kernels.py``) builds the native CPU kernel ahead of use.
+``transformers-cb build-kernels`` (``build_kernels.py``) builds the native CPU kernel ahead of use;
+``transformers-cb models`` (``models_command.py``) fetches and lists the models run by name.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..jobs.answers import format_answer, writes_jsonl
+from ..jobs.inputs import InputError, read_requests, tokenize_requests
+from ..jobs.records import build_record, eos_set, format_summary, generate_all, open_output
 from ..models.registry_model import DEFAULT_MODEL, TINY, registry_model
 from ..serve.server import add_serve_parser
-from .answers import format_answer, writes_jsonl
 from .build_kernels import add_build_kernels_parser
-from .inputs import InputError, read_requests, tokenize_requests
 from .models_command import add_models_parser
-from .records import build_record, eos_set, format_summary, generate_all, open_output
 
 __all__ = ["build_parser", "generate_all", "main", "run_generate"]
 
@@ -199,7 +200,7 @@ def _chat(args: argparse.Namespace) -> bool:
 
 def run_generate(args: argparse.Namespace) -> int:
     from ..models.fetch import FetchError, resolve_model
-    from .loading import load_for_command, special_ids
+    from ..models.loading import load_for_command, special_ids
 
     if args.ray is not None:
         from ..scale_out.batch_job import run_ray_generate

@@ -1,9 +1,10 @@
 """`ContinuousBatchingConfig`: the hardware-side settings (memory, scheduling, kernels).
 
 This room owns the field list, their validation (`validate()`: types and ranges, `ValueError` only)
-and `resolve_device_options` (GPU-only options on another device). Sizing that depends on the model and
-the device (`num_blocks`, `max_batch_tokens`, ...) is resolved in `memory/sizing.py` into a separate
-object, so the user's config is never mutated.
+and `resolve_device_options` (GPU-only options on another device, as a `DeviceOptions`). Everything
+that depends on the model and the device (`num_blocks`, `max_batch_tokens`, ...) is resolved into
+separate frozen objects (`memory/sizing.py`, `engine/build.py`'s `EnginePlan`): no config, the user's or
+the engine's copy, is ever written after it is validated.
 """
 
 from __future__ import annotations
@@ -251,8 +252,16 @@ class ContinuousBatchingConfig:
         return dataclasses.replace(self, **changes)
 
 
-def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -> None:
-    """Settle the options that only mean something on a GPU, in place on the engine's private copy.
+@dataclass(frozen=True)
+class DeviceOptions:
+    """The GPU-only options as they apply on the engine's device (`resolve_device_options`)."""
+
+    cuda_graphs: tuple[bool, bool]  # `use_cuda_graph` as a (varlen, decode) pair; off unless on CUDA
+    async_batching: bool  # `use_async_batching`, only with graphs on
+
+
+def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -> DeviceOptions:
+    """Settle the options that only mean something on a GPU; `config` is read, never written.
 
     As in transformers, a non-CUDA run logs a warning and turns CUDA graphs and async batching off
     instead of failing, so code written for a GPU box runs here. Async batching needs graphs: asked for
@@ -269,10 +278,8 @@ def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -
                 logger.warning(
                     "ContinuousBatchingConfig.%s needs a CUDA device; turned off on %s", feature, device_type
                 )
-        config.use_cuda_graph = False
-        config.use_async_batching = False
-        return
-    config.use_cuda_graph = config.cuda_graph_paths  # None (auto) means off: graphs are opt-in
-    if config.use_async_batching and not config.wants_cuda_graphs:
+        return DeviceOptions(cuda_graphs=(False, False), async_batching=False)
+    graphs = config.cuda_graph_paths  # None (auto) means off: graphs are opt-in
+    if config.use_async_batching and not any(graphs):
         logger.warning("ContinuousBatchingConfig.use_async_batching needs use_cuda_graph=True; turned off")
-    config.use_async_batching = bool(config.use_async_batching) and config.wants_cuda_graphs
+    return DeviceOptions(cuda_graphs=graphs, async_batching=bool(config.use_async_batching) and any(graphs))

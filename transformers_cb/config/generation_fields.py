@@ -2,9 +2,10 @@
 
 Every field of transformers' `GenerationConfig` is in exactly one of `IMPLEMENTED`, `HARMLESS` or
 `REFUSED` (tests/config/test_generation_fields.py walks them all, so a new transformers release that adds a
-field fails loudly until it is classified). A field that is *not at its default* is accepted only if it
-is implemented or harmless; a refused or unknown one raises `UnsupportedGenerationOption` naming it,
-instead of being silently ignored.
+field fails loudly until it is classified). A field that is *not at its default* (None, transformers'
+default, or its value in sampling/neutral.py's one table of neutral values) is accepted only if it is
+implemented or harmless; a refused or unknown one raises `UnsupportedGenerationOption` naming it, instead
+of being silently ignored (`sampling.neutral.check_generation_config`, which reads this table).
 
 To implement a field: move it from `REFUSED` to `IMPLEMENTED` in the same change that honours it.
 """
@@ -12,11 +13,12 @@ To implement a field: move it from `REFUSED` to `IMPLEMENTED` in the same change
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-# Honoured by the engine (sampling.py, processors.py, stop_strings.py, engine.py, requests.py).
+# Honoured by the engine (sampler.py, processors.py, warpers.py, stop_strings.py, engine.py, requests.py).
 IMPLEMENTED: frozenset[str] = frozenset(
     {
         "max_new_tokens",
@@ -48,8 +50,8 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "exponential_decay_length_penalty",
         "renormalize_logits",
         "remove_invalid_values",
-        "num_return_sequences",  # forks: siblings share the prompt's pages (cache/prefix_cache.py)
-        "continuous_batching_config",  # deprecated path, taken with a FutureWarning (generation.py)
+        "num_return_sequences",  # forks: siblings share the prompt's pages (kv/prefix_cache.py)
+        "continuous_batching_config",  # deprecated path, taken with a FutureWarning (config/interop.py, `take_cb_config`)
     }
 )
 
@@ -106,29 +108,6 @@ REFUSED: frozenset[str] = frozenset(
     }
 )
 
-# Values that mean "off" besides None and transformers' own default (e.g. top_k=0 disables top-k).
-NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "min_length": (0,),
-    "min_new_tokens": (0,),
-    "num_beams": (1,),
-    "num_beam_groups": (1,),
-    "num_return_sequences": (1,),
-    "diversity_penalty": (0.0,),
-    "penalty_alpha": (0.0,),
-    "repetition_penalty": (1.0,),
-    "encoder_repetition_penalty": (1.0,),
-    "typical_p": (1.0,),
-    "epsilon_cutoff": (0.0,),
-    "eta_cutoff": (0.0,),
-    "no_repeat_ngram_size": (0,),
-    "encoder_no_repeat_ngram_size": (0,),
-    "guidance_scale": (1.0,),
-    "renormalize_logits": (False,),
-    "remove_invalid_values": (False,),
-    "token_healing": (False,),
-    "use_mtp": (False,),
-}
-
 
 class UnsupportedGenerationOption(ValueError, NotImplementedError):
     """A `GenerationConfig` field the engine does not implement is set. A `ValueError` (a bad
@@ -146,32 +125,22 @@ def transformers_defaults() -> dict[str, Any]:
     return defaults() if defaults is not None else {}
 
 
-def is_default(name: str, value: Any) -> bool:
-    if value is None or value == transformers_defaults().get(name, None):
-        return True
-    return any(value == neutral for neutral in NEUTRAL.get(name, ()))
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A `GenerationConfig` already resolved for the model it is handed with (a private copy that
+    `resolve_generation_config` returns as it is): a caller that needs the resolved values before the
+    engine exists (`generate_batch`: the cache's workload) resolves once and hands this on."""
 
-
-def check_generation_config(config: GenerationConfig) -> None:
-    """Raise `UnsupportedGenerationOption` naming the first field set away from its default that is
-    neither implemented nor harmless (refused, or unknown to this release)."""
-    for name in field_names():
-        value = getattr(config, name, None)
-        if name in IMPLEMENTED or name in HARMLESS or is_default(name, value):
-            continue
-        known = (
-            "is not implemented by transformers_cb" if name in REFUSED else "is unknown to transformers_cb"
-        )
-        raise UnsupportedGenerationOption(
-            f"GenerationConfig.{name}={value!r} {known}; it would be ignored, so it is refused "
-            f"(leave it at its default, {transformers_defaults().get(name)!r})"
-        )
+    config: GenerationConfig
 
 
 def resolve_generation_config(
-    model: PreTrainedModel, generation_config: GenerationConfig | None
+    model: PreTrainedModel, generation_config: GenerationConfig | ResolvedConfig | None
 ) -> GenerationConfig:
-    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`)."""
+    """A private copy: the user's values, then the model's, then transformers' defaults (as `generate()`).
+    A `ResolvedConfig` is resolved already: its config comes back as it is."""
+    if isinstance(generation_config, ResolvedConfig):
+        return generation_config.config
     model_config = getattr(model, "generation_config", None) or GenerationConfig()
     # NOTE: like `generate()`, no config means an empty one, so transformers' defaults (max_length=20,
     # top_k=50, ...) apply after the model's values.

@@ -3,7 +3,7 @@
 Rank 0 (the driver) runs the scheduler, the request queue, sampling and the manager. At every
 `Engine.step()` it sends one `StepMessage` over the CPU group: the tokens it sampled and the
 requests that ended since the last message, the first-seen requests' prompts, and this step's
-whole plan (`ScheduledBatch`): entries (request, first token, token count, page ids), fork page
+whole plan (`StepPlan`): entries (request, first token, token count, page ids), fork page
 copies, host-tier swaps, block-table rows to release. Every other rank (a follower) applies the
 message to its mirror of the requests and its runner executes the same plan over the same pages
 of its own cache shard (its host tier has as many pages as rank 0's: `agree_host_pages`), so the
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from ..engine.step_plan import ScheduledBatch, ScheduledRequest
 from ..kv.swap_plan import SwapPlan
 from ..memory.sizing import Sizing
 from ..requests import PageList, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from ..scheduler.plan import ScheduledRequest, StepPlan
 from .cpu_group import CpuGroup, TensorParallelError
 from .sharding import is_distributed, tp_process_group, tp_size_of
 
@@ -143,7 +143,7 @@ class TensorParallelCoordinator:
         return self.cpu.fail("running a step's forward", error)
 
     # -- driver ------------------------------------------------------------------------
-    def publish(self, batch: ScheduledBatch) -> None:
+    def publish(self, batch: StepPlan) -> None:
         """Send this step's decision (with everything that happened since the last message)."""
         message, self._pending = self._pending, StepMessage(Kind.STEP)
         message.released.extend(request.request_id for request in batch.released)
@@ -190,7 +190,7 @@ class TensorParallelCoordinator:
         self.requests[request.request_id] = request
         self.run_ended = False
 
-    def receive(self) -> tuple[StepMessage, ScheduledBatch, list[Request], list[Request]]:
+    def receive(self) -> tuple[StepMessage, StepPlan, list[Request], list[Request]]:
         """Apply rank 0's next message to the mirror. Returns it, the batch to run (mirrors, with rank
         0's pages), the requests that ended and those that got a token and still run."""
         message: StepMessage = self.cpu.exchange()
@@ -200,13 +200,13 @@ class TensorParallelCoordinator:
             request.append_token(token.token_id, token.logprob, token.top_logprobs)
             progressed.append(request)
         for request_id, status, reason, error in message.finals:
-            request = self.requests.pop(request_id, None)
-            if request is not None:
+            ended = self.requests.pop(request_id, None)
+            if ended is not None:
                 # A mirror copies the driver's checked transitions, so it takes the final status as is.
-                request.status, request.finish_reason, request.error = RequestStatus(status), reason, error
-                request.finish_time = time.perf_counter()
-                request.pages = []
-                finished.append(request)
+                ended.status, ended.finish_reason, ended.error = RequestStatus(status), reason, error
+                ended.finish_time = time.perf_counter()
+                ended.pages = []
+                finished.append(ended)
         for spec in message.new:
             self._mirror(spec)
         entries = []
@@ -218,7 +218,7 @@ class TensorParallelCoordinator:
         released = [self.requests[i] for i in message.released if i in self.requests]
         for request in released:
             request.pages = []
-        batch = ScheduledBatch(
+        batch = StepPlan(
             entries=entries,
             copies=message.copies,
             swaps=message.swaps,

@@ -1,2 +1,3 @@
-"""One step of continuous batching: the `Engine`, its scheduler and policies, the step's plan,
-forks, and the checks a submission passes to become a `Request`."""
+"""One step of continuous batching: the `Engine` (engine.py) driving the scheduler and the runner, built
+once from a frozen plan (build.py), its tensor-parallel follower (follower.py) and rank 0's publisher
+(publisher.py), forks, and the checks a submission passes to become a `Request`."""

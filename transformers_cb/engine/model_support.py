@@ -13,7 +13,7 @@ Refused, with the model type and what is missing:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ..kv.layer_groups import kv_groups_from_config
 
@@ -56,7 +56,8 @@ def _refuse(model_type: str, missing: str) -> None:
 def check_model_supported(config: Any) -> None:
     """Raise `NotImplementedError` naming the model type and what is missing, or return."""
     text_config = config.get_text_config()
-    model_type = getattr(text_config, "model_type", None) or getattr(config, "model_type", "?")
+    # Configs name their type as a str class attribute (`PretrainedConfig.model_type`).
+    model_type = cast(str, getattr(text_config, "model_type", None) or getattr(config, "model_type", "?"))
     if getattr(config, "is_encoder_decoder", False):
         _refuse(model_type, "encoder-decoder models are not supported (decoder-only causal LMs only)")
     if model_type in RECURRENT_MODEL_TYPES or any(

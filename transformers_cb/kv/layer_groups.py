@@ -1,9 +1,9 @@
 """KV cache layer groups: which layers share a page policy, read from the model config.
 
 Layers are grouped by attention type. Each group has its own page pool and
-allocator (pages of the same `page_size`), and a request holds one page list
+page policy (pages of the same `page_size`), and a request holds one page list
 per group. Full-attention layers keep every token; sliding-window layers only
-the last `sliding_window` tokens (see `allocator.SlidingWindowAllocator`).
+the last `sliding_window` tokens (see `page_policies.SlidingWindowPolicy`).
 
 Where the type of each layer comes from:
 - `config.layer_types` when present (Gemma 2/3, Qwen2, Cohere2, GPT-OSS, ...);

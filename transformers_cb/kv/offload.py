@@ -17,7 +17,7 @@ resident) and gets the same page back on swap-in. Only exclusively owned pages m
 groups swap only the pages the request still holds (from `first_page` on).
 
 The copies of one step are collected in a `SwapPlan` (plain ids, swap_plan.py) that `schedule()`
-moves into the step's `ScheduledBatch` (`take_plan`); the runner's `SwapCopier` (memory/swap.py)
+moves into the step's `StepPlan` (`take_plan`); the runner's `SwapCopier` (memory/swap.py)
 runs it before the step's forward, one gather/scatter per group and direction, on every
 tensor-parallel rank. This module stays torch-free: the host tier's bytes are
 `memory.host_cache.HostKVCache`, its page ids (`HostPages`, one `PagePool` per group) are here.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..invariants import InvariantError, check
 from ..requests import PageList, Request
-from .page_policies import FullAttentionAllocator, num_pages_for
+from .page_policies import PagePolicy, num_pages_for
 from .pool import PagePool
 from .swap_plan import SwapPlan
 
@@ -74,15 +74,15 @@ class HostPages:
 
 
 class CpuOffload:
-    """Args: allocators: the device tier's page policies, one per KV group (as in `PageManager`);
+    """Args: policies: the device tier's page policies, one per KV group (as in `PageManager`);
     num_host_pages: host pages of every group (>= 1; the same on every tensor-parallel rank)."""
 
-    def __init__(self, allocators: list[FullAttentionAllocator], num_host_pages: int) -> None:
-        self.allocators = allocators
-        self.host = HostPages(num_host_pages, len(allocators))
-        self.page_size = allocators[0].page_size
+    def __init__(self, policies: list[PagePolicy], num_host_pages: int) -> None:
+        self.policies = policies
+        self.host = HostPages(num_host_pages, len(policies))
+        self.page_size = policies[0].page_size
         self.swapped: dict[str, list[SwappedGroup]] = {}  # request id -> its pages, per group
-        self.plan = SwapPlan(len(allocators))  # planned since the last `take_plan`
+        self.plan = SwapPlan(len(policies))  # planned since the last `take_plan`
         self.swap_out_pages = 0  # pages copied to the host tier, since creation
         self.swap_in_pages = 0  # pages copied back
         self.kept_pages = 0  # shared pages a swap-out left resident (not copied), since creation
@@ -102,26 +102,27 @@ class CpuOffload:
         is nothing to keep or the host tier lacks room; the caller then frees and recomputes."""
         if request.num_computed_tokens == 0 or not request.holds_pages:
             return False
-        held = [a.pages(request) for a in self.allocators]
+        held = [a.pages(request) for a in self.policies]
         exclusive = [
             [p for p in pages.page_ids if a.pool.refcount(p) == 1]
-            for a, pages in zip(self.allocators, held, strict=True)
+            for a, pages in zip(self.policies, held, strict=True)
         ]
         if any(len(ids) > pool.num_free_pages for ids, pool in zip(exclusive, self.host.pools, strict=True)):
             self.num_fallbacks += 1
             return False
         groups = []
-        for g, (allocator, pages, ids) in enumerate(zip(self.allocators, held, exclusive, strict=True)):
+        for g, (policy, pages, ids) in enumerate(zip(self.policies, held, exclusive, strict=True)):
             host_ids = self.host.pools[g].allocate(len(ids))
-            check(host_ids is not None, "host pages counted as free but not allocated")
+            if host_ids is None:
+                raise InvariantError("host pages counted as free but not allocated")
             free_host = iter(host_ids)
             page_ids, on_host = [], []
             for page_id in pages.page_ids:
-                if allocator.pool.refcount(page_id) == 1:
+                if policy.pool.refcount(page_id) == 1:
                     page_ids.append(next(free_host))
                     on_host.append(True)
                 else:  # shared: stays resident; this reference survives the scheduler's release
-                    allocator.pool.share([page_id])
+                    policy.pool.share([page_id])
                     page_ids.append(page_id)
                     on_host.append(False)
                     self.kept_pages += 1
@@ -145,22 +146,23 @@ class CpuOffload:
 
     def can_swap_in(self, request: Request) -> bool:
         needed = self.pages_to_swap_in(request)
-        return all(n <= a.pool.num_free_pages for n, a in zip(needed, self.allocators, strict=True))
+        return all(n <= a.pool.num_free_pages for n, a in zip(needed, self.policies, strict=True))
 
     def swap_in(self, request: Request) -> None:
         """Give `request` fresh device pages for its host pages (copies planned) and its kept shared pages
         back. Only after `can_swap_in` said yes."""
         check(self.can_swap_in(request), f"{request.request_id}: swap_in without room")
         groups = self.swapped.pop(request.request_id)
-        for g, (allocator, group) in enumerate(zip(self.allocators, groups, strict=True)):
+        for g, (policy, group) in enumerate(zip(self.policies, groups, strict=True)):
             host_ids = group.host_ids
-            device_ids = allocator.pool.allocate(len(host_ids))
-            check(device_ids is not None, "device pages counted as free but not allocated")
+            device_ids = policy.pool.allocate(len(host_ids))
+            if device_ids is None:
+                raise InvariantError("device pages counted as free but not allocated")
             fresh = iter(device_ids)
             page_ids = [
                 next(fresh) if host else p for p, host in zip(group.page_ids, group.on_host, strict=True)
             ]
-            pages = allocator.pages(request)
+            pages = policy.pages(request)
             check(not pages.page_ids, f"{request.request_id}: swapped in while holding pages")
             request.pages[g] = PageList(page_ids, group.first_page)
             self.plan.in_src[g].extend(host_ids)
@@ -176,10 +178,10 @@ class CpuOffload:
         groups = self.swapped.pop(request.request_id, None)
         if groups is None:
             return
-        for g, (allocator, group) in enumerate(zip(self.allocators, groups, strict=True)):
+        for g, (policy, group) in enumerate(zip(self.policies, groups, strict=True)):
             host_ids = group.host_ids
             self.host.pools[g].release(host_ids)
-            allocator.pool.release(group.kept_device_ids)
+            policy.pool.release(group.kept_device_ids)
             if self.plan.out_dst[g]:  # not copied yet: drop the copy, its host page may be reused at once
                 dropped = set(host_ids)
                 pairs = [
@@ -191,15 +193,14 @@ class CpuOffload:
                 self.plan.out_dst[g] = [d for _, d in pairs]
 
     def take_plan(self) -> SwapPlan:
-        """The swaps planned since the last call (the step's), for its `ScheduledBatch`."""
-        plan, self.plan = self.plan, SwapPlan(len(self.allocators))
+        """The swaps planned since the last call (the step's), for its `StepPlan`."""
+        plan, self.plan = self.plan, SwapPlan(len(self.policies))
         return plan
 
     def device_tables(self) -> list[list[list[int]]]:
         """Per group, the device pages each swapped-out request still references (for pool integrity)."""
         return [
-            [groups[g].kept_device_ids for groups in self.swapped.values()]
-            for g in range(len(self.allocators))
+            [groups[g].kept_device_ids for groups in self.swapped.values()] for g in range(len(self.policies))
         ]
 
     def check_integrity(self, waiting_ids: set[str]) -> None:
@@ -208,7 +209,7 @@ class CpuOffload:
         if unknown:
             raise InvariantError(f"swapped-out requests not waiting: {sorted(unknown)}")
         self.host.check_integrity(
-            [[groups[g].host_ids for groups in self.swapped.values()] for g in range(len(self.allocators))]
+            [[groups[g].host_ids for groups in self.swapped.values()] for g in range(len(self.policies))]
         )
         for groups in self.swapped.values():
             for group in groups:

@@ -20,29 +20,27 @@ from __future__ import annotations
 from ..invariants import InvariantError, check
 from ..requests import Request
 from .layer_groups import KVGroupSpec
-from .page_policies import FullAttentionAllocator
+from .page_policies import PagePolicy
 from .pool import PagePool
 from .prefix_cache import PageCopy, PrefixCache, PrefixStats
 
 
 class PageManager:
-    """Args: allocators: one per KV group, `allocators[g].group == g`; specs: the matching groups;
+    """Args: policies: one per KV group, `policies[g].group == g`; specs: the matching groups;
     sharing: prefix sharing and forks (`prefix`, see prefix_cache.py), None when off."""
 
-    def __init__(
-        self, allocators: list[FullAttentionAllocator], specs: list[KVGroupSpec], sharing: bool = False
-    ) -> None:
+    def __init__(self, policies: list[PagePolicy], specs: list[KVGroupSpec], sharing: bool = False) -> None:
         check(
-            bool(allocators) and len(allocators) == len(specs),
-            f"{len(allocators)} allocators, {len(specs)} groups",
+            bool(policies) and len(policies) == len(specs),
+            f"{len(policies)} policies, {len(specs)} groups",
         )
-        check([a.group for a in allocators] == list(range(len(allocators))))
-        self.allocators = allocators
+        check([a.group for a in policies] == list(range(len(policies))))
+        self.policies = policies
         self.specs = specs
-        self.page_size = allocators[0].page_size
+        self.page_size = policies[0].page_size
         # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
-        self._trimming = [a for a in allocators if a.sliding_window is not None]
-        self.prefix = PrefixCache(allocators) if sharing else None
+        self._trimming = [a for a in policies if a.sliding_window is not None]
+        self.prefix = PrefixCache(policies) if sharing else None
 
     @property
     def sharing(self) -> bool:
@@ -56,7 +54,7 @@ class PageManager:
 
     @property
     def pools(self) -> list[PagePool]:
-        return [a.pool for a in self.allocators]
+        return [a.pool for a in self.policies]
 
     @property
     def free_fraction(self) -> float:
@@ -65,20 +63,20 @@ class PageManager:
 
     def num_fitting_tokens(self, request: Request, wanted: int) -> int:
         """How many of `wanted` new tokens every group can take. Pure."""
-        if len(self.allocators) == 1:
-            return self.allocators[0].num_fitting_tokens(request, wanted)
-        return min(a.num_fitting_tokens(request, wanted) for a in self.allocators)
+        if len(self.policies) == 1:
+            return self.policies[0].num_fitting_tokens(request, wanted)
+        return min(a.num_fitting_tokens(request, wanted) for a in self.policies)
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Pages for `num_new_tokens` more tokens in every group; False (nothing changed) if any group is full."""
-        if len(self.allocators) == 1:  # one group: its own allocation is already check-then-commit
-            return self.allocators[0].allocate(request, num_new_tokens)
-        if not all(a.can_allocate(request, num_new_tokens) for a in self.allocators):
+        if len(self.policies) == 1:  # one group: its own allocation is already check-then-commit
+            return self.policies[0].allocate(request, num_new_tokens)
+        if not all(a.can_allocate(request, num_new_tokens) for a in self.policies):
             return False
-        for allocator in self.allocators:
-            committed = allocator.allocate(request, num_new_tokens)
+        for policy in self.policies:
+            committed = policy.allocate(request, num_new_tokens)
             if not committed:  # hot path: no message built unless it fails
-                raise InvariantError(f"group {allocator.group} refused after can_allocate")
+                raise InvariantError(f"group {policy.group} refused after can_allocate")
         return True
 
     def trim(self, request: Request) -> int:
@@ -89,8 +87,8 @@ class PageManager:
         """Release the request's pages in every group, and (sharing) its promises of pages not computed."""
         if self.prefix is not None:
             self.prefix.withdraw(request)
-        for allocator in self.allocators:
-            allocator.free(request)
+        for policy in self.policies:
+            policy.free(request)
 
     # -- prefix sharing (prefix_cache.py); no-ops when it is off -------------------------------------
     def attach_prefix(self, request: Request) -> int:
@@ -118,18 +116,19 @@ class PageManager:
 
     def fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
         """`child` shares `parent`'s prompt pages (sharing on); the copies to run, or None (no room)."""
-        check(self.prefix is not None, "fork without prefix sharing")
+        if self.prefix is None:
+            raise InvariantError("fork without prefix sharing")
         return self.prefix.fork(parent, child)
 
     def unfittable_reason(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` KV tokens can never run in this cache, or None if it can."""
-        for allocator, spec in zip(self.allocators, self.specs, strict=True):
-            needed = allocator.max_pages(num_tokens)
-            if needed > allocator.pool.num_pages:
+        for policy, spec in zip(self.policies, self.specs, strict=True):
+            needed = policy.max_pages(num_tokens)
+            if needed > policy.pool.num_pages:
                 where = f" in layer group {spec.name}" if len(self.specs) > 1 else ""
                 return (
                     f"needs {needed} KV pages of {self.page_size} tokens{where} but the cache has only "
-                    f"{allocator.pool.num_pages}"
+                    f"{policy.pool.num_pages}"
                 )
         return None
 
@@ -138,7 +137,7 @@ class PageManager:
         parts = [
             f"{a.max_pages(num_tokens)} > {a.pool.num_pages}"
             + (f" in {spec.name}" if len(self.specs) > 1 else "")
-            for a, spec in zip(self.allocators, self.specs, strict=True)
+            for a, spec in zip(self.policies, self.specs, strict=True)
         ]
         return ", ".join(parts)
 
@@ -160,18 +159,18 @@ class PageManager:
             self.prefix.stats = PrefixStats()
 
     def pages_in_use(self) -> dict[str, int]:
-        return {spec.name: a.pool.num_used_pages for a, spec in zip(self.allocators, self.specs, strict=True)}
+        return {spec.name: a.pool.num_used_pages for a, spec in zip(self.policies, self.specs, strict=True)}
 
     def check_integrity(
         self, live: list[Request], running: list[Request], kept: list[list[list[int]]] | None = None
     ) -> None:
         """Every group's pool is consistent with the page lists of the live requests (and, per group,
         `kept`: the pages swapped-out requests still reference on the device, see offload.py)."""
-        for g, allocator in enumerate(self.allocators):
-            tables = [allocator.pages(r).page_ids for r in live]
-            allocator.pool.check_integrity(tables + (kept[g] if kept is not None else []))
+        for g, policy in enumerate(self.policies):
+            tables = [policy.pages(r).page_ids for r in live]
+            policy.pool.check_integrity(tables + (kept[g] if kept is not None else []))
         for request in running:
-            for allocator in self.allocators:
-                allocator.check_request(request)
+            for policy in self.policies:
+                policy.check_request(request)
         if self.prefix is not None:
             self.prefix.check_integrity(running)

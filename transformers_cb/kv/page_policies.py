@@ -1,11 +1,13 @@
 """Per-attention-type page policies: which pages a request must hold in one KV layer group.
 
-An allocator maps a request's token positions to pages of its group's `PagePool`
-and keeps the request's `PageList` for that group (`request.pages[group]`).
-Full attention keeps every page: a request with `n` tokens of KV holds
-ceil(n / page_size) pages. Other policies (sliding window, prefix sharing)
-override the small hooks below, not the shared bookkeeping. `cache_allocator`
-combines one allocator per group into what the scheduler sees.
+A page policy maps a request's token positions to pages of its group's `PagePool`
+and keeps the request's `PageList` for that group (`request.pages[group]`). The bookkeeping
+is shared (`PagePolicy`); each attention type only answers two hooks: which page a step
+starting at a token first reads, and how many pages a request must hold at once.
+Full attention (`FullAttentionPolicy`) keeps every page: a request with `n` tokens of KV
+holds ceil(n / page_size) pages. Sliding windows (`SlidingWindowPolicy`) keep only the
+pages of the window. `PageManager` (page_manager.py) combines one policy per group into
+what the scheduler sees.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ def num_pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-class FullAttentionAllocator:
-    """Pages for full-attention layers: one page per `page_size` tokens, never recycled early."""
+class PagePolicy:
+    """The page bookkeeping every attention type shares; subclasses answer the two hooks."""
 
     sliding_window: int | None = None
 
@@ -36,11 +38,11 @@ class FullAttentionAllocator:
     # -- hooks of a page policy -----------------------------------------------------------------
     def first_needed_page(self, start: int) -> int:
         """First logical page that a step whose queries start at token `start` reads."""
-        return 0
+        raise NotImplementedError
 
     def max_pages(self, num_tokens: int) -> int:
         """Pages a request with `num_tokens` tokens of KV must hold at once to make progress."""
-        return num_pages_for(num_tokens, self.page_size)
+        raise NotImplementedError
 
     # -- shared bookkeeping ----------------------------------------------------------------------
     def num_new_pages(self, request: Request, num_new_tokens: int) -> int:
@@ -100,7 +102,17 @@ class FullAttentionAllocator:
         )
 
 
-class SlidingWindowAllocator(FullAttentionAllocator):
+class FullAttentionPolicy(PagePolicy):
+    """Pages for full-attention layers: one page per `page_size` tokens, never recycled early."""
+
+    def first_needed_page(self, start: int) -> int:
+        return 0
+
+    def max_pages(self, num_tokens: int) -> int:
+        return num_pages_for(num_tokens, self.page_size)
+
+
+class SlidingWindowPolicy(PagePolicy):
     """Pages for sliding-window layers: only the pages covering the last `sliding_window` tokens.
 
     A query at position `q` reads keys `(q - sliding_window, q]`. After each step (`trim`, called
@@ -108,6 +120,8 @@ class SlidingWindowAllocator(FullAttentionAllocator):
     to the pool, so a decoding request holds at most `window_pages()` pages, plus the chunk while
     it prefills.
     """
+
+    sliding_window: int  # never None here
 
     def __init__(self, pool: PagePool, page_size: int, sliding_window: int, group: int = 0) -> None:
         super().__init__(pool, page_size, group)
@@ -136,8 +150,8 @@ class SlidingWindowAllocator(FullAttentionAllocator):
         )
 
 
-def make_allocator(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> FullAttentionAllocator:
+def make_page_policy(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> PagePolicy:
     """The page policy of one KV layer group."""
     if spec.sliding_window is None:
-        return FullAttentionAllocator(pool, page_size, group)
-    return SlidingWindowAllocator(pool, page_size, spec.sliding_window, group)
+        return FullAttentionPolicy(pool, page_size, group)
+    return SlidingWindowPolicy(pool, page_size, spec.sliding_window, group)

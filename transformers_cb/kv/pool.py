@@ -10,7 +10,7 @@ holding it; above 1 the page is shared (prefix sharing, forks) and read-only.
 A page with refcount 0 is in exactly one of two free lists:
 
 - *free*: holds nothing anyone can reuse;
-- *cached*: a full page whose content key (`prefix_cache.page_keys`) is
+- *cached*: a full page whose content key (`prefix_cache.page_key`) is
   registered, kept in least-recently-released order so that a later request
   with the same prefix can take it back (`acquire`) instead of recomputing it.
 

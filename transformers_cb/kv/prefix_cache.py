@@ -28,10 +28,11 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from ..invariants import InvariantError
 from ..requests import Request
-from .page_policies import FullAttentionAllocator
+from .page_policies import PagePolicy
 
 ROOT_KEY = bytes(16)
 
@@ -71,9 +72,9 @@ class PrefixStats:
 class PrefixCache:
     """Prefix sharing over the page policies of every KV layer group (one pool each)."""
 
-    def __init__(self, allocators: list[FullAttentionAllocator]) -> None:
-        self.allocators = allocators
-        self.page_size = allocators[0].page_size
+    def __init__(self, policies: list[PagePolicy]) -> None:
+        self.policies = policies
+        self.page_size = policies[0].page_size
         self.stats = PrefixStats()
         self._in_flight: dict[bytes, int] = {}  # key -> running requests about to compute that page
 
@@ -92,10 +93,10 @@ class PrefixCache:
             key, parent, tokens = self._content(request, keys, i)
             if i < request.num_promised_pages:
                 self._settle(key)
-            for allocator in self.allocators:
-                pages = allocator.pages(request)
+            for policy in self.policies:
+                pages = policy.pages(request)
                 if pages.first_page <= i < pages.end_page:
-                    allocator.pool.register(pages.page_ids[i - pages.first_page], key, parent, tokens)
+                    policy.pool.register(pages.page_ids[i - pages.first_page], key, parent, tokens)
         request.num_registered_pages = num_full
 
     # -- pages being computed ---------------------------------------------------------------------
@@ -154,16 +155,16 @@ class PrefixCache:
         if max_pages == 0:
             return 0
         keys = request_keys(request, max_pages, self.page_size)
-        found: list[dict[int, int | None]] = [{} for _ in self.allocators]
+        found: list[dict[int, int | None]] = [{} for _ in self.policies]
 
         def find(g: int, i: int) -> int | None:
             if i not in found[g]:
-                found[g][i] = self.allocators[g].pool.lookup(*self._content(request, keys, i))
+                found[g][i] = self.policies[g].pool.lookup(*self._content(request, keys, i))
             return found[g][i]
 
         limit = max_pages
-        for g, allocator in enumerate(self.allocators):
-            if allocator.sliding_window is None:  # every page from 0 on
+        for g, policy in enumerate(self.policies):
+            if policy.sliding_window is None:  # every page from 0 on
                 n = 0
                 while n < limit and find(g, n) is not None:
                     n += 1
@@ -172,19 +173,19 @@ class PrefixCache:
         for h in range(limit, 0, -1):
             if all(
                 all(find(g, i) is not None for i in range(a.first_needed_page(h * self.page_size), h))
-                for g, a in enumerate(self.allocators)
+                for g, a in enumerate(self.policies)
             ):
                 num_pages = h
                 break
         if num_pages == 0:
             return 0
         num_tokens = num_pages * self.page_size
-        for g, allocator in enumerate(self.allocators):
-            first = allocator.first_needed_page(num_tokens)
-            page_ids = [found[g][i] for i in range(first, num_pages)]
+        for g, policy in enumerate(self.policies):
+            first = policy.first_needed_page(num_tokens)
+            page_ids = [cast(int, found[g][i]) for i in range(first, num_pages)]  # all found above
             for page_id in page_ids:
-                allocator.pool.acquire(page_id)
-            pages = allocator.pages(request)
+                policy.pool.acquire(page_id)
+            pages = policy.pages(request)
             pages.first_page, pages.page_ids = first, page_ids
         request.num_computed_tokens = num_tokens
         request.num_registered_pages = num_pages
@@ -195,8 +196,8 @@ class PrefixCache:
         """Undo `attach` for a request that was not admitted after all (its pages stay cached)."""
         self.stats.hit_tokens -= request.num_computed_tokens
         self.stats.lookup_tokens -= request.num_tokens
-        for allocator in self.allocators:
-            allocator.free(request)
+        for policy in self.policies:
+            policy.free(request)
         request.num_computed_tokens = 0
         request.num_registered_pages = 0
 
@@ -210,17 +211,17 @@ class PrefixCache:
         copied = last // self.page_size  # logical page holding the last prompt token
         if parent.num_computed_tokens <= last:
             raise InvariantError(f"{parent.request_id}: forked before its prompt was computed")
-        if any(a.pool.num_free_pages < 1 for a in self.allocators):
+        if any(a.pool.num_free_pages < 1 for a in self.policies):
             return None
         copies: list[PageCopy] = []
-        for g, allocator in enumerate(self.allocators):
-            source = allocator.pages(parent)
-            first = max(source.first_page, allocator.first_needed_page(last))
+        for g, policy in enumerate(self.policies):
+            source = policy.pages(parent)
+            first = max(source.first_page, policy.first_needed_page(last))
             shared = source.page_ids[first - source.first_page : copied - source.first_page]
-            allocator.pool.share(shared)
-            (new_page,) = allocator.pool.allocate(1)
+            policy.pool.share(shared)
+            (new_page,) = cast(list[int], policy.pool.allocate(1))  # every pool has a free page
             copies.append((g, source.page_ids[copied - source.first_page], new_page))
-            pages = allocator.pages(child)
+            pages = policy.pages(child)
             pages.first_page, pages.page_ids = first, [*shared, new_page]
         child.num_computed_tokens = last
         child.num_registered_pages = copied

@@ -1,6 +1,6 @@
 """`SwapPlan`: the swaps one step decided, as plain page ids (device <-> host), per KV layer group.
 
-Planned by `CpuOffload` (offload.py) during `schedule()`, carried by the step's `ScheduledBatch`
+Planned by `CpuOffload` (offload.py) during `schedule()`, carried by the step's `StepPlan`
 (and, under tensor parallelism, by rank 0's step message), executed by the runner's `SwapCopier`
 (memory/swap.py) on every rank's own KV shard.
 """

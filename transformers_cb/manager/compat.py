@@ -29,15 +29,15 @@ class LogitProcessorView:
         self._engine = engine
 
     def __len__(self) -> int:
-        return len(self._engine.sampling.stages)
+        return len(self._engine.processor_stage_names())
 
     def __iter__(self) -> Iterator[str]:
-        return iter([stage.name for stage in self._engine.sampling.stages])
+        return iter(self._engine.processor_stage_names())
 
     @property
     def do_processing(self) -> bool:
         """True when some stage exists (the built-in's flag of the same name)."""
-        return bool(self._engine.sampling.stages)
+        return bool(self._engine.processor_stage_names())
 
     def clear(self) -> None:
         """Drop every processor: later requests see the raw logits (greedy stays argmax, sampling draws
@@ -56,28 +56,29 @@ class KVCacheView:
 
     @property
     def num_blocks(self) -> int:
-        return self._engine.cache.num_total_pages
+        return self._engine.num_total_pages
 
     @property
     def block_size(self) -> int:
-        return self._engine.cache.page_size
+        return self._engine.page_size
 
     @property
     def num_groups(self) -> int:
-        return len(self._engine.cache.groups)
+        return self._engine.num_kv_groups
 
     @property
     def allow_block_sharing(self) -> bool:
-        return self._engine.cb_config.allow_block_sharing
+        # The config's flag; here it is also whether sharing runs (`use_prefix_sharing`).
+        return self._engine.sharing
 
     @property
     def use_prefix_sharing(self) -> bool:
-        return self._engine.scheduler.allocator.sharing
+        return self._engine.sharing
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free pages, as a fraction of all pages (`relative`) or a count."""
-        total = self._engine.cache.num_total_pages
-        free = total - self._engine.cache.num_used_pages
+        total = self._engine.num_total_pages
+        free = total - self._engine.num_used_pages
         return free / total if relative else free
 
 

@@ -13,10 +13,13 @@ import threading
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedModel
 
 from ..attention.selection import paged_attention
 from ..distributed import TensorParallelError
 from ..engine.engine import Engine
+from ..engine.follower import FollowerEngine
+from ..invariants import present
 from ..requests import Request, RequestStatus
 from .results import ResultRouter
 from .state import ManagerState
@@ -48,7 +51,7 @@ class ManagerLoop:
         state: ManagerState,
         router: ResultRouter,
         throughput: ThroughputWindow,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         release: Callable[[], None],
     ) -> None:
         self._state = state
@@ -84,10 +87,10 @@ class ManagerLoop:
         for request in incoming:
             engine.add(request)
         for request_id in cancels:
-            request = state.live.get(request_id)
-            if request is not None and not request.is_finished:
-                engine.finish(request, RequestStatus.CANCELLED, "cancelled by cancel_request()")
-                self._publish_final(request)
+            cancelled = state.live.get(request_id)
+            if cancelled is not None and not cancelled.is_finished:
+                engine.finish(cancelled, RequestStatus.CANCELLED, "cancelled by cancel_request()")
+                self._publish_final(cancelled)
 
     def fail_everything(self, message: str) -> None:
         """Give every unfinished request its one final result: FAILED with `message`."""
@@ -109,15 +112,15 @@ class ManagerLoop:
     def _run(self, settings: ThreadSettings) -> None:
         state = self._state
         engine = state.engine
-        tp = engine.tp if engine is not None else None
         try:
             settings.apply()
-            target = engine.step_options.attn_implementation if engine is not None else None
+            target = engine.attn_implementation if engine is not None else None
             with paged_attention(self._model, target), torch.inference_mode():
-                if tp is not None and not tp.is_driver:
-                    self._follow(engine)
+                if isinstance(engine, FollowerEngine):
+                    engine.replay_session()  # a tensor-parallel follower replays rank 0's session
                 else:
-                    self._loop(engine)
+                    # `start()` refuses a destroyed manager, whose engine is None.
+                    self._loop(present(engine, "the thread starts with an engine"))
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
             logger.exception("continuous batching manager thread died")
             with state.lock:
@@ -128,17 +131,11 @@ class ManagerLoop:
             finally:
                 self._router.mark_dead(error)  # even if failing the requests raised: waiters must wake
         finally:
-            if tp is not None and tp.is_driver:
-                tp.try_stop()  # the followers' sessions end with this one (skipped if the group broke)
+            if engine is not None:
+                engine.end_session()  # tensor parallelism: the followers' sessions end with this one
             self._router.set_closed(True)
             if state.release_on_exit:
                 self._release()
-
-    def _follow(self, engine: Engine) -> None:
-        """A tensor-parallel follower's session: replay rank 0's steps until its manager stops."""
-        engine.tp.stopped = False
-        while not engine.tp.stopped:
-            engine.step()
 
     def _loop(self, engine: Engine) -> None:
         state = self._state

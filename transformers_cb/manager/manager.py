@@ -22,6 +22,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
+from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
@@ -58,18 +59,24 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         workload_hints: Any | None = None,
         tokenizer: Any | None = None,
         logits_processor: Any | None = None,
+        *,
+        all_request_stages: bool = False,
     ) -> None:
+        """`all_request_stages`: the engine builds every per-request processor stage, and a request
+        that gives no value for one uses its neutral value (the server's manager: each request brings
+        its own values; see `SamplingSetup`)."""
         self.model = model
         hints = as_workload_hints(workload_hints)
-        engine = Engine(
+        engine = build_engine(
             model,
             generation_config,
             as_cb_config(continuous_batching_config),
             tokenizer,
             logits_processor,
             workload=hints.workload() if hints is not None else None,
+            all_request_stages=all_request_stages,
         )
-        self.max_queue_size = engine.cb_config.max_queue_size
+        self.max_queue_size = engine.max_queue_size
         self._state = ManagerState(engine)
         self._router = ResultRouter()
         self._throughput = ThroughputWindow()
@@ -136,7 +143,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         if self.is_running():
             logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
             return
-        with paged_attention(self.model, engine.step_options.attn_implementation), torch.inference_mode():
+        with paged_attention(self.model, engine.attn_implementation), torch.inference_mode():
             engine.warmup()
 
     def stop(

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
+from ..engine.validation import per_item
 from ..requests import Request
 from .loop import ManagerLoop
 from .results import ResultRouter
@@ -46,25 +48,16 @@ class SubmissionOptions:
     ) -> SubmissionOptions:
         """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones.
         With `num_items` (add_requests), `kwargs["guided"]` may be a list or tuple of one constraint per
-        item (None: unconstrained) instead of one for all."""
+        item (None: unconstrained) instead of one for all (split by `per_item`, as generate_batch's)."""
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
-        item_kwargs = None
-        guided = kwargs.get("guided")
-        if num_items is not None and isinstance(guided, (list, tuple)):
-            if len(guided) != num_items:
-                raise ValueError(f"guided: got {len(guided)} values for {num_items} inputs")
-            item_kwargs = [{"guided": value} for value in guided]
-            kwargs["guided"] = None
-        return cls(
-            max_new_tokens,
-            streaming,
-            eos_token_id,
-            record_timestamps,
-            kwargs,
-            forks,
-            tuple(item_kwargs or ()),
-        )
+        item_kwargs: tuple[dict[str, Any], ...] = ()
+        if num_items is not None and "guided" in kwargs:
+            item_kwargs = tuple(
+                {"guided": value} for value in per_item(kwargs["guided"], num_items, "guided")
+            )
+            kwargs["guided"] = None  # each item's value replaces it in place (checks keep the caller's order)
+        return cls(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, forks, item_kwargs)
 
 
 class Submissions:
@@ -83,7 +76,7 @@ class Submissions:
 
     def submit(
         self,
-        items: list[tuple[Any, str | None]],
+        items: Sequence[tuple[Any, str | None]],
         options: SubmissionOptions,
         indexed: bool,
         max_queue_size: int,
@@ -97,7 +90,7 @@ class Submissions:
                 raise RuntimeError("this ContinuousBatchingManager was destroyed")
             if engine.is_follower:
                 raise RuntimeError(
-                    f"tensor parallelism: submit requests on rank 0; this is rank {engine.tp.rank}, "
+                    f"tensor parallelism: submit requests on rank 0; this is rank {engine.rank}, "
                     "which only replays rank 0's steps (start() and stop() it like rank 0's manager)"
                 )
             if not state.accepting:
@@ -138,7 +131,11 @@ class Submissions:
         self._loop.apply_submissions()
 
     def _build_requests(
-        self, engine: Engine, items: list[tuple[Any, str | None]], options: SubmissionOptions, indexed: bool
+        self,
+        engine: Engine,
+        items: Sequence[tuple[Any, str | None]],
+        options: SubmissionOptions,
+        indexed: bool,
     ) -> list[Request]:
         """Validate every item (all or nothing); the lock is held."""
         requests: list[Request] = []
@@ -177,7 +174,7 @@ class Submissions:
                 taken.add(member.request_id)
         return requests
 
-    def _drop_early_handlers(self, items: list[tuple[Any, str | None]]) -> None:
+    def _drop_early_handlers(self, items: Sequence[tuple[Any, str | None]]) -> None:
         for _, request_id in items:
             if isinstance(request_id, str):
                 self._router.drop_early_handler(request_id)

@@ -23,7 +23,7 @@ import torch
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..invariants import check
 from ..kv.page_policies import num_pages_for
-from .kv_cache import PagedKVCache
+from .kv_cache import CacheLayout, PagedKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -33,16 +33,15 @@ CPU_HOST_CACHE_FACTOR = 4
 
 def host_page_bytes(device_cache: PagedKVCache) -> int:
     """Bytes of one page in every group (a host page id exists in each group's pool)."""
-    total = 0
-    for tensor in device_cache.group_tensors:
-        total += tensor.numel() // tensor.shape[2] * tensor.element_size()
-    return total
+    return device_cache.layout.page_bytes()
 
 
-def offload_budget_bytes(config: ContinuousBatchingConfig) -> int:
+def offload_budget_bytes(config: ContinuousBatchingConfig, reserved_bytes: int = 0) -> int:
     """`cpu_offload_space` in bytes, capped at `cpu_offload_space_safety_threshold` x available RAM
-    (None: exactly that share)."""
-    cap = int(config.cpu_offload_space_safety_threshold * psutil.virtual_memory().available)
+    (None: exactly that share). `reserved_bytes`: RAM about to be taken that `available` does not show
+    yet (a CPU device cache resolved but not allocated)."""
+    available = max(0, psutil.virtual_memory().available - reserved_bytes)
+    cap = int(config.cpu_offload_space_safety_threshold * available)
     if config.cpu_offload_space is None:
         return cap
     requested = int(config.cpu_offload_space * GIB)
@@ -59,10 +58,12 @@ def offload_budget_bytes(config: ContinuousBatchingConfig) -> int:
 
 
 def resolve_host_pages(
-    config: ContinuousBatchingConfig, device_cache: PagedKVCache, workload: list[int] | None = None
+    config: ContinuousBatchingConfig, device_cache: CacheLayout, workload: list[int] | None = None
 ) -> int:
     """Host pages per KV group: the budget over the bytes of one page in every group.
 
+    Resolved from the device cache's layout, before the device cache is allocated: on a CPU device,
+    whose cache takes the same RAM, its bytes are counted as taken (as if allocated already).
     With the workload known (generate_batch), never more than every request at full length needs at
     once: more could never be used, so the tier fits the job rather than all RAM. On a CPU device with
     the workload unknown (a server), where both tiers share the same RAM, at most
@@ -71,16 +72,19 @@ def resolve_host_pages(
     """
     if config.cpu_offload_space == 0.0:
         return 0
-    num_pages = offload_budget_bytes(config) // host_page_bytes(device_cache)
+    on_cpu = device_cache.device.type == "cpu"
+    reserved = device_cache.nbytes() if on_cpu else 0
+    page_bytes = device_cache.page_bytes()
+    num_pages = offload_budget_bytes(config, reserved) // page_bytes
     if workload:
         num_pages = min(num_pages, sum(num_pages_for(n, device_cache.page_size) for n in workload))
-    elif device_cache.group_tensors[0].device.type == "cpu":
-        num_pages = min(num_pages, CPU_HOST_CACHE_FACTOR * max(pool.num_pages for pool in device_cache.pools))
+    elif on_cpu:
+        num_pages = min(num_pages, CPU_HOST_CACHE_FACTOR * max(device_cache.pages))
     if num_pages < 1:
         logger.warning(
             "cpu_offload_space is smaller than one KV page (%d bytes in every layer group): CPU offload is off, "
             "evicted requests are recomputed",
-            host_page_bytes(device_cache),
+            page_bytes,
         )
     return max(0, int(num_pages))
 

@@ -3,17 +3,53 @@
 A slot is one token position of one page: `slot = page_id * page_size + offset`.
 Each layer stores keys and values as `[num_pages * page_size, num_kv_heads, head_dim]`
 so that gathering a sequence's KV is one `index_select` over slots. Layers are
-split into KV groups (`layer_groups.py`); each group has its own `PagePool`, and a
-layer's tensors have as many pages as its group's pool.
+split into KV groups (`layer_groups.py`); a layer's tensors have as many pages as its
+group's `PagePool`. The pools (who owns which page) are kv/'s, created beside the page
+policies by the engine's builder (engine/build.py): the cache holds bytes only, and is told
+how many pages each group has (`CacheLayout`, resolved before anything is allocated).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..invariants import check
 from ..kv.layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
-from ..kv.pool import PagePool
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The shape of the KV tensors, known before a byte is allocated (the engine's plan holds it).
+
+    `pages[g]`: pages of group `g` (its pool's size); `scratch_page`: one more page per group, outside
+    its pool, for CUDA graphs' padded rows."""
+
+    num_layers: int
+    groups: tuple[KVGroupSpec, ...]
+    pages: tuple[int, ...]
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    scratch_page: bool = False
+
+    def group_page_bytes(self, group: int) -> int:
+        """Bytes of one page of group `group`: K and V of each of its layers."""
+        element_size = torch.tensor([], dtype=self.dtype).element_size()
+        layers = len(self.groups[group].layer_indices)
+        return 2 * layers * self.page_size * self.num_kv_heads * self.head_dim * element_size
+
+    def page_bytes(self) -> int:
+        """Bytes of one page in every group (a host page id exists in each group's pool)."""
+        return sum(self.group_page_bytes(g) for g in range(len(self.groups)))
+
+    def nbytes(self) -> int:
+        """Bytes of the whole cache, scratch pages included."""
+        scratch = int(self.scratch_page)
+        return sum((n + scratch) * self.group_page_bytes(g) for g, n in enumerate(self.pages))
 
 
 def layer_views(storage: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,10 +72,11 @@ def write_slots(
 
 
 class PagedKVCache:
-    """KV storage for `num_layers` layers.
+    """KV storage for `num_layers` layers (`from_layout`: the same from a `CacheLayout`).
 
     Args:
-        num_pages: pages of each group (an int for all groups, or one per group).
+        num_pages: pages of each group (an int for all groups, or one per group): the sizes of the
+            groups' page pools, which live with the page policies (kv/), not here.
         groups: the KV layer groups; None means one full-attention group of every layer.
         scratch_page: one extra page per group, outside its pool, that the padded rows of a CUDA graph
             step write to and nothing reads (`scratch_page_id`).
@@ -64,7 +101,17 @@ class PagedKVCache:
         self.layer_group = layer_to_group(self.groups, num_layers)
         pages_per_group = num_pages if isinstance(num_pages, list) else [num_pages] * len(self.groups)
         check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
-        self.pools = [PagePool(n) for n in pages_per_group]
+        self.layout = CacheLayout(
+            num_layers,
+            tuple(self.groups),
+            tuple(pages_per_group),
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            torch.device(device),
+            scratch_page,
+        )
         self.has_scratch_page = scratch_page
         # One tensor per group, `[2 (K, V), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
         # head_dim]`, so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
@@ -92,27 +139,29 @@ class PagedKVCache:
                 self._index_in_group[layer] = i
                 self.keys[layer], self.values[layer] = layer_views(storage, i)
 
+    @classmethod
+    def from_layout(cls, layout: CacheLayout) -> PagedKVCache:
+        return cls(
+            layout.num_layers,
+            list(layout.pages),
+            layout.page_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.dtype,
+            layout.device,
+            list(layout.groups),
+            scratch_page=layout.scratch_page,
+        )
+
     @property
-    def pool(self) -> PagePool:
-        """The first group's pool (the only one on a full-attention model)."""
-        return self.pools[0]
+    def pages_per_group(self) -> tuple[int, ...]:
+        """Pages of each group, scratch page excluded (the sizes of the groups' pools)."""
+        return self.layout.pages
 
     def scratch_page_id(self, group: int) -> int:
         """The page past group `group`'s pool (needs `scratch_page=True`)."""
         check(self.has_scratch_page, "the cache was built without a scratch page")
-        return self.pools[group].num_pages
-
-    @property
-    def num_pages(self) -> int:
-        return self.pool.num_pages
-
-    @property
-    def num_used_pages(self) -> int:
-        return sum(pool.num_used_pages for pool in self.pools)
-
-    @property
-    def num_total_pages(self) -> int:
-        return sum(pool.num_pages for pool in self.pools)
+        return self.layout.pages[group]
 
     def write(
         self, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor

@@ -119,8 +119,8 @@ def resolve_sizing(
             # Headroom for the safety margin: without it the last requests of the workload
             # would wait for the first ones to finish although the job fits.
             margin = min(config.resolved_safety_margin, 0.5)
-            needed = -(-needed // (1 - margin)) if margin > 0 else needed
-            num_pages = min(num_pages, int(needed)) if device.type == "cpu" else num_pages
+            wanted = -(-needed // (1 - margin)) if margin > 0 else needed
+            num_pages = min(num_pages, int(wanted)) if device.type == "cpu" else num_pages
             # Make room for the largest request when memory allows it.
             num_pages = max(num_pages, max(num_pages_for(n, page_size) for n in workload))
         num_pages = max(1, int(num_pages))

@@ -1,7 +1,7 @@
 """`SwapCopier`: the page copies between the device tier and the host tier, batched per step.
 
 The scheduler decides swaps as plain page ids (`SwapPlan`, kv/swap_plan.py) and the step's
-`ScheduledBatch` carries them; the runner hands them to its copier before the forward (on every
+`StepPlan` carries them; the runner hands them to its copier before the forward (on every
 tensor-parallel rank, each on its own KV shard). Each direction is one gather and one scatter per
 KV layer group, whatever the number of pages and requests: all layers of a group, K and V, move in
 one `index_select` along the page dimension of the group tensor
@@ -20,6 +20,7 @@ The device-to-host transfer overlaps the forward; its host scatter happens at th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -88,7 +89,7 @@ class SwapCopier:
         # Swap-ins read the host pool: earlier swap-outs must have landed there first.
         self._collect(wait=any(plan.in_src))
         main = torch.cuda.current_stream(self.device)
-        side = self.stream
+        side = cast(torch.cuda.Stream, self.stream)  # created on CUDA, where this runs
         # Pages to gather were written by earlier forwards; fresh pages may still be read by them.
         side.wait_stream(main)
         gathered = []

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The built-in tiny random model (cli/tiny.py): no download, no meaningful text.
+#: The built-in tiny random model (models/tiny.py): no download, no meaningful text.
 TINY = "tiny"
 #: What `transformers-cb generate` and `serve` run without `--model`.
 DEFAULT_MODEL = "smollm2"

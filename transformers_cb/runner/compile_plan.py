@@ -82,10 +82,9 @@ def resolve_compile_plan(
         decode=pick(cb_config.decode_compile_config, level),
     )
     for path in (VARLEN, DECODE):
-        if plan.for_path(path) is not None:
-            logger.info(
-                "continuous batching compiles the %s path with %s", path, plan.for_path(path).to_dict()
-            )
+        chosen = plan.for_path(path)
+        if chosen is not None:
+            logger.info("continuous batching compiles the %s path with %s", path, chosen.to_dict())
     return plan
 
 
@@ -167,7 +166,10 @@ class PathForwards:
             before = _graphs_compiled_in_process()
             # Sizes that happen to be equal (or 1) in the first step are not guarded as such: a later step
             # with other sizes reuses the graph instead of recompiling.
-            with torch.fx.experimental._config.patch(backed_size_oblivious=True, use_duck_shape=False):
+            # `patch` is added to the config module at import time (`install_config_module`), which the stubs
+            # cannot see.
+            patch = torch.fx.experimental._config.patch  # type: ignore[attr-defined]
+            with patch(backed_size_oblivious=True, use_duck_shape=False):
                 try:
                     return compiled(*args, **kwargs)
                 finally:

@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
 from ..attention.metadata import AttentionMetadata, DecodeFastPath, GroupMetadata
 from ..attention.paged import METADATA_KWARG
+from ..invariants import present
 from .async_batching import BufferTurns
 from .compile_plan import DECODE, VARLEN
 
@@ -89,13 +90,20 @@ class LRUCache:
         return evicted
 
 
+class _TensorOptions(TypedDict):
+    """The `torch.zeros` keywords of the static buffers."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+
 class StaticStep:
     """The fixed-shape inputs of one graph; `fill` copies a packed step in and pads the rest."""
 
     def __init__(self, key: GraphKey, cache: PagedKVCache, max_blocks: int, device: torch.device) -> None:
         q, self.key, self.cache = key.q_len, key, cache
-        i32 = {"dtype": torch.int32, "device": device}
-        i64 = {"dtype": torch.int64, "device": device}
+        i32 = _TensorOptions(dtype=torch.int32, device=device)
+        i64 = _TensorOptions(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(1, q, **i64)
         self.position_ids = torch.zeros(1, q, **i64)
         self.logits_indices = torch.zeros(q, **i64)
@@ -126,7 +134,9 @@ class StaticStep:
         _fill(self.logits_indices, step.logits_indices, 0)
         _fill(m.cu_seqlens_q, source.cu_seqlens_q, source.cu_seqlens_q[num_rows])  # empty padded sequences
         _fill(m.seq_lens_k, source.seq_lens_k, 0)
-        _fill(m.cu_seqlens_k, source.cu_seqlens_k, source.cu_seqlens_k[num_rows])
+        static_cu_k = present(m.cu_seqlens_k, "a static step has cu_seqlens_k")
+        real_cu_k = present(source.cu_seqlens_k, "a packed step has cu_seqlens_k")
+        _fill(static_cu_k, real_cu_k, real_cu_k[num_rows])
         for g, (static, real) in enumerate(zip(m.groups, source.groups, strict=True)):
             scratch = self.cache.scratch_page_id(g)
             _fill(static.slot_mapping, real.slot_mapping, scratch * self.cache.page_size)
@@ -134,7 +144,8 @@ class StaticStep:
                 static.block_table.fill_(scratch)
                 static.block_table[:num_rows, : real.block_table.shape[1]] = real.block_table
         if m.decode_fast_path is not None:
-            fast, real_fast = m.decode_fast_path, source.decode_fast_path
+            fast = m.decode_fast_path
+            real_fast = present(source.decode_fast_path, "a decode graph's step has the decode fast path")
             fast.block_table.fill_(self.cache.scratch_page_id(0))
             fast.block_table[:num_rows] = real_fast.block_table
             _fill(fast.cache_seqlens, real_fast.cache_seqlens, 0)
@@ -213,7 +224,7 @@ class GraphSteps:
                 self._capture(entry, path)
             entry.graph.replay()
         entry.replays += 1
-        return entry.logits
+        return present(entry.logits, "a captured graph has its output buffer")
 
     def _forward(self, static: StaticStep, path: str) -> torch.Tensor:
         output = self.forward_for(path)(
@@ -244,7 +255,7 @@ class GraphSteps:
 def make_graph_steps(
     model: Any, packer: BatchPacker, options: StepOptions | None, forwards: PathForwards
 ) -> GraphSteps | None:
-    """The runner's graph steps, when graphs are on (CUDA only: `config.resolve_device_options`)."""
+    """The runner's graph steps, when graphs are on (CUDA only: `config.continuous_batching.resolve_device_options`)."""
     if options is None or not any(options.cuda_graphs):
         return None
     return GraphSteps(forwards, packer.cache, options, packer.device, capture=packer.device.type == "cuda")

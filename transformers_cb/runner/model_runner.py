@@ -1,6 +1,6 @@
 """The runner: everything that touches the device for one step.
 
-It executes the step's plan (`ScheduledBatch`, engine/step_plan.py) in order: the forks' page
+It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' page
 copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
 packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs),
@@ -11,6 +11,8 @@ ask for prompt logprobs, their prompt positions), and samples. It returns a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,17 +21,18 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..attention.paged import METADATA_KWARG
-from ..engine.step_plan import ScheduledBatch
-from ..invariants import check
+from ..invariants import check, present
 from ..memory.swap import SwapCopier
 from ..requests import Request
 from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
+from ..scheduler.plan import StepPlan
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 
 if TYPE_CHECKING:
+    from ..sampling.processors import Stage
     from .step_options import StepOptions
 
 
@@ -70,8 +73,24 @@ class ModelRunner:
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
+    # -- the sampler: replaced only through these two ---------------------------------------------
+    def replace_stages(self, stages: list[Stage]) -> None:
+        """Sample through `stages` from now on (the engine's `clear_logits_processors`); the default
+        (argmax or draw) and the guided decoding masks stay."""
+        self.sampler = Sampler(stages, self.sampler.do_sample, self.device, self.sampler.grammars)
+
+    @contextmanager
+    def plain_greedy_sampler(self) -> Iterator[None]:
+        """Inside: argmax with no processing stage and no guided masks (the engine's warmup, whose
+        request has no sampling state, so it draws from no generator a real request uses)."""
+        sampler, self.sampler = self.sampler, Sampler([], False, self.device)
+        try:
+            yield
+        finally:
+            self.sampler = sampler
+
     @torch.inference_mode()
-    def apply(self, batch: ScheduledBatch) -> None:
+    def apply(self, batch: StepPlan) -> None:
         """The step's plan before its forward: fork copies (they read the last forward's KV, which a
         swap may move or hand over), then swaps, then the released block-table rows."""
         if batch.copies:
@@ -88,7 +107,7 @@ class ModelRunner:
             self.packer.release_request(request)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def run(self, batch: StepPlan) -> StepOutput:
         """Run one step (`batch.entries` not empty): its plan, then the forward and the sampling."""
         self.apply(batch)
         step = self.packer.pack(batch)
@@ -107,7 +126,7 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> None:
+    def forward(self, batch: StepPlan) -> None:
         """A tensor-parallel follower's step: the plan, then the forward (when there are entries)
         without sampling; rank 0 samples."""
         self.apply(batch)
@@ -164,7 +183,9 @@ def _prompt_logprobs(
     offset = 0
     for request, _first, count in step.prompt_spans:
         scored.setdefault(request.request_id, []).extend(values[offset : offset + count])
-        k = min(request.sampling.params.top_logprobs, logprobs.shape[-1])
+        # Only requests that want prompt logprobs have spans, and those have sampling state.
+        sampling = present(request.sampling, "a prompt-logprobs request has sampling state")
+        k = min(sampling.params.top_logprobs, logprobs.shape[-1])
         if k:
             best, ids = logprobs[offset : offset + count].topk(k, dim=-1)
             rows = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), best.tolist(), strict=True)]

@@ -1,10 +1,10 @@
-"""Packing a `ScheduledBatch` into the varlen tensors of one forward pass.
+"""Packing a `StepPlan` into the varlen tensors of one forward pass.
 
 Token order inside the step: decodes first, sorted by KV length (longest first)
 and split into groups whose padded size stays within `decode_padding_bound(dtype)` of
 their real size (float32 KV only: in lower precision only equal lengths share a call); then each
-prefill chunk. `entry_order` maps back to the
-scheduler's entry order. Slots, gathers and masks are built once per KV layer
+prefill chunk. `PackedStep.sampling_entries` names the scheduled entry of each
+sampled row. Slots, gathers and masks are built once per KV layer
 group (full attention, sliding window) and shared by that group's layers.
 
 With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)
@@ -20,10 +20,10 @@ import torch
 
 from ..attention.metadata import AttentionMetadata, DecodeGroup, GroupMetadata, PrefillGroup
 from ..attention.native import native_supported
-from ..engine.step_plan import ScheduledBatch, ScheduledRequest
 from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
+from ..scheduler.plan import ScheduledRequest, StepPlan
 
 # A float32 decode group may do at most this much more attention work than its real KV lengths need.
 DECODE_PADDING_BOUND = 1.25
@@ -131,7 +131,7 @@ class BatchPacker:
         for tables in self.block_tables:
             tables.release(request)
 
-    def pack(self, batch: ScheduledBatch) -> PackedStep:
+    def pack(self, batch: StepPlan) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]
         num_native_rows = 0

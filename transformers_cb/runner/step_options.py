@@ -1,8 +1,9 @@
 """How the engine runs each step's forward: backend, decode fast path, compile plan, CUDA graphs.
 
-Resolved once when the engine is built, from the model, its device and the engine's private copy of
-the `ContinuousBatchingConfig` (after `resolve_device_options`), so a bad combination fails at start
-with an error naming it, and each step only reads the result.
+Resolved once when the engine is built (engine/build.py), from the model, its device, the
+`ContinuousBatchingConfig` (read only) and its `DeviceOptions` (the GPU-only options as they apply on
+the device), so a bad combination fails at start with an error naming it, and each step only reads the
+result.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..attention.fast_path import resolve_max_blocks_per_request
 from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
-from ..config.continuous_batching import ContinuousBatchingConfig
+from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from .compile_plan import CompilePlan, resolve_compile_plan
 
 logger = logging.getLogger(__name__)
@@ -63,15 +64,15 @@ def _check_sinks(kernel: FlashKernel, model: PreTrainedModel) -> None:
         )
 
 
-def _resolve_graphs(config: ContinuousBatchingConfig, kernel: FlashKernel | None) -> tuple[bool, bool]:
-    graphs = config.cuda_graph_paths
+def _resolve_graphs(device_options: DeviceOptions, kernel: FlashKernel | None) -> tuple[bool, bool]:
+    graphs = device_options.cuda_graphs
     if any(graphs) and kernel is None:
         # The paged sdpa / eager glue loops over each step's request layout in Python: its shapes are not
         # static, so it cannot be replayed from a graph. Flash kernels read static-shape tensors.
         logger.warning(
             "use_cuda_graph=True needs a paged flash-attention backend (static-shape kernels); "
             "CUDA graphs turned off for %r",
-            config.use_cuda_graph,
+            graphs,
         )
         return (False, False)
     return graphs
@@ -80,6 +81,7 @@ def _resolve_graphs(config: ContinuousBatchingConfig, kernel: FlashKernel | None
 def resolve_step_options(
     model: PreTrainedModel,
     config: ContinuousBatchingConfig,
+    device_options: DeviceOptions,
     generation_config: GenerationConfig | None,
     device_type: str,
     has_sliding: bool,
@@ -93,7 +95,7 @@ def resolve_step_options(
     if kernel is not None:
         _check_page_size(kernel, page_size)
         _check_sinks(kernel, model)
-    graphs = _resolve_graphs(config, kernel)
+    graphs = _resolve_graphs(device_options, kernel)
     return StepOptions(
         attn_implementation=name,
         kernel=kernel,
@@ -107,7 +109,7 @@ def resolve_step_options(
         ),
         compile_plan=resolve_compile_plan(config, generation_config, kernel is not None),
         cuda_graphs=graphs,
-        async_batching=bool(config.use_async_batching) and any(graphs),
+        async_batching=device_options.async_batching and any(graphs),
         q_padding_interval_size=config.q_padding_interval_size,
         kv_padding_interval_size=config.kv_padding_interval_size,
         max_cached_graphs=config.graph_cache_size,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..invariants import present
 from .guided import GuidedDecoding
 
 EXTRA_HINT = "pip install 'transformers-cb[structured]'"
@@ -129,7 +130,7 @@ class GrammarCompiler:
         if kind == "regex":
             return lib.LLMatcher.grammar_from_regex(guided.regex)
         if kind == "choice":
-            return lib.grammar_from("choice", json.dumps(list(guided.choice)))
+            return lib.grammar_from("choice", json.dumps(list(present(guided.choice, "kind is choice"))))
         return lib.grammar_from("grammar", guided.grammar)  # GBNF / EBNF, or Lark as it is
 
     def compile(self, guided: GuidedDecoding, label: str) -> Any:
@@ -176,7 +177,7 @@ class GrammarCompiler:
         apply_bitmask(logits, rows, bitmask.to(logits.device, non_blocking=True))
 
 
-_BITS = {}
+_BITS: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -26,13 +26,17 @@ from .request_state import RequestSampling
 def apply(scores: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> torch.Tensor:
     """Args: scores `[S, vocab]`; `requests[i]` (`.all_token_ids`, `.num_prompt_tokens`,
     `.eos_token_ids`) and `states[i]` own row i."""
-    rows = [i for i, state in enumerate(states) if state is not None and state.params.uses_openai_processors]
+    rows = [
+        (i, state)
+        for i, state in enumerate(states)
+        if state is not None and state.params.uses_openai_processors
+    ]
     if not rows:
         return scores
     scores = scores.clone()
     vocab = scores.shape[-1]
-    for i in rows:
-        params, request = states[i].params, requests[i]
+    for i, state in rows:
+        params, request = state.params, requests[i]
         row = scores[i]
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
@@ -43,6 +47,6 @@ def apply(scores: torch.Tensor, requests: list[Any], states: list[RequestSamplin
             eos = [t for t in request.eos_token_ids if t < vocab]
             row[torch.tensor(eos, dtype=torch.long, device=row.device)] = -float("inf")
         if params.presence_penalty or params.frequency_penalty:
-            counts = states[i].generated_counts(generated, vocab, row.device).to(row.dtype)
+            counts = state.generated_counts(generated, vocab, row.device).to(row.dtype)
             row -= counts * params.frequency_penalty + (counts > 0).to(row.dtype) * params.presence_penalty
     return scores

@@ -17,6 +17,7 @@ from typing import Any
 from transformers import GenerationConfig
 
 from .guided import GuidedDecoding, as_guided
+from .neutral import NEUTRAL_VALUES
 
 # Processors whose value may differ per request (vectorized over the step's rows).
 VECTOR_PARAMS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -33,20 +34,21 @@ WARPER_PARAMS = ("temperature", "top_k", "top_p", "min_p")  # applied only to ro
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What one request samples with. Neutral values leave the logits unchanged."""
+    """What one request samples with. The processors' defaults are their neutral values (neutral.py),
+    which leave the logits unchanged."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float = NEUTRAL_VALUES["temperature"]
+    top_k: int = NEUTRAL_VALUES["top_k"]
+    top_p: float = NEUTRAL_VALUES["top_p"]
+    min_p: float = NEUTRAL_VALUES["min_p"]
+    repetition_penalty: float = NEUTRAL_VALUES["repetition_penalty"]
     seed: int | None = None
     stop_strings: tuple[str, ...] = ()
     do_sample: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
-    min_tokens: int = 0
+    presence_penalty: float = NEUTRAL_VALUES["presence_penalty"]
+    frequency_penalty: float = NEUTRAL_VALUES["frequency_penalty"]
+    logit_bias: tuple[tuple[int, float], ...] = NEUTRAL_VALUES["logit_bias"]  # (token id, bias), sorted by id
+    min_tokens: int = NEUTRAL_VALUES["min_tokens"]
     return_logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
@@ -54,51 +56,64 @@ class SamplingParams:
 
     @property
     def uses_openai_processors(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias or self.min_tokens)
+        return any(getattr(self, name) != NEUTRAL_VALUES[name] for name in OPENAI_PARAMS)
 
     @property
     def changes_logits(self) -> bool:
         """True when some vector or OpenAI processor changes this request's row."""
-        neutral = SamplingParams()
-        vector = any(getattr(self, name) != getattr(neutral, name) for name in VECTOR_PARAMS)
+        vector = any(getattr(self, name) != NEUTRAL_VALUES[name] for name in VECTOR_PARAMS)
         return vector or self.uses_openai_processors
 
 
 NEUTRAL = SamplingParams()
 
 
-def enabled_vector_params(config: GenerationConfig) -> set[str]:
+def enabled_vector_params(config: GenerationConfig, all_request_stages: bool = False) -> set[str]:
     """The vectorized processors `generate()` would build for `config` (the documents' rule: a
-    processor exists only when its GenerationConfig value is non-default)."""
+    processor exists only when its GenerationConfig value is non-default). `all_request_stages`: every
+    one, whatever `config` says (an engine whose requests each bring their own values, the server's)."""
+    if all_request_stages:
+        return set(VECTOR_PARAMS)
     enabled = set()
-    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+    neutral = NEUTRAL_VALUES
+    if config.repetition_penalty is not None and config.repetition_penalty != neutral["repetition_penalty"]:
         enabled.add("repetition_penalty")
     if config.do_sample:
-        if config.temperature is not None and config.temperature != 1.0:
+        if config.temperature is not None and config.temperature != neutral["temperature"]:
             enabled.add("temperature")
-        if config.top_k is not None and config.top_k != 0:
+        if config.top_k is not None and config.top_k != neutral["top_k"]:
             enabled.add("top_k")
-        if config.top_p is not None and config.top_p < 1.0:
+        if config.top_p is not None and config.top_p < neutral["top_p"]:
             enabled.add("top_p")
-        if config.min_p is not None:
+        if config.min_p is not None:  # transformers builds min-p for any value, its neutral 0.0 included
             enabled.add("min_p")
     return enabled
 
 
 def default_params(
-    config: GenerationConfig, return_logprobs: bool, top_logprobs: int, prompt_logprobs: bool
+    config: GenerationConfig,
+    return_logprobs: bool,
+    top_logprobs: int,
+    prompt_logprobs: bool,
+    all_request_stages: bool = False,
 ) -> SamplingParams:
-    """The parameters of a request that overrides nothing."""
-    enabled = enabled_vector_params(config)
+    """The parameters of a request that overrides nothing: the processors' values from `config` where it
+    creates the processor, else neutral; with `all_request_stages`, neutral (the config's are not used)."""
+    enabled = set() if all_request_stages else enabled_vector_params(config)
     stop_strings = config.stop_strings
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
+    neutral = NEUTRAL_VALUES
+
+    def value(name: str) -> Any:
+        return getattr(config, name) if name in enabled else neutral[name]
+
     return SamplingParams(
-        temperature=float(config.temperature) if "temperature" in enabled else 1.0,
-        top_k=int(config.top_k) if "top_k" in enabled else 0,
-        top_p=float(config.top_p) if "top_p" in enabled else 1.0,
-        min_p=float(config.min_p) if "min_p" in enabled else 0.0,
-        repetition_penalty=float(config.repetition_penalty) if "repetition_penalty" in enabled else 1.0,
+        temperature=float(value("temperature")),
+        top_k=int(value("top_k")),
+        top_p=float(value("top_p")),
+        min_p=float(value("min_p")),
+        repetition_penalty=float(value("repetition_penalty")),
         stop_strings=tuple(stop_strings or ()),
         return_logprobs=return_logprobs or top_logprobs > 0,
         top_logprobs=top_logprobs,
@@ -188,12 +203,14 @@ def resolve_request_params(
     config: GenerationConfig,
     per_request_processors: bool,
     label: str,
+    all_request_stages: bool = False,
 ) -> SamplingParams:
     """`base` with the caller's per-request `kwargs` applied (None values mean "not given").
 
     Raises `ValueError` naming `label` for an unknown name, a bad value, a processor parameter
     without `per_request_processors=True`, or one whose processor the GenerationConfig does not
-    create (as in transformers, set the GenerationConfig value to a non-default one first)."""
+    create (as in transformers, set the GenerationConfig value to a non-default one first; an engine
+    with `all_request_stages` creates every one)."""
     given = {name: value for name, value in kwargs.items() if value is not None}
     if not given:
         return base
@@ -207,7 +224,7 @@ def resolve_request_params(
         raise ValueError(
             f"{label}: per-request {needs_flag} need ContinuousBatchingConfig(per_request_processors=True)"
         )
-    enabled = enabled_vector_params(config)
+    enabled = enabled_vector_params(config, all_request_stages)
     for name in given:
         if name in VECTOR_PARAMS and name not in enabled:
             why = (
@@ -224,7 +241,7 @@ def resolve_request_params(
         params = replace(params, return_logprobs=True)
     if not params.do_sample:
         # As `generate(do_sample=False)`: no sampling warper is built for a greedy request.
-        params = replace(params, **{name: getattr(NEUTRAL, name) for name in WARPER_PARAMS})
+        params = replace(params, **{name: NEUTRAL_VALUES[name] for name in WARPER_PARAMS})
     return params
 
 

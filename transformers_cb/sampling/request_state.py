@@ -16,9 +16,10 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..invariants import present
 from .grammars import GrammarCompiler, GrammarState
+from .neutral import NEUTRAL_VALUES
 from .params import (
-    NEUTRAL,
     VECTOR_PARAMS,
     SamplingParams,
     check_config_values,
@@ -100,6 +101,10 @@ class SamplingSetup:
     tokenizer: needed only for stop strings and guided decoding.
     vocab_size: the width of the model's logits (guided decoding's masks).
     user_processors: the caller's `logits_processor` list, applied to each request's own history.
+    all_request_stages: build every per-request processor stage (the vectorized ones and OpenAI's)
+        whatever `config`'s values, with neutral defaults: each request brings its own values (the
+        server's engine; otherwise transformers' rule holds, a processor exists only when the
+        GenerationConfig sets it away from neutral).
     """
 
     def __init__(
@@ -115,18 +120,25 @@ class SamplingSetup:
         tokenizer: Any | None = None,
         user_processors: Sequence[LogitsProcessor] = (),
         vocab_size: int | None = None,
+        all_request_stages: bool = False,
     ) -> None:
         self.config = config
+        self.all_request_stages = all_request_stages
         self.device = device
         self.per_request_processors = per_request_processors
         self.seed = seed
         self.do_sample = bool(config.do_sample)
-        self.stages: list[Stage] = build_stages(config, user_processors, openai=per_request_processors)
+        self.stages: list[Stage] = build_stages(
+            config,
+            user_processors,
+            openai=per_request_processors or all_request_stages,
+            all_request_stages=all_request_stages,
+        )
         self.row_stages = [stage for stage in self.stages if stage.kind == "row"]
         # Shared and row stages may change any row: every request keeps state when one exists.
         # Vector and OpenAI stages change only rows with non-neutral values (`changes_logits`).
         self.has_fixed_stages = any(stage.kind in ("shared", "row") for stage in self.stages)
-        self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs)
+        self.base = default_params(config, return_logprobs, top_logprobs, prompt_logprobs, all_request_stages)
         check_config_values(self.base, config)
         self.stop_strings = StopStrings(tokenizer)
         self.stop_strings.check_available(self.base.stop_strings, "GenerationConfig.stop_strings")
@@ -137,7 +149,7 @@ class SamplingSetup:
     def clear_stages(self) -> None:
         """No processing stage any more; requests attached later get neutral processor values."""
         self.stages, self.row_stages, self.has_fixed_stages = [], [], False
-        self.base = replace(self.base, **{name: getattr(NEUTRAL, name) for name in VECTOR_PARAMS})
+        self.base = replace(self.base, **{name: NEUTRAL_VALUES[name] for name in VECTOR_PARAMS})
 
     def attach(
         self,
@@ -147,10 +159,15 @@ class SamplingSetup:
     ) -> None:
         """Validate `kwargs` (per-request parameters) and give `request` its sampling state.
 
-        Raises `ValueError` naming `label` (see `sampling_params.resolve_request_params`)."""
+        Raises `ValueError` naming `label` (see `params.resolve_request_params`)."""
         label = label or f"request {request.request_id!r}"
         params = resolve_request_params(
-            self.base, kwargs or {}, self.config, self.per_request_processors, label
+            self.base,
+            kwargs or {},
+            self.config,
+            self.per_request_processors,
+            label,
+            self.all_request_stages,
         )
         self.stop_strings.check_available(params.stop_strings, label)
         needs_state = (
@@ -173,12 +190,18 @@ class SamplingSetup:
         )
         generator = None
         if params.do_sample and (params.seed is not None or self.seed is not None):
-            seed = params.seed if params.seed is not None else derive_seed(self.seed, request.request_id)
+            seed = (
+                params.seed
+                if params.seed is not None
+                else derive_seed(present(self.seed), request.request_id)
+            )
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
         request.sampling = RequestSampling(
             params=params,
-            row_processors=[stage.factory(context) for stage in self.row_stages],
+            row_processors=[
+                present(stage.factory, "row stages carry their factory")(context) for stage in self.row_stages
+            ],
             generator=generator,
             stop=self.stop_strings.criteria(params.stop_strings) if params.stop_strings else None,
             grammar=self.grammars.state(params.guided, label) if params.guided is not None else None,

@@ -1,8 +1,8 @@
 """Turning a step's logits into tokens: the processing stages, then argmax or a seeded draw.
 
-Which `GenerationConfig` options may be set at all is decided in one table,
-`generation_fields.py` (`check_generation_config`, re-exported here); every processor `generate()`
-builds for an implemented option is applied (see processors.py and docs/sampling.md).
+Which `GenerationConfig` options may be set at all is decided by config/generation_fields.py's table
+(`neutral.check_generation_config`, re-exported here); every processor `generate()` builds for an
+implemented option is applied (see processors.py and docs/sampling.md).
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from ..config.generation_fields import check_generation_config
+from ..invariants import present
 from . import openai, warpers
 from .grammars import GrammarCompiler
+from .neutral import check_generation_config
 from .params import NEUTRAL
 from .processors import Stage
 from .request_state import RequestSampling
@@ -65,28 +66,36 @@ class Sampler:
             return Samples(tokens=logits.argmax(dim=-1).tolist())
         self._mask(logits, requests, states)
         scores = self.process(logits, requests)
-        sampled = [i for i, state in enumerate(states) if state is not None and state.params.do_sample]
+        sampled = [
+            (i, state) for i, state in enumerate(states) if state is not None and state.params.do_sample
+        ]
+        sampled_states = [state for _, state in sampled]
         if len(sampled) == len(states):
-            tokens = self._draw(scores, states)
+            tokens = self._draw(scores, sampled_states)
         else:
             tokens = scores.argmax(dim=-1)
             if sampled:
-                rows = torch.tensor(sampled, dtype=torch.long, device=scores.device)
-                tokens[rows] = self._draw(scores[rows], [states[i] for i in sampled])
+                rows = torch.tensor([i for i, _ in sampled], dtype=torch.long, device=scores.device)
+                tokens[rows] = self._draw(scores[rows], sampled_states)
         return self._outputs(scores, tokens, states)
 
     def _mask(self, logits: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> None:
         """Guided rows: only the tokens their grammar allows next (in place, those rows only). As vLLM
         does, before the processors: top-k / top-p then choose among allowed tokens."""
-        rows = [i for i, state in enumerate(states) if state is not None and state.grammar is not None]
-        if not rows:
+        guided = [
+            (i, state.grammar)
+            for i, state in enumerate(states)
+            if state is not None and state.grammar is not None
+        ]
+        if not guided:
             return
+        rows = [i for i, _ in guided]
         grammar_states = []
-        for i in rows:
-            grammar = states[i].grammar
+        for i, grammar in guided:
             grammar.sync(requests[i].generated_ids)
             grammar_states.append(grammar)
-        self.grammars.apply_masks(logits, rows, grammar_states)
+        compiler = present(self.grammars, "guided requests without a grammar compiler")
+        compiler.apply_masks(logits, rows, grammar_states)
 
     def process(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
         """The scores `generate()` would sample from for each row (its processed `scores`)."""
@@ -97,7 +106,7 @@ class Sampler:
                 scores = self._vector(stage.name, scores, requests, states)
             elif stage.kind == "shared":
                 no_ids = torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
-                scores = stage.processor(no_ids, scores)
+                scores = present(stage.processor, "shared stages carry their processor")(no_ids, scores)
             elif stage.kind == "openai":
                 scores = openai.apply(scores, requests, states)
             else:
@@ -163,8 +172,8 @@ class Sampler:
         )
         ks = [state.params.top_logprobs if state is not None else 0 for state in states]
         if max(ks) > 0:
-            values, indices = logprobs.topk(min(max(ks), logprobs.shape[-1]), dim=-1)
-            values, indices = values.tolist(), indices.tolist()
+            top = logprobs.topk(min(max(ks), logprobs.shape[-1]), dim=-1)
+            values, indices = top.values.tolist(), top.indices.tolist()
             samples.top_logprobs = [
                 dict(zip(indices[i][:k], values[i][:k], strict=True)) if k else None for i, k in enumerate(ks)
             ]

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..invariants import present
+
 
 class StopStrings:
     """Args: tokenizer: the model's tokenizer, or None (then stop strings are refused)."""
@@ -31,7 +33,10 @@ class StopStrings:
     def criteria(self, strings: tuple[str, ...]) -> StopStringCriteria:
         found = self._criteria.get(strings)
         if found is None:
-            found = self._criteria[strings] = StopStringCriteria(self.tokenizer, list(strings))
+            found = self._criteria[strings] = StopStringCriteria(
+                present(self.tokenizer, "stop strings without a tokenizer (check_available refuses them)"),
+                list(strings),
+            )
         return found
 
 

@@ -8,12 +8,16 @@ to `generate()`'s (a per-row tensor divisor can round differently from a Python 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
+
+_Number = TypeVar("_Number", float, int)
 
 FILTER_VALUE = -float("inf")
 
 
-def _uniform(values: list[float] | list[int]) -> float | int | None:
+def _uniform(values: list[_Number]) -> _Number | None:
     first = values[0]
     return first if all(v == first for v in values) else None
 

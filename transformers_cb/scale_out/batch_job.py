@@ -4,7 +4,7 @@ The driver reads and checks the prompt file (a local path or any URI pyarrow's f
 `s3://`, `gs://`, `hdfs://`, `file://`), Ray Data streams its rows through `N` `CBPredictor` actors,
 and the driver writes one JSON line per input in input order as the results come back (a reorder
 buffer keyed by row index; `preserve_order` keeps it small). The lines are those of the local CLI
-(`cli/records.py`). A killed actor is restarted by Ray (`max_restarts=-1`, Ray Data's default for an
+(`jobs/records.py`). A killed actor is restarted by Ray (`max_restarts=-1`, Ray Data's default for an
 actor pool) and its unfinished batch runs again (`max_task_retries=-1`, the same); a retried batch's
 output is delivered once, and the driver checks that every index arrives exactly once.
 """
@@ -14,16 +14,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from ..cli.inputs import CliRequest, InputError, parse_requests, read_requests
-from ..cli.records import format_summary, open_output
+from ..jobs.inputs import CliRequest, InputError, parse_requests, read_requests
+from ..jobs.records import format_summary, open_output
 from . import require_ray_extra
 from .predictor import CBPredictor
 
@@ -65,7 +66,7 @@ def read_requests_anywhere(path: str | None) -> list[CliRequest]:
 
 
 @contextlib.contextmanager
-def open_output_anywhere(path: str) -> Iterator[IO[str]]:
+def open_output_anywhere(path: str) -> Iterator[TextSink]:
     """`-` (stdout), a local file, or a URI written through a pyarrow filesystem."""
     if path == "-" or not is_uri(path):
         with open_output(path) as handle:
@@ -76,6 +77,12 @@ def open_output_anywhere(path: str) -> Iterator[IO[str]]:
     filesystem, inner = fs.FileSystem.from_uri(path)
     with filesystem.open_output_stream(inner) as stream:
         yield _TextOver(stream)
+
+
+class TextSink(Protocol):
+    """Where the output lines go: a text file, or `_TextOver` a pyarrow stream."""
+
+    def write(self, text: str, /) -> int: ...
 
 
 class _TextOver:
@@ -97,7 +104,7 @@ def ray_session(address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
-    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+    ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     try:
         yield
     finally:
@@ -152,7 +159,7 @@ def generate_on_ray(
 
 
 def record_from_row(request: CliRequest, row: dict[str, Any]) -> dict[str, Any]:
-    """The local CLI's JSON line (cli/records.py `build_record`) from a predictor's output row."""
+    """The local CLI's JSON line (jobs/records.py `build_record`) from a predictor's output row."""
 
     def seconds(value: Any) -> float | None:
         return None if value is None or value != value else round(float(value), 6)  # NaN: missing

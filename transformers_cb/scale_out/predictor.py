@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ..cli.loading import load_model_and_tokenizer, resolve_device, special_ids
-from ..cli.records import eos_set, finish_reason, generate_rows, status_name
 from ..config.continuous_batching import ContinuousBatchingConfig
+from ..jobs.records import eos_set, finish_reason, generate_rows, status_name
+from ..models.loading import load_model_and_tokenizer, resolve_device, special_ids
 from ..sampling.params import PER_REQUEST_KWARGS, VECTOR_PARAMS
 
 TEXT_COLUMN = "prompt"

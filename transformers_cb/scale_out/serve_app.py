@@ -20,9 +20,9 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from ..cli.inputs import InputError
+from ..jobs.inputs import InputError
 from ..models.registry_model import TINY
 from ..serve.server import DEFAULT_MODEL_NAME, add_serve_parser, build_state, drain
 from . import require_ray_extra
@@ -103,12 +103,16 @@ def build_app(options: Mapping[str, Any] | None = None) -> Any:
     actor_options = {"num_cpus": float(deployment_options.get("num_cpus", 1))}
     if deployment_options.get("num_gpus"):
         actor_options["num_gpus"] = float(deployment_options["num_gpus"])
-    deployment = serve.deployment(
-        serve.ingress()(ServeReplica),
-        name=deployment_options.get("name", "transformers-cb"),
-        num_replicas=int(deployment_options.get("num_replicas", 1)),
-        ray_actor_options=actor_options,
-        max_ongoing_requests=int(deployment_options.get("max_ongoing_requests", 256)),
+    # Given the class, `serve.deployment` returns the `Deployment` (its annotation is the decorator form's).
+    deployment = cast(
+        "serve.Deployment",
+        serve.deployment(
+            serve.ingress()(ServeReplica),
+            name=deployment_options.get("name", "transformers-cb"),
+            num_replicas=int(deployment_options.get("num_replicas", 1)),
+            ray_actor_options=actor_options,
+            max_ongoing_requests=int(deployment_options.get("max_ongoing_requests", 256)),
+        ),
     )
     return deployment.bind(options)
 

@@ -312,7 +312,7 @@ async def _stream_body(
             if event.error is not None:
                 yield sse(event.error.body())
                 break
-            offset = len(totals[event.index].text)
+            offset = totals[event.index].text_length
             totals[event.index].add(event)
             if event.text or event.is_last or shape.want_logprobs:  # a token still held back: no chunk
                 chunk = shape.chunk(event, include_usage, text_offset=offset)

@@ -8,8 +8,9 @@ cancelled at once instead of generating to `max_tokens`. Tokens arrive through
 Sampling: OpenAI's default is `temperature=1`, so a request samples unless it
 sends `temperature=0` (greedy: with nothing else that changes its logits it
 costs the engine what a greedy engine costs, `request.sampling is None`). The
-server's engine is built with `serving_generation_config`, which creates every
-per-request processor; `sampling_kwargs` passes each request's values.
+server's engine is built with every per-request processor stage
+(`all_request_stages`), each neutral unless a request gives its value;
+`sampling_kwargs` passes the values a request gives.
 """
 
 from __future__ import annotations
@@ -25,29 +26,20 @@ from transformers import GenerationConfig
 
 from ..manager.results import ManagerDeadError
 from ..requests import RequestStatus
-from ..sampling.params import derive_seed, enabled_vector_params
+from ..sampling.neutral import NEUTRAL_VALUES, is_neutral
+from ..sampling.params import VECTOR_PARAMS, derive_seed
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner
 
-# The processors' neutral values: a request of this server passes them for what it does not set,
-# so `serving_generation_config`'s enabling values never apply to anyone.
-NEUTRAL_VALUES = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
-
 
 def serving_generation_config(eos_token_id: Any, pad_token_id: Any) -> GenerationConfig:
-    """The server engine's GenerationConfig: non-default values make it create every vectorized
-    processor (transformers' rule, docs/sampling.md); every request passes its own values."""
-    return GenerationConfig(
-        do_sample=True,
-        temperature=0.5,
-        top_k=50,
-        top_p=0.5,
-        min_p=0.0,
-        repetition_penalty=1.5,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
+    """The server engine's GenerationConfig: sampling on (OpenAI's default `temperature=1`), the
+    model's special ids, and the per-request processors at their neutral values, so that the model's
+    own sampling defaults never reach the server's requests. The engine is built with
+    `all_request_stages`: every request brings its own values (neutral when it gives none)."""
+    neutral = {name: NEUTRAL_VALUES[name] for name in VECTOR_PARAMS}
+    return GenerationConfig(do_sample=True, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **neutral)
 
 
 @dataclass
@@ -107,22 +99,18 @@ def cancel_unfinished(manager: Any, submitted: list[Submitted]) -> None:
 
 
 def sampling_kwargs(manager: Any, temperature: float | None, chosen: dict[str, Any]) -> dict[str, Any]:
-    """Per-request sampling arguments for `manager.add_request`: `chosen` (non-neutral body fields),
-    temperature as OpenAI means it (absent: 1; 0: greedy), and the neutral values of the processors
-    the engine creates. A value the engine cannot take is refused by it at submission (a 400)."""
+    """Per-request sampling arguments for `manager.add_request`: `chosen` (non-neutral body fields) and
+    temperature as OpenAI means it (absent: 1; 0: greedy). What a request does not give is neutral in
+    the server's engine (`all_request_stages`). A value the engine cannot take is refused by it at
+    submission (a 400)."""
     config = _generation_config(manager)
     default_sample = bool(config is not None and config.do_sample)
     temperature = 1.0 if temperature is None else temperature
     kwargs = dict(chosen)
-    if temperature > 0 and temperature != 1.0:
+    if temperature > 0 and not is_neutral("temperature", temperature):
         kwargs["temperature"] = temperature
     if (temperature > 0) != default_sample:
         kwargs["do_sample"] = temperature > 0
-    if config is not None:
-        enabled = enabled_vector_params(config)
-        for name, value in NEUTRAL_VALUES.items():
-            if name in enabled:
-                kwargs.setdefault(name, value)
     return kwargs
 
 
@@ -208,7 +196,8 @@ def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseExcepti
 
 @dataclass
 class _ChoiceText:
-    """Turns one choice's successive outputs (growing `generated_tokens`) into events.
+    """Turns one choice's successive outputs into events, reading only what each brings new
+    (`new_tokens`, `new_logprobs`, `new_top_logprobs`): O(1) per token however long the stream.
 
     `echo`: the prompt (its text and ids) to send before the first generated token."""
 
@@ -223,14 +212,16 @@ class _ChoiceText:
 
     def take(self, output: Any) -> ChoiceEvent:
         limit = self.options.max_tokens
-        new_ids = output.generated_tokens[self.seen : None if limit is None else max(limit, self.seen)]
-        new_logprobs = (output.logprobs or [])[self.seen :]
-        new_tops = (output.top_logprobs or [])[self.seen :]
+        new_ids = output.new_tokens
+        if limit is not None:
+            new_ids = new_ids[: max(limit - self.seen, 0)]
+        new_logprobs = output.new_logprobs or []
+        new_tops = output.new_top_logprobs or []
         self.seen += len(new_ids)
         self._observe_latency(len(new_ids))
         event = ChoiceEvent(self.choice.index)
         if self.echo is not None and (new_ids or output.status.is_finished):
-            self._add_echo(event, output)
+            self._add_echo(event, output, self.echo)
         for k, token_id in enumerate(new_ids):
             event.token_ids.append(token_id)
             if self.options.want_logprobs:
@@ -247,8 +238,8 @@ class _ChoiceText:
                 event.finish_reason = "length"  # max_tokens=0: the engine's one token is not the client's
         return event
 
-    def _add_echo(self, event: ChoiceEvent, output: Any) -> None:
-        text, ids = self.echo
+    def _add_echo(self, event: ChoiceEvent, output: Any, echo: tuple[str, list[int]]) -> None:
+        text, ids = echo
         self.echo = None
         event.text, event.token_ids, event.echoed = text, list(ids), len(ids)
         if self.options.want_logprobs:
@@ -338,11 +329,11 @@ async def merge_events(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterat
     try:
         remaining = len(tasks)
         while remaining:
-            event = await mailbox.get()
-            if event is None:
+            item = await mailbox.get()
+            if item is None:
                 remaining -= 1
                 continue
-            yield event
+            yield item
         for task in tasks:
             task.result()  # re-raise a pump's unexpected exception
     finally:

@@ -40,7 +40,9 @@ def guided_of(body: Any) -> tuple[GuidedDecoding | None, str | None]:
     for name, kind in VLLM_FIELDS.items():
         value = getattr(body, name, None)
         if value is not None:
-            given.append((name, GuidedDecoding(**{kind: tuple(value) if kind == "choice" else value})))
+            # The body's field, as validated by its pydantic model: a schema, a regex, a list of choices, a grammar.
+            field: dict[str, Any] = {kind: tuple(value) if kind == "choice" else value}
+            given.append((name, GuidedDecoding(**field)))
     if len(given) > 1:
         names = [name for name, _ in given]
         raise ApiError(

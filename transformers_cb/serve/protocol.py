@@ -7,8 +7,9 @@ and transformers serve do: clients send their own extensions); a known field it 
 silently different meaning.
 
 Per-request sampling fields reach the engine through one table, `ENGINE_FIELDS` (body field ->
-`add_request` keyword, neutral value): a new field is one declaration plus one row there. The output
-constraints (`response_format`, `guided_*`) become one `guided=` value in serve/guided.py.
+`add_request` keyword; a field at the keyword's neutral value, from sampling/neutral.py, is left out): a
+new field is one declaration plus one row there. The output constraints (`response_format`, `guided_*`)
+become one `guided=` value in serve/guided.py.
 """
 
 from __future__ import annotations
@@ -16,26 +17,28 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..sampling.neutral import is_neutral
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 16  # choices per request: each is one manager request
 MAX_TOP_LOGPROBS = 20  # top alternatives per token (OpenAI's chat cap; completions' `logprobs` too)
 
-# Body field -> the `add_request` keyword it becomes, and the value at which it is left out.
+# Body field -> the `add_request` keyword it becomes; left out at the keyword's neutral value.
 # `temperature`, `seed`, `stop*`, `ignore_eos`, `logprobs` / `echo` are shaped in choices.py.
-ENGINE_FIELDS: tuple[tuple[str, str, Any], ...] = (
-    ("top_p", "top_p", 1.0),
-    ("top_k", "top_k", 0),  # -1 (vLLM's "off") is normalized to 0
-    ("min_p", "min_p", 0.0),
-    ("repetition_penalty", "repetition_penalty", 1.0),
-    ("presence_penalty", "presence_penalty", 0.0),
-    ("frequency_penalty", "frequency_penalty", 0.0),
-    ("logit_bias", "logit_bias", None),
-    ("min_tokens", "min_tokens", 0),
+ENGINE_FIELDS: tuple[tuple[str, str], ...] = (
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),  # -1 (vLLM's "off") is normalized to 0
+    ("min_p", "min_p"),
+    ("repetition_penalty", "repetition_penalty"),
+    ("presence_penalty", "presence_penalty"),
+    ("frequency_penalty", "frequency_penalty"),
+    ("logit_bias", "logit_bias"),
+    ("min_tokens", "min_tokens"),
 )
 
 
@@ -137,20 +140,25 @@ class _SamplingFields(_Body):
     def engine_kwargs(self) -> dict[str, Any]:
         """The `ENGINE_FIELDS` given away from their neutral value, as `add_request` keywords."""
         chosen = {}
-        for name, keyword, neutral in ENGINE_FIELDS:
+        for name, keyword in ENGINE_FIELDS:
             value = getattr(self, name)
             if name == "top_k" and value == -1:
                 value = 0
-            if value is not None and value != neutral and value != {}:
+            if value is not None and value != {} and not is_neutral(keyword, value):
                 chosen[keyword] = value
         return chosen
 
     def check_neutral(self) -> None:
-        for key in self.logit_bias or {}:
+        logit_bias = self.logit_bias or {}
+        for key in logit_bias:
             if not key.isdigit():
                 raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
-            if not -100 <= self.logit_bias[key] <= 100:
+            if not -100 <= logit_bias[key] <= 100:
                 raise ApiError(400, "logit_bias: biases must be in [-100, 100]", param="logit_bias")
+
+
+def _is_token_ids(prompt: list[str] | list[int] | list[list[int]]) -> TypeGuard[list[int]]:
+    return all(isinstance(p, int) for p in prompt)
 
 
 class CompletionRequest(_SamplingFields):
@@ -173,9 +181,10 @@ class CompletionRequest(_SamplingFields):
             return [prompt]
         if not prompt:
             raise ApiError(400, "prompt: must not be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
+        if _is_token_ids(prompt):
             return [list(prompt)]
-        return list(prompt)
+        # Not one list of token ids: a batch of texts or of token-id lists (pydantic validated the prompt).
+        return list(cast("list[str] | list[list[int]]", prompt))
 
 
 class TextPart(_Part):

@@ -12,17 +12,25 @@ from .choices import ChoiceEvent
 
 @dataclass
 class ChoiceTotals:
-    """What a choice has produced so far."""
+    """What a choice has produced so far. Adding an event costs what the event carries (the text is kept
+    in pieces, joined when read), so a long stream's totals cost O(N)."""
 
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)
+    text_length: int = 0  # characters of `text`
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_generated: int = 0  # `token_ids` less the echoed prompt
     finish_reason: str | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
     def add(self, event: ChoiceEvent) -> None:
-        self.text += event.text
+        if event.text:
+            self.text_pieces.append(event.text)
+            self.text_length += len(event.text)
         self.token_ids += event.token_ids
         self.logprobs += event.logprobs
         self.top_logprobs += event.top_logprobs

@@ -108,7 +108,13 @@ def make_uvicorn_server(app: Any, log_level: str = "info", shutdown_timeout: flo
             self.started_event.set()
 
     config = uvicorn.Config(
-        app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout, lifespan="off", access_log=False
+        app,
+        log_level=log_level,
+        # uvicorn annotates it `int | None` but only hands it to `asyncio.wait_for(timeout=...)`, which
+        # takes seconds as a float.
+        timeout_graceful_shutdown=shutdown_timeout,  # type: ignore[arg-type]
+        lifespan="off",
+        access_log=False,
     )
     return _Server(config)
 
@@ -121,19 +127,23 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any) -> Any:
-    """A started manager as the server runs it: every per-request processor available
-    (`per_request_processors=True`, `serving_generation_config`); logprobs are computed per request."""
+    """A started manager as the server runs it: every per-request processor available and neutral
+    unless a request sets it (`per_request_processors=True`, `all_request_stages=True`); logprobs are
+    computed per request."""
     import dataclasses
 
-    from ..cli.loading import special_ids
+    from ..manager.manager import ContinuousBatchingManager
+    from ..models.loading import special_ids
     from .choices import serving_generation_config
 
     cb_config = dataclasses.replace(cb_config, per_request_processors=True)
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
-    manager = model.init_continuous_batching(
-        generation_config=serving_generation_config(eos_token_id, pad_token_id),
-        continuous_batching_config=cb_config,
+    manager = ContinuousBatchingManager(
+        model,
+        serving_generation_config(eos_token_id, pad_token_id),
+        cb_config,
         tokenizer=tokenizer,
+        all_request_stages=True,
     )
     manager.start()
     return manager
@@ -143,7 +153,7 @@ def build_state(args: argparse.Namespace) -> Any:
     """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
     import transformers_cb
 
-    from ..cli.loading import load_for_command
+    from ..models.loading import load_for_command
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
@@ -187,7 +197,7 @@ def _signals_end_quietly(on_signal: Any) -> Iterator[None]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from transformers_cb.cli.inputs import InputError
+    from transformers_cb.jobs.inputs import InputError
 
     try:
         require_serve_extra()

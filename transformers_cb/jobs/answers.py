@@ -1,6 +1,6 @@
 """`transformers-cb generate`'s answers as text (its default on stdout): each prompt, then its answer.
 
-The JSON lines (cli/records.py's schema) are written instead with `--jsonl` or `--output FILE`.
+The JSON lines (jobs/records.py's schema) are written instead with `--jsonl` or `--output FILE`.
 """
 
 from __future__ import annotations

@@ -2,18 +2,13 @@
 
     python -m transformers_cb.conformance_check --model PATH [--prompts N] [--max-new-tokens M] [--attn paged|sdpa]
 
-(from a source checkout, `python -m conformance.check_model ...` is the same command).
-
 It loads the local checkpoint, draws random prompts, computes greedy references
 with `model.generate()` on each prompt alone, then runs all prompts through
 `model.generate_batch` under a few cache settings (small pages with a small
 token budget for chunked prefill, large pages with the default budget, and a
 cache just big enough for the largest request so that requests get evicted and
 recomputed). It prints a pass/fail table and exits with status 1 on any
-mismatch that is not a genuine floating-point near-tie.
-
-The comparison helpers here (`reference_greedy`, `compare_tokens`,
-`Mismatch.describe`) are also what the `conformance/` test suite uses.
+mismatch that is not a genuine floating-point near-tie. The comparison itself is `compare.py`.
 """
 
 from __future__ import annotations
@@ -21,167 +16,26 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-# Below this logit gap between the reference's token and ours, a different greedy choice is a
-# floating-point near-tie (two summation orders legitimately disagree), not a bug.
-NEAR_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+from ..api.generate_batch import CACHED_ENGINE_ATTR
+from ..config.continuous_batching import ContinuousBatchingConfig
+from ..requests import GenerationOutput, RequestStatus
+from .compare import (
+    compare_tokens,
+    greedy_config,
+    near_tie_tolerance,
+    plain_generation_config,
+    reference_greedy,
+)
 
 
-def near_tie_tolerance(dtype: torch.dtype) -> float:
-    return NEAR_TIE_TOLERANCE.get(dtype, 1e-4)
-
-
-# -- references ------------------------------------------------------------------------------------
-def greedy_config(
-    max_new_tokens: int, eos_token_id: int | list[int] | None = None, **kwargs
-) -> GenerationConfig:
-    """Greedy decoding; `eos_token_id=None` disables eos (set `model.generation_config.eos_token_id`
-    to None as well, or both `generate()` and `generate_batch` take the model's)."""
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos_token_id, **kwargs
-    )
-
-
-@contextmanager
-def plain_generation_config(model: PreTrainedModel, eos_token_id: int | list[int] | None) -> Iterator[None]:
-    """Swap the model's generation config for a neutral greedy one (its bos/pad ids and `eos_token_id`),
-    so that checkpoint defaults (sampling, repetition penalty, ...) do not enter the comparison."""
-    saved = model.generation_config
-    model.generation_config = GenerationConfig(
-        bos_token_id=saved.bos_token_id, pad_token_id=saved.pad_token_id, eos_token_id=eos_token_id
-    )
-    try:
-        yield
-    finally:
-        model.generation_config = saved
-
-
-@torch.inference_mode()
-def reference_greedy(
-    model: PreTrainedModel, prompt: Sequence[int], generation_config: GenerationConfig
-) -> list[int]:
-    """`model.generate()` on `prompt` alone (batch of one, no padding); the generated ids only."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
-    output = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-    )
-    return output[0, input_ids.shape[1] :].tolist()
-
-
-@torch.inference_mode()
-def next_token_logits(model: PreTrainedModel, ids: Sequence[int]) -> torch.Tensor:
-    """Float32 logits of the token after `ids`, from one plain full forward (no KV cache)."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
-    output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-    return output.logits[0, -1].float()
-
-
-# -- comparison --------------------------------------------------------------------------------------
-@dataclass
-class Mismatch:
-    """First difference between the reference (`generate()`) and continuous batching for one prompt."""
-
-    request_id: str
-    prompt: list[int]
-    expected: list[int]  # generate()
-    actual: list[int]  # generate_batch
-    index: int  # first differing position in the generated tokens
-    margin: float | None = None  # logit(max) - logit(actual token) at `index`; None: a length mismatch
-    top2_margin: float | None = None  # logit(top1) - logit(top2) at `index`
-    tolerance: float = 1e-4
-
-    @property
-    def is_near_tie(self) -> bool:
-        return self.margin is not None and self.margin < self.tolerance
-
-    def describe(self, context: int = 4) -> str:
-        lines = [
-            f"{self.request_id}: generate_batch differs from generate() at generated position {self.index} "
-            f"(prompt of {len(self.prompt)} tokens)",
-            f"  generate():       {self.expected}",
-            f"  generate_batch(): {self.actual}",
-        ]
-        if self.margin is None:
-            lines.append(
-                f"  lengths differ ({len(self.expected)} vs {len(self.actual)} tokens): stopping disagrees"
-            )
-        else:
-            kind = "NEAR-TIE" if self.is_near_tie else "NOT a near-tie"
-            lines.append(
-                f"  reference logits at that position: top1-top2 = {self.top2_margin:.3g}, "
-                f"max - logit(generate_batch's token) = {self.margin:.3g} ({kind}, tolerance {self.tolerance:g})"
-            )
-        lines.append("  pos | generate() | generate_batch()")
-        end = max(len(self.expected), len(self.actual))
-        for pos in range(max(0, self.index - context), min(end, self.index + context + 1)):
-            expected = self.expected[pos] if pos < len(self.expected) else "-"
-            actual = self.actual[pos] if pos < len(self.actual) else "-"
-            marker = "  <-- first difference" if pos == self.index else ""
-            lines.append(f"  {pos:>3} | {expected!s:>10} | {actual!s:>16}{marker}")
-        return "\n".join(lines)
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def compare_tokens(
-    model: PreTrainedModel,
-    request_id: str,
-    prompt: Sequence[int],
-    expected: Sequence[int],
-    actual: Sequence[int],
-    tolerance: float | None = None,
-) -> Mismatch | None:
-    """None when equal; else a `Mismatch` whose margin is measured with a plain forward of the model
-    on `prompt + expected[:index]` (raw logits, before any logits processor)."""
-    index = first_difference(expected, actual)
-    if index is None:
-        return None
-    if tolerance is None:
-        tolerance = near_tie_tolerance(next(model.parameters()).dtype)
-    mismatch = Mismatch(request_id, list(prompt), list(expected), list(actual), index, tolerance=tolerance)
-    if index < min(len(expected), len(actual)):
-        logits = next_token_logits(model, [*prompt, *expected[:index]])
-        top2 = logits.topk(2).values
-        mismatch.top2_margin = float(top2[0] - top2[1])
-        mismatch.margin = float(logits.max() - logits[actual[index]])
-    return mismatch
-
-
-@contextmanager
-def count_preemptions() -> Iterator[list[str]]:
-    """Records the request id of every preemption (`Scheduler.preempt` call) inside the block."""
-    from ..engine.scheduler import Scheduler
-
-    calls: list[str] = []
-    original = Scheduler.preempt
-
-    def preempt(self, request, batch):
-        calls.append(request.request_id)
-        return original(self, request, batch)
-
-    Scheduler.preempt = preempt
-    try:
-        yield calls
-    finally:
-        Scheduler.preempt = original
-
-
-# -- the command -------------------------------------------------------------------------------------
 @dataclass
 class SettingResult:
     name: str
@@ -226,8 +80,6 @@ def run_check(
     eos_token_id: int | list[int] | None = None,
     tolerance: float | None = None,
 ) -> list[SettingResult]:
-    from .. import ContinuousBatchingConfig, RequestStatus
-
     if tolerance is None:
         tolerance = near_tie_tolerance(next(model.parameters()).dtype)
     if settings is None:
@@ -237,23 +89,19 @@ def run_check(
     with plain_generation_config(model, eos_token_id):
         references = [reference_greedy(model, prompt, config) for prompt in prompts]
         for name, kwargs in settings:
-            result = SettingResult(name, num_requests=len(prompts), details=[])
+            details: list[str] = []
+            result = SettingResult(name, num_requests=len(prompts), details=details)
             start = time.perf_counter()
-            with count_preemptions() as preemptions:
-                outputs = model.generate_batch(
-                    prompts,
-                    generation_config=config,
-                    continuous_batching_config=ContinuousBatchingConfig(**kwargs),
-                    progress_bar=False,
-                )
+            outputs, result.num_preemptions = generate_batch_counting_preemptions(
+                model, prompts, config, ContinuousBatchingConfig(**kwargs)
+            )
             result.seconds = time.perf_counter() - start
-            result.num_preemptions = len(preemptions)
             for i, (prompt, expected) in enumerate(zip(prompts, references, strict=True)):
                 output = outputs.get(f"req_{i}")
                 if output is None or output.status != RequestStatus.FINISHED:
                     result.num_failed += 1
                     status = "missing" if output is None else f"{output.status.name}: {output.error}"
-                    result.details.append(f"req_{i}: did not finish ({status})")
+                    details.append(f"req_{i}: did not finish ({status})")
                     continue
                 mismatch = compare_tokens(
                     model, f"req_{i}", prompt, expected, output.generated_tokens, tolerance
@@ -262,12 +110,44 @@ def run_check(
                     result.num_match += 1
                 elif mismatch.is_near_tie:
                     result.num_near_ties += 1
-                    result.details.append(mismatch.describe())
+                    details.append(mismatch.describe())
                 else:
                     result.num_failed += 1
-                    result.details.append(mismatch.describe())
+                    details.append(mismatch.describe())
             results.append(result)
     return results
+
+
+def generate_batch_counting_preemptions(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    generation_config: GenerationConfig,
+    cb_config: ContinuousBatchingConfig,
+) -> tuple[dict[str, GenerationOutput], int]:
+    """`model.generate_batch(prompts)` and the preemptions its engine counted (`Engine.snapshot()`).
+
+    The call keeps its engine on the model (`persistent_manager=True`) so that its count can be read
+    afterwards; it starts with no engine cached, so the engine and its count are this call's own, and
+    whatever the model held before is put back."""
+    held: Any = getattr(model, CACHED_ENGINE_ATTR, None)
+    if held is not None:
+        delattr(model, CACHED_ENGINE_ATTR)
+    try:
+        # The plugin installs `generate_batch` (api/generate_batch.py) on the model classes at run time.
+        outputs: dict[str, GenerationOutput] = cast(Any, model).generate_batch(
+            prompts,
+            generation_config=generation_config,
+            continuous_batching_config=cb_config,
+            progress_bar=False,
+            persistent_manager=True,
+        )
+        _, engine = getattr(model, CACHED_ENGINE_ATTR)
+        return outputs, engine.snapshot().preemptions
+    finally:
+        if held is not None:
+            setattr(model, CACHED_ENGINE_ATTR, held)
+        elif hasattr(model, CACHED_ENGINE_ATTR):
+            delattr(model, CACHED_ENGINE_ATTR)
 
 
 def format_table(results: list[SettingResult]) -> str:
@@ -343,16 +223,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] | None = None) -> int:
+    """The check on `--model`; `model_folder` turns that value into the folder loaded (the command passes
+    the name lookup of models/fetch.py, a peer room this one does not import), else it is the folder."""
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     import transformers_cb  # noqa: F401  (installs the plugin and registers the paged backends)
 
-    from ..models.fetch import resolve_model
-
+    folder = model_folder(args.model) if model_folder is not None else args.model
     model = AutoModelForCausalLM.from_pretrained(
-        resolve_model(args.model) or args.model, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
+        folder, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
     )
     model = model.to(args.device).eval()
     generation_config = model.generation_config
@@ -389,7 +270,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         + (f" ({num_ties} floating-point near-tie(s) reported above)" if num_ties else "")
     )
     return 0 if passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

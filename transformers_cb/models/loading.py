@@ -1,16 +1,16 @@
 """Loading the model a command runs: the device, the model and its tokenizer, their special ids.
 
 Shared by `transformers-cb generate` (cli/main.py) and `transformers-cb serve` (serve/server.py), so
-both load a checkpoint (or the built-in tiny model, cli/tiny.py) the same way.
+both load a checkpoint (or the built-in tiny model, models/tiny.py) the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, cast
 
 import torch
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cpu_threads import cpu_threads
 from .tiny import build_tiny_model, build_tiny_tokenizer
@@ -45,33 +45,38 @@ def load_model_and_tokenizer(
     device: str | torch.device = "cpu",
     seed: int = 0,
     progress: bool = True,
-) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a local checkpoint directory, a registry model by name (`smollm2`: fetched and converted on
     first use, models/fetch.py), or build the tiny default model when ``path`` is None or `tiny`.
     Raises `OSError` for an unreadable checkpoint (`FetchError`, one line, for a failed fetch)."""
     import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
 
-    from ..models.fetch import resolve_model
+    from .fetch import resolve_model
 
     path = resolve_model(path, progress=progress)
 
+    # The models are cast to the `torch.nn.Module`s they are: `PreTrainedModel.to` is wrapped
+    # (`functools.wraps`), which type checkers read as a plain function that takes `self` again.
+    tokenizer: PreTrainedTokenizerBase
     if path is None:
         tokenizer = build_tiny_tokenizer()
-        model = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
-        model = model.to(dtype=dtype)
+        tiny = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
+        model = cast(torch.nn.Module, tiny).to(dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(
+        loaded = AutoModelForCausalLM.from_pretrained(
             path, attn_implementation=attn_implementation, dtype=dtype
         )
-    return model.to(device).eval(), tokenizer
+        model = cast(torch.nn.Module, loaded)
+    # Moved and switched to eval mode, it is still the `PreTrainedModel` it was loaded as.
+    return cast(PreTrainedModel, model.to(device).eval()), tokenizer
 
 
-def load_for_command(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
+def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
     """The model and tokenizer of a command's `--model` (a folder, or a name: `tiny`, a registry model fetched
-    on first use), `--attn-implementation`, `--dtype`, `--device`, `--threads` (cli/cpu_threads.py) and
+    on first use), `--attn-implementation`, `--dtype`, `--device`, `--threads` (models/cpu_threads.py) and
     `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
     device = resolve_device(args.device)
     threads = cpu_threads(getattr(args, "threads", None), device)

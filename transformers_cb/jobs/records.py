@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -41,7 +41,7 @@ def generate_rows(
     generation_config: Any,
     cb_config: Any,
     progress_bar: bool,
-    per_input: dict[str, Sequence[Any]] | None = None,
+    per_input: Mapping[str, Sequence[Any]] | None = None,
     **call_kwargs: Any,
 ) -> list[Any]:
     """One ``generate_batch`` call; results in input order.

@@ -10,14 +10,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.support.fakes import EOS, FakeModel
-from tests.support.requests import make_request
-from transformers_cb.engine.policies import make_policy
-from transformers_cb.engine.scheduler import Scheduler
+from tests.support.requests import make_request, page_ids, sampling_entries
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
-from transformers_cb.kv.page_policies import FullAttentionAllocator
+from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
+from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.scheduler import Scheduler
 
 
 def make_scheduler(
@@ -28,10 +28,12 @@ def make_scheduler(
     safety_margin: float = 0.0,
     policy: str = "fifo",
 ) -> Scheduler:
-    allocator = PageManager(
-        [FullAttentionAllocator(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
+    page_manager = PageManager(
+        [FullAttentionPolicy(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
     )
-    return Scheduler(allocator, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy))
+    return Scheduler(
+        page_manager, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy)
+    )
 
 
 @dataclass
@@ -73,8 +75,8 @@ def run_to_completion(
         assert len({id(e.request) for e in batch.entries}) == len(batch.entries), "request twice in a step"
         for request in batch.failed:
             assert request.status == RequestStatus.FAILED
-            assert not request.page_ids
-        run.sampled.append([e.request.request_id for e in batch.sampling_entries])
+            assert not page_ids(request)
+        run.sampled.append([e.request.request_id for e in sampling_entries(batch)])
         finished = scheduler.update(batch, model.run(batch))
         scheduler.check_integrity()
         model.forget(finished + batch.failed)
@@ -82,9 +84,7 @@ def run_to_completion(
         run.finished.extend(batch.failed + finished)
         run.preempted.extend(r.request_id for r in batch.preempted)
         step += 1
-    assert scheduler.allocator.pools[0].num_free_pages == scheduler.allocator.pools[0].num_pages, (
-        "pages leaked"
-    )
+    assert scheduler.pages.pools[0].num_free_pages == scheduler.pages.pools[0].num_pages, "pages leaked"
     assert not scheduler.running and not scheduler.waiting
     return run
 
@@ -184,7 +184,7 @@ def test_preemption_evicts_newest_and_recomputes() -> None:
             preempted_at = step
             assert batch.preempted == [new], "the newest running request is evicted"
             assert new.num_computed_tokens == 0
-            assert new.page_ids == []
+            assert page_ids(new) == []
             assert new.status == RequestStatus.EVICTED
             assert new.num_preemptions == 1
             assert scheduler.num_preemptions == 1
@@ -208,7 +208,7 @@ def test_preemption_evicts_newest_and_recomputes() -> None:
     assert old.num_preemptions == 0
     assert old.status == new.status == RequestStatus.FINISHED
     assert generated([old, new]) == reference
-    assert scheduler.allocator.pools[0].num_free_pages == 6
+    assert scheduler.pages.pools[0].num_free_pages == 6
 
 
 def test_preemption_under_pressure_keeps_outputs() -> None:
@@ -292,7 +292,7 @@ def test_partial_admission_with_the_last_free_page() -> None:
     scheduler.add(first)
     batch = scheduler.schedule()
     scheduler.update(batch, model.run(batch))
-    assert first.page_ids == [0, 1, 2, 3]
+    assert page_ids(first) == [0, 1, 2, 3]
     scheduler.add(second)
     scheduler.add(third)
     batch = scheduler.schedule()
@@ -302,12 +302,12 @@ def test_partial_admission_with_the_last_free_page() -> None:
         ("first", 16, 1),
         ("second", 0, 4),
     ]
-    assert first.page_ids == [0, 1, 2, 3, 4]
-    assert second.page_ids == [5]
+    assert page_ids(first) == [0, 1, 2, 3, 4]
+    assert page_ids(second) == [5]
     assert second.status == RequestStatus.PREFILLING
     assert third.status == RequestStatus.PENDING
     assert list(scheduler.waiting) == [third]
-    assert batch.sampling_entries == [batch.entries[0]]
+    assert sampling_entries(batch) == [batch.entries[0]]
 
 
 def test_prefill_first_policy_orders_candidates() -> None:
@@ -424,5 +424,5 @@ def test_scheduler_properties(workload: dict) -> None:
     for request, (_, _, max_new) in zip(requests, specs, strict=True):
         assert request.status == RequestStatus.FINISHED, (request.request_id, request.error)
         assert len(request.generated_ids) == max_new
-        assert request.page_ids == []
+        assert page_ids(request) == []
     assert generated(requests) == huge_cache_reference(specs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_cb.cli import cpu_threads as threads
 from transformers_cb.cli.main import build_parser
+from transformers_cb.models import cpu_threads as threads
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ def test_the_choice_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_commands_set_it_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    from transformers_cb.cli import loading
+    from transformers_cb.models import loading
 
     monkeypatch.setattr(loading, "load_model_and_tokenizer", lambda *a, **k: (None, None))
     saved = torch.get_num_threads()

@@ -1,9 +1,9 @@
 """The step scheduler: which requests run how many tokens in the next forward pass.
 
 The scheduler works on plain data (requests, page ids) and never touches a
-tensor: `schedule()` returns a `ScheduledBatch` holding every decision of the
+tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
-step_plan.py), the runner executes it, and `update()` applies the sampled
+plan.py), the runner executes it, and `update()` applies the sampled
 tokens. Rows of requests that end outside `schedule()` (`update()`, `finish()`
 called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`,
 policies.py) only change the order in which candidates get the step's token budget.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
@@ -21,16 +22,31 @@ from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .plan import ScheduledRequest, StepPlan
 from .policies import SchedulingPolicy
 from .recompute import RecomputeCounter
-from .step_plan import ScheduledBatch, ScheduledRequest
+
+
+@dataclass(slots=True)
+class AdmissionGate:
+    """FIFO admission within one `schedule()`: once a waiting request cannot start, those behind it
+    wait too (no overtaking). Closed by a request that must wait; opened again only after one that
+    can never fit has failed."""
+
+    is_open: bool = True
+
+    def open(self) -> None:
+        self.is_open = True
+
+    def close(self) -> None:
+        self.is_open = False
 
 
 class Scheduler:
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
-        allocator: the device tier's pages, the scheduler's one facade over the KV groups' page
+        pages: the device tier's pages, the scheduler's one facade over the KV groups' page
             policies and prefix sharing (kv/page_manager.py).
         max_batch_tokens: query tokens per step.
         max_requests_per_batch: requests per step.
@@ -44,14 +60,14 @@ class Scheduler:
 
     def __init__(
         self,
-        allocator: PageManager,
+        pages: PageManager,
         max_batch_tokens: int,
         max_requests_per_batch: int,
         safety_margin: float,
         policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
     ) -> None:
-        self.allocator = allocator
+        self.pages = pages
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.safety_margin = safety_margin
@@ -68,7 +84,7 @@ class Scheduler:
         """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
         or, without prefix sharing, queue as requests of their own."""
         self.waiting.append(request)
-        if not self.allocator.sharing and request.fork_children:
+        if not self.pages.sharing and request.fork_children:
             self.waiting.extend(request.fork_children)
             request.fork_children = []
 
@@ -79,54 +95,31 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     # -- one step ------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> StepPlan:
         """Pick the next step. May preempt running requests (in `preempted`) and fail
         requests that can never fit the cache (in `failed`, already finished)."""
+        # The algorithm: candidates come in the policy's order (fifo: running ones, then waiting ones)
+        # while the step has token budget and request slots left. A running request keeps its place:
+        # it runs the tokens that fit, else takes the pages of the newest unscheduled running requests
+        # (preempting them), else is preempted (or, alone, failed) itself. A waiting request starts
+        # only while the FIFO gate is open: it swaps back in (CPU offload), or takes its cached prefix
+        # and the pages its first chunk needs while the free share stays above the safety margin. The
+        # first waiting request that cannot start closes the gate for those behind it; one that can
+        # never fit (nothing runs, not one token fits) fails instead and opens it again.
         budget = self.max_batch_tokens
         scheduled: dict[int, ScheduledRequest] = {}
-        batch = ScheduledBatch(entries=[])
-        admitting = True
+        plan = StepPlan(entries=[])
+        gate = AdmissionGate()
         for request in self.policy.candidates(self.running, self.waiting):
             if budget == 0 or len(scheduled) == self.max_requests_per_batch:
                 break
-            if request.is_finished or request in batch.preempted:
+            if request.is_finished or request in plan.preempted:
                 continue
-            waiting = request.status in (RequestStatus.PENDING, RequestStatus.EVICTED)
-            swapped_in = False
-            if waiting and self.offload is not None and self.offload.is_swapped(request):
-                swapped_in = self._swap_in(request, admitting)
-                if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
-                    admitting = False
-                    continue
-            # A swapped-in request has its own KV back: no prefix lookup.
-            hit = admitting and waiting and not swapped_in and self._attach_prefix(request)
-            if waiting and admitting and not swapped_in and self._waits_for_pages(request, hit):
-                continue
-            wanted = min(request.num_remaining_tokens, budget)
-            num_tokens = self.allocator.num_fitting_tokens(request, wanted)
-            if waiting:
-                # FIFO admission: once one waiting request cannot start, later ones wait too.
-                # A swapped-in request holds its pages again: it is admitted (at least one token fits).
-                admitting = swapped_in or (admitting and num_tokens > 0 and self._admits())
-                if not admitting:
-                    if hit:  # waiting requests hold no pages: the hit goes back to the cache
-                        self.allocator.detach_prefix(request)
-                        num_tokens = self.allocator.num_fitting_tokens(
-                            request, min(request.num_remaining_tokens, budget)
-                        )
-                    if not self.running and num_tokens == 0:
-                        self._fail_unfittable(request, batch)
-                        admitting = True
-                    continue
-                self._allocate(request, num_tokens)
-                self.waiting.remove(request)
-                self.running.append(request)
-                self.allocator.promise(request)
-            elif num_tokens > 0:
-                self._allocate(request, num_tokens)
-            elif self._allocate_or_preempt(request, wanted, scheduled, batch):
-                num_tokens = wanted
+            if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
+                num_tokens = self._admit(request, budget, gate, plan)
             else:
+                num_tokens = self._keep_running(request, budget, scheduled, plan)
+            if num_tokens is None:
                 continue
             request.set_status(
                 RequestStatus.DECODING
@@ -136,11 +129,56 @@ class Scheduler:
             scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens)
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
-        batch.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        batch.copies, self._pending_copies = self._pending_copies, []
+        plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
+        plan.copies, self._pending_copies = self._pending_copies, []
         if self.offload is not None:
-            batch.swaps = self.offload.take_plan()
-        return batch
+            plan.swaps = self.offload.take_plan()
+        return plan
+
+    def _keep_running(
+        self, request: Request, budget: int, scheduled: dict[int, ScheduledRequest], plan: StepPlan
+    ) -> int | None:
+        """A running request's tokens this step (pages allocated), or None when it had to be preempted
+        or failed itself."""
+        wanted = min(request.num_remaining_tokens, budget)
+        num_tokens = self.pages.num_fitting_tokens(request, wanted)
+        if num_tokens > 0:
+            self._allocate(request, num_tokens)
+            return num_tokens
+        if self._allocate_or_preempt(request, wanted, scheduled, plan):
+            return wanted
+        return None
+
+    def _admit(self, request: Request, budget: int, gate: AdmissionGate, plan: StepPlan) -> int | None:
+        """A waiting request's first tokens if it starts this step (moved to the running list, pages
+        allocated), else None: it keeps waiting (holding nothing), or failed because it can never fit."""
+        swapped_in = False
+        if self.offload is not None and self.offload.is_swapped(request):
+            swapped_in = self._swap_in(self.offload, request, gate.is_open)
+            if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
+                gate.close()
+                return None
+        # A swapped-in request has its own KV back: no prefix lookup, no waiting for pages.
+        looks_up = gate.is_open and not swapped_in
+        hit = looks_up and self._attach_prefix(request)
+        if looks_up and self._waits_for_pages(request, hit):
+            return None
+        num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
+        # A swapped-in request holds its pages again: it is admitted (at least one token fits).
+        if not (swapped_in or (gate.is_open and num_tokens > 0 and self._admits())):
+            gate.close()
+            if hit:  # waiting requests hold no pages: the hit goes back to the cache
+                self.pages.detach_prefix(request)
+                num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
+            if not self.running and num_tokens == 0:
+                self._fail_unfittable(request, plan)
+                gate.open()  # it blocked nobody: the next waiting request may start
+            return None
+        self._allocate(request, num_tokens)
+        self.waiting.remove(request)
+        self.running.append(request)
+        self.pages.promise(request)
+        return num_tokens
 
     def _attach_prefix(self, request: Request) -> bool:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
@@ -148,15 +186,15 @@ class Scheduler:
         Requests asking for prompt logprobs compute every prompt position, so they take none."""
         if request.wants_prompt_logprobs:
             return False
-        return self.allocator.attach_prefix(request) > 0
+        return self.pages.attach_prefix(request) > 0
 
     def _waits_for_pages(self, request: Request, hit: bool) -> bool:
         """Leave `request` waiting (holding nothing) while a running request computes the next page
         of its prefix: it will hit that page in a later step instead of computing it again."""
-        if request.wants_prompt_logprobs or not self.allocator.waits_for_pages(request):
+        if request.wants_prompt_logprobs or not self.pages.waits_for_pages(request):
             return False
         if hit:
-            self.allocator.detach_prefix(request)
+            self.pages.detach_prefix(request)
         return True
 
     def _fork(self, parent: Request) -> None:
@@ -166,7 +204,7 @@ class Scheduler:
         position = self.running.index(parent) + 1
         unforked = []
         for child in children:
-            copies = self.allocator.fork(parent, child)
+            copies = self.pages.fork(parent, child)
             if copies is None:
                 unforked.append(child)
                 continue
@@ -178,49 +216,49 @@ class Scheduler:
 
     def _allocate(self, request: Request, num_tokens: int) -> None:
         """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
-        allocated = self.allocator.allocate(request, num_tokens)
+        allocated = self.pages.allocate(request, num_tokens)
         check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
 
     def _admits(self) -> bool:
         if not self.running:
             return True
-        return self.allocator.free_fraction >= self.safety_margin
+        return self.pages.free_fraction >= self.safety_margin
 
     def _allocate_or_preempt(
         self,
         request: Request,
         num_tokens: int,
         scheduled: dict[int, ScheduledRequest],
-        batch: ScheduledBatch,
+        plan: StepPlan,
     ) -> bool:
         """Allocate for a running request, preempting the newest unscheduled ones as needed.
 
         Returns False if `request` itself had to be preempted or failed.
         """
-        while not self.allocator.allocate(request, num_tokens):
+        while not self.pages.allocate(request, num_tokens):
             victims = [r for r in self.running if id(r) not in scheduled and r is not request]
             if victims:
-                self.preempt(victims[-1], batch)
+                self.preempt(victims[-1], plan)
             elif scheduled:
-                self.preempt(request, batch)
+                self.preempt(request, plan)
                 return False
             else:
-                self._fail_unfittable(request, batch)
+                self._fail_unfittable(request, plan)
                 return False
         return True
 
-    def _swap_in(self, request: Request, admitting: bool) -> bool:
+    def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool) -> bool:
         """Take a swapped-out request back from the host tier if it may start now. With nothing running
         and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
-        if admitting and self._admits() and self.offload.can_swap_in(request):
-            self.offload.swap_in(request)
+        if admitting and self._admits() and offload.can_swap_in(request):
+            offload.swap_in(request)
             return True
         if not self.running:
-            self.offload.discard(request)
+            offload.discard(request)
             self._drop_kv(request)
         return False
 
-    def preempt(self, request: Request, batch: ScheduledBatch) -> None:
+    def preempt(self, request: Request, plan: StepPlan) -> None:
         """Take the pages of `request` away: swapped out to the host tier when there is one with room,
         else dropped (it recomputes prompt + generated tokens later)."""
         if self.offload is None or not self.offload.try_swap_out(request):
@@ -233,32 +271,32 @@ class Scheduler:
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
-        batch.preempted.append(request)
-        batch.released.append(request)
+        plan.preempted.append(request)
+        plan.released.append(request)
 
     def _drop_kv(self, request: Request) -> None:
         self.recomputed.dropped(request.request_id, request.num_computed_tokens)
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
-        self.allocator.free(request)  # with its promises of pages not computed yet
+        self.pages.free(request)  # with its promises of pages not computed yet
 
-    def _fail_unfittable(self, request: Request, batch: ScheduledBatch) -> None:
+    def _fail_unfittable(self, request: Request, plan: StepPlan) -> None:
         self.finish(
             request,
             RequestStatus.FAILED,
             error=(
                 f"request {request.request_id!r} needs more KV pages than the cache has "
-                f"({self.allocator.describe_need(request.num_tokens)})"
+                f"({self.pages.describe_need(request.num_tokens)})"
             ),
         )
-        batch.failed.append(request)
-        batch.released.append(request)
+        plan.failed.append(request)
+        plan.released.append(request)
 
     # -- results -----------------------------------------------------------------
     def update(
         self,
-        batch: ScheduledBatch,
+        plan: StepPlan,
         sampled: Sequence[SampledToken],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
         prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
@@ -271,7 +309,7 @@ class Scheduler:
         """
         finished: list[Request] = []
         samples = iter(sampled)
-        for entry in batch.entries:
+        for entry in plan.entries:
             request = entry.request
             request.num_computed_tokens = entry.end
             scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
@@ -284,11 +322,11 @@ class Scheduler:
                     request.prompt_top_logprobs = [*(request.prompt_top_logprobs or ()), *tops]
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
-            self.allocator.register(request)  # before a sliding group drops pages
+            self.pages.register(request)  # before a sliding group drops pages
             if request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
                 self._fork(request)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
-            self.allocator.trim(request)
+            self.pages.trim(request)
             if not entry.samples:
                 continue
             token = next(samples)
@@ -305,7 +343,7 @@ class Scheduler:
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and
         its host pages), stamps the time, removes it from the queues. Its block-table rows are the
-        caller's to release (the engine's; in `schedule()`, the batch's `released`)."""
+        caller's to release (the engine's; in `schedule()`, the plan's `released`)."""
         if request.is_finished:
             return
         parent = request.fork_parent
@@ -331,7 +369,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         kept = self.offload.device_tables() if self.offload is not None else None
-        self.allocator.check_integrity(self.live_requests(), self.running, kept)
+        self.pages.check_integrity(self.live_requests(), self.running, kept)
         if self.offload is not None:
             self.offload.check_integrity({request.request_id for request in self.waiting})
         for request in self.running:

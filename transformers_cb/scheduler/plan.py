@@ -1,6 +1,6 @@
 """The plan of one step: everything `Scheduler.schedule()` decided, as plain data (no tensor).
 
-A `ScheduledBatch` is the whole decision of a step, so that whoever executes it (the runner on
+A `StepPlan` is the whole decision of a step, so that whoever executes it (the runner on
 rank 0, and on every tensor-parallel follower from rank 0's step message) needs nothing else.
 The runner executes it in this order:
 
@@ -12,7 +12,8 @@ The runner executes it in this order:
 4. pack `entries` and run the forward.
 
 `preempted` and `failed` tell the engine what happened to those requests (the failed ones are
-already finished).
+already finished). Each entry is a `ScheduledRequest`: one request's share of the step (which
+tokens it runs).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class ScheduledRequest:
 
 
 @dataclass
-class ScheduledBatch:
+class StepPlan:
+    """The whole decision of one step (see the module docstring for the order it is executed in)."""
+
     entries: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
@@ -57,7 +60,3 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(entry.num_tokens for entry in self.entries)
-
-    @property
-    def sampling_entries(self) -> list[ScheduledRequest]:
-        return [entry for entry in self.entries if entry.samples]

@@ -8,6 +8,21 @@ from typing import Any
 import torch
 
 
+def per_item(value: Any, count: int, name: str, lists_are_values: bool = False) -> list[Any]:
+    """`value` for each of `count` items, or its i-th element for item i when it is a list or tuple
+    (one value per item; `ValueError` naming `name` when its length is not `count`).
+
+    `lists_are_values`: a flat list of str (`stop_strings=["a", "b"]`) is one value for every item.
+    The one rule for per-item arguments: `generate_batch`'s and `add_requests`' (`guided`)."""
+    if lists_are_values and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return [value] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name}: got {len(value)} values for {count} inputs")
+        return list(value)
+    return [value] * count
+
+
 def as_token_ids(value: Any, label: str, vocab_size: int) -> list[int]:
     """`value` as a list of token ids in [0, vocab_size), or `ValueError` naming `label`."""
     if isinstance(value, torch.Tensor):

@@ -7,6 +7,8 @@ gibberish; it exercises the whole generation path, not language quality.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
@@ -104,7 +106,10 @@ def build_tiny_model(
     )
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config)
+    # In place (`to` and `eval` return the module itself), on the `torch.nn.Module` it is: type checkers read
+    # `PreTrainedModel.to` (wrapped with `functools.wraps`) as a plain function that takes `self` again.
+    cast(torch.nn.Module, model).to(torch.float32).eval()
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -1,8 +1,8 @@
-"""`RecomputeCounter` (engine/recompute.py): the tokens preemption made the scheduler run a second time."""
+"""`RecomputeCounter` (scheduler/recompute.py): the tokens preemption made the scheduler run a second time."""
 
 from __future__ import annotations
 
-from transformers_cb.engine.recompute import RecomputeCounter
+from transformers_cb.scheduler.recompute import RecomputeCounter
 
 
 def test_recomputed_tokens_count_what_runs_again() -> None:

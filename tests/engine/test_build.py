@@ -1,0 +1,121 @@
+"""engine/build.py: every setting resolved once into a frozen `EnginePlan` (nothing allocated, no config
+written), then the parts wired from the plan alone; the values the engine runs with are the plan's."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from tests.support.engine import run_prompts
+from tests.support.models import build_tiny_model, tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.config.continuous_batching import DeviceOptions
+from transformers_cb.engine.build import build_engine, resolve_plan, wire
+from transformers_cb.engine.engine import Engine
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.memory import host_cache
+from transformers_cb.memory.kv_cache import CacheLayout, PagedKVCache
+
+GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False)
+
+
+def _sliding_engine_config() -> ContinuousBatchingConfig:
+    """Settings that resolution overrides on this CPU, sliding-window setup: graphs, async batching and
+    the decode fast path all turn off; offload and the page counts are resolved from the work."""
+    return ContinuousBatchingConfig(
+        page_size=4,
+        max_batch_tokens=16,
+        use_cuda_graph=True,
+        use_async_batching=True,
+        max_blocks_per_request=32,
+        cpu_offload_space=0.01,
+    )
+
+
+def test_the_callers_configs_are_untouched_after_the_engine_ran() -> None:
+    model = build_tiny_model("qwen2_sliding")
+    config, generation = _sliding_engine_config(), GenerationConfig(max_new_tokens=6, do_sample=False)
+    config_before, generation_before = copy.deepcopy(config), generation.to_dict()
+    engine = build_engine(model, generation, config, workload=[40] * 3)
+    run_prompts(engine, model, prompts_of_lengths([30, 12, 21], seed=2))
+    assert config == config_before and generation.to_dict() == generation_before
+    # The engine's copy is the settings as given, never the resolved values.
+    assert engine.cb_config == config_before and engine.cb_config is not config
+    assert engine.cb_config.use_cuda_graph is True and engine.cb_config.max_blocks_per_request == 32
+    assert engine.plan.device_options == DeviceOptions((False, False), False)
+    assert engine.step_options.max_blocks_per_request == 0 and engine.step_options.cuda_graphs == (
+        False,
+        False,
+    )
+
+
+def test_the_plan_is_frozen() -> None:
+    engine = build_engine(tiny_llama(), GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=8))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.plan.num_host_pages = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.plan.sizing.num_pages = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.plan.cache.pages = (3,)  # type: ignore[misc]
+
+
+def test_the_engine_runs_with_the_plans_values() -> None:
+    model = build_tiny_model("qwen2_sliding")
+    engine = build_engine(model, GREEDY, _sliding_engine_config(), workload=[40] * 3)
+    plan = engine.plan
+    full, sliding = plan.group_pages
+    assert sliding < full  # the sliding group is sized to its windows: resolution did something
+    # Pages: the pools (beside the page policies), the KV tensors and the plan agree group by group.
+    assert tuple(pool.num_pages for pool in engine.pages.pools) == plan.group_pages
+    assert tuple(tensor.shape[2] for tensor in engine.cache.group_tensors) == plan.group_pages  # no scratch
+    assert engine.cache.layout == plan.cache and engine.num_total_pages == full + sliding
+    assert tuple(tables.max_pages_per_request for tables in engine.packer.block_tables) == plan.group_widths
+    # Step budget, admission and the policy.
+    scheduler = engine.scheduler
+    assert (scheduler.max_batch_tokens, scheduler.max_requests_per_batch) == (
+        16,
+        plan.sizing.max_requests_per_batch,
+    )
+    assert (
+        scheduler.safety_margin == plan.safety_margin == 0.15 and scheduler.policy.name == plan.scheduler_type
+    )
+    assert engine.sharing is plan.sharing is True
+    # The host tier, the runner's options, the sampling defaults.
+    assert plan.num_host_pages > 0 and engine.offload.host.num_pages == plan.num_host_pages
+    assert [t.shape[2] for t in engine.runner.swapper.host_tensors] == [plan.num_host_pages] * 2
+    assert engine.runner.options is plan.step_options
+    assert engine.sampling.config is plan.generation_config is engine.generation_config
+
+
+def test_the_plan_is_resolved_before_anything_is_allocated() -> None:
+    model = tiny_llama()
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=8, cpu_offload_space=0.01)
+    with mock.patch.object(PagedKVCache, "__init__", side_effect=AssertionError("allocated")):
+        plan, tp = resolve_plan(model, GREEDY, config)
+    assert tp is None and plan.group_pages == (8,) and plan.num_host_pages > 0
+    engine = wire(model, plan)
+    assert type(engine) is Engine and engine.plan is plan and engine.cache.layout == plan.cache
+
+
+def _layout(device: str) -> CacheLayout:
+    group = KVGroupSpec(FULL_ATTENTION, (0, 1))
+    return CacheLayout(2, (group,), (1000,), 16, 2, 8, torch.float32, torch.device(device))
+
+
+def test_host_pages_count_a_cpu_device_cache_as_taken(monkeypatch) -> None:
+    """Resolved before the device cache exists: on CPU, whose RAM both tiers share, the budget is what is
+    left once that cache is allocated; a CUDA cache takes no RAM."""
+    cpu, cuda = _layout("cpu"), _layout("cuda")
+    assert cpu.page_bytes() == 2 * 2 * 16 * 2 * 8 * 4 and cpu.nbytes() == 1000 * cpu.page_bytes()
+    available = 5000 * cpu.page_bytes()
+    memory = mock.Mock(available=available)
+    monkeypatch.setattr(host_cache.psutil, "virtual_memory", lambda: memory)
+    config = ContinuousBatchingConfig(cpu_offload_space=None, cpu_offload_space_safety_threshold=0.5)
+    assert host_cache.resolve_host_pages(config, cuda) == 2500
+    assert host_cache.resolve_host_pages(config, cpu, workload=[10**6]) == 2000  # (5000 - 1000) / 2

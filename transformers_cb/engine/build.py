@@ -1,0 +1,256 @@
+"""Building an engine: every setting resolved once into a frozen `EnginePlan`, then the parts wired.
+
+`build_engine(model, generation_config, cb_config, ...)` is how an engine is made. It runs in two
+phases, so that what the engine uses is one object that can be read and tested:
+
+1. `resolve_plan`: validate and resolve everything that depends on the model, the device, the configs
+   and the workload (model support, the generation config, the KV groups and this rank's shard of the
+   model's shape, the GPU-only options, sizing, step options, the pages and block-table width of every
+   KV group, the host tier's pages). Under tensor parallelism the ranks agree on the sizes here (the
+   smallest any rank can afford). Nothing is allocated; no config is written: the caller's
+   `ContinuousBatchingConfig` is copied once, and that copy is only read.
+2. `wire`: allocate and connect the parts from the plan alone: the page pools beside their page
+   policies (kv/ owns pages), the KV tensors (memory/ owns bytes, told only the pages of each group),
+   the host tier, the scheduler, the packer, the sampling setup and the runner; then an `Engine`, or on
+   a tensor-parallel rank other than 0 a `FollowerEngine`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions, resolve_device_options
+from ..config.generation_fields import ResolvedConfig, resolve_generation_config
+from ..distributed import TensorParallelCoordinator
+from ..distributed.sharding import shard_shape, tp_size_of
+from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
+from ..kv.offload import CpuOffload
+from ..kv.page_manager import PageManager
+from ..kv.page_policies import make_page_policy, num_pages_for
+from ..kv.pool import PagePool
+from ..memory.host_cache import HostKVCache, resolve_host_pages
+from ..memory.kv_cache import CacheLayout, PagedKVCache
+from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
+from ..memory.swap import SwapCopier
+from ..runner.model_runner import ModelRunner
+from ..runner.packing import BatchPacker
+from ..runner.step_options import StepOptions, resolve_step_options
+from ..sampling.request_state import SamplingSetup
+from ..sampling.sampler import Sampler, check_generation_config
+from ..scheduler.policies import make_policy
+from ..scheduler.scheduler import Scheduler
+from .engine import Engine, EngineParts
+from .follower import FollowerEngine
+from .model_support import check_model_supported
+from .publisher import StepPublisher, TensorParallelPublisher
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Every setting of one engine, resolved once at start; the engine and its parts only read it.
+
+    `config` is the `ContinuousBatchingConfig` as given (the engine's validated private copy, never
+    written); every other field is a resolved value, which is what the engine uses."""
+
+    config: ContinuousBatchingConfig
+    generation_config: GenerationConfig  # the defaults of every request (a resolved copy)
+    kv_groups: tuple[KVGroupSpec, ...]
+    shape: ModelShape  # this rank's shard of the model's shape (its KV heads under tensor parallelism)
+    device: torch.device
+    dtype: torch.dtype
+    device_options: DeviceOptions  # CUDA graphs and async batching as they apply on `device`
+    sizing: Sizing  # agreed by every tensor-parallel rank
+    step_options: StepOptions
+    cache: CacheLayout  # the KV tensors: pages of each group (the sizes of the groups' page pools)
+    group_widths: tuple[int, ...]  # block-table width of each group
+    initial_pages: int | None  # block-table width allocated up front (the workload's longest request)
+    num_host_pages: int  # the host tier's pages of every group (0: no CPU offload); agreed by every rank
+    scheduler_type: str
+    safety_margin: float
+    sharing: bool  # prefix sharing (and forks sharing their prompt's pages)
+    max_queue_size: int
+    per_request_processors: bool
+    return_logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: bool
+    seed: int | None
+    # Every per-request processor stage built, neutral unless a request gives a value (the server's engine).
+    all_request_stages: bool = False
+
+    @property
+    def group_pages(self) -> tuple[int, ...]:
+        """Pages of each KV group."""
+        return self.cache.pages
+
+
+def private_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
+    """The engine's own validated copy of `cb_config` (the caller may change theirs later)."""
+    config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    config.validate()
+    return config
+
+
+def resolve_plan(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | ResolvedConfig | None,
+    cb_config: ContinuousBatchingConfig | None,
+    workload: list[int] | None = None,
+    all_request_stages: bool = False,
+) -> tuple[EnginePlan, TensorParallelCoordinator | None]:
+    """The plan of an engine for `model`, and this rank's tensor-parallel coordinator (None without
+    tensor parallelism), which the ranks agree on sizes through. Raises (`ValueError`,
+    `NotImplementedError`) before anything is allocated for what cannot run."""
+    config = private_config(cb_config)
+    generation = resolve_generation_config(model, generation_config)
+    check_generation_config(generation)
+    check_model_supported(model.config)
+    kv_groups = tuple(kv_groups_from_config(model.config))
+    # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
+    shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
+    tp = TensorParallelCoordinator.for_model(model, config.cpu_group_timeout)
+    first_param = next(model.parameters())
+    device, dtype = first_param.device, first_param.dtype
+    device_options = resolve_device_options(config, device.type)
+    sizing = resolve_sizing(config, shape, device, dtype, workload)
+    if tp is not None:
+        sizing = tp.agree_sizing(sizing)
+    has_sliding = any(spec.sliding_window is not None for spec in kv_groups)
+    step_options = resolve_step_options(
+        model, config, device_options, generation, device.type, has_sliding, sizing.page_size, workload
+    )
+    group_pages, group_widths = resolve_group_pages(sizing, list(kv_groups), config, workload)
+    cache = CacheLayout(
+        num_layers=shape.num_layers,
+        groups=kv_groups,
+        pages=tuple(group_pages),
+        page_size=sizing.page_size,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        device=device,
+        scratch_page=any(step_options.cuda_graphs),
+    )
+    # CPU offload: under tensor parallelism every rank holds as many host pages (the fewest any rank
+    # can afford), so that rank 0's host page ids are valid everywhere.
+    num_host_pages = resolve_host_pages(config, cache, workload)
+    if tp is not None:
+        num_host_pages = tp.agree_host_pages(num_host_pages)
+    plan = EnginePlan(
+        config=config,
+        generation_config=generation,
+        kv_groups=kv_groups,
+        shape=shape,
+        device=device,
+        dtype=dtype,
+        device_options=device_options,
+        sizing=sizing,
+        step_options=step_options,
+        cache=cache,
+        group_widths=tuple(group_widths),
+        initial_pages=num_pages_for(max(workload), sizing.page_size) if workload else None,
+        num_host_pages=num_host_pages,
+        scheduler_type=config.scheduler_type,
+        safety_margin=config.resolved_safety_margin,
+        sharing=config.allow_block_sharing,
+        max_queue_size=config.max_queue_size,
+        per_request_processors=config.per_request_processors,
+        return_logprobs=config.return_logprobs,
+        top_logprobs=config.top_logprobs,
+        prompt_logprobs=config.prompt_logprobs,
+        seed=config.seed,
+        all_request_stages=all_request_stages,
+    )
+    return plan, tp
+
+
+def wire(
+    model: PreTrainedModel,
+    plan: EnginePlan,
+    tp: TensorParallelCoordinator | None = None,
+    tokenizer: Any | None = None,
+    logits_processor: Any | None = None,
+) -> Engine:
+    """Allocate and connect the parts of an engine from `plan` (see the module docstring)."""
+    page_size = plan.sizing.page_size
+    # kv/ owns pages: one pool per KV group, each handed to its group's page policy.
+    pools = [PagePool(num_pages) for num_pages in plan.group_pages]
+    policies = [
+        make_page_policy(spec, pool, page_size, g)
+        for g, (spec, pool) in enumerate(zip(plan.kv_groups, pools, strict=True))
+    ]
+    pages = PageManager(policies, list(plan.kv_groups), sharing=plan.sharing)
+    cache = PagedKVCache.from_layout(plan.cache)
+    # CPU offload: the scheduler plans with the host tier's page ids (`offload`), the runner copies
+    # into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
+    offload, swapper = None, None
+    if plan.num_host_pages:
+        offload = CpuOffload(policies, plan.num_host_pages)
+        swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.num_host_pages).tensors)
+    scheduler = Scheduler(
+        pages,
+        max_batch_tokens=plan.sizing.max_batch_tokens,
+        max_requests_per_batch=plan.sizing.max_requests_per_batch,
+        safety_margin=plan.safety_margin,
+        policy=make_policy(plan.scheduler_type),
+        offload=offload,
+    )
+    packer = BatchPacker(cache, list(plan.group_widths), plan.device, plan.initial_pages)
+    sampling = SamplingSetup(
+        plan.generation_config,
+        plan.device,
+        per_request_processors=plan.per_request_processors,
+        return_logprobs=plan.return_logprobs,
+        top_logprobs=plan.top_logprobs,
+        prompt_logprobs=plan.prompt_logprobs,
+        seed=plan.seed,
+        tokenizer=tokenizer,
+        user_processors=list(logits_processor or ()),
+        vocab_size=plan.shape.vocab_size,
+        all_request_stages=plan.all_request_stages,
+    )
+    sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
+    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper)
+    parts = EngineParts(
+        model=model,
+        pages=pages,
+        scheduler=scheduler,
+        cache=cache,
+        packer=packer,
+        runner=runner,
+        sampling=sampling,
+        offload=offload,
+        publisher=TensorParallelPublisher(tp) if tp is not None and tp.is_driver else StepPublisher(),
+    )
+    if tp is not None and not tp.is_driver:
+        return FollowerEngine(plan, parts, tp)
+    return Engine(plan, parts)
+
+
+def build_engine(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | ResolvedConfig | None,
+    cb_config: ContinuousBatchingConfig | None,
+    tokenizer: Any | None = None,
+    logits_processor: Any | None = None,
+    workload: list[int] | None = None,
+    all_request_stages: bool = False,
+) -> Engine:
+    """An engine for `model`: the plan resolved (`resolve_plan`), then the parts wired (`wire`).
+
+    Args:
+        model: a transformers causal LM whose attention is (or will be switched to) a paged backend.
+        generation_config: defaults of every request (the caller's object is copied, never mutated).
+        cb_config: hardware-side settings (copied, never mutated; None: the defaults).
+        tokenizer: needed only for stop strings and guided decoding.
+        logits_processor: the caller's own processors, applied to each request's own history.
+        workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
+        all_request_stages: build every per-request processor stage, neutral unless a request gives a
+            value (the server's engine; see `SamplingSetup`).
+    """
+    plan, tp = resolve_plan(model, generation_config, cb_config, workload, all_request_stages)
+    return wire(model, plan, tp, tokenizer, logits_processor)

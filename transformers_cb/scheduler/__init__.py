@@ -1,0 +1,3 @@
+"""Scheduling, torch-free: the `Scheduler` (which requests run how many tokens each step), its
+candidate orderings, the recompute count, and the step's plan (`StepPlan`) that the runner and the
+tensor-parallel followers execute."""
