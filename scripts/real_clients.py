@@ -2,22 +2,24 @@
 
     python3 -m venv /work/venv-clients
     /work/venv-clients/bin/pip install "lm-eval[hf,api]==0.4.13" "guidellm==0.8.1" openai   # torch comes with lm-eval
-    PYTHONPATH=. python scripts/real_clients.py --clients-python /work/venv-clients/bin/python
+    PYTHONPATH=. python scripts/real_clients.py --clients-python /work/venv-clients/bin/python [--model tiny]
 
 The clients talk to the server over HTTP, so they live in their own virtual environment (`--clients-python`);
-this script runs with the project's Python. It saves the built-in tiny model (random weights, byte-level
-tokenizer) to a temporary directory, writes two small local JSONL tasks, starts `transformers-cb serve` on
-127.0.0.1 and checks:
+this script runs with the project's Python. The model is the real one by default (SmolLM2-135M-Instruct from its
+cached folder, `transformers-cb models fetch`; docs/real_model.md), `--model tiny` the built-in random model saved
+to a temporary directory, or `--model DIR` any local model folder. It writes two small local tasks in plain English (below: a
+multiple-choice set and a short-answer set), starts `transformers-cb serve` on 127.0.0.1 and checks:
 
-1. lm-eval `local-completions` gives the same scores as lm-eval's `hf` model on the same weights, on a
-   generate-until task (exact match; every generated string compared) and on a multiple-choice
-   log-likelihood task (acc / acc_norm; every choice's log-likelihood compared within 1e-3), which needs
+1. lm-eval `local-completions` gives the same scores as lm-eval's `hf` model on the same weights, on the
+   short-answer generate-until task (exact match; every generated string compared) and on the multiple-choice
+   log-likelihood task (acc / acc_norm; every choice's log-likelihood compared within 1e-4), which needs
    `echo=true` + `logprobs` prompt log-probabilities;
-2. lm-eval `local-chat-completions` runs the generate-until task through /v1/chat/completions (chat has no
+2. on the real model, both tasks score above chance (1/4 for four choices; any exact answer);
+3. lm-eval `local-chat-completions` runs the short-answer task through /v1/chat/completions (chat has no
    prompt log-probabilities, so lm-eval runs no log-likelihood task over it);
-3. guidellm's synchronous and concurrent profiles finish with 0 errored requests.
+4. guidellm's synchronous and concurrent profiles finish with 0 errored requests.
 
-Every wait is bounded; it exits 0 only if every check passed, and prints one line per check.
+Every wait is bounded; it exits 0 only if every check passed, and prints one line per check (with the scores).
 """
 
 from __future__ import annotations
@@ -33,25 +35,67 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_NAME = "tcb-tiny"
-GEN_DOCS = [
-    {"question": "Q: What is two plus two?\nA:", "answer": " four"},
-    {"question": "Q: Name a colour of the sky.\nA:", "answer": " blue"},
-    {"question": "Q: What do bees make?\nA:", "answer": " honey"},
-    {"question": "Q: Capital of France?\nA:", "answer": " Paris"},
-    {"question": "Translate 'chat' to English:", "answer": " cat"},
-    {"question": "The opposite of hot is", "answer": " cold"},
+MODEL_NAME = "tcb-model"
+LOGLIKELIHOOD_TOLERANCE = 1e-4
+# Short answers, one word each; the prompt shows the form with two solved examples (QA_PREFIX).
+QA_DOCS = [
+    {"question": "What is the capital of France?", "answer": "Paris"},
+    {"question": "What colour is the sky on a clear day?", "answer": "blue"},
+    {"question": "What do bees make?", "answer": "honey"},
+    {"question": "What is the opposite of hot?", "answer": "cold"},
+    {"question": "Which animal says woof?", "answer": "dog"},
+    {"question": "What is frozen water called?", "answer": "ice"},
+    {"question": "How many days are there in a week?", "answer": "seven"},
+    {"question": "What is the capital of Italy?", "answer": "Rome"},
+    {"question": "What is the largest planet in the solar system?", "answer": "Jupiter"},
+    {"question": "What colour are ripe bananas?", "answer": "yellow"},
+    {"question": "What is the capital of Japan?", "answer": "Tokyo"},
+    {"question": "Which animal says moo?", "answer": "cow"},
+    {"question": "What is the opposite of up?", "answer": "down"},
+    {"question": "What do cows drink?", "answer": "water"},
+    {"question": "What is the capital of Spain?", "answer": "Madrid"},
+    {"question": "What is the first letter of the English alphabet?", "answer": "A"},
 ]
+QA_PREFIX = (
+    "Answer each question with one word.\\n\\nQuestion: What colour is grass?\\nAnswer: green\\n\\n"
+    "Question: What is the capital of England?\\nAnswer: London\\n\\n"
+)
+# Four choices each, the right one first here (prepare() moves it to a different position per question).
 MC_DOCS = [
-    {"question": "The sun rises in the", "choices": [" east", " west", " north", " south"], "label": 0},
-    {"question": "Water freezes at zero degrees", "choices": [" Celsius", " Kelvin", " Rankine"], "label": 0},
-    {"question": "A cat says", "choices": [" meow", " woof", " moo", " quack"], "label": 0},
-    {"question": "2 + 3 =", "choices": [" 5", " 6", " 23"], "label": 0},
-    {"question": "The largest planet is", "choices": [" Jupiter", " Mars", " Venus", " Mercury"], "label": 0},
-    {"question": "Snow is", "choices": [" white", " green", " loud"], "label": 0},
-    {"question": "Fish live in", "choices": [" water", " trees", " clouds"], "label": 0},
-    {"question": "Opposite of up:", "choices": [" down", " left", " in", " over"], "label": 0},
+    {"question": "What colour is the sky on a clear day?", "choices": ["blue", "green", "red", "black"]},
+    {"question": "How many days are there in a week?", "choices": ["seven", "three", "twelve", "forty"]},
+    {"question": "Which animal says meow?", "choices": ["cat", "dog", "cow", "duck"]},
+    {"question": "What do bees make?", "choices": ["honey", "milk", "silk", "glass"]},
+    {"question": "What is the capital of France?", "choices": ["Paris", "Berlin", "Madrid", "Rome"]},
+    {"question": "What is frozen water called?", "choices": ["ice", "steam", "sand", "smoke"]},
+    {"question": "Which planet do we live on?", "choices": ["Earth", "Mars", "Jupiter", "Venus"]},
+    {"question": "What do you use to write on paper?", "choices": ["a pen", "a spoon", "a hammer", "a shoe"]},
+    {"question": "Which season is the coldest?", "choices": ["winter", "summer", "spring", "autumn"]},
+    {"question": "What is the opposite of hot?", "choices": ["cold", "loud", "tall", "fast"]},
+    {"question": "How many legs does a dog have?", "choices": ["four", "two", "six", "eight"]},
+    {"question": "Which fruit is yellow and curved?", "choices": ["banana", "apple", "grape", "cherry"]},
+    {"question": "What gas do people need to breathe?", "choices": ["oxygen", "helium", "neon", "argon"]},
+    {"question": "Where do fish live?", "choices": ["in water", "in trees", "in the sky", "in the desert"]},
+    {
+        "question": "What is the largest ocean on Earth?",
+        "choices": ["the Pacific Ocean", "the Arctic Ocean", "the Indian Ocean", "the Southern Ocean"],
+    },
+    {
+        "question": "Which organ pumps blood through the body?",
+        "choices": ["the heart", "the lungs", "the liver", "the stomach"],
+    },
+    {"question": "What do plants need from the sun to grow?", "choices": ["light", "sound", "wind", "snow"]},
+    {
+        "question": "Who wrote Romeo and Juliet?",
+        "choices": ["William Shakespeare", "Charles Dickens", "Jane Austen", "Mark Twain"],
+    },
+    {"question": "What is two plus two?", "choices": ["four", "five", "three", "six"]},
+    {
+        "question": "Which animal is known as the king of the jungle?",
+        "choices": ["the lion", "the mouse", "the rabbit", "the sheep"],
+    },
 ]
+MC_CHANCE = 1 / 4
 GEN_TASK = """task: tcb_gen
 dataset_path: json
 dataset_kwargs:
@@ -59,15 +103,17 @@ dataset_kwargs:
     test: {path}
 test_split: test
 output_type: generate_until
-doc_to_text: "{{{{question}}}}"
-doc_to_target: "{{{{answer}}}}"
+doc_to_text: "QA_PREFIX_HEREQuestion: {{{{question}}}}\\nAnswer:"
+doc_to_target: " {{{{answer}}}}"
 generation_kwargs:
   until: ["\\n"]
-  max_gen_toks: 12
+  max_gen_toks: 8
   do_sample: false
 metric_list:
   - metric: exact_match
-"""
+    ignore_case: true
+    ignore_punctuation: true
+""".replace("QA_PREFIX_HERE", QA_PREFIX)
 MC_TASK = """task: tcb_mc
 dataset_path: json
 dataset_kwargs:
@@ -75,7 +121,7 @@ dataset_kwargs:
     test: {path}
 test_split: test
 output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{label}}}}"
 metric_list:
@@ -90,24 +136,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
-    """The tiny model directory and the task directory (YAML configs over local JSONL files)."""
-    from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
+def prepare(work: Path, model: str) -> tuple[Path, Path]:
+    """The model directory and the task directory (YAML configs over local JSONL files)."""
+    if model == "tiny":
+        from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
-    model_dir = work / MODEL_NAME
-    tokenizer = build_tiny_tokenizer()
-    build_tiny_model(seed=0, tokenizer=tokenizer).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+        model_dir = work / "tiny"
+        tokenizer = build_tiny_tokenizer()
+        build_tiny_model(seed=0, tokenizer=tokenizer).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+    elif Path(model).is_dir():  # any local model folder
+        model_dir = Path(model)
+    else:
+        from transformers_cb.models.fetch import fetch_model
+
+        model_dir = fetch_model(model)
     tasks = work / "tasks"
     tasks.mkdir()
     # The right answer at a different position in each question, so that acc is not the same for every doc.
     mc_docs = []
     for i, doc in enumerate(MC_DOCS):
         k = i % len(doc["choices"])
-        mc_docs.append(
-            {**doc, "choices": doc["choices"][-k:] + doc["choices"][:-k] if k else doc["choices"], "label": k}
-        )
-    for name, docs, template in (("gen", GEN_DOCS, GEN_TASK), ("mc", mc_docs, MC_TASK)):
+        choices = doc["choices"][-k:] + doc["choices"][:-k] if k else doc["choices"]
+        mc_docs.append({**doc, "choices": choices, "label": k})
+    for name, docs, template in (("gen", QA_DOCS, GEN_TASK), ("mc", mc_docs, MC_TASK)):
         data = tasks / f"{name}.jsonl"
         data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
         (tasks / f"tcb_{name}.yaml").write_text(template.format(path=data))
@@ -212,9 +264,23 @@ def compare_lm_eval(hf: Path, api: Path) -> list[str]:
             problems.append(f"tcb_gen doc {x['doc_id']}: {x['filtered_resps']!r} vs {y['filtered_resps']!r}")
     for x, y in zip(hf_samples["tcb_mc"], api_samples["tcb_mc"], strict=True):
         for (lx, gx), (ly, gy) in zip(x["filtered_resps"], y["filtered_resps"], strict=True):
-            if abs(float(lx) - float(ly)) > 1e-3 or str(gx) != str(gy):
+            if abs(float(lx) - float(ly)) > LOGLIKELIHOOD_TOLERANCE or str(gx) != str(gy):
                 problems.append(f"tcb_mc doc {x['doc_id']}: ({lx}, {gx}) vs ({ly}, {gy})")
     return problems
+
+
+def score_line(out: Path) -> str:
+    results, _ = load_results(out)
+    mc, gen = results["tcb_mc"], results["tcb_gen"]
+    return (
+        f"multiple choice acc {mc['acc,none']:.3f} / acc_norm {mc['acc_norm,none']:.3f} of {len(MC_DOCS)} "
+        f"(chance {MC_CHANCE:.2f}); short answers exact match {gen['exact_match,none']:.3f} of {len(QA_DOCS)}"
+    )
+
+
+def above_chance(out: Path) -> bool:
+    results, _ = load_results(out)
+    return results["tcb_mc"]["acc,none"] > MC_CHANCE and results["tcb_gen"]["exact_match,none"] > 0
 
 
 def guidellm(python: str, work: Path, url: str, model_dir: Path, profile: str) -> tuple[int, int]:
@@ -246,10 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--clients-python", default="/work/venv-clients/bin/python", help="the clients' venv python"
     )
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="smollm2: the real model (default); tiny: the built-in random model (scores near chance); or a "
+        "local model folder",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, outputs)")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="tcb-real-clients-"))
-    model_dir, tasks = prepare(work)
+    model_dir, tasks = prepare(work, args.model)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(model_dir, port, work / "server.log")
@@ -265,13 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         problems = compare_lm_eval(hf, api)
         checks.append(("lm-eval local-completions == hf (generate_until + multiple_choice)", not problems,
                        "; ".join(problems[:5])))  # fmt: skip
+        scores = score_line(hf)
+        if args.model == "tiny":  # random weights: the scores only have to agree
+            checks.append((f"scores ({scores})", True, ""))
+        else:
+            checks.append((f"{Path(args.model).name} scores above chance ({scores})", above_chance(hf), ""))
         chat_args = f"model={MODEL_NAME},base_url={url}/v1/chat/completions,num_concurrent=1,max_retries=1"
         # Chat has no prompt logprobs (lm-eval runs no log-likelihood task over it): generate-until only.
         chat = lm_eval(args.clients_python, work, tasks, "chat", "local-chat-completions", chat_args,
                        "--apply_chat_template", which="tcb_gen")  # fmt: skip
         chat_results, _ = load_results(chat)
         checks.append(("lm-eval local-chat-completions runs", "tcb_gen" in chat_results, ""))
-        for profile in ("kind=synchronous", "kind=concurrent,streams=4"):
+        has_guidellm = (Path(args.clients_python).parent / "guidellm").exists()
+        if not has_guidellm:
+            print("SKIP  guidellm (not installed in the clients' venv)")
+        for profile in ("kind=synchronous", "kind=concurrent,streams=4") if has_guidellm else ():
             ok, errored = guidellm(args.clients_python, work, url, model_dir, profile)
             checks.append(
                 (f"guidellm {profile}: {ok} requests, {errored} errored", ok > 0 and errored == 0, "")

@@ -1,18 +1,21 @@
 """`python -m transformers_cb.conformance_check --model PATH`: the conformance check on your own model.
 
 The command and its public names (`from transformers_cb.conformance_check import run_check`); the check
-lives in `parity/check.py`, the token comparison in `parity/compare.py`. See docs/conformance.md.
+lives in `parity/check.py`, the token comparison in `parity/compare.py`, and a model given by name
+(`--model smollm2`) is fetched through `models/fetch.py`. See docs/conformance.md.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
+from .models.fetch import FetchError, resolve_model
+from .parity import check
 from .parity.check import (
     SettingResult,
     default_settings,
     format_table,
-    main,
     parse_args,
     random_prompts,
     run_check,
@@ -45,6 +48,22 @@ __all__ = [
     "reference_greedy",
     "run_check",
 ]
+
+
+def model_folder(model: str) -> str:
+    """`--model` as a folder: a registry name (`smollm2`) fetched and converted once, else the folder given."""
+    return resolve_model(model) or model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The check (`parity/check.py`) with `--model` also taking a model's name; a failed fetch is one line
+    on stderr and exit code 2."""
+    try:
+        return check.main(argv, model_folder=model_folder)
+    except FetchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,8 +18,20 @@ from transformers_cb.cli.main import main
 from transformers_cb.jobs.inputs import DEMO_PROMPTS
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
-# Small cache so that CPU runs allocate little memory and stay fast.
-CACHE_ARGS = ["--device", "cpu", "--page-size", "16", "--num-blocks", "64", "--no-progress"]
+# The built-in tiny model, JSON lines on stdout, and a small cache so that CPU runs allocate little memory
+# and stay fast (a later --model overrides the first).
+CACHE_ARGS = [
+    "--model",
+    "tiny",
+    "--jsonl",
+    "--device",
+    "cpu",
+    "--page-size",
+    "16",
+    "--num-blocks",
+    "64",
+    "--no-progress",
+]
 
 PROMPTS = [
     "Hello world",
@@ -146,7 +158,7 @@ def test_generate_demo_prompts_when_stdin_is_a_tty(
     assert _run_cli(["--max-new-tokens", "3"]) == 0
     captured = capsys.readouterr()
     records = [json.loads(line) for line in captured.out.splitlines()]
-    assert len(records) >= 4 and all(r["status"] == "FINISHED" for r in records)
+    assert len(records) == len(DEMO_PROMPTS) and all(r["status"] == "FINISHED" for r in records)
     assert "requests:" in captured.err  # summary on stderr when the JSONL is on stdout
 
 

@@ -40,13 +40,14 @@ def test_serve_options_parse_like_the_command() -> None:
     from transformers_cb.cli.main import build_parser
     from transformers_cb.scale_out.serve_app import serve_namespace, serve_options_of
 
-    # `serve run ...:build_app key=value` gives strings; a RayService YAML gives typed values.
+    # `serve run ...:build_app key=value` gives strings; a RayService YAML gives typed values. A model left
+    # unset (None) is the command's default one.
     namespace = serve_namespace({"page_size": "16", "no_logprobs": "true", "seed": 3, "model": None})
     assert (namespace.page_size, namespace.no_logprobs, namespace.seed, namespace.model) == (
         16,
         True,
         3,
-        None,
+        "smollm2",
     )
     with pytest.raises(ValueError, match=r"unknown transformers-cb serve option\(s\) \['bogus'\]"):
         serve_namespace({"bogus": 1})

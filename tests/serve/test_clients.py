@@ -2,7 +2,7 @@
 up as `transformers-cb serve` sets it up: sampling on by default with reproducible seeds and `n`,
 echo with prompt logprobs (what log-likelihood harnesses use), top logprobs, OpenAI's penalties and
 logit_bias, min_tokens / stop_token_ids / ignore_eos, unknown fields, continuous usage stats.
-lm-eval and guidellm themselves run in scripts/real_clients.sh."""
+lm-eval and guidellm themselves run in scripts/real_clients.py."""
 
 from __future__ import annotations
 

@@ -23,7 +23,18 @@ from tests.support.threads import TIMEOUT
 from tests.support.timeouts import hang_guard
 from transformers_cb.cli.main import EXIT_BAD_INPUT, main
 
-CACHE_ARGS = ["--page-size", "16", "--num-blocks", "128", "--device", "cpu", "--log-level", "warning"]
+CACHE_ARGS = [
+    "--model",
+    "tiny",
+    "--page-size",
+    "16",
+    "--num-blocks",
+    "128",
+    "--device",
+    "cpu",
+    "--log-level",
+    "warning",
+]
 PROMPTS = ["Hello world", "The capital of France is", "Streaming text, one token at a time: é, 日本, 🙂"]
 
 
@@ -252,7 +263,7 @@ def test_stop_string_cuts_the_text_and_counts_tokens_exactly(server: ServerProce
 @pytest.mark.slow  # the server in a subprocess
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_drains_in_flight_streams_then_exits_cleanly(sig: int) -> None:
-    # No --model: the built-in tiny model, as on a fresh machine (`make serve`): it chats out of the box.
+    # --model tiny (CACHE_ARGS): the built-in random model, served under its default name; it chats out of the box.
     import httpx
 
     live = start_server([])

