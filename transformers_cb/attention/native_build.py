@@ -149,7 +149,8 @@ def kernel_folder(root: Path | None = None, ingredients: dict[str, str] | None =
     return KernelFolder(path=(root or cache_root()) / key, key=key, ingredients=ingredients)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a lock or partial folder whose owner died can be taken over)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -191,7 +192,7 @@ class BuildLock:
         owner = lock_owner(self.folder)
         if owner is None:
             return False  # being written this instant
-        return time.time() - float(owner.get("started", 0.0)) > timeout or not _pid_alive(int(owner["pid"]))
+        return time.time() - float(owner.get("started", 0.0)) > timeout or not pid_alive(int(owner["pid"]))
 
     def release(self) -> None:
         if self._fd is not None:
@@ -206,7 +207,7 @@ def _clear_dead_builds(folder: KernelFolder) -> None:
             pid = int(entry.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
 
 

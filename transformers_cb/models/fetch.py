@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from ..attention.native_build import pid_alive
 from .gguf_convert import GGUF_MISSING, convert_gguf, gguf_available
 from .registry_model import REGISTRY, TINY, RegistryModel, models_cache_root, registry_model
 
@@ -230,18 +231,8 @@ def _sweep_abandoned(root: Path) -> None:
     """Remove partial folders whose process is gone (killed mid-fetch); live ones are left alone."""
     for partial in root.glob(f"{PARTIAL_PREFIX}*"):
         pid = partial.name[len(PARTIAL_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(partial, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 def _size(folder: Path) -> int:
