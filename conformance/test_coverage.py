@@ -12,7 +12,7 @@ from conformance.coverage.catalog import SUBSET
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import run_process
 
-# Families the engine runs exactly (full, sliding + softcaps, sinks + MoE, MoE, two vision-language models
+# Families the engine runs exactly (full, sliding + softcaps, sinks + MoE, MoE, per-layer head shapes, two vision-language models
 # on their text path), and families the support check refuses up front, each by a different rule.
 EXPECTED = {
     "llama": "exact",
@@ -26,7 +26,7 @@ EXPECTED = {
     "bert": "refused",  # bidirectional (encoder) attention
     "bart": "refused",  # its decoder numbers the packed row itself (position_ids ignored)
     "qwen3_next": "refused",  # linear-attention layers
-    "gemma4_text": "refused",  # per-layer head shapes
+    "gemma4_text": "exact",  # per-layer head shapes: one KV group per (kind, window, KV heads, head dim)
 }
 
 

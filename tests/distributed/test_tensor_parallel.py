@@ -7,6 +7,7 @@ tests need to observe). The documents' torchrun example is in conformance/test_s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -215,6 +216,20 @@ def test_shard_shape_splits_only_sharded_kv_projections() -> None:
     assert shard_shape(sharded, _shape(4), 1).num_kv_heads == 4
     replicated = SimpleNamespace(tp_plan={"model.layers.*.mlp.up_proj": "colwise"})
     assert shard_shape(replicated, _shape(3), 2).num_kv_heads == 3  # KV not split: no divisibility needed
+
+
+def test_shard_shape_refuses_per_layer_head_shapes_with_sharded_kv() -> None:
+    """Per-layer head shapes (Gemma 4) under sharded KV heads are refused with the reason; replicated KV
+    heads, or one rank, need no split."""
+    shape = dataclasses.replace(_shape(2), layer_head_shapes=((2, 16), (1, 32)))
+    sharded = SimpleNamespace(
+        tp_plan={"model.layers.*.self_attn.k_proj": "colwise", "model.layers.*.self_attn.v_proj": "colwise"}
+    )
+    with pytest.raises(NotImplementedError, match=r"tp_size=2.*differ in KV head shape.*\(1, 32\)"):
+        shard_shape(sharded, shape, 2)
+    assert shard_shape(sharded, shape, 1) is shape
+    replicated = SimpleNamespace(tp_plan={"model.layers.*.mlp.up_proj": "colwise"})
+    assert shard_shape(replicated, shape, 2) is shape
 
 
 def test_device_map_with_distributed_config_is_refused(model_dir) -> None:

@@ -136,11 +136,13 @@ MODEL_RULES["a window the layers do not apply"] = (
 )
 
 CONFIG_RULES = {
-    # Gemma 4: head_dim 512 on full layers, 256 on sliding ones (per_layer_config).
+    # A per-layer attribute other than the head shape (here the MLP width) is not read per layer yet.
     "per-layer attributes": (
-        lambda: AutoConfig.for_model("gemma4_text", num_hidden_layers=6),
+        lambda: AutoConfig.for_model(
+            "gemma4_text", num_hidden_layers=6, per_layer_config={0: {"intermediate_size": 64}}
+        ),
         "gemma4_text",
-        "per-layer head shapes not supported yet",
+        "per-layer attributes ['intermediate_size']",
     ),
     "ALiBi": (lambda: AutoConfig.for_model("falcon", alibi=True), "falcon", "ALiBi"),
     "cross-attention": (
@@ -168,8 +170,9 @@ def test_config_refused_naming_type_and_capability(rule: str) -> None:
 
 
 def test_per_layer_config_is_refused_before_any_sizing() -> None:
-    """Reading Gemma 4's head_dim globally raises transformers' AmbiguousGlobalPerLayerAttributeError: the
-    refusal comes first, and generate_batch allocates nothing."""
+    """Reading a per-layer attribute globally raises transformers' AmbiguousGlobalPerLayerAttributeError:
+    for one the engine does not read per layer (the MLP width), the refusal comes first, and
+    generate_batch allocates nothing."""
     config = AutoConfig.for_model(
         "gemma4_text",
         vocab_size=64,
@@ -185,14 +188,17 @@ def test_per_layer_config_is_refused_before_any_sizing() -> None:
         layer_types=["sliding_attention", "full_attention"],
         per_layer_config={1: {"head_dim": 16}},
     )
-    with pytest.raises(RuntimeError, match="per-layer attribute"):
-        ModelShape.from_config(config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
+    # Gemma 4's modules read only the head shape per layer: a per-layer MLP width is set after building.
+    model.config.per_layer_config = {1: {"head_dim": 16, "intermediate_size": 32}}
+    with pytest.raises(RuntimeError, match="per-layer attribute"):
+        ModelShape.from_config(model.config)
     with (
         mock.patch.object(PagedKVCache, "__init__", side_effect=AssertionError("allocated")) as cache_init,
         pytest.raises(
-            NotImplementedError, match="model_type='gemma4_text': per-layer attributes \\['head_dim'\\]"
+            NotImplementedError,
+            match="model_type='gemma4_text': per-layer attributes \\['intermediate_size'\\]",
         ),
     ):
         model.generate_batch([[3, 4, 5]], GenerationConfig(max_new_tokens=2), progress_bar=False)
@@ -210,6 +216,27 @@ def test_composite_model_names_outer_and_text_type() -> None:
 def test_exact_families_are_accepted(family: str) -> None:
     """The parity suite's families (full, sliding, hybrid, softcaps, sinks, MoE) all pass the check."""
     check_model_supported(build_tiny_model(family))
+
+
+def test_per_layer_head_shapes_are_accepted() -> None:
+    """Gemma 4's head_dim / KV heads per layer kind: each shape is its own KV group, so the model runs; the
+    probe checks each layer's K/V against that layer's own shape."""
+    config = AutoConfig.for_model(
+        "gemma4_text",
+        **{**SMALL, "num_hidden_layers": 2},
+        intermediate_size=64,
+        num_key_value_heads=2,
+        head_dim=8,
+        global_head_dim=16,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=64,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    check_model_supported(AutoModelForCausalLM.from_config(config).eval())
 
 
 def test_kv_shared_layers_are_accepted() -> None:

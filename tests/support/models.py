@@ -20,6 +20,8 @@ from transformers import (
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     LlamaConfig,
@@ -44,6 +46,7 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
     "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
 }
@@ -150,6 +153,25 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "gemma3",
         {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "head_dim": 16, "num_hidden_layers": 6},
     ),
+    # Gemma 4 text: per-layer head shapes (sliding layers 2 KV heads of 16, full layers 1 KV head of 32,
+    # keys reused as values), so each layer kind is its own KV group with its own head shape; the last
+    # two layers read the first two's K/V (num_kv_shared_layers).
+    "gemma4": (
+        "gemma4",
+        {
+            "vocab_size": 320,
+            "sliding_window": SLIDING_WINDOW,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 320,
+        },
+    ),
     # Cohere2: 3 sliding : 1 full, RoPE on sliding layers only.
     "cohere2": ("cohere2", {"vocab_size": 320, "sliding_window": SLIDING_WINDOW, "num_hidden_layers": 4}),
     # GPT-OSS: sliding/full alternating with attention sinks (s_aux), a tiny MoE.
@@ -165,7 +187,7 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
-SLIDING_FAMILIES = ("mistral", "qwen2_sliding", "gemma2", "gemma3", "cohere2", "gpt_oss")
+SLIDING_FAMILIES = ("mistral", "qwen2_sliding", "gemma2", "gemma3", "gemma4", "cohere2", "gpt_oss")
 # transformers refuses `sdpa` for these (softcap / sinks): their plain implementation is eager.
 EAGER_ONLY_FAMILIES = ("gemma2", "gpt_oss")
 

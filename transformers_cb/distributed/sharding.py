@@ -3,7 +3,8 @@
 `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))` shards the weights with the
 model's TP plan and records `model._tp_size` and `model._device_mesh`. Under the base plans of the
 supported models, `k_proj` / `v_proj` are split column-wise, so each rank computes (and caches)
-`num_key_value_heads / tp_size` KV heads; the paged cache of a rank holds only those.
+`num_key_value_heads / tp_size` KV heads; the paged cache of a rank holds only those. Models whose
+layers differ in KV head shape (`ModelShape.layer_head_shapes`) are refused under sharded KV heads.
 """
 
 from __future__ import annotations
@@ -78,6 +79,14 @@ def shard_shape(model: PreTrainedModel, shape: ModelShape, tp_size: int) -> Mode
     check_no_device_map(model)
     if not kv_heads_are_sharded(model):
         return shape
+    if shape.layer_head_shapes:
+        # Why: each KV group would need its own share of heads (and some, e.g. Gemma 4's single global
+        # KV head, cannot be split); not built yet.
+        raise NotImplementedError(
+            f"tensor parallelism (tp_size={tp_size}) of a model whose layers differ in KV head shape "
+            f"(per_layer_config: {sorted(set(shape.layer_head_shapes))} as (KV heads, head dim)) is not "
+            "supported yet; run it with tp_size=1"
+        )
     return dataclasses.replace(shape, num_kv_heads=kv_heads_per_shard(shape.num_kv_heads, tp_size))
 
 

@@ -227,13 +227,13 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
 def dispatch_problems(
     result: ProbeResult,
     num_layers: int,
-    kv_shape: tuple[int, int] | None,
+    kv_shapes: list[tuple[int, int]] | None,
     windows: list[int | None],
 ) -> list[str]:
     """Each clause of the contract the probe saw broken, as a phrase for the refusal.
 
     Args:
-        kv_shape: (KV heads, head dim) the cache is sized for; None skips the shape clause.
+        kv_shapes: (KV heads, head dim) the cache is sized for, per layer; None skips the shape clause.
         windows: the sliding window of each layer's KV group (None: full attention).
     """
     if result.error is not None:
@@ -272,10 +272,14 @@ def dispatch_problems(
     if any(not c.causal for c in calls):
         problems.append("its attention is bidirectional (is_causal=False), not causal generation")
     for c in calls:
-        if kv_shape is not None and (c.key_shape != kv_shape or c.value_shape != kv_shape):
+        if kv_shapes is None or c.layer_idx is None or not 0 <= c.layer_idx < len(kv_shapes):
+            continue
+        kv_shape = kv_shapes[c.layer_idx]
+        if c.key_shape != kv_shape or c.value_shape != kv_shape:
             problems.append(
                 f"layer {c.layer_idx} attends with K of (heads, dim) {c.key_shape} and V {c.value_shape}, but "
-                f"the config says {kv_shape} (per-layer or value head shapes are not supported yet)"
+                f"the config says {kv_shape} (head shapes the config does not state, or a value head size "
+                "other than the key's, are not supported yet)"
             )
             break
     for c in calls:

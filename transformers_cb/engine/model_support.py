@@ -5,8 +5,9 @@ attention or sliding-window attention (with logit softcapping and attention sink
 applies them), computed through transformers' attention interface.
 
 Refused, with the model type and what is missing. From the config alone:
-- per-layer attribute configs (`per_layer_config`, e.g. Gemma 4's head_dim 512 on full layers): read
-  globally they raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and the cache has one shape;
+- per-layer attributes (`per_layer_config`) other than the KV head shape (`head_dim`,
+  `num_key_value_heads`: Gemma 4's 512 on full layers gets its own KV groups): read globally they
+  raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and nothing reads them per layer yet;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - state-space and linear-attention hybrids (Mamba, Jamba, Qwen3-Next, ...): their
   recurrent state is not a paged KV cache;
@@ -31,7 +32,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..distributed.sharding import tp_size_of
-from ..kv.layer_groups import kv_groups_from_config, layer_to_group
+from ..kv.layer_groups import HEAD_SHAPE_ATTRIBUTES, kv_groups_from_config, layer_to_group
 from ..memory.sizing import ModelShape
 from .attention_probe import dispatch_problems, run_probe
 
@@ -121,12 +122,14 @@ def _no_interface_reason(model: PreTrainedModel) -> str:
 def _check_config(config: Any, text_config: Any, model_type: str) -> None:
     # First: on a heterogeneous config, reading a per-layer attribute globally (as every rule below and
     # `ModelShape` do) raises transformers' `AmbiguousGlobalPerLayerAttributeError`.
-    per_layer = getattr(text_config, "per_layer_attributes", None)
+    # Per-layer head shapes are supported (`kv/layer_groups.py`: one KV group per head shape); any
+    # other per-layer attribute (a per-layer window, MLP size, ...) is not read per layer yet.
+    per_layer = set(getattr(text_config, "per_layer_attributes", None) or ()) - HEAD_SHAPE_ATTRIBUTES
     if per_layer:
         _refuse(
             model_type,
-            f"per-layer attributes {sorted(per_layer)} (per_layer_config) are not supported yet: the cache "
-            "has one head shape and one window per layer kind (per-layer head shapes not supported yet)",
+            f"per-layer attributes {sorted(per_layer)} (per_layer_config) are not supported yet: only the "
+            f"KV head shape ({sorted(HEAD_SHAPE_ATTRIBUTES)}) may vary per layer",
         )
     if getattr(config, "is_encoder_decoder", False):
         _refuse(model_type, "encoder-decoder models are not supported (decoder-only causal LMs only)")
@@ -182,7 +185,8 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     ):
         problems = [_no_interface_reason(model)]
     else:
-        problems = dispatch_problems(result, num_layers, (shape.num_kv_heads, shape.head_dim), windows)
+        kv_shapes = [shape.layer_head_shape(i) for i in range(num_layers)]
+        problems = dispatch_problems(result, num_layers, kv_shapes, windows)
     if fingerprint is not None:
         _probed[model] = (fingerprint, problems)
     return problems

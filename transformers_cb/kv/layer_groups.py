@@ -11,6 +11,12 @@ Where the type of each layer comes from:
   has it) makes every layer sliding: that is Mistral's convention.
 Any other layer type (linear attention, chunked attention, state-space blocks)
 is refused by `model_support.check_model_supported` before anything is allocated.
+
+Per-layer head shapes (transformers' `per_layer_config`, e.g. Gemma 4: head_dim 256 and 8 KV heads
+on sliding layers, 512 and 1 on full ones): a group is keyed by (attention kind, window, KV heads,
+head dim), so layers of different shapes get their own groups, each with its head shape
+(`KVGroupSpec.head_shape`); read per layer (`layer_head_shapes`), never globally, where transformers
+raises `AmbiguousGlobalPerLayerAttributeError`.
 """
 
 from __future__ import annotations
@@ -23,19 +29,30 @@ from ..invariants import check
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# The per-layer attributes (`per_layer_config`) that only change a layer's KV head shape.
+HEAD_SHAPE_ATTRIBUTES = frozenset({"head_dim", "num_key_value_heads"})
 
 
 @dataclass(frozen=True)
 class KVGroupSpec:
-    """One KV cache group: its attention type, its layers, and its window (None = full attention)."""
+    """One KV cache group: its attention type, its layers, and its window (None = full attention).
+
+    `head_shape`: (KV heads, head dim) of the group's layers when the model's layers differ in head
+    shape; None: the model's one shape (`memory.sizing.ModelShape`)."""
 
     kind: str
     layer_indices: tuple[int, ...]
     sliding_window: int | None = None
+    head_shape: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
-        return self.kind if self.sliding_window is None else f"{self.kind}(window={self.sliding_window})"
+        name = self.kind if self.sliding_window is None else f"{self.kind}(window={self.sliding_window})"
+        return (
+            name
+            if self.head_shape is None
+            else f"{name}[heads={self.head_shape[0]}, dim={self.head_shape[1]}]"
+        )
 
 
 def layer_types_of(text_config: Any) -> list[str]:
@@ -49,8 +66,24 @@ def layer_types_of(text_config: Any) -> list[str]:
     return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * num_layers
 
 
+def layer_head_shapes(text_config: Any) -> list[tuple[int, int]] | None:
+    """(KV heads, head dim) of every decoder layer, read through the config's per-layer accessor
+    (`per_layer_config[i]`) when its head shape varies per layer; None when every layer has the global one."""
+    per_layer = getattr(text_config, "per_layer_attributes", None) or set()
+    if not per_layer & HEAD_SHAPE_ATTRIBUTES:
+        return None
+    shapes = []
+    for layer_config in text_config.per_layer_config[: text_config.num_hidden_layers]:
+        num_heads = layer_config.num_attention_heads
+        kv_heads = getattr(layer_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // num_heads
+        shapes.append((int(kv_heads), int(head_dim)))
+    return shapes
+
+
 def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
-    """Full-attention group first (when present), then the sliding group. Raises on unknown types."""
+    """Full-attention groups first (when present), then the sliding ones; with per-layer head shapes,
+    one group per (kind, head shape), in layer order. Raises on unknown types."""
     text_config = config.get_text_config()
     layer_types = layer_types_of(text_config)
     unknown = sorted(set(layer_types) - set(KNOWN_LAYER_TYPES))
@@ -63,11 +96,18 @@ def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
     window = getattr(text_config, "sliding_window", None)
     if SLIDING_ATTENTION in layer_types and (not isinstance(window, int) or window < 1):
         raise ValueError(f"the config has sliding_attention layers but sliding_window={window!r}")
+    shapes = layer_head_shapes(text_config)
     groups = []
     for kind in KNOWN_LAYER_TYPES:
-        layers = tuple(i for i, t in enumerate(layer_types) if t == kind)
-        if layers:
-            groups.append(KVGroupSpec(kind, layers, window if kind == SLIDING_ATTENTION else None))
+        layers = [i for i, t in enumerate(layer_types) if t == kind]
+        # Why per shape: a group's pages are one tensor, whose layers share one (KV heads, head dim).
+        kind_shapes = [None] if shapes is None else list(dict.fromkeys(shapes[i] for i in layers))
+        for shape in kind_shapes:
+            members = tuple(i for i in layers if shapes is None or shapes[i] == shape)
+            if members:
+                groups.append(
+                    KVGroupSpec(kind, members, window if kind == SLIDING_ATTENTION else None, shape)
+                )
     return groups
 
 

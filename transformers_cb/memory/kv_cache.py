@@ -24,7 +24,8 @@ class CacheLayout:
     """The shape of the KV tensors, known before a byte is allocated (the engine's plan holds it).
 
     `pages[g]`: pages of group `g` (its pool's size); `scratch_page`: one more page per group, outside
-    its pool, for CUDA graphs' padded rows."""
+    its pool, for CUDA graphs' padded rows. `num_kv_heads` x `head_dim`: the head shape of every group
+    whose spec has none (`KVGroupSpec.head_shape`: per-layer head shapes)."""
 
     num_layers: int
     groups: tuple[KVGroupSpec, ...]
@@ -36,11 +37,16 @@ class CacheLayout:
     device: torch.device
     scratch_page: bool = False
 
+    def head_shape(self, group: int) -> tuple[int, int]:
+        """(KV heads, head dim) of group `group`'s layers."""
+        return self.groups[group].head_shape or (self.num_kv_heads, self.head_dim)
+
     def group_page_bytes(self, group: int) -> int:
         """Bytes of one page of group `group`: K and V of each of its layers."""
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         layers = len(self.groups[group].layer_indices)
-        return 2 * layers * self.page_size * self.num_kv_heads * self.head_dim * element_size
+        heads, dim = self.head_shape(group)
+        return 2 * layers * self.page_size * heads * dim * element_size
 
     def page_bytes(self) -> int:
         """Bytes of one page in every group (a host page id exists in each group's pool)."""
@@ -114,7 +120,7 @@ class PagedKVCache:
         )
         self.has_scratch_page = scratch_page
         # One tensor per group, `[2 (K, V), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
-        # head_dim]`, so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
+        # head_dim]` (the group's head shape: `CacheLayout.head_shape`), so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
         # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
         # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
         self.group_tensors = [
@@ -123,12 +129,11 @@ class PagedKVCache:
                 len(spec.layer_indices),
                 n + int(scratch_page),
                 page_size,
-                num_kv_heads,
-                head_dim,
+                *self.layout.head_shape(g),
                 dtype=dtype,
                 device=device,
             )
-            for spec, n in zip(self.groups, pages_per_group, strict=True)
+            for g, (spec, n) in enumerate(zip(self.groups, pages_per_group, strict=True))
         ]
         self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers

@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..kv.layer_groups import KVGroupSpec
+from ..kv.layer_groups import KVGroupSpec, layer_head_shapes
 from ..kv.page_policies import num_pages_for
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
@@ -36,6 +36,12 @@ BATCH_SHARE = 0.2
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The model's sizes the cache and step buffers are sized from.
+
+    `layer_head_shapes`: (KV heads, head dim) of each layer when they differ per layer (`per_layer_config`,
+    read per layer: reading them globally raises transformers' `AmbiguousGlobalPerLayerAttributeError`);
+    empty when every layer has `num_kv_heads` x `head_dim` (then those of layer 0 otherwise)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -43,24 +49,40 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: int
+    layer_head_shapes: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         config = config.get_text_config()
         num_heads = config.num_attention_heads
         hidden = config.hidden_size
+        per_layer = layer_head_shapes(config)
+        if per_layer:
+            num_kv_heads, head_dim = per_layer[0]
+        else:
+            num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+            head_dim = getattr(config, "head_dim", None) or hidden // num_heads
         return cls(
             num_layers=config.num_hidden_layers,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or hidden // num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             hidden_size=hidden,
             intermediate_size=getattr(config, "intermediate_size", None) or 4 * hidden,
             vocab_size=config.vocab_size,
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2**31 - 1,
+            layer_head_shapes=tuple(per_layer or ()),
         )
 
+    def layer_head_shape(self, layer_idx: int) -> tuple[int, int]:
+        """(KV heads, head dim) of layer `layer_idx`."""
+        if self.layer_head_shapes:
+            return self.layer_head_shapes[layer_idx]
+        return self.num_kv_heads, self.head_dim
+
     def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        """K and V of one token in every layer (each layer with its own head shape)."""
+        elements = sum(h * d for h, d in map(self.layer_head_shape, range(self.num_layers)))
+        return 2 * elements * element_size
 
     def activation_bytes_per_token(self, element_size: int) -> int:
         # hidden + residual + q/k/v/o + MLP intermediates (gate, up, act), a rough upper bound.
