@@ -297,6 +297,10 @@ def _fix_consistency(d: dict, out: dict) -> None:
         n, expand, hidden = out.get(heads_key), d.get(expand_key), out.get("hidden_size")
         if all(isinstance(v, int) and v > 0 for v in (n, expand, hidden)) and dim_key in out:
             out[dim_key] = max(1, expand * hidden // n)
+    # Falcon-H1 states its state-space width itself (`mamba_d_ssm`, else expand x hidden): keep it that.
+    expand, hidden = d.get("mamba_expand"), out.get("hidden_size")
+    if isinstance(out.get("mamba_d_ssm"), int) and isinstance(expand, int) and isinstance(hidden, int):
+        out["mamba_d_ssm"] = expand * hidden
     # A window or chunk at least as long as the model's context would never apply.
     for key in ("sliding_window", "attention_chunk_size"):
         value = out.get(key)
@@ -304,12 +308,23 @@ def _fix_consistency(d: dict, out: dict) -> None:
             out[key] = None
 
 
+# Attributes a model reads from its config that its config class does not declare (released checkpoints'
+# configs carry them): the Qwen Omni thinkers' rotary index reads `vision_start_token_id`, declared only on
+# the talker's config. The checkpoints' values, renumbered into the tiny vocabulary like every special id.
+UNDECLARED_ATTRIBUTES: dict[str, dict[str, Any]] = {
+    "qwen2_5_omni_thinker": {"vision_start_token_id": 151652},
+    "qwen3_omni_moe_thinker": {"vision_start_token_id": 151652},
+}
+
+
 def tiny_config(model_type: str) -> Any:
     """The tiny config of `model_type` (raises what the config class raises)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    config = config_class.from_dict(shrink_dict(config_class().to_dict()))
+    config = config_class.from_dict(
+        shrink_dict({**config_class().to_dict(), **UNDECLARED_ATTRIBUTES.get(model_type, {})})
+    )
     _add_rope_sections(config)
     return config
 

@@ -4,14 +4,18 @@ breaks it; families that run exactly are still accepted, and the probe leaves th
 
 from __future__ import annotations
 
+import threading
 from unittest import mock
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from tests.support.models import FAMILY_CONFIGS, build_tiny_model
-from transformers_cb.engine.model_support import check_model_supported
+from tests.support.models import FAMILY_CONFIGS, LlamaIgnoringLogitsToKeep, build_tiny_model
+from tests.support.reference import greedy_reference
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.attention.paged import METADATA_KWARG
+from transformers_cb.engine.model_support import check_model_supported, ignores_logits_to_keep
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.sizing import ModelShape
 
@@ -39,11 +43,12 @@ MODEL_RULES = {
         "bloom",
         "`_supports_attention_backend` is False",
     ),
-    # NemotronDecoderLayer calls its attention without **kwargs: the step's metadata never arrives.
-    "kwargs not passed down": (
-        lambda: tiny("nemotron", **SMALL, intermediate_size=64, head_dim=8, num_key_value_heads=4),
-        "nemotron",
-        "do not pass the forward's attention kwargs down",
+    # Attention run in another thread: the step's metadata (kwarg dropped, context variable per thread)
+    # cannot reach it, and the probe does not see the calls either.
+    "attention outside the forward's thread": (
+        lambda: llama_attending_in_another_thread(),
+        "llama",
+        "its attention does not go through transformers' attention interface",
     ),
     # Differential attention: two attention calls per layer over the same K.
     "two attention calls per layer": (
@@ -106,12 +111,28 @@ MODEL_RULES = {
 }
 
 
-class LlamaIgnoringLogitsToKeep(LlamaForCausalLM):
-    """A forward that computes logits for every position whatever `logits_to_keep` says (as Qwen2.5-Omni's
-    thinker or VideoLLaMA3's outer class do)."""
+def llama_attending_in_another_thread() -> PreTrainedModel:
+    """Each layer's attention module runs in a thread of its own, without the metadata kwarg (a layer that
+    drops the kwargs and parallelises its heads' work, say)."""
+    model = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
+    for layer in model.model.layers:
+        forward = layer.self_attn.forward
 
-    def forward(self, *args, logits_to_keep=0, **kwargs):
-        return super().forward(*args, **kwargs)
+        def in_a_thread(*args, _forward=forward, **kwargs):
+            kwargs.pop(METADATA_KWARG, None)
+            result = []
+
+            def target() -> None:
+                with torch.inference_mode():
+                    result.append(_forward(*args, **kwargs))
+
+            thread = threading.Thread(target=target)
+            thread.start()
+            thread.join()
+            return result[0]
+
+        layer.self_attn.forward = in_a_thread
+    return model
 
 
 def llama_ignoring_logits_to_keep() -> PreTrainedModel:
@@ -128,7 +149,6 @@ def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
     return model
 
 
-MODEL_RULES["logits_to_keep ignored"] = (llama_ignoring_logits_to_keep, "llama", "ignores `logits_to_keep`")
 MODEL_RULES["a window the layers do not apply"] = (
     llama_with_a_window_it_does_not_apply,
     "llama",
@@ -280,3 +300,44 @@ def test_a_config_edited_after_a_check_is_probed_again() -> None:
     check_model_supported(model)
     model.config.sliding_window = 8  # now the cache would keep windows the layers do not apply
     assert "sliding_window=None" in refusal(model)
+
+
+# Decoder layers that call their attention module without the forward's **kwargs: the step's metadata
+# reaches the paged glue through the runner's context variable instead.
+KWARG_DROPPING = {
+    "stablelm": lambda: tiny("stablelm", **SMALL, intermediate_size=64, num_key_value_heads=2),
+    "nemotron": lambda: tiny("nemotron", **SMALL, intermediate_size=64, head_dim=8, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(KWARG_DROPPING))
+def test_layers_that_drop_the_kwargs_run_exactly(model_type: str) -> None:
+    model = KWARG_DROPPING[model_type]()
+    check_model_supported(model)
+    prompts = [[5, 9, 11, 3, 7, 21, 30, 2, 8], [4, 6], [13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53]]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    cb = ContinuousBatchingConfig(page_size=4, max_batch_tokens=8)  # chunked prefill, mixed steps
+    outputs = model.generate_batch(prompts, config, cb, progress_bar=False)
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"req_{i}"].generated_tokens == greedy_reference(model, prompt, 6)
+
+
+def test_a_forward_ignoring_logits_to_keep_has_its_rows_selected() -> None:
+    """Accepted (the runner selects the rows): greedy tokens equal generate(), and the prompt logprobs
+    (every token of the step kept, so the row count alone cannot tell) equal a plain forward's."""
+    model = llama_ignoring_logits_to_keep()
+    check_model_supported(model)
+    assert ignores_logits_to_keep(model)
+    plain = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
+    check_model_supported(plain)
+    assert not ignores_logits_to_keep(plain)
+    prompts = [[5, 9, 11, 3, 7, 21, 30, 2, 8], [4, 6, 12]]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=None)
+    outputs = model.generate_batch(prompts, config, progress_bar=False, prompt_logprobs=True)
+    for i, prompt in enumerate(prompts):
+        out = outputs[f"req_{i}"]
+        assert out.generated_tokens == greedy_reference(model, prompt, 5)
+        with torch.no_grad():
+            logprobs = plain(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        expected = [logprobs[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
+        assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)

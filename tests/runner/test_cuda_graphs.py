@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from tests.support import flash_double
 from tests.support.engine import run_prompts
-from tests.support.models import tiny_llama
+from tests.support.models import tiny_llama, tiny_llama_ignoring_logits_to_keep
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
@@ -109,6 +109,15 @@ def test_graph_steps_match_generate_and_stay_within_max_cached_graphs(graphs_on_
     paths = {key.path for key in graphs.graphs.ordered_keys()}
     assert DECODE in paths  # the decode fast path ran through its own bucket
     assert graphs.capture == CUDA and (graphs.captures > 0) == CUDA
+
+
+def test_graph_steps_select_the_rows_of_a_model_ignoring_logits_to_keep(graphs_on_cpu) -> None:
+    """A padded graph step keeps as many rows as it has tokens: only the probe's flag says to select them."""
+    model = tiny_llama_ignoring_logits_to_keep()
+    model.set_attn_implementation(FA2)
+    engine = build_engine(model, GREEDY, _config(q_padding_interval_size=4, max_batch_tokens=16))
+    assert engine.step_options.select_logit_rows
+    _run_matches_generate(engine, model)
 
 
 def _changed_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[int]:

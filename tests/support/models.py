@@ -35,6 +35,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    StableLmConfig,
+    StableLmForCausalLM,
 )
 
 # architecture -> (config class, model class)
@@ -49,6 +51,7 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
     "gemma4": (Gemma4TextConfig, Gemma4ForCausalLM),
     "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
+    "stablelm": (StableLmConfig, StableLmForCausalLM),
 }
 
 
@@ -101,6 +104,24 @@ def tiny_phi3(attn_implementation: str | None = "sdpa", seed: int = 0, **overrid
 TINY_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "phi3": tiny_phi3}
 
 
+class LlamaIgnoringLogitsToKeep(LlamaForCausalLM):
+    """A forward that computes logits for every position whatever `logits_to_keep` says (as Qwen2.5-Omni's
+    thinker or VideoLLaMA3's outer class do): the runner must select the rows itself."""
+
+    def forward(self, *args, logits_to_keep=0, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def tiny_llama_ignoring_logits_to_keep(
+    attn_implementation: str | None = "sdpa", seed: int = 0, **overrides
+) -> PreTrainedModel:
+    model_config = LlamaConfig(**{**TINY_SHAPE, **overrides})
+    if attn_implementation is not None:
+        model_config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    return LlamaIgnoringLogitsToKeep(model_config).to(torch.float32).eval()
+
+
 def tiny_llama_without_eos(**overrides) -> PreTrainedModel:
     """`tiny_llama` whose generation config has no eos: every request runs to its token limit."""
     model = tiny_llama(**overrides)
@@ -110,7 +131,7 @@ def tiny_llama_without_eos(**overrides) -> PreTrainedModel:
 
 # -- the parity suite's model families -------------------------------------------------------------
 BACKENDS = ("paged|sdpa", "paged|eager", "sdpa")
-FAMILIES = ("llama", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "stablelm")
 
 BOS, EOS, PAD = 1, 2, 0
 SLIDING_WINDOW = 8
@@ -132,6 +153,9 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # head_dim deliberately != hidden_size / num_heads, so the cache must take head_dim from the config.
     "qwen3": ("qwen3", {"vocab_size": 448, "head_dim": 32}),
     "phi3": ("phi3", {"vocab_size": 512}),
+    # StableLM: partial rotary (a quarter of each head), LayerNorm, and decoder layers that call their
+    # attention without the forward's kwargs (the step's metadata arrives through the runner's context).
+    "stablelm": ("stablelm", {"vocab_size": 320}),
     # Sliding-window and hybrid families, all with a window (8) shorter than most test prompts.
     # Mistral: every layer sliding (no layer_types; the model's own convention).
     "mistral": ("mistral", {"vocab_size": 320, "sliding_window": SLIDING_WINDOW}),

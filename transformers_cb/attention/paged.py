@@ -12,7 +12,9 @@ masks built for that group), its logit `softcap`, and its attention sinks
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import cast
 
 import torch
@@ -26,6 +28,29 @@ from .native import native_paged_attention
 Attend = Callable[..., torch.Tensor]
 
 METADATA_KWARG = "cb_attention_metadata"
+
+# The metadata of the step whose forward is running in this thread (None outside one). Why: some decoder
+# layers (StableLM, Nemotron) call their attention module without the forward's `**kwargs`, so the
+# metadata kwarg never reaches the attention function; the runner sets it here for the forward's
+# duration and the glue reads it when the kwarg is missing.
+_step_metadata: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
+    "cb_step_metadata", default=None
+)
+
+
+@contextmanager
+def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
+    """Inside: `current_step_metadata()` is `metadata` in this thread (the forward of one step)."""
+    token = _step_metadata.set(metadata)
+    try:
+        yield
+    finally:
+        _step_metadata.reset(token)
+
+
+def current_step_metadata() -> AttentionMetadata | None:
+    """The metadata of the step running in this thread, or None outside a continuous-batching forward."""
+    return _step_metadata.get()
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -224,6 +249,9 @@ def make_forward(
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         metadata = kwargs.pop(METADATA_KWARG, None)
+        if metadata is None:
+            # A layer that dropped the kwargs on the way down: the step's metadata from the runner.
+            metadata = current_step_metadata()
         if metadata is None:
             needs_plain = kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
             plain = plain_fallback if needs_plain and plain_fallback is not None else fallback

@@ -2,13 +2,16 @@
 
 The paged backends rely on a contract no config states: every decoder layer calls transformers' attention
 interface exactly once per forward, with its own `layer_idx`, causally, with K and V of the shape the
-cache is sized for (`ModelShape`), with the window its KV group keeps, and with the step's attention
-kwargs passed down from the model's forward; the model numbers positions 0..n-1 as the `position_ids`
-the engine passes say, and honours `logits_to_keep`. A model that breaks any of it runs "fine" and
-returns wrong tokens (or fails mid-run), so the support check runs this probe up front:
+cache is sized for (`ModelShape`), with the window its KV group keeps, and in the forward's thread and
+context (the step's metadata reaches the paged glue as a kwarg, or through the context variable the
+runner sets for layers that drop the kwargs; the recorder reads its record from the same context, so an
+attention call made elsewhere is not recorded and its layer counts as missing); the model numbers positions 0..n-1 as the `position_ids` the engine passes say. A
+model that breaks any of it runs "fine" and returns wrong tokens (or fails mid-run), so the support
+check runs this probe up front. Whether the forward honours `logits_to_keep` is recorded too: the
+runner selects the rows itself when it does not (`ProbeResult.keeps_rows`).
 
 - forward A is the engine's call (`position_ids`, the 4D no-mask, a `logits_to_keep` index tensor, the
-  metadata kwarg) with the model switched to a recording attention function that computes plain causal
+  metadata kwarg and context variable) with the model switched to a recording attention function that computes plain causal
   attention (so the forward continues with real values) and records each call;
 - forward A' is A with positions spread apart (0, 2, 4, ...): identical logits mean the model ignores
   `position_ids` and numbers the packed row itself (BART's decoder: `arange(row length)`), which is
@@ -37,7 +40,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from ..attention.eager import eager_attend
-from ..attention.paged import METADATA_KWARG
+from ..attention.paged import METADATA_KWARG, step_metadata
 
 PROBE_NAME = "cb_dispatch_probe"
 # Five tokens: a count no head count or head size is likely to equal, so a model that swaps the token and
@@ -60,7 +63,6 @@ class _Call:
     sliding_window: int | None
     causal: bool
     mask_bias: bool  # the mask carries finite nonzero values: an attention bias (ALiBi), not just masking
-    has_metadata: bool
     unsupported: tuple[str, ...]
 
 
@@ -101,7 +103,6 @@ def _recording_attention(
                 sliding_window=kwargs.get("sliding_window"),
                 causal=kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False,
                 mask_bias=_is_bias(attention_mask),
-                has_metadata=METADATA_KWARG in kwargs,
                 unsupported=tuple(n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None),
             )
         )
@@ -189,14 +190,15 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
     token = _active.set(record)
     try:
         with _probing(model):
-            engine_call = forward(
-                input_ids=ids,
-                position_ids=positions,
-                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
-                use_cache=False,
-                logits_to_keep=keep,
-                **{METADATA_KWARG: record},
-            ).logits
+            with step_metadata(cast(Any, record)):  # as the runner sets it (runner/model_call.py)
+                engine_call = forward(
+                    input_ids=ids,
+                    position_ids=positions,
+                    attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
+                    use_cache=False,
+                    logits_to_keep=keep,
+                    **{METADATA_KWARG: record},
+                ).logits
             record.in_plain = True
             spread_call = forward(
                 input_ids=ids,
@@ -242,11 +244,6 @@ def dispatch_problems(
     if not calls:
         return ["its attention does not go through transformers' attention interface"]
     problems = []
-    if not all(c.has_metadata for c in calls):
-        problems.append(
-            "its layers do not pass the forward's attention kwargs down to the attention function "
-            "(the paged cache would never be reached)"
-        )
     per_layer: dict[int | None, list[_Call]] = {}
     for call in calls:
         per_layer.setdefault(call.layer_idx, []).append(call)
@@ -307,9 +304,8 @@ def dispatch_problems(
             "its forward ignores `position_ids` (it numbers the tokens of a packed step itself, so every "
             "sequence but the first would get wrong positions; or it has no positional encoding at all)"
         )
-    if not result.keeps_rows:
-        problems.append("its forward ignores `logits_to_keep` (the engine reads one row per sampled token)")
-    elif result.positions_used and not result.positions_agree:
+    # An ignored `logits_to_keep` is no problem: the runner selects the rows (runner/model_call.py).
+    if result.positions_used and not result.positions_agree:
         problems.append(
             "its forward numbers positions its own way: given position_ids 0..n-1 it computes other logits "
             "than generate() (e.g. positions offset by a padding index)"

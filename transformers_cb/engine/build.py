@@ -46,7 +46,7 @@ from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
-from .model_support import check_model_supported
+from .model_support import check_model_supported, ignores_logits_to_keep
 from .publisher import StepPublisher, TensorParallelPublisher
 
 
@@ -121,7 +121,15 @@ def resolve_plan(
         sizing = tp.agree_sizing(sizing)
     has_sliding = any(spec.sliding_window is not None for spec in kv_groups)
     step_options = resolve_step_options(
-        model, config, device_options, generation, device.type, has_sliding, sizing.page_size, workload
+        model,
+        config,
+        device_options,
+        generation,
+        device.type,
+        has_sliding,
+        sizing.page_size,
+        workload,
+        ignores_logits_to_keep(model),
     )
     group_pages, group_widths = resolve_group_pages(sizing, list(kv_groups), config, workload)
     cache = CacheLayout(

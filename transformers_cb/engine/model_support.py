@@ -17,9 +17,13 @@ Refused, with the model type and what is missing. From the config alone:
 From what the model's forward does (when the model is given; `attention_probe.py`):
 - attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
   ...: classes with `_supports_attention_backend` False compute it themselves);
-- a forward that breaks the paged contract: kwargs not passed down to attention, two attention calls per
-  layer, K/V shapes or windows the config does not state, bidirectional layers, an attention bias in
-  the mask (ALiBi), positions numbered another way than 0..n-1, `logits_to_keep` ignored.
+- a forward that breaks the paged contract: attention run outside the forward's thread and context (the
+  step's metadata is out of reach: its layers count as missing), two attention calls per layer, K/V shapes or windows the config does not
+  state, bidirectional layers, an attention bias in the mask (ALiBi), positions numbered another way
+  than 0..n-1.
+Two clauses are adapted instead of refused (runner/model_call.py): layers that drop the attention kwargs
+(StableLM, Nemotron) reach the step's metadata through a context variable, and a forward that ignores
+`logits_to_keep` has its rows selected by the runner (`ignores_logits_to_keep`).
 The class flag alone is not the rule: composite models (Janus, DeepSeek-VL) leave it False on the outer
 class while their text model dispatches through the interface, and BioGPT or PLBart dispatch without it.
 """
@@ -27,6 +31,7 @@ class while their text model dispatches through the interface, and BioGPT or PLB
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -70,9 +75,17 @@ RECURRENT_CONFIG_ATTRIBUTES = (
 # do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
 ALIBI_FLAGS = ("alibi", "use_alibi")
 
+
+@dataclass(frozen=True)
+class _Verdict:
+    fingerprint: str
+    problems: list[str]
+    ignores_logits_to_keep: bool
+
+
 # The probe's verdict per model object and config (its forward does not change between engines; a config
 # edited in between is probed again).
-_probed: weakref.WeakKeyDictionary[PreTrainedModel, tuple[str, list[str]]] = weakref.WeakKeyDictionary()
+_probed: weakref.WeakKeyDictionary[PreTrainedModel, _Verdict] = weakref.WeakKeyDictionary()
 
 
 def _refuse(model_type: str, missing: str) -> None:
@@ -171,8 +184,8 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     except (TypeError, ValueError):  # a config holding what JSON cannot: probe every time, cache nothing
         fingerprint = None
     cached = _probed.get(model)
-    if fingerprint is not None and cached is not None and cached[0] == fingerprint:
-        return cached[1]
+    if fingerprint is not None and cached is not None and cached.fingerprint == fingerprint:
+        return cached.problems
     first = next(model.parameters(), None)
     if first is None or first.device.type == "meta" or tp_size_of(model) > 1:
         return []
@@ -188,5 +201,13 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
         kv_shapes = [shape.layer_head_shape(i) for i in range(num_layers)]
         problems = dispatch_problems(result, num_layers, kv_shapes, windows)
     if fingerprint is not None:
-        _probed[model] = (fingerprint, problems)
+        _probed[model] = _Verdict(fingerprint, problems, not result.keeps_rows)
     return problems
+
+
+def ignores_logits_to_keep(model: PreTrainedModel) -> bool:
+    """The probe saw the model's forward return every position's logits whatever `logits_to_keep` says
+    (the runner then selects the rows itself: runner/model_call.py). False when it was not probed (meta
+    weights, tensor parallelism): the runner still selects rows whose count betrays it."""
+    verdict = _probed.get(model)
+    return verdict is not None and verdict.ignores_logits_to_keep

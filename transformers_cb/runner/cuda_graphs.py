@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 
 from ..attention.metadata import AttentionMetadata, DecodeFastPath, GroupMetadata
-from ..attention.paged import METADATA_KWARG
 from ..invariants import present
 from .async_batching import BufferTurns
 from .compile_plan import DECODE, VARLEN
+from .model_call import call_model
 
 if TYPE_CHECKING:
     from ..memory.kv_cache import PagedKVCache
@@ -227,15 +227,15 @@ class GraphSteps:
         return present(entry.logits, "a captured graph has its output buffer")
 
     def _forward(self, static: StaticStep, path: str) -> torch.Tensor:
-        output = self.forward_for(path)(
-            input_ids=static.input_ids,
-            position_ids=static.position_ids,
-            attention_mask=self._no_mask,
-            use_cache=False,
-            logits_to_keep=static.logits_indices,
-            **{METADATA_KWARG: static.metadata},
-        )
-        return output.logits[0].float()
+        return call_model(
+            self.forward_for(path),
+            static.input_ids,
+            static.position_ids,
+            self._no_mask,
+            static.logits_indices,
+            static.metadata,
+            self.options.select_logit_rows,
+        ).float()
 
     def _capture(self, entry: GraphEntry, path: str) -> None:
         # One eager run on a side stream first (lazy init, autotuning), as CUDA graph capture requires;

@@ -3,7 +3,7 @@
 It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' page
 copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
 packs the scheduled batch, runs the transformers model's own forward once
-(with the paged attention metadata passed through the attention kwargs),
+(with the paged attention metadata passed through the attention kwargs: `model_call.py`),
 computes logits only for positions that produce a token (and, for requests that
 ask for prompt logprobs, their prompt positions), and samples. It returns a
 `StepOutput` and mutates no `Request`: the engine's scheduler applies it (`update`).
@@ -20,7 +20,6 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
-from ..attention.paged import METADATA_KWARG
 from ..invariants import check, present
 from ..memory.swap import SwapCopier
 from ..requests import Request
@@ -29,6 +28,7 @@ from ..sampling.sampler import Sampler
 from ..scheduler.plan import StepPlan
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
+from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 
 if TYPE_CHECKING:
@@ -153,15 +153,15 @@ class ModelRunner:
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
         traceable = step.metadata.all_native or (self.options is not None and self.options.is_flash)
-        output = self.forwards(path, step.input_ids.shape[1], traceable)(
-            input_ids=step.input_ids,
-            position_ids=step.position_ids,
-            attention_mask=self._no_mask,
-            use_cache=False,
-            logits_to_keep=keep,
-            **{METADATA_KWARG: step.metadata},
-        )
-        logits = output.logits[0].float()  # [S (+ P), vocab]
+        logits = call_model(
+            self.forwards(path, step.input_ids.shape[1], traceable),
+            step.input_ids,
+            step.position_ids,
+            self._no_mask,
+            keep,
+            step.metadata,
+            self.options is not None and self.options.select_logit_rows,
+        ).float()  # [S (+ P), vocab]
         if not step.prompt_indices:
             return logits[:num_sampled], None
         return logits[:num_sampled], logits[num_sampled:]

@@ -37,6 +37,8 @@ class StepOptions:
     q_padding_interval_size: int
     kv_padding_interval_size: int
     max_cached_graphs: int
+    # The model ignores `logits_to_keep` (the support check's probe saw it): the runner selects the rows.
+    select_logit_rows: bool = False
 
     @property
     def is_flash(self) -> bool:
@@ -87,6 +89,7 @@ def resolve_step_options(
     has_sliding: bool,
     page_size: int,
     workload: list[int] | None,
+    select_logit_rows: bool = False,
 ) -> StepOptions:
     name = paged_implementation_for(
         model.config._attn_implementation, model, config.auto_switch_to_flash, device_type
@@ -113,4 +116,5 @@ def resolve_step_options(
         q_padding_interval_size=config.q_padding_interval_size,
         kv_padding_interval_size=config.kv_padding_interval_size,
         max_cached_graphs=config.graph_cache_size,
+        select_logit_rows=select_logit_rows,
     )
