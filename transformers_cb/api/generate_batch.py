@@ -28,7 +28,7 @@ from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, r
 from ..config.interop import take_cb_config
 from ..engine.build import build_engine
 from ..engine.engine import Engine
-from ..engine.validation import per_item
+from ..engine.validation import per_item, refuse_multimodal_inputs
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
 
@@ -90,6 +90,7 @@ def generate_batch(
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     cb_config = take_cb_config(generation_config, continuous_batching_config)
+    refuse_multimodal_inputs(list(kwargs), "generate_batch")
     unknown = set(kwargs) - {
         "max_new_tokens",
         "eos_token_id",

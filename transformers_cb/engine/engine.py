@@ -34,7 +34,7 @@ from ..scheduler.scheduler import Scheduler
 from .forks import add_siblings, num_return_sequences_of
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
-from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
+from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
 
 if TYPE_CHECKING:
     import torch
@@ -206,6 +206,7 @@ class Engine:
             streaming=streaming,
             record_timestamps=record_timestamps,
         )
+        refuse_multimodal_inputs(list(sampling_kwargs or ()), label)
         self.sampling.attach(request, sampling_kwargs, label)
         reason = self.unfittable_reason(request.max_total_tokens)
         if reason is not None:
