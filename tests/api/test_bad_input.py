@@ -229,16 +229,22 @@ def test_failing_step_fails_only_its_requests(model, monkeypatch) -> None:
     assert again["req_0"].generated_tokens == references[0]
 
 
-@pytest.mark.parametrize("name", ["pixel_values", "image_grid_thw", "images", "video_frames", "input_features"])
+@pytest.mark.parametrize(
+    "name", ["pixel_values", "image_grid_thw", "images", "video_frames", "input_features"]
+)
 def test_image_video_and_audio_inputs_are_refused_by_name(model, forward_calls, name) -> None:
-    check_rejected(model, forward_calls, [GOOD], rf"\['{name}'\]: image, video and audio", **{name: torch.zeros(1)})
+    check_rejected(
+        model, forward_calls, [GOOD], rf"\['{name}'\]: image, video and audio", **{name: torch.zeros(1)}
+    )
 
 
 def test_a_manager_refuses_image_inputs_by_name(model) -> None:
     manager = model.init_continuous_batching(continuous_batching_config=SMALL_CACHE)
     manager.start()
     try:
-        with pytest.raises(ValueError, match=r"\['pixel_values'\]: image, video and audio inputs are not supported"):
+        with pytest.raises(
+            ValueError, match=r"\['pixel_values'\]: image, video and audio inputs are not supported"
+        ):
             manager.add_request(GOOD, max_new_tokens=2, pixel_values=torch.zeros(1))
         request_id = manager.add_request(GOOD, max_new_tokens=2)  # the manager still serves text
         assert manager.get_result(request_id, timeout=120).status == RequestStatus.FINISHED
