@@ -14,6 +14,7 @@ from tests.support.models import tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
+from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.engine.build import build_engine
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -198,3 +199,33 @@ def test_per_item_lists_split_one_way_in_generate_batch_and_add_requests(model, 
     finally:
         manager.destroy()
     assert str(batch_error.value) == str(manager_error.value)
+
+
+def test_a_persistent_engine_hits_no_prefix_page_computed_with_older_weights() -> None:
+    """An in-place weight update between two persistent calls (an optimizer step, TRL's weight sync) must
+    change the outputs exactly as it changes `generate()`'s: the cached prefix pages hold the old K/V."""
+    model = tiny_llama_without_eos()
+    prompts = prompts_of_lengths([40, 40, 24], seed=3)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False)
+    cb_config = ContinuousBatchingConfig(page_size=8, num_blocks=64)
+
+    def run() -> list[list[int]]:
+        outputs = model.generate_batch(
+            prompts, config, cb_config, progress_bar=False, warmup=False, persistent_manager=True
+        )
+        return [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+
+    try:
+        run()
+        engine = getattr(model, CACHED_ENGINE_ATTR)[1]
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.weight.mul_(-1.5)
+        second = run()
+        assert getattr(model, CACHED_ENGINE_ATTR)[1] is engine  # the same engine, reused
+        assert second == [greedy_reference(model, prompt, 6) for prompt in prompts]
+        assert engine.snapshot().prefix.hit_tokens == 0  # nothing of the old weights' pages was hit
+        third = run()  # unchanged weights: the pages of the second call are hit again
+        assert third == second and engine.snapshot().prefix.hit_tokens > 0
+    finally:
+        model.destroy_cached_continuous_batching_manager()

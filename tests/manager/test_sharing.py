@@ -97,3 +97,33 @@ def test_sharing_off_keeps_submission_order_and_reports_no_hits(model) -> None:
         assert stats.prefix_cache_hit_rate == 0.0 and stats.prefix_cache_pages == 0
     finally:
         manager.stop(block=True, timeout=TIMEOUT)
+
+
+def test_an_idle_manager_hits_no_prefix_page_computed_with_older_weights() -> None:
+    """A weight update while the manager idles (TRL's weight sync between rollouts) must not be hidden
+    by prefix pages computed with the old weights."""
+    import torch
+    from transformers import GenerationConfig
+
+    from tests.support.models import tiny_llama_without_eos
+    from tests.support.prompts import prompts_of_lengths
+    from tests.support.reference import greedy_reference
+    from tests.support.timeouts import hang_guard
+    from transformers_cb import ContinuousBatchingConfig
+
+    model = tiny_llama_without_eos()
+    prompt = prompts_of_lengths([40], seed=5)[0]
+    manager = model.init_continuous_batching(
+        generation_config=GenerationConfig(max_new_tokens=6, do_sample=False),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=8, num_blocks=64),
+    )
+    manager.start()
+    try:
+        first = manager.get_result(manager.add_request(prompt), timeout=hang_guard(120))
+        with manager.pause(), torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.weight.mul_(-1.5)
+        second = manager.get_result(manager.add_request(prompt), timeout=hang_guard(120))
+        assert second.generated_tokens == greedy_reference(model, prompt, 6) != first.generated_tokens
+    finally:
+        manager.stop(block=True)

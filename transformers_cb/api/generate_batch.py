@@ -174,6 +174,7 @@ def _engine_for(
         fits = all(engine.unfittable_reason(n) is None for n in workload)
         if cached_key == key and fits and not engine.has_work():
             engine.reset_counters()
+            engine.drop_stale_prefix_cache()  # pages computed with older weights must not be hit
             return engine
     engine = build_engine(model, generation_config, cb_config, workload=workload, **extras)
     setattr(model, CACHED_ENGINE_ATTR, (key, engine))

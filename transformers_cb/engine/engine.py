@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
@@ -37,8 +38,6 @@ from .snapshot import EngineCounters, EngineSnapshot
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
 
 if TYPE_CHECKING:
-    import torch
-
     from ..kv.layer_groups import KVGroupSpec
     from ..memory.sizing import ModelShape, Sizing
     from ..runner.step_options import StepOptions
@@ -55,6 +54,19 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)  # ended this step (any final status)
     progressed: list[Request] = field(default_factory=list)  # got a new token this step, still running
     num_tokens: int = 0
+
+
+def weights_fingerprint(model: PreTrainedModel) -> tuple[tuple[int, int], ...]:
+    """Each parameter's (address, version counter): changes when any weight is written in place or replaced
+    (a write through `.data` bumps neither; such callers recompute anyway: a fresh engine)."""
+    return tuple((p.data_ptr(), _version_of(p)) for p in model.parameters())
+
+
+def _version_of(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written in place)
+        return -1
 
 
 @dataclass
@@ -96,6 +108,7 @@ class Engine:
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
+        self._weights = weights_fingerprint(self.model)
 
     # -- the resolved settings (read-only views of the plan) ----------------------------------
     @property
@@ -324,6 +337,18 @@ class Engine:
             self.counters = EngineCounters()
             self.pages.clear_prefix_cache()
         self.warmed_up = True
+        return True
+
+    def drop_stale_prefix_cache(self) -> bool:
+        """Forget the cached prefix pages if the model's weights changed since they were computed (an
+        optimizer step, TRL's weight sync, `load_state_dict`: in-place writes bump a parameter's version
+        counter; a new tensor changes its address). Returns whether it dropped them. Call it between runs,
+        never while requests hold pages."""
+        weights = weights_fingerprint(self.model)
+        if weights == self._weights:
+            return False
+        self._weights = weights
+        self.pages.clear_prefix_cache()
         return True
 
     def reset_counters(self) -> None:

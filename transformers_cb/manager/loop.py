@@ -84,6 +84,8 @@ class ManagerLoop:
             engine = state.engine
         if engine is None:
             return
+        if incoming and not engine.is_follower and not engine.has_work():
+            engine.drop_stale_prefix_cache()  # the weights may have changed while it idled (a weight sync)
         for request in incoming:
             engine.add(request)
         for request_id in cancels:
