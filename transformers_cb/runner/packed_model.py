@@ -3,7 +3,7 @@
 `packed_linears(model, enabled)` is entered beside `attention.selection.paged_attention` wherever the
 engine runs (`generate_batch`, the manager's thread and its `warmup()`). Inside, each eligible Linear
 instance gets an instance attribute `forward` that calls `packed_linear.packed_linear`; on exit (and on
-`transformers_cb.uninstall()`, `restore_all`) the attribute is deleted, so the class's own forward
+`plugin.uninstall`, `restore_all`) the attribute is deleted, so the class's own forward
 shows again. Why an instance attribute: no module is replaced (the user's module tree, its types,
 state dict and hooks stay the same objects), nothing outlives the run, and `torch.compile` traces it like
 any forward. The packed forward still takes the plain path when autograd records (`torch.is_grad_enabled`:
