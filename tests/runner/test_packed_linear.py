@@ -17,6 +17,7 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner import packed_linear as packed_linear_module
 from transformers_cb.runner.packed_linear import PACKS, packed_linear, packed_linear_available, reset_verdicts
@@ -112,6 +113,34 @@ def test_opcheck_fake_matches_real() -> None:
         )
     finally:
         PACKS.drop(handle)
+
+
+def test_compiled_packed_run_matches_generate_and_compiles_once() -> None:
+    """Level 1 with packed products: the op is inside the compiled graphs, the tokens follow `generate()`,
+    and a second run (the Linears' forwards set again) reuses the graphs instead of recompiling."""
+    torch._dynamo.reset()
+    model = tiny_llama()
+    config = ContinuousBatchingConfig(
+        page_size=16, max_batch_tokens=16, default_compile_level=1, packed_linear=True
+    )
+    outputs = []
+    for _ in range(2):
+        got = model.generate_batch(
+            PROMPTS,
+            max_new_tokens=MAX_NEW,
+            continuous_batching_config=config,
+            progress_bar=False,
+            persistent_manager=True,
+        )
+        outputs.append([got[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))])
+        engine = getattr(model, CACHED_ENGINE_ATTR)[1]
+        if len(outputs) == 1:
+            graphs = engine.snapshot().compiled_graphs
+            assert graphs >= 1
+    assert engine.snapshot().compiled_graphs == graphs
+    assert outputs[0] == outputs[1]
+    assert_like_generate(model, outputs[0])
+    model.destroy_cached_continuous_batching_manager()
 
 
 # -- a run --------------------------------------------------------------------------------------------

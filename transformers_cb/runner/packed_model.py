@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -68,7 +68,7 @@ def _packed_forward(module: nn.Linear, handle: int) -> Callable[[torch.Tensor], 
     return forward
 
 
-def _restore(swaps: list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> None:
+def _restore(swaps: Sequence[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> None:
     with _lock:
         for module, forward in swaps:
             if module.__dict__.get("forward") is forward:
