@@ -668,6 +668,17 @@ class OursCompiledEngine(OursEngine):
         return dataclasses.replace(cfg, default_compile_level=1), settings, ignored
 
 
+class OursPackedEngine(OursEngine):
+    """`OursEngine` with `packed_linear=True`: every dense CPU Linear, LM head included, runs oneDNN products
+    on a weight packed once (`transformers_cb/runner/packed_linear.py`). The warmup builds the packs."""
+
+    name = "ours-packed"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, packed_linear=True), settings, ignored
+
+
 @contextlib.contextmanager
 def _capture_ours_counters():
     """Record the token counters of every `transformers_cb` engine created inside the block.

@@ -27,7 +27,7 @@ from typing import Any
 
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
-    "ours-torch-kernels", "limit", "vllm",
+    "ours-packed", "ours-torch-kernels", "limit", "vllm",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -60,9 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         type=_csv,
         default=[
-            name for name in ENGINE_NAMES if name not in ("ours-compiled", "ours-torch-kernels", "vllm")
+            name
+            for name in ENGINE_NAMES
+            if name not in ("ours-compiled", "ours-packed", "ours-torch-kernels", "vllm")
         ],  # opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-torch-kernels (the native CPU kernel off), vllm (vLLM in its own venv, see --vllm-python), limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products), ours-torch-kernels (the native CPU kernel off), vllm (vLLM in its own venv, see --vllm-python), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursSampledEngine(settings_fn)
         if name == "ours-compiled":
             return common.OursCompiledEngine(settings_fn)
+        if name == "ours-packed":
+            return common.OursPackedEngine(settings_fn)
         if name == "ours-torch-kernels":
             return common.OursTorchKernelsEngine(settings_fn)
         if name == "vllm":

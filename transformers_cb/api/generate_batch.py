@@ -30,6 +30,7 @@ from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.validation import per_item, refuse_multimodal_inputs
 from ..requests import GenerationOutput, Request
+from ..runner.packed_model import packed_linears
 from ..sampling.params import PER_REQUEST_KWARGS
 
 # generate_batch kwargs handed to the Engine as they are.
@@ -133,7 +134,11 @@ def generate_batch(
         )
         for i, ids in enumerate(inputs)
     ]
-    with paged_attention(self, engine.attn_implementation), torch.inference_mode():
+    with (
+        paged_attention(self, engine.attn_implementation),
+        packed_linears(self, engine.packed_linear),
+        torch.inference_mode(),
+    ):
         if warmup and not engine.warmed_up:
             engine.warmup()
         for request in engine.admission_order(requests):

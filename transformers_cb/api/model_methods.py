@@ -12,6 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import take_cb_config
 from ..manager.manager import CACHED_MANAGER_ATTR, ContinuousBatchingManager
+from ..runner.packed_model import release_packs
 from .generate_batch import CACHED_ENGINE_ATTR
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,11 @@ def continuous_batching_context_manager(
 
 def destroy_cached_continuous_batching_manager(self: PreTrainedModel) -> None:
     """Destroy the manager cached by `persistent_manager=True` and drop the engine cached by
-    `generate_batch(persistent_manager=True)`, if any."""
+    `generate_batch(persistent_manager=True)`, if any, and free the packed copies of its Linears
+    (`ContinuousBatchingConfig.packed_linear`)."""
     manager = getattr(self, CACHED_MANAGER_ATTR, None)
     if manager is not None:
         manager.destroy()  # removes itself from the model
     if getattr(self, CACHED_ENGINE_ATTR, None) is not None:
         delattr(self, CACHED_ENGINE_ATTR)
+    release_packs(self)

@@ -81,6 +81,8 @@ class ContinuousBatchingConfig:
     max_queue_size: int = 0
     drop_unsupported_processors: bool = True
     disable_nccl_graph_mixing: bool = True
+    # Ours (not transformers'): packed oneDNN products for the model's CPU Linears during the run.
+    packed_linear: bool = False
     # Deprecated aliases, as in transformers: each warns and maps onto its replacement.
     use_default_compile_configs: bool | None = field(default=None, repr=False)
     max_cached_graphs: int | None = field(default=None, repr=False)
@@ -206,6 +208,7 @@ class ContinuousBatchingConfig:
             "auto_switch_to_flash",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
+            "packed_linear",
         ):
             value = getattr(self, name)
             _check_range(name, value, "a bool", isinstance(value, bool))

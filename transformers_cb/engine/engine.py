@@ -147,6 +147,11 @@ class Engine:
         return self.plan.step_options.attn_implementation
 
     @property
+    def packed_linear(self) -> bool:
+        """Whether the model's Linears run packed oneDNN products while this engine steps."""
+        return self.plan.step_options.packed_linear
+
+    @property
     def max_queue_size(self) -> int:
         """`ContinuousBatchingConfig.max_queue_size`: requests waiting at most (0: unbounded)."""
         return self.plan.max_queue_size

@@ -21,6 +21,7 @@ from ..engine.engine import Engine
 from ..engine.follower import FollowerEngine
 from ..invariants import present
 from ..requests import Request, RequestStatus
+from ..runner.packed_model import packed_linears
 from .results import ResultRouter
 from .state import ManagerState
 from .stats import ThroughputWindow
@@ -117,7 +118,12 @@ class ManagerLoop:
         try:
             settings.apply()
             target = engine.attn_implementation if engine is not None else None
-            with paged_attention(self._model, target), torch.inference_mode():
+            packed = engine is not None and engine.packed_linear
+            with (
+                paged_attention(self._model, target),
+                packed_linears(self._model, packed),
+                torch.inference_mode(),
+            ):
                 if isinstance(engine, FollowerEngine):
                     engine.replay_session()  # a tensor-parallel follower replays rank 0's session
                 else:

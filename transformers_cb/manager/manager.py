@@ -25,6 +25,7 @@ from ..config.interop import as_cb_config, as_workload_hints
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
+from ..runner.packed_model import packed_linears
 from ..sampling.guided import GuidedDecoding
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
@@ -143,7 +144,11 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         if self.is_running():
             logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
             return
-        with paged_attention(self.model, engine.attn_implementation), torch.inference_mode():
+        with (
+            paged_attention(self.model, engine.attn_implementation),
+            packed_linears(self.model, engine.packed_linear),
+            torch.inference_mode(),
+        ):
             engine.warmup()
 
     def stop(

@@ -19,6 +19,7 @@ from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from .compile_plan import CompilePlan, resolve_compile_plan
+from .packed_linear import packed_linear_available
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class StepOptions:
     max_cached_graphs: int
     # The model ignores `logits_to_keep` (the support check's probe saw it): the runner selects the rows.
     select_logit_rows: bool = False
+    # Packed oneDNN products for the model's Linears (`runner/packed_model.py`): asked for, and the
+    # platform passed its self-test.
+    packed_linear: bool = False
 
     @property
     def is_flash(self) -> bool:
@@ -117,4 +121,6 @@ def resolve_step_options(
         kv_padding_interval_size=config.kv_padding_interval_size,
         max_cached_graphs=config.graph_cache_size,
         select_logit_rows=select_logit_rows,
+        packed_linear=config.packed_linear
+        and packed_linear_available(next(model.parameters()).dtype, device_type),
     )

@@ -1,0 +1,305 @@
+"""Packed oneDNN products (`ContinuousBatchingConfig.packed_linear`): the op against `F.linear`, its fake
+implementation under `torch.compile`, greedy parity with `generate()`, packs never stale after a weight
+update, the user's modules restored after every kind of run, and the one-warning fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import transformers_cb
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
+from tests.support.threads import TIMEOUT
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
+from transformers_cb.parity.compare import compare_tokens
+from transformers_cb.runner import packed_linear as packed_linear_module
+from transformers_cb.runner.packed_linear import PACKS, packed_linear, packed_linear_available, reset_verdicts
+from transformers_cb.runner.packed_model import packed_linears, release_packs
+
+pytestmark = pytest.mark.skipif(
+    packed_linear_module.unsupported_reason(torch.float32, "cpu") is not None,
+    reason="packed oneDNN products need x86 with oneDNN",
+)
+
+PACKED = ContinuousBatchingConfig(page_size=16, packed_linear=True)
+PROMPTS = prompts_of_lengths([5, 17, 30, 9], seed=3)
+MAX_NEW = 10
+LOGGER = "transformers_cb.runner.packed_linear"
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts():
+    reset_verdicts()
+    yield
+    reset_verdicts()
+
+
+def linear_state(model: nn.Module) -> list[tuple[int, type, tuple[str, ...], int]]:
+    """What a run must leave as it found it: each module's identity, type, instance attributes, weight."""
+    return [
+        (id(module), type(module), tuple(sorted(module.__dict__)), id(getattr(module, "weight", None)))
+        for module in model.modules()
+    ]
+
+
+def generate_packed(model, config: ContinuousBatchingConfig = PACKED, **kwargs) -> list[list[int]]:
+    outputs = model.generate_batch(
+        PROMPTS, max_new_tokens=MAX_NEW, continuous_batching_config=config, progress_bar=False, **kwargs
+    )
+    return [outputs[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))]
+
+
+def assert_like_generate(model, got: list[list[int]]) -> None:
+    for i, (prompt, tokens) in enumerate(zip(PROMPTS, got, strict=True)):
+        mismatch = compare_tokens(model, f"req_{i}", prompt, greedy_reference(model, prompt, MAX_NEW), tokens)
+        assert mismatch is None or mismatch.is_near_tie, mismatch.describe()
+
+
+# -- the op ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_op_equals_f_linear(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    x = torch.randn(1, rows, 64)
+    handle = PACKS.new_handle()
+    try:
+        with torch.inference_mode():
+            b = bias if with_bias else None
+            got, want = packed_linear(x, weight, b, handle), F.linear(x, weight, b)
+            # fp32: another summation order, ~5e-6 relative (issue 29's measurement).
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            # bf16: oneDNN and the plain path round the same fp32 accumulation: bitwise equal here.
+            wb, bb, xb = weight.bfloat16(), bias.bfloat16() if with_bias else None, x.bfloat16()
+            assert torch.equal(packed_linear(xb, wb, bb, handle), F.linear(xb, wb, bb))
+    finally:
+        PACKS.drop(handle)
+
+
+def test_op_fake_implementation_compiles() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16, bias=False))
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        plain = model(x)
+        with packed_linears(model, True) as swapped:
+            assert swapped == 2
+            compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="inductor")
+            eager = model(x)
+            got = compiled(x)
+            other = compiled(torch.randn(9, 32))  # another row count: the same dynamic graph
+    torch.testing.assert_close(got, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-5)
+    assert other.shape == (9, 16)
+
+
+def test_opcheck_fake_matches_real() -> None:
+    handle = PACKS.new_handle()
+    try:
+        x, weight, bias = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
+        torch.library.opcheck(
+            torch.ops.transformers_cb.packed_linear.default,
+            (x, weight, bias, handle),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+    finally:
+        PACKS.drop(handle)
+
+
+def test_compiled_packed_run_matches_generate_and_compiles_once() -> None:
+    """Level 1 with packed products: the op is inside the compiled graphs, the tokens follow `generate()`,
+    and a second run (the Linears' forwards set again) reuses the graphs instead of recompiling."""
+    torch._dynamo.reset()
+    model = tiny_llama()
+    config = ContinuousBatchingConfig(
+        page_size=16, max_batch_tokens=16, default_compile_level=1, packed_linear=True
+    )
+    outputs = []
+    for _ in range(2):
+        got = model.generate_batch(
+            PROMPTS,
+            max_new_tokens=MAX_NEW,
+            continuous_batching_config=config,
+            progress_bar=False,
+            persistent_manager=True,
+        )
+        outputs.append([got[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))])
+        engine = getattr(model, CACHED_ENGINE_ATTR)[1]
+        if len(outputs) == 1:
+            graphs = engine.snapshot().compiled_graphs
+            assert graphs >= 1
+    assert engine.snapshot().compiled_graphs == graphs
+    assert outputs[0] == outputs[1]
+    assert_like_generate(model, outputs[0])
+    model.destroy_cached_continuous_batching_manager()
+
+
+# -- a run --------------------------------------------------------------------------------------------
+
+
+def test_greedy_generate_batch_equals_generate_with_packed_products() -> None:
+    model = tiny_llama()
+    before = linear_state(model)
+    assert packed_linear_available(torch.float32, "cpu")  # its self-test's pack counted before
+    builds = PACKS.builds
+    got = generate_packed(model)
+    # 2 layers x 7 products + the LM head, each packed (its pack built) once.
+    assert PACKS.builds - builds == 15
+    assert linear_state(model) == before
+    assert_like_generate(model, got)
+
+
+def test_packed_products_really_run(monkeypatch) -> None:
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", counting)
+    model = tiny_llama()
+    generate_packed(model, warmup=False)
+    assert calls, "no packed product ran"
+    calls.clear()
+    generate_packed(model, ContinuousBatchingConfig(page_size=16), warmup=False)  # off by default
+    assert not calls
+
+
+@pytest.mark.parametrize("update", ["zero_in_place", "load_state_dict", "optimizer_step"])
+def test_a_weight_update_between_runs_is_seen(update: str) -> None:
+    """A stale pack would repeat the first run's tokens; the second run must follow the new weights as
+    `generate()` does. The packs outlive the engine (one per Linear per model), so two engines see the
+    same packs; a persistent engine is not used here because its prefix cache keeps KV pages computed
+    with the old weights, a staleness of its own that packing does not change."""
+    model = tiny_llama()
+    builds = PACKS.builds
+    first = generate_packed(model)
+    after_first = PACKS.builds
+    assert_like_generate(model, first)
+    if update == "zero_in_place":
+        with torch.no_grad():
+            model.lm_head.weight[: model.config.vocab_size // 2].zero_()
+            model.model.layers[0].mlp.down_proj.weight.zero_()
+    elif update == "load_state_dict":
+        model.load_state_dict(tiny_llama(seed=7).state_dict())
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
+        model.train()
+        model(torch.tensor([PROMPTS[0]]), labels=torch.tensor([PROMPTS[0]])).loss.backward()
+        optimizer.step()
+        model.eval()
+    second = generate_packed(model)
+    assert second != first, "the update changed nothing: the test could not see a stale pack"
+    assert_like_generate(model, second)
+    # Packs are reused across runs and rebuilt only for the weights that changed.
+    rebuilt = PACKS.builds - after_first
+    assert after_first > builds and 0 < rebuilt <= after_first - builds
+    if update == "zero_in_place":
+        assert rebuilt == 2
+
+
+def test_release_packs_sees_writes_through_data() -> None:
+    model = tiny_llama()
+    first = generate_packed(model)
+    model.lm_head.weight.data[: model.config.vocab_size // 2].zero_()  # bumps no version counter
+    release_packs(model)
+    second = generate_packed(model)
+    assert second != first
+    assert_like_generate(model, second)
+
+
+def test_manager_run_packed_and_modules_restored_after_stop() -> None:
+    model = tiny_llama()
+    before = linear_state(model)
+    manager = model.init_continuous_batching(continuous_batching_config=PACKED)
+    manager.start()
+    try:
+        ids = [manager.add_request(prompt, max_new_tokens=MAX_NEW) for prompt in PROMPTS]
+        results = {}
+        while len(results) < len(ids):
+            output = manager.get_result(timeout=TIMEOUT)
+            assert output is not None, "no result in time"
+            results[output.request_id] = output
+    finally:
+        manager.stop(block=True, timeout=TIMEOUT)
+    assert linear_state(model) == before
+    assert_like_generate(model, [results[i].generated_tokens for i in ids])
+
+
+def test_uninstall_restores_the_modules_of_a_run_in_progress() -> None:
+    model = tiny_llama()
+    before = linear_state(model)
+    with packed_linears(model, True) as swapped:
+        assert swapped == 15
+        assert linear_state(model) != before
+        transformers_cb.uninstall()
+        try:
+            assert linear_state(model) == before
+        finally:
+            transformers_cb.install()
+    assert linear_state(model) == before
+
+
+def test_training_and_plain_generate_untouched() -> None:
+    model, twin = tiny_llama(), tiny_llama()
+    ids = torch.tensor([PROMPTS[1]])
+    generate_packed(model)
+    with packed_linears(model, True):
+        # Autograd recording inside the block takes the plain products: gradients exist and match.
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    twin(ids, labels=ids).loss.backward()
+    assert torch.equal(loss, twin(ids, labels=ids).loss)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, twin(ids).logits)  # plain forward after the run: plain products
+    assert greedy_reference(model, PROMPTS[2], MAX_NEW) == greedy_reference(twin, PROMPTS[2], MAX_NEW)
+
+
+# -- fallback and config --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cause", ["no_onednn", "self_test_fails"])
+def test_fallback_warns_once_and_runs_plain(cause: str, monkeypatch, caplog) -> None:
+    if cause == "no_onednn":
+        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    else:
+        monkeypatch.setattr(packed_linear_module, "self_test", lambda dtype: "self-test: differs")
+    model = tiny_llama()
+    before = linear_state(model)
+    builds = PACKS.builds
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first = generate_packed(model)
+        second = generate_packed(model)
+    warnings = [r for r in caplog.records if r.name == LOGGER]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert ("oneDNN" if cause == "no_onednn" else "self-test") in warnings[0].getMessage()
+    assert PACKS.builds == builds and linear_state(model) == before
+    assert first == second
+    assert_like_generate(model, first)
+
+
+def test_available_here_and_refused_off_cpu_or_other_dtypes(caplog) -> None:
+    assert packed_linear_available(torch.float32, "cpu")
+    assert packed_linear_available(torch.bfloat16, "cpu")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert not packed_linear_available(torch.float16, "cpu")
+        assert not packed_linear_available(torch.float32, "cuda")
+    assert len([r for r in caplog.records if r.name == LOGGER]) == 1
+
+
+def test_config_field_default_off_and_validated() -> None:
+    assert ContinuousBatchingConfig().packed_linear is False
+    with pytest.raises(ValueError, match="packed_linear"):
+        ContinuousBatchingConfig(packed_linear=1)
