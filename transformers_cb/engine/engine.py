@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
@@ -29,6 +28,7 @@ from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request, RequestStatus
 from ..runner.model_runner import ModelRunner
+from ..runner.packed_linear import WeightKey
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.scheduler import Scheduler
@@ -38,6 +38,8 @@ from .snapshot import EngineCounters, EngineSnapshot
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
 
 if TYPE_CHECKING:
+    import torch
+
     from ..kv.layer_groups import KVGroupSpec
     from ..memory.sizing import ModelShape, Sizing
     from ..runner.step_options import StepOptions
@@ -56,17 +58,10 @@ class StepResult:
     num_tokens: int = 0
 
 
-def weights_fingerprint(model: PreTrainedModel) -> tuple[tuple[int, int], ...]:
-    """Each parameter's (address, version counter): changes when any weight is written in place or replaced
-    (a write through `.data` bumps neither; such callers recompute anyway: a fresh engine)."""
-    return tuple((p.data_ptr(), _version_of(p)) for p in model.parameters())
-
-
-def _version_of(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written in place)
-        return -1
+def weights_fingerprint(model: PreTrainedModel) -> tuple[WeightKey, ...]:
+    """What every parameter is now: changes when any weight is written in place or replaced (a write
+    through `.data` bumps no version counter; such callers recompute anyway: a fresh engine)."""
+    return tuple(WeightKey.of(p) for p in model.parameters())
 
 
 @dataclass

@@ -39,7 +39,7 @@ SELF_TEST_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)
 
 @dataclass(frozen=True)
 class WeightKey:
-    """What a pack was built from: any in-place write (version), new storage, dtype or layout changes it."""
+    """What a pack (or an engine's prefix cache, `Engine.drop_stale_prefix_cache`) was computed from: any in-place write (version), new storage, dtype or layout changes it."""
 
     version: int
     data_ptr: int
@@ -49,8 +49,12 @@ class WeightKey:
 
     @staticmethod
     def of(weight: torch.Tensor) -> WeightKey:
+        try:
+            version = weight._version
+        except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written in place)
+            version = -1
         return WeightKey(
-            weight._version, weight.data_ptr(), weight.dtype, tuple(weight.shape), tuple(weight.stride())
+            version, weight.data_ptr(), weight.dtype, tuple(weight.shape), tuple(weight.stride())
         )
 
 
