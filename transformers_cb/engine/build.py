@@ -40,8 +40,9 @@ from ..memory.swap import SwapCopier
 from ..runner.model_runner import ModelRunner
 from ..runner.packing import BatchPacker
 from ..runner.step_options import StepOptions, resolve_step_options
+from ..sampling.neutral import check_generation_config
 from ..sampling.request_state import SamplingSetup
-from ..sampling.sampler import Sampler, check_generation_config
+from ..sampling.sampler import Sampler
 from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .engine import Engine, EngineParts

@@ -1,7 +1,7 @@
 """Turning a step's logits into tokens: the processing stages, then argmax or a seeded draw.
 
 Which `GenerationConfig` options may be set at all is decided by config/generation_fields.py's table
-(`neutral.check_generation_config`, re-exported here); every processor `generate()` builds for an
+(`neutral.check_generation_config`); every processor `generate()` builds for an
 implemented option is applied (see processors.py and docs/sampling.md).
 """
 
@@ -15,12 +15,11 @@ import torch
 from ..invariants import present
 from . import openai, warpers
 from .grammars import GrammarCompiler
-from .neutral import check_generation_config
 from .params import NEUTRAL
 from .processors import Stage
 from .request_state import RequestSampling
 
-__all__ = ["Sampler", "Samples", "check_generation_config"]
+__all__ = ["Sampler", "Samples"]
 
 
 @dataclass
