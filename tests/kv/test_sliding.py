@@ -10,9 +10,8 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     GenerationConfig,
-    MambaConfig,
-    MambaForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -253,9 +252,11 @@ REFUSED_CONFIGS = {
         lambda: T5Config(num_layers=1, d_model=16, d_kv=4, num_heads=2, d_ff=32),
         "encoder-decoder",
     ),
-    "mamba": (lambda: MambaConfig(num_hidden_layers=1, hidden_size=16), "state-space"),
-    "jamba": (lambda: AutoConfig.for_model("jamba", num_hidden_layers=2), "state-space"),
-    "qwen3_next": (lambda: AutoConfig.for_model("qwen3_next", num_hidden_layers=4), "state-space"),
+    "recurrent_gemma": (
+        lambda: AutoConfig.for_model("recurrent_gemma", num_hidden_layers=2),
+        "cache of the model's own",
+    ),
+    "minimax": (lambda: AutoConfig.for_model("minimax", num_hidden_layers=2), "cache of the model's own"),
     "llama4_chunked": (lambda: AutoConfig.for_model("llama4_text", attention_chunk_size=8), "chunked"),
     "gemma3_bidirectional": (
         lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True),
@@ -276,22 +277,34 @@ def test_unsupported_models_are_refused_naming_type_and_reason(name: str) -> Non
 
 def test_unknown_layer_type_is_refused() -> None:
     config = build_tiny_model("qwen2_sliding").config
-    config.layer_types = ["full_attention", "linear_attention"]
+    config.layer_types = ["full_attention", "compressed_sparse_attention"]
     with pytest.raises(
-        NotImplementedError, match=r"model_type='qwen2' has layers of attention type \['linear_attention'\]"
+        NotImplementedError,
+        match=r"model_type='qwen2' has layers of attention type \['compressed_sparse_attention'\]",
     ):
         check_model_supported(config)
 
 
-@pytest.mark.parametrize("build", ["t5", "mamba"])
+@pytest.mark.parametrize("build", ["t5", "recurrent_gemma"])
 def test_refused_before_anything_is_allocated(build: str) -> None:
+    torch.manual_seed(0)
     if build == "t5":
-        torch.manual_seed(0)
         model = T5ForConditionalGeneration(
             T5Config(num_layers=1, d_model=16, d_kv=4, num_heads=2, d_ff=32, vocab_size=64)
         )
     else:
-        model = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=16, vocab_size=64))
+        config = AutoConfig.for_model(
+            "recurrent_gemma",
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            vocab_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            lru_width=32,
+        )
+        model = AutoModelForCausalLM.from_config(config)
     with (
         mock.patch.object(PagedKVCache, "__init__", side_effect=AssertionError("allocated")) as cache_init,
         pytest.raises(NotImplementedError, match=f"model_type='{model.config.model_type}'"),

@@ -231,17 +231,23 @@ def dispatch_problems(
     num_layers: int,
     kv_shapes: list[tuple[int, int]] | None,
     windows: list[int | None],
+    kv_layers: list[int] | None = None,
+    has_state: bool = False,
 ) -> list[str]:
     """Each clause of the contract the probe saw broken, as a phrase for the refusal.
 
     Args:
         kv_shapes: (KV heads, head dim) the cache is sized for, per layer; None skips the shape clause.
         windows: the sliding window of each layer's KV group (None: full attention).
+        kv_layers: the layers that cache K/V (None: every layer); the others must not attend.
+        has_state: the model has state layers, which order a request's tokens themselves (runner/
+            state_layers.py): a forward that ignores `position_ids` is then no problem.
     """
     if result.error is not None:
         return [f"a forward on token ids alone fails ({result.error})"]
     calls = result.calls
-    if not calls:
+    expected = set(range(num_layers) if kv_layers is None else kv_layers)
+    if not calls and expected:
         return ["its attention does not go through transformers' attention interface"]
     problems = []
     per_layer: dict[int | None, list[_Call]] = {}
@@ -261,9 +267,12 @@ def dispatch_problems(
             f"layers {repeated} call attention {len(per_layer[repeated[0]])} times per forward "
             "(e.g. differential attention); the cache holds one K/V write per layer"
         )
-    missing = sorted(set(range(num_layers)) - set(per_layer))
+    missing = sorted(expected - set(per_layer))
     if missing:
         problems.append(f"layers {missing} do not attend through the attention interface")
+    unexpected = sorted(i for i in per_layer if i is not None and i not in expected)
+    if unexpected:
+        problems.append(f"layers {unexpected} attend although their layer type caches no K/V")
     if result.mask_bias or any(c.mask_bias for c in calls):
         problems.append("its attention mask carries a bias (e.g. ALiBi), which the paged kernels do not add")
     if any(not c.causal for c in calls):
@@ -299,7 +308,7 @@ def dispatch_problems(
     unsupported = sorted({name for c in calls for name in c.unsupported})
     if unsupported:
         problems.append(f"its attention passes {unsupported}, which the paged kernels do not implement")
-    if not result.positions_used:
+    if not result.positions_used and not has_state:
         problems.append(
             "its forward ignores `position_ids` (it numbers the tokens of a packed step itself, so every "
             "sequence but the first would get wrong positions; or it has no positional encoding at all)"

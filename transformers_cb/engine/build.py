@@ -18,6 +18,8 @@ phases, so that what the engine uses is one object that can be read and tested:
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +35,16 @@ from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.page_policies import make_page_policy, num_pages_for
 from ..kv.pool import PagePool
+from ..kv.state_slots import StateSlots
 from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import CacheLayout, PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
+from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
+from ..runner.compile_plan import CompilePlan
 from ..runner.model_runner import ModelRunner
 from ..runner.packing import BatchPacker
+from ..runner.state_layers import StateLayers
 from ..runner.step_options import StepOptions, resolve_step_options
 from ..sampling.neutral import check_generation_config
 from ..sampling.request_state import SamplingSetup
@@ -47,8 +53,11 @@ from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
-from .model_support import check_model_supported, ignores_logits_to_keep
+from .model_support import check_model_supported, ignores_logits_to_keep, state_layout
 from .publisher import StepPublisher, TensorParallelPublisher
+from .state_probe import StateLayout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,6 +91,8 @@ class EnginePlan:
     seed: int | None
     # Every per-request processor stage built, neutral unless a request gives a value (the server's engine).
     all_request_stages: bool = False
+    # The model's state layers and their states' shapes (None: none); `sizing.num_state_slots` slots.
+    states: StateLayout | None = None
 
     @property
     def group_pages(self) -> tuple[int, ...]:
@@ -110,6 +121,7 @@ def resolve_plan(
     generation = resolve_generation_config(model, generation_config)
     check_generation_config(generation)
     check_model_supported(model)
+    states = state_layout(model)
     kv_groups = tuple(kv_groups_from_config(model.config))
     # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
     shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
@@ -117,7 +129,7 @@ def resolve_plan(
     first_param = next(model.parameters())
     device, dtype = first_param.device, first_param.dtype
     device_options = resolve_device_options(config, device.type)
-    sizing = resolve_sizing(config, shape, device, dtype, workload)
+    sizing = resolve_sizing(config, shape, device, dtype, workload, states.bytes_per_slot if states else 0)
     if tp is not None:
         sizing = tp.agree_sizing(sizing)
     has_sliding = any(spec.sliding_window is not None for spec in kv_groups)
@@ -132,6 +144,8 @@ def resolve_plan(
         workload,
         ignores_logits_to_keep(model),
     )
+    if states is not None:
+        step_options = _without_traced_steps(step_options)
     group_pages, group_widths = resolve_group_pages(sizing, list(kv_groups), config, workload)
     cache = CacheLayout(
         num_layers=shape.num_layers,
@@ -146,7 +160,9 @@ def resolve_plan(
     )
     # CPU offload: under tensor parallelism every rank holds as many host pages (the fewest any rank
     # can afford), so that rank 0's host page ids are valid everywhere.
-    num_host_pages = resolve_host_pages(config, cache, workload)
+    num_host_pages = resolve_host_pages(config, cache, workload) if states is None else 0
+    if states is not None:
+        _note_state_limits(config)
     if tp is not None:
         num_host_pages = tp.agree_host_pages(num_host_pages)
     plan = EnginePlan(
@@ -165,7 +181,7 @@ def resolve_plan(
         num_host_pages=num_host_pages,
         scheduler_type=config.scheduler_type,
         safety_margin=config.resolved_safety_margin,
-        sharing=config.allow_block_sharing,
+        sharing=config.allow_block_sharing and states is None,
         max_queue_size=config.max_queue_size,
         per_request_processors=config.per_request_processors,
         return_logprobs=config.return_logprobs,
@@ -173,6 +189,7 @@ def resolve_plan(
         prompt_logprobs=config.prompt_logprobs,
         seed=config.seed,
         all_request_stages=all_request_stages,
+        states=states,
     )
     return plan, tp
 
@@ -200,6 +217,12 @@ def wire(
     if plan.num_host_pages:
         offload = CpuOffload(policies, plan.num_host_pages)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.num_host_pages).tensors)
+    slots, states = None, None
+    if plan.states is not None:
+        slots = StateSlots(plan.sizing.num_state_slots)
+        states = StateLayers(
+            plan.states.modules, StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device)
+        )
     scheduler = Scheduler(
         pages,
         max_batch_tokens=plan.sizing.max_batch_tokens,
@@ -207,8 +230,10 @@ def wire(
         safety_margin=plan.safety_margin,
         policy=make_policy(plan.scheduler_type),
         offload=offload,
+        state_slots=slots,
     )
     packer = BatchPacker(cache, list(plan.group_widths), plan.device, plan.initial_pages)
+    packer.state_layers = states is not None
     sampling = SamplingSetup(
         plan.generation_config,
         plan.device,
@@ -223,7 +248,7 @@ def wire(
         all_request_stages=plan.all_request_stages,
     )
     sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
-    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper)
+    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper, states)
     parts = EngineParts(
         model=model,
         pages=pages,
@@ -238,6 +263,34 @@ def wire(
     if tp is not None and not tp.is_driver:
         return FollowerEngine(plan, parts, tp)
     return Engine(plan, parts)
+
+
+def _without_traced_steps(options: StepOptions) -> StepOptions:
+    """A state model's step splits its state layers by request in Python (runner/state_layers.py), which
+    neither `torch.compile` nor a CUDA graph captures: those steps run eagerly."""
+    if options.compile_plan != CompilePlan() or any(options.cuda_graphs) or options.async_batching:
+        logger.warning(
+            "state layers: compiled steps, CUDA graphs and async batching are off for this model (its state "
+            "layers run each request's rows at its own slot, eagerly)"
+        )
+    return dataclasses.replace(
+        options, compile_plan=CompilePlan(), cuda_graphs=(False, False), async_batching=False
+    )
+
+
+def _note_state_limits(config: ContinuousBatchingConfig) -> None:
+    """What a model with state layers does not use, said once (the state of a token cannot be looked up
+    from a cached page: only recomputed)."""
+    if config.allow_block_sharing:
+        logger.info(
+            "state layers: prefix sharing is off for this model (a cached prefix's pages do not hold the "
+            "recurrent state after it); forks (num_return_sequences) compute their prompt each"
+        )
+    if config.cpu_offload_space:
+        logger.info(
+            "state layers: cpu_offload_space is not used for this model: a preempted request recomputes "
+            "its KV and its state"
+        )
 
 
 def build_engine(

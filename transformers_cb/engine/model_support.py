@@ -37,40 +37,14 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..distributed.sharding import tp_size_of
-from ..kv.layer_groups import HEAD_SHAPE_ATTRIBUTES, kv_groups_from_config, layer_to_group
+from ..kv.layer_groups import HEAD_SHAPE_ATTRIBUTES, kv_groups_from_config, kv_layer_indices, layer_to_group
 from ..memory.sizing import ModelShape
 from .attention_probe import dispatch_problems, run_probe
+from .state_probe import StateLayout, state_problems
 
-# Model types whose decoder mixes attention with recurrent (state-space / linear-attention) blocks.
-RECURRENT_MODEL_TYPES = frozenset(
-    {
-        "bamba",
-        "falcon_h1",
-        "falcon_mamba",
-        "granitemoehybrid",
-        "jamba",
-        "lfm2",
-        "lfm2_moe",
-        "mamba",
-        "mamba2",
-        "minimax",
-        "nemotron_h",
-        "plamo2",
-        "qwen3_next",
-        "recurrent_gemma",
-        "rwkv",
-        "xlstm",
-        "zamba",
-        "zamba2",
-    }
-)
-# Config attributes that only recurrent hybrids carry.
-RECURRENT_CONFIG_ATTRIBUTES = (
-    "layers_block_type",
-    "hybrid_override_pattern",
-    "attn_layer_indices",
-    "mamba_expand",
-)
+# Recurrent models whose state is not kept through transformers' linear-attention cache API (their own
+# cache classes, or recurrences the API does not carry): the state slots cannot hold it.
+OWN_STATE_MODEL_TYPES = frozenset({"minimax", "plamo2", "recurrent_gemma", "rwkv", "xlstm"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits, which the paged kernels
 # do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
 ALIBI_FLAGS = ("alibi", "use_alibi")
@@ -81,6 +55,7 @@ class _Verdict:
     fingerprint: str
     problems: list[str]
     ignores_logits_to_keep: bool
+    states: StateLayout | None  # the model's state layers (None: none)
 
 
 # The probe's verdict per model object and config (its forward does not change between engines; a config
@@ -118,6 +93,8 @@ def check_model_supported(model: PreTrainedModel | Any) -> None:
     problems = _probe_problems(model, config, kv_groups)
     if problems:
         _refuse(model_type, "; ".join(problems))
+    if state_layout(model) is not None and tp_size_of(model) > 1:
+        _refuse(model_type, "state layers under tensor parallelism (tp_size > 1) are not supported yet")
 
 
 def _no_interface_reason(model: PreTrainedModel) -> str:
@@ -146,13 +123,11 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         _refuse(model_type, "encoder-decoder models are not supported (decoder-only causal LMs only)")
-    if getattr(text_config, "model_type", None) in RECURRENT_MODEL_TYPES or any(
-        getattr(text_config, name, None) is not None for name in RECURRENT_CONFIG_ATTRIBUTES
-    ):
+    if getattr(text_config, "model_type", None) in OWN_STATE_MODEL_TYPES:
         _refuse(
             model_type,
-            "state-space / linear-attention layers keep a recurrent state, not a paged KV cache; "
-            "only full and sliding-window attention layers are supported",
+            "its recurrent layers keep their state in a cache of the model's own, not through transformers' "
+            "linear-attention cache API, which the per-request state slots hold",
         )
     if getattr(text_config, "attention_chunk_size", None) is not None:
         _refuse(model_type, "chunked (local block) attention is not implemented by the paged kernels")
@@ -191,17 +166,28 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
         return []
     shape = ModelShape.from_config(config)
     num_layers = shape.num_layers
-    windows = [kv_groups[g].sliding_window for g in layer_to_group(kv_groups, num_layers)]
+    kv_layers = kv_layer_indices(config)
+    windows = [
+        kv_groups[g].sliding_window if g >= 0 else None
+        for g in layer_to_group(kv_groups, num_layers, kv_layers)
+    ]
+    layout, problems = state_problems(model, config)
+    if problems:
+        if fingerprint is not None:
+            _probed[model] = _Verdict(fingerprint, problems, False, None)
+        return problems
     result = run_probe(model)
-    if not result.calls and (
-        result.error is None or not getattr(type(model), "_supports_attention_backend", False)
+    if (
+        not result.calls
+        and kv_layers
+        and (result.error is None or not getattr(type(model), "_supports_attention_backend", False))
     ):
         problems = [_no_interface_reason(model)]
     else:
         kv_shapes = [shape.layer_head_shape(i) for i in range(num_layers)]
-        problems = dispatch_problems(result, num_layers, kv_shapes, windows)
+        problems = dispatch_problems(result, num_layers, kv_shapes, windows, kv_layers, layout is not None)
     if fingerprint is not None:
-        _probed[model] = _Verdict(fingerprint, problems, not result.keeps_rows)
+        _probed[model] = _Verdict(fingerprint, problems, not result.keeps_rows, layout)
     return problems
 
 
@@ -211,3 +197,19 @@ def ignores_logits_to_keep(model: PreTrainedModel) -> bool:
     weights, tensor parallelism): the runner still selects rows whose count betrays it."""
     verdict = _probed.get(model)
     return verdict is not None and verdict.ignores_logits_to_keep
+
+
+def state_layout(model: PreTrainedModel) -> StateLayout | None:
+    """The model's state layers and their states' shapes (engine/state_probe.py), learned by the support
+    check (probed again here when the check was skipped or its config changed); None: no state layers."""
+    verdict = _probed.get(model)
+    try:
+        fingerprint: str | None = model.config.to_json_string()
+    except (TypeError, ValueError):
+        fingerprint = None
+    if verdict is not None and verdict.fingerprint == fingerprint and not verdict.problems:
+        return verdict.states
+    layout, problems = state_problems(model, model.config)
+    if problems:
+        _refuse(_named(model.config, model.config.get_text_config()), "; ".join(problems))
+    return layout

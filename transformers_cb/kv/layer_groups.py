@@ -9,8 +9,11 @@ Where the type of each layer comes from:
 - `config.layer_types` when present (Gemma 2/3, Qwen2, Cohere2, GPT-OSS, ...);
 - otherwise `config.sliding_window` (with `use_sliding_window` when the config
   has it) makes every layer sliding: that is Mistral's convention.
-Any other layer type (linear attention, chunked attention, state-space blocks)
-is refused by `model_support.check_model_supported` before anything is allocated.
+Layers that keep a fixed-size recurrent state instead of a growing KV (transformers' `linear_attention`
+and `conv` layer types: gated delta rule, Mamba, short convolutions) belong to no KV group: their state
+lives in per-request state slots (memory/state_cache.py). transformers' `hybrid` layers hold both a state
+and full-attention KV (`hybrid_sliding`: sliding KV); `moe` / `mlp` layers hold nothing. Any other layer
+type (chunked attention, ...) is refused before anything is allocated.
 
 Per-layer head shapes (transformers' `per_layer_config`, e.g. Gemma 4: head_dim 256 and 8 KV heads
 on sliding layers, 512 and 1 on full ones): a group is keyed by (attention kind, window, KV heads,
@@ -29,6 +32,16 @@ from ..invariants import check
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# transformers' layer types (cache_utils: `DYNAMIC_LAYER_TYPE_MAPPING`) with a recurrent state, and the
+# attention kind of their KV (None: no KV at all).
+STATE_LAYER_TYPES: dict[str, str | None] = {
+    "linear_attention": None,
+    "conv": None,
+    "hybrid": FULL_ATTENTION,
+    "hybrid_sliding": SLIDING_ATTENTION,
+}
+# Layer types with neither KV nor state (a feed-forward block in a layer list of its own).
+STATELESS_LAYER_TYPES = frozenset({"moe", "mlp"})
 # The per-layer attributes (`per_layer_config`) that only change a layer's KV head shape.
 HEAD_SHAPE_ATTRIBUTES = frozenset({"head_dim", "num_key_value_heads"})
 
@@ -66,6 +79,26 @@ def layer_types_of(text_config: Any) -> list[str]:
     return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * num_layers
 
 
+def kv_kind_of(layer_type: str) -> str | None:
+    """The attention kind whose KV a layer of `layer_type` caches (None: no KV; unknown types are kept
+    as they are, for `kv_groups_from_config` to refuse)."""
+    if layer_type in STATE_LAYER_TYPES:
+        return STATE_LAYER_TYPES[layer_type]
+    if layer_type in STATELESS_LAYER_TYPES:
+        return None
+    return layer_type
+
+
+def state_layer_indices(config: Any) -> list[int]:
+    """The decoder layers that keep a recurrent state (transformers' state-holding layer types)."""
+    return [i for i, t in enumerate(layer_types_of(config.get_text_config())) if t in STATE_LAYER_TYPES]
+
+
+def kv_layer_indices(config: Any) -> list[int]:
+    """The decoder layers that cache K/V (every layer but the state-only and feed-forward-only ones)."""
+    return [i for i, t in enumerate(layer_types_of(config.get_text_config())) if kv_kind_of(t) is not None]
+
+
 def layer_head_shapes(text_config: Any) -> list[tuple[int, int]] | None:
     """(KV heads, head dim) of every decoder layer, read through the config's per-layer accessor
     (`per_layer_config[i]`) when its head shape varies per layer; None when every layer has the global one."""
@@ -85,8 +118,8 @@ def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
     """Full-attention groups first (when present), then the sliding ones; with per-layer head shapes,
     one group per (kind, head shape), in layer order. Raises on unknown types."""
     text_config = config.get_text_config()
-    layer_types = layer_types_of(text_config)
-    unknown = sorted(set(layer_types) - set(KNOWN_LAYER_TYPES))
+    layer_types = [kv_kind_of(t) for t in layer_types_of(text_config)]
+    unknown = sorted({t for t in layer_types if t is not None} - set(KNOWN_LAYER_TYPES))
     if unknown:
         model_type = getattr(text_config, "model_type", "?")
         raise NotImplementedError(
@@ -111,11 +144,15 @@ def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
     return groups
 
 
-def layer_to_group(groups: list[KVGroupSpec], num_layers: int) -> list[int]:
-    """`result[layer_idx]` = index of the group holding that layer."""
+def layer_to_group(
+    groups: list[KVGroupSpec], num_layers: int, kv_layers: list[int] | None = None
+) -> list[int]:
+    """`result[layer_idx]` = index of the group holding that layer (-1: a layer without KV, which
+    `kv_layers`, the layers that cache K/V, leaves out; None: every layer caches K/V)."""
     mapping = [-1] * num_layers
     for g, spec in enumerate(groups):
         for layer in spec.layer_indices:
             mapping[layer] = g
-    check(-1 not in mapping, f"layers without a KV group: {mapping}")
+    expected = range(num_layers) if kv_layers is None else kv_layers
+    check(all(mapping[i] != -1 for i in expected), f"layers without a KV group: {mapping}")
     return mapping

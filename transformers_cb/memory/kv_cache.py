@@ -104,7 +104,10 @@ class PagedKVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.groups = groups or [KVGroupSpec(FULL_ATTENTION, tuple(range(num_layers)))]
-        self.layer_group = layer_to_group(self.groups, num_layers)
+        # Layers of no group (state-only layers of a hybrid: memory/state_cache.py) have no K/V here.
+        self.layer_group = layer_to_group(
+            self.groups, num_layers, [layer for spec in self.groups for layer in spec.layer_indices]
+        )
         pages_per_group = num_pages if isinstance(num_pages, list) else [num_pages] * len(self.groups)
         check(len(pages_per_group) == len(self.groups), f"{pages_per_group} pages for groups {self.groups}")
         self.layout = CacheLayout(

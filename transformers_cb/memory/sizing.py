@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..kv.layer_groups import KVGroupSpec, layer_head_shapes
+from ..kv.layer_groups import KVGroupSpec, kv_layer_indices, layer_head_shapes
 from ..kv.page_policies import num_pages_for
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
@@ -50,13 +50,17 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     layer_head_shapes: tuple[tuple[int, int], ...] = ()
+    # The layers that cache K/V (None: every layer; a hybrid's state-only layers cache none).
+    kv_layers: tuple[int, ...] | None = None
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         config = config.get_text_config()
-        num_heads = config.num_attention_heads
+        # State-space models (Mamba) have no attention heads: their shape only sizes the step buffers.
+        num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
         hidden = config.hidden_size
         per_layer = layer_head_shapes(config)
+        kv_layers = kv_layer_indices(config)
         if per_layer:
             num_kv_heads, head_dim = per_layer[0]
         else:
@@ -71,6 +75,7 @@ class ModelShape:
             vocab_size=config.vocab_size,
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2**31 - 1,
             layer_head_shapes=tuple(per_layer or ()),
+            kv_layers=None if len(kv_layers) == config.num_hidden_layers else tuple(kv_layers),
         )
 
     def layer_head_shape(self, layer_idx: int) -> tuple[int, int]:
@@ -80,8 +85,9 @@ class ModelShape:
         return self.num_kv_heads, self.head_dim
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        """K and V of one token in every layer (each layer with its own head shape)."""
-        elements = sum(h * d for h, d in map(self.layer_head_shape, range(self.num_layers)))
+        """K and V of one token in every layer that caches them (each layer with its own head shape)."""
+        layers = range(self.num_layers) if self.kv_layers is None else self.kv_layers
+        elements = sum(h * d for h, d in map(self.layer_head_shape, layers))
         return 2 * elements * element_size
 
     def activation_bytes_per_token(self, element_size: int) -> int:
@@ -96,6 +102,8 @@ class Sizing:
     max_batch_tokens: int
     max_requests_per_batch: int
     max_pages_per_request: int
+    # Per-request state slots of a model with state layers (0: none; memory/state_cache.py).
+    num_state_slots: int = 0
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -111,8 +119,10 @@ def resolve_sizing(
     device: torch.device,
     dtype: torch.dtype,
     workload: list[int] | None = None,
+    state_bytes_per_slot: int = 0,
 ) -> Sizing:
-    """Args: workload: the KV length each known request reaches at most (None: unknown, e.g. a server)."""
+    """Args: workload: the KV length each known request reaches at most (None: unknown, e.g. a server);
+    state_bytes_per_slot: one request's recurrent state in every state layer (0: no state layers)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
     percent = config.max_memory_percent or (0.9 if device.type == "cuda" else 0.5)
     budget = int(free_memory_bytes(device) * percent)
@@ -131,11 +141,18 @@ def resolve_sizing(
 
     page_size = config.page_size
     num_pages = config.num_blocks
+    cache_budget = budget - batch_budget
+    if device.type == "cpu":
+        cache_budget = min(cache_budget, CPU_CACHE_CAP_BYTES)
+    num_slots = 0
+    if state_bytes_per_slot:
+        # One slot per request that may run at once, taking at most half of the cache's budget: the
+        # pages get the rest (a request holds one slot and its pages).
+        affordable = (cache_budget // 2) // state_bytes_per_slot
+        num_slots = max(1, min(max_requests, affordable))
+        cache_budget -= num_slots * state_bytes_per_slot
     if num_pages is None:
-        cache_budget = budget - batch_budget
-        if device.type == "cpu":
-            cache_budget = min(cache_budget, CPU_CACHE_CAP_BYTES)
-        num_pages = cache_budget // (shape.kv_bytes_per_token(element_size) * page_size)
+        num_pages = cache_budget // max(1, shape.kv_bytes_per_token(element_size) * page_size)
         if workload:
             needed = sum(num_pages_for(n, page_size) for n in workload)
             # Headroom for the safety margin: without it the last requests of the workload
@@ -154,6 +171,7 @@ def resolve_sizing(
         max_batch_tokens=max_batch_tokens,
         max_requests_per_batch=max_requests,
         max_pages_per_request=max_pages_per_request,
+        num_state_slots=num_slots,
     )
 
 

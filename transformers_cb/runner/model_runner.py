@@ -12,7 +12,7 @@ ask for prompt logprobs, their prompt positions), and samples. It returns a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
 from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
+from .state_layers import StateLayers
 
 if TYPE_CHECKING:
     from ..sampling.processors import Stage
@@ -49,7 +50,8 @@ class StepOutput:
 
 class ModelRunner:
     """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
-    swapper: the copier between the device and the host tier (None: no CPU offload)."""
+    swapper: the copier between the device and the host tier (None: no CPU offload); states: the
+    model's state layers and their slots' tensors (None: no state layers)."""
 
     def __init__(
         self,
@@ -58,8 +60,10 @@ class ModelRunner:
         sampler: Sampler,
         options: StepOptions | None = None,
         swapper: SwapCopier | None = None,
+        states: StateLayers | None = None,
     ) -> None:
         self.model = model
+        self.states = states
         self.packer = packer
         self.sampler = sampler
         self.swapper = swapper
@@ -153,15 +157,16 @@ class ModelRunner:
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
         traceable = step.metadata.all_native or (self.options is not None and self.options.is_flash)
-        logits = call_model(
-            self.forwards(path, step.input_ids.shape[1], traceable),
-            step.input_ids,
-            step.position_ids,
-            self._no_mask,
-            keep,
-            step.metadata,
-            self.options is not None and self.options.select_logit_rows,
-        ).float()  # [S (+ P), vocab]
+        with self.states.step(step.states) if self.states is not None else nullcontext():
+            logits = call_model(
+                self.forwards(path, step.input_ids.shape[1], traceable),
+                step.input_ids,
+                step.position_ids,
+                self._no_mask,
+                keep,
+                step.metadata,
+                self.options is not None and self.options.select_logit_rows,
+            ).float()  # [S (+ P), vocab]
         if not step.prompt_indices:
             return logits[:num_sampled], None
         return logits[:num_sampled], logits[num_sampled:]

@@ -24,6 +24,7 @@ from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 from ..scheduler.plan import ScheduledRequest, StepPlan
+from .state_layers import StateTable
 
 # A float32 decode group may do at most this much more attention work than its real KV lengths need.
 DECODE_PADDING_BOUND = 1.25
@@ -46,6 +47,29 @@ class PackedStep:
     # (request, first prompt index scored, count) in the same order.
     prompt_indices: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
+    # Each request's rows and state slot, for a model with state layers (runner/state_layers.py).
+    states: StateTable | None = None
+
+
+def state_table(ordered: list[ScheduledRequest], device: torch.device) -> StateTable:
+    """The state table of a step packed in `ordered` order: the leading one-token rows of requests that
+    have a state run as one batch, every other entry as a span of its own."""
+    num_decodes = 0
+    while (
+        num_decodes < len(ordered) and ordered[num_decodes].num_tokens == 1 and ordered[num_decodes].start > 0
+    ):
+        num_decodes += 1
+    spans = []
+    row = num_decodes
+    for entry in ordered[num_decodes:]:
+        spans.append((row, entry.num_tokens, entry.state_slot, entry.start == 0))
+        row += entry.num_tokens
+    slots = [entry.state_slot for entry in ordered[:num_decodes]]
+    return StateTable(
+        decode_slots=torch.tensor(slots, dtype=torch.int64, device=device) if slots else None,
+        num_decode_rows=num_decodes,
+        spans=spans,
+    )
 
 
 def decode_padding_bound(dtype: torch.dtype) -> float:
@@ -104,7 +128,7 @@ class BatchPacker:
         native: bool | None = None,
     ) -> None:
         self.cache = cache
-        dtype = cache.keys[0].dtype if cache.keys else torch.float32
+        dtype = cache.layout.dtype
         self.native = native is not False and native_supported(device, dtype)
         self.decode_padding_bound = decode_padding_bound(dtype)
         if native and not self.native:
@@ -122,6 +146,8 @@ class BatchPacker:
             for g in range(num_groups)
         ]
         self._page_offsets = torch.arange(self.page_size, device=device)
+        # The model has state layers: each step carries its `StateTable` (set by the engine's builder).
+        self.state_layers = False
         # Narrowest block table handed to the native kernel: the runner sets MIN_COMPILED_TABLE_COLUMNS
         # when the torch backends' forward is compiled.
         self.min_table_columns = 1
@@ -188,6 +214,7 @@ class BatchPacker:
             metadata=metadata,
             prompt_indices=prompt_indices,
             prompt_spans=prompt_spans,
+            states=state_table(ordered, self.device) if self.state_layers else None,
         )
 
     def _group_metadata(

@@ -32,6 +32,8 @@ class ScheduledRequest:
     request: Request
     start: int
     num_tokens: int
+    # The request's state slot (kv/state_slots.py) in a model with state layers; -1 otherwise.
+    state_slot: int = -1
 
     @property
     def end(self) -> int:

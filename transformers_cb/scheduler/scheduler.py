@@ -20,6 +20,7 @@ from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
+from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .plan import ScheduledRequest, StepPlan
@@ -56,6 +57,8 @@ class Scheduler:
         offload: the host tier's planner (CPU offload), given explicitly rather than behind the
             facade (see kv/page_manager.py): preempted requests swap out and back instead of
             recomputing while it has room; None: always recompute.
+        state_slots: the per-request state slots of a model with state layers (None: no state
+            layers): a running request holds one, admission needs a free one.
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class Scheduler:
         safety_margin: float,
         policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
+        state_slots: StateSlots | None = None,
     ) -> None:
         self.pages = pages
+        self.state_slots = state_slots
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.safety_margin = safety_margin
@@ -126,7 +131,8 @@ class Scheduler:
                 if request.generated_ids and request.num_remaining_tokens == 1
                 else RequestStatus.PREFILLING
             )
-            scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens)
+            slot = -1 if self.state_slots is None else self.state_slots.slot_of(request.request_id)
+            scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens, slot)
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
@@ -165,7 +171,9 @@ class Scheduler:
             return None
         num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
         # A swapped-in request holds its pages again: it is admitted (at least one token fits).
-        if not (swapped_in or (gate.is_open and num_tokens > 0 and self._admits())):
+        if not (
+            swapped_in or (gate.is_open and num_tokens > 0 and self._admits() and self._has_state_slot())
+        ):
             gate.close()
             if hit:  # waiting requests hold no pages: the hit goes back to the cache
                 self.pages.detach_prefix(request)
@@ -178,7 +186,12 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         self.pages.promise(request)
+        if self.state_slots is not None:
+            self.state_slots.acquire(request.request_id)
         return num_tokens
+
+    def _has_state_slot(self) -> bool:
+        return self.state_slots is None or self.state_slots.has_free()
 
     def _attach_prefix(self, request: Request) -> bool:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
@@ -280,6 +293,8 @@ class Scheduler:
 
     def _free_pages(self, request: Request) -> None:
         self.pages.free(request)  # with its promises of pages not computed yet
+        if self.state_slots is not None:  # a state without its KV is recomputed with it
+            self.state_slots.release(request.request_id)
 
     def _fail_unfittable(self, request: Request, plan: StepPlan) -> None:
         self.finish(
@@ -372,6 +387,8 @@ class Scheduler:
         self.pages.check_integrity(self.live_requests(), self.running, kept)
         if self.offload is not None:
             self.offload.check_integrity({request.request_id for request in self.waiting})
+        if self.state_slots is not None:
+            self.state_slots.check_integrity({request.request_id for request in self.running})
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),

@@ -1,0 +1,299 @@
+"""State layers in the packed step: each request's recurrent state read and written at its own slot.
+
+A hybrid model's state layers (gated delta rule, Mamba, short convolutions) keep their per-request state
+through transformers' linear-attention cache API: `get_conv_state`, `get_recurrent_state`,
+`update_conv_state`, `update_recurrent_state`, `is_recording_past`, `has_previous_state`. Their forward,
+called with the packed step's `[1, T, hidden]`, would run every request's tokens as one sequence; so,
+for the run, each state module's forward is replaced (an instance attribute, deleted afterwards) by one
+that splits the step by the step's `StateTable`:
+
+- the decode rows (one token of a request that has a state; the packer puts them first) run as one
+  batch `[D, 1, hidden]`, their slots' states gathered, updated by the module's own one-token path, and
+  scattered back;
+- every other row span (a prefill chunk: fresh, or continuing the request's state across a chunk
+  boundary) runs as a batch of one with its slot's state.
+
+The module's own code runs unchanged against `SlotStateView`, a view of the slots in transformers' cache
+API, so each family's arithmetic is transformers' own (the same code `generate()` runs). The table of a
+step is set in the `step_states` context variable by the runner for the forward's duration.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..invariants import InvariantError
+from ..memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
+
+# The cache API names a state module's forward calls (any of them marks a state module).
+STATE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
+# The parameter a state module takes transformers' cache through.
+CACHE_PARAMETERS = ("cache_params", "past_key_values")
+
+
+@dataclass
+class StateTable:
+    """Where each request's rows of the packed step are, and its slot.
+
+    `decode_slots`: the slots of rows `[0, len(decode_slots))`, one token each of requests that have a
+    state (None when there are none); `spans`: (first row, rows, slot, fresh) of every other request
+    (fresh: the request has no state yet, its first chunk)."""
+
+    decode_slots: torch.Tensor | None
+    num_decode_rows: int
+    spans: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+
+_step_states: contextvars.ContextVar[StateTable | None] = contextvars.ContextVar("step_states", default=None)
+
+
+@contextmanager
+def step_states(table: StateTable | None) -> Iterator[None]:
+    """Make `table` the state table of the forward run inside."""
+    token = _step_states.set(table)
+    try:
+        yield
+    finally:
+        _step_states.reset(token)
+
+
+class SlotStateView:
+    """transformers' linear-attention cache API over slots `slots` of `cache`, for one call of one layer.
+
+    What the layer reads is gathered from the slots' rows and what it leaves (the states it updated in
+    place or through `update_*`) is written back by `write_back()` after the call. `fresh`: the rows
+    start a request (no previous state, as transformers' cache before its first update)."""
+
+    def __init__(self, cache: StateCache, slots: torch.Tensor, fresh: bool) -> None:
+        self.cache = cache
+        self.slots = slots
+        self.fresh = fresh
+        self._held: dict[tuple[int, str, int], torch.Tensor] = {}
+
+    def _rows(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
+        key = (layer_idx, kind, state_idx)
+        if key not in self._held:
+            storage = self.cache.tensor(*key)
+            if storage is None:
+                return None
+            self._held[key] = storage.index_select(0, self.slots)
+        return self._held[key]
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self._rows(layer_idx, CONV, state_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return None if self.fresh else self._rows(layer_idx, RECURRENT, state_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return not self.fresh
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """As transformers' `LinearAttentionLayer.update_conv_state`: the window the convolution sees
+        (the previous state then the new inputs; a first chunk left-padded with zeros to the kernel),
+        of which the last kernel-size columns are the new state."""
+        key = (layer_idx, CONV, state_idx)
+        storage = self.cache.tensor(*key)
+        if storage is None:
+            raise InvariantError(f"layer {layer_idx} updates a conv state {state_idx} its probe never saw")
+        width = storage.shape[-1]
+        previous = None if self.fresh else self._rows(*key)
+        if previous is None:
+            full = conv_states
+            if full.shape[-1] < width:
+                full = torch.nn.functional.pad(full, (width - full.shape[-1], 0), value=0)
+        else:
+            full = torch.cat([previous, conv_states], dim=-1)
+        self._held[key] = full[..., -width:].to(storage.dtype)
+        return full
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        key = (layer_idx, RECURRENT, state_idx)
+        storage = self.cache.tensor(*key)
+        if storage is None:
+            raise InvariantError(
+                f"layer {layer_idx} updates a recurrent state {state_idx} its probe never saw"
+            )
+        # A copy, as transformers' cache copies into its own tensor.
+        self._held[key] = recurrent_states.to(storage.dtype, copy=True)
+        return self._held[key]
+
+    def write_back(self) -> None:
+        """Store what the layer left in its slots' rows."""
+        for key, rows in self._held.items():
+            self.cache.tensors[key].index_copy_(0, self.slots, rows)
+
+
+class StateRecorder:
+    """The same API during the probe: one fresh request of batch 1, whose states' shapes and dtypes it
+    records (`specs`) instead of storing them."""
+
+    def __init__(self) -> None:
+        self.specs: dict[tuple[int, str, int], StateSpec] = {}
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
+        return None
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return False
+
+    def is_recording_past(self, layer_idx: int | None = None) -> bool:
+        return False
+
+    def update_conv_state(
+        self,
+        conv_states: torch.Tensor,
+        layer_idx: int,
+        state_idx: int = 0,
+        conv_kernel_size: int | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        width = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
+        shape = (*conv_states.shape[1:-1], width)
+        self.specs[(layer_idx, CONV, state_idx)] = StateSpec(
+            layer_idx, CONV, state_idx, shape, conv_states.dtype
+        )
+        if conv_states.shape[-1] < width:
+            conv_states = torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0), value=0)
+        return conv_states
+
+    def update_recurrent_state(
+        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
+    ) -> torch.Tensor:
+        shape = tuple(recurrent_states.shape[1:])
+        self.specs[(layer_idx, RECURRENT, state_idx)] = StateSpec(
+            layer_idx, RECURRENT, state_idx, shape, recurrent_states.dtype
+        )
+        return recurrent_states
+
+
+def is_state_module(module: nn.Module) -> bool:
+    """Whether `module`'s forward keeps a state through transformers' linear-attention cache API."""
+    forward = type(module).__dict__.get("forward")
+    if forward is None or not type(module).__module__.startswith("transformers."):
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return any(name in source for name in STATE_API)
+
+
+def cache_parameter(module: nn.Module) -> str | None:
+    """The name of the forward's cache parameter (`cache_params` or `past_key_values`), None when the
+    forward does not take `(hidden_states, <cache>, attention_mask, ...)`."""
+    parameters = list(inspect.signature(type(module).forward).parameters)
+    if len(parameters) < 4 or parameters[1] != "hidden_states" or parameters[3] != "attention_mask":
+        return None
+    return parameters[2] if parameters[2] in CACHE_PARAMETERS else None
+
+
+def state_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """The model's state modules by `layer_idx` (a module without one is keyed -1)."""
+    found: dict[int, nn.Module] = {}
+    for module in model.modules():
+        if is_state_module(module):
+            layer_idx = getattr(module, "layer_idx", None)
+            found[layer_idx if isinstance(layer_idx, int) else -1] = module
+    return found
+
+
+def _call(original: Callable[..., Any], name: str, hidden: torch.Tensor, view: Any) -> torch.Tensor:
+    return original(hidden, **{name: view, "attention_mask": None})
+
+
+def run_with_recorder(module: nn.Module, hidden: torch.Tensor, recorder: StateRecorder) -> None:
+    """Run `module`'s own forward once on `hidden` `[1, tokens, hidden]` against `recorder`."""
+    name = cache_parameter(module)
+    if name is None:
+        raise InvariantError(f"{type(module).__name__} does not take (hidden_states, cache, attention_mask)")
+    out = _call(module.forward, name, hidden, recorder)
+    if not isinstance(out, torch.Tensor) or out.shape[:2] != hidden.shape[:2]:
+        raise InvariantError(
+            f"{type(module).__name__} returns {type(out).__name__} {getattr(out, 'shape', '')}, not one "
+            f"tensor of its input's {tuple(hidden.shape[:2])} rows"
+        )
+
+
+def _split_forward(original: Callable[..., Any], name: str, cache: StateCache) -> Callable[..., Any]:
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        table = _step_states.get()
+        if table is None:  # not a step of ours (e.g. the support probe): the module as transformers wrote it
+            return original(hidden_states, *args, **kwargs)
+        pieces: list[tuple[int, torch.Tensor]] = []
+        rows = table.num_decode_rows
+        if rows:
+            view = SlotStateView(cache, table.decode_slots, fresh=False)  # type: ignore[arg-type]
+            out = _call(original, name, hidden_states[0, :rows].unsqueeze(1), view)
+            view.write_back()
+            pieces.append((0, out[:, 0]))
+        for first, count, slot, fresh in table.spans:
+            slots = torch.tensor([slot], dtype=torch.int64, device=hidden_states.device)
+            view = SlotStateView(cache, slots, fresh=fresh)
+            out = _call(original, name, hidden_states[:, first : first + count], view)
+            view.write_back()
+            pieces.append((first, out[0]))
+        pieces.sort(key=lambda piece: piece[0])
+        return torch.cat([piece for _, piece in pieces], dim=0).unsqueeze(0)
+
+    return forward
+
+
+@contextmanager
+def split_state_layers(modules: dict[int, nn.Module], cache: StateCache) -> Iterator[None]:
+    """Inside: every module of `modules` runs each request's rows at its own slot (see the module
+    docstring); their forwards are restored on the way out."""
+    patched: list[tuple[nn.Module, Any]] = []
+    try:
+        for module in modules.values():
+            name = cache_parameter(module)
+            if name is None:
+                raise InvariantError(f"{type(module).__name__} cannot be split by request")
+            # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
+            # piece calls.
+            patched.append((module, module.__dict__.get("forward")))
+            module.forward = _split_forward(module.forward, name, cache)  # type: ignore[method-assign]
+        yield
+    finally:
+        for module, previous in patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+@dataclass
+class StateLayers:
+    """A model's state modules (by layer) and the state tensors they read and write through the slots."""
+
+    modules: dict[int, nn.Module]
+    cache: StateCache
+
+    @contextmanager
+    def step(self, table: StateTable | None) -> Iterator[None]:
+        """Inside: a forward of the step whose state table is `table`."""
+        with step_states(table), split_state_layers(self.modules, self.cache):
+            yield
