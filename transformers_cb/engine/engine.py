@@ -403,6 +403,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
         scheduler, pages, offload = self.scheduler, self.pages, self.offload
+        slots = scheduler.state_slots
         return EngineSnapshot(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
@@ -418,6 +419,9 @@ class Engine:
             swap_out_pages=offload.swap_out_pages if offload is not None else 0,
             swap_in_pages=offload.swap_in_pages if offload is not None else 0,
             compiled_graphs=self.runner.forwards.graphs_compiled,
+            state_slots_in_use=slots.num_in_use if slots is not None else 0,
+            state_slots_total=slots.num_slots if slots is not None else 0,
+            state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
             counters=replace(self.counters),
         )
 

@@ -35,4 +35,7 @@ class EngineSnapshot:
     swap_out_pages: int = 0
     swap_in_pages: int = 0
     compiled_graphs: int = 0  # torch.compile graphs built by this engine's steps (warm-up included)
+    state_slots_in_use: int = 0  # state layers (docs/state_layers.md): slots held by running requests
+    state_slots_total: int = 0
+    state_bytes_per_slot: int = 0
     counters: EngineCounters = field(default_factory=EngineCounters)

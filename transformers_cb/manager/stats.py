@@ -53,6 +53,11 @@ class ManagerStats:
     # torch.compile graphs built by the engine's steps (warm-up included): flat after the first steps of
     # each path when shapes are dynamic (docs/fast_paths.md, "Compiling the forward").
     compiled_graphs: int = 0
+    # State layers (linear attention, Mamba, short convolutions; docs/state_layers.md): the per-request
+    # state slots held by running requests, all of them, and one slot's bytes (0 without state layers).
+    state_slots_in_use: int = 0
+    state_slots_total: int = 0
+    state_bytes_per_slot: int = 0
 
 
 def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
@@ -82,6 +87,9 @@ def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
         swap_out_pages=engine.swap_out_pages,
         swap_in_pages=engine.swap_in_pages,
         compiled_graphs=engine.compiled_graphs,
+        state_slots_in_use=engine.state_slots_in_use,
+        state_slots_total=engine.state_slots_total,
+        state_bytes_per_slot=engine.state_bytes_per_slot,
     )
 
 

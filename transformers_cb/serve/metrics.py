@@ -84,6 +84,8 @@ class ServerMetrics:
             "tokens_per_second": (stats.tokens_per_second, "Generated tokens per second (recent window)."),
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_rate, "Share of prompt tokens found in cache."),
             "swapped_out_requests": (stats.swapped_out, "Requests whose KV is in the CPU offload tier."),
+            "state_slots_in_use": (stats.state_slots_in_use, "Per-request state slots held (state layers)."),
+            "state_slots_total": (stats.state_slots_total, "Per-request state slots (state layers)."),
         }
         for name, (value, text) in gauges.items():
             lines += [
