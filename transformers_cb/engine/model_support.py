@@ -2,19 +2,22 @@
 
 Supported: decoder-only causal LMs (and the text path of vision-language models) whose layers are full
 attention or sliding-window attention (with logit softcapping and attention sinks where the model
-applies them), computed through transformers' attention interface.
+applies them), computed through transformers' attention interface, or state layers (linear attention,
+Mamba, short convolutions) that keep their state through transformers' linear-attention cache API
+(engine/state_probe.py, docs/state_layers.md).
 
 Refused, with the model type and what is missing. From the config alone:
 - per-layer attributes (`per_layer_config`) other than the KV head shape (`head_dim`,
   `num_key_value_heads`: Gemma 4's 512 on full layers gets its own KV groups): read globally they
   raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and nothing reads them per layer yet;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
-- state-space and linear-attention hybrids (Mamba, Jamba, Qwen3-Next, ...): their
-  recurrent state is not a paged KV cache;
+- recurrent models that keep their state in a cache of their own (MiniMax, RecurrentGemma, RWKV, ...);
 - attention the kernels do not implement: chunked (local block) attention, bidirectional attention,
   multi-latent attention with its own value size, ALiBi biases, cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
-From what the model's forward does (when the model is given; `attention_probe.py`):
+From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
+- state layers whose modules do not keep their state through the cache API, or that do not take
+  (hidden_states, cache, attention_mask); state layers under tensor parallelism;
 - attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
   ...: classes with `_supports_attention_backend` False compute it themselves);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
@@ -37,7 +40,13 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..distributed.sharding import tp_size_of
-from ..kv.layer_groups import HEAD_SHAPE_ATTRIBUTES, kv_groups_from_config, kv_layer_indices, layer_to_group
+from ..kv.layer_groups import (
+    HEAD_SHAPE_ATTRIBUTES,
+    kv_groups_from_config,
+    kv_layer_indices,
+    layer_to_group,
+    state_layer_indices,
+)
 from ..memory.sizing import ModelShape
 from .attention_probe import dispatch_problems, run_probe
 from .state_probe import StateLayout, state_problems
@@ -93,7 +102,7 @@ def check_model_supported(model: PreTrainedModel | Any) -> None:
     problems = _probe_problems(model, config, kv_groups)
     if problems:
         _refuse(model_type, "; ".join(problems))
-    if state_layout(model) is not None and tp_size_of(model) > 1:
+    if tp_size_of(model) > 1 and state_layer_indices(config):
         _refuse(model_type, "state layers under tensor parallelism (tp_size > 1) are not supported yet")
 
 

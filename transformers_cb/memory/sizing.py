@@ -11,6 +11,8 @@ Rules (SPEC section 4):
   (all known requests at full length, plus the safety margin's share so that the
   margin never holds back a job that fits) or, with no workload known, to 512 MiB,
   so set-up stays fast and the cache fits the job rather than all RAM;
+- a model with state layers (docs/state_layers.md) gets one state slot per request that may run at
+  once (`max_requests_per_batch`), within half of the cache's budget, before the pages take the rest;
 - per KV layer group (`resolve_group_pages`): full-attention groups get `num_blocks`
   pages; a sliding-window group, whose requests hold only their window, gets what
   the known workload needs at most (capped by `num_blocks`).
