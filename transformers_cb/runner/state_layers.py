@@ -275,7 +275,7 @@ def split_state_layers(modules: dict[int, nn.Module], cache: StateCache) -> Iter
             # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
             # piece calls.
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = _split_forward(module.forward, name, cache)  # type: ignore[method-assign]
+            module.forward = _split_forward(module.forward, name, cache)
         yield
     finally:
         for module, previous in patched:
