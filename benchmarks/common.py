@@ -38,8 +38,11 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     StaticCache,
 )
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.generation.utils import GenerationMixin
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -58,9 +61,27 @@ _TINY: dict[str, Any] = {
     "max_position_embeddings": 2048,
 }
 
-#: Llama configs of the benchmark models. Weights are random (seeded); the configs alone decide the cost.
+#: "tiny"'s size in Qwen3.5's shape (a linear-attention hybrid): three gated-delta-rule layers (a conv window
+#: and a recurrent matrix per request instead of a growing KV) then one full-attention layer, Qwen3.5's
+#: 3:1 pattern. Built as `Qwen3_5ForCausalLM` (see `build_model`).
+_TINY_HYBRID: dict[str, Any] = {
+    **_TINY,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "head_dim": 32,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+}
+
+#: Configs of the benchmark models (Llama unless `build_model` says otherwise). Weights are random (seeded); the
+#: configs alone decide the cost.
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
+    # A Qwen3.5-shaped hybrid of "tiny"'s size: 3 linear-attention (gated delta rule) layers + 1 full attention.
+    "tiny-hybrid": _TINY_HYBRID,
     # "tiny" with every layer sliding over a 256-token window (Mistral architecture = Llama + sliding window):
     # its KV cache holds at most ceil(256 / page) + 1 pages per request however long the decode.
     "tiny-sliding": {**_TINY, "sliding_window": 256},
@@ -92,15 +113,23 @@ PAD_TOKEN_ID = 0
 FIRST_PROMPT_TOKEN = 3
 
 
+def is_hybrid(config: Any) -> bool:
+    """Whether a model's config has linear-attention (per-request state) layers."""
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Build a benchmark model with seeded random weights, in eval mode, with SDPA attention and EOS disabled.
-    A config with `sliding_window` builds the Mistral architecture (Llama with sliding-window attention)."""
+    A config with `sliding_window` builds the Mistral architecture (Llama with sliding-window attention), one with
+    `linear_attention` layers the Qwen3.5 text architecture; the others are Llama."""
     if name not in MODEL_CONFIGS:
         raise ValueError(f"Unknown model {name!r}; choose from {sorted(MODEL_CONFIGS)}")
-    sliding = "sliding_window" in MODEL_CONFIGS[name]
-    config_class, model_class = (
-        (MistralConfig, MistralForCausalLM) if sliding else (LlamaConfig, LlamaForCausalLM)
-    )
+    if "linear_attention" in MODEL_CONFIGS[name].get("layer_types", ()):
+        config_class, model_class = Qwen3_5TextConfig, Qwen3_5ForCausalLM
+    elif "sliding_window" in MODEL_CONFIGS[name]:
+        config_class, model_class = MistralConfig, MistralForCausalLM
+    else:
+        config_class, model_class = LlamaConfig, LlamaForCausalLM
     config = config_class(
         **MODEL_CONFIGS[name],
         tie_word_embeddings=False,
@@ -333,6 +362,10 @@ class Engine:
 
     name = "engine"
 
+    def unsupported(self, model: torch.nn.Module) -> str | None:
+        """Why this engine cannot run `model` (it is then skipped with the reason), None when it can."""
+        return None
+
     def warmup(self, model: LlamaForCausalLM, workload: Workload) -> None:
         self.run(model, workload)
 
@@ -396,6 +429,14 @@ class BuiltinEngine(Engine):
 
     def __init__(self, settings_fn: Callable[[Workload], dict[str, Any]]):
         self.settings_fn = settings_fn
+
+    def unsupported(self, model: torch.nn.Module) -> str | None:
+        if is_hybrid(model.config):
+            return (
+                "transformers' continuous batching refuses linear-attention layers "
+                "(ValueError: Invalid layer type: linear_attention)"
+            )
+        return None
 
     def run(self, model: LlamaForCausalLM, workload: Workload) -> RunResult:
         from transformers.generation import ContinuousBatchingConfig as BuiltinCBConfig
@@ -832,12 +873,15 @@ class LimitEngine(Engine):
                 max_batch = sum(r.max_new_tokens > 1 for r in requests)
                 shape = (max_batch, config.num_key_value_heads, workload.max_sequence_length, head_dim)
                 gen = torch.Generator().manual_seed(0)
+                # A hybrid's state layers keep a fixed-size (conv, recurrent) state per row instead of KV: their
+                # shapes come from one untimed batch-1 prefill of the model itself.
+                states = _state_shapes(model, requests[0].prompt) if is_hybrid(config) else {}
                 buffers = [
-                    (
-                        torch.randn(shape, generator=gen, dtype=dtype).to(device),
-                        torch.randn(shape, generator=gen, dtype=dtype).to(device),
+                    tuple(
+                        torch.randn((max_batch, *s), generator=gen, dtype=dtype).to(device)
+                        for s in states.get(layer, (shape[1:], shape[1:]))
                     )
-                    for _ in range(config.num_hidden_layers)
+                    for layer in range(config.num_hidden_layers)
                 ]
                 # A sliding-window model attends to its window only: its limit reads at most `window` keys
                 # (a full-attention cache of that length; positions stay the real ones for RoPE).
@@ -879,13 +923,34 @@ class LimitEngine(Engine):
         )
 
 
+def _state_shapes(model: torch.nn.Module, prompt: list[int]) -> dict[int, tuple[torch.Size, torch.Size]]:
+    """Per state layer, the per-row shapes of its (conv, recurrent) states after a prefill of `prompt`."""
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt], device=model.device), past_key_values=cache, logits_to_keep=1)
+    return {
+        i: (layer.conv_states[0].shape[1:], layer.recurrent_states[0].shape[1:])
+        for i, layer in enumerate(cache.layers)
+        if isinstance(layer, LinearAttentionCacheLayerMixin)
+    }
+
+
 def _view_static_cache(
     config: Any, buffers: Sequence[tuple[torch.Tensor, torch.Tensor]], batch: int, past: int
 ):
     """A `StaticCache` of exactly `past + 1` positions whose first `past` are already 'filled': its layers are views
-    of the pre-filled `buffers`, so building it costs no allocation and attention reads exactly `past + 1` keys."""
+    of the pre-filled `buffers`, so building it costs no allocation and attention reads exactly `past + 1` keys.
+    A hybrid's state layers get views of their (conv, recurrent) state buffers, marked as holding a past state,
+    so they take their one-token decode path."""
     cache = StaticCache(config=config, max_cache_len=past + 1)
     for layer, (k, v) in zip(cache.layers, buffers, strict=True):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.conv_states[0], layer.recurrent_states[0] = k[:batch], v[:batch]
+            layer.conv_kernel_size[0] = k.shape[-1]
+            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+            layer.has_previous_state[0] = True
+            layer.dtype, layer.device = k.dtype, k.device
+            continue
         layer.keys = k[:batch, :, : past + 1]
         layer.values = v[:batch, :, : past + 1]
         layer.dtype, layer.device = k.dtype, k.device

@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--models",
         type=_csv,
         default=["tiny", "small"],
-        help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window), mini (4 layers, "
+        help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window), tiny-hybrid (a "
+        "Qwen3.5-shaped linear-attention hybrid of tiny's size), mini (4 layers, "
         "256 wide: the many-short model), smollm2 (the real model, SmolLM2-135M-Instruct from its cached folder, "
         "on English questions through its chat template: benchmarks/real_prompts.py), or a local model folder "
         "(the same real prompts)",
@@ -231,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
         models_meta[model_name] = {"params": nparams, "config": config_meta}
         log(f"== model {model_name}: {nparams / 1e6:.2f}M parameters")
         engines = {name: make_engine(name) for name in args.engines}
+        for name, engine in list(engines.items()):
+            why = engine.unsupported(model)
+            if why is not None:
+                log(f"   skipping {name} on {model_name}: {why}")
+                rows.append({"model": model_name, "engine": name, "errors": f"skipped: {why}"})
+                del engines[name]
 
         warm = common.make_warmup_workload(model.config.vocab_size)
         for name, engine in list(engines.items()):
@@ -302,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
             limit_wall = results["limit"].wall_s if "limit" in results else None
             builtin_wall = results["builtin"].wall_s if "builtin" in results else None
+            static_wall = results["static"].wall_s if "static" in results else None
             producing = [n for n in results if n != "limit"]
             for name in list(results) + list(crashes):
                 row: dict[str, Any] = {
@@ -337,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
                         "x_limit": res.wall_s / limit_wall if limit_wall else None,
                         "speedup_vs_builtin": builtin_wall / res.wall_s
                         if builtin_wall and res.wall_s > 0
+                        else None,
+                        "speedup_vs_static": static_wall / res.wall_s
+                        if static_wall and res.wall_s > 0
                         else None,
                         "other_load": res.other_load,
                         "busy_wall_s": busy_results[name].wall_s if name in busy_results else None,
@@ -376,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill_tokens", "prefill tok"),
         ("x_limit", "x limit"),
         ("speedup_vs_builtin", "vs builtin"),
+        ("speedup_vs_static", "vs static"),
         ("other_load", "other load"),
         *([("busy_wall_s", "busy s"), ("slowdown", "busy / quiet")] if args.busy_core else []),
         ("peak_pages", "peak KV pages"),
