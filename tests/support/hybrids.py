@@ -117,7 +117,14 @@ def _config(name: str) -> tuple[str, str, dict[str, Any]]:
         return (
             "MambaConfig" if name == "mamba" else "FalconMambaConfig",
             "MambaForCausalLM" if name == "mamba" else "FalconMambaForCausalLM",
-            {**_COMMON, "num_hidden_layers": 2, "state_size": 16, "expand": 2, "conv_kernel": 4, "time_step_rank": 8},
+            {
+                **_COMMON,
+                "num_hidden_layers": 2,
+                "state_size": 16,
+                "expand": 2,
+                "conv_kernel": 4,
+                "time_step_rank": 8,
+            },
         )
     if name == "jamba":
         return (
