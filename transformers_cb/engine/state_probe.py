@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,8 +156,7 @@ def probe_states(layout: StateLayout | None, num_tokens: int, device: torch.devi
     model as the engine runs it (a state module then gets no attention mask, e.g. Mamba's, which would
     multiply its hidden states by the probe's 4D no-mask). Nothing inside when `layout` is None."""
     if layout is None:
-        with nullcontext():
-            yield
+        yield
         return
     layers = StateLayers(layout.modules, StateCache(layout.specs, 1, device), layout.stepwise)
     with layers.step(StateTable(None, 0, [(0, num_tokens, 0, True)])):
