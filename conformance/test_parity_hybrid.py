@@ -301,3 +301,38 @@ def test_hybrid_refused_up_front(name: str) -> None:
     model = build_hybrid(name)
     with pytest.raises(NotImplementedError, match=rf"model_type='{name}'.*{REFUSED[name]}"):
         model.generate_batch([[5, 6, 7]], greedy_config(2), progress_bar=False)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "mamba2"])
+def test_a_request_that_can_never_fit_fails_cleanly(_families, name: str) -> None:
+    """A hybrid's KV pages bound a request's length: one longer than the whole cache is refused up front
+    with the reason. A pure state-space model holds no pages: the same request runs beside the others
+    (its state is the same size at any length) and equals `generate()`."""
+    family = _family(name, _families)
+    huge = [7] * 60
+    prompts = [*family.prompts[:2], huge]
+
+    def run():
+        return run_batch(
+            family.model,
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=PAGE_SIZE,
+            max_batch_tokens=BUDGET,
+            num_blocks=12,
+        )
+
+    if name not in PURE_STATE:
+        with pytest.raises(
+            ValueError, match=r"inputs\[2\]: needs 18 KV pages of 4 tokens but the cache has only 12"
+        ):
+            run()
+        return
+    outputs, _ = run()
+    references = [
+        *(family.references.get(p) for p in prompts[:2]),
+        greedy_reference(family.model, huge, MAX_NEW_TOKENS),
+    ]
+    check_parity(
+        family.model, prompts, outputs, references, f"{name} / a request longer than num_blocks pages"
+    )
