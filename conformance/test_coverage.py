@@ -25,7 +25,9 @@ EXPECTED = {
     "bloom": "refused",  # attention outside the attention interface (ALiBi)
     "bert": "refused",  # bidirectional (encoder) attention
     "bart": "refused",  # its decoder numbers the packed row itself (position_ids ignored)
-    "qwen3_next": "refused",  # linear-attention layers
+    "qwen3_next": "exact",  # linear-attention hybrid: per-request state slots beside the paged KV
+    "mamba2": "exact",  # no attention layer at all: no KV group, state slots only
+    "zamba2": "refused",  # one attention block shared by several layers
     "gemma4_text": "exact",  # per-layer head shapes: one KV group per (kind, window, KV heads, head dim)
 }
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from tests.support.hybrids import HYBRIDS, hybrid_config
+
 from .catalog import CAUSAL_LM, Entry
 from .shrink import SPECIAL_ID_SUFFIXES, tiny_config
 
@@ -47,12 +49,21 @@ def greedy(max_new_tokens: int = MAX_NEW_TOKENS) -> GenerationConfig:
     return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=None)
 
 
+def entry_config(entry: Entry) -> Any:
+    """The entry's tiny config: hand-written for the linear-attention and state-space families
+    (tests/support/hybrids.py: shrinking their defaults breaks the state-space widths, e.g. Mamba 2's heads
+    against its groups, or keeps no attention layer of a hybrid), else shrunk from the class's defaults."""
+    if entry.mapping == CAUSAL_LM and entry.model_type in HYBRIDS:
+        return hybrid_config(entry.model_type)
+    return tiny_config(entry.model_type)
+
+
 def build_model(entry: Entry) -> PreTrainedModel:
     """The entry's class from its tiny config: seeded random weights, float32, CPU, eval mode."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
-        config = tiny_config(entry.model_type)
+        config = entry_config(entry)
     except Exception as exc:  # noqa: BLE001  (any failure of the class is the reason it is not instantiable)
         raise NotBuilt(f"tiny config: {type(exc).__name__}: {exc}") from exc
     auto = AutoModelForCausalLM if entry.mapping == CAUSAL_LM else AutoModelForImageTextToText

@@ -16,8 +16,9 @@ VLM_SUFFIX = ":vlm"
 
 # The fixed subset the test suite runs (`--subset`): exact families (full, sliding / hybrid, MoE,
 # soft-caps + sinks), refusals learned from the config and classes (ALiBi outside the attention
-# interface, an encoder with a causal-LM head, an encoder-decoder's decoder, linear-attention layers,
-# per-layer head shapes), and vision-language models on their text path.
+# interface, an encoder with a causal-LM head, an encoder-decoder's decoder, a shared attention block,
+# per-layer head shapes), linear-attention and state-space models (a hybrid, a model without attention),
+# and vision-language models on their text path.
 SUBSET = (
     "llama",
     "qwen2",
@@ -28,6 +29,8 @@ SUBSET = (
     "bert",
     "bart",
     "qwen3_next",
+    "mamba2",
+    "zamba2",
     "gemma4_text",
     "llava",
     "qwen2_vl",

@@ -261,6 +261,14 @@ def dispatch_problems(
         ]
     if None in per_layer:
         problems.append("some attention modules have no `layer_idx`")
+    shared = sorted(i for i in per_layer if i is not None and i < 0)
+    if shared:
+        # Zamba's shared transformer block: one module (layer_idx -1) attends for several decoder layers,
+        # told which by an argument of its forward that the attention interface never sees.
+        return [
+            f"one attention module (layer_idx {shared[0]}) serves {len(per_layer[shared[0]])} decoder layers "
+            "(a shared attention block), so the paged cache cannot tell which layer's K/V a call is"
+        ]
     repeated = sorted(i for i, c in per_layer.items() if i is not None and len(c) > 1)
     if repeated:
         problems.append(

@@ -209,7 +209,7 @@ def wire(
         make_page_policy(spec, pool, page_size, g)
         for g, (spec, pool) in enumerate(zip(plan.kv_groups, pools, strict=True))
     ]
-    pages = PageManager(policies, list(plan.kv_groups), sharing=plan.sharing)
+    pages = PageManager(policies, list(plan.kv_groups), sharing=plan.sharing, page_size=page_size)
     cache = PagedKVCache.from_layout(plan.cache)
     # CPU offload: the scheduler plans with the host tier's page ids (`offload`), the runner copies
     # into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
@@ -221,7 +221,9 @@ def wire(
     if plan.states is not None:
         slots = StateSlots(plan.sizing.num_state_slots)
         states = StateLayers(
-            plan.states.modules, StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device)
+            plan.states.modules,
+            StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device),
+            plan.states.stepwise,
         )
     scheduler = Scheduler(
         pages,

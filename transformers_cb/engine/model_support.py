@@ -48,8 +48,8 @@ from ..kv.layer_groups import (
     state_layer_indices,
 )
 from ..memory.sizing import ModelShape
-from .attention_probe import dispatch_problems, run_probe
-from .state_probe import StateLayout, state_problems
+from .attention_probe import dispatch_problems, probe_token_ids, run_probe
+from .state_probe import StateLayout, probe_states, state_problems
 
 # Recurrent models whose state is not kept through transformers' linear-attention cache API (their own
 # cache classes, or recurrences the API does not carry): the state slots cannot hold it.
@@ -185,7 +185,8 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
         if fingerprint is not None:
             _probed[model] = _Verdict(fingerprint, problems, False, None)
         return problems
-    result = run_probe(model)
+    with probe_states(layout, len(probe_token_ids(model)), first.device):
+        result = run_probe(model)
     if (
         not result.calls
         and kv_layers

@@ -10,6 +10,10 @@ tensors the slots must hold.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +21,22 @@ import torch
 from torch import nn
 
 from ..kv.layer_groups import state_layer_indices
-from ..memory.state_cache import StateSpec, state_bytes_per_slot
-from ..runner.state_layers import StateRecorder, cache_parameter, run_with_recorder, state_modules
+from ..memory.state_cache import StateCache, StateSpec, state_bytes_per_slot
+from ..runner.state_layers import (
+    StateLayers,
+    StateRecorder,
+    StateTable,
+    cache_parameter,
+    continuation_gap,
+    run_with_recorder,
+    state_modules,
+)
 
 PROBE_TOKENS = 3
+# The continuation check (`stepwise_layers`): a chunk that continues a state must give the module's
+# output on the whole sequence within this (relative; float32: a sound continuation is ~1e-6 off, one
+# that restarts from a zero state 3e-3 or more).
+CONTINUATION_TOLERANCE = 5e-4
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,8 @@ class StateLayout:
 
     modules: dict[int, nn.Module]
     specs: tuple[StateSpec, ...]
+    # Layers whose continued prefill chunks run one token at a time (runner/state_layers.py `run_span`).
+    stepwise: frozenset[int] = frozenset()
 
     @property
     def bytes_per_slot(self) -> int:
@@ -84,4 +102,62 @@ def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, l
                 f"its state layer {layer} ({type(module).__name__}) stores no state through the cache API"
             ]
         specs.extend(recorder.specs[key] for key in sorted(recorder.specs))
-    return StateLayout(modules, tuple(specs)), []
+    stepwise, problems = stepwise_layers(modules, tuple(specs), hidden_size, generator)
+    if problems:
+        return None, problems
+    return StateLayout(modules, tuple(specs), stepwise), []
+
+
+def stepwise_layers(
+    modules: dict[int, nn.Module], specs: tuple[StateSpec, ...], hidden_size: int, generator: torch.Generator
+) -> tuple[frozenset[int], list[str]]:
+    """The layers whose multi-token path ignores the state it is given (continued chunks then run one
+    token at a time), and the layers that continue no state either way (problems).
+
+    Chunked prefill continues a request's state with many tokens at once, which `generate()` never does:
+    some families' full-sequence scan (Mamba, Falcon-Mamba, Jamba) starts from a zero state whatever the
+    cache holds. Each module is checked on 2 x PROBE_TOKENS tokens, split in two halves against run
+    whole, in float32 (a copy of the module: the check must tell a rounding from a restart in any dtype).
+    """
+    stepwise: set[int] = set()
+    for layer, module in sorted(modules.items()):
+        first = next(module.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+        exact = copy.deepcopy(module).float()
+        exact_specs = tuple(
+            dataclasses.replace(spec, dtype=torch.float32) if spec.dtype.is_floating_point else spec
+            for spec in specs
+            if spec.layer_idx == layer
+        )
+        hidden = torch.randn(1, 2 * PROBE_TOKENS, hidden_size, generator=generator).to(device)
+        try:
+            with torch.inference_mode():
+                if continuation_gap(exact, exact_specs, hidden, stepwise=False) <= CONTINUATION_TOLERANCE:
+                    continue
+                if continuation_gap(exact, exact_specs, hidden, stepwise=True) <= CONTINUATION_TOLERANCE:
+                    stepwise.add(layer)
+                    continue
+        except Exception as error:  # noqa: BLE001  (any failure of the module's own forward is the reason)
+            return frozenset(), [
+                f"its state layer {layer} ({type(module).__name__}) fails to continue a state: "
+                f"{type(error).__name__}: {error}"
+            ]
+        return frozenset(), [
+            f"its state layer {layer} ({type(module).__name__}) does not continue a request's state across "
+            "prefill chunks (split in two, its output differs from the whole sequence's)"
+        ]
+    return frozenset(stepwise), []
+
+
+@contextmanager
+def probe_states(layout: StateLayout | None, num_tokens: int, device: torch.device) -> Iterator[None]:
+    """Inside: a forward on one fresh request of `num_tokens` tokens runs its state layers as a step
+    does (split by request, each at a scratch slot of its own), so that the attention probe sees the
+    model as the engine runs it (a state module then gets no attention mask, e.g. Mamba's, which would
+    multiply its hidden states by the probe's 4D no-mask). Nothing inside when `layout` is None."""
+    if layout is None:
+        yield
+        return
+    layers = StateLayers(layout.modules, StateCache(layout.specs, 1, device), layout.stepwise)
+    with layers.step(StateTable(None, 0, [(0, num_tokens, 0, True)])):
+        yield

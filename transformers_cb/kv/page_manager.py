@@ -27,17 +27,25 @@ from .prefix_cache import PageCopy, PrefixCache, PrefixStats
 
 class PageManager:
     """Args: policies: one per KV group, `policies[g].group == g`; specs: the matching groups;
-    sharing: prefix sharing and forks (`prefix`, see prefix_cache.py), None when off."""
+    sharing: prefix sharing and forks (`prefix`, see prefix_cache.py), None when off; page_size: the
+    tokens per page when there are no groups (a pure state-space model, e.g. Mamba: no layer caches
+    K/V, so its requests hold no pages and every fit check says yes).
+    """
 
-    def __init__(self, policies: list[PagePolicy], specs: list[KVGroupSpec], sharing: bool = False) -> None:
-        check(
-            bool(policies) and len(policies) == len(specs),
-            f"{len(policies)} policies, {len(specs)} groups",
-        )
+    def __init__(
+        self,
+        policies: list[PagePolicy],
+        specs: list[KVGroupSpec],
+        sharing: bool = False,
+        page_size: int | None = None,
+    ) -> None:
+        check(len(policies) == len(specs), f"{len(policies)} policies, {len(specs)} groups")
+        check(bool(policies) or page_size is not None, "a page manager without groups needs its page size")
+        check(not (sharing and not policies), "prefix sharing without KV groups")
         check([a.group for a in policies] == list(range(len(policies))))
         self.policies = policies
         self.specs = specs
-        self.page_size = policies[0].page_size
+        self.page_size = policies[0].page_size if policies else int(page_size or 0)
         # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
         self._trimming = [a for a in policies if a.sliding_window is not None]
         self.prefix = PrefixCache(policies) if sharing else None
@@ -59,13 +67,13 @@ class PageManager:
     @property
     def free_fraction(self) -> float:
         """Free share of the fullest group: admission looks at the group that runs out first."""
-        return min(pool.num_free_pages / pool.num_pages for pool in self.pools)
+        return min((pool.num_free_pages / pool.num_pages for pool in self.pools), default=1.0)
 
     def num_fitting_tokens(self, request: Request, wanted: int) -> int:
         """How many of `wanted` new tokens every group can take. Pure."""
         if len(self.policies) == 1:
             return self.policies[0].num_fitting_tokens(request, wanted)
-        return min(a.num_fitting_tokens(request, wanted) for a in self.policies)
+        return min((a.num_fitting_tokens(request, wanted) for a in self.policies), default=wanted)
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Pages for `num_new_tokens` more tokens in every group; False (nothing changed) if any group is full."""

@@ -103,7 +103,10 @@ class PagedKVCache:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.groups = groups or [KVGroupSpec(FULL_ATTENTION, tuple(range(num_layers)))]
+        # An empty list is no group at all (a pure state-space model); None is the default group.
+        self.groups = (
+            groups if groups is not None else [KVGroupSpec(FULL_ATTENTION, tuple(range(num_layers)))]
+        )
         # Layers of no group (state-only layers of a hybrid: memory/state_cache.py) have no K/V here.
         self.layer_group = layer_to_group(
             self.groups, num_layers, [layer for spec in self.groups for layer in spec.layer_indices]

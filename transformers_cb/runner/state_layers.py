@@ -238,7 +238,49 @@ def run_with_recorder(module: nn.Module, hidden: torch.Tensor, recorder: StateRe
         )
 
 
-def _split_forward(original: Callable[..., Any], name: str, cache: StateCache) -> Callable[..., Any]:
+def run_span(
+    original: Callable[..., Any], name: str, hidden: torch.Tensor, view: SlotStateView, stepwise: bool
+) -> torch.Tensor:
+    """One request's rows `hidden` `[1, n, hidden]` through the module against `view`, `[1, n, hidden]`.
+
+    `stepwise`: the module's multi-token path starts from a zero state whatever the cache holds (Mamba's
+    and Jamba's full-sequence scan: transformers' `generate()` never continues a state with more than
+    one token), so a continued chunk runs one token at a time through its one-token path, which reads
+    and updates the state; a fresh chunk runs whole."""
+    if not stepwise or view.fresh or hidden.shape[1] == 1:
+        return _call(original, name, hidden, view)
+    return torch.cat(
+        [_call(original, name, hidden[:, i : i + 1], view) for i in range(hidden.shape[1])], dim=1
+    )
+
+
+def continuation_gap(
+    module: nn.Module, specs: tuple[StateSpec, ...], hidden: torch.Tensor, stepwise: bool
+) -> float:
+    """How far `module`'s output on `hidden` `[1, n, hidden]` split in two (a fresh first half, then a
+    second half continuing its state through a slot, `run_span` with `stepwise`) is from its output on
+    the whole at once: the largest difference over the largest magnitude (0: the same)."""
+    name = cache_parameter(module)
+    if name is None:
+        raise InvariantError(f"{type(module).__name__} does not take (hidden_states, cache, attention_mask)")
+    slots = torch.zeros(1, dtype=torch.int64, device=hidden.device)
+    whole = _call(
+        module.forward, name, hidden, SlotStateView(StateCache(specs, 1, hidden.device), slots, True)
+    )
+    cache = StateCache(specs, 1, hidden.device)
+    half = hidden.shape[1] // 2
+    first_view = SlotStateView(cache, slots, fresh=True)
+    first = run_span(module.forward, name, hidden[:, :half], first_view, stepwise)
+    first_view.write_back()
+    second = run_span(module.forward, name, hidden[:, half:], SlotStateView(cache, slots, False), stepwise)
+    split = torch.cat([first, second], dim=1).float()
+    whole = whole.float()
+    return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
+
+
+def _split_forward(
+    original: Callable[..., Any], name: str, cache: StateCache, stepwise: bool
+) -> Callable[..., Any]:
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         table = _step_states.get()
         if table is None:  # not a step of ours (e.g. the support probe): the module as transformers wrote it
@@ -253,7 +295,7 @@ def _split_forward(original: Callable[..., Any], name: str, cache: StateCache) -
         for first, count, slot, fresh in table.spans:
             slots = torch.tensor([slot], dtype=torch.int64, device=hidden_states.device)
             view = SlotStateView(cache, slots, fresh=fresh)
-            out = _call(original, name, hidden_states[:, first : first + count], view)
+            out = run_span(original, name, hidden_states[:, first : first + count], view, stepwise)
             view.write_back()
             pieces.append((first, out[0]))
         pieces.sort(key=lambda piece: piece[0])
@@ -263,19 +305,22 @@ def _split_forward(original: Callable[..., Any], name: str, cache: StateCache) -
 
 
 @contextmanager
-def split_state_layers(modules: dict[int, nn.Module], cache: StateCache) -> Iterator[None]:
+def split_state_layers(
+    modules: dict[int, nn.Module], cache: StateCache, stepwise: frozenset[int] = frozenset()
+) -> Iterator[None]:
     """Inside: every module of `modules` runs each request's rows at its own slot (see the module
-    docstring); their forwards are restored on the way out."""
+    docstring); their forwards are restored on the way out. `stepwise`: the layers whose continued
+    chunks run one token at a time (`run_span`)."""
     patched: list[tuple[nn.Module, Any]] = []
     try:
-        for module in modules.values():
+        for layer, module in modules.items():
             name = cache_parameter(module)
             if name is None:
                 raise InvariantError(f"{type(module).__name__} cannot be split by request")
             # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
             # piece calls.
             patched.append((module, module.__dict__.get("forward")))
-            module.forward = _split_forward(module.forward, name, cache)
+            module.forward = _split_forward(module.forward, name, cache, layer in stepwise)
         yield
     finally:
         for module, previous in patched:
@@ -287,13 +332,15 @@ def split_state_layers(modules: dict[int, nn.Module], cache: StateCache) -> Iter
 
 @dataclass
 class StateLayers:
-    """A model's state modules (by layer) and the state tensors they read and write through the slots."""
+    """A model's state modules (by layer) and the state tensors they read and write through the slots;
+    `stepwise`: the layers whose continued chunks run one token at a time (`run_span`)."""
 
     modules: dict[int, nn.Module]
     cache: StateCache
+    stepwise: frozenset[int] = frozenset()
 
     @contextmanager
     def step(self, table: StateTable | None) -> Iterator[None]:
         """Inside: a forward of the step whose state table is `table`."""
-        with step_states(table), split_state_layers(self.modules, self.cache):
+        with step_states(table), split_state_layers(self.modules, self.cache, self.stepwise):
             yield
