@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..kv.prefix_cache import PrefixStats
+from ..scheduler.speculation import SpeculationStats
 
 
 @dataclass
@@ -36,3 +37,6 @@ class EngineSnapshot:
     swap_in_pages: int = 0
     compiled_graphs: int = 0  # torch.compile graphs built by this engine's steps (warm-up included)
     counters: EngineCounters = field(default_factory=EngineCounters)
+    speculation: SpeculationStats = field(
+        default_factory=SpeculationStats
+    )  # verification steps, all requests

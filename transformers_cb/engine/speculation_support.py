@@ -1,0 +1,25 @@
+"""Whether an engine can speculate (docs/speculative_decoding.md), decided once when it is built.
+
+Speculation writes KV for draft tokens and takes the rejected ones back by rolling a request's token
+count back: that needs every per-request state to be positional (paged KV). What cannot roll back, or
+cannot carry several tokens per request and step, refuses speculation with the reason, which
+`Engine.build_request` (per request) and the engine's start (a `GenerationConfig` that asks for it) raise
+as a `ValueError`. Models with per-request recurrent state (linear attention, SSM layers) must add their
+refusal here.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+from ..distributed.sharding import tp_size_of
+
+
+def speculation_refusal(model: PreTrainedModel) -> str | None:
+    """Why an engine running `model` cannot speculate, or None when it can."""
+    if tp_size_of(model) > 1:
+        return (
+            "speculative decoding (prompt_lookup_num_tokens) is not supported under tensor parallelism "
+            "(tp_size > 1): the other ranks replay one token per request and step"
+        )
+    return None
