@@ -334,14 +334,20 @@ def test_block_tables_grow_and_keep_rows() -> None:
         assert tables.table[i, :2].tolist() == [i, i + 10]
 
 
-def test_block_tables_refuse_shrinking_or_overflowing_rows() -> None:
+def test_block_tables_take_back_pages_and_refuse_overflowing_rows() -> None:
+    """Speculation gives back the pages of rejected draft tokens: the row shrinks, and a page appended
+    afterwards is written to the freed column (not left as the old page)."""
     tables = BlockTables(max_pages_per_request=2, device=torch.device("cpu"), initial_rows=1)
     request = make_request()
     set_page_ids(request, [0, 1])
-    tables.sync(request)
+    row = tables.sync(request)
     set_page_ids(request, [0])
-    with pytest.raises(AssertionError, match="shrank"):
-        tables.sync(request)
+    tables.sync(request)
+    tables.check_integrity([request])
+    set_page_ids(request, [0, 5])
+    tables.sync(request)
+    assert tables.table[row, :2].tolist() == [0, 5]
+    tables.check_integrity([request])
     set_page_ids(request, [0, 1, 2])
     with pytest.raises(AssertionError, match="num_pages=3"):
         tables.sync(request)

@@ -1,0 +1,96 @@
+"""Prompt lookup's drafts (the same as transformers' `PromptLookupCandidateGenerator`), their limits, and
+the per-request back-off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from transformers_cb.config.speculation import LookupSettings, lookup_settings, request_lookup
+from transformers_cb.requests import Request
+from transformers_cb.scheduler.speculation import (
+    MAX_PAUSE_STEPS,
+    SpeculationState,
+    lookup,
+    propose,
+    record,
+)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lookup_matches_transformers_prompt_lookup(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 20])
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(2, 40))]
+    num_tokens, max_ngram = rng.randint(1, 6), rng.randint(1, 4)
+    generator = PromptLookupCandidateGenerator(
+        num_output_tokens=num_tokens, max_matching_ngram_size=max_ngram, max_length=1000
+    )
+    candidates, _ = generator.get_candidates(torch.tensor([tokens]))
+    expected = candidates[0, len(tokens) :].tolist()
+    assert lookup(tokens, max_ngram, num_tokens) == expected
+
+
+def test_lookup_prefers_the_longest_ngram() -> None:
+    # the 1-gram [3] first occurs before "9 3", the 2-gram [9, 3] later: the 2-gram's continuation wins
+    tokens = [3, 4, 5, 9, 3, 7, 8, 1, 9, 3]
+    assert lookup(tokens, 2, 2) == [7, 8]
+    assert lookup(tokens, 1, 2) == [4, 5]
+    assert lookup([1, 2, 3], 2, 4) == []
+
+
+def _decoding(prompt: list[int], generated: list[int], max_new: int, settings: LookupSettings) -> Request:
+    request = Request("r", prompt, max_new, eos_token_ids=frozenset({0}))
+    for token in generated:
+        request.append_token(token)
+    request.speculation = SpeculationState(settings)
+    return request
+
+
+def test_propose_respects_budget_max_new_tokens_and_eos() -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6]
+    request = _decoding(prompt, [7], max_new=20, settings=LookupSettings(4, 2))
+    assert propose(request, budget=100) == [8, 9, 10, 5]
+    assert propose(request, budget=3) == [8, 9]  # the last token runs too
+    assert propose(request, budget=1) == []
+    short = _decoding(prompt, [7], max_new=3, settings=LookupSettings(4, 2))
+    assert propose(short, budget=100) == [8]  # 1 generated + 1 draft + the target's own = 3
+    with_eos = _decoding([5, 6, 7, 0, 9, 5, 6], [7], max_new=20, settings=LookupSettings(4, 2))
+    assert propose(with_eos, budget=100) == []  # the draft starts with eos: nothing past it
+
+
+def test_back_off_grows_shrinks_and_pauses() -> None:
+    request = _decoding([1, 2, 3, 1, 2], [3], max_new=50, settings=LookupSettings(6, 2))
+    state = request.speculation
+    assert state is not None and state.num_tokens == 6
+    record(request, drafted=6, accepted=2, emitted=3)
+    assert state.num_tokens == 5 and state.paused_steps == 0
+    record(request, drafted=5, accepted=5, emitted=6)
+    assert state.num_tokens == 6  # +2, capped at the maximum
+    record(request, drafted=6, accepted=0, emitted=1)
+    assert state.paused_steps == 0  # one miss: no pause yet
+    record(request, drafted=5, accepted=0, emitted=1)
+    assert state.paused_steps == 2
+    assert propose(request, budget=100) == [] and propose(request, budget=100) == []
+    assert propose(request, budget=100) != []  # the pause is over
+    for _ in range(20):
+        record(request, drafted=1, accepted=0, emitted=1)
+    assert state.paused_steps == MAX_PAUSE_STEPS
+    assert state.stats.drafted == 6 + 5 + 6 + 5 + 20 and state.stats.accepted == 7
+    assert state.stats.emitted == 3 + 6 + 1 + 1 + 20 and state.stats.steps == 24
+
+
+def test_settings_validation_and_per_request_override() -> None:
+    default = lookup_settings(5, None, "GenerationConfig")
+    assert default == LookupSettings(5, 2)
+    assert lookup_settings(0, 3, "x") is None
+    assert request_lookup(default, {}, "r") == default
+    assert request_lookup(default, {"prompt_lookup_num_tokens": 0}, "r") is None
+    assert request_lookup(default, {"max_matching_ngram_size": 4}, "r") == LookupSettings(5, 4)
+    assert request_lookup(None, {"prompt_lookup_num_tokens": 3}, "r") == LookupSettings(3, 2)
+    for bad in ({"prompt_lookup_num_tokens": -1}, {"prompt_lookup_num_tokens": 2.5}, {"max_matching_ngram_size": 0}):
+        with pytest.raises(ValueError, match="request 7"):
+            request_lookup(default, bad, "request 7")
