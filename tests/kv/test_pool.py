@@ -334,23 +334,33 @@ def test_block_tables_grow_and_keep_rows() -> None:
         assert tables.table[i, :2].tolist() == [i, i + 10]
 
 
-def test_block_tables_take_back_pages_and_refuse_overflowing_rows() -> None:
-    """Speculation gives back the pages of rejected draft tokens: the row shrinks, and a page appended
-    afterwards is written to the freed column (not left as the old page)."""
+def test_block_tables_refuse_shrinking_or_overflowing_rows() -> None:
     tables = BlockTables(max_pages_per_request=2, device=torch.device("cpu"), initial_rows=1)
     request = make_request()
     set_page_ids(request, [0, 1])
-    row = tables.sync(request)
+    tables.sync(request)
     set_page_ids(request, [0])
-    tables.sync(request)
-    tables.check_integrity([request])
-    set_page_ids(request, [0, 5])
-    tables.sync(request)
-    assert tables.table[row, :2].tolist() == [0, 5]
-    tables.check_integrity([request])
+    with pytest.raises(AssertionError, match="shrank"):
+        tables.sync(request)
     set_page_ids(request, [0, 1, 2])
     with pytest.raises(AssertionError, match="num_pages=3"):
         tables.sync(request)
+
+
+def test_block_tables_take_back_pages_from_the_end() -> None:
+    """Speculation gives back the pages of rejected draft tokens: told so, the row rewrites the freed
+    column when a page is appended again."""
+    tables = BlockTables(max_pages_per_request=4, device=torch.device("cpu"), initial_rows=1)
+    request = make_request()
+    set_page_ids(request, [0, 1, 2])
+    row = tables.sync(request)
+    set_page_ids(request, [0, 1])
+    tables.take_back(request)
+    tables.check_integrity([request])
+    set_page_ids(request, [0, 1, 7])
+    tables.sync(request)
+    assert tables.table[row, :3].tolist() == [0, 1, 7]
+    tables.check_integrity([request])
 
 
 # -- Property tests ------------------------------------------------------------------------------

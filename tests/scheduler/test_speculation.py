@@ -46,7 +46,7 @@ def _decoding(prompt: list[int], generated: list[int], max_new: int, settings: L
     request = Request("r", prompt, max_new, eos_token_ids=frozenset({0}))
     for token in generated:
         request.append_token(token)
-    request.speculation = SpeculationState(settings)
+    request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
     return request
 
 
@@ -91,6 +91,78 @@ def test_settings_validation_and_per_request_override() -> None:
     assert request_lookup(default, {"prompt_lookup_num_tokens": 0}, "r") is None
     assert request_lookup(default, {"max_matching_ngram_size": 4}, "r") == LookupSettings(5, 4)
     assert request_lookup(None, {"prompt_lookup_num_tokens": 3}, "r") == LookupSettings(3, 2)
-    for bad in ({"prompt_lookup_num_tokens": -1}, {"prompt_lookup_num_tokens": 2.5}, {"max_matching_ngram_size": 0}):
+    for bad in (
+        {"prompt_lookup_num_tokens": -1},
+        {"prompt_lookup_num_tokens": 2.5},
+        {"max_matching_ngram_size": 0},
+    ):
         with pytest.raises(ValueError, match="request 7"):
             request_lookup(default, bad, "request 7")
+
+
+# -- the scheduler's side of a verification step ---------------------------------------------------
+
+
+def _speculating_scheduler(eos: frozenset[int] = frozenset(), max_batch_tokens: int = 64):
+    from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+    from transformers_cb.kv.page_manager import PageManager
+    from transformers_cb.kv.page_policies import FullAttentionPolicy
+    from transformers_cb.kv.pool import PagePool
+    from transformers_cb.scheduler.policies import make_policy
+    from transformers_cb.scheduler.scheduler import Scheduler
+
+    pages = PageManager(
+        [FullAttentionPolicy(PagePool(16), 4)], [KVGroupSpec(FULL_ATTENTION, (0,))], sharing=True
+    )
+    scheduler = Scheduler(pages, max_batch_tokens, 8, 0.0, make_policy("fifo"))
+    request = Request("r", [5, 6, 7, 8, 9, 5, 6], 20, eos_token_ids=eos)
+    request.speculation = SpeculationState(4, 2)
+    scheduler.add(request)
+    while not request.generated_ids:  # the prompt, in chunks under a tight budget
+        plan = scheduler.schedule()
+        scheduler.update(plan, [SampledToken(7)] if plan.entries[0].samples else [])
+    return scheduler, request
+
+
+from transformers_cb.sampling.sampled_token import SampledToken  # noqa: E402
+
+
+def test_the_budget_counts_draft_tokens_and_rejected_pages_go_back() -> None:
+    scheduler, request = _speculating_scheduler()
+    plan = scheduler.schedule()
+    (entry,) = plan.entries
+    assert entry.draft == [8, 9, 5, 6] and entry.num_tokens == 5 and plan.num_tokens == 5
+    assert entry.token_ids == [7, 8, 9, 5, 6]
+    pool = scheduler.pages.pools[0]
+    assert len(request.pages[0].page_ids) == 3  # 12 tokens of KV: 7 + 5
+    # The target accepts 8, rejects 9 and says 1 instead.
+    scheduler.update(plan, [SampledToken(8)], continuations={"r": [SampledToken(1)]})
+    assert request.generated_ids == [7, 8, 1]
+    assert request.num_computed_tokens == 9  # prompt, 7 and 8: the KV of the accepted tokens only
+    assert len(request.pages[0].page_ids) == 3 and pool.num_free_pages == 16 - 3
+    assert request.num_registered_pages == 2  # full pages of accepted tokens only
+    scheduler.check_integrity()
+    stats = request.speculation.stats
+    assert (stats.drafted, stats.accepted, stats.emitted) == (4, 1, 2)
+    assert scheduler.speculation.accepted == 1
+
+
+def test_a_tight_budget_shortens_the_draft() -> None:
+    scheduler, request = _speculating_scheduler(max_batch_tokens=3)
+    (entry,) = scheduler.schedule().entries
+    assert entry.draft == [8, 9] and entry.num_tokens == 3
+
+
+def test_eos_inside_a_verified_run_ends_the_request_there() -> None:
+    """A run whose accepted tokens hold an eos (a draft model may propose one) stops at it: the tokens
+    after it are dropped, the pages freed."""
+    scheduler, request = _speculating_scheduler(eos=frozenset({9}))
+    plan = scheduler.schedule()
+    (entry,) = plan.entries
+    assert entry.draft == [8]  # lookup drafts stop before an eos
+    entry.draft = [8, 9, 5]  # as a draft model could propose
+    scheduler.update(
+        plan, [SampledToken(8)], continuations={"r": [SampledToken(9), SampledToken(5), SampledToken(3)]}
+    )
+    assert request.generated_ids == [7, 8, 9] and request.finish_reason == "stop"
+    assert request.is_finished and scheduler.pages.pools[0].num_used_pages == 0

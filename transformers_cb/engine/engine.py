@@ -254,7 +254,7 @@ class Engine:
             return
         if self.speculation_refusal is not None:
             raise ValueError(f"{label}: {self.speculation_refusal}")
-        request.speculation = SpeculationState(settings)
+        request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
@@ -420,6 +420,7 @@ class Engine:
             batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs, output.continuations
         )
         self.runner.release(finished)
+        self.runner.take_back([e.request for e in batch.entries if e.draft and not e.request.is_finished])
         emitted = self.scheduler.speculation.emitted - emitted  # tokens the speculating requests appended
         self.counters.generated_tokens += len(output.sampled) - num_speculating + emitted
         result.finished.extend(finished)

@@ -110,6 +110,12 @@ class ModelRunner:
         for request in requests:
             self.packer.release_request(request)
 
+    def take_back(self, requests: list[Request]) -> None:
+        """Speculating `requests` gave back the pages of their rejected draft tokens: their block-table rows
+        forget those columns (rewritten when pages are appended again)."""
+        for request in requests:
+            self.packer.take_back(request)
+
     @torch.inference_mode()
     def run(self, batch: StepPlan) -> StepOutput:
         """Run one step (`batch.entries` not empty): its plan, then the forward and the sampling."""

@@ -131,6 +131,11 @@ class BatchPacker:
         for tables in self.block_tables:
             tables.release(request)
 
+    def take_back(self, request: Request) -> None:
+        """`request` gave pages back from its end (speculation's rejected draft tokens), in every group."""
+        for tables in self.block_tables:
+            tables.take_back(request)
+
     def pack(self, batch: StepPlan) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]

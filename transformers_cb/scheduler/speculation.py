@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config.speculation import LookupSettings
 from ..requests import Request
 
 # After this many drafts in a row with no token accepted, lookup pauses (2, 4, 8, ... steps).
@@ -49,9 +48,11 @@ class SpeculationStats:
 
 @dataclass
 class SpeculationState:
-    """One request's speculation: its settings, the current draft length, the pause, its counts."""
+    """One request's speculation: its settings (`prompt_lookup_num_tokens`, `max_matching_ngram_size`:
+    config/speculation.py), the current draft length, the pause, its counts."""
 
-    settings: LookupSettings
+    max_tokens: int
+    max_ngram: int
     num_tokens: int = 0  # current draft length (starts at the maximum)
     misses: int = 0  # drafts in a row with nothing accepted
     paused_steps: int = 0  # steps left without lookup
@@ -59,7 +60,7 @@ class SpeculationState:
 
     def __post_init__(self) -> None:
         if self.num_tokens == 0:
-            self.num_tokens = self.settings.num_tokens
+            self.num_tokens = self.max_tokens
 
 
 def lookup(tokens: list[int], max_ngram: int, num_tokens: int) -> list[int]:
@@ -98,7 +99,7 @@ def propose(request: Request, budget: int) -> list[int]:
     count = min(state.num_tokens, budget - 1, room)
     if count <= 0:
         return []
-    draft = lookup(request.all_token_ids, state.settings.max_ngram, count)
+    draft = lookup(request.all_token_ids, state.max_ngram, count)
     if request.eos_token_ids:  # as transformers: no draft beyond an eos (the request would end there)
         for i, token in enumerate(draft):
             if token in request.eos_token_ids:
@@ -112,7 +113,7 @@ def record(request: Request, drafted: int, accepted: int, emitted: int) -> None:
     if state is None:
         return
     state.stats.add(drafted, accepted, emitted)
-    maximum = state.settings.num_tokens
+    maximum = state.max_tokens
     if accepted == drafted:
         state.num_tokens = min(maximum, state.num_tokens + 2)
     else:
