@@ -84,6 +84,11 @@ class ServerMetrics:
             "tokens_per_second": (stats.tokens_per_second, "Generated tokens per second (recent window)."),
             "prefix_cache_hit_rate": (stats.prefix_cache_hit_rate, "Share of prompt tokens found in cache."),
             "swapped_out_requests": (stats.swapped_out, "Requests whose KV is in the CPU offload tier."),
+            "speculation_acceptance_rate": (stats.acceptance_rate, "Share of draft tokens accepted."),
+            "speculation_tokens_per_step": (
+                stats.tokens_per_speculation_step,
+                "Tokens a speculating request appended per verification step.",
+            ),
         }
         for name, (value, text) in gauges.items():
             lines += [
@@ -107,6 +112,8 @@ class ServerMetrics:
             ),
             "swap_out_pages": (stats.swap_out_pages, "KV pages copied to the CPU offload tier."),
             "swap_in_pages": (stats.swap_in_pages, "KV pages copied back from the CPU offload tier."),
+            "draft_tokens": (stats.draft_tokens, "Speculative draft tokens verified."),
+            "accepted_draft_tokens": (stats.accepted_draft_tokens, "Speculative draft tokens accepted."),
         }
         for name, (value, text) in counters.items():
             family = f"{PREFIX}_{name}"
