@@ -39,9 +39,6 @@ ENGINE_FIELDS: tuple[tuple[str, str], ...] = (
     ("frequency_penalty", "frequency_penalty"),
     ("logit_bias", "logit_bias"),
     ("min_tokens", "min_tokens"),
-    # Speculative decoding by prompt lookup (docs/speculative_decoding.md); also vLLM's `speculative_config`.
-    ("prompt_lookup_num_tokens", "prompt_lookup_num_tokens"),
-    ("max_matching_ngram_size", "max_matching_ngram_size"),
 )
 # vLLM's `speculative_config` methods that map onto prompt lookup.
 NGRAM_METHODS = ("ngram", "[ngram]")
@@ -170,10 +167,13 @@ class _SamplingFields(_Body):
         return chosen
 
     def _speculative_kwargs(self) -> dict[str, Any]:
-        """`speculative_config` as prompt lookup keywords (a 400 for a method other than n-gram lookup)."""
+        """Speculative decoding by prompt lookup (docs/speculative_decoding.md), from generate()'s names or
+        vLLM's `speculative_config` (a 400 for a method other than n-gram lookup), as keywords."""
         config = self.speculative_config
         if config is None:
-            return {}
+            given = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
+            given["max_matching_ngram_size"] = self.max_matching_ngram_size
+            return {name: value for name, value in given.items() if value is not None}
         if config.method not in NGRAM_METHODS:
             raise ApiError(
                 400,
