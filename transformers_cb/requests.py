@@ -182,10 +182,11 @@ class GenerationOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     timestamps: list[float] | None = None  # one `time.perf_counter()` per generated token (record_timestamps)
-    # Speculative decoding (docs/speculative_decoding.md): draft tokens verified, and how many of them were
-    # accepted (appended as generated tokens); both 0 without speculation.
-    draft_tokens: int = 0
-    accepted_draft_tokens: int = 0
+    # Not fields (the dataclass stays transformers' shape): speculative decoding's counts, draft tokens
+    # verified and how many were accepted (appended as generated tokens), both 0 without speculation
+    # (docs/speculative_decoding.md); set by `Request.to_output`.
+    draft_tokens = 0
+    accepted_draft_tokens = 0
     # Not a field: where `new_tokens` starts in `generated_tokens` (0 for an output built by hand).
     _new_from = 0
 
