@@ -102,9 +102,8 @@ def real_prompts(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
     prompts = []
     for i in range(count):
         passage = real.PASSAGES[rng.randrange(len(real.PASSAGES))]
-        messages = [{"role": "user", "content": f"{asks[i % len(asks)]}\n\n{passage}"}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    return [list(p) if not isinstance(p, dict) else list(p["input_ids"]) for p in prompts]
+        prompts.append(real._chat(tokenizer, f"{asks[i % len(asks)]}\n\n{passage}"))
+    return prompts
 
 
 def _ours(
@@ -153,6 +152,8 @@ def _static_lookup(
 def run(args: Any, log=print) -> list[dict[str, Any]]:
     """Run the workload for each of `args.models` and print its table."""
     import real_prompts as real
+
+    import transformers_cb  # noqa: F401  (patches PreTrainedModel.generate_batch: ours, not transformers')
 
     rows: list[dict[str, Any]] = []
     for model_name in args.models:

@@ -14,6 +14,7 @@ from transformers_cb.requests import Request
 from transformers_cb.scheduler.speculation import (
     MAX_PAUSE_STEPS,
     SpeculationState,
+    draft_length,
     lookup,
     propose,
     record,
@@ -62,14 +63,20 @@ def test_propose_respects_budget_max_new_tokens_and_eos() -> None:
     assert propose(with_eos, budget=100) == []  # the draft starts with eos: nothing past it
 
 
-def test_back_off_grows_shrinks_and_pauses() -> None:
-    request = _decoding([1, 2, 3, 1, 2], [3], max_new=50, settings=LookupSettings(6, 2))
+def test_back_off_follows_the_acceptance_and_pauses() -> None:
+    request = _decoding([1, 2, 3, 1, 2], [3], max_new=50, settings=LookupSettings(8, 2))
     state = request.speculation
-    assert state is not None and state.num_tokens == 6
-    record(request, drafted=6, accepted=2, emitted=3)
-    assert state.num_tokens == 5 and state.paused_steps == 0
-    record(request, drafted=5, accepted=5, emitted=6)
-    assert state.num_tokens == 6  # +2, capped at the maximum
+    assert state is not None and state.num_tokens == 8
+    record(request, drafted=8, accepted=8, emitted=9)
+    assert state.num_tokens == 8  # nothing rejected yet: the maximum
+    record(request, drafted=8, accepted=3, emitted=4)
+    assert state.num_tokens == 8  # p = (0.7 * 8 + 3) / (... + 1) ~ 0.9: runs of ~9 expected
+    for _ in range(12):  # one token accepted, then a rejection, again and again: p -> 1/2
+        record(request, drafted=4, accepted=1, emitted=2)
+    assert state.num_tokens == 1
+    for _ in range(8):  # long runs again: the draft grows back
+        record(request, drafted=state.num_tokens, accepted=state.num_tokens, emitted=state.num_tokens + 1)
+    assert state.num_tokens >= 6
     record(request, drafted=6, accepted=0, emitted=1)
     assert state.paused_steps == 0  # one miss: no pause yet
     record(request, drafted=5, accepted=0, emitted=1)
@@ -78,9 +85,21 @@ def test_back_off_grows_shrinks_and_pauses() -> None:
     assert propose(request, budget=100) != []  # the pause is over
     for _ in range(20):
         record(request, drafted=1, accepted=0, emitted=1)
-    assert state.paused_steps == MAX_PAUSE_STEPS
-    assert state.stats.drafted == 6 + 5 + 6 + 5 + 20 and state.stats.accepted == 7
-    assert state.stats.emitted == 3 + 6 + 1 + 1 + 20 and state.stats.steps == 24
+    assert state.paused_steps == MAX_PAUSE_STEPS and state.num_tokens == 1
+    assert state.stats.steps == 2 + 12 + 8 + 2 + 20
+
+
+def test_draft_length_is_the_expected_accepted_run() -> None:
+    state = SpeculationState(10, 2)
+    assert draft_length(state) == 10
+    state.accepted_recently, state.rejected_recently = 4.0, 1.0  # p = 0.8: runs of 4
+    assert draft_length(state) == 4
+    state.accepted_recently, state.rejected_recently = 1.0, 1.0  # p = 0.5: runs of 1
+    assert draft_length(state) == 1
+    state.accepted_recently, state.rejected_recently = 0.0, 3.0
+    assert draft_length(state) == 1
+    state.accepted_recently, state.rejected_recently = 99.0, 1.0
+    assert draft_length(state) == 10
 
 
 def test_settings_validation_and_per_request_override() -> None:

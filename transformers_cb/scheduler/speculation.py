@@ -4,10 +4,11 @@ per-request back-off, and the acceptance counts.
 A decoding request with `Request.speculation` set runs 1 + k query tokens in a step: its last sampled
 token and k draft tokens copied from its own prompt + output (`propose`, the n-gram lookup of
 transformers' `PromptLookupCandidateGenerator`). The runner verifies them against the target model
-(sampling/verification.py); `record` takes the outcome and adapts k as transformers' "heuristic"
-schedule does (+2 when every draft token was accepted, -1 otherwise), and pauses a request's lookup
-for a growing number of steps after drafts that were wholly rejected, so that text that does not repeat
-costs (almost) nothing. See docs/speculative_decoding.md.
+(sampling/verification.py); `record` takes the outcome and sets the next draft length to the run of
+draft tokens the request's recent drafts say will be accepted (`draft_length`: verifying a draft token
+costs a query position even when it is rejected, which a compute-bound model pays for), and pauses a
+request's lookup for a growing number of steps after drafts that were wholly rejected, so that text that
+does not repeat costs (almost) nothing. See docs/speculative_decoding.md.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from ..requests import Request
 # After this many drafts in a row with no token accepted, lookup pauses (2, 4, 8, ... steps).
 MISSES_BEFORE_PAUSE = 2
 MAX_PAUSE_STEPS = 64
+# Weight of the previous drafts in the acceptance estimate, per draft (recent drafts count most).
+DECAY = 0.7
 
 
 @dataclass
@@ -56,6 +59,9 @@ class SpeculationState:
     num_tokens: int = 0  # current draft length (starts at the maximum)
     misses: int = 0  # drafts in a row with nothing accepted
     paused_steps: int = 0  # steps left without lookup
+    # Decayed counts of accepted draft tokens and of rejections (one per draft that was cut short).
+    accepted_recently: float = 0.0
+    rejected_recently: float = 0.0
     stats: SpeculationStats = field(default_factory=SpeculationStats)
 
     def __post_init__(self) -> None:
@@ -107,17 +113,28 @@ def propose(request: Request, budget: int) -> list[int]:
     return draft
 
 
+def draft_length(state: SpeculationState) -> int:
+    """The next draft length: the accepted run the recent drafts predict. Draft tokens are accepted one
+    after the other while they are right, so with p the chance that the next one is (estimated from the
+    decayed counts: accepted / (accepted + rejections)) a run is p / (1 - p) tokens long on average;
+    drafting more mostly buys rejected positions. Never more than the request's maximum, never under 1."""
+    if state.rejected_recently == 0:
+        return state.max_tokens
+    p = state.accepted_recently / (state.accepted_recently + state.rejected_recently)
+    if p >= 1.0:
+        return state.max_tokens
+    return max(1, min(state.max_tokens, round(p / (1.0 - p))))
+
+
 def record(request: Request, drafted: int, accepted: int, emitted: int) -> None:
     """The outcome of a verification step: counts, then the next draft length and the pause."""
     state = request.speculation
     if state is None:
         return
     state.stats.add(drafted, accepted, emitted)
-    maximum = state.max_tokens
-    if accepted == drafted:
-        state.num_tokens = min(maximum, state.num_tokens + 2)
-    else:
-        state.num_tokens = max(1, state.num_tokens - 1)
+    state.accepted_recently = DECAY * state.accepted_recently + accepted
+    state.rejected_recently = DECAY * state.rejected_recently + (1 if accepted < drafted else 0)
+    state.num_tokens = draft_length(state)
     if accepted:
         state.misses = 0
         return
