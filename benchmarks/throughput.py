@@ -7,6 +7,7 @@
     python benchmarks/throughput.py --models mini --workloads many-short,many-short-8 --busy-core
     python benchmarks/throughput.py --models smollm2 --engines static,ours,limit,vllm   (the real model, real prompts)
     python benchmarks/throughput.py --workloads structured --scale 0.5   (guided decoding vs none, benchmarks/structured.py)
+    python benchmarks/throughput.py --workloads lookup --models tiny,smollm2   (prompt lookup speculation, benchmarks/lookup.py)
 
 Prints a markdown table and writes the rows plus metadata as JSON (default `benchmarks/results/throughput.json`).
 The machine may be noisy: compare engines through the ratios of one run (they are measured side by side), not
@@ -55,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["mixed", "shared-prefix", "long-decode"],
         help="comma list of: mixed, shared-prefix, long-decode, many-short (1000 prompts of 8-40 tokens, 1 new "
         "token), many-short-8 (the same, 8 new tokens), memory-pressure (recompute vs CPU offload, "
-        "benchmarks/memory_pressure.py), structured (JSON-schema guided decoding vs none, benchmarks/structured.py)",
+        "benchmarks/memory_pressure.py), structured (JSON-schema guided decoding vs none, benchmarks/structured.py), lookup (speculative decoding by "
+        "prompt lookup on input-grounded and random prompts, benchmarks/lookup.py)",
     )
     p.add_argument(
         "--engines",
@@ -161,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
 
         args.workloads.remove("memory-pressure")
         memory_pressure.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not args.workloads:
+            return 0
+
+    if "lookup" in args.workloads:  # speculative decoding by prompt lookup: its own engines and table
+        import lookup
+
+        args.workloads.remove("lookup")
+        lookup.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
             return 0
 

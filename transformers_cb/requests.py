@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 if TYPE_CHECKING:
     from .sampling.request_state import RequestSampling
+    from .scheduler.speculation import SpeculationState
 
 from .invariants import InvariantError
 
@@ -181,6 +182,11 @@ class GenerationOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
     timestamps: list[float] | None = None  # one `time.perf_counter()` per generated token (record_timestamps)
+    # Not fields (the dataclass stays transformers' shape): speculative decoding's counts, draft tokens
+    # verified and how many were accepted (appended as generated tokens), both 0 without speculation
+    # (docs/speculative_decoding.md); set by `Request.to_output`.
+    draft_tokens = 0
+    accepted_draft_tokens = 0
     # Not a field: where `new_tokens` starts in `generated_tokens` (0 for an output built by hand).
     _new_from = 0
 
@@ -202,6 +208,19 @@ class GenerationOutput:
     def new_top_logprobs(self) -> list[dict[int, float]] | None:
         """`top_logprobs` of `new_tokens` (None when the request has none)."""
         return _COPIED["top_logprobs"].tail(self, self._new_from)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0.0 without speculation)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Generated tokens per step that produced some (1.0 without speculation): each step appends its
+        accepted draft tokens and one token of the target's own."""
+        produced = len(self.generated_tokens)
+        steps = produced - self.accepted_draft_tokens
+        return produced / steps if steps > 0 else 0.0
 
     @property
     def ttft(self) -> float | None:
@@ -266,6 +285,8 @@ class Request:
     fork_children: list[Request] = field(default_factory=list, repr=False)
     fork_parent: Request | None = field(default=None, repr=False)
     num_output_tokens: int = 0  # generated tokens in this request's previous output (`to_output`)
+    # Speculative decoding (prompt lookup): settings, draft length, counts; None: no speculation.
+    speculation: SpeculationState | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)
@@ -379,5 +400,8 @@ class Request:
             finish_time=self.finish_time,
             timestamps=None if self.timestamps is None else shared(self.timestamps),
         )
+        if self.speculation is not None:
+            output.draft_tokens = self.speculation.stats.drafted
+            output.accepted_draft_tokens = self.speculation.stats.accepted
         output._new_from, self.num_output_tokens = self.num_output_tokens, num_tokens
         return output

@@ -31,8 +31,6 @@ NON_DEFAULT = {
     "guidance_scale": 1.5,
     "watermarking_config": {"bias": 2.0},
     "token_healing": True,
-    "prompt_lookup_num_tokens": 3,
-    "max_matching_ngram_size": 2,
     "assistant_early_exit": 2,
     "speculation_type": "x",
     "use_mtp": True,

@@ -347,6 +347,22 @@ def test_block_tables_refuse_shrinking_or_overflowing_rows() -> None:
         tables.sync(request)
 
 
+def test_block_tables_take_back_pages_from_the_end() -> None:
+    """Speculation gives back the pages of rejected draft tokens: told so, the row rewrites the freed
+    column when a page is appended again."""
+    tables = BlockTables(max_pages_per_request=4, device=torch.device("cpu"), initial_rows=1)
+    request = make_request()
+    set_page_ids(request, [0, 1, 2])
+    row = tables.sync(request)
+    set_page_ids(request, [0, 1])
+    tables.take_back(request)
+    tables.check_integrity([request])
+    set_page_ids(request, [0, 1, 7])
+    tables.sync(request)
+    assert tables.table[row, :3].tolist() == [0, 1, 7]
+    tables.check_integrity([request])
+
+
 # -- Property tests ------------------------------------------------------------------------------
 
 

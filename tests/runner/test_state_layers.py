@@ -97,7 +97,9 @@ def test_recorder_learns_the_shapes_a_slot_holds() -> None:
 
 
 def _entry(request_id: str, start: int, num_tokens: int, slot: int) -> ScheduledRequest:
-    return ScheduledRequest(make_request(request_id, start + num_tokens + 1), start, num_tokens, slot)
+    return ScheduledRequest(
+        make_request(request_id, start + num_tokens + 1), start, num_tokens, state_slot=slot
+    )
 
 
 def test_state_table_decodes_first_then_spans() -> None:

@@ -86,6 +86,13 @@ def _assert_serving(live: LiveServer) -> None:
         ("/v1/completions", _completion(logit_bias={"x": 1}), 400, "logit_bias"),
         ("/v1/completions", _completion(logit_bias={"5": 101}), 400, "logit_bias"),
         ("/v1/completions", _completion(min_tokens=-1), 400, "min_tokens"),
+        ("/v1/completions", _completion(prompt_lookup_num_tokens=-1), 400, "prompt_lookup_num_tokens"),
+        (
+            "/v1/completions",
+            _completion(speculative_config={"method": "eagle", "num_speculative_tokens": 3}),
+            400,
+            "speculative_config",
+        ),
         ("/v1/completions", _completion(suffix="x"), 400, "suffix"),
         ("/v1/completions", _completion(best_of=3), 400, "best_of"),
         ("/v1/completions", _completion(prompt=["text", [1, 2]]), 400, "prompt"),
@@ -403,6 +410,9 @@ def test_metrics_follow_stats_and_count_latencies(server: LiveServer) -> None:
     assert samples["transformers_cb_recomputed_tokens_total"] == stats.recomputed_tokens
     assert samples["transformers_cb_swap_out_pages_total"] == stats.swap_out_pages
     assert samples["transformers_cb_swapped_out_requests"] == stats.swapped_out == 0
+    assert samples["transformers_cb_draft_tokens_total"] == stats.draft_tokens
+    assert samples["transformers_cb_accepted_draft_tokens_total"] == stats.accepted_draft_tokens
+    assert samples["transformers_cb_speculation_acceptance_rate"] == stats.acceptance_rate
     assert samples["transformers_cb_time_to_first_token_seconds_count"] >= 2
     assert samples["transformers_cb_inter_token_latency_seconds_count"] >= 4
     assert samples['transformers_cb_http_responses_total{endpoint="/v1/completions",status="200"}'] >= 2

@@ -229,3 +229,15 @@ def test_choice_events_read_each_outputs_new_tokens_only() -> None:
     assert [lp for e in got for lp in e.logprobs] == [-0.5 - k for k in range(steps)]
     assert got[-1].finish_reason == "length"
     assert CountingList.read <= 3 * steps, f"{CountingList.read} items read for {steps} tokens"
+
+
+@requires_serve
+def test_speculation_fields_and_vllm_speculative_config() -> None:
+    request = parse_body(b'{"model": "m", "prompt": "x", "prompt_lookup_num_tokens": 4}', CompletionRequest)
+    assert request.engine_kwargs() == {"prompt_lookup_num_tokens": 4}
+    body = b'{"model": "m", "prompt": "x", "speculative_config": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}}'
+    request = parse_body(body, CompletionRequest)
+    assert request.engine_kwargs() == {"prompt_lookup_num_tokens": 5, "max_matching_ngram_size": 3}
+    body = b'{"model": "m", "prompt": "x", "speculative_config": {"method": "draft_model", "num_speculative_tokens": 5}}'
+    with pytest.raises(ApiError, match="speculative_config"):
+        parse_body(body, CompletionRequest).engine_kwargs()

@@ -50,6 +50,8 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "exponential_decay_length_penalty",
         "renormalize_logits",
         "remove_invalid_values",
+        "prompt_lookup_num_tokens",  # speculative decoding by prompt lookup (docs/speculative_decoding.md)
+        "max_matching_ngram_size",
         "num_return_sequences",  # forks: siblings share the prompt's pages (kv/prefix_cache.py)
         "continuous_batching_config",  # deprecated path, taken with a FutureWarning (config/interop.py, `take_cb_config`)
     }
@@ -100,8 +102,6 @@ REFUSED: frozenset[str] = frozenset(
         "guidance_scale",
         "watermarking_config",
         "token_healing",
-        "prompt_lookup_num_tokens",
-        "max_matching_ngram_size",
         "assistant_early_exit",
         "speculation_type",
         "use_mtp",

@@ -23,6 +23,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import default_max_new_tokens
+from ..config.speculation import lookup_from_config, request_lookup, split_speculation_kwargs
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
@@ -32,9 +33,11 @@ from ..runner.packed_linear import WeightKey
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.scheduler import Scheduler
+from ..scheduler.speculation import SpeculationState, SpeculationStats
 from .forks import add_siblings, num_return_sequences_of
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
+from .speculation_support import speculation_refusal
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
 
 if TYPE_CHECKING:
@@ -104,6 +107,17 @@ class Engine:
         self.warmed_up = False
         self._auto_ids = itertools.count()
         self._weights = weights_fingerprint(self.model)
+        # Speculative decoding: why this engine cannot (None: it can; see speculation_support.py), and
+        # every request's default (the GenerationConfig's).
+        self.speculation_refusal: str | None = speculation_refusal(self.model, plan.states is not None)
+        self.lookup_default = lookup_from_config(self.generation_config)
+        if self.lookup_default is not None and self.speculation_refusal is not None:
+            raise ValueError(f"GenerationConfig.prompt_lookup_num_tokens: {self.speculation_refusal}")
+
+    @property
+    def supports_speculation(self) -> bool:
+        """Whether requests may speculate here (`speculation_refusal` says why not)."""
+        return self.speculation_refusal is None
 
     # -- the resolved settings (read-only views of the plan) ----------------------------------
     @property
@@ -220,13 +234,27 @@ class Engine:
             record_timestamps=record_timestamps,
         )
         refuse_multimodal_inputs(list(sampling_kwargs or ()), label)
+        speculation_kwargs, sampling_kwargs = split_speculation_kwargs(sampling_kwargs)
         self.sampling.attach(request, sampling_kwargs, label)
+        self._attach_speculation(request, speculation_kwargs, label)
         reason = self.unfittable_reason(request.max_total_tokens)
         if reason is not None:
             raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
         count = num_return_sequences_of(num_return_sequences, self.generation_config, label)
         add_siblings(request, count, self.sampling, sampling_kwargs, label)
+        for sibling in request.siblings:  # each with its own draft length and counts
+            self._attach_speculation(sibling, speculation_kwargs, label)
         return request
+
+    def _attach_speculation(self, request: Request, kwargs: dict[str, Any], label: str) -> None:
+        """The request's prompt lookup settings (its own over the GenerationConfig's), or a `ValueError`
+        naming `label` when this engine cannot speculate."""
+        settings = request_lookup(self.lookup_default, kwargs, label)
+        if settings is None:
+            return
+        if self.speculation_refusal is not None:
+            raise ValueError(f"{label}: {self.speculation_refusal}")
+        request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
@@ -334,7 +362,7 @@ class Engine:
                 while self.has_work():
                     self.step()
         finally:
-            self.counters = EngineCounters()
+            self.reset_counters()
             self.pages.clear_prefix_cache()
         self.warmed_up = True
         return True
@@ -352,8 +380,9 @@ class Engine:
         return True
 
     def reset_counters(self) -> None:
-        """Start the work counters (`counters`, `snapshot().counters`) from zero."""
+        """Start the work counters (`counters`, `snapshot().counters`, `snapshot().speculation`) from zero."""
         self.counters = EngineCounters()
+        self.scheduler.speculation = SpeculationStats()
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
@@ -378,16 +407,22 @@ class Engine:
                 result.finished.append(entry.request)
             return result
         for entry in batch.entries:
-            if entry.num_tokens == 1 and entry.request.generated_ids:
-                self.counters.decode_tokens += 1
+            if entry.draft or (entry.num_tokens == 1 and entry.request.generated_ids):
+                self.counters.decode_tokens += entry.num_tokens  # a speculating request's draft tokens too
             else:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
+        emitted, num_speculating = (
+            self.scheduler.speculation.emitted,
+            sum(1 for e in batch.entries if e.draft),
+        )
         finished = self.scheduler.update(
-            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs
+            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs, output.continuations
         )
         self.runner.release(finished)
-        self.counters.generated_tokens += len(output.sampled)
+        self.runner.take_back([e.request for e in batch.entries if e.draft and not e.request.is_finished])
+        emitted = self.scheduler.speculation.emitted - emitted  # tokens the speculating requests appended
+        self.counters.generated_tokens += len(output.sampled) - num_speculating + emitted
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
@@ -422,6 +457,7 @@ class Engine:
             state_slots_in_use=slots.num_in_use if slots is not None else 0,
             state_slots_total=slots.num_slots if slots is not None else 0,
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
+            speculation=replace(scheduler.speculation),
             counters=replace(self.counters),
         )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..kv.prefix_cache import PrefixStats
+from ..scheduler.speculation import SpeculationStats
 
 
 @dataclass
@@ -39,3 +40,6 @@ class EngineSnapshot:
     state_slots_total: int = 0
     state_bytes_per_slot: int = 0
     counters: EngineCounters = field(default_factory=EngineCounters)
+    speculation: SpeculationStats = field(
+        default_factory=SpeculationStats
+    )  # verification steps, all requests

@@ -91,6 +91,10 @@ class PageManager:
         """Step boundary: release pages the request's next step no longer reads. Returns how many."""
         return sum(a.trim(request) for a in self._trimming) if self._trimming else 0
 
+    def release_surplus(self, request: Request) -> int:
+        """Speculation: give back every group's pages past the request's accepted KV. Returns how many."""
+        return sum(policy.release_surplus(request) for policy in self.policies)
+
     def free(self, request: Request) -> None:
         """Release the request's pages in every group, and (sharing) its promises of pages not computed."""
         if self.prefix is not None:

@@ -81,6 +81,18 @@ class PagePolicy:
         pages.first_page = keep_from
         return num_dropped
 
+    def release_surplus(self, request: Request) -> int:
+        """Return the pages past the request's computed KV (the rejected draft tokens of speculation), so
+        that it holds what plain decoding would. Returns how many."""
+        pages = self.pages(request)
+        keep_end = max(pages.first_page, num_pages_for(request.num_computed_tokens, self.page_size))
+        surplus = pages.end_page - keep_end
+        if surplus <= 0:
+            return 0
+        self.pool.release(pages.page_ids[-surplus:])
+        del pages.page_ids[-surplus:]
+        return surplus
+
     def free(self, request: Request) -> None:
         """Release every page of `request` in this group (preemption or end)."""
         pages = self.pages(request)

@@ -58,6 +58,22 @@ class ManagerStats:
     state_slots_in_use: int = 0
     state_slots_total: int = 0
     state_bytes_per_slot: int = 0
+    # Speculative decoding (docs/speculative_decoding.md), since creation: draft tokens verified, accepted,
+    # the steps that verified drafts and the tokens those steps appended.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    speculation_steps: int = 0
+    speculation_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified draft tokens (0.0 without speculation)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_speculation_step(self) -> float:
+        """Tokens a request appended per step that verified its draft (1.0 would be no gain)."""
+        return self.speculation_tokens / self.speculation_steps if self.speculation_steps else 0.0
 
 
 def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
@@ -90,6 +106,10 @@ def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
         state_slots_in_use=engine.state_slots_in_use,
         state_slots_total=engine.state_slots_total,
         state_bytes_per_slot=engine.state_bytes_per_slot,
+        draft_tokens=engine.speculation.drafted,
+        accepted_draft_tokens=engine.speculation.accepted,
+        speculation_steps=engine.speculation.steps,
+        speculation_tokens=engine.speculation.emitted,
     )
 
 

@@ -6,7 +6,8 @@ Each running request owns a row, keyed by its request id (never `id(request)`, w
 recycles), while it holds pages. Logical page `i` of a request sits in column `i % width`: a
 full-attention group's width covers a whole request, so that is column `i`; a sliding-window group
 only ever holds a bounded run of consecutive pages, so its row is a ring that old pages leave and
-new ones enter. Pages are only ever appended to a running request, so a step writes just the new
+new ones enter. Pages are only ever appended to a running request (speculation's rejected draft tokens give pages back
+from the end, which the runner tells the table: `take_back`), so a step writes just the new
 pages instead of rebuilding the table; when the scheduler frees a request's pages (preemption, or
 the single `finish()` exit) the runner gives the row back (the step plan's `released`, or the
 engine for requests that end outside `schedule()`).
@@ -77,6 +78,13 @@ class BlockTables:
                 self.table[row, columns.to(self.device)] = new_pages
             self._num_written[key] = end
         return row
+
+    def take_back(self, request: Request) -> None:
+        """`request` gave pages back from the end of its list (speculation): those columns are rewritten
+        when pages are appended again."""
+        key = request.request_id
+        if key in self._num_written:
+            self._num_written[key] = min(self._num_written[key], request.group_pages(self.group).end_page)
 
     def release(self, request: Request) -> None:
         row = self._rows.pop(request.request_id, None)

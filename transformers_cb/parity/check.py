@@ -7,7 +7,7 @@ with `model.generate()` on each prompt alone, then runs all prompts through
 `model.generate_batch` under a few cache settings (small pages with a small
 token budget for chunked prefill, large pages with the default budget, and a
 cache just big enough for the largest request so that requests get evicted and
-recomputed). It prints a pass/fail table and exits with status 1 on any
+recomputed, and speculative decoding by prompt lookup, docs/speculative_decoding.md). It prints a pass/fail table and exits with status 1 on any
 mismatch that is not a genuine floating-point near-tie. The comparison itself is `compare.py`.
 """
 
@@ -52,8 +52,12 @@ class SettingResult:
         return self.num_failed == 0
 
 
+# Keys of a setting that are `generate_batch` keywords rather than `ContinuousBatchingConfig` fields.
+GENERATE_KWARGS = ("prompt_lookup_num_tokens",)
+
+
 def default_settings(max_total_tokens: int) -> list[tuple[str, dict]]:
-    """Cache settings to run, as (name, ContinuousBatchingConfig kwargs)."""
+    """Cache settings to run, as (name, ContinuousBatchingConfig kwargs, plus `GENERATE_KWARGS`)."""
     return [
         ("page 16, budget 32 (chunked prefill)", {"page_size": 16, "max_batch_tokens": 32}),
         ("page 256, default budget", {"page_size": 256}),
@@ -61,6 +65,7 @@ def default_settings(max_total_tokens: int) -> list[tuple[str, dict]]:
             "page 16, tight cache (eviction)",
             {"page_size": 16, "max_batch_tokens": 64, "num_blocks": math.ceil(max_total_tokens / 16) + 1},
         ),
+        ("page 16, prompt lookup 4 (speculation)", {"page_size": 16, "prompt_lookup_num_tokens": 4}),
     ]
 
 
@@ -92,8 +97,10 @@ def run_check(
             details: list[str] = []
             result = SettingResult(name, num_requests=len(prompts), details=details)
             start = time.perf_counter()
+            extra = {key: value for key, value in kwargs.items() if key in GENERATE_KWARGS}
+            cb_kwargs = {key: value for key, value in kwargs.items() if key not in GENERATE_KWARGS}
             outputs, result.num_preemptions = generate_batch_counting_preemptions(
-                model, prompts, config, ContinuousBatchingConfig(**kwargs)
+                model, prompts, config, ContinuousBatchingConfig(**cb_kwargs), **extra
             )
             result.seconds = time.perf_counter() - start
             for i, (prompt, expected) in enumerate(zip(prompts, references, strict=True)):
@@ -123,6 +130,7 @@ def generate_batch_counting_preemptions(
     prompts: list[list[int]],
     generation_config: GenerationConfig,
     cb_config: ContinuousBatchingConfig,
+    **generate_kwargs: Any,
 ) -> tuple[dict[str, GenerationOutput], int]:
     """`model.generate_batch(prompts)` and the preemptions its engine counted (`Engine.snapshot()`).
 
@@ -140,6 +148,7 @@ def generate_batch_counting_preemptions(
             continuous_batching_config=cb_config,
             progress_bar=False,
             persistent_manager=True,
+            **generate_kwargs,
         )
         _, engine = getattr(model, CACHED_ENGINE_ATTR)
         return outputs, engine.snapshot().preemptions

@@ -31,6 +31,7 @@ from .cuda_graphs import make_graph_steps
 from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 from .state_layers import StateLayers
+from .verified_step import verified_tokens
 
 if TYPE_CHECKING:
     from ..sampling.processors import Stage
@@ -46,6 +47,9 @@ class StepOutput:
     sampled: list[SampledToken] = field(default_factory=list)
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
     prompt_top_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # Speculation: request id -> the tokens a speculating request appends after `sampled`'s (its accepted
+    # draft tokens after the first, then the target's own token; runner/verified_step.py).
+    continuations: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -110,12 +114,29 @@ class ModelRunner:
         for request in requests:
             self.packer.release_request(request)
 
+    def take_back(self, requests: list[Request]) -> None:
+        """Speculating `requests` gave back the pages of their rejected draft tokens: their block-table rows
+        forget those columns (rewritten when pages are appended again)."""
+        for request in requests:
+            self.packer.take_back(request)
+
     @torch.inference_mode()
     def run(self, batch: StepPlan) -> StepOutput:
         """Run one step (`batch.entries` not empty): its plan, then the forward and the sampling."""
         self.apply(batch)
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
+        if any(entry.draft for entry in step.sampling_entries):
+            sampled, continuations = verified_tokens(self.sampler, logits, step.sampling_entries, batch)
+            output = StepOutput(sampled=sampled, continuations=continuations)
+        else:
+            output = self._sample(logits, step, batch)
+        if prompt_logits is not None:
+            output.prompt_logprobs, output.prompt_top_logprobs = _prompt_logprobs(step, prompt_logits)
+        return output
+
+    def _sample(self, logits: torch.Tensor, step: PackedStep, batch: StepPlan) -> StepOutput:
+        """One token per sampling entry (no speculation in the step)."""
         samples = self.sampler.sample(logits, [entry.request for entry in step.sampling_entries])
         by_entry = {}
         for i, entry in enumerate(step.sampling_entries):
@@ -124,10 +145,7 @@ class ModelRunner:
                 None if samples.logprobs is None else samples.logprobs[i],
                 None if samples.top_logprobs is None else samples.top_logprobs[i],
             )
-        output = StepOutput(sampled=[by_entry[id(entry)] for entry in batch.entries if entry.samples])
-        if prompt_logits is not None:
-            output.prompt_logprobs, output.prompt_top_logprobs = _prompt_logprobs(step, prompt_logits)
-        return output
+        return StepOutput(sampled=[by_entry[id(entry)] for entry in batch.entries if entry.samples])
 
     @torch.inference_mode()
     def forward(self, batch: StepPlan) -> None:

@@ -41,7 +41,7 @@ class PackedStep:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T]
     logits_indices: torch.Tensor  # [S]: packed positions whose logits are sampled
-    sampling_entries: list[ScheduledRequest]  # the S entries, in logits order
+    sampling_entries: list[ScheduledRequest]  # in logits order, 1 + len(entry.draft) rows each
     metadata: AttentionMetadata
     # Prompt logprobs (only requests that ask for them): packed positions, and per request
     # (request, first prompt index scored, count) in the same order.
@@ -157,31 +157,41 @@ class BatchPacker:
         for tables in self.block_tables:
             tables.release(request)
 
+    def take_back(self, request: Request) -> None:
+        """`request` gave pages back from its end (speculation's rejected draft tokens), in every group."""
+        for tables in self.block_tables:
+            tables.take_back(request)
+
     def pack(self, batch: StepPlan) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)
         prefills = [e for e in batch.entries if e.num_tokens > 1]
         num_native_rows = 0
         if self.native:
-            short = [e for e in prefills if e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK]
-            prefills = short + [e for e in prefills if e.num_tokens * e.end > NATIVE_PREFILL_MAX_WORK]
+            # A speculating request's few query tokens (1 + draft) join the native call at any KV length.
+            short = [e for e in prefills if e.draft or e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK]
+            prefills = short + [
+                e for e in prefills if not e.draft and e.num_tokens * e.end > NATIVE_PREFILL_MAX_WORK
+            ]
             num_native_rows = len(decodes) + len(short)
         ordered = decodes + prefills
         input_ids: list[int] = []
         positions: list[int] = []
         cu_seqlens_q = [0]
-        sampling, logits_indices = [], []
+        sampling: list[ScheduledRequest] = []
+        logits_indices: list[int] = []
         prompt_indices: list[int] = []
         prompt_spans: list[tuple[Request, int, int]] = []
         for entry in ordered:
             request, start, end = entry.request, entry.start, entry.end
-            input_ids.extend(request.all_token_ids[start:end])
+            input_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             if request.wants_prompt_logprobs:
                 _prompt_positions(entry, cu_seqlens_q[-1], prompt_indices, prompt_spans)
             cu_seqlens_q.append(cu_seqlens_q[-1] + entry.num_tokens)
             if entry.samples:
                 sampling.append(entry)
-                logits_indices.append(cu_seqlens_q[-1] - 1)
+                # A speculating entry's rows: its last known token and each draft token (verification).
+                logits_indices.extend(range(cu_seqlens_q[-1] - 1 - len(entry.draft), cu_seqlens_q[-1]))
         position_ids = torch.tensor(positions, dtype=torch.int64, device=self.device)
         q_lens = torch.tensor([e.num_tokens for e in ordered], dtype=torch.int64, device=self.device)
         token_entry = torch.repeat_interleave(torch.arange(len(ordered), device=self.device), q_lens)  # [T]

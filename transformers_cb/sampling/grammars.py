@@ -83,6 +83,24 @@ class GrammarState:
             if not self.matcher.consume_tokens(new) and self.error is None:
                 self.error = self.matcher.get_error()
 
+    def rollback(self, num_generated: int) -> None:
+        """Take back the tokens fed past the first `num_generated` (speculation's rejected draft tokens)."""
+        if self.consumed <= num_generated:
+            return
+        if not self.matcher.rollback(self.consumed - num_generated):
+            self.matcher.reset()  # beyond its rollback window: replayed from the start on the next sync
+            self.consumed = 0
+            return
+        self.consumed = num_generated
+
+    def allowed_prefix(self, generated_ids: list[int], draft: list[int]) -> int:
+        """How many of `draft`'s tokens the grammar allows after `generated_ids` (a forbidden token ends
+        a speculation run: the target would never produce it)."""
+        self.sync(generated_ids)
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        return int(self.matcher.validate_tokens(draft))
+
     def finished(self, generated_ids: list[int]) -> bool:
         """The grammar has reached its end: no token but eos could follow."""
         self.sync(generated_ids)

@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from ..config.speculation import SPECULATION_KWARGS
 from .guided import GuidedDecoding, as_guided
 from .neutral import NEUTRAL_VALUES
 
@@ -28,7 +29,16 @@ OPENAI_PARAMS = ("presence_penalty", "frequency_penalty", "logit_bias", "min_tok
 OUTPUT_OPTIONS = ("return_logprobs", "top_logprobs", "prompt_logprobs")
 # What the output must match (docs/structured_outputs.md); needs a tokenizer, not the flag.
 CONSTRAINT_OPTIONS = ("guided",)
-PER_REQUEST_KWARGS = (*VECTOR_PARAMS, *REQUEST_OPTIONS, *OPENAI_PARAMS, *OUTPUT_OPTIONS, *CONSTRAINT_OPTIONS)
+# Speculation (config/speculation.py) rides with the per-request kwargs; the engine takes it out before
+# the sampling parameters are resolved (`resolve_request_params` leaves it alone).
+PER_REQUEST_KWARGS = (
+    *VECTOR_PARAMS,
+    *REQUEST_OPTIONS,
+    *OPENAI_PARAMS,
+    *OUTPUT_OPTIONS,
+    *CONSTRAINT_OPTIONS,
+    *SPECULATION_KWARGS,
+)
 WARPER_PARAMS = ("temperature", "top_k", "top_p", "min_p")  # applied only to rows that sample
 
 
@@ -211,7 +221,9 @@ def resolve_request_params(
     without `per_request_processors=True`, or one whose processor the GenerationConfig does not
     create (as in transformers, set the GenerationConfig value to a non-default one first; an engine
     with `all_request_stages` creates every one)."""
-    given = {name: value for name, value in kwargs.items() if value is not None}
+    given = {
+        name: value for name, value in kwargs.items() if value is not None and name not in SPECULATION_KWARGS
+    }
     if not given:
         return base
     unknown = sorted(set(given) - set(PER_REQUEST_KWARGS))

@@ -85,6 +85,17 @@ class RequestSampling:
             self._counted = len(generated)
         return self._counts
 
+    def rollback(self, num_tokens: int, num_generated: int) -> None:
+        """Forget what the caches hold past the first `num_tokens` tokens (`num_generated` generated):
+        speculation fed them draft tokens that were rejected (sampling/verification.py)."""
+        self._filled = min(self._filled, num_tokens)
+        if self._seen_upto > num_tokens:  # a set cannot forget one occurrence: rebuilt on next use
+            self._seen, self._seen_upto = None, 0
+        if self._counted > num_generated:
+            self._counts, self._counted = None, 0
+        if self.grammar is not None:
+            self.grammar.rollback(num_generated)
+
     def hits_stop_string(self, token_ids: list[int]) -> bool:
         return self.stop is not None and hits_stop_string(self.stop, token_ids)
 

@@ -63,8 +63,7 @@ class Sampler:
         if all(state is None for state in states):
             # Greedy without processors or outputs: the hot path, one argmax.
             return Samples(tokens=logits.argmax(dim=-1).tolist())
-        self._mask(logits, requests, states)
-        scores = self.process(logits, requests)
+        scores = self.scores(logits, requests)
         sampled = [
             (i, state) for i, state in enumerate(states) if state is not None and state.params.do_sample
         ]
@@ -77,6 +76,11 @@ class Sampler:
                 rows = torch.tensor([i for i, _ in sampled], dtype=torch.long, device=scores.device)
                 tokens[rows] = self._draw(scores[rows], sampled_states)
         return self._outputs(scores, tokens, states)
+
+    def scores(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+        """The processed scores of each row (guided rows masked first, in place), before any draw."""
+        self._mask(logits, requests, [request.sampling for request in requests])
+        return self.process(logits, requests)
 
     def _mask(self, logits: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> None:
         """Guided rows: only the tokens their grammar allows next (in place, those rows only). As vLLM

@@ -13,7 +13,7 @@ The runner executes it in this order:
 
 `preempted` and `failed` tell the engine what happened to those requests (the failed ones are
 already finished). Each entry is a `ScheduledRequest`: one request's share of the step (which
-tokens it runs).
+tokens it runs, and for a speculating request the draft tokens it verifies: scheduler/speculation.py).
 """
 
 from __future__ import annotations
@@ -27,22 +27,33 @@ from ..requests import Request
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step."""
+    """`request` runs tokens [start, start + num_tokens) of `request.all_token_ids` this step; with a
+    `draft` (speculation), its last `len(draft)` query tokens are those draft tokens, past the request's
+    known tokens, and every one of them yields logits (verification, sampling/verification.py)."""
 
     request: Request
     start: int
     num_tokens: int
+    draft: list[int] = field(default_factory=list)
     # The request's state slot (kv/state_slots.py) in a model with state layers; -1 otherwise.
     state_slot: int = -1
 
     @property
     def end(self) -> int:
+        """One past the last query position (draft tokens included): the KV length of the step."""
         return self.start + self.num_tokens
 
     @property
     def samples(self) -> bool:
         """True when this step runs the request's last known token, so it yields a new one."""
-        return self.end == self.request.num_tokens
+        return self.end - len(self.draft) == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The step's query tokens: known tokens, then the draft."""
+        if not self.draft:
+            return self.request.all_token_ids[self.start : self.end]
+        return [*self.request.all_token_ids[self.start : self.end - len(self.draft)], *self.draft]
 
 
 @dataclass

@@ -26,6 +26,7 @@ from ..sampling.sampled_token import SampledToken
 from .plan import ScheduledRequest, StepPlan
 from .policies import SchedulingPolicy
 from .recompute import RecomputeCounter
+from .speculation import SpeculationStats, propose, record
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self._pending_copies: list[PageCopy] = []  # from forks, for the next step's plan
+        self.speculation = SpeculationStats()  # all requests' verification steps (speculation.py)
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -120,10 +122,17 @@ class Scheduler:
                 break
             if request.is_finished or request in plan.preempted:
                 continue
+            draft: list[int] = []
             if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
                 num_tokens = self._admit(request, budget, gate, plan)
             else:
-                num_tokens = self._keep_running(request, budget, scheduled, plan)
+                if (
+                    request.speculation is not None
+                    and request.num_remaining_tokens == 1
+                    and request.generated_ids
+                ):
+                    draft = propose(request, budget)  # the budget counts draft tokens
+                num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
             if num_tokens is None:
                 continue
             request.set_status(
@@ -131,8 +140,11 @@ class Scheduler:
                 if request.generated_ids and request.num_remaining_tokens == 1
                 else RequestStatus.PREFILLING
             )
+            draft = draft[: max(0, num_tokens - request.num_remaining_tokens)]  # what fits of it
             slot = -1 if self.state_slots is None else self.state_slots.slot_of(request.request_id)
-            scheduled[id(request)] = ScheduledRequest(request, request.num_computed_tokens, num_tokens, slot)
+            scheduled[id(request)] = ScheduledRequest(
+                request, request.num_computed_tokens, num_tokens, draft, state_slot=slot
+            )
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
@@ -142,12 +154,17 @@ class Scheduler:
         return plan
 
     def _keep_running(
-        self, request: Request, budget: int, scheduled: dict[int, ScheduledRequest], plan: StepPlan
+        self,
+        request: Request,
+        budget: int,
+        scheduled: dict[int, ScheduledRequest],
+        plan: StepPlan,
+        num_draft: int = 0,
     ) -> int | None:
         """A running request's tokens this step (pages allocated), or None when it had to be preempted
-        or failed itself."""
+        or failed itself. `num_draft` draft tokens run too where pages fit them; nobody is preempted for them."""
         wanted = min(request.num_remaining_tokens, budget)
-        num_tokens = self.pages.num_fitting_tokens(request, wanted)
+        num_tokens = self.pages.num_fitting_tokens(request, min(wanted + num_draft, budget))
         if num_tokens > 0:
             self._allocate(request, num_tokens)
             return num_tokens
@@ -315,10 +332,12 @@ class Scheduler:
         sampled: Sequence[SampledToken],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
         prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
+        continuations: Mapping[str, list[SampledToken]] | None = None,
     ) -> list[Request]:
         """Advance every scheduled request; `sampled[i]` is the token of the i-th sampling entry,
         `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
-        `StepOutput`), `prompt_top_logprobs` their best alternatives where asked for.
+        `StepOutput`), `prompt_top_logprobs` their best alternatives where asked for, `continuations`
+        the tokens a speculating request appends after its `sampled` one.
 
         Returns the requests that finished in this step.
         """
@@ -326,6 +345,11 @@ class Scheduler:
         samples = iter(sampled)
         for entry in plan.entries:
             request = entry.request
+            if entry.draft:
+                run = [next(samples), *(continuations or {}).get(request.request_id, ())]
+                if self._apply_verified(entry, run):
+                    finished.append(request)
+                continue
             request.num_computed_tokens = entry.end
             scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
             if scored:
@@ -354,6 +378,37 @@ class Scheduler:
             else:
                 request.set_status(RequestStatus.DECODING)
         return finished
+
+    def _apply_verified(self, entry: ScheduledRequest, run: Sequence[SampledToken]) -> bool:
+        """A speculating request's verified tokens (`run`: its accepted draft tokens, then the target's own),
+        appended one at a time until one ends the request, exactly as plain decoding would; its KV kept for
+        the accepted ones only (the pages past them go back). Returns whether it finished."""
+        request = entry.request
+        known_end = entry.end - len(entry.draft)
+        reason = None
+        appended = 0
+        for token in run:
+            request.append_token(token.token_id, token.logprob, token.top_logprobs)
+            appended += 1
+            reason = request.stop_reason()
+            if reason is not None:
+                break
+        # The KV of every appended token but the last is in the cache (the draft's, verified this step).
+        request.num_computed_tokens = request.num_tokens - 1
+        if self.recomputed.pending:
+            self.recomputed.ran(request.request_id, entry.start, known_end)
+        accepted = min(appended, len(run) - 1)
+        self.speculation.add(len(entry.draft), accepted, appended)
+        record(request, len(entry.draft), accepted, appended)
+        self.pages.register(request)  # keys for full pages of accepted tokens only
+        self.pages.release_surplus(request)
+        self.pages.trim(request)
+        if reason is not None:
+            request.finish_reason = reason
+            self.finish(request, RequestStatus.FINISHED)
+            return True
+        request.set_status(RequestStatus.DECODING)
+        return False
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and

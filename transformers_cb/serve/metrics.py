@@ -86,6 +86,11 @@ class ServerMetrics:
             "swapped_out_requests": (stats.swapped_out, "Requests whose KV is in the CPU offload tier."),
             "state_slots_in_use": (stats.state_slots_in_use, "Per-request state slots held (state layers)."),
             "state_slots_total": (stats.state_slots_total, "Per-request state slots (state layers)."),
+            "speculation_acceptance_rate": (stats.acceptance_rate, "Share of draft tokens accepted."),
+            "speculation_tokens_per_step": (
+                stats.tokens_per_speculation_step,
+                "Tokens a speculating request appended per verification step.",
+            ),
         }
         for name, (value, text) in gauges.items():
             lines += [
@@ -109,6 +114,8 @@ class ServerMetrics:
             ),
             "swap_out_pages": (stats.swap_out_pages, "KV pages copied to the CPU offload tier."),
             "swap_in_pages": (stats.swap_in_pages, "KV pages copied back from the CPU offload tier."),
+            "draft_tokens": (stats.draft_tokens, "Speculative draft tokens verified."),
+            "accepted_draft_tokens": (stats.accepted_draft_tokens, "Speculative draft tokens accepted."),
         }
         for name, (value, text) in counters.items():
             family = f"{PREFIX}_{name}"

@@ -40,6 +40,8 @@ ENGINE_FIELDS: tuple[tuple[str, str], ...] = (
     ("logit_bias", "logit_bias"),
     ("min_tokens", "min_tokens"),
 )
+# vLLM's `speculative_config` methods that map onto prompt lookup.
+NGRAM_METHODS = ("ngram", "[ngram]")
 
 
 @dataclass
@@ -95,6 +97,17 @@ class ResponseFormat(_Part):
     json_schema: JsonSchemaFormat | None = None
 
 
+class SpeculativeConfig(_Part):
+    """vLLM's `speculative_config`, per request: `{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n}` is prompt lookup with `prompt_lookup_num_tokens=k`, `max_matching_ngram_size=n`
+    (`prompt_lookup_min` is accepted and ignored: lookup tries every n-gram size down to 1)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = Field(ge=0)
+    prompt_lookup_max: int | None = Field(default=None, ge=1)
+    prompt_lookup_min: int | None = Field(default=None, ge=1)
+
+
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -123,6 +136,10 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Speculative decoding: generate()'s names, or vLLM's `speculative_config` (method "ngram").
+    prompt_lookup_num_tokens: int | None = Field(default=None, ge=0)
+    max_matching_ngram_size: int | None = Field(default=None, ge=1)
+    speculative_config: SpeculativeConfig | None = None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -146,7 +163,33 @@ class _SamplingFields(_Body):
                 value = 0
             if value is not None and value != {} and not is_neutral(keyword, value):
                 chosen[keyword] = value
+        chosen.update(self._speculative_kwargs())
         return chosen
+
+    def _speculative_kwargs(self) -> dict[str, Any]:
+        """Speculative decoding by prompt lookup (docs/speculative_decoding.md), from generate()'s names or
+        vLLM's `speculative_config` (a 400 for a method other than n-gram lookup), as keywords."""
+        config = self.speculative_config
+        if config is None:
+            given = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
+            given["max_matching_ngram_size"] = self.max_matching_ngram_size
+            return {name: value for name, value in given.items() if value is not None}
+        if config.method not in NGRAM_METHODS:
+            raise ApiError(
+                400,
+                f"speculative_config.method={config.method!r} is not supported; only 'ngram' (prompt lookup)",
+                param="speculative_config",
+            )
+        if self.prompt_lookup_num_tokens is not None:
+            raise ApiError(
+                400,
+                "give prompt_lookup_num_tokens or speculative_config, not both",
+                param="speculative_config",
+            )
+        kwargs: dict[str, Any] = {"prompt_lookup_num_tokens": config.num_speculative_tokens}
+        if config.prompt_lookup_max is not None:
+            kwargs["max_matching_ngram_size"] = config.prompt_lookup_max
+        return kwargs
 
     def check_neutral(self) -> None:
         logit_bias = self.logit_bias or {}

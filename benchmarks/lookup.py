@@ -1,0 +1,232 @@
+"""The `lookup` workload of benchmarks/throughput.py: speculative decoding by prompt lookup, where it pays and
+where it must not cost.
+
+    python benchmarks/throughput.py --workloads lookup [--models tiny|smollm2] [--scale 1.0] [--threads 1]
+
+Input-grounded generation: the output repeats spans of the prompt (rewrite, extract, summarize a given text).
+  - `--models smollm2` (the real model, docs/real_model.md): "repeat / rewrite this passage" chat prompts over
+    the passages of benchmarks/real_prompts.py;
+  - any other model name: a tiny Llama (2 layers, 64 wide, 64 tokens) trained on the fly, a few hundred steps, to
+    continue a sequence by copying it (an induction-head copier), on prompts of a random text, a separator and
+    the text's first tokens: its greedy output copies the text again and again.
+Engines, side by side in one process, greedy, eos disabled (every request generates its max_new_tokens):
+    ours            generate_batch, no speculation
+    ours-lookup     generate_batch with prompt_lookup_num_tokens=K (per-request back-off on)
+    static-lookup   model.generate() one request at a time (transformers' assisted generation takes batch size
+                    1) with prompt_lookup_num_tokens=K
+Then the random-token check: the same model on random prompts (nothing to copy) through ours and ours-lookup,
+where the back-off must keep speculation's cost under 5 %.
+Reported: wall time, tokens/s, the ratio to ours, acceptance rate and tokens per verification step, and whether
+the outputs equal ours token for token.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import common
+import torch
+
+NAME = "lookup"
+LOOKUP_TOKENS = 8
+MAX_NEW_TOKENS = 96
+COPY_VOCAB = 64
+SEPARATOR = 2
+
+
+def train_copy_model(seed: int = 0, steps: int = 600, log=print):
+    """A 2-layer Llama that learned to continue a sequence by copying its earlier occurrence."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=COPY_VOCAB,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    for step in range(steps):
+        batch = []
+        for _ in range(32):
+            text = [rng.randrange(3, COPY_VOCAB) for _ in range(rng.randint(8, 32))]
+            sequence = text + [SEPARATOR]
+            while len(sequence) < 128:
+                sequence += text
+            batch.append(sequence[:128])
+        ids = torch.tensor(batch)
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"   copy model step {step}: loss {loss.item():.3f}")
+    log(f"   copy model trained in {time.perf_counter() - started:.1f}s")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def copy_prompts(count: int, seed: int) -> list[list[int]]:
+    """A random text (24-64 tokens), the separator, the text's first 4 tokens: the copy continues from there."""
+    rng = random.Random(f"lookup/{seed}")
+    prompts = []
+    for _ in range(count):
+        text = [rng.randrange(3, COPY_VOCAB) for _ in range(rng.randint(24, 64))]
+        prompts.append(text + [SEPARATOR] + text[:4])
+    return prompts
+
+
+def real_prompts(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
+    import real_prompts as real
+
+    rng = random.Random(f"lookup/{seed}")
+    asks = (
+        "Repeat the following text word for word:",
+        "Rewrite the following text, keeping its wording:",
+        "Copy out the key sentences of this text:",
+    )
+    prompts = []
+    for i in range(count):
+        passage = real.PASSAGES[rng.randrange(len(real.PASSAGES))]
+        prompts.append(real._chat(tokenizer, f"{asks[i % len(asks)]}\n\n{passage}"))
+    return prompts
+
+
+def _ours(
+    model, prompts, max_new: int, lookup: int | None
+) -> tuple[float, list[list[int]], dict[str, float]]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None)
+    kwargs = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    started = time.perf_counter()
+    outputs = model.generate_batch(prompts, config, progress_bar=False, **kwargs)
+    wall = time.perf_counter() - started
+    ordered = [outputs[f"req_{i}"] for i in range(len(prompts))]
+    drafted = sum(o.draft_tokens for o in ordered)
+    accepted = sum(o.accepted_draft_tokens for o in ordered)
+    produced = sum(len(o.generated_tokens) for o in ordered)
+    steps = produced - accepted
+    stats = {
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "tokens_per_step": produced / steps if steps else 0.0,
+    }
+    return wall, [list(o.generated_tokens) for o in ordered], stats
+
+
+def _static_lookup(
+    model, prompts, max_new: int, lookup: int
+) -> tuple[float, list[list[int]], dict[str, float]]:
+    started = time.perf_counter()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                prompt_lookup_num_tokens=lookup,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return time.perf_counter() - started, outputs, {}
+
+
+def run(args: Any, log=print) -> list[dict[str, Any]]:
+    """Run the workload for each of `args.models` and print its table."""
+    import real_prompts as real
+
+    import transformers_cb  # noqa: F401  (patches PreTrainedModel.generate_batch: ours, not transformers')
+
+    rows: list[dict[str, Any]] = []
+    for model_name in args.models:
+        if real.is_real(model_name):
+            model, tokenizer = real.build_model(model_name)
+            model.generation_config.eos_token_id = None
+            prompts = real_prompts(tokenizer, max(2, round(8 * args.scale)), args.seed)
+            label = model_name
+        else:
+            model = train_copy_model(args.seed, log=log)
+            prompts = copy_prompts(max(2, round(16 * args.scale)), args.seed)
+            label = "copy (trained)"
+        # The random-token check: benchmarks' random "tiny" model (nothing learned to copy) on random prompts.
+        random_model = common.build_model("tiny", seed=args.seed)
+        vocab = random_model.config.vocab_size
+        rng = random.Random(f"lookup-random/{args.seed}")
+        random_inputs = [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 64))] for _ in prompts]
+        _ours(random_model, random_inputs[:2], 8, LOOKUP_TOKENS)
+        # Warm both paths up (first-call costs), outside the timings.
+        _ours(model, prompts[:2], 8, None)
+        _ours(model, prompts[:2], 8, LOOKUP_TOKENS)
+        runs = [
+            (("input-grounded", "ours"), _ours, prompts, None),
+            (("input-grounded", "ours-lookup"), _ours, prompts, LOOKUP_TOKENS),
+            (("input-grounded", "static-lookup"), _static_lookup, prompts, LOOKUP_TOKENS),
+            (("random (tiny random model)", "ours"), _ours, random_inputs, None),
+            (("random (tiny random model)", "ours-lookup"), _ours, random_inputs, LOOKUP_TOKENS),
+        ]
+        results = {}
+        for key, fn, inputs, lookup in runs:
+            best = None
+            runner = random_model if key[0].startswith("random") else model
+            for _ in range(max(1, args.repeats)):
+                result = fn(runner, inputs, MAX_NEW_TOKENS, lookup)
+                if best is None or result[0] < best[0]:
+                    best = result
+            results[key] = best
+            log(f"   {label}/{key[0]}/{key[1]}: {best[0]:.2f}s")
+        for (workload, engine), (wall, outputs, stats) in results.items():
+            base_wall, base_outputs, _ = results[(workload, "ours")]
+            tokens = sum(len(o) for o in outputs)
+            same = sum(a == b for a, b in zip(outputs, base_outputs, strict=True))
+            rows.append(
+                {
+                    "model": label,
+                    "workload": workload,
+                    "engine": engine,
+                    "requests": len(outputs),
+                    "gen_tokens": tokens,
+                    "wall_s": wall,
+                    "gen_tok_s": tokens / wall,
+                    "vs_ours": base_wall / wall,
+                    "acceptance": stats.get("acceptance"),
+                    "tokens_per_step": stats.get("tokens_per_step"),
+                    "identical": f"{same}/{len(outputs)}",
+                }
+            )
+    columns = [
+        ("model", "model"),
+        ("workload", "workload"),
+        ("engine", "engine"),
+        ("requests", "reqs"),
+        ("gen_tokens", "gen tok"),
+        ("wall_s", "wall s"),
+        ("gen_tok_s", "gen tok/s"),
+        ("vs_ours", "speedup vs ours"),
+        ("acceptance", "acceptance"),
+        ("tokens_per_step", "tok / verify step"),
+        ("identical", "= ours (requests)"),
+    ]
+    print()
+    print(
+        f"lookup: prompt_lookup_num_tokens={LOOKUP_TOKENS}, max_new_tokens={MAX_NEW_TOKENS}, greedy, threads={torch.get_num_threads()}"
+    )
+    print(common.markdown_table(rows, columns))
+    return rows

@@ -1,0 +1,187 @@
+"""Prompt lookup's drafts (the same as transformers' `PromptLookupCandidateGenerator`), their limits, and
+the per-request back-off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+from transformers_cb.config.speculation import LookupSettings, lookup_settings, request_lookup
+from transformers_cb.requests import Request
+from transformers_cb.scheduler.speculation import (
+    MAX_PAUSE_STEPS,
+    SpeculationState,
+    draft_length,
+    lookup,
+    propose,
+    record,
+)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lookup_matches_transformers_prompt_lookup(seed: int) -> None:
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 20])
+    tokens = [rng.randrange(vocab) for _ in range(rng.randint(2, 40))]
+    num_tokens, max_ngram = rng.randint(1, 6), rng.randint(1, 4)
+    generator = PromptLookupCandidateGenerator(
+        num_output_tokens=num_tokens, max_matching_ngram_size=max_ngram, max_length=1000
+    )
+    candidates, _ = generator.get_candidates(torch.tensor([tokens]))
+    expected = candidates[0, len(tokens) :].tolist()
+    assert lookup(tokens, max_ngram, num_tokens) == expected
+
+
+def test_lookup_prefers_the_longest_ngram() -> None:
+    # the 1-gram [3] first occurs before "9 3", the 2-gram [9, 3] later: the 2-gram's continuation wins
+    tokens = [3, 4, 5, 9, 3, 7, 8, 1, 9, 3]
+    assert lookup(tokens, 2, 2) == [7, 8]
+    assert lookup(tokens, 1, 2) == [4, 5]
+    assert lookup([1, 2, 3], 2, 4) == []
+
+
+def _decoding(prompt: list[int], generated: list[int], max_new: int, settings: LookupSettings) -> Request:
+    request = Request("r", prompt, max_new, eos_token_ids=frozenset({0}))
+    for token in generated:
+        request.append_token(token)
+    request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
+    return request
+
+
+def test_propose_respects_budget_max_new_tokens_and_eos() -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 5, 6]
+    request = _decoding(prompt, [7], max_new=20, settings=LookupSettings(4, 2))
+    assert propose(request, budget=100) == [8, 9, 10, 5]
+    assert propose(request, budget=3) == [8, 9]  # the last token runs too
+    assert propose(request, budget=1) == []
+    short = _decoding(prompt, [7], max_new=3, settings=LookupSettings(4, 2))
+    assert propose(short, budget=100) == [8]  # 1 generated + 1 draft + the target's own = 3
+    with_eos = _decoding([5, 6, 7, 0, 9, 5, 6], [7], max_new=20, settings=LookupSettings(4, 2))
+    assert propose(with_eos, budget=100) == []  # the draft starts with eos: nothing past it
+
+
+def test_back_off_follows_the_acceptance_and_pauses() -> None:
+    request = _decoding([1, 2, 3, 1, 2], [3], max_new=50, settings=LookupSettings(8, 2))
+    state = request.speculation
+    assert state is not None and state.num_tokens == 8
+    record(request, drafted=8, accepted=8, emitted=9)
+    assert state.num_tokens == 8  # nothing rejected yet: the maximum
+    record(request, drafted=8, accepted=3, emitted=4)
+    assert state.num_tokens == 8  # p = (0.7 * 8 + 3) / (... + 1) ~ 0.9: runs of ~9 expected
+    for _ in range(12):  # one token accepted, then a rejection, again and again: p -> 1/2
+        record(request, drafted=4, accepted=1, emitted=2)
+    assert state.num_tokens == 1
+    for _ in range(8):  # long runs again: the draft grows back
+        record(request, drafted=state.num_tokens, accepted=state.num_tokens, emitted=state.num_tokens + 1)
+    assert state.num_tokens >= 6
+    record(request, drafted=6, accepted=0, emitted=1)
+    assert state.paused_steps == 0  # one miss: no pause yet
+    record(request, drafted=5, accepted=0, emitted=1)
+    assert state.paused_steps == 2
+    assert propose(request, budget=100) == [] and propose(request, budget=100) == []
+    assert propose(request, budget=100) != []  # the pause is over
+    for _ in range(20):
+        record(request, drafted=1, accepted=0, emitted=1)
+    assert state.paused_steps == MAX_PAUSE_STEPS and state.num_tokens == 1
+    assert state.stats.steps == 2 + 12 + 8 + 2 + 20
+
+
+def test_draft_length_is_the_expected_accepted_run() -> None:
+    state = SpeculationState(10, 2)
+    assert draft_length(state) == 10
+    state.accepted_recently, state.rejected_recently = 4.0, 1.0  # p = 0.8: runs of 4
+    assert draft_length(state) == 4
+    state.accepted_recently, state.rejected_recently = 1.0, 1.0  # p = 0.5: runs of 1
+    assert draft_length(state) == 1
+    state.accepted_recently, state.rejected_recently = 0.0, 3.0
+    assert draft_length(state) == 1
+    state.accepted_recently, state.rejected_recently = 99.0, 1.0
+    assert draft_length(state) == 10
+
+
+def test_settings_validation_and_per_request_override() -> None:
+    default = lookup_settings(5, None, "GenerationConfig")
+    assert default == LookupSettings(5, 2)
+    assert lookup_settings(0, 3, "x") is None
+    assert request_lookup(default, {}, "r") == default
+    assert request_lookup(default, {"prompt_lookup_num_tokens": 0}, "r") is None
+    assert request_lookup(default, {"max_matching_ngram_size": 4}, "r") == LookupSettings(5, 4)
+    assert request_lookup(None, {"prompt_lookup_num_tokens": 3}, "r") == LookupSettings(3, 2)
+    for bad in (
+        {"prompt_lookup_num_tokens": -1},
+        {"prompt_lookup_num_tokens": 2.5},
+        {"max_matching_ngram_size": 0},
+    ):
+        with pytest.raises(ValueError, match="request 7"):
+            request_lookup(default, bad, "request 7")
+
+
+# -- the scheduler's side of a verification step ---------------------------------------------------
+
+
+def _speculating_scheduler(eos: frozenset[int] = frozenset(), max_batch_tokens: int = 64):
+    from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+    from transformers_cb.kv.page_manager import PageManager
+    from transformers_cb.kv.page_policies import FullAttentionPolicy
+    from transformers_cb.kv.pool import PagePool
+    from transformers_cb.scheduler.policies import make_policy
+    from transformers_cb.scheduler.scheduler import Scheduler
+
+    pages = PageManager(
+        [FullAttentionPolicy(PagePool(16), 4)], [KVGroupSpec(FULL_ATTENTION, (0,))], sharing=True
+    )
+    scheduler = Scheduler(pages, max_batch_tokens, 8, 0.0, make_policy("fifo"))
+    request = Request("r", [5, 6, 7, 8, 9, 5, 6], 20, eos_token_ids=eos)
+    request.speculation = SpeculationState(4, 2)
+    scheduler.add(request)
+    while not request.generated_ids:  # the prompt, in chunks under a tight budget
+        plan = scheduler.schedule()
+        scheduler.update(plan, [SampledToken(7)] if plan.entries[0].samples else [])
+    return scheduler, request
+
+
+from transformers_cb.sampling.sampled_token import SampledToken  # noqa: E402
+
+
+def test_the_budget_counts_draft_tokens_and_rejected_pages_go_back() -> None:
+    scheduler, request = _speculating_scheduler()
+    plan = scheduler.schedule()
+    (entry,) = plan.entries
+    assert entry.draft == [8, 9, 5, 6] and entry.num_tokens == 5 and plan.num_tokens == 5
+    assert entry.token_ids == [7, 8, 9, 5, 6]
+    pool = scheduler.pages.pools[0]
+    assert len(request.pages[0].page_ids) == 3  # 12 tokens of KV: 7 + 5
+    # The target accepts 8, rejects 9 and says 1 instead.
+    scheduler.update(plan, [SampledToken(8)], continuations={"r": [SampledToken(1)]})
+    assert request.generated_ids == [7, 8, 1]
+    assert request.num_computed_tokens == 9  # prompt, 7 and 8: the KV of the accepted tokens only
+    assert len(request.pages[0].page_ids) == 3 and pool.num_free_pages == 16 - 3
+    assert request.num_registered_pages == 2  # full pages of accepted tokens only
+    scheduler.check_integrity()
+    stats = request.speculation.stats
+    assert (stats.drafted, stats.accepted, stats.emitted) == (4, 1, 2)
+    assert scheduler.speculation.accepted == 1
+
+
+def test_a_tight_budget_shortens_the_draft() -> None:
+    scheduler, request = _speculating_scheduler(max_batch_tokens=3)
+    (entry,) = scheduler.schedule().entries
+    assert entry.draft == [8, 9] and entry.num_tokens == 3
+
+
+def test_eos_inside_a_verified_run_ends_the_request_there() -> None:
+    """A run whose accepted tokens hold an eos (a draft model may propose one) stops at it: the tokens
+    after it are dropped, the pages freed."""
+    scheduler, request = _speculating_scheduler(eos=frozenset({9}))
+    plan = scheduler.schedule()
+    (entry,) = plan.entries
+    assert entry.draft == [8]  # lookup drafts stop before an eos
+    entry.draft = [8, 9, 5]  # as a draft model could propose
+    scheduler.update(
+        plan, [SampledToken(8)], continuations={"r": [SampledToken(9), SampledToken(5), SampledToken(3)]}
+    )
+    assert request.generated_ids == [7, 8, 9] and request.finish_reason == "stop"
+    assert request.is_finished and scheduler.pages.pools[0].num_used_pages == 0
