@@ -30,7 +30,9 @@ from tests.support.preemptions import count_preemptions
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.engine.engine import Engine
-from transformers_cb.runner import packing
+from transformers_cb.memory import state_cache
+from transformers_cb.memory.state_cache import StateCache
+from transformers_cb.runner import model_runner, packing
 from transformers_cb.scheduler.scheduler import Scheduler
 
 EXACT = (
@@ -139,12 +141,12 @@ def preempt_while_decoding(after_tokens: int = 3) -> Iterator[list[str]]:
     victims: list[str] = []
     original = Scheduler._keep_running
 
-    def keep_running(self, request, budget, scheduled, plan):
+    def keep_running(self, request, budget, scheduled, plan, *args):
         if len(request.generated_ids) >= after_tokens and request.request_id not in victims:
             victims.append(request.request_id)
             self.preempt(request, plan)
             return None
-        return original(self, request, budget, scheduled, plan)
+        return original(self, request, budget, scheduled, plan, *args)
 
     with mock.patch.object(Scheduler, "_keep_running", keep_running):
         yield victims
@@ -211,11 +213,61 @@ def test_hybrid_parity_preempted_while_decoding(_families, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", EXACT)
-def test_hybrid_forks_equal_generate(_families, name: str) -> None:
-    """`num_return_sequences=2`: each sibling computes its own state (prefix sharing is off for state
-    models) and, greedy, equals `generate()`."""
+def test_hybrid_parity_swapped_to_the_host_tier(_families, name: str) -> None:
+    """With `cpu_offload_space`, every request preempted mid-decode swaps its pages and its state slot
+    out and back in (no recompute), and still equals `generate()`; a pure state-space model has no
+    page to swap and recomputes."""
     family = _family(name, _families)
-    with observed():
+    context = f"{name} / preempted after 3 tokens, cpu_offload_space"
+    swapped: list[tuple[list, list]] = []
+    original = state_cache.swap_states
+
+    def counted(device, host, out, back):
+        swapped.append((list(out), list(back)))
+        return original(device, host, out, back)
+
+    with (
+        observed() as seen,
+        preempt_while_decoding() as victims,
+        mock.patch.object(model_runner, "swap_states", counted),
+    ):
+        outputs, _ = run_batch(
+            family.model,
+            family.prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=PAGE_SIZE,
+            max_batch_tokens=BUDGET,
+            cpu_offload_space=0.05,
+        )
+    assert sorted(victims) == sorted(f"req_{i}" for i in range(len(family.prompts))), context
+    (engine,) = seen.engines
+    outs = sum(len(out) for out, _ in swapped)
+    backs = sum(len(back) for _, back in swapped)
+    if name in PURE_STATE:
+        assert outs == backs == 0, context
+        assert engine.snapshot().recomputed_tokens > 0, context
+    else:
+        # Requests that had computed something swap out; each comes back once.
+        assert outs == backs == len(family.prompts), f"{context}: {swapped}"
+        assert engine.snapshot().swap_in_pages > 0, context
+        assert engine.scheduler.host_state_slots.num_in_use == 0, context
+    check_parity(family.model, family.prompts, outputs, family.expected(), context)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_hybrid_forks_equal_generate(_families, name: str) -> None:
+    """`num_return_sequences=2`: once the parent computed its prompt but the last token, each sibling
+    gets copies of its pages and state slot (a one-token prompt's sibling runs on its own) and, greedy,
+    equals `generate()`."""
+    family = _family(name, _families)
+    copied: list[tuple[int, int]] = []
+    copy_slots = StateCache.copy_slots
+
+    def counted(self, copies):
+        copied.extend(copies)
+        return copy_slots(self, copies)
+
+    with observed(), mock.patch.object(StateCache, "copy_slots", counted):
         outputs = family.model.generate_batch(
             family.prompts,
             greedy_config(MAX_NEW_TOKENS),
@@ -229,6 +281,7 @@ def test_hybrid_forks_equal_generate(_families, name: str) -> None:
         child = outputs[f"req_{i}__child#0"]
         assert child.status == RequestStatus.FINISHED, f"{name}: req_{i}__child#0 {child.error}"
         assert child.generated_tokens == outputs[f"req_{i}"].generated_tokens, f"{name}: req_{i}__child#0"
+    assert len(copied) == sum(len(p) >= 2 for p in family.prompts), f"{name}: state forks {copied}"
 
 
 STREAMED = ("qwen3_5", "mamba2", "jamba", "lfm2", "falcon_h1")

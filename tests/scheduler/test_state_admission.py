@@ -12,6 +12,7 @@ from tests.support.requests import make_request
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.state_slots import StateSlots
+from transformers_cb.requests import Request
 from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 
@@ -116,3 +117,61 @@ def run_to_completion_without_pools(scheduler: Scheduler, requests) -> list[list
         steps.append([(e.request.request_id, e.start, e.num_tokens) for e in plan.entries])
     assert not scheduler.has_work()
     return steps
+
+
+def _with_sibling(parent: Request) -> Request:
+    child = Request(
+        request_id=f"{parent.request_id}__child#0",
+        prompt_ids=list(parent.prompt_ids),
+        max_new_tokens=parent.max_new_tokens,
+        fork_parent=parent,
+    )
+    parent.fork_children = [child]
+    return child
+
+
+def test_a_state_fork_copies_pages_and_slot_before_the_last_prompt_token() -> None:
+    """The parent's prefill stops before its last prompt token; then its sibling gets copies of its pages
+    (its own, no sharing) and a slot planned as a copy of the parent's, and both run that token next."""
+    scheduler = with_slots(make_scheduler(num_pages=64, page_size=4, max_batch_tokens=64), 4)
+    parent = make_request("p", 10, 3)
+    child = _with_sibling(parent)
+    scheduler.add(parent)
+    assert child not in scheduler.waiting
+    plan = scheduler.schedule()
+    assert [(e.request.request_id, e.start, e.num_tokens) for e in plan.entries] == [("p", 0, 9)]
+    scheduler.update(plan, [])
+    assert child in scheduler.running and child.num_computed_tokens == 9
+    plan = scheduler.schedule()
+    slots = scheduler.state_slots
+    assert plan.state_copies == [(slots.slot_of("p"), slots.slot_of(child.request_id))]
+    parent_pages, child_pages = parent.group_pages(0).page_ids, child.group_pages(0).page_ids
+    assert [(g, src, dst) for g, src, dst in plan.copies] == [
+        (0, s, d) for s, d in zip(parent_pages, child_pages, strict=True)
+    ]
+    assert not set(parent_pages) & set(child_pages)
+    assert [(e.request.request_id, e.start, e.num_tokens) for e in plan.entries] == [
+        ("p", 9, 1),
+        (child.request_id, 9, 1),
+    ]
+    scheduler.check_integrity()
+
+
+def test_a_state_fork_without_a_free_slot_queues_the_sibling_on_its_own() -> None:
+    scheduler = with_slots(make_scheduler(num_pages=64, page_size=4, max_batch_tokens=64), 1)
+    parent = make_request("p", 6, 3)
+    child = _with_sibling(parent)
+    scheduler.add(parent)
+    plan = scheduler.schedule()
+    scheduler.update(plan, [])
+    assert child in scheduler.waiting and child.num_computed_tokens == 0 and not child.holds_pages
+    assert scheduler.schedule().state_copies == []
+    scheduler.check_integrity()
+
+
+def test_a_one_token_prompt_does_not_fork_its_state() -> None:
+    scheduler = with_slots(make_scheduler(num_pages=64), 4)
+    parent = make_request("p", 1, 3)
+    child = _with_sibling(parent)
+    scheduler.add(parent)
+    assert child in scheduler.waiting and parent.fork_children == []

@@ -160,9 +160,11 @@ def resolve_plan(
     )
     # CPU offload: under tensor parallelism every rank holds as many host pages (the fewest any rank
     # can afford), so that rank 0's host page ids are valid everywhere.
-    num_host_pages = resolve_host_pages(config, cache, workload) if states is None else 0
+    # A model with state layers swaps each preempted request's state slot with its pages; a model with no
+    # KV group at all (pure state-space) holds no page to swap and recomputes.
+    num_host_pages = resolve_host_pages(config, cache, workload) if kv_groups else 0
     if states is not None:
-        _note_state_limits(config)
+        _note_state_limits(config, has_pages=bool(kv_groups))
     if tp is not None:
         num_host_pages = tp.agree_host_pages(num_host_pages)
     plan = EnginePlan(
@@ -217,13 +219,21 @@ def wire(
     if plan.num_host_pages:
         offload = CpuOffload(policies, plan.num_host_pages)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.num_host_pages).tensors)
-    slots, states = None, None
+    slots, host_slots, states = None, None, None
     if plan.states is not None:
         slots = StateSlots(plan.sizing.num_state_slots)
+        host_states = None
+        if plan.num_host_pages:
+            # Every running request may be swapped out with its slot: as many host slots as device ones.
+            host_slots = StateSlots(plan.sizing.num_state_slots)
+            host_states = StateCache(
+                plan.states.specs, plan.sizing.num_state_slots, torch.device("cpu"), empty=True
+            )
         states = StateLayers(
             plan.states.modules,
             StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device),
-            plan.states.stepwise,
+            host=host_states,
+            stepwise=plan.states.stepwise,
         )
     scheduler = Scheduler(
         pages,
@@ -233,6 +243,7 @@ def wire(
         policy=make_policy(plan.scheduler_type),
         offload=offload,
         state_slots=slots,
+        host_state_slots=host_slots,
     )
     packer = BatchPacker(cache, list(plan.group_widths), plan.device, plan.initial_pages)
     packer.state_layers = states is not None
@@ -280,18 +291,18 @@ def _without_traced_steps(options: StepOptions) -> StepOptions:
     )
 
 
-def _note_state_limits(config: ContinuousBatchingConfig) -> None:
+def _note_state_limits(config: ContinuousBatchingConfig, has_pages: bool) -> None:
     """What a model with state layers does not use, said once (the state of a token cannot be looked up
     from a cached page: only recomputed)."""
     if config.allow_block_sharing:
         logger.info(
             "state layers: prefix sharing is off for this model (a cached prefix's pages do not hold the "
-            "recurrent state after it); forks (num_return_sequences) compute their prompt each"
+            "recurrent state after it); forks (num_return_sequences) copy the prompt's pages and state"
         )
-    if config.cpu_offload_space:
+    if config.cpu_offload_space and not has_pages:
         logger.info(
-            "state layers: cpu_offload_space is not used for this model: a preempted request recomputes "
-            "its KV and its state"
+            "state layers: cpu_offload_space is not used for this model (it has no attention layer, so no "
+            "page to swap): a preempted request recomputes its state"
         )
 
 

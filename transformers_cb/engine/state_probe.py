@@ -158,6 +158,6 @@ def probe_states(layout: StateLayout | None, num_tokens: int, device: torch.devi
     if layout is None:
         yield
         return
-    layers = StateLayers(layout.modules, StateCache(layout.specs, 1, device), layout.stepwise)
+    layers = StateLayers(layout.modules, StateCache(layout.specs, 1, device), stepwise=layout.stepwise)
     with layers.step(StateTable(None, 0, [(0, num_tokens, 0, True)])):
         yield

@@ -132,6 +132,25 @@ class PageManager:
             raise InvariantError("fork without prefix sharing")
         return self.prefix.fork(parent, child)
 
+    def copy_for_fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
+        """`child` gets copies of every page `parent` holds (no sharing: a model with state layers, whose
+        fork continues the parent's state, docs/state_layers.md) and its computed-token count; the page
+        copies to run, or None (nothing changed) when a group has too few free pages."""
+        held = [policy.pages(parent) for policy in self.policies]
+        if any(
+            len(pages.page_ids) > policy.pool.num_free_pages
+            for policy, pages in zip(self.policies, held, strict=True)
+        ):
+            return None
+        copies: list[PageCopy] = []
+        for g, (policy, source) in enumerate(zip(self.policies, held, strict=True)):
+            new_pages = policy.pool.allocate(len(source.page_ids)) or []
+            copies.extend((g, src, dst) for src, dst in zip(source.page_ids, new_pages, strict=True))
+            pages = policy.pages(child)
+            pages.first_page, pages.page_ids = source.first_page, list(new_pages)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return copies
+
     def unfittable_reason(self, num_tokens: int) -> str | None:
         """Why a request of `num_tokens` KV tokens can never run in this cache, or None if it can."""
         for policy, spec in zip(self.policies, self.specs, strict=True):

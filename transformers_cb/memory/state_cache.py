@@ -47,13 +47,19 @@ def state_bytes_per_slot(specs: tuple[StateSpec, ...]) -> int:
 
 
 class StateCache:
-    """The state tensors of `num_slots` requests (zero-filled; a fresh request never reads its row)."""
+    """The state tensors of `num_slots` requests (zero-filled; a fresh request never reads its row).
 
-    def __init__(self, specs: tuple[StateSpec, ...], num_slots: int, device: torch.device) -> None:
+    `empty`: not zero-filled (the host tier's copy, only read after a swap-out wrote it; an untouched
+    allocation costs no RAM on a CPU host until used)."""
+
+    def __init__(
+        self, specs: tuple[StateSpec, ...], num_slots: int, device: torch.device, empty: bool = False
+    ) -> None:
         self.specs = specs
         self.num_slots = num_slots
+        make = torch.empty if empty else torch.zeros
         self.tensors: dict[tuple[int, str, int], torch.Tensor] = {
-            spec.key: torch.zeros(num_slots, *spec.shape, dtype=spec.dtype, device=device) for spec in specs
+            spec.key: make(num_slots, *spec.shape, dtype=spec.dtype, device=device) for spec in specs
         }
         self.layers = sorted({spec.layer_idx for spec in specs})
 
@@ -62,3 +68,35 @@ class StateCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def copy_slots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) slot's states in every layer (forks), one gather and scatter
+        per tensor."""
+        if not copies:
+            return
+        device = next(iter(self.tensors.values())).device
+        sources = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+        destinations = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+        for tensor in self.tensors.values():
+            tensor.index_copy_(0, destinations, tensor.index_select(0, sources))
+
+
+def swap_states(
+    device: StateCache, host: StateCache, out: list[tuple[int, int]], back: list[tuple[int, int]]
+) -> None:
+    """A step's state swaps: `out` (device slot, host slot) and `back` (host slot, device slot). Every
+    source is read before any destination is written, so a slot freed and taken again in the same
+    schedule (swapped out by one request, in by another) moves what it held before the step."""
+    if not out and not back:
+        return
+    gathered = []
+    for key, tensor in device.tensors.items():
+        host_tensor = host.tensors[key]
+        from_device = tensor[[d for d, _ in out]].to(host_tensor.device) if out else None
+        from_host = host_tensor[[h for h, _ in back]].to(tensor.device) if back else None
+        gathered.append((key, from_device, from_host))
+    for key, from_device, from_host in gathered:
+        if from_device is not None:
+            host.tensors[key][[h for _, h in out]] = from_device
+        if from_host is not None:
+            device.tensors[key][[d for _, d in back]] = from_host

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..invariants import check, present
+from ..memory.state_cache import swap_states
 from ..memory.swap import SwapCopier
 from ..requests import Request
 from ..sampling.sampled_token import SampledToken
@@ -103,6 +104,14 @@ class ModelRunner:
         swap may move or hand over), then swaps, then the released block-table rows."""
         if batch.copies:
             self.packer.cache.copy_pages(batch.copies)
+        if batch.state_copies:
+            present(self.states, "state copies planned without state layers").cache.copy_slots(
+                batch.state_copies
+            )
+        if batch.state_swaps_out or batch.state_swaps_in:
+            states = present(self.states, "state swaps planned without state layers")
+            host = present(states.host, "state swaps planned without a host tier")
+            swap_states(states.cache, host, batch.state_swaps_out, batch.state_swaps_in)
         if batch.swaps is not None:
             check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
             if self.swapper is not None:

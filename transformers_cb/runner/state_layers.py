@@ -332,11 +332,13 @@ def split_state_layers(
 
 @dataclass
 class StateLayers:
-    """A model's state modules (by layer) and the state tensors they read and write through the slots;
+    """A model's state modules (by layer) and the state tensors they read and write through the slots
+    (`host`: the CPU offload tier's copy of swapped-out requests' states, None without offload);
     `stepwise`: the layers whose continued chunks run one token at a time (`run_span`)."""
 
     modules: dict[int, nn.Module]
     cache: StateCache
+    host: StateCache | None = None
     stepwise: frozenset[int] = frozenset()
 
     @contextmanager

@@ -65,6 +65,12 @@ class StepPlan:
     failed: list[Request] = field(default_factory=list)
     # Page copies (forks' copy-on-write) to run before anything else of the step.
     copies: list[PageCopy] = field(default_factory=list)
+    # State-slot copies (source slot, destination slot): forks of a model with state layers, run with
+    # the page copies.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # State-slot swaps with the host tier (device slot, host slot) out and (host slot, device slot) back in.
+    state_swaps_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swaps_in: list[tuple[int, int]] = field(default_factory=list)
     # The host-tier swaps of this schedule (None: no host tier).
     swaps: SwapPlan | None = None
     # Requests whose pages this schedule freed: their block-table rows go back before packing.

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..invariants import check
+from ..invariants import check, present
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
@@ -60,6 +60,8 @@ class Scheduler:
             recomputing while it has room; None: always recompute.
         state_slots: the per-request state slots of a model with state layers (None: no state
             layers): a running request holds one, admission needs a free one.
+        host_state_slots: the host tier's state slots (CPU offload of a model with state layers): a
+            swapped-out request holds one, with its host pages.
     """
 
     def __init__(
@@ -71,9 +73,11 @@ class Scheduler:
         policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
         state_slots: StateSlots | None = None,
+        host_state_slots: StateSlots | None = None,
     ) -> None:
         self.pages = pages
         self.state_slots = state_slots
+        self.host_state_slots = host_state_slots
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.safety_margin = safety_margin
@@ -84,6 +88,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self._pending_copies: list[PageCopy] = []  # from forks, for the next step's plan
+        self._pending_state_copies: list[tuple[int, int]] = []  # state forks (source slot, destination)
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation.py)
 
     # -- queue -----------------------------------------------------------------
@@ -91,9 +96,25 @@ class Scheduler:
         """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
         or, without prefix sharing, queue as requests of their own."""
         self.waiting.append(request)
-        if not self.pages.sharing and request.fork_children:
+        if not self.pages.sharing and request.fork_children and not self._forks_state(request):
             self.waiting.extend(request.fork_children)
             request.fork_children = []
+
+    def _forks_state(self, request: Request) -> bool:
+        """A model with state layers forks a request's siblings once it computed its prompt but the last
+        token (copies of its pages and state slot), so that each sibling runs that token from the
+        state before it; a one-token prompt has no such point: its siblings queue on their own."""
+        return self.state_slots is not None and request.num_prompt_tokens >= 2
+
+    def _wanted(self, request: Request, budget: int) -> int:
+        """The tokens `request` would run with `budget` left: a state fork's parent stops its prefill
+        before its last prompt token (`_fork_states`)."""
+        wanted = min(request.num_remaining_tokens, budget)
+        if request.fork_children and self.state_slots is not None:
+            before_last = request.num_prompt_tokens - 1 - request.num_computed_tokens
+            if before_last > 0:
+                wanted = min(wanted, before_last)
+        return wanted
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -149,6 +170,7 @@ class Scheduler:
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
         plan.copies, self._pending_copies = self._pending_copies, []
+        plan.state_copies, self._pending_state_copies = self._pending_state_copies, []
         if self.offload is not None:
             plan.swaps = self.offload.take_plan()
         return plan
@@ -163,7 +185,7 @@ class Scheduler:
     ) -> int | None:
         """A running request's tokens this step (pages allocated), or None when it had to be preempted
         or failed itself. `num_draft` draft tokens run too where pages fit them; nobody is preempted for them."""
-        wanted = min(request.num_remaining_tokens, budget)
+        wanted = self._wanted(request, budget)
         num_tokens = self.pages.num_fitting_tokens(request, min(wanted + num_draft, budget))
         if num_tokens > 0:
             self._allocate(request, num_tokens)
@@ -186,7 +208,7 @@ class Scheduler:
         hit = looks_up and self._attach_prefix(request)
         if looks_up and self._waits_for_pages(request, hit):
             return None
-        num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
+        num_tokens = self.pages.num_fitting_tokens(request, self._wanted(request, budget))
         # A swapped-in request holds its pages again: it is admitted (at least one token fits).
         if not (
             swapped_in or (gate.is_open and num_tokens > 0 and self._admits() and self._has_state_slot())
@@ -194,7 +216,7 @@ class Scheduler:
             gate.close()
             if hit:  # waiting requests hold no pages: the hit goes back to the cache
                 self.pages.detach_prefix(request)
-                num_tokens = self.pages.num_fitting_tokens(request, min(request.num_remaining_tokens, budget))
+                num_tokens = self.pages.num_fitting_tokens(request, self._wanted(request, budget))
             if not self.running and num_tokens == 0:
                 self._fail_unfittable(request, plan)
                 gate.open()  # it blocked nobody: the next waiting request may start
@@ -204,7 +226,11 @@ class Scheduler:
         self.running.append(request)
         self.pages.promise(request)
         if self.state_slots is not None:
-            self.state_slots.acquire(request.request_id)
+            slot = self.state_slots.acquire(request.request_id)
+            host = self.host_state_slots
+            if swapped_in and host is not None:  # its state comes back with its pages
+                plan.state_swaps_in.append((host.slot_of(request.request_id), slot))
+                host.release(request.request_id)
         return num_tokens
 
     def _has_state_slot(self) -> bool:
@@ -239,6 +265,27 @@ class Scheduler:
                 unforked.append(child)
                 continue
             self._pending_copies.extend(copies)
+            child.set_status(RequestStatus.PREFILLING)
+            self.running.insert(position, child)
+            position += 1
+        self.waiting.extendleft(reversed(unforked))
+
+    def _fork_states(self, parent: Request) -> None:
+        """A model with state layers, right after `parent` computed its prompt but the last token: each
+        sibling gets copies of its pages and of its state slot (planned for the next step, before its
+        forward) and runs from that token on; those finding no free slot or pages queue on their own."""
+        children, parent.fork_children = parent.fork_children, []
+        slots = present(self.state_slots, "state forks need state slots")
+        position = self.running.index(parent) + 1
+        unforked = []
+        for child in children:
+            copies = self.pages.copy_for_fork(parent, child) if slots.has_free() else None
+            if copies is None:
+                unforked.append(child)
+                continue
+            self._pending_copies.extend(copies)
+            slot = slots.acquire(child.request_id)
+            self._pending_state_copies.append((slots.slot_of(parent.request_id), slot))
             child.set_status(RequestStatus.PREFILLING)
             self.running.insert(position, child)
             position += 1
@@ -280,18 +327,39 @@ class Scheduler:
     def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool) -> bool:
         """Take a swapped-out request back from the host tier if it may start now. With nothing running
         and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
-        if admitting and self._admits() and offload.can_swap_in(request):
+        if admitting and self._admits() and offload.can_swap_in(request) and self._has_state_slot():
             offload.swap_in(request)
             return True
         if not self.running:
-            offload.discard(request)
+            self._discard_swapped(request)
             self._drop_kv(request)
         return False
+
+    def _swap_out(self, request: Request, plan: StepPlan) -> bool:
+        """Plan `request`'s pages (and state slot) to the host tier; False (nothing changed) when there is
+        no host tier, no room, or nothing computed to keep."""
+        if self.offload is None:
+            return False
+        slots, host = self.state_slots, self.host_state_slots
+        if slots is not None and (host is None or not host.has_free() or not slots.holds(request.request_id)):
+            return False
+        if not self.offload.try_swap_out(request):
+            return False
+        if slots is not None and host is not None:
+            plan.state_swaps_out.append((slots.slot_of(request.request_id), host.acquire(request.request_id)))
+        return True
+
+    def _discard_swapped(self, request: Request) -> None:
+        """Forget what `request` has in the host tier (its pages and state slot), if anything."""
+        if self.offload is not None:
+            self.offload.discard(request)
+        if self.host_state_slots is not None:
+            self.host_state_slots.release(request.request_id)
 
     def preempt(self, request: Request, plan: StepPlan) -> None:
         """Take the pages of `request` away: swapped out to the host tier when there is one with room,
         else dropped (it recomputes prompt + generated tokens later)."""
-        if self.offload is None or not self.offload.try_swap_out(request):
+        if not self._swap_out(request, plan):
             self._drop_kv(request)
         self._free_pages(request)
         # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
@@ -362,7 +430,10 @@ class Scheduler:
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
             self.pages.register(request)  # before a sliding group drops pages
-            if request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
+            if request.fork_children and self.state_slots is not None:
+                if entry.end == request.num_prompt_tokens - 1:
+                    self._fork_states(request)
+            elif request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
                 self._fork(request)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
             self.pages.trim(request)
@@ -424,8 +495,7 @@ class Scheduler:
             request.fork_children = []
         self._free_pages(request)
         self.recomputed.forget(request.request_id)
-        if self.offload is not None:
-            self.offload.discard(request)
+        self._discard_swapped(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
@@ -444,6 +514,11 @@ class Scheduler:
             self.offload.check_integrity({request.request_id for request in self.waiting})
         if self.state_slots is not None:
             self.state_slots.check_integrity({request.request_id for request in self.running})
+        if self.host_state_slots is not None and self.offload is not None:
+            offload = self.offload
+            self.host_state_slots.check_integrity(
+                {r.request_id for r in self.waiting if offload.is_swapped(r)}
+            )
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
