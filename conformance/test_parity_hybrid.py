@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
-from tests.support.hybrids import build_hybrid
+from tests.support.hybrids import HYBRIDS, build_hybrid
 from tests.support.preemptions import count_preemptions
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
@@ -35,26 +35,11 @@ from transformers_cb.memory.state_cache import StateCache
 from transformers_cb.runner import model_runner, packing
 from transformers_cb.scheduler.scheduler import Scheduler
 
-EXACT = (
-    "qwen3_5",
-    "qwen3_5_moe",
-    "qwen3_next",
-    "mamba2",
-    "mamba",
-    "falcon_mamba",
-    "jamba",
-    "bamba",
-    "lfm2",
-    "lfm2_moe",
-    "granitemoehybrid",
-    "falcon_h1",
-    "nemotron_h",
-    "olmo_hybrid",
-)
-# No attention layer: zero KV groups.
-PURE_STATE = ("mamba2", "mamba", "falcon_mamba")
 # model type -> a phrase of the refusal's reason.
 REFUSED = {"zamba2": "shared attention block", "kimi_linear": "multi-latent attention"}
+EXACT = tuple(name for name in HYBRIDS if name not in REFUSED)
+# No attention layer: zero KV groups.
+PURE_STATE = ("mamba2", "mamba", "falcon_mamba")
 
 MAX_NEW_TOKENS = 10
 PAGE_SIZE = 4
