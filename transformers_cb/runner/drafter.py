@@ -153,6 +153,7 @@ class Drafter:
             self._draft_steps(pending)
         for item in pending:
             item.source.tokens = item.tokens
+            self._trim(item.sequence)
 
     def _sync(self, request: Request) -> DraftSequence:
         """The request's shadow, rolled back to the KV that is still the request's, its tokens the request's."""
@@ -201,7 +202,7 @@ class Drafter:
                 for item, entry in zip(chunked, entries, strict=True):
                     shadow = item.sequence.shadow
                     shadow.num_computed_tokens = entry.end
-                    self.pages.trim(shadow)  # catch-up tokens are the request's: a sliding window may move
+                    self._trim(item.sequence)
                     if shadow.request_id in rows:
                         self._take(item, rows[shadow.request_id])
                         drafting.append(item)
@@ -231,6 +232,16 @@ class Drafter:
                 item.sequence.shadow.num_computed_tokens = entry.end
                 self._take(item, rows[item.request.request_id])
             active = [item for item in stepping if not item.done]
+
+    def _trim(self, sequence: DraftSequence) -> None:
+        """A sliding group's pages that no later step reads: those before the window of the earliest token a
+        rollback can return to (the request's last one, run again when nothing was appended to it), not of
+        the draft tokens past it."""
+        shadow = sequence.shadow
+        computed = shadow.num_computed_tokens
+        shadow.num_computed_tokens = min(computed, sequence.synced - 1)
+        self.pages.trim(shadow)
+        shadow.num_computed_tokens = computed
 
     def _take(self, item: PendingDraft, row: tuple[int, float]) -> None:
         """Append the assistant's token; the draft is done at its length, an eos, or low confidence."""
@@ -280,8 +291,18 @@ class Drafter:
             yield
 
     def check_integrity(self) -> None:
-        """The drafter's pools agree with its shadows' pages, and its block-table rows with those pages."""
+        """The drafter's pools agree with its shadows' pages, its block-table rows with those pages, and each
+        shadow holds what its KV needs (its window checked from the earliest token a rollback returns to,
+        as `_trim` keeps it)."""
         shadows = [sequence.shadow for sequence in self.sequences.values()]
-        self.pages.check_integrity(shadows, shadows)
+        self.pages.check_integrity(shadows, [])
+        for sequence in self.sequences.values():
+            shadow, computed = sequence.shadow, sequence.shadow.num_computed_tokens
+            shadow.num_computed_tokens = min(computed, sequence.synced - 1)
+            try:
+                for policy in self.pages.policies:
+                    policy.check_request(shadow)
+            finally:
+                shadow.num_computed_tokens = computed
         for tables in self.packer.block_tables:
             tables.check_integrity(shadows)
