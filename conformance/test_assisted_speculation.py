@@ -100,9 +100,15 @@ def test_the_model_as_its_own_assistant_has_every_draft_accepted(
     page_size = 4
     num_blocks = pressure_num_blocks(model, prompts, page_size) if pressure else None
     cb_config = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks)
-    with using_backend(model, family, backends_for(family)[0]), engines_checked() as engines:
+    with (
+        using_backend(model, family, backends_for(family)[0]),
+        engines_checked() as engines,
+        count_preemptions() as preemptions,
+    ):
         outputs = generate(model, prompts, cb_config, model)
     check_parity(model, prompts, outputs, [references.get(p) for p in prompts], family)
+    if pressure:  # preempted requests' shadows were freed, and caught up again from scratch
+        assert preemptions, f"{family}: nothing was preempted"
     drafted = sum(o.draft_tokens for o in outputs.values())
     accepted = sum(o.accepted_draft_tokens for o in outputs.values())
     assert drafted > 0 and accepted == drafted, (accepted, drafted)

@@ -34,7 +34,7 @@ from ..runner.packing import BatchPacker
 from .model_support import check_model_supported, ignores_logits_to_keep, state_layout
 
 # Paged backends the assistant runs under: the torch ones (its steps are small; no flash preparation).
-_TORCH_BACKENDS = {"eager": "paged|eager", "paged|eager": "paged|eager"}
+_TORCH_BACKENDS = {"eager": "paged|eager", "paged|eager": "paged|eager", "paged|sdpa": "paged|sdpa"}
 
 
 @dataclass(frozen=True)
@@ -92,9 +92,11 @@ def resolve_assistant(
     sizing: Sizing,
     config: ContinuousBatchingConfig,
     workload: list[int] | None,
+    model_backend: str | None = None,
 ) -> AssistantPlan:
     """The assistant's plan: its KV groups with the target's page count (`sizing`), block-table widths for
-    its context, its backend."""
+    its context, its backend (`model_backend`: the model's own, when the model is its own assistant: one
+    object cannot run two backends; the drafter's steps need a torch one)."""
     groups = tuple(kv_groups_from_config(assistant.config))
     own = dataclasses.replace(
         sizing,
@@ -115,6 +117,13 @@ def resolve_assistant(
         device=first.device,
     )
     current = assistant.config._attn_implementation
+    if model_backend is not None:
+        if model_backend not in ("paged|sdpa", "paged|eager"):
+            raise ValueError(
+                f"assistant_model: the model as its own assistant runs one backend, and {model_backend!r} is "
+                "not a torch paged backend the drafter can step ('paged|sdpa', 'paged|eager')"
+            )
+        current = model_backend
     return AssistantPlan(
         shape=shape,
         kv_groups=groups,

@@ -215,7 +215,14 @@ def resolve_plan(
         states=states,
         assistant=None
         if assistant_model is None or assistant_shape is None
-        else resolve_assistant(assistant_model, assistant_shape, sizing, config, workload),
+        else resolve_assistant(
+            assistant_model,
+            assistant_shape,
+            sizing,
+            config,
+            workload,
+            step_options.attn_implementation if assistant_model is model else None,
+        ),
     )
     return plan, tp
 
