@@ -32,6 +32,7 @@ NON_DEFAULT = {
     "watermarking_config": {"bias": 2.0},
     "token_healing": True,
     "assistant_early_exit": 2,
+    "assistant_ensemble_weight": 0.5,
     "speculation_type": "x",
     "use_mtp": True,
 }

@@ -63,3 +63,84 @@ def test_models_with_state_layers_refuse_speculation(name: str) -> None:
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*state layers"):
         build_engine(model, GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=3), None)
     assert engine.build_request([5, 6, 7], "b").speculation is None
+
+
+# -- a draft model (assistant_model) -------------------------------------------------------------------
+def test_an_assistant_with_another_vocabulary_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"assistant_model: its vocab_size \(301\) differs.*\(300\)"):
+        build_engine(
+            tiny_llama(), GenerationConfig(max_new_tokens=4), None, assistant_model=tiny_llama(vocab_size=301)
+        )
+    with pytest.raises(ValueError, match="assistant_model must be a transformers PreTrainedModel"):
+        build_engine(tiny_llama(), GenerationConfig(max_new_tokens=4), None, assistant_model="small")
+
+
+def test_state_layers_on_either_side_and_tensor_parallelism_refuse_an_assistant() -> None:
+    hybrid = build_hybrid("qwen3_5")
+    vocab = hybrid.config.get_text_config().vocab_size
+    with pytest.raises(ValueError, match="assistant_model: models with state layers"):
+        build_engine(
+            tiny_llama(vocab_size=vocab), GenerationConfig(max_new_tokens=4), None, assistant_model=hybrid
+        )
+    with pytest.raises(ValueError, match="assistant_model: speculative decoding.*state layers"):
+        build_engine(
+            hybrid, GenerationConfig(max_new_tokens=4), None, assistant_model=tiny_llama(vocab_size=vocab)
+        )
+    target, assistant = tiny_llama(), tiny_llama(num_hidden_layers=1)
+    target._tp_size = 2
+    with pytest.raises(ValueError, match="assistant_model: .*tensor parallelism"):
+        build_engine(target, GenerationConfig(max_new_tokens=4), None, assistant_model=assistant)
+    assistant._tp_size = 2
+    with pytest.raises(ValueError, match="assistant_model: a tensor-parallel assistant"):
+        build_engine(tiny_llama(), GenerationConfig(max_new_tokens=4), None, assistant_model=assistant)
+
+
+def test_assistant_settings_per_request_and_their_refusals() -> None:
+    model, assistant = tiny_llama(), tiny_llama(num_hidden_layers=1)
+    plain = build_engine(model, GenerationConfig(max_new_tokens=4), None)
+    with pytest.raises(ValueError, match=r"request 'a'.*\['num_assistant_tokens'\] need an assistant_model"):
+        plain.build_request([5, 6, 7], "a", sampling_kwargs={"num_assistant_tokens": 3})
+    assistant.generation_config.num_assistant_tokens = 7  # where transformers reads it
+    engine = build_engine(model, GenerationConfig(max_new_tokens=4), None, assistant_model=assistant)
+    request = engine.build_request([5, 6, 7], "a")
+    state = request.speculation
+    assert state is not None and state.max_tokens == 7
+    assert state.source is not None and (state.source.schedule, state.source.confidence) == ("constant", 0.4)
+    own = engine.build_request(
+        [5, 6, 7],
+        "b",
+        sampling_kwargs={
+            "num_assistant_tokens": 3,
+            "num_assistant_tokens_schedule": "heuristic",
+            "assistant_confidence_threshold": 0.0,
+        },
+    )
+    assert own.speculation.max_tokens == 3 and own.speculation.source.schedule == "heuristic"
+    assert (
+        engine.build_request([5, 6, 7], "c", sampling_kwargs={"num_assistant_tokens": 0}).speculation is None
+    )
+    lookup = engine.build_request([5, 6, 7], "d", sampling_kwargs={"prompt_lookup_num_tokens": 2})
+    assert lookup.speculation.source is None  # prompt lookup wins, as in generate()
+    for bad in (
+        {"num_assistant_tokens": -1},
+        {"num_assistant_tokens_schedule": "sometimes"},
+        {"assistant_confidence_threshold": 2.0},
+    ):
+        with pytest.raises(ValueError, match="request 'e'"):
+            engine.build_request([5, 6, 7], "e", sampling_kwargs=bad)
+    # The engine's GenerationConfig, where set, over the assistant's; forks draft each on their own.
+    config = GenerationConfig(
+        max_new_tokens=4, num_assistant_tokens=5, num_assistant_tokens_schedule="heuristic"
+    )
+    engine = build_engine(model, config, None, assistant_model=assistant)
+    parent = engine.build_request([5, 6, 7], "f", num_return_sequences=2)
+    (child,) = parent.siblings
+    assert parent.speculation.max_tokens == child.speculation.max_tokens == 5
+    assert parent.speculation.source is not child.speculation.source
+    with pytest.raises(ValueError, match="num_assistant_tokens_schedule must be one of"):
+        build_engine(
+            model,
+            GenerationConfig(max_new_tokens=4, num_assistant_tokens_schedule="x"),
+            None,
+            assistant_model=assistant,
+        )

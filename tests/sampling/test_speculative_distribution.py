@@ -71,3 +71,30 @@ def test_sampled_tokens_are_distributed_as_without_speculation(model) -> None:
         b = Counter(o.generated_tokens[position] for o in spec.values())
         stat, dof = two_sample_chi_square(a, b, NUM_REQUESTS)
         assert stat < chi_square_critical(max(dof, 3)), (position, stat, dof, a, b)
+
+
+def test_sampled_tokens_with_a_draft_model_are_distributed_as_without_speculation(model) -> None:
+    """The same with the model as its own `assistant_model`: its greedy drafts (q one-hot) are accepted with
+    the target's probability of each, and the tokens keep the target's distribution."""
+    config = GenerationConfig(
+        max_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        temperature=0.8,
+        top_k=8,
+        num_assistant_tokens=3,
+        assistant_confidence_threshold=0.0,
+    )
+    prompts = [PROMPT] * NUM_REQUESTS
+    cb = ContinuousBatchingConfig(seed=13, max_batch_tokens=2048)
+    plain = model.generate_batch(prompts, config, continuous_batching_config=cb, progress_bar=False)
+    cb = ContinuousBatchingConfig(seed=14, max_batch_tokens=2048)
+    spec = model.generate_batch(
+        prompts, config, continuous_batching_config=cb, progress_bar=False, assistant_model=model
+    )
+    accepted = sum(o.accepted_draft_tokens for o in spec.values())
+    assert accepted > NUM_REQUESTS / 10, f"only {accepted} draft tokens accepted: the test would be weak"
+    for position in range(NEW_TOKENS):
+        a = Counter(o.generated_tokens[position] for o in plain.values())
+        b = Counter(o.generated_tokens[position] for o in spec.values())
+        stat, dof = two_sample_chi_square(a, b, NUM_REQUESTS)
+        assert stat < chi_square_critical(max(dof, 3)), (position, stat, dof, a, b)

@@ -8,6 +8,7 @@ The weights depend only on the seed and the config, never on the attention imple
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -253,3 +254,14 @@ def build_tiny_model(
 
 def vocab_size(model: PreTrainedModel) -> int:
     return model.config.get_text_config().vocab_size
+
+
+def first_layers(model: PreTrainedModel, num_layers: int = 1) -> PreTrainedModel:
+    """A draft model for `model`: a copy keeping its embeddings, its first `num_layers` decoder layers, its
+    final norm and head (so its greedy tokens often agree with the model's: speculation accepts some)."""
+    assistant = copy.deepcopy(model)
+    assistant.model.layers = torch.nn.ModuleList(list(assistant.model.layers)[:num_layers])
+    assistant.config.num_hidden_layers = num_layers
+    if getattr(assistant.config, "layer_types", None):
+        assistant.config.layer_types = assistant.config.layer_types[:num_layers]
+    return assistant

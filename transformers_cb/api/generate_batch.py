@@ -34,7 +34,7 @@ from ..runner.packed_model import packed_linears
 from ..sampling.params import PER_REQUEST_KWARGS
 
 # generate_batch kwargs handed to the Engine as they are.
-ENGINE_KWARGS = ("tokenizer", "logits_processor")
+ENGINE_KWARGS = ("tokenizer", "logits_processor", "assistant_model")
 
 # Where `generate_batch(persistent_manager=True)` keeps its engine; `model_methods` drops it on request.
 CACHED_ENGINE_ATTR = "_transformers_cb_engine"
@@ -68,6 +68,11 @@ def generate_batch(
         eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
         tokenizer (kwarg): needed for stop strings (as `generate()` takes one).
         logits_processor (kwarg): the caller's own processors, applied to each request's own history.
+        assistant_model (kwarg): a draft model for speculative decoding, as `generate()` takes one (a small
+            causal LM with the model's vocabulary; docs/speculative_decoding.md). Its settings
+            `num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold` come
+            from the generation config or the assistant's own, or per input as kwargs.
+        prompt_lookup_num_tokens, max_matching_ngram_size (kwargs): speculative decoding by prompt lookup.
         num_return_sequences (kwarg): sequences per input (default: the generation config's); the
             siblings of input i have ids `"req_<i>__child#<j>"` and share its prompt's KV pages.
         temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_strings, top_logprobs,
@@ -137,6 +142,7 @@ def generate_batch(
     with (
         paged_attention(self, engine.attn_implementation),
         packed_linears(self, engine.packed_linear),
+        engine.assistant_session(),
         torch.inference_mode(),
     ):
         if warmup and not engine.warmed_up:
@@ -172,6 +178,7 @@ def _engine_for(
         # Identities are safe in the key: the cached engine holds these objects, so ids are not reused.
         id(extras["tokenizer"]),
         tuple(id(p) for p in extras["logits_processor"] or ()),
+        id(extras["assistant_model"]),
     )
     cached = getattr(model, CACHED_ENGINE_ATTR, None)
     if cached is not None:

@@ -33,6 +33,7 @@ def init_continuous_batching(
     *,
     tokenizer: Any | None = None,
     logits_processor: Any | None = None,
+    assistant_model: PreTrainedModel | None = None,
 ) -> ContinuousBatchingManager:
     """A manager for this model; call `start()` on it.
 
@@ -47,6 +48,8 @@ def init_continuous_batching(
         tokenizer: needed only for stop strings.
         logits_processor: the caller's own processors, applied to each request's own prompt +
             generated tokens (docs/sampling.md).
+        assistant_model: a draft model for speculative decoding (`generate()`'s name): a small causal LM
+            with the model's vocabulary, run on its own paged cache (docs/speculative_decoding.md).
     """
     cached = getattr(self, CACHED_MANAGER_ATTR, None)
     if cached is not None and not cached.is_destroyed:
@@ -60,6 +63,7 @@ def init_continuous_batching(
         workload_hints=workload_hints,
         tokenizer=tokenizer,
         logits_processor=logits_processor,
+        assistant_model=assistant_model,
     )
 
 
@@ -76,6 +80,7 @@ def continuous_batching_context_manager(
     *,
     tokenizer: Any | None = None,
     logits_processor: Any | None = None,
+    assistant_model: PreTrainedModel | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Start a manager, yield it, then stop it (and destroy it unless `persistent_manager`).
 
@@ -96,6 +101,7 @@ def continuous_batching_context_manager(
         workload_hints,
         tokenizer=tokenizer,
         logits_processor=logits_processor,
+        assistant_model=assistant_model,
     )
     if warmup:
         manager.warmup()

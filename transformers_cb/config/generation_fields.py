@@ -52,6 +52,10 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "remove_invalid_values",
         "prompt_lookup_num_tokens",  # speculative decoding by prompt lookup (docs/speculative_decoding.md)
         "max_matching_ngram_size",
+        # speculative decoding with an assistant_model (engine/assistant.py); inert without one
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
         "num_return_sequences",  # forks: siblings share the prompt's pages (kv/prefix_cache.py)
         "continuous_batching_config",  # deprecated path, taken with a FutureWarning (config/interop.py, `take_cb_config`)
     }
@@ -74,12 +78,8 @@ HARMLESS: dict[str, str] = {
     "output_scores": "shapes generate()'s return value; logprobs come from return_logprobs",
     "output_logits": "shapes generate()'s return value; GenerationOutput is fixed",
     "return_dict_in_generate": "shapes generate()'s return value; GenerationOutput is fixed",
-    "num_assistant_tokens": "configures an assistant model, which is never used here",
-    "num_assistant_tokens_schedule": "configures an assistant model, which is never used here",
-    "assistant_confidence_threshold": "configures an assistant model, which is never used here",
-    "assistant_lookbehind": "configures an assistant model, which is never used here",
-    "target_lookbehind": "configures an assistant model, which is never used here",
-    "assistant_ensemble_weight": "configures an assistant model, which is never used here",
+    "assistant_lookbehind": "assistants with another tokenizer only; those are refused (engine/assistant.py)",
+    "target_lookbehind": "assistants with another tokenizer only; those are refused (engine/assistant.py)",
     "is_assistant": "marks a model as someone's assistant; no effect on its own generation",
     "early_stopping": "beam search only (num_beams > 1 is refused)",
     "length_penalty": "beam search only (num_beams > 1 is refused)",
@@ -103,6 +103,7 @@ REFUSED: frozenset[str] = frozenset(
         "watermarking_config",
         "token_healing",
         "assistant_early_exit",
+        "assistant_ensemble_weight",  # verification against a target/draft mixture (lossy): not built
         "speculation_type",
         "use_mtp",
     }

@@ -1,5 +1,6 @@
-"""Speculation settings: prompt lookup (`prompt_lookup_num_tokens`, `max_matching_ngram_size`), with
-`generate()`'s own names, from the `GenerationConfig` (every request's default) and per request.
+"""Speculation settings, with `generate()`'s own names, from the `GenerationConfig` (every request's
+default) and per request: prompt lookup (`prompt_lookup_num_tokens`, `max_matching_ngram_size`) and a
+draft model's (`num_assistant_tokens`, `num_assistant_tokens_schedule`, `assistant_confidence_threshold`).
 
 Torch- and transformers-free (the scheduler reads `LookupSettings`): the `GenerationConfig` is read
 through `getattr` only. Validation errors are `ValueError`s naming the input. See
@@ -11,8 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
-# The per-request keyword arguments of speculation (add_request, generate_batch, the server).
-SPECULATION_KWARGS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
+# The per-request keyword arguments of prompt lookup (add_request, generate_batch, the server).
+LOOKUP_KWARGS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
+# The per-request keyword arguments of a draft model (add_request, generate_batch; an engine with an
+# `assistant_model`).
+ASSISTANT_KWARGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+# Every per-request keyword argument of speculation.
+SPECULATION_KWARGS = (*LOOKUP_KWARGS, *ASSISTANT_KWARGS)
+# transformers' `num_assistant_tokens_schedule` values (AssistedCandidateGenerator).
+ASSISTANT_SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+# transformers' defaults (`GenerationConfig._get_default_generation_params`), which its assisted
+# generation applies under the assistant model's own generation config.
+DEFAULT_NUM_ASSISTANT_TOKENS = 20
+DEFAULT_ASSISTANT_SCHEDULE = "constant"
+DEFAULT_ASSISTANT_CONFIDENCE = 0.4
 # transformers' default `max_matching_ngram_size` (PromptLookupCandidateGenerator) when only
 # `prompt_lookup_num_tokens` is set.
 DEFAULT_MAX_NGRAM = 2
@@ -80,3 +93,80 @@ def split_speculation_kwargs(kwargs: dict[str, Any] | None) -> tuple[dict[str, A
     spec = {name: value for name, value in kwargs.items() if name in SPECULATION_KWARGS}
     rest = {name: value for name, value in kwargs.items() if name not in SPECULATION_KWARGS}
     return spec, rest
+
+
+@dataclass(frozen=True)
+class AssistantSettings:
+    """A draft model for one request: at most `num_tokens` draft tokens a step, `schedule` one of
+    `ASSISTANT_SCHEDULES` (how the draft length moves), drafting stopped after a token whose assistant
+    probability is under `confidence` (0: never)."""
+
+    num_tokens: int = DEFAULT_NUM_ASSISTANT_TOKENS
+    schedule: str = DEFAULT_ASSISTANT_SCHEDULE
+    confidence: float = DEFAULT_ASSISTANT_CONFIDENCE
+
+
+def _schedule(value: Any, label: str) -> str:
+    if value not in ASSISTANT_SCHEDULES:
+        raise ValueError(
+            f"{label}: num_assistant_tokens_schedule must be one of {list(ASSISTANT_SCHEDULES)}, got {value!r}"
+        )
+    return cast(str, value)
+
+
+def _confidence(value: Any, label: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{label}: assistant_confidence_threshold must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _set(config: Any, name: str, default: Any) -> Any:
+    """`config`'s value of `name` when set and not transformers' default, else None."""
+    value = getattr(config, name, None) if config is not None else None
+    return None if value is None or value == default else value
+
+
+def assistant_from_configs(generation_config: Any, assistant_config: Any, label: str) -> AssistantSettings:
+    """Every request's draft-model settings: the engine's `GenerationConfig` where a field is set to other
+    than transformers' default, else the assistant model's own generation config (where transformers'
+    `AssistedCandidateGenerator` reads them), else transformers' defaults (20, "constant", 0.4)."""
+    values = []
+    for name, default in (
+        ("num_assistant_tokens", DEFAULT_NUM_ASSISTANT_TOKENS),
+        ("num_assistant_tokens_schedule", DEFAULT_ASSISTANT_SCHEDULE),
+        ("assistant_confidence_threshold", DEFAULT_ASSISTANT_CONFIDENCE),
+    ):
+        value = _set(generation_config, name, default)
+        if value is None:
+            value = getattr(assistant_config, name, None) if assistant_config is not None else None
+        values.append(default if value is None else value)
+    num_tokens, schedule, confidence = values
+    return AssistantSettings(
+        _positive_int("num_assistant_tokens", num_tokens, label, 0),
+        _schedule(schedule, label),
+        _confidence(confidence, label),
+    )
+
+
+def request_assistant(
+    default: AssistantSettings | None, kwargs: dict[str, Any], label: str
+) -> AssistantSettings | None:
+    """A request's draft-model settings: its own `num_assistant_tokens` / `num_assistant_tokens_schedule` /
+    `assistant_confidence_threshold` (None values: not given) over `default` (None: the engine has no
+    assistant model, and giving any of them is a `ValueError`). `num_assistant_tokens=0` turns the draft
+    model off for the request."""
+    given = {name: kwargs[name] for name in ASSISTANT_KWARGS if kwargs.get(name) is not None}
+    if default is None:
+        if given:
+            raise ValueError(
+                f"{label}: {sorted(given)} need an assistant_model (none was given to the engine)"
+            )
+        return None
+    settings = AssistantSettings(
+        _positive_int(
+            "num_assistant_tokens", given.get("num_assistant_tokens", default.num_tokens), label, 0
+        ),
+        _schedule(given.get("num_assistant_tokens_schedule", default.schedule), label),
+        _confidence(given.get("assistant_confidence_threshold", default.confidence), label),
+    )
+    return settings if settings.num_tokens else None

@@ -51,10 +51,18 @@ from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
 from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
+from .assistant import (
+    AssistantPlan,
+    assistant_kv_bytes_per_token,
+    build_drafter,
+    check_assistant,
+    resolve_assistant,
+)
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
 from .model_support import check_model_supported, ignores_logits_to_keep, state_layout
 from .publisher import StepPublisher, TensorParallelPublisher
+from .speculation_support import speculation_refusal
 from .state_probe import StateLayout
 
 logger = logging.getLogger(__name__)
@@ -93,6 +101,8 @@ class EnginePlan:
     all_request_stages: bool = False
     # The model's state layers and their states' shapes (None: none); `sizing.num_state_slots` slots.
     states: StateLayout | None = None
+    # The draft model's plan (None: no `assistant_model`; engine/assistant.py).
+    assistant: AssistantPlan | None = None
 
     @property
     def group_pages(self) -> tuple[int, ...]:
@@ -113,6 +123,7 @@ def resolve_plan(
     cb_config: ContinuousBatchingConfig | None,
     workload: list[int] | None = None,
     all_request_stages: bool = False,
+    assistant_model: PreTrainedModel | None = None,
 ) -> tuple[EnginePlan, TensorParallelCoordinator | None]:
     """The plan of an engine for `model`, and this rank's tensor-parallel coordinator (None without
     tensor parallelism), which the ranks agree on sizes through. Raises (`ValueError`,
@@ -122,6 +133,10 @@ def resolve_plan(
     check_generation_config(generation)
     check_model_supported(model)
     states = state_layout(model)
+    assistant_shape = None
+    if assistant_model is not None:
+        refusal = speculation_refusal(model, states is not None)
+        assistant_shape = check_assistant(model, assistant_model, refusal)
     kv_groups = tuple(kv_groups_from_config(model.config))
     # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
     shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
@@ -129,7 +144,15 @@ def resolve_plan(
     first_param = next(model.parameters())
     device, dtype = first_param.device, first_param.dtype
     device_options = resolve_device_options(config, device.type)
-    sizing = resolve_sizing(config, shape, device, dtype, workload, states.bytes_per_slot if states else 0)
+    sizing = resolve_sizing(
+        config,
+        shape,
+        device,
+        dtype,
+        workload,
+        states.bytes_per_slot if states else 0,
+        0 if assistant_shape is None else assistant_kv_bytes_per_token(assistant_model, assistant_shape),
+    )
     if tp is not None:
         sizing = tp.agree_sizing(sizing)
     has_sliding = any(spec.sliding_window is not None for spec in kv_groups)
@@ -192,6 +215,16 @@ def resolve_plan(
         seed=config.seed,
         all_request_stages=all_request_stages,
         states=states,
+        assistant=None
+        if assistant_model is None or assistant_shape is None
+        else resolve_assistant(
+            assistant_model,
+            assistant_shape,
+            sizing,
+            config,
+            workload,
+            step_options.attn_implementation if assistant_model is model else None,
+        ),
     )
     return plan, tp
 
@@ -202,8 +235,10 @@ def wire(
     tp: TensorParallelCoordinator | None = None,
     tokenizer: Any | None = None,
     logits_processor: Any | None = None,
+    assistant_model: PreTrainedModel | None = None,
 ) -> Engine:
-    """Allocate and connect the parts of an engine from `plan` (see the module docstring)."""
+    """Allocate and connect the parts of an engine from `plan` (see the module docstring);
+    `assistant_model`: the draft model `plan.assistant` was resolved for."""
     page_size = plan.sizing.page_size
     # kv/ owns pages: one pool per KV group, each handed to its group's page policy.
     pools = [PagePool(num_pages) for num_pages in plan.group_pages]
@@ -272,6 +307,9 @@ def wire(
         sampling=sampling,
         offload=offload,
         publisher=TensorParallelPublisher(tp) if tp is not None and tp.is_driver else StepPublisher(),
+        drafter=None
+        if plan.assistant is None or assistant_model is None
+        else build_drafter(assistant_model, plan.assistant, plan.sizing.max_batch_tokens),
     )
     if tp is not None and not tp.is_driver:
         return FollowerEngine(plan, parts, tp)
@@ -314,6 +352,7 @@ def build_engine(
     logits_processor: Any | None = None,
     workload: list[int] | None = None,
     all_request_stages: bool = False,
+    assistant_model: PreTrainedModel | None = None,
 ) -> Engine:
     """An engine for `model`: the plan resolved (`resolve_plan`), then the parts wired (`wire`).
 
@@ -326,6 +365,10 @@ def build_engine(
         workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
         all_request_stages: build every per-request processor stage, neutral unless a request gives a
             value (the server's engine; see `SamplingSetup`).
+        assistant_model: a draft model for speculative decoding (`generate()`'s name; engine/assistant.py):
+            a small causal LM with the model's vocabulary, on its own paged cache.
     """
-    plan, tp = resolve_plan(model, generation_config, cb_config, workload, all_request_stages)
-    return wire(model, plan, tp, tokenizer, logits_processor)
+    plan, tp = resolve_plan(
+        model, generation_config, cb_config, workload, all_request_stages, assistant_model
+    )
+    return wire(model, plan, tp, tokenizer, logits_processor, assistant_model)

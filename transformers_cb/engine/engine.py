@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -23,15 +24,25 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import default_max_new_tokens
-from ..config.speculation import lookup_from_config, request_lookup, split_speculation_kwargs
+from ..config.speculation import (
+    DEFAULT_MAX_NGRAM,
+    AssistantSettings,
+    assistant_from_configs,
+    lookup_from_config,
+    request_assistant,
+    request_lookup,
+    split_speculation_kwargs,
+)
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request, RequestStatus
+from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.packed_linear import WeightKey
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
+from ..scheduler.assisted import ModelDraft
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.speculation import SpeculationState, SpeculationStats
 from .forks import add_siblings, num_return_sequences_of
@@ -73,7 +84,8 @@ class EngineParts:
 
     `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
     scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what
-    rank 0 tells the other tensor-parallel ranks (a no-op otherwise)."""
+    rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model on its
+    own pages (None: no `assistant_model`)."""
 
     model: PreTrainedModel
     pages: PageManager
@@ -84,6 +96,7 @@ class EngineParts:
     sampling: SamplingSetup
     offload: CpuOffload | None = None
     publisher: StepPublisher = field(default_factory=StepPublisher)
+    drafter: Drafter | None = None
 
 
 class Engine:
@@ -103,6 +116,7 @@ class Engine:
         self.sampling = parts.sampling
         self.offload = parts.offload
         self.publisher = parts.publisher
+        self.drafter = parts.drafter
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
@@ -113,6 +127,17 @@ class Engine:
         self.lookup_default = lookup_from_config(self.generation_config)
         if self.lookup_default is not None and self.speculation_refusal is not None:
             raise ValueError(f"GenerationConfig.prompt_lookup_num_tokens: {self.speculation_refusal}")
+        # With a draft model: every request's draft-model settings (num_tokens 0: off unless a request
+        # asks); None: no assistant_model, and a request naming its settings is refused.
+        self.assistant_default: AssistantSettings | None = None
+        if self.drafter is not None:
+            if self.speculation_refusal is not None:
+                raise ValueError(f"assistant_model: {self.speculation_refusal}")
+            self.assistant_default = assistant_from_configs(
+                self.generation_config,
+                getattr(self.drafter.model, "generation_config", None),
+                "GenerationConfig (num_assistant_tokens)",
+            )
 
     @property
     def supports_speculation(self) -> bool:
@@ -247,14 +272,20 @@ class Engine:
         return request
 
     def _attach_speculation(self, request: Request, kwargs: dict[str, Any], label: str) -> None:
-        """The request's prompt lookup settings (its own over the GenerationConfig's), or a `ValueError`
-        naming `label` when this engine cannot speculate."""
+        """The request's speculation (its own settings over the GenerationConfig's), or a `ValueError`
+        naming `label` when this engine cannot speculate. Prompt lookup, when set, wins over the draft
+        model (as in `generate()`, which then builds a lookup candidate generator)."""
         settings = request_lookup(self.lookup_default, kwargs, label)
-        if settings is None:
+        assisted = request_assistant(self.assistant_default, kwargs, label)
+        if settings is None and assisted is None:
             return
         if self.speculation_refusal is not None:
             raise ValueError(f"{label}: {self.speculation_refusal}")
-        request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
+        if settings is not None:
+            request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
+        elif assisted is not None:
+            source = ModelDraft(assisted.schedule, assisted.confidence, length=assisted.num_tokens)
+            request.speculation = SpeculationState(assisted.num_tokens, DEFAULT_MAX_NGRAM, source=source)
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
@@ -287,6 +318,8 @@ class Engine:
         """End `request` (cancel, fail): the scheduler's single exit, and its block-table rows back."""
         self.scheduler.finish(request, status, error)
         self.runner.release([request])
+        if self.drafter is not None:
+            self.drafter.forget([request])
         self.publisher.requests_finished([request])
 
     def heartbeat(self) -> None:
@@ -384,11 +417,35 @@ class Engine:
         self.counters = EngineCounters()
         self.scheduler.speculation = SpeculationStats()
 
+    # -- the draft model ----------------------------------------------------------------
+    def assistant_session(self) -> AbstractContextManager[Any]:
+        """The draft model under its paged backend for a run (beside the model's `paged_attention`); a
+        no-op without one. Steps outside it switch the assistant per step."""
+        return self.drafter.session() if self.drafter is not None else nullcontext()
+
+    def _draft(self) -> None:
+        """The draft model's tokens for this step's speculating requests (runner/drafter.py). A failure only
+        costs the drafts: they are a speed setting, the step runs without them."""
+        drafter = self.drafter
+        if drafter is None:
+            return
+        try:
+            drafter.draft(self.scheduler.running)
+        except Exception:  # noqa: BLE001 - drafts are optional; the step goes on without them
+            logger.exception("the assistant model's draft failed; this step runs without drafts")
+            drafter.reset()
+            for request in self.scheduler.running:
+                if request.speculation is not None and request.speculation.source is not None:
+                    request.speculation.source.tokens = []
+
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule and run one forward pass. A failure fails only the requests of this step (under
         tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
+        self._draft()
         batch = self.scheduler.schedule()
+        if self.drafter is not None and (batch.preempted or batch.failed):
+            self.drafter.forget([*batch.preempted, *batch.failed])
         self.publisher.step_planned(batch)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:
@@ -420,6 +477,8 @@ class Engine:
             batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs, output.continuations
         )
         self.runner.release(finished)
+        if self.drafter is not None:
+            self.drafter.forget(finished)
         self.runner.take_back([e.request for e in batch.entries if e.draft and not e.request.is_finished])
         emitted = self.scheduler.speculation.emitted - emitted  # tokens the speculating requests appended
         self.counters.generated_tokens += len(output.sampled) - num_speculating + emitted
@@ -466,3 +525,5 @@ class Engine:
         self.scheduler.check_integrity()
         for tables in self.packer.block_tables:
             tables.check_integrity(self.scheduler.running)
+        if self.drafter is not None:
+            self.drafter.check_integrity()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from transformers import PreTrainedModel
@@ -122,6 +123,7 @@ class ManagerLoop:
             with (
                 paged_attention(self._model, target),
                 packed_linears(self._model, packed),
+                engine.assistant_session() if engine is not None else nullcontext(),
                 torch.inference_mode(),
             ):
                 if isinstance(engine, FollowerEngine):

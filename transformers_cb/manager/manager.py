@@ -62,10 +62,12 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         logits_processor: Any | None = None,
         *,
         all_request_stages: bool = False,
+        assistant_model: PreTrainedModel | None = None,
     ) -> None:
         """`all_request_stages`: the engine builds every per-request processor stage, and a request
         that gives no value for one uses its neutral value (the server's manager: each request brings
-        its own values; see `SamplingSetup`)."""
+        its own values; see `SamplingSetup`). `assistant_model`: a draft model for speculative decoding
+        (docs/speculative_decoding.md)."""
         self.model = model
         hints = as_workload_hints(workload_hints)
         engine = build_engine(
@@ -76,6 +78,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             logits_processor,
             workload=hints.workload() if hints is not None else None,
             all_request_stages=all_request_stages,
+            assistant_model=assistant_model,
         )
         self.max_queue_size = engine.max_queue_size
         self._state = ManagerState(engine)
@@ -147,6 +150,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         with (
             paged_attention(self.model, engine.attn_implementation),
             packed_linears(self.model, engine.packed_linear),
+            engine.assistant_session(),
             torch.inference_mode(),
         ):
             engine.warmup()

@@ -13,6 +13,7 @@ Rules (SPEC section 4):
   so set-up stays fast and the cache fits the job rather than all RAM;
 - a model with state layers (docs/state_layers.md) gets one state slot per request that may run at
   once (`max_requests_per_batch`), within half of the cache's budget, before the pages take the rest;
+- a draft model (`assistant_model`) gets as many pages as the model, from the same budget;
 - per KV layer group (`resolve_group_pages`): full-attention groups get `num_blocks`
   pages; a sliding-window group, whose requests hold only their window, gets what
   the known workload needs at most (capped by `num_blocks`).
@@ -122,9 +123,12 @@ def resolve_sizing(
     dtype: torch.dtype,
     workload: list[int] | None = None,
     state_bytes_per_slot: int = 0,
+    extra_kv_bytes_per_token: int = 0,
 ) -> Sizing:
     """Args: workload: the KV length each known request reaches at most (None: unknown, e.g. a server);
-    state_bytes_per_slot: one request's recurrent state in every state layer (0: no state layers)."""
+    state_bytes_per_slot: one request's recurrent state in every state layer (0: no state layers);
+    extra_kv_bytes_per_token: KV bytes per token of pages held beside each of the model's, out of the same
+    budget (a draft model's, engine/assistant.py: it gets as many pages)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
     percent = config.max_memory_percent or (0.9 if device.type == "cuda" else 0.5)
     budget = int(free_memory_bytes(device) * percent)
@@ -154,7 +158,8 @@ def resolve_sizing(
         num_slots = max(1, min(max_requests, affordable))
         cache_budget -= num_slots * state_bytes_per_slot
     if num_pages is None:
-        num_pages = cache_budget // max(1, shape.kv_bytes_per_token(element_size) * page_size)
+        token_bytes = shape.kv_bytes_per_token(element_size) + extra_kv_bytes_per_token
+        num_pages = cache_budget // max(1, token_bytes * page_size)
         if workload:
             needed = sum(num_pages_for(n, page_size) for n in workload)
             # Headroom for the safety margin: without it the last requests of the workload

@@ -23,6 +23,7 @@ from ..kv.prefix_cache import PageCopy
 from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .assisted import after_verify
 from .plan import ScheduledRequest, StepPlan
 from .policies import SchedulingPolicy
 from .recompute import RecomputeCounter
@@ -471,6 +472,8 @@ class Scheduler:
         accepted = min(appended, len(run) - 1)
         self.speculation.add(len(entry.draft), accepted, appended)
         record(request, len(entry.draft), accepted, appended)
+        if request.speculation is not None:  # a draft model's schedule (assisted.py)
+            after_verify(request.speculation, len(entry.draft), accepted)
         self.pages.register(request)  # keys for full pages of accepted tokens only
         self.pages.release_surplus(request)
         self.pages.trim(request)

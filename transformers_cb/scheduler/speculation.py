@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..requests import Request
+from .assisted import ModelDraft
 
 # After this many drafts in a row with no token accepted, lookup pauses (2, 4, 8, ... steps).
 MISSES_BEFORE_PAUSE = 2
@@ -63,6 +64,8 @@ class SpeculationState:
     accepted_recently: float = 0.0
     rejected_recently: float = 0.0
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+    # Where drafts come from: None, prompt lookup; a `ModelDraft`, the engine's assistant model (assisted.py).
+    source: ModelDraft | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens == 0:
@@ -105,7 +108,10 @@ def propose(request: Request, budget: int) -> list[int]:
     count = min(state.num_tokens, budget - 1, room)
     if count <= 0:
         return []
-    draft = lookup(request.all_token_ids, state.max_ngram, count)
+    if state.source is not None:  # the draft model's tokens, drafted before this schedule
+        draft = state.source.take(count)
+    else:
+        draft = lookup(request.all_token_ids, state.max_ngram, count)
     if request.eos_token_ids:  # as transformers: no draft beyond an eos (the request would end there)
         for i, token in enumerate(draft):
             if token in request.eos_token_ids:
