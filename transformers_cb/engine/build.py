@@ -151,7 +151,9 @@ def resolve_plan(
         dtype,
         workload,
         states.bytes_per_slot if states else 0,
-        0 if assistant_shape is None else assistant_kv_bytes_per_token(assistant_model, assistant_shape),
+        0
+        if assistant_shape is None or assistant_model is None
+        else assistant_kv_bytes_per_token(assistant_model, assistant_shape),
     )
     if tp is not None:
         sizing = tp.agree_sizing(sizing)
