@@ -283,3 +283,19 @@ def test_generate_input_dash_reads_stdin_even_when_empty() -> None:
     completed = _run_module(["generate", "--input", "-", *CACHE_ARGS], stdin=subprocess.DEVNULL)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout == "" and "requests: 0" in completed.stderr
+
+
+@pytest.mark.parametrize("speculation", [["--prompt-lookup-num-tokens", "3"], ["--assistant-model", "tiny"]])
+def test_generate_with_speculation_writes_the_same_records(tmp_path: Path, speculation: list[str]) -> None:
+    """Prompt lookup or a draft model (the built-in model as its own assistant) change the speed, never
+    the greedy answers."""
+    input_file = tmp_path / "in.txt"
+    input_file.write_text("".join(p + " " + p + "\n" for p in PROMPTS), encoding="utf-8")
+    plain, speculating = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
+    common = ["--input", str(input_file), "--max-new-tokens", "8", "--jsonl"]
+    assert _run_cli([*common, "--output", str(plain)]) == 0
+    assert _run_cli([*common, "--output", str(speculating), *speculation]) == 0
+    keys = ("id", "token_ids", "text", "finish_reason")
+    expected = [{k: r[k] for k in keys} for r in _read_jsonl(plain)]
+    assert all(row["token_ids"] for row in expected)
+    assert [{k: r[k] for k in keys} for r in _read_jsonl(speculating)] == expected

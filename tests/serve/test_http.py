@@ -416,3 +416,28 @@ def test_metrics_follow_stats_and_count_latencies(server: LiveServer) -> None:
     assert samples["transformers_cb_time_to_first_token_seconds_count"] >= 2
     assert samples["transformers_cb_inter_token_latency_seconds_count"] >= 4
     assert samples['transformers_cb_http_responses_total{endpoint="/v1/completions",status="200"}'] >= 2
+
+
+def test_a_server_with_a_draft_model_speculates_and_gives_plain_greedy_text(
+    fresh: Any, server: LiveServer
+) -> None:
+    """`--assistant-model`: every request speculates with the draft model (the target itself here, so
+    every draft is accepted) unless it sets `num_assistant_tokens=0`; vLLM's speculative_config method
+    "draft_model" sets the draft length; the text equals the plain server's, greedy. A server without a
+    draft model answers its fields with a 400."""
+    body = _completion("Hello there, hello there", max_tokens=12, temperature=0)
+    plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    model, tokenizer = tiny_model_and_tokenizer()
+    with live_server(model, tokenizer, assistant_model=model) as live:
+        for extra in (
+            {},
+            {"num_assistant_tokens": 0},
+            {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 3}},
+        ):
+            response = _post(live, "/v1/completions", {**body, **extra})
+            assert response.status_code == 200, response.text
+            assert response.json()["choices"][0]["text"] == plain, extra
+        stats = live.state.manager.stats()
+        assert stats.draft_tokens > 0 and stats.accepted_draft_tokens == stats.draft_tokens, stats
+    response = _post(server, "/v1/completions", {**body, "num_assistant_tokens": 3})
+    assert response.status_code == 400 and "--assistant-model" in response.text

@@ -239,5 +239,12 @@ def test_speculation_fields_and_vllm_speculative_config() -> None:
     request = parse_body(body, CompletionRequest)
     assert request.engine_kwargs() == {"prompt_lookup_num_tokens": 5, "max_matching_ngram_size": 3}
     body = b'{"model": "m", "prompt": "x", "speculative_config": {"method": "draft_model", "num_speculative_tokens": 5}}'
+    assert parse_body(body, CompletionRequest).engine_kwargs() == {"num_assistant_tokens": 5}
+    body = b'{"model": "m", "prompt": "x", "num_assistant_tokens": 3, "num_assistant_tokens_schedule": "heuristic"}'
+    assert parse_body(body, CompletionRequest).engine_kwargs() == {
+        "num_assistant_tokens": 3,
+        "num_assistant_tokens_schedule": "heuristic",
+    }
+    body = b'{"model": "m", "prompt": "x", "speculative_config": {"method": "eagle", "num_speculative_tokens": 5}}'
     with pytest.raises(ApiError, match="speculative_config"):
         parse_body(body, CompletionRequest).engine_kwargs()

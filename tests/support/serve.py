@@ -82,17 +82,23 @@ def shared_server() -> Iterator[LiveServer]:
 
 @contextmanager
 def live_server(
-    model: Any, tokenizer: Any, shutdown_timeout: float = 5.0, **config: Any
+    model: Any, tokenizer: Any, shutdown_timeout: float = 5.0, assistant_model: Any = None, **config: Any
 ) -> Iterator[LiveServer]:
-    """A started manager on `model`, set up as `transformers-cb serve` sets it up, and the real app
-    served by uvicorn on 127.0.0.1:<free port>."""
+    """A started manager on `model` (with `assistant_model`, `--assistant-model`), set up as
+    `transformers-cb serve` sets it up, and the real app served by uvicorn on 127.0.0.1:<free port>."""
     from transformers_cb import ContinuousBatchingConfig
     from transformers_cb.serve.app import ServeState, build_app
     from transformers_cb.serve.server import bind_socket, make_uvicorn_server, start_serving_manager
 
     cb_config = ContinuousBatchingConfig(**{"page_size": 16, "num_blocks": 64, **config})
-    manager = start_serving_manager(model, tokenizer, cb_config)
-    state = ServeState(manager, tokenizer, MODEL_NAME, model.config.max_position_embeddings)
+    manager = start_serving_manager(model, tokenizer, cb_config, assistant_model)
+    state = ServeState(
+        manager,
+        tokenizer,
+        MODEL_NAME,
+        model.config.max_position_embeddings,
+        has_assistant=assistant_model is not None,
+    )
     sock = bind_socket("127.0.0.1", 0)
     server = make_uvicorn_server(
         build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=shutdown_timeout

@@ -96,6 +96,18 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="attention backend, e.g. paged|sdpa (default), paged|eager, paged|flash_attention_2",
     )
     gen.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
+    gen.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=_positive_int,
+        default=None,
+        help="speculative decoding by prompt lookup: draft up to this many tokens from the request's own "
+        "text (pays where answers repeat the input; docs/speculative_decoding.md)",
+    )
+    gen.add_argument(
+        "--assistant-model",
+        default=None,
+        help="speculative decoding with a draft model (a folder or a name, as --model; same tokenizer)",
+    )
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument(
         "--threads",
@@ -200,7 +212,7 @@ def _chat(args: argparse.Namespace) -> bool:
 
 def run_generate(args: argparse.Namespace) -> int:
     from ..models.fetch import FetchError, resolve_model
-    from ..models.loading import load_for_command, special_ids
+    from ..models.loading import load_assistant_for_command, load_for_command, special_ids
 
     if args.ray is not None:
         from ..scale_out.batch_job import run_ray_generate
@@ -217,10 +229,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     try:
         model, tokenizer = load_for_command(args)
+        assistant = load_assistant_for_command(args)
     except FetchError as exc:  # its own one line: what failed and what to do
         raise InputError(str(exc)) from None
     except OSError as exc:
-        raise InputError(f"cannot load model from {args.model!r}: {exc}") from None
+        raise InputError(f"cannot load a model ({args.model!r}, {args.assistant_model!r}): {exc}") from None
     token_lists = tokenize_requests(tokenizer, requests, chat=_chat(args))
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
@@ -229,7 +242,15 @@ def run_generate(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         outputs = (
             generate_all(
-                model, token_lists, limits, eos_token_id, pad_token_id, cb_config, not args.no_progress
+                model,
+                token_lists,
+                limits,
+                eos_token_id,
+                pad_token_id,
+                cb_config,
+                not args.no_progress,
+                assistant_model=assistant,
+                prompt_lookup_num_tokens=args.prompt_lookup_num_tokens,
             )
             if requests
             else []

@@ -89,13 +89,20 @@ def generate_all(
     pad_token_id: Any,
     cb_config: Any,
     progress_bar: bool,
+    assistant_model: Any = None,
+    prompt_lookup_num_tokens: int | None = None,
 ) -> list[Any]:
-    """The CLI's run: greedy, per-request ``max_new_tokens``; see :func:`generate_rows`."""
+    """The CLI's run: greedy, per-request ``max_new_tokens``, speculating with a draft model
+    (``assistant_model``) or by prompt lookup where given; see :func:`generate_rows`."""
     from transformers import GenerationConfig
 
     generation_config = GenerationConfig(
-        do_sample=False, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
     )
+    extra = {} if assistant_model is None else {"assistant_model": assistant_model}
     return generate_rows(
         model,
         token_lists,
@@ -103,6 +110,7 @@ def generate_all(
         cb_config,
         progress_bar,
         per_input={"max_new_tokens": list(max_new_tokens)},
+        **extra,
     )
 
 

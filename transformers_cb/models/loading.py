@@ -91,3 +91,21 @@ def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
         seed=args.seed,
         progress=not getattr(args, "no_progress", False),
     )
+
+
+def load_assistant_for_command(args: argparse.Namespace) -> PreTrainedModel | None:
+    """The command's `--assistant-model` (speculative decoding's draft model: a folder or a registry name,
+    as `--model`), loaded like the model (same attention backend, dtype and device); None when not given.
+    Its tokenizer must be the model's: the engine checks the vocabularies at start."""
+    name = getattr(args, "assistant_model", None)
+    if name is None:
+        return None
+    assistant, _tokenizer = load_model_and_tokenizer(
+        name,
+        attn_implementation=args.attn_implementation,
+        dtype=getattr(torch, args.dtype),
+        device=resolve_device(args.device),
+        seed=args.seed,
+        progress=not getattr(args, "no_progress", False),
+    )
+    return assistant

@@ -36,7 +36,7 @@ from .choices import (
 )
 from .guided import guided_of
 from .metrics import ServerMetrics
-from .protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .responses import ChoiceTotals, ResponseShape, sse
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class ServeState:
     max_positions: int
     default_max_tokens: int = 256  # chat requests without max_tokens
     logprobs: bool = True  # False: `--no-logprobs`, requests asking for them get a 400
+    has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -182,6 +183,13 @@ def _options(
     if want_logprobs and not state.logprobs:
         raise ApiError(400, "logprobs: the server was started with --no-logprobs", param="logprobs")
     chosen = body.engine_kwargs()
+    asked = sorted(name for name in ASSISTANT_FIELDS if name in chosen)
+    if asked and not state.has_assistant:
+        raise ApiError(
+            400,
+            f"{asked[0]}: speculative decoding with a draft model needs a server started with --assistant-model",
+            param=asked[0] if body.speculative_config is None else "speculative_config",
+        )
     if want_logprobs:
         chosen["return_logprobs"] = True
         if top_logprobs:

@@ -42,6 +42,10 @@ ENGINE_FIELDS: tuple[tuple[str, str], ...] = (
 )
 # vLLM's `speculative_config` methods that map onto prompt lookup.
 NGRAM_METHODS = ("ngram", "[ngram]")
+# ... and those that map onto the server's draft model (`--assistant-model`).
+DRAFT_MODEL_METHODS = ("draft_model",)
+# The per-request settings of the draft model (generate()'s names).
+ASSISTANT_FIELDS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
 
 
 @dataclass
@@ -104,6 +108,7 @@ class SpeculativeConfig(_Part):
 
     method: str = "ngram"
     num_speculative_tokens: int = Field(ge=0)
+    model: str | None = None  # the draft model's name (method "draft_model"); the server has one at most
     prompt_lookup_max: int | None = Field(default=None, ge=1)
     prompt_lookup_min: int | None = Field(default=None, ge=1)
 
@@ -139,6 +144,11 @@ class _SamplingFields(_Body):
     # Speculative decoding: generate()'s names, or vLLM's `speculative_config` (method "ngram").
     prompt_lookup_num_tokens: int | None = Field(default=None, ge=0)
     max_matching_ngram_size: int | None = Field(default=None, ge=1)
+    # The server's draft model (`--assistant-model`): generate()'s names, or speculative_config's
+    # method "draft_model".
+    num_assistant_tokens: int | None = Field(default=None, ge=0)
+    num_assistant_tokens_schedule: Literal["constant", "heuristic", "heuristic_transient"] | None = None
+    assistant_confidence_threshold: float | None = Field(default=None, ge=0.0, lt=1.0)
     speculative_config: SpeculativeConfig | None = None
 
     def stop_strings(self) -> list[str]:
@@ -167,26 +177,32 @@ class _SamplingFields(_Body):
         return chosen
 
     def _speculative_kwargs(self) -> dict[str, Any]:
-        """Speculative decoding by prompt lookup (docs/speculative_decoding.md), from generate()'s names or
-        vLLM's `speculative_config` (a 400 for a method other than n-gram lookup), as keywords."""
+        """Speculative decoding (docs/speculative_decoding.md) by prompt lookup or the server's draft model,
+        from generate()'s names or vLLM's `speculative_config` (a 400 for another method), as keywords."""
+        given: dict[str, Any] = {name: getattr(self, name) for name in ASSISTANT_FIELDS}
         config = self.speculative_config
         if config is None:
-            given = {"prompt_lookup_num_tokens": self.prompt_lookup_num_tokens}
+            given["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
             given["max_matching_ngram_size"] = self.max_matching_ngram_size
             return {name: value for name, value in given.items() if value is not None}
-        if config.method not in NGRAM_METHODS:
+        if config.method not in NGRAM_METHODS + DRAFT_MODEL_METHODS:
             raise ApiError(
                 400,
-                f"speculative_config.method={config.method!r} is not supported; only 'ngram' (prompt lookup)",
+                f"speculative_config.method={config.method!r} is not supported; only 'ngram' (prompt lookup) "
+                "and 'draft_model' (the server's --assistant-model)",
                 param="speculative_config",
             )
-        if self.prompt_lookup_num_tokens is not None:
+        if self.prompt_lookup_num_tokens is not None or self.num_assistant_tokens is not None:
             raise ApiError(
                 400,
-                "give prompt_lookup_num_tokens or speculative_config, not both",
+                "give prompt_lookup_num_tokens / num_assistant_tokens or speculative_config, not both",
                 param="speculative_config",
             )
-        kwargs: dict[str, Any] = {"prompt_lookup_num_tokens": config.num_speculative_tokens}
+        kwargs = {name: value for name, value in given.items() if value is not None}
+        if config.method in DRAFT_MODEL_METHODS:
+            kwargs["num_assistant_tokens"] = config.num_speculative_tokens
+            return kwargs
+        kwargs["prompt_lookup_num_tokens"] = config.num_speculative_tokens
         if config.prompt_lookup_max is not None:
             kwargs["max_matching_ngram_size"] = config.prompt_lookup_max
         return kwargs

@@ -78,6 +78,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--no-logprobs", action="store_true", help="refuse requests asking for logprobs")
     serve.add_argument(
+        "--assistant-model",
+        default=None,
+        help="a draft model for speculative decoding (a folder or a name, as --model; same tokenizer): "
+        "requests use it with num_assistant_tokens or speculative_config method 'draft_model' "
+        "(docs/speculative_decoding.md)",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     serve.set_defaults(func=run_serve)
@@ -126,10 +133,11 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any) -> Any:
+def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any, assistant_model: Any = None) -> Any:
     """A started manager as the server runs it: every per-request processor available and neutral
     unless a request sets it (`per_request_processors=True`, `all_request_stages=True`); logprobs are
-    computed per request."""
+    computed per request; `assistant_model`: the draft model every request speculates with (as vLLM's
+    `speculative_config` at start; a request turns it off with `num_assistant_tokens=0`)."""
     import dataclasses
 
     from ..manager.manager import ContinuousBatchingManager
@@ -144,6 +152,7 @@ def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any) -> Any:
         cb_config,
         tokenizer=tokenizer,
         all_request_stages=True,
+        assistant_model=assistant_model,
     )
     manager.start()
     return manager
@@ -153,14 +162,15 @@ def build_state(args: argparse.Namespace) -> Any:
     """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
     import transformers_cb
 
-    from ..models.loading import load_for_command
+    from ..models.loading import load_assistant_for_command, load_for_command
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
-    manager = start_serving_manager(model, tokenizer, cb_config)
+    assistant = load_assistant_for_command(args)
+    manager = start_serving_manager(model, tokenizer, cb_config, assistant)
     name = args.served_model_name or (
         Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME
     )
@@ -172,6 +182,7 @@ def build_state(args: argparse.Namespace) -> Any:
         max_positions,
         default_max_tokens=args.default_max_tokens,
         logprobs=not args.no_logprobs,
+        has_assistant=assistant is not None,
     )
 
 
