@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.hybrids import build_hybrid
 from tests.support.models import build_tiny_model
 from tests.support.processes import run_process
 from transformers_cb import conformance_check
@@ -63,3 +64,29 @@ def test_check_model_rejects_bad_arguments(tiny_checkpoint: Path) -> None:
     with pytest.raises(SystemExit) as excinfo:
         conformance_check.main(["--model", str(tiny_checkpoint), "--prompts", "0"])
     assert excinfo.value.code == 2
+
+
+def test_check_model_with_a_draft_model_and_on_a_hybrid(
+    tiny_checkpoint: Path, tmp_path: Path, capsys
+) -> None:
+    """`--assistant-model` adds a draft-model setting (the model as its own assistant: it passes); on a
+    model with state layers the speculation settings are left out with the reason, and the rest pass."""
+    argv = [
+        "--model",
+        str(tiny_checkpoint),
+        "--prompts",
+        "3",
+        "--max-new-tokens",
+        "5",
+        "--max-prompt-len",
+        "20",
+    ]
+    assert conformance_check.main([*argv, "--assistant-model", str(tiny_checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "draft model (speculation)" in out and "prompt lookup" in out, out
+    hybrid = tmp_path / "qwen3_5"
+    build_hybrid("qwen3_5").save_pretrained(hybrid)
+    assert conformance_check.main(["--model", str(hybrid), "--prompts", "3", "--max-new-tokens", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "speculation settings left out" in out and "state layers" in out, out
+    assert "(speculation)" not in out.split("speculation settings left out")[1].split("\n", 1)[1], out

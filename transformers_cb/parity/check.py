@@ -7,7 +7,9 @@ with `model.generate()` on each prompt alone, then runs all prompts through
 `model.generate_batch` under a few cache settings (small pages with a small
 token budget for chunked prefill, large pages with the default budget, and a
 cache just big enough for the largest request so that requests get evicted and
-recomputed, and speculative decoding by prompt lookup, docs/speculative_decoding.md). It prints a pass/fail table and exits with status 1 on any
+recomputed, and speculative decoding by prompt lookup and, with `--assistant-model`, by a draft model,
+docs/speculative_decoding.md; left out for a model that cannot speculate). It prints a pass/fail table and
+exits with status 1 on any
 mismatch that is not a genuine floating-point near-tie. The comparison itself is `compare.py`.
 """
 
@@ -26,6 +28,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..api.generate_batch import CACHED_ENGINE_ATTR
 from ..config.continuous_batching import ContinuousBatchingConfig
+from ..engine.model_support import state_layout
+from ..engine.speculation_support import speculation_refusal
 from ..requests import GenerationOutput, RequestStatus
 from .compare import (
     compare_tokens,
@@ -53,20 +57,37 @@ class SettingResult:
 
 
 # Keys of a setting that are `generate_batch` keywords rather than `ContinuousBatchingConfig` fields.
-GENERATE_KWARGS = ("prompt_lookup_num_tokens",)
+GENERATE_KWARGS = ("prompt_lookup_num_tokens", "assistant_model")
 
 
-def default_settings(max_total_tokens: int) -> list[tuple[str, dict]]:
-    """Cache settings to run, as (name, ContinuousBatchingConfig kwargs, plus `GENERATE_KWARGS`)."""
-    return [
+def default_settings(
+    max_total_tokens: int, speculation: bool = True, assistant_model: Any = None
+) -> list[tuple[str, dict]]:
+    """Cache settings to run, as (name, ContinuousBatchingConfig kwargs, plus `GENERATE_KWARGS`):
+    speculation by prompt lookup unless the model cannot speculate (`speculation`), and with
+    `assistant_model` by that draft model."""
+    settings = [
         ("page 16, budget 32 (chunked prefill)", {"page_size": 16, "max_batch_tokens": 32}),
         ("page 256, default budget", {"page_size": 256}),
         (
             "page 16, tight cache (eviction)",
             {"page_size": 16, "max_batch_tokens": 64, "num_blocks": math.ceil(max_total_tokens / 16) + 1},
         ),
-        ("page 16, prompt lookup 4 (speculation)", {"page_size": 16, "prompt_lookup_num_tokens": 4}),
     ]
+    if speculation:
+        settings.append(
+            ("page 16, prompt lookup 4 (speculation)", {"page_size": 16, "prompt_lookup_num_tokens": 4})
+        )
+    if speculation and assistant_model is not None:
+        settings.append(
+            ("page 16, draft model (speculation)", {"page_size": 16, "assistant_model": assistant_model})
+        )
+    return settings
+
+
+def speculation_refusal_of(model: PreTrainedModel) -> str | None:
+    """Why `model` cannot speculate (its settings are left out of the check), or None."""
+    return speculation_refusal(model, state_layout(model) is not None)
 
 
 def random_prompts(
@@ -84,11 +105,16 @@ def run_check(
     settings: list[tuple[str, dict]] | None = None,
     eos_token_id: int | list[int] | None = None,
     tolerance: float | None = None,
+    assistant_model: PreTrainedModel | None = None,
 ) -> list[SettingResult]:
     if tolerance is None:
         tolerance = near_tie_tolerance(next(model.parameters()).dtype)
     if settings is None:
-        settings = default_settings(max(len(p) for p in prompts) + max_new_tokens)
+        settings = default_settings(
+            max(len(p) for p in prompts) + max_new_tokens,
+            speculation=speculation_refusal_of(model) is None,
+            assistant_model=assistant_model,
+        )
     config = greedy_config(max_new_tokens, eos_token_id)
     results = []
     with plain_generation_config(model, eos_token_id):
@@ -213,6 +239,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument(
+        "--assistant-model",
+        default=None,
+        help="a draft model (same tokenizer) to check speculative decoding with it too",
+    )
+    parser.add_argument(
         "--keep-eos",
         action="store_true",
         help="stop at the model's eos token (default: eos disabled, every prompt runs max-new-tokens)",
@@ -245,6 +276,18 @@ def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] |
         folder, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
     )
     model = model.to(args.device).eval()
+    assistant = None
+    if args.assistant_model is not None:
+        assistant_folder = (
+            model_folder(args.assistant_model) if model_folder is not None else args.assistant_model
+        )
+        loaded = AutoModelForCausalLM.from_pretrained(
+            assistant_folder, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
+        )
+        assistant = loaded.to(args.device).eval()
+    refusal = speculation_refusal_of(model)
+    if refusal is not None:
+        print(f"speculation settings left out: {refusal}")
     generation_config = model.generation_config
     eos = generation_config.eos_token_id if args.keep_eos else None
     special = [
@@ -266,7 +309,14 @@ def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] |
         f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
         f"{args.max_new_tokens} new tokens each, eos {'on' if args.keep_eos else 'off'}"
     )
-    results = run_check(model, prompts, args.max_new_tokens, eos_token_id=eos, tolerance=args.tie_tolerance)
+    results = run_check(
+        model,
+        prompts,
+        args.max_new_tokens,
+        eos_token_id=eos,
+        tolerance=args.tie_tolerance,
+        assistant_model=assistant,
+    )
     print(format_table(results))
     for result in results:
         for detail in result.details or []:
