@@ -17,8 +17,9 @@ or an extraction request wants. Every engine stops at the same token, so outputs
     ours-lookup     generate_batch with prompt_lookup_num_tokens=K (per-request back-off on)
     static-lookup   model.generate() one request at a time (transformers' assisted generation takes batch size
                     1) with prompt_lookup_num_tokens=K
-Then the random-token check: the same model on random prompts (nothing to copy) through ours and ours-lookup,
-where the back-off must keep speculation's cost under 5 %.
+Then the random-token checks (nothing to copy) through ours and ours-lookup, where the back-off must keep
+speculation's cost under 5 %: benchmarks' tiny random model on random prompts and, for a real model, the model
+itself on random tokens of its vocabulary (eos off).
 Reported: wall time, tokens/s, the ratio to ours, acceptance rate and tokens per verification step, and whether
 the outputs equal ours token for token.
 """
@@ -171,7 +172,9 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
             prompts = copy_prompts(max(2, round(16 * args.scale)), args.seed)
             label = "copy (trained)"
             eos = None
-        # The random-token check: benchmarks' random "tiny" model (nothing learned to copy) on random prompts.
+        # The random-token checks (nothing to copy, every request runs its max_new_tokens): benchmarks' random
+        # "tiny" model on random prompts; for a real model also the model itself on random tokens of its
+        # vocabulary (a compute-bound model, where every rejected draft position costs).
         random_model = common.build_model("tiny", seed=args.seed)
         vocab = random_model.config.vocab_size
         rng = random.Random(f"lookup-random/{args.seed}")
@@ -180,21 +183,30 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
         # Warm both paths up (first-call costs), outside the timings.
         _ours(model, prompts[:2], 8, None, eos)
         _ours(model, prompts[:2], 8, LOOKUP_TOKENS, eos)
-        runs = [
-            (("input-grounded", "ours"), _ours, prompts, None),
-            (("input-grounded", "ours-lookup"), _ours, prompts, LOOKUP_TOKENS),
-            (("input-grounded", "static-lookup"), _static_lookup, prompts, LOOKUP_TOKENS),
-            (("random (tiny random model)", "ours"), _ours, random_inputs, None),
-            (("random (tiny random model)", "ours-lookup"), _ours, random_inputs, LOOKUP_TOKENS),
+        grounded, tiny_random = "input-grounded", "random (tiny random model)"
+        runs = [  # (workload, engine), how, model, prompts, lookup tokens, eos
+            ((grounded, "ours"), _ours, model, prompts, None, eos),
+            ((grounded, "ours-lookup"), _ours, model, prompts, LOOKUP_TOKENS, eos),
+            ((grounded, "static-lookup"), _static_lookup, model, prompts, LOOKUP_TOKENS, eos),
+            ((tiny_random, "ours"), _ours, random_model, random_inputs, None, None),
+            ((tiny_random, "ours-lookup"), _ours, random_model, random_inputs, LOOKUP_TOKENS, None),
         ]
+        if real.is_real(model_name):
+            # Token ids from 100 up: SmolLM2's special tokens (chat markers, eos) are the first ids.
+            real_vocab = model.config.vocab_size
+            real_random = [
+                [rng.randrange(100, real_vocab) for _ in range(rng.randint(16, 64))] for _ in prompts
+            ]
+            runs += [
+                (("random tokens", "ours"), _ours, model, real_random, None, None),
+                (("random tokens", "ours-lookup"), _ours, model, real_random, LOOKUP_TOKENS, None),
+            ]
         # Repeats go round the engines (not engine after engine), so that a load change on the shared
         # machine hits every engine alike; the fastest run of each is kept.
         results: dict[tuple[str, str], Any] = {}
         for _ in range(max(1, args.repeats)):
-            for key, fn, inputs, lookup in runs:
-                grounded = not key[0].startswith("random")
-                runner = model if grounded else random_model
-                result = fn(runner, inputs, MAX_NEW_TOKENS, lookup, eos if grounded else None)
+            for key, fn, runner, inputs, lookup, stop in runs:
+                result = fn(runner, inputs, MAX_NEW_TOKENS, lookup, stop)
                 if key not in results or result[0] < results[key][0]:
                     results[key] = result
                 log(f"   {label}/{key[0]}/{key[1]}: {result[0]:.2f}s")
@@ -235,4 +247,8 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
         f"lookup: prompt_lookup_num_tokens={LOOKUP_TOKENS}, max_new_tokens={MAX_NEW_TOKENS}, greedy, threads={torch.get_num_threads()}"
     )
     print(common.markdown_table(rows, columns))
+    print(
+        "vLLM with n-gram speculation: not run here (no vLLM venv on this machine; benchmarks/vllm_engine.py "
+        "runs vLLM from --vllm-python, without a speculative_config yet)"
+    )
     return rows
