@@ -38,6 +38,7 @@ LOOKUP_TOKENS = 8
 MAX_NEW_TOKENS = 96
 COPY_VOCAB = 64
 SEPARATOR = 2
+QUICK_RUNS = 5  # timed runs a round for a run under a second
 
 
 def train_copy_model(seed: int = 0, steps: int = 600, log=print):
@@ -202,13 +203,15 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
                 (("random tokens", "ours-lookup"), _ours, model, real_random, LOOKUP_TOKENS, None),
             ]
         # Repeats go round the engines (not engine after engine), so that a load change on the shared
-        # machine hits every engine alike; the fastest run of each is kept.
+        # machine hits every engine alike; the fastest run of each is kept. A run under a second (the tiny
+        # model's) is timed QUICK_RUNS times a round: a few milliseconds of noise are several percent there.
         results: dict[tuple[str, str], Any] = {}
         for _ in range(max(1, args.repeats)):
             for key, fn, runner, inputs, lookup, stop in runs:
-                result = fn(runner, inputs, MAX_NEW_TOKENS, lookup, stop)
-                if key not in results or result[0] < results[key][0]:
-                    results[key] = result
+                for _ in range(QUICK_RUNS if key in results and results[key][0] < 1.0 else 1):
+                    result = fn(runner, inputs, MAX_NEW_TOKENS, lookup, stop)
+                    if key not in results or result[0] < results[key][0]:
+                        results[key] = result
                 log(f"   {label}/{key[0]}/{key[1]}: {result[0]:.2f}s")
         for (workload, engine), (wall, outputs, stats) in results.items():
             base_wall, base_outputs, _ = results[(workload, "ours")]
