@@ -121,13 +121,14 @@ def draft_length(state: SpeculationState) -> int:
     """The next draft length: the accepted run the recent drafts predict. Draft tokens are accepted one
     after the other while they are right, so with p the chance that the next one is (estimated from the
     decayed counts: accepted / (accepted + rejections)) a run is p / (1 - p) tokens long on average;
-    drafting more mostly buys rejected positions. Never more than the request's maximum, never under 1."""
+    drafting more mostly buys rejected positions, so the run is rounded down. Never more than the
+    request's maximum, never under 1."""
     if state.rejected_recently == 0:
         return state.max_tokens
     p = state.accepted_recently / (state.accepted_recently + state.rejected_recently)
     if p >= 1.0:
         return state.max_tokens
-    return max(1, min(state.max_tokens, round(p / (1.0 - p))))
+    return max(1, min(state.max_tokens, int(p / (1.0 - p))))
 
 
 def record(request: Request, drafted: int, accepted: int, emitted: int) -> None:
