@@ -147,8 +147,13 @@ def test_max_new_tokens_and_eos_cut_inside_a_verified_run(_models) -> None:
     cb_config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64)
     prompt = prompts[0]
     limits = list(range(1, MAX_NEW_TOKENS + 1))
+    # This random model's output repeats single tokens of its prompt, not pairs: drafts from 1-gram matches
+    # (max_matching_ngram_size=1) are the ones it accepts.
+    one_gram = {"max_matching_ngram_size": 1}
     with verified_runs() as runs:
-        outputs = generate(model, [prompt] * len(limits), cb_config, speculate=True, max_new_tokens=limits)
+        outputs = generate(
+            model, [prompt] * len(limits), cb_config, speculate=True, max_new_tokens=limits, **one_gram
+        )
     for i, limit in enumerate(limits):
         assert outputs[f"req_{i}"].generated_tokens == references.get(prompt)[:limit], limit
         assert outputs[f"req_{i}"].finish_reason == "length"
@@ -162,7 +167,7 @@ def test_max_new_tokens_and_eos_cut_inside_a_verified_run(_models) -> None:
     eos = expected[-3]
     cut = expected[: expected.index(eos) + 1]
     with verified_runs() as runs:
-        outputs = generate(model, prompts[:1], cb_config, speculate=True, eos_token_id=eos)
+        outputs = generate(model, prompts[:1], cb_config, speculate=True, eos_token_id=eos, **one_gram)
     assert outputs["req_0"].generated_tokens == cut
     assert outputs["req_0"].finish_reason == "stop"
     assert_accepted(outputs)

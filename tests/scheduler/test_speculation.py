@@ -43,6 +43,23 @@ def test_lookup_prefers_the_longest_ngram() -> None:
     assert lookup([1, 2, 3], 2, 4) == []
 
 
+def test_lookup_min_ngram_skips_shorter_matches() -> None:
+    tokens = [3, 4, 5, 9, 6, 7, 8, 1, 2, 3]  # the last 2-gram [2, 3] never occurred before; [3] did
+    assert lookup(tokens, 2, 2) == [4, 5]
+    assert lookup(tokens, 2, 2, min_ngram=2) == []
+    assert lookup([9, 3, 4, 5, 9, 3], 2, 2, min_ngram=2) == [4, 5]
+
+
+def test_propose_drafts_only_after_a_two_token_match() -> None:
+    # vLLM's prompt_lookup_min: a 1-gram match proposes nothing unless the request's n-gram size is 1
+    one_gram = _decoding([3, 4, 5, 9, 6, 7, 8, 1, 2], [3], max_new=20, settings=LookupSettings(4, 2))
+    assert propose(one_gram, budget=100) == []
+    only_ones = _decoding([3, 4, 5, 9, 6, 7, 8, 1, 2], [3], max_new=20, settings=LookupSettings(4, 1))
+    assert propose(only_ones, budget=100) == [4, 5, 9, 6]
+    two_gram = _decoding([3, 4, 5, 9, 6, 7, 8, 2, 3, 1, 2], [3], max_new=20, settings=LookupSettings(4, 2))
+    assert propose(two_gram, budget=100) == [1, 2, 3]
+
+
 def _decoding(prompt: list[int], generated: list[int], max_new: int, settings: LookupSettings) -> Request:
     request = Request("r", prompt, max_new, eos_token_ids=frozenset({0}))
     for token in generated:
