@@ -20,6 +20,9 @@ from conformance.test_speculation import assert_accepted, engines_checked, repea
 from tests.support.models import backends_for, build_tiny_model, first_layers, using_backend
 from transformers_cb import ContinuousBatchingConfig
 
+# Every step speculates, whatever the batch (the CPU default stops at 8 running requests).
+ALWAYS = 10**6
+
 MAX_NEW_TOKENS = 24
 DRAFT = 4
 FAMILIES = ("llama", "mistral", "gemma3")  # full attention; sliding window; hybrid (sliding + full)
@@ -72,7 +75,9 @@ def test_greedy_assisted_equals_generate_and_plain(_models, family: str, pressur
     model, assistant, prompts, references = _model(_models, family)
     page_size = 4
     num_blocks = pressure_num_blocks(model, prompts, page_size) if pressure else None
-    cb_config = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks)
+    cb_config = ContinuousBatchingConfig(
+        speculation_max_batch_size=ALWAYS, page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks
+    )
     context = f"{family}, num_blocks={num_blocks}"
     with using_backend(model, family, backends_for(family)[0]):
         plain = generate(model, prompts, cb_config)
@@ -99,7 +104,9 @@ def test_the_model_as_its_own_assistant_has_every_draft_accepted(
     model, _assistant, prompts, references = _model(_models, family)
     page_size = 4
     num_blocks = pressure_num_blocks(model, prompts, page_size) if pressure else None
-    cb_config = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks)
+    cb_config = ContinuousBatchingConfig(
+        speculation_max_batch_size=ALWAYS, page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks
+    )
     with (
         using_backend(model, family, backends_for(family)[0]),
         engines_checked() as engines,
@@ -119,7 +126,7 @@ def test_the_model_as_its_own_assistant_has_every_draft_accepted(
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_forks_draft_with_the_assistant(_models, family: str) -> None:
     model, assistant, prompts, references = _model(_models, family)
-    cb_config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=32)
+    cb_config = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, page_size=4, max_batch_tokens=32)
     with using_backend(model, family, backends_for(family)[0]), engines_checked() as engines:
         outputs = generate(model, prompts, cb_config, assistant, num_return_sequences=2)
     assert len(outputs) == 2 * len(prompts)
@@ -132,7 +139,7 @@ def test_forks_draft_with_the_assistant(_models, family: str) -> None:
 
 def test_max_new_tokens_and_eos_cut_inside_an_assisted_run(_models) -> None:
     model, assistant, prompts, references = _model(_models, "llama")
-    cb_config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64)
+    cb_config = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, page_size=4, max_batch_tokens=64)
     prompt = prompts[0]
     limits = list(range(1, MAX_NEW_TOKENS + 1))
     with verified_runs() as runs:
@@ -159,7 +166,7 @@ def test_heuristic_schedule_grows_drafts_that_are_accepted(_models) -> None:
     accepts all), "constant" keeps `num_assistant_tokens`; a confidence threshold of 1 cuts every draft to
     one token (no token is certain)."""
     model, _assistant, prompts, _references = _model(_models, "llama")
-    cb_config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64)
+    cb_config = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, page_size=4, max_batch_tokens=64)
     plain = generate(model, prompts[:1], cb_config, max_new_tokens=40)["req_0"].generated_tokens
     lengths = {}
     for schedule in ("constant", "heuristic", "heuristic_transient"):

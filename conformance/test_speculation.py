@@ -27,6 +27,9 @@ from transformers_cb.models.tiny import build_tiny_model as build_tiny_model_wit
 from transformers_cb.models.tiny import build_tiny_tokenizer
 from transformers_cb.scheduler.scheduler import Scheduler
 
+# Every step speculates, whatever the batch (the CPU default stops at 8 running requests).
+ALWAYS = 10**6
+
 MAX_NEW_TOKENS = 24
 LOOKUP = 4
 FAMILIES = ("llama", "mistral", "gemma3")  # full attention; sliding window; hybrid (sliding + full)
@@ -111,7 +114,9 @@ def test_greedy_speculation_equals_generate_and_plain(_models, family: str, pres
     model, prompts, references = _model(_models, family)
     page_size = 4
     num_blocks = pressure_num_blocks(model, prompts, page_size) if pressure else None
-    cb_config = ContinuousBatchingConfig(page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks)
+    cb_config = ContinuousBatchingConfig(
+        speculation_max_batch_size=ALWAYS, page_size=page_size, max_batch_tokens=16, num_blocks=num_blocks
+    )
     context = f"{family}, num_blocks={num_blocks}"
     with using_backend(model, family, backends_for(family)[0]):
         plain = generate(model, prompts, cb_config, speculate=False)
@@ -132,7 +137,7 @@ def test_greedy_speculation_equals_generate_and_plain(_models, family: str, pres
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_forks_speculate_and_share_their_prompt(_models, family: str) -> None:
     model, prompts, references = _model(_models, family)
-    cb_config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=32)
+    cb_config = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, page_size=4, max_batch_tokens=32)
     with using_backend(model, family, backends_for(family)[0]), engines_checked():
         outputs = generate(model, prompts, cb_config, speculate=True, num_return_sequences=2)
     assert len(outputs) == 2 * len(prompts)
@@ -144,7 +149,7 @@ def test_forks_speculate_and_share_their_prompt(_models, family: str) -> None:
 
 def test_max_new_tokens_and_eos_cut_inside_a_verified_run(_models) -> None:
     model, prompts, references = _model(_models, "llama")
-    cb_config = ContinuousBatchingConfig(page_size=4, max_batch_tokens=64)
+    cb_config = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, page_size=4, max_batch_tokens=64)
     prompt = prompts[0]
     limits = list(range(1, MAX_NEW_TOKENS + 1))
     # This random model's output repeats single tokens of its prompt, not pairs: drafts from 1-gram matches
@@ -193,7 +198,7 @@ def test_stop_strings_cut_inside_a_verified_run() -> None:
         }
     )
     assert stops, tokenizer.decode(text_ids)
-    cb_config = ContinuousBatchingConfig(per_request_processors=True)
+    cb_config = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, per_request_processors=True)
     outputs = model.generate_batch(
         [prompt] * len(stops),
         free,

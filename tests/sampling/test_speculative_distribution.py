@@ -15,6 +15,9 @@ from tests.sampling.test_distributions import chi_square_critical
 from tests.support.models import build_model
 from transformers_cb import ContinuousBatchingConfig
 
+# Every step speculates, whatever the batch (the CPU default stops at 8 running requests).
+ALWAYS = 10**6
+
 VOCAB = 12
 NUM_REQUESTS = 1500
 NEW_TOKENS = 4
@@ -57,10 +60,10 @@ def test_sampled_tokens_are_distributed_as_without_speculation(model) -> None:
     config = GenerationConfig(
         max_new_tokens=NEW_TOKENS, do_sample=True, temperature=0.8, top_k=8, repetition_penalty=1.02
     )
-    cb = ContinuousBatchingConfig(seed=11, max_batch_tokens=2048)
+    cb = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, seed=11, max_batch_tokens=2048)
     prompts = [PROMPT] * NUM_REQUESTS
     plain = model.generate_batch(prompts, config, continuous_batching_config=cb, progress_bar=False)
-    cb = ContinuousBatchingConfig(seed=12, max_batch_tokens=2048)
+    cb = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, seed=12, max_batch_tokens=2048)
     spec = model.generate_batch(
         prompts, config, continuous_batching_config=cb, progress_bar=False, prompt_lookup_num_tokens=3
     )
@@ -85,9 +88,9 @@ def test_sampled_tokens_with_a_draft_model_are_distributed_as_without_speculatio
         assistant_confidence_threshold=0.0,
     )
     prompts = [PROMPT] * NUM_REQUESTS
-    cb = ContinuousBatchingConfig(seed=13, max_batch_tokens=2048)
+    cb = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, seed=13, max_batch_tokens=2048)
     plain = model.generate_batch(prompts, config, continuous_batching_config=cb, progress_bar=False)
-    cb = ContinuousBatchingConfig(seed=14, max_batch_tokens=2048)
+    cb = ContinuousBatchingConfig(speculation_max_batch_size=ALWAYS, seed=14, max_batch_tokens=2048)
     spec = model.generate_batch(
         prompts, config, continuous_batching_config=cb, progress_bar=False, assistant_model=model
     )

@@ -202,3 +202,33 @@ def test_eos_inside_a_verified_run_ends_the_request_there() -> None:
     )
     assert request.generated_ids == [7, 8, 9] and request.finish_reason == "stop"
     assert request.is_finished and scheduler.pages.pools[0].num_used_pages == 0
+
+
+def test_no_drafts_in_steps_with_more_running_requests_than_the_speculation_limit() -> None:
+    """vLLM's `disable_by_batch_size`: with more running requests than `speculation_max_batch`, nobody
+    drafts this step (a large batch's step is compute-bound); at or under it, drafting resumes."""
+    scheduler, request = _speculating_scheduler()
+    scheduler.speculation_max_batch = 1
+    assert scheduler.speculates_now()
+    other = Request("o", [1, 2, 3], 20)
+    scheduler.add(other)
+    scheduler.update(scheduler.schedule(), [SampledToken(7), SampledToken(4)])  # "o" joins the batch
+    assert len(scheduler.running) == 2 and not scheduler.speculates_now()
+    plan = scheduler.schedule()
+    assert all(entry.draft == [] for entry in plan.entries) and plan.num_tokens == 2
+    scheduler.speculation_max_batch = 2
+    assert scheduler.speculates_now()
+
+
+def test_the_speculation_limit_is_validated_and_resolved_per_device() -> None:
+    from transformers_cb.config.continuous_batching import (
+        CPU_SPECULATION_MAX_BATCH,
+        ContinuousBatchingConfig,
+        resolve_speculation_max_batch,
+    )
+
+    with pytest.raises(ValueError, match="speculation_max_batch_size"):
+        ContinuousBatchingConfig(speculation_max_batch_size=0).validate()
+    assert resolve_speculation_max_batch(ContinuousBatchingConfig(), "cpu") == CPU_SPECULATION_MAX_BATCH
+    assert resolve_speculation_max_batch(ContinuousBatchingConfig(), "cuda") is None
+    assert resolve_speculation_max_batch(ContinuousBatchingConfig(speculation_max_batch_size=3), "cuda") == 3

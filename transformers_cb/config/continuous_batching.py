@@ -83,6 +83,10 @@ class ContinuousBatchingConfig:
     disable_nccl_graph_mixing: bool = True
     # Ours (not transformers'): packed oneDNN products for the model's CPU Linears during the run.
     packed_linear: bool = False
+    # Ours: speculative decoding only in steps where at most this many requests run (vLLM's
+    # `disable_by_batch_size`); None: 8 on CPU, where a larger batch's step is compute-bound and checked
+    # draft tokens cost what decoded ones do (docs/speculative_decoding.md), no limit on CUDA.
+    speculation_max_batch_size: int | None = None
     # Deprecated aliases, as in transformers: each warns and maps onto its replacement.
     use_default_compile_configs: bool | None = field(default=None, repr=False)
     max_cached_graphs: int | None = field(default=None, repr=False)
@@ -200,6 +204,13 @@ class ContinuousBatchingConfig:
         _check_range("top_logprobs", self.top_logprobs, "an int >= 0", self.top_logprobs >= 0)
         _check_range("max_queue_size", self.max_queue_size, "an int >= 0", _is_int(self.max_queue_size))
         _check_range("max_queue_size", self.max_queue_size, "an int >= 0", self.max_queue_size >= 0)
+        limit = self.speculation_max_batch_size
+        _check_range(
+            "speculation_max_batch_size",
+            limit,
+            "None or an int >= 1",
+            limit is None or (_is_int(limit) and limit >= 1),
+        )
         for name in (
             "allow_block_sharing",
             "return_logprobs",
@@ -286,3 +297,16 @@ def resolve_device_options(config: ContinuousBatchingConfig, device_type: str) -
     if config.use_async_batching and not any(graphs):
         logger.warning("ContinuousBatchingConfig.use_async_batching needs use_cuda_graph=True; turned off")
     return DeviceOptions(cuda_graphs=graphs, async_batching=bool(config.use_async_batching) and any(graphs))
+
+
+# Speculation's default batch limit on CPU (`speculation_max_batch_size`): measured on this project's
+# benchmark (docs/speculative_decoding.md, "Measured"): lookup pays at 4 requests, breaks even at 8 and
+# costs 9-14 % at 16.
+CPU_SPECULATION_MAX_BATCH = 8
+
+
+def resolve_speculation_max_batch(config: ContinuousBatchingConfig, device_type: str) -> int | None:
+    """The most running requests a step may speculate with (None: no limit)."""
+    if config.speculation_max_batch_size is not None:
+        return config.speculation_max_batch_size
+    return CPU_SPECULATION_MAX_BATCH if device_type == "cpu" else None

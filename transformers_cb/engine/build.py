@@ -26,7 +26,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions, resolve_device_options
+from ..config.continuous_batching import (
+    ContinuousBatchingConfig,
+    DeviceOptions,
+    resolve_device_options,
+    resolve_speculation_max_batch,
+)
 from ..config.generation_fields import ResolvedConfig, resolve_generation_config
 from ..distributed import TensorParallelCoordinator
 from ..distributed.sharding import shard_shape, tp_size_of
@@ -281,6 +286,7 @@ def wire(
         offload=offload,
         state_slots=slots,
         host_state_slots=host_slots,
+        speculation_max_batch=resolve_speculation_max_batch(plan.config, plan.device.type),
     )
     packer = BatchPacker(cache, list(plan.group_widths), plan.device, plan.initial_pages)
     packer.state_layers = states is not None

@@ -427,7 +427,7 @@ class Engine:
         """The draft model's tokens for this step's speculating requests (runner/drafter.py). A failure only
         costs the drafts: they are a speed setting, the step runs without them."""
         drafter = self.drafter
-        if drafter is None:
+        if drafter is None or not self.scheduler.speculates_now():
             return
         try:
             drafter.draft(self.scheduler.running)

@@ -63,6 +63,8 @@ class Scheduler:
             layers): a running request holds one, admission needs a free one.
         host_state_slots: the host tier's state slots (CPU offload of a model with state layers): a
             swapped-out request holds one, with its host pages.
+        speculation_max_batch: speculating requests draft only in steps where at most this many
+            requests run (`speculates_now`; None: always).
     """
 
     def __init__(
@@ -75,10 +77,12 @@ class Scheduler:
         offload: CpuOffload | None = None,
         state_slots: StateSlots | None = None,
         host_state_slots: StateSlots | None = None,
+        speculation_max_batch: int | None = None,
     ) -> None:
         self.pages = pages
         self.state_slots = state_slots
         self.host_state_slots = host_state_slots
+        self.speculation_max_batch = speculation_max_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
         self.safety_margin = safety_margin
@@ -117,6 +121,12 @@ class Scheduler:
                 wanted = min(wanted, before_last)
         return wanted
 
+    def speculates_now(self) -> bool:
+        """Whether this step's speculating requests draft: not when more requests run than
+        `speculation_max_batch` (a large batch's step is compute-bound: checking a draft token costs what
+        decoding one does). The draft model asks before drafting, the schedule before proposing."""
+        return self.speculation_max_batch is None or len(self.running) <= self.speculation_max_batch
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -139,6 +149,7 @@ class Scheduler:
         scheduled: dict[int, ScheduledRequest] = {}
         plan = StepPlan(entries=[])
         gate = AdmissionGate()
+        speculating = self.speculates_now()
         for request in self.policy.candidates(self.running, self.waiting):
             if budget == 0 or len(scheduled) == self.max_requests_per_batch:
                 break
@@ -149,7 +160,8 @@ class Scheduler:
                 num_tokens = self._admit(request, budget, gate, plan)
             else:
                 if (
-                    request.speculation is not None
+                    speculating
+                    and request.speculation is not None
                     and request.num_remaining_tokens == 1
                     and request.generated_ids
                 ):
