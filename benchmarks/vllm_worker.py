@@ -1,12 +1,16 @@
 """vLLM's side of the `vllm` engine of throughput.py: runs under vLLM's own Python (its own venv).
 
     /path/to/vllm-venv/bin/python benchmarks/vllm_worker.py MODEL_DIR [--dtype float32] [--max-model-len 2048]
+        [--speculative-config '{"method": "ngram", "num_speculative_tokens": 8, ...}'] [--log-stats]
 
 Loads `MODEL_DIR` (a model saved by the benchmark) once, then prints one JSON line
-`@@tcb-vllm {"ready": true, "startup_s": ...}`. Afterwards each line read from stdin is a workload
-`{"prompts": [[ids...]...], "max_new_tokens": [...]}` and gets one JSON line back:
+`@@tcb-vllm {"ready": true, "startup_s": ..., "version": ...}`. Afterwards each line read from stdin is a workload
+`{"prompts": [[ids...]...], "max_new_tokens": [...]}` (optionally `"stop_token_ids": [...]`, every request
+stopping at any of them, the stop token kept in its output) and gets one JSON line back:
 `{"outputs": [[ids...]...], "wall_s": ...}`, greedy, EOS ignored, token ids in and out (no tokenizer).
-Only `llm.generate` is timed. Every other line vLLM prints goes to stderr.
+With `--log-stats` and a speculative config the reply also has `"speculation": {"drafts", "draft_tokens",
+"accepted_tokens"}`, vLLM's counters over that call. Only `llm.generate` is timed. Every other line vLLM prints
+goes to stderr.
 """
 
 from __future__ import annotations
@@ -18,6 +22,22 @@ import sys
 import time
 
 PREFIX = "@@tcb-vllm "  # marks the reply lines (vllm_engine.py skips any other line)
+# vLLM's counters of speculative decoding (vllm.v1.spec_decode.metrics), read through `LLM.get_metrics()`.
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def speculation_counts(llm) -> dict[str, int]:
+    """vLLM's cumulative speculation counters (empty without a speculative config or with stats off)."""
+    counts: dict[str, int] = {}
+    for metric in llm.get_metrics():
+        key = SPEC_COUNTERS.get(metric.name)
+        if key is not None:
+            counts[key] = counts.get(key, 0) + int(metric.value)
+    return counts
 
 
 def main() -> int:
@@ -26,6 +46,13 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help="vLLM's speculative_config as JSON (e.g. n-gram speculation)",
+    )
+    p.add_argument("--log-stats", action="store_true", help="keep vLLM's stats on (its speculation counters)")
     args = p.parse_args()
     # vLLM's own output (its engine-core process included, which inherits fd 1) goes to stderr; the replies
     # keep a private copy of the original stdout.
@@ -34,6 +61,7 @@ def main() -> int:
     sys.stdout = sys.stderr
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     start = time.perf_counter()
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -44,23 +72,38 @@ def main() -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         seed=0,
+        speculative_config=args.speculative_config,
+        disable_log_stats=not args.log_stats,
     )
-    reply.write(PREFIX + json.dumps({"ready": True, "startup_s": time.perf_counter() - start}) + "\n")
+    counting = args.log_stats and args.speculative_config is not None
+    reply.write(
+        PREFIX
+        + json.dumps({"ready": True, "startup_s": time.perf_counter() - start, "version": vllm.__version__})
+        + "\n"
+    )
     reply.flush()
     for line in sys.stdin:
         if not line.strip():
             continue
         job = json.loads(line)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in job["prompts"]]
+        stop = job.get("stop_token_ids") or None
         params = [
-            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+            SamplingParams(
+                max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False, stop_token_ids=stop
+            )
             for n in job["max_new_tokens"]
         ]
+        before = speculation_counts(llm) if counting else {}
         t0 = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         outputs = [list(result.outputs[0].token_ids) for result in results]
-        reply.write(PREFIX + json.dumps({"outputs": outputs, "wall_s": wall}) + "\n")
+        answer: dict = {"outputs": outputs, "wall_s": wall}
+        if counting:
+            after = speculation_counts(llm)
+            answer["speculation"] = {key: after[key] - before.get(key, 0) for key in after}
+        reply.write(PREFIX + json.dumps(answer) + "\n")
         reply.flush()
     return 0
 
