@@ -18,7 +18,7 @@ from transformers_cb.scheduler.scheduler import Scheduler
 
 
 def with_slots(scheduler: Scheduler, num_slots: int) -> Scheduler:
-    scheduler.state_slots = StateSlots(num_slots)
+    scheduler.state_slots = scheduler.forks.state_slots = StateSlots(num_slots)
     return scheduler
 
 

@@ -1,11 +1,13 @@
 """Scheduling policies: the order in which the step's candidates get its token budget.
 
-A policy only orders; admission, chunking and preemption stay the scheduler's (scheduler.py).
+A policy only orders; admission, chunking and preemption stay the scheduler's (scheduler.py), which
+admits behind `AdmissionGate` (FIFO: no overtaking within a schedule).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from ..requests import Request, RequestStatus
 
@@ -39,3 +41,18 @@ def make_policy(name: str) -> SchedulingPolicy:
     if name not in POLICIES:
         raise ValueError(f"unknown scheduler_type {name!r}: supported {sorted(POLICIES)}")
     return POLICIES[name]()
+
+
+@dataclass(slots=True)
+class AdmissionGate:
+    """FIFO admission within one `schedule()`: once a waiting request cannot start, those behind it
+    wait too (no overtaking). Closed by a request that must wait; opened again only after one that
+    can never fit has failed."""
+
+    is_open: bool = True
+
+    def open(self) -> None:
+        self.is_open = True
+
+    def close(self) -> None:
+        self.is_open = False

@@ -14,35 +14,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from ..invariants import check, present
+from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
-from ..kv.prefix_cache import PageCopy
 from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
-from .assisted import after_verify
+from .forks import Forks
 from .plan import ScheduledRequest, StepPlan
-from .policies import SchedulingPolicy
+from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
-from .speculation import SpeculationStats, propose, record
-
-
-@dataclass(slots=True)
-class AdmissionGate:
-    """FIFO admission within one `schedule()`: once a waiting request cannot start, those behind it
-    wait too (no overtaking). Closed by a request that must wait; opened again only after one that
-    can never fit has failed."""
-
-    is_open: bool = True
-
-    def open(self) -> None:
-        self.is_open = True
-
-    def close(self) -> None:
-        self.is_open = False
+from .speculation import SpeculationStats, append_verified, propose
 
 
 class Scheduler:
@@ -92,34 +75,20 @@ class Scheduler:
         self.offload = offload
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
-        self._pending_copies: list[PageCopy] = []  # from forks, for the next step's plan
-        self._pending_state_copies: list[tuple[int, int]] = []  # state forks (source slot, destination)
+        self.forks = Forks(pages, state_slots)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation.py)
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue `request`; its fork siblings ride with it (forked once its prompt is computed),
-        or, without prefix sharing, queue as requests of their own."""
+        """Queue `request`; its fork siblings ride with it (forks.py), or queue as requests of their own."""
         self.waiting.append(request)
-        if not self.pages.sharing and request.fork_children and not self._forks_state(request):
+        if request.fork_children and not self.forks.rides_along(request):
             self.waiting.extend(request.fork_children)
             request.fork_children = []
 
-    def _forks_state(self, request: Request) -> bool:
-        """A model with state layers forks a request's siblings once it computed its prompt but the last
-        token (copies of its pages and state slot), so that each sibling runs that token from the
-        state before it; a one-token prompt has no such point: its siblings queue on their own."""
-        return self.state_slots is not None and request.num_prompt_tokens >= 2
-
     def _wanted(self, request: Request, budget: int) -> int:
-        """The tokens `request` would run with `budget` left: a state fork's parent stops its prefill
-        before its last prompt token (`_fork_states`)."""
-        wanted = min(request.num_remaining_tokens, budget)
-        if request.fork_children and self.state_slots is not None:
-            before_last = request.num_prompt_tokens - 1 - request.num_computed_tokens
-            if before_last > 0:
-                wanted = min(wanted, before_last)
-        return wanted
+        """The tokens `request` would run with `budget` left, stopping at its siblings' fork point."""
+        return self.forks.cap(request, min(request.num_remaining_tokens, budget))
 
     def speculates_now(self) -> bool:
         """Whether this step's speculating requests draft: not when more requests run than
@@ -182,8 +151,7 @@ class Scheduler:
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        plan.copies, self._pending_copies = self._pending_copies, []
-        plan.state_copies, self._pending_state_copies = self._pending_state_copies, []
+        plan.copies, plan.state_copies = self.forks.take()
         if self.offload is not None:
             plan.swaps = self.offload.take_plan()
         return plan
@@ -265,44 +233,6 @@ class Scheduler:
         if hit:
             self.pages.detach_prefix(request)
         return True
-
-    def _fork(self, parent: Request) -> None:
-        """Right after `parent` computed its prompt: its siblings share its pages and run from its
-        last prompt token; those that find no page for their copy queue as requests of their own."""
-        children, parent.fork_children = parent.fork_children, []
-        position = self.running.index(parent) + 1
-        unforked = []
-        for child in children:
-            copies = self.pages.fork(parent, child)
-            if copies is None:
-                unforked.append(child)
-                continue
-            self._pending_copies.extend(copies)
-            child.set_status(RequestStatus.PREFILLING)
-            self.running.insert(position, child)
-            position += 1
-        self.waiting.extendleft(reversed(unforked))
-
-    def _fork_states(self, parent: Request) -> None:
-        """A model with state layers, right after `parent` computed its prompt but the last token: each
-        sibling gets copies of its pages and of its state slot (planned for the next step, before its
-        forward) and runs from that token on; those finding no free slot or pages queue on their own."""
-        children, parent.fork_children = parent.fork_children, []
-        slots = present(self.state_slots, "state forks need state slots")
-        position = self.running.index(parent) + 1
-        unforked = []
-        for child in children:
-            copies = self.pages.copy_for_fork(parent, child) if slots.has_free() else None
-            if copies is None:
-                unforked.append(child)
-                continue
-            self._pending_copies.extend(copies)
-            slot = slots.acquire(child.request_id)
-            self._pending_state_copies.append((slots.slot_of(parent.request_id), slot))
-            child.set_status(RequestStatus.PREFILLING)
-            self.running.insert(position, child)
-            position += 1
-        self.waiting.extendleft(reversed(unforked))
 
     def _allocate(self, request: Request, num_tokens: int) -> None:
         """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
@@ -443,11 +373,8 @@ class Scheduler:
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
             self.pages.register(request)  # before a sliding group drops pages
-            if request.fork_children and self.state_slots is not None:
-                if entry.end == request.num_prompt_tokens - 1:
-                    self._fork_states(request)
-            elif request.fork_children and entry.samples:  # only with sharing: `add` queues them otherwise
-                self._fork(request)
+            if request.fork_children and entry.end == self.forks.fork_point(request):
+                self.forks.fork(request, self.running, self.waiting)
             # Step boundary: sliding-window groups return the pages that fell out of the window.
             self.pages.trim(request)
             if not entry.samples:
@@ -463,29 +390,15 @@ class Scheduler:
                 request.set_status(RequestStatus.DECODING)
         return finished
 
-    def _apply_verified(self, entry: ScheduledRequest, run: Sequence[SampledToken]) -> bool:
-        """A speculating request's verified tokens (`run`: its accepted draft tokens, then the target's own),
-        appended one at a time until one ends the request, exactly as plain decoding would; its KV kept for
-        the accepted ones only (the pages past them go back). Returns whether it finished."""
+    def _apply_verified(self, entry: ScheduledRequest, run: list[SampledToken]) -> bool:
+        """A speculating request's verified run (speculation.py `append_verified`), its KV kept for the
+        accepted tokens only (the pages past them go back). Returns whether it finished."""
         request = entry.request
-        known_end = entry.end - len(entry.draft)
-        reason = None
-        appended = 0
-        for token in run:
-            request.append_token(token.token_id, token.logprob, token.top_logprobs)
-            appended += 1
-            reason = request.stop_reason()
-            if reason is not None:
-                break
+        reason = append_verified(request, len(entry.draft), run, self.speculation)
         # The KV of every appended token but the last is in the cache (the draft's, verified this step).
         request.num_computed_tokens = request.num_tokens - 1
         if self.recomputed.pending:
-            self.recomputed.ran(request.request_id, entry.start, known_end)
-        accepted = min(appended, len(run) - 1)
-        self.speculation.add(len(entry.draft), accepted, appended)
-        record(request, len(entry.draft), accepted, appended)
-        if request.speculation is not None:  # a draft model's schedule (assisted.py)
-            after_verify(request.speculation, len(entry.draft), accepted)
+            self.recomputed.ran(request.request_id, entry.start, entry.end - len(entry.draft))
         self.pages.register(request)  # keys for full pages of accepted tokens only
         self.pages.release_surplus(request)
         self.pages.trim(request)

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..requests import Request
-from .assisted import ModelDraft
+from ..sampling.sampled_token import SampledToken
+from .assisted import ModelDraft, after_verify
 
 # After this many drafts in a row with no token accepted, lookup pauses (2, 4, 8, ... steps).
 MISSES_BEFORE_PAUSE = 2
@@ -152,3 +153,26 @@ def record(request: Request, drafted: int, accepted: int, emitted: int) -> None:
     state.misses += 1
     if state.misses >= MISSES_BEFORE_PAUSE:
         state.paused_steps = min(MAX_PAUSE_STEPS, 2 ** (state.misses - MISSES_BEFORE_PAUSE + 1))
+
+
+def append_verified(
+    request: Request, num_drafted: int, run: list[SampledToken], stats: SpeculationStats
+) -> str | None:
+    """A speculating request's verified tokens (`run`: its accepted draft tokens, then the target's own)
+    appended one at a time until one ends the request, exactly as plain decoding would; the outcome
+    recorded (`stats`, the request's back-off, a draft model's schedule). Returns the stop reason, or
+    None when the request goes on."""
+    reason = None
+    appended = 0
+    for token in run:
+        request.append_token(token.token_id, token.logprob, token.top_logprobs)
+        appended += 1
+        reason = request.stop_reason()
+        if reason is not None:
+            break
+    accepted = min(appended, len(run) - 1)
+    stats.add(num_drafted, accepted, appended)
+    record(request, num_drafted, accepted, appended)
+    if request.speculation is not None:  # a draft model's schedule (assisted.py)
+        after_verify(request.speculation, num_drafted, accepted)
+    return reason
