@@ -1,5 +1,5 @@
 """Which engines may speculate: tensor parallelism refuses it with the reason, and an engine whose
-`speculation_refusal` is set (models with recurrent per-request state) refuses speculating requests at
+`speculation.refusal` is set (models with recurrent per-request state) refuses speculating requests at
 submission and a GenerationConfig that asks for it at start, naming the input."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_an_engine_that_cannot_speculate_refuses_speculating_requests() -> None:
     assert engine.supports_speculation
     request = engine.build_request([5, 6, 7], "a", sampling_kwargs={"prompt_lookup_num_tokens": 3})
     assert request.speculation is not None and request.speculation.max_tokens == 3
-    engine.speculation_refusal = "state layers cannot roll back"
+    engine.speculation.refusal = "state layers cannot roll back"
     assert not engine.supports_speculation
     with pytest.raises(ValueError, match="request 'b'.*state layers cannot roll back"):
         engine.build_request([5, 6, 7], "b", sampling_kwargs={"prompt_lookup_num_tokens": 3})
@@ -44,7 +44,7 @@ def test_a_generation_config_with_prompt_lookup_is_every_requests_default(monkey
     off = engine.build_request([5, 6, 7], "b", sampling_kwargs={"prompt_lookup_num_tokens": 0})
     assert off.speculation is None
     monkeypatch.setattr(
-        "transformers_cb.engine.engine.speculation_refusal",
+        "transformers_cb.engine.build.speculation_refusal",
         lambda model, has_state_layers=False: "no rollback",
     )
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens: no rollback"):

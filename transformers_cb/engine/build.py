@@ -106,6 +106,8 @@ class EnginePlan:
     all_request_stages: bool = False
     # The model's state layers and their states' shapes (None: none); `sizing.num_state_slots` slots.
     states: StateLayout | None = None
+    # Why the engine cannot speculate (state layers, tensor parallelism; None: it can).
+    speculation_refusal: str | None = None
     # The draft model's plan (None: no `assistant_model`; engine/assistant.py).
     assistant: AssistantPlan | None = None
 
@@ -138,9 +140,9 @@ def resolve_plan(
     check_generation_config(generation)
     check_model_supported(model)
     states = state_layout(model)
+    refusal = speculation_refusal(model, states is not None)
     assistant_shape = None
     if assistant_model is not None:
-        refusal = speculation_refusal(model, states is not None)
         assistant_shape = check_assistant(model, assistant_model, refusal)
     kv_groups = tuple(kv_groups_from_config(model.config))
     # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
@@ -222,6 +224,7 @@ def resolve_plan(
         seed=config.seed,
         all_request_stages=all_request_stages,
         states=states,
+        speculation_refusal=refusal,
         assistant=None
         if assistant_model is None or assistant_shape is None
         else resolve_assistant(

@@ -24,15 +24,6 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import default_max_new_tokens
-from ..config.speculation import (
-    DEFAULT_MAX_NGRAM,
-    AssistantSettings,
-    assistant_from_configs,
-    lookup_from_config,
-    request_assistant,
-    request_lookup,
-    split_speculation_kwargs,
-)
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
@@ -42,14 +33,12 @@ from ..runner.model_runner import ModelRunner
 from ..runner.packed_linear import WeightKey
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
-from ..scheduler.assisted import ModelDraft
 from ..scheduler.scheduler import Scheduler
-from ..scheduler.speculation import SpeculationState, SpeculationStats
-from .forks import add_siblings, num_return_sequences_of
+from ..scheduler.speculation import SpeculationStats
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
-from .speculation_support import speculation_refusal
-from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
+from .speculation_support import EngineSpeculation
+from .submission import build_request
 
 if TYPE_CHECKING:
     import torch
@@ -121,28 +110,17 @@ class Engine:
         self.warmed_up = False
         self._auto_ids = itertools.count()
         self._weights = weights_fingerprint(self.model)
-        # Speculative decoding: why this engine cannot (None: it can; see speculation_support.py), and
-        # every request's default (the GenerationConfig's).
-        self.speculation_refusal: str | None = speculation_refusal(self.model, plan.states is not None)
-        self.lookup_default = lookup_from_config(self.generation_config)
-        if self.lookup_default is not None and self.speculation_refusal is not None:
-            raise ValueError(f"GenerationConfig.prompt_lookup_num_tokens: {self.speculation_refusal}")
-        # With a draft model: every request's draft-model settings (num_tokens 0: off unless a request
-        # asks); None: no assistant_model, and a request naming its settings is refused.
-        self.assistant_default: AssistantSettings | None = None
-        if self.drafter is not None:
-            if self.speculation_refusal is not None:
-                raise ValueError(f"assistant_model: {self.speculation_refusal}")
-            self.assistant_default = assistant_from_configs(
-                self.generation_config,
-                getattr(self.drafter.model, "generation_config", None),
-                "GenerationConfig (num_assistant_tokens)",
-            )
+        # Speculative decoding: whether this engine can, and every request's defaults.
+        self.speculation = EngineSpeculation.for_engine(
+            plan.speculation_refusal,
+            self.generation_config,
+            self.drafter.model if self.drafter is not None else None,
+        )
 
     @property
     def supports_speculation(self) -> bool:
-        """Whether requests may speculate here (`speculation_refusal` says why not)."""
-        return self.speculation_refusal is None
+        """Whether requests may speculate here (`speculation.refusal` says why not)."""
+        return self.speculation.refusal is None
 
     # -- the resolved settings (read-only views of the plan) ----------------------------------
     @property
@@ -227,65 +205,20 @@ class Engine:
         sampling_kwargs: dict[str, Any] | None = None,
         num_return_sequences: int | None = None,
     ) -> Request:
-        """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input.
-
-        `sampling_kwargs`: per-request parameters (`temperature`, `top_k`, `seed`, `stop_strings`,
-        `top_logprobs`, ...; see sampling/params.py), None values meaning "not given".
-        `num_return_sequences` (default: the generation config's): with n > 1 the request carries
-        n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all."""
-        label = label or f"request {request_id!r}"
-        prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
-        if max_new_tokens is None:
-            max_new_tokens = self.default_max_new_tokens(len(prompt))
-            if max_new_tokens is None:
-                raise ValueError(
-                    f"{label}: no max_new_tokens given and the generation config has no max_length"
-                )
-        max_new_tokens = as_max_new_tokens(max_new_tokens, label)
-        total = len(prompt) + max_new_tokens
-        if total > self.shape.max_position_embeddings:
-            raise ValueError(
-                f"{label}: prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds "
-                f"the model's max_position_embeddings ({self.shape.max_position_embeddings})"
-            )
-        if eos_token_id is None:
-            eos_token_id = self.generation_config.eos_token_id
-        request = Request(
-            request_id=request_id,
-            prompt_ids=prompt,
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=as_eos_token_ids(eos_token_id, label),
-            streaming=streaming,
-            record_timestamps=record_timestamps,
+        """Validate one submission into a `Request` (submission.py `build_request`); `ValueError` naming
+        `label` on bad input."""
+        return build_request(
+            self,
+            input_ids,
+            request_id,
+            max_new_tokens,
+            eos_token_id,
+            streaming,
+            label,
+            record_timestamps,
+            sampling_kwargs,
+            num_return_sequences,
         )
-        refuse_multimodal_inputs(list(sampling_kwargs or ()), label)
-        speculation_kwargs, sampling_kwargs = split_speculation_kwargs(sampling_kwargs)
-        self.sampling.attach(request, sampling_kwargs, label)
-        self._attach_speculation(request, speculation_kwargs, label)
-        reason = self.unfittable_reason(request.max_total_tokens)
-        if reason is not None:
-            raise ValueError(f"{label}: {reason}; raise num_blocks or lower max_new_tokens")
-        count = num_return_sequences_of(num_return_sequences, self.generation_config, label)
-        add_siblings(request, count, self.sampling, sampling_kwargs, label)
-        for sibling in request.siblings:  # each with its own draft length and counts
-            self._attach_speculation(sibling, speculation_kwargs, label)
-        return request
-
-    def _attach_speculation(self, request: Request, kwargs: dict[str, Any], label: str) -> None:
-        """The request's speculation (its own settings over the GenerationConfig's), or a `ValueError`
-        naming `label` when this engine cannot speculate. Prompt lookup, when set, wins over the draft
-        model (as in `generate()`, which then builds a lookup candidate generator)."""
-        settings = request_lookup(self.lookup_default, kwargs, label)
-        assisted = request_assistant(self.assistant_default, kwargs, label)
-        if settings is None and assisted is None:
-            return
-        if self.speculation_refusal is not None:
-            raise ValueError(f"{label}: {self.speculation_refusal}")
-        if settings is not None:
-            request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
-        elif assisted is not None:
-            source = ModelDraft(assisted.schedule, assisted.confidence, length=assisted.num_tokens)
-            request.speculation = SpeculationState(assisted.num_tokens, DEFAULT_MAX_NGRAM, source=source)
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
@@ -424,19 +357,9 @@ class Engine:
         return self.drafter.session() if self.drafter is not None else nullcontext()
 
     def _draft(self) -> None:
-        """The draft model's tokens for this step's speculating requests (runner/drafter.py). A failure only
-        costs the drafts: they are a speed setting, the step runs without them."""
-        drafter = self.drafter
-        if drafter is None or not self.scheduler.speculates_now():
-            return
-        try:
-            drafter.draft(self.scheduler.running)
-        except Exception:  # noqa: BLE001 - drafts are optional; the step goes on without them
-            logger.exception("the assistant model's draft failed; this step runs without drafts")
-            drafter.reset()
-            for request in self.scheduler.running:
-                if request.speculation is not None and request.speculation.source is not None:
-                    request.speculation.source.tokens = []
+        """The draft model's tokens for this step's speculating requests (runner/drafter.py)."""
+        if self.drafter is not None and self.scheduler.speculates_now():
+            self.drafter.draft_or_skip(self.scheduler.running)
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:

@@ -7,13 +7,31 @@ cannot carry several tokens per request and step, refuses speculation with the r
 as a `ValueError`. Models with state layers (linear attention, state-space, short convolutions:
 docs/state_layers.md) refuse: their recurrent state has absorbed the rejected tokens and cannot be
 rolled back to the last accepted one.
+
+`EngineSpeculation` holds the engine's answer and every request's defaults (the `GenerationConfig`'s
+prompt lookup, the draft model's settings), and gives each request its own (`attach`).
 """
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel
+from dataclasses import dataclass
+from typing import Any
 
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..config.speculation import (
+    DEFAULT_MAX_NGRAM,
+    AssistantSettings,
+    LookupSettings,
+    assistant_from_configs,
+    lookup_from_config,
+    request_assistant,
+    request_lookup,
+)
 from ..distributed.sharding import tp_size_of
+from ..requests import Request
+from ..scheduler.assisted import ModelDraft
+from ..scheduler.speculation import SpeculationState
 
 
 def speculation_refusal(model: PreTrainedModel, has_state_layers: bool = False) -> str | None:
@@ -31,3 +49,50 @@ def speculation_refusal(model: PreTrainedModel, has_state_layers: bool = False) 
             "(tp_size > 1): the other ranks replay one token per request and step"
         )
     return None
+
+
+@dataclass
+class EngineSpeculation:
+    """One engine's speculation: why it cannot (`refusal`, None: it can) and every request's defaults
+    (`lookup`: the GenerationConfig's prompt lookup; `assistant`: the draft model's settings, None
+    without `assistant_model`)."""
+
+    refusal: str | None
+    lookup: LookupSettings | None
+    assistant: AssistantSettings | None
+
+    @classmethod
+    def for_engine(
+        cls, refusal: str | None, generation_config: GenerationConfig, assistant_model: Any | None
+    ) -> EngineSpeculation:
+        """Raises `ValueError` when the GenerationConfig asks for lookup, or an `assistant_model` is
+        given, on an engine that cannot speculate."""
+        lookup = lookup_from_config(generation_config)
+        if lookup is not None and refusal is not None:
+            raise ValueError(f"GenerationConfig.prompt_lookup_num_tokens: {refusal}")
+        assistant = None
+        if assistant_model is not None:
+            if refusal is not None:
+                raise ValueError(f"assistant_model: {refusal}")
+            assistant = assistant_from_configs(
+                generation_config,
+                getattr(assistant_model, "generation_config", None),
+                "GenerationConfig (num_assistant_tokens)",
+            )
+        return cls(refusal, lookup, assistant)
+
+    def attach(self, request: Request, kwargs: dict[str, Any], label: str) -> None:
+        """The request's speculation (its own settings over the defaults), or a `ValueError` naming
+        `label` when this engine cannot speculate. Prompt lookup, when set, wins over the draft model
+        (as in `generate()`, which then builds a lookup candidate generator)."""
+        settings = request_lookup(self.lookup, kwargs, label)
+        assisted = request_assistant(self.assistant, kwargs, label)
+        if settings is None and assisted is None:
+            return
+        if self.refusal is not None:
+            raise ValueError(f"{label}: {self.refusal}")
+        if settings is not None:
+            request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
+        elif assisted is not None:
+            source = ModelDraft(assisted.schedule, assisted.confidence, length=assisted.num_tokens)
+            request.speculation = SpeculationState(assisted.num_tokens, DEFAULT_MAX_NGRAM, source=source)

@@ -24,6 +24,7 @@ are never taken from the target: a request whose catch-up finds no page gets no 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from ..scheduler.assisted import ModelDraft
 from ..scheduler.plan import ScheduledRequest, StepPlan
 from .model_call import call_model
 from .packing import BatchPacker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,6 +130,18 @@ class Drafter:
             yield
 
     # -- one step's drafts ------------------------------------------------------------------------
+    def draft_or_skip(self, running: list[Request]) -> None:
+        """`draft`, where a failure only costs the drafts (a speed setting): logged, the drafter reset,
+        and the step runs without them."""
+        try:
+            self.draft(running)
+        except Exception:  # noqa: BLE001 - drafts are optional; the step goes on without them
+            logger.exception("the assistant model's draft failed; this step runs without drafts")
+            self.reset()
+            for request in running:
+                if request.speculation is not None and isinstance(request.speculation.source, ModelDraft):
+                    request.speculation.source.tokens = []
+
     @torch.inference_mode()
     def draft(self, running: list[Request]) -> None:
         """Draft tokens for every decoding request of `running` that speculates with the assistant."""
