@@ -25,7 +25,7 @@ import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,6 +63,14 @@ def step_states(table: StateTable | None) -> Iterator[None]:
         yield
     finally:
         _step_states.reset(token)
+
+
+def padded_to(conv_states: torch.Tensor, width: int) -> torch.Tensor:
+    """A first chunk's convolution window: left-padded with zeros to `width` columns when shorter (as
+    transformers' `LinearAttentionLayer.update_conv_state` on a cache with no previous state)."""
+    if conv_states.shape[-1] >= width:
+        return conv_states
+    return torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0), value=0)
 
 
 class SlotStateView:
@@ -117,9 +125,7 @@ class SlotStateView:
         width = storage.shape[-1]
         previous = None if self.fresh else self._rows(*key)
         if previous is None:
-            full = conv_states
-            if full.shape[-1] < width:
-                full = torch.nn.functional.pad(full, (width - full.shape[-1], 0), value=0)
+            full = padded_to(conv_states, width)
         else:
             full = torch.cat([previous, conv_states], dim=-1)
         self._held[key] = full[..., -width:].to(storage.dtype)
@@ -144,24 +150,13 @@ class SlotStateView:
             self.cache.tensors[key].index_copy_(0, self.slots, rows)
 
 
-class StateRecorder:
-    """The same API during the probe: one fresh request of batch 1, whose states' shapes and dtypes it
-    records (`specs`) instead of storing them."""
+class StateRecorder(SlotStateView):
+    """The same API during the probe: one fresh request of batch 1 (so nothing is ever read), whose
+    states' shapes and dtypes it records (`specs`) instead of storing them."""
 
     def __init__(self) -> None:
+        super().__init__(cast(StateCache, None), torch.zeros(1, dtype=torch.int64), fresh=True)
         self.specs: dict[tuple[int, str, int], StateSpec] = {}
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> None:
-        return None
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> None:
-        return None
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return False
-
-    def is_recording_past(self, layer_idx: int | None = None) -> bool:
-        return False
 
     def update_conv_state(
         self,
@@ -176,9 +171,7 @@ class StateRecorder:
         self.specs[(layer_idx, CONV, state_idx)] = StateSpec(
             layer_idx, CONV, state_idx, shape, conv_states.dtype
         )
-        if conv_states.shape[-1] < width:
-            conv_states = torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0), value=0)
-        return conv_states
+        return padded_to(conv_states, width)
 
     def update_recurrent_state(
         self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
@@ -304,19 +297,32 @@ def _split_forward(
     return forward
 
 
+def cache_parameters(modules: dict[int, nn.Module]) -> dict[int, str]:
+    """Each state module's cache parameter name (`cache_parameter`), read once for all steps."""
+    names = {}
+    for layer, module in modules.items():
+        name = cache_parameter(module)
+        if name is None:
+            raise InvariantError(f"{type(module).__name__} cannot be split by request")
+        names[layer] = name
+    return names
+
+
 @contextmanager
 def split_state_layers(
-    modules: dict[int, nn.Module], cache: StateCache, stepwise: frozenset[int] = frozenset()
+    modules: dict[int, nn.Module],
+    cache: StateCache,
+    stepwise: frozenset[int] = frozenset(),
+    names: dict[int, str] | None = None,
 ) -> Iterator[None]:
     """Inside: every module of `modules` runs each request's rows at its own slot (see the module
     docstring); their forwards are restored on the way out. `stepwise`: the layers whose continued
-    chunks run one token at a time (`run_span`)."""
+    chunks run one token at a time (`run_span`); `names`: `cache_parameters(modules)`, when known."""
+    names = names if names is not None else cache_parameters(modules)
     patched: list[tuple[nn.Module, Any]] = []
     try:
         for layer, module in modules.items():
-            name = cache_parameter(module)
-            if name is None:
-                raise InvariantError(f"{type(module).__name__} cannot be split by request")
+            name = names[layer]
             # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
             # piece calls.
             patched.append((module, module.__dict__.get("forward")))
@@ -340,9 +346,13 @@ class StateLayers:
     cache: StateCache
     host: StateCache | None = None
     stepwise: frozenset[int] = frozenset()
+    names: dict[int, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.names = cache_parameters(self.modules)
 
     @contextmanager
     def step(self, table: StateTable | None) -> Iterator[None]:
         """Inside: a forward of the step whose state table is `table`."""
-        with step_states(table), split_state_layers(self.modules, self.cache, self.stepwise):
+        with step_states(table), split_state_layers(self.modules, self.cache, self.stepwise, self.names):
             yield
