@@ -235,7 +235,7 @@ def test_hybrid_parity_swapped_to_the_host_tier(_families, name: str) -> None:
         # Requests that had computed something swap out; each comes back once.
         assert outs == backs == len(family.prompts), f"{context}: {swapped}"
         assert engine.snapshot().swap_in_pages > 0, context
-        assert engine.scheduler.host_state_slots.num_in_use == 0, context
+        assert engine.scheduler.host.host_slots.num_in_use == 0, context
     check_parity(family.model, family.prompts, outputs, family.expected(), context)
 
 

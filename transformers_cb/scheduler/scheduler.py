@@ -22,6 +22,7 @@ from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .forks import Forks
+from .host_tier import HostTier
 from .plan import ScheduledRequest, StepPlan
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
@@ -64,7 +65,6 @@ class Scheduler:
     ) -> None:
         self.pages = pages
         self.state_slots = state_slots
-        self.host_state_slots = host_state_slots
         self.speculation_max_batch = speculation_max_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
@@ -73,6 +73,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.offload = offload
+        # Swaps of pages and state slots together (host_tier.py); None without CPU offload.
+        self.host = HostTier(offload, state_slots, host_state_slots) if offload is not None else None
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self.forks = Forks(pages, state_slots)  # siblings' forks, their copies for the next step's plan
@@ -179,9 +181,9 @@ class Scheduler:
         """A waiting request's first tokens if it starts this step (moved to the running list, pages
         allocated), else None: it keeps waiting (holding nothing), or failed because it can never fit."""
         swapped_in = False
-        if self.offload is not None and self.offload.is_swapped(request):
-            swapped_in = self._swap_in(self.offload, request, gate.is_open)
-            if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
+        if self.host is not None and self.host.is_swapped(request):
+            swapped_in = self._swap_in(self.host, request, gate.is_open)
+            if not swapped_in and self.host.is_swapped(request):  # it waits, and so do later ones
                 gate.close()
                 return None
         # A swapped-in request has its own KV back: no prefix lookup, no waiting for pages.
@@ -208,10 +210,8 @@ class Scheduler:
         self.pages.promise(request)
         if self.state_slots is not None:
             slot = self.state_slots.acquire(request.request_id)
-            host = self.host_state_slots
-            if swapped_in and host is not None:  # its state comes back with its pages
-                plan.state_swaps_in.append((host.slot_of(request.request_id), slot))
-                host.release(request.request_id)
+            if swapped_in and self.host is not None:  # its state comes back with its pages
+                self.host.state_back(request, slot, plan)
         return num_tokens
 
     def _has_state_slot(self) -> bool:
@@ -267,42 +267,21 @@ class Scheduler:
                 return False
         return True
 
-    def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool) -> bool:
+    def _swap_in(self, host: HostTier, request: Request, admitting: bool) -> bool:
         """Take a swapped-out request back from the host tier if it may start now. With nothing running
         and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
-        if admitting and self._admits() and offload.can_swap_in(request) and self._has_state_slot():
-            offload.swap_in(request)
+        if admitting and self._admits() and host.can_swap_in(request):
+            host.swap_in(request)
             return True
         if not self.running:
-            self._discard_swapped(request)
+            host.discard(request)
             self._drop_kv(request)
         return False
-
-    def _swap_out(self, request: Request, plan: StepPlan) -> bool:
-        """Plan `request`'s pages (and state slot) to the host tier; False (nothing changed) when there is
-        no host tier, no room, or nothing computed to keep."""
-        if self.offload is None:
-            return False
-        slots, host = self.state_slots, self.host_state_slots
-        if slots is not None and (host is None or not host.has_free() or not slots.holds(request.request_id)):
-            return False
-        if not self.offload.try_swap_out(request):
-            return False
-        if slots is not None and host is not None:
-            plan.state_swaps_out.append((slots.slot_of(request.request_id), host.acquire(request.request_id)))
-        return True
-
-    def _discard_swapped(self, request: Request) -> None:
-        """Forget what `request` has in the host tier (its pages and state slot), if anything."""
-        if self.offload is not None:
-            self.offload.discard(request)
-        if self.host_state_slots is not None:
-            self.host_state_slots.release(request.request_id)
 
     def preempt(self, request: Request, plan: StepPlan) -> None:
         """Take the pages of `request` away: swapped out to the host tier when there is one with room,
         else dropped (it recomputes prompt + generated tokens later)."""
-        if not self._swap_out(request, plan):
+        if self.host is None or not self.host.swap_out(request, plan):
             self._drop_kv(request)
         self._free_pages(request)
         # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
@@ -423,7 +402,8 @@ class Scheduler:
             request.fork_children = []
         self._free_pages(request)
         self.recomputed.forget(request.request_id)
-        self._discard_swapped(request)
+        if self.host is not None:
+            self.host.discard(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
@@ -438,15 +418,10 @@ class Scheduler:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         kept = self.offload.device_tables() if self.offload is not None else None
         self.pages.check_integrity(self.live_requests(), self.running, kept)
-        if self.offload is not None:
-            self.offload.check_integrity({request.request_id for request in self.waiting})
+        if self.host is not None:
+            self.host.check_integrity(list(self.waiting))
         if self.state_slots is not None:
             self.state_slots.check_integrity({request.request_id for request in self.running})
-        if self.host_state_slots is not None and self.offload is not None:
-            offload = self.offload
-            self.host_state_slots.check_integrity(
-                {r.request_id for r in self.waiting if offload.is_swapped(r)}
-            )
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
