@@ -193,32 +193,8 @@ class Engine:
             if request_id not in taken:
                 return request_id
 
-    def build_request(
-        self,
-        input_ids: Any,
-        request_id: str,
-        max_new_tokens: int | None = None,
-        eos_token_id: int | list[int] | None = None,
-        streaming: bool = False,
-        label: str | None = None,
-        record_timestamps: bool = False,
-        sampling_kwargs: dict[str, Any] | None = None,
-        num_return_sequences: int | None = None,
-    ) -> Request:
-        """Validate one submission into a `Request` (submission.py `build_request`); `ValueError` naming
-        `label` on bad input."""
-        return build_request(
-            self,
-            input_ids,
-            request_id,
-            max_new_tokens,
-            eos_token_id,
-            streaming,
-            label,
-            record_timestamps,
-            sampling_kwargs,
-            num_return_sequences,
-        )
+    # Validate one submission into a `Request` (submission.py), the engine as its first argument.
+    build_request = build_request
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
