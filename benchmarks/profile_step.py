@@ -30,6 +30,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed decode steps")
     p.add_argument("--top", type=int, default=25, help="profiler rows printed")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument(
+        "--packed-linear",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="ContinuousBatchingConfig.packed_linear: auto (None, the default), on (True), off (False)",
+    )
     p.add_argument("--no-profiler", action="store_true", help="only the phase timings")
     return p.parse_args(argv)
 
@@ -43,14 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     import transformers_cb
     from transformers_cb.attention.selection import paged_attention
     from transformers_cb.engine.build import build_engine
+    from transformers_cb.runner.packed_model import packed_linears
 
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    model = common.build_model(args.model)
+    import real_prompts
+
+    dtype = getattr(torch, args.dtype)
+    if real_prompts.is_real(args.model):
+        model, _tokenizer = real_prompts.build_model(args.model, dtype=dtype)
+    else:
+        model = common.build_model(args.model, dtype=dtype)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
-    cfg = transformers_cb.ContinuousBatchingConfig(default_compile_level=args.compile_level)
+    packed = {"auto": None, "on": True, "off": False}[args.packed_linear]
+    cfg = transformers_cb.ContinuousBatchingConfig(
+        default_compile_level=args.compile_level, packed_linear=packed
+    )
     max_new = args.steps * 3 + 50
     workload = [args.kv + max_new] * args.rows + [args.prefill + 2]
     engine = build_engine(model, common.greedy_generation_config(max_new), cfg, workload=workload)
@@ -66,7 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return wrapper
 
-    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
+    with (
+        paged_attention(model, engine.step_options.attn_implementation),
+        packed_linears(model, engine.packed_linear),
+        torch.inference_mode(),
+    ):
         engine.warmup()
         for i in range(args.rows):
             ids = torch.randint(3, vocab, (args.kv,), generator=gen).tolist()
@@ -104,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                     cache.crop(-1)
             limit = min(limit, (time.perf_counter() - t1) / args.steps * 1e3)
 
-    print(f"model {args.model}, {args.rows} decode rows at KV ~{kv_len}, compile level {args.compile_level}")
+    print(
+        f"model {args.model} ({args.dtype}, packed products {engine.packed_linear}), {args.rows} decode rows "
+        f"at KV ~{kv_len}, compile level {args.compile_level}"
+    )
     print(f"engine step {total:.2f} ms; limit forward {limit:.2f} ms ({total / limit:.2f}x)")
     for name, seconds in phases.items():
         ms = seconds / args.steps * 1e3
@@ -116,7 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with paged_attention(model, engine.step_options.attn_implementation), torch.inference_mode():
+    with (
+        paged_attention(model, engine.step_options.attn_implementation),
+        packed_linears(model, engine.packed_linear),
+        torch.inference_mode(),
+    ):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step()
         print("\n== one decode step")

@@ -81,8 +81,10 @@ class ContinuousBatchingConfig:
     max_queue_size: int = 0
     drop_unsupported_processors: bool = True
     disable_nccl_graph_mixing: bool = True
-    # Ours (not transformers'): packed oneDNN products for the model's CPU Linears during the run.
-    packed_linear: bool = False
+    # Ours (not transformers'): packed oneDNN products for the model's CPU Linears during the run. None
+    # (default): on where they pay (x86 with oneDNN, fp32 / bf16, the weights the measured rule picks,
+    # the copies fit in memory); True: the same, warning when the platform has none; False: off.
+    packed_linear: bool | None = None
     # Ours: speculative decoding only in steps where at most this many requests run (vLLM's
     # `disable_by_batch_size`); None: 8 on CPU, where a larger batch's step is compute-bound and checked
     # draft tokens cost what decoded ones do (docs/speculative_decoding.md), no limit on CUDA.
@@ -219,10 +221,15 @@ class ContinuousBatchingConfig:
             "auto_switch_to_flash",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
-            "packed_linear",
         ):
             value = getattr(self, name)
             _check_range(name, value, "a bool", isinstance(value, bool))
+        _check_range(
+            "packed_linear",
+            self.packed_linear,
+            "None (auto) or a bool",
+            self.packed_linear is None or isinstance(self.packed_linear, bool),
+        )
         _check_range(
             "use_async_batching",
             self.use_async_batching,

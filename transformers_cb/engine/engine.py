@@ -31,6 +31,7 @@ from ..requests import Request, RequestStatus
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.packed_linear import WeightKey
+from ..runner.packed_model import model_pack_bytes
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.scheduler import Scheduler
@@ -415,6 +416,7 @@ class Engine:
             state_slots_in_use=slots.num_in_use if slots is not None else 0,
             state_slots_total=slots.num_slots if slots is not None else 0,
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
+            packed_weight_bytes=model_pack_bytes(self.model) if self.packed_linear else 0,
             speculation=replace(scheduler.speculation),
             counters=replace(self.counters),
         )

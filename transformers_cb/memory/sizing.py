@@ -109,6 +109,11 @@ class Sizing:
     num_state_slots: int = 0
 
 
+# max_memory_percent's auto values: the share of free memory the cache and the step buffers take.
+CUDA_MEMORY_PERCENT = 0.9
+CPU_MEMORY_PERCENT = 0.5
+
+
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -130,7 +135,7 @@ def resolve_sizing(
     extra_kv_bytes_per_token: KV bytes per token of pages held beside each of the model's, out of the same
     budget (a draft model's, engine/assistant.py: it gets as many pages)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
-    percent = config.max_memory_percent or (0.9 if device.type == "cuda" else 0.5)
+    percent = config.max_memory_percent or (CUDA_MEMORY_PERCENT if device.type == "cuda" else CPU_MEMORY_PERCENT)
     budget = int(free_memory_bytes(device) * percent)
     batch_budget = int(budget * BATCH_SHARE)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import platform
 import threading
 from dataclasses import dataclass
@@ -35,6 +36,47 @@ X86_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
 # The start-up self-test's tolerance against `F.linear`: fp32 differs by ~5e-6 relative (other
 # summation order), bf16 by its rounding at most.
 SELF_TEST_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
+# `TRANSFORMERS_CB_PACKED_LINEAR`: "auto" (unset: the measured rule below), "all" (every eligible Linear
+# at every row count: certification runs of the suite), "0" / "off" (no packed product, whatever the
+# config says).
+RULE_ENV = "TRANSFORMERS_CB_PACKED_LINEAR"
+NEVER = 1 << 62  # a row count no product reaches
+
+
+@dataclass(frozen=True)
+class PackRule:
+    """From how many rows a product runs packed, by the weight's dtype and size (`min_rows`).
+
+    Measured on an AMD EPYC Zen 4 (2 cores; `docs/design.md`, "Packed products"): one oneDNN call costs
+    ~18 us however small the product (its primitive lookup), against ~4 us for MKL's `F.linear` in fp32.
+    In bf16 `F.linear` goes through oneDNN too, without the packed layout: the packed call is faster at
+    every size and row count measured (1.1-2.4x). In fp32 MKL's small products win below ~16 rows and
+    for weights under 2^18 elements (the tiny model's 128x512 layers ran slower packed); above, packing
+    wins 1.2-2.5x from 16 rows (from 4 rows for a LM head of 2^22 elements or more)."""
+
+    every_weight: bool = False  # "all": pack every eligible weight from the first row
+
+    def min_rows(self, weight: torch.Tensor) -> int:
+        if self.every_weight or weight.dtype == torch.bfloat16:
+            return 1
+        numel = weight.numel()
+        if numel >= 1 << 22:
+            return 4
+        if numel >= 1 << 18:
+            return 16
+        return NEVER
+
+
+def rule_from_env() -> PackRule | None:
+    """The rule `TRANSFORMERS_CB_PACKED_LINEAR` asks for; None when it turns packed products off."""
+    value = os.environ.get(RULE_ENV, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return None
+    if value == "all":
+        return PackRule(every_weight=True)
+    if value not in ("", "auto", "1", "on", "true", "yes"):
+        logger.warning("%s=%r is not one of auto, all, off: the measured rule applies", RULE_ENV, value)
+    return PackRule()
 
 
 @dataclass(frozen=True)
@@ -90,9 +132,14 @@ class PackRegistry:
             if handle in self._packs:
                 self._packs[handle] = None
 
-    def packed_bytes(self) -> int:
-        packs = list(self._packs.values())
+    def packed_bytes(self, handles: list[int] | None = None) -> int:
+        """Bytes of the packs held (of `handles` only, when given)."""
+        with self._lock:
+            packs = list(self._packs.values()) if handles is None else [self._packs.get(h) for h in handles]
         return sum(p.packed.numel() * p.packed.element_size() for p in packs if p is not None)
+
+    def has_pack(self, handle: int) -> bool:
+        return self._packs.get(handle) is not None
 
     def current(self, handle: int, weight: torch.Tensor) -> torch.Tensor:
         """The pack of `weight` under `handle`, rebuilt first if the weight changed since it was built."""
@@ -118,6 +165,17 @@ def packed_linear(
     """`F.linear(x, weight, bias)` through the oneDNN pack of `weight` registered under `handle`."""
     if weight.is_inference():
         # An inference tensor has no version counter: an in-place write to it could not be seen.
+        return F.linear(x, weight, bias)
+    packed = PACKS.current(handle, weight)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def packed_linear_eager(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
+) -> torch.Tensor:
+    """`packed_linear` without the custom op's dispatch (~8 us a call, 200 calls a step on a 30-layer
+    model): what an eager forward calls; a compiled one calls the op, which inductor can place."""
+    if weight.is_inference():
         return F.linear(x, weight, bias)
     packed = PACKS.current(handle, weight)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
@@ -169,20 +227,29 @@ _warned = False
 _verdict_lock = threading.Lock()
 
 
-def packed_linear_available(dtype: torch.dtype, device_type: str) -> bool:
+def packed_linear_available(dtype: torch.dtype, device_type: str, asked: bool = True) -> bool:
     """Whether packed products run for this dtype and device (the self-test once per dtype per process);
-    when not, one warning per process says why and the plain products run."""
-    global _warned
+    when not, one warning per process says why and the plain products run. `asked=False` (the default
+    `packed_linear=None`): a platform that has no packed products (not x86, no oneDNN, CUDA, fp16) is
+    silently plain; only a failed self-test warns."""
     with _verdict_lock:
         reason = unsupported_reason(dtype, device_type)
         if reason is None:
             if dtype not in _verdicts:
                 _verdicts[dtype] = self_test(dtype)
             reason = _verdicts[dtype]
-        if reason is not None and not _warned:
-            _warned = True
-            logger.warning("packed_linear=True: plain products run instead of packed oneDNN ones: %s", reason)
+            asked = True  # the platform has them: a failed self-test is worth a warning either way
+        if reason is not None and asked:
+            warn_once(f"plain products run instead of packed oneDNN ones: {reason}")
         return reason is None
+
+
+def warn_once(message: str) -> None:
+    """The one packed-products warning of the process (`packed_linear_available`, the memory check)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning("packed_linear: %s", message)
 
 
 def reset_verdicts() -> None:

@@ -26,7 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .packed_linear import PACKED_DTYPES, PACKS, packed_linear
+from .packed_linear import (
+    NEVER,
+    PACKED_DTYPES,
+    PACKS,
+    PackRule,
+    packed_linear,
+    packed_linear_eager,
+    rule_from_env,
+)
 
 _handles: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
 # id(module) -> (module, the forward set on it): every swap in force, for `restore_all`.
@@ -58,14 +66,53 @@ def _handle_of(module: nn.Linear) -> int:
     return handle
 
 
-def _packed_forward(module: nn.Linear, handle: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def _packed_forward(
+    module: nn.Linear, handle: int, min_rows: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Below `min_rows` rows MKL's plain product is the faster one (`PackRule`).
+    min_numel = min_rows * module.in_features
+
     def forward(input: torch.Tensor) -> torch.Tensor:
         weight, bias = module.weight, module.bias
         if torch.is_grad_enabled() or input.dtype != weight.dtype or input.device != weight.device:
             return F.linear(input, weight, bias)
-        return packed_linear(input, weight, bias, handle)
+        if torch.compiler.is_compiling():
+            return packed_linear(input, weight, bias, handle)
+        if input.numel() < min_numel:
+            return F.linear(input, weight, bias)
+        return packed_linear_eager(input, weight, bias, handle)
 
     return forward
+
+
+def packed_plan(model: nn.Module, rule: PackRule) -> list[tuple[nn.Linear, int]]:
+    """The Linears of `model` the rule packs, each with the row count from which it runs packed."""
+    plan = []
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and is_packable(module):
+            min_rows = rule.min_rows(module.weight)
+            if min_rows < NEVER:
+                plan.append((module, min_rows))
+    return plan
+
+
+def pack_bytes(model: nn.Module, rule: PackRule) -> tuple[int, int]:
+    """(bytes of the packed copies the rule makes for `model`, of those not built yet): a packed copy is
+    the weight's size (oneDNN's blocked layout pads by a few elements at most)."""
+    total = missing = 0
+    for module, _min_rows in packed_plan(model, rule):
+        size = module.weight.numel() * module.weight.element_size()
+        total += size
+        handle = _handles.get(module)
+        if handle is None or not PACKS.has_pack(handle):
+            missing += size
+    return total, missing
+
+
+def model_pack_bytes(model: nn.Module) -> int:
+    """Bytes of the packed copies held now for `model`'s Linears (`stats()`)."""
+    handles = [_handles.get(m) for m in model.modules() if isinstance(m, nn.Linear)]
+    return PACKS.packed_bytes([h for h in handles if h is not None])
 
 
 def _restore(swaps: Sequence[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> None:
@@ -78,18 +125,19 @@ def _restore(swaps: Sequence[tuple[nn.Module, Callable[[torch.Tensor], torch.Ten
 
 @contextmanager
 def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
-    """Inside (with `enabled`): every packable Linear of `model` runs packed products. Yields how many."""
-    if not enabled:
+    """Inside (with `enabled`): the packable Linears of `model` that the rule picks (`PackRule`, from
+    `TRANSFORMERS_CB_PACKED_LINEAR`) run packed products. Yields how many."""
+    rule = rule_from_env() if enabled else None
+    if rule is None:
         yield 0
         return
     swaps = []
     with _lock:
-        for module in model.modules():
-            if isinstance(module, nn.Linear) and is_packable(module):
-                forward = _packed_forward(module, _handle_of(module))
-                module.__dict__["forward"] = forward
-                swaps.append((module, forward))
-                _active[id(module)] = (module, forward)
+        for module, min_rows in packed_plan(model, rule):
+            forward = _packed_forward(module, _handle_of(module), min_rows)
+            module.__dict__["forward"] = forward
+            swaps.append((module, forward))
+            _active[id(module)] = (module, forward)
     try:
         yield len(swaps)
     finally:

@@ -19,7 +19,9 @@ from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from .compile_plan import CompilePlan, resolve_compile_plan
-from .packed_linear import packed_linear_available
+from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
+from .packed_linear import packed_linear_available, rule_from_env, warn_once
+from .packed_model import pack_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +42,8 @@ class StepOptions:
     max_cached_graphs: int
     # The model ignores `logits_to_keep` (the support check's probe saw it): the runner selects the rows.
     select_logit_rows: bool = False
-    # Packed oneDNN products for the model's Linears (`runner/packed_model.py`): asked for, and the
-    # platform passed its self-test.
+    # Packed oneDNN products for the model's Linears (`runner/packed_model.py`): not turned off, the
+    # platform passed its self-test, the rule packs at least one weight and the packs fit in memory.
     packed_linear: bool = False
 
     @property
@@ -84,6 +86,38 @@ def _resolve_graphs(device_options: DeviceOptions, kernel: FlashKernel | None) -
     return graphs
 
 
+# Of the memory sizing leaves free (1 - max_memory_percent of what was available), the share packed copies
+# may take: the rest stays for activations, the tokenizer, the server.
+PACK_MEMORY_SHARE = 0.8
+
+
+def resolve_packed_linear(
+    model: PreTrainedModel, asked: bool | None, device_type: str, max_memory_percent: float | None
+) -> bool:
+    """`ContinuousBatchingConfig.packed_linear` (None: where it pays) as it applies to this model: the
+    platform has packed products, the rule packs at least one weight, and the copies not built yet fit in
+    what sizing leaves free (otherwise one warning and plain products; docs/design.md)."""
+    if asked is False:
+        return False
+    rule = rule_from_env()
+    if rule is None:
+        return False
+    if not packed_linear_available(next(model.parameters()).dtype, device_type, asked=asked is True):
+        return False
+    total, missing = pack_bytes(model, rule)
+    if total == 0:
+        return False
+    percent = max_memory_percent or CPU_MEMORY_PERCENT
+    room = int(free_memory_bytes(torch.device("cpu")) * (1 - percent) * PACK_MEMORY_SHARE)
+    if missing > room:
+        warn_once(
+            f"the packed weight copies need {missing / 2**20:.0f} MiB and {room / 2**20:.0f} MiB are free "
+            "beside the cache: plain products run (set packed_linear=False to silence this)"
+        )
+        return False
+    return True
+
+
 def resolve_step_options(
     model: PreTrainedModel,
     config: ContinuousBatchingConfig,
@@ -121,6 +155,5 @@ def resolve_step_options(
         kv_padding_interval_size=config.kv_padding_interval_size,
         max_cached_graphs=config.graph_cache_size,
         select_logit_rows=select_logit_rows,
-        packed_linear=config.packed_linear
-        and packed_linear_available(next(model.parameters()).dtype, device_type),
+        packed_linear=resolve_packed_linear(model, config.packed_linear, device_type, config.max_memory_percent),
     )
