@@ -709,9 +709,21 @@ class OursCompiledEngine(OursEngine):
         return dataclasses.replace(cfg, default_compile_level=1), settings, ignored
 
 
+class OursPlainEngine(OursEngine):
+    """`OursEngine` with `packed_linear=False`: MKL's plain products everywhere (the default before packed
+    products were on by default)."""
+
+    name = "ours-plain"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, packed_linear=False), settings, ignored
+
+
 class OursPackedEngine(OursEngine):
-    """`OursEngine` with `packed_linear=True`: every dense CPU Linear, LM head included, runs oneDNN products
-    on a weight packed once (`transformers_cb/runner/packed_linear.py`). The warmup builds the packs."""
+    """`OursEngine` with `packed_linear=True`: the default's packed products asked for explicitly (a
+    warning when the platform has none; `transformers_cb/runner/packed_linear.py`). The warmup builds the
+    packs."""
 
     name = "ours-packed"
 
@@ -1109,6 +1121,19 @@ def wait_for_quiet_cpu(
 # --------------------------------------------------------------------------------------------------------------------
 
 
+OPENMP_LIBS = ("libiomp5", "libgomp", "libomp")
+
+
+def openmp_runtimes(pid: int | str = "self") -> list[str]:
+    """The OpenMP runtimes loaded in process `pid`, from its memory map (Linux; empty elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/maps") as handle:
+            maps = handle.read()
+    except OSError:
+        return []
+    return sorted(lib for lib in OPENMP_LIBS if f"/{lib}" in maps)
+
+
 def environment_metadata(threads: int) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -1119,6 +1144,7 @@ def environment_metadata(threads: int) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": threads,
         "cuda": torch.cuda.is_available(),
+        "openmp": openmp_runtimes(),
     }
 
 

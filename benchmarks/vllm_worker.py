@@ -40,6 +40,29 @@ def speculation_counts(llm) -> dict[str, int]:
     return counts
 
 
+OPENMP_LIBS = ("libiomp5", "libgomp", "libomp")  # benchmarks/common.py OPENMP_LIBS (not imported here)
+
+
+def openmp_runtimes() -> list[str]:
+    """The OpenMP runtimes loaded in this process and in the processes vLLM started (its engine core runs
+    the forward), from their memory maps."""
+    pids = [str(os.getpid())]
+    try:
+        with open(f"/proc/{os.getpid()}/task/{os.getpid()}/children") as handle:
+            pids += handle.read().split()
+    except OSError:
+        pass
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as handle:
+                maps = handle.read()
+        except OSError:
+            continue
+        found.update(lib for lib in OPENMP_LIBS if f"/{lib}" in maps)
+    return sorted(found)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model_dir")
@@ -78,7 +101,14 @@ def main() -> int:
     counting = args.log_stats and args.speculative_config is not None
     reply.write(
         PREFIX
-        + json.dumps({"ready": True, "startup_s": time.perf_counter() - start, "version": vllm.__version__})
+        + json.dumps(
+            {
+                "ready": True,
+                "startup_s": time.perf_counter() - start,
+                "version": vllm.__version__,
+                "openmp": openmp_runtimes(),
+            }
+        )
         + "\n"
     )
     reply.flush()

@@ -20,14 +20,19 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner import packed_linear as packed_linear_module
+from transformers_cb.runner import step_options
 from transformers_cb.runner.packed_linear import (
+    NEVER,
     PACKS,
     RULE_ENV,
+    PackRule,
     packed_linear,
     packed_linear_available,
     reset_verdicts,
+    rule_from_env,
 )
 from transformers_cb.runner.packed_model import packed_linears, release_packs
+from transformers_cb.runner.step_options import resolve_packed_linear
 
 pytestmark = pytest.mark.skipif(
     packed_linear_module.unsupported_reason(torch.float32, "cpu") is not None,
@@ -161,8 +166,8 @@ def test_greedy_generate_batch_equals_generate_with_packed_products() -> None:
     assert packed_linear_available(torch.float32, "cpu")  # its self-test's pack counted before
     builds = PACKS.builds
     got = generate_packed(model)
-    # 2 layers x 7 products + the LM head, each packed (its pack built) once.
-    assert PACKS.builds - builds == 15
+    # 2 layers x 4 products (q/k/v and gate/up fused) + the LM head, each packed (its pack built) once.
+    assert PACKS.builds - builds == 9
     assert linear_state(model) == before
     assert_like_generate(model, got)
 
@@ -240,9 +245,13 @@ def test_manager_run_packed_and_modules_restored_after_stop() -> None:
             assert output is not None, "no result in time"
             results[output.request_id] = output
     finally:
+        stats = manager.stats()
         manager.stop(block=True, timeout=TIMEOUT)
     assert linear_state(model) == before
     assert_like_generate(model, [results[i].generated_tokens for i in ids])
+    # Every Linear weight has a packed copy (q/k/v and gate/up as one each): their bytes, in stats().
+    weights = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    assert stats.packed_weight_bytes >= weights
 
 
 def test_uninstall_restores_the_modules_of_a_run_in_progress() -> None:
@@ -312,3 +321,54 @@ def test_config_field_default_auto_and_validated() -> None:
     assert ContinuousBatchingConfig().packed_linear is None
     with pytest.raises(ValueError, match="packed_linear"):
         ContinuousBatchingConfig(packed_linear=1)
+
+
+# -- the default: the measured rule, the memory check --------------------------------------------------
+
+
+def test_rule_by_dtype_size_and_env(monkeypatch) -> None:
+    rule = PackRule()
+    assert rule.min_rows(torch.empty(512, 128)) == NEVER  # the tiny model's fp32 layers: MKL wins
+    assert rule.min_rows(torch.empty(512, 512)) == 16
+    assert rule.min_rows(torch.empty(32000, 512)) == 4
+    assert rule.min_rows(torch.empty(64, 64, dtype=torch.bfloat16)) == 1
+    assert PackRule(every_weight=True).min_rows(torch.empty(8, 8)) == 1
+    for value, expected in (("off", None), ("0", None), ("all", PackRule(True)), ("auto", PackRule())):
+        monkeypatch.setenv(RULE_ENV, value)
+        assert rule_from_env() == expected
+
+
+def test_auto_packs_only_what_pays(monkeypatch) -> None:
+    monkeypatch.setenv(RULE_ENV, "auto")
+    model = tiny_llama()  # fp32, 64 wide: no weight reaches the rule's size
+    assert resolve_packed_linear(model, None, "cpu", None) is False
+    with packed_linears(model, True) as swapped:
+        assert swapped == 0
+    bf16 = tiny_llama().to(torch.bfloat16)
+    assert resolve_packed_linear(bf16, None, "cpu", None) is True
+    with packed_linears(bf16, True) as swapped:
+        assert swapped == sum(isinstance(m, nn.Linear) for m in bf16.modules())
+
+
+def test_silent_off_platform_by_default(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert not packed_linear_available(torch.float32, "cpu", asked=False)
+        assert not packed_linear_available(torch.float32, "cuda", asked=False)
+    assert not [r for r in caplog.records if r.name == LOGGER]
+
+
+def test_packs_that_do_not_fit_fall_back_with_one_warning(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(step_options, "free_memory_bytes", lambda device: 1024)
+    model = tiny_llama()
+    release_packs(model)
+    assert packed_linear_available(torch.float32, "cpu")  # its self-test's pack counted before
+    before = PACKS.builds
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first = generate_packed(model, ContinuousBatchingConfig(page_size=16))
+        generate_packed(model, ContinuousBatchingConfig(page_size=16))
+    warnings = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(warnings) == 1 and "MiB" in warnings[0], warnings
+    assert PACKS.builds == before
+    assert_like_generate(model, first)
+    assert resolve_packed_linear(model, False, "cpu", None) is False

@@ -40,6 +40,8 @@ SELF_TEST_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)
 # at every row count: certification runs of the suite), "0" / "off" (no packed product, whatever the
 # config says).
 RULE_ENV = "TRANSFORMERS_CB_PACKED_LINEAR"
+# `TRANSFORMERS_CB_FUSED_PRODUCTS=0`: packed products stay one per Linear (runner/fused_products.py).
+FUSED_ENV = "TRANSFORMERS_CB_FUSED_PRODUCTS"
 NEVER = 1 << 62  # a row count no product reaches
 
 
@@ -57,14 +59,22 @@ class PackRule:
     every_weight: bool = False  # "all": pack every eligible weight from the first row
 
     def min_rows(self, weight: torch.Tensor) -> int:
-        if self.every_weight or weight.dtype == torch.bfloat16:
+        return self.min_rows_of(weight.dtype, weight.numel())
+
+    def min_rows_of(self, dtype: torch.dtype, numel: int) -> int:
+        """For a weight of `numel` elements (a fused group's: its members' together)."""
+        if self.every_weight or dtype == torch.bfloat16:
             return 1
-        numel = weight.numel()
         if numel >= 1 << 22:
             return 4
         if numel >= 1 << 18:
             return 16
         return NEVER
+
+
+def fusion_from_env() -> bool:
+    """Whether sibling products are fused (`TRANSFORMERS_CB_FUSED_PRODUCTS`, on unless 0 / off)."""
+    return os.environ.get(FUSED_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def rule_from_env() -> PackRule | None:
@@ -102,8 +112,13 @@ class WeightKey:
 
 @dataclass
 class Pack:
-    key: WeightKey
+    key: WeightKey | tuple[WeightKey, ...]
     packed: torch.Tensor
+    bias: torch.Tensor | None = None  # a fused pack's concatenated bias
+
+
+def _key_of_many(tensors: tuple[torch.Tensor | None, ...]) -> tuple[WeightKey, ...]:
+    return tuple(WeightKey.of(t) for t in tensors if t is not None)
 
 
 class PackRegistry:
@@ -153,6 +168,26 @@ class PackRegistry:
                 self._packs[handle] = Pack(key, packed)
             self.builds += 1
         return packed
+
+
+    def current_fused(
+        self, handle: int, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
+    ) -> Pack:
+        """The pack of `weights` concatenated along their outputs (a fused q/k/v or gate/up product,
+        `runner/fused_products.py`), with the biases concatenated (None when they are); rebuilt when any
+        weight or bias changed since it was built."""
+        key = _key_of_many(weights + biases)
+        pack = self._packs.get(handle)
+        if pack is not None and pack.key == key:
+            return pack
+        fused = torch.cat([w.detach() for w in weights])
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+        pack = Pack(key, torch.ops.mkldnn._reorder_linear_weight(fused, BATCH_SIZE_HINT), bias)
+        with self._lock:
+            if handle in self._packs:
+                self._packs[handle] = pack
+            self.builds += 1
+        return pack
 
 
 PACKS = PackRegistry()

@@ -21,22 +21,27 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_products import FusedGroup, find_groups
 from .packed_linear import (
     NEVER,
     PACKED_DTYPES,
     PACKS,
     PackRule,
+    fusion_from_env,
     packed_linear,
     packed_linear_eager,
     rule_from_env,
 )
 
 _handles: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
+# A fused group's pack handle, kept by its first member (so consecutive runs do not repack).
+_group_handles: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
 # id(module) -> (module, the forward set on it): every swap in force, for `restore_all`.
 _active: dict[int, tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = {}
 _lock = threading.Lock()
@@ -85,33 +90,91 @@ def _packed_forward(
     return forward
 
 
-def packed_plan(model: nn.Module, rule: PackRule) -> list[tuple[nn.Linear, int]]:
-    """The Linears of `model` the rule packs, each with the row count from which it runs packed."""
-    plan = []
+def _fused_forward(
+    group: FusedGroup, index: int, handle: int, min_rows: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    module = group.members[index]
+    min_numel = min_rows * module.in_features
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight, bias = module.weight, module.bias
+        if torch.is_grad_enabled() or input.dtype != weight.dtype or input.device != weight.device:
+            return F.linear(input, weight, bias)
+        if torch.compiler.is_compiling():
+            return packed_linear(input, weight, bias, handle)
+        if input.numel() < min_numel:
+            return F.linear(input, weight, bias)
+        return group.take(index, input)
+
+    return forward
+
+
+def _group_handle() -> int:
+    return PACKS.new_handle()
+
+
+@dataclass
+class PackedPlan:
+    """What a run packs: single Linears with the row count from which each runs packed, and fused groups
+    with theirs (`PackRule`, on the group's weights together)."""
+
+    singles: list[tuple[nn.Linear, int]]
+    groups: list[tuple[FusedGroup, int]]
+
+    def pack_sizes(self) -> list[tuple[int, int | None]]:
+        """(bytes, handle) of every pack the plan uses in eager steps."""
+        sizes = [(m.weight.numel() * m.weight.element_size(), _handles.get(m)) for m, _ in self.singles]
+        for group, _ in self.groups:
+            size = sum(m.weight.numel() * m.weight.element_size() for m in group.members)
+            sizes.append((size, group.handle))
+        return sizes
+
+
+def packed_plan(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> PackedPlan:
+    """The Linears of `model` the rule packs (fused by sibling group unless `fuse` is False; None: as
+    `TRANSFORMERS_CB_FUSED_PRODUCTS` says)."""
+    if fuse is None:
+        fuse = fusion_from_env()
+    groups: list[tuple[FusedGroup, int]] = []
+    grouped: set[int] = set()
+    if fuse:
+        for group in find_groups(model, is_packable, _group_handle):
+            first = group.members[0]
+            known = _group_handles.get(first)
+            if known is None:
+                _group_handles[first] = group.handle
+                weakref.finalize(first, PACKS.drop, group.handle)
+            else:
+                PACKS.drop(group.handle)
+                group.handle = known
+            min_rows = rule.min_rows_of(first.weight.dtype, group.numel)
+            if min_rows < NEVER:
+                groups.append((group, min_rows))
+                grouped.update(id(m) for m in group.members)
+    singles = []
     for module in model.modules():
-        if isinstance(module, nn.Linear) and is_packable(module):
+        if isinstance(module, nn.Linear) and id(module) not in grouped and is_packable(module):
             min_rows = rule.min_rows(module.weight)
             if min_rows < NEVER:
-                plan.append((module, min_rows))
-    return plan
+                singles.append((module, min_rows))
+    return PackedPlan(singles, groups)
 
 
 def pack_bytes(model: nn.Module, rule: PackRule) -> tuple[int, int]:
     """(bytes of the packed copies the rule makes for `model`, of those not built yet): a packed copy is
     the weight's size (oneDNN's blocked layout pads by a few elements at most)."""
     total = missing = 0
-    for module, _min_rows in packed_plan(model, rule):
-        size = module.weight.numel() * module.weight.element_size()
+    for size, handle in packed_plan(model, rule).pack_sizes():
         total += size
-        handle = _handles.get(module)
         if handle is None or not PACKS.has_pack(handle):
             missing += size
     return total, missing
 
 
 def model_pack_bytes(model: nn.Module) -> int:
-    """Bytes of the packed copies held now for `model`'s Linears (`stats()`)."""
-    handles = [_handles.get(m) for m in model.modules() if isinstance(m, nn.Linear)]
+    """Bytes of the packed copies held now for `model`'s Linears (`stats()`), fused ones included."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    handles = [_handles.get(m) for m in linears] + [_group_handles.get(m) for m in linears]
     return PACKS.packed_bytes([h for h in handles if h is not None])
 
 
@@ -133,14 +196,21 @@ def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
         return
     swaps = []
     with _lock:
-        for module, min_rows in packed_plan(model, rule):
-            forward = _packed_forward(module, _handle_of(module), min_rows)
+        plan = packed_plan(model, rule)
+        forwards = [(m, _packed_forward(m, _handle_of(m), rows)) for m, rows in plan.singles]
+        for group, rows in plan.groups:
+            forwards += [
+                (m, _fused_forward(group, i, _handle_of(m), rows)) for i, m in enumerate(group.members)
+            ]
+        for module, forward in forwards:
             module.__dict__["forward"] = forward
             swaps.append((module, forward))
             _active[id(module)] = (module, forward)
     try:
         yield len(swaps)
     finally:
+        for group, _rows in plan.groups:
+            group.pending.clear()
         _restore(swaps)
 
 
@@ -153,9 +223,11 @@ def restore_all() -> None:
 
 
 def release_packs(model: nn.Module) -> None:
-    """Free the packed copies of `model`'s Linears (rebuilt at their next packed product). Also the way
-    to make packs see weights written through `.data`, which bumps no version counter."""
+    """Free the packed copies of `model`'s Linears, fused ones included (rebuilt at their next packed
+    product). Also the way to make packs see weights written through `.data`, which bumps no version
+    counter."""
     for module in model.modules():
-        handle = _handles.get(module) if isinstance(module, nn.Linear) else None
-        if handle is not None:
-            PACKS.invalidate(handle)
+        if isinstance(module, nn.Linear):
+            for handle in (_handles.get(module), _group_handles.get(module)):
+                if handle is not None:
+                    PACKS.invalidate(handle)

@@ -18,8 +18,8 @@ from ..attention.fast_path import resolve_max_blocks_per_request
 from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
-from .compile_plan import CompilePlan, resolve_compile_plan
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
+from .compile_plan import CompilePlan, resolve_compile_plan
 from .packed_linear import packed_linear_available, rule_from_env, warn_once
 from .packed_model import pack_bytes
 

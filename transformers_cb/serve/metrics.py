@@ -86,6 +86,10 @@ class ServerMetrics:
             "swapped_out_requests": (stats.swapped_out, "Requests whose KV is in the CPU offload tier."),
             "state_slots_in_use": (stats.state_slots_in_use, "Per-request state slots held (state layers)."),
             "state_slots_total": (stats.state_slots_total, "Per-request state slots (state layers)."),
+            "packed_weight_bytes": (
+                stats.packed_weight_bytes,
+                "Bytes of the packed copies of the model's Linear weights (packed products).",
+            ),
             "speculation_acceptance_rate": (stats.acceptance_rate, "Share of draft tokens accepted."),
             "speculation_tokens_per_step": (
                 stats.tokens_per_speculation_step,
