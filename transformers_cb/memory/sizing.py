@@ -135,7 +135,9 @@ def resolve_sizing(
     extra_kv_bytes_per_token: KV bytes per token of pages held beside each of the model's, out of the same
     budget (a draft model's, engine/assistant.py: it gets as many pages)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
-    percent = config.max_memory_percent or (CUDA_MEMORY_PERCENT if device.type == "cuda" else CPU_MEMORY_PERCENT)
+    percent = config.max_memory_percent or (
+        CUDA_MEMORY_PERCENT if device.type == "cuda" else CPU_MEMORY_PERCENT
+    )
     budget = int(free_memory_bytes(device) * percent)
     batch_budget = int(budget * BATCH_SHARE)
 

@@ -169,7 +169,6 @@ class PackRegistry:
             self.builds += 1
         return packed
 
-
     def current_fused(
         self, handle: int, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
     ) -> Pack:

@@ -71,9 +71,7 @@ def _handle_of(module: nn.Linear) -> int:
     return handle
 
 
-def _packed_forward(
-    module: nn.Linear, handle: int, min_rows: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
+def _packed_forward(module: nn.Linear, handle: int, min_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     # Below `min_rows` rows MKL's plain product is the faster one (`PackRule`).
     min_numel = min_rows * module.in_features
 

@@ -155,5 +155,7 @@ def resolve_step_options(
         kv_padding_interval_size=config.kv_padding_interval_size,
         max_cached_graphs=config.graph_cache_size,
         select_logit_rows=select_logit_rows,
-        packed_linear=resolve_packed_linear(model, config.packed_linear, device_type, config.max_memory_percent),
+        packed_linear=resolve_packed_linear(
+            model, config.packed_linear, device_type, config.max_memory_percent
+        ),
     )
