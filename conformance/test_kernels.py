@@ -84,8 +84,9 @@ def _call_backend(step: KernelStep, kernel: str, softcap: float | None, sinks: t
     return out
 
 
-# (num_heads, num_kv_heads, head_dim): MHA, GQA 2 and 4, MQA; head dims 16/32/64.
-HEADS = [(4, 4, 16), (4, 2, 32), (8, 2, 64), (8, 4, 16), (4, 1, 32), (8, 1, 64)]
+# (num_heads, num_kv_heads, head_dim): MHA, GQA 2, 3 and 4, MQA; head dims 16/32/64/128 (the native
+# kernel's compile-time shapes: head dims 64 and 128 with groups up to 8; others take its generic path).
+HEADS = [(4, 4, 16), (4, 2, 32), (8, 2, 64), (8, 4, 16), (4, 1, 32), (8, 1, 64), (9, 3, 64), (6, 2, 128)]
 
 
 def expected_tables(step: KernelStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -282,10 +283,11 @@ def _sinks(num_heads: int, seed: int) -> torch.Tensor:
     return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2
 
 
+@pytest.mark.parametrize("head_dim", [16, 64])
 @pytest.mark.parametrize("kernel", [*KERNELS, *BACKENDS])
 @pytest.mark.parametrize("variant", ["window", "window+softcap", "window+sinks", "softcap", "sinks"])
 @pytest.mark.parametrize("case", sorted(SLIDING_CASES))
-def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: str) -> None:
+def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: str, head_dim: int) -> None:
     """Per layer: a sliding window (pages before it dropped, ring block table), logit softcapping
     (sdpa takes the eager path) and attention sinks, each against the reference kernel."""
     window = W if "window" in variant else None
@@ -294,7 +296,7 @@ def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: s
         P,
         8,
         2,
-        16,
+        head_dim,
         seed=sorted(SLIDING_CASES).index(case),
         sliding_window=window,
         kernel=kernel,

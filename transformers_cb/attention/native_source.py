@@ -160,6 +160,116 @@ void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o0[i]);
 }
 
+// Rows fetched ahead of the one being read (a prefetch past a page run's end is harmless).
+constexpr int64_t kPrefetchRows = 8;
+
+// The same as attend_one with the group size and head size known at compile time (the common shapes):
+// the queries and the output accumulators stay in registers, the loops over the head size unroll.
+template <typename T, int G, int D>
+void attend_fixed(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
+  const int64_t pos = s.token_pos[t];
+  const int64_t lo = first_key(s.window, pos);
+  const int64_t n = pos - lo + 1;
+  scratch.scores.resize(static_cast<size_t>(G * n));
+  float* sc = scratch.scores.data();
+  const int32_t* pages = s.block_table + s.token_row[t] * s.table_stride;
+  const T* q_in = s.q + t * s.q_stride_t + g * G * s.q_stride_h;
+  alignas(64) float q[G][D];
+  for (int h = 0; h < G; ++h) {
+    const T* q_row = q_in + h * s.q_stride_h;
+#pragma omp simd
+    for (int i = 0; i < D; ++i) q[h][i] = widen(q_row[i]);
+  }
+  const T* k_base = s.k + g * s.kv_head_stride;
+  const T* v_base = s.v + g * s.kv_head_stride;
+  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
+  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
+    const T* kr = k_base + slot * s.slot_stride;
+    // The cache is cold after the step's products streamed the weights: fetch ahead within the page
+    // run (slots are consecutive there), and this key's value row for the third pass.
+    const char* ahead = reinterpret_cast<const char*>(kr + kPrefetchRows * s.slot_stride);
+    for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(ahead + b);
+    const char* vr_now = reinterpret_cast<const char*>(v_base + slot * s.slot_stride);
+    for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(vr_now + b);
+    alignas(64) float k[D];
+#pragma omp simd
+    for (int i = 0; i < D; ++i) k[i] = widen(kr[i]);
+    for (int h = 0; h < G; ++h) {
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int i = 0; i < D; ++i) acc += q[h][i] * k[i];
+      sc[h * n + j] = acc;
+    }
+  });
+  for (int h = 0; h < G; ++h) {
+    float* row = sc + h * n;
+    const float scale = s.scale;
+    if (s.softcap > 0.f) {
+      for (int64_t j = 0; j < n; ++j) row[j] = s.softcap * std::tanh(row[j] * scale / s.softcap);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+    }
+    const bool sink = s.sinks != nullptr;
+    const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
+    float m = sink ? sink_logit : row[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
+    float total = sink ? exp_nonpositive(sink_logit - m) : 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = exp_nonpositive(row[j] - m);
+      total += row[j];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+  }
+  alignas(64) float o[G][D];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < D; ++i) o[h][i] = 0.f;
+  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
+    const T* vr = v_base + slot * s.slot_stride;
+    alignas(64) float v[D];
+#pragma omp simd
+    for (int i = 0; i < D; ++i) v[i] = widen(vr[i]);
+    for (int h = 0; h < G; ++h) {
+      const float p = sc[h * n + j];
+#pragma omp simd
+      for (int i = 0; i < D; ++i) o[h][i] += p * v[i];
+    }
+  });
+  T* out = s.out + (t * s.heads + g * G) * D;
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < D; ++i) out[h * D + i] = static_cast<T>(o[h][i]);
+}
+
+template <typename T>
+using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
+
+template <typename T, int D>
+Attend<T> fixed_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_fixed<T, 1, D>;
+    case 2: return attend_fixed<T, 2, D>;
+    case 3: return attend_fixed<T, 3, D>;
+    case 4: return attend_fixed<T, 4, D>;
+    case 5: return attend_fixed<T, 5, D>;
+    case 6: return attend_fixed<T, 6, D>;
+    case 7: return attend_fixed<T, 7, D>;
+    case 8: return attend_fixed<T, 8, D>;
+    default: return attend_one<T>;
+  }
+}
+
+// The kernel of this step's shape: a fixed one for head sizes 64 / 128 and groups up to 8.
+template <typename T>
+Attend<T> attend_for(int64_t group, int64_t head_dim) {
+  if (head_dim == 64) return fixed_for_group<T, 64>(group);
+  if (head_dim == 128) return fixed_for_group<T, 128>(group);
+  return attend_one<T>;
+}
+
 template <typename T>
 void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
               const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
@@ -182,11 +292,12 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
   for (int64_t t = 0; t < tokens; ++t) work += s.token_pos[t] - first_key(s.window, s.token_pos[t]) + 1;
   work *= s.heads * s.head_dim;
   const int64_t lanes = work < (1 << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  const Attend<T> attend = attend_for<T>(s.group, s.head_dim);
   auto run_lanes = [&](int64_t begin, int64_t end) {
     Scratch scratch;
     // Round robin: items are sorted by length (longest decodes first), so lanes get even shares.
     for (int64_t lane = begin; lane < end; ++lane)
-      for (int64_t i = lane; i < items; i += lanes) attend_one(s, i / s.kv_heads, i % s.kv_heads, scratch);
+      for (int64_t i = lane; i < items; i += lanes) attend(s, i / s.kv_heads, i % s.kv_heads, scratch);
   };
   if (lanes <= 1) {
     run_lanes(0, 1);
