@@ -31,6 +31,12 @@ class Samples:
     top_logprobs: list[dict[int, float] | None] | None = None
 
 
+def best_tokens(scores: torch.Tensor) -> torch.Tensor:
+    """`scores.argmax(dim=-1)`, the same ties (the first best index) and NaN rows, through `max`: on CPU
+    torch's argmax reduction is ~3x slower (350 us against 117 us for 16 x 32000 float32 rows, 2 threads)."""
+    return scores.max(dim=-1).indices
+
+
 class Sampler:
     """Samples one token per row of `[S, vocab]` logits with each row's request state.
 
@@ -62,7 +68,7 @@ class Sampler:
         states: list[RequestSampling | None] = [request.sampling for request in requests]
         if all(state is None for state in states):
             # Greedy without processors or outputs: the hot path, one argmax.
-            return Samples(tokens=logits.argmax(dim=-1).tolist())
+            return Samples(tokens=best_tokens(logits).tolist())
         scores = self.scores(logits, requests)
         sampled = [
             (i, state) for i, state in enumerate(states) if state is not None and state.params.do_sample
@@ -71,7 +77,7 @@ class Sampler:
         if len(sampled) == len(states):
             tokens = self._draw(scores, sampled_states)
         else:
-            tokens = scores.argmax(dim=-1)
+            tokens = best_tokens(scores)
             if sampled:
                 rows = torch.tensor([i for i, _ in sampled], dtype=torch.long, device=scores.device)
                 tokens[rows] = self._draw(scores[rows], sampled_states)

@@ -28,7 +28,7 @@ import torch
 from ..requests import Request
 from .request_state import RequestSampling
 from .sampled_token import SampledToken
-from .sampler import Sampler
+from .sampler import Sampler, best_tokens
 
 
 class DraftView:
@@ -68,7 +68,7 @@ def verify(
         row += 1 + len(draft)
     states = [request.sampling for request in requests]
     if all(state is None for state in states):  # plain greedy: one argmax over every row
-        best = logits.argmax(dim=-1).tolist()
+        best = best_tokens(logits).tolist()
         return [
             [SampledToken(t) for t in _greedy_run(best[o : o + 1 + len(d)], d)]
             for o, d in zip(offsets, drafts, strict=True)
@@ -81,7 +81,7 @@ def verify(
         if state is not None and state.params.do_sample:
             tokens = _sampled_run(rows, draft, state)
         else:
-            tokens = _greedy_run(rows.argmax(dim=-1).tolist(), draft)
+            tokens = _greedy_run(best_tokens(rows).tolist(), draft)
         runs.append(_with_logprobs(rows, tokens, state))
         if state is not None and draft:
             accepted = len(tokens) - 1
