@@ -38,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ContinuousBatchingConfig.packed_linear: auto (None, the default), on (True), off (False)",
     )
     p.add_argument("--no-profiler", action="store_true", help="only the phase timings")
+    p.add_argument(
+        "--save-model",
+        type=Path,
+        default=None,
+        help="save the model to this folder (for benchmarks/profile_vllm.py) and exit",
+    )
     return p.parse_args(argv)
 
 
@@ -62,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         model, _tokenizer = real_prompts.build_model(args.model, dtype=dtype)
     else:
         model = common.build_model(args.model, dtype=dtype)
+    if args.save_model is not None:
+        model.save_pretrained(args.save_model)
+        print(f"saved {args.model} ({args.dtype}) to {args.save_model}")
+        return 0
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     packed = {"auto": None, "on": True, "off": False}[args.packed_linear]
