@@ -35,11 +35,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+SITE = Path(__file__).resolve().parent / "vllm_site"  # hides PyPI's CUDA torchvision (vllm_engine.py)
+
+
 def _with_iomp() -> None:
-    """Re-execute with the venv's libiomp5 in LD_PRELOAD (vLLM's recommended OpenMP runtime)."""
+    """Re-execute with the venv's libiomp5 in LD_PRELOAD (vLLM's recommended OpenMP runtime) and
+    `vllm_site` on PYTHONPATH."""
     library = Path(sys.executable).parent.parent / "lib" / "libiomp5.so"
-    if library.exists() and str(library) not in os.environ.get("LD_PRELOAD", ""):
-        env = dict(os.environ, LD_PRELOAD=f"{library} {os.environ.get('LD_PRELOAD', '')}".strip())
+    if os.environ.get("PYTHONPATH") != str(SITE) or (
+        library.exists() and str(library) not in os.environ.get("LD_PRELOAD", "")
+    ):
+        env = dict(os.environ, PYTHONPATH=str(SITE))
+        if library.exists():
+            env["LD_PRELOAD"] = f"{library} {os.environ.get('LD_PRELOAD', '')}".strip()
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
