@@ -98,6 +98,36 @@ inline const float* as_float(const T* row, int64_t n, float* buffer) {
   }
 }
 
+// Scores `sc` [G, n] of kv head g's query heads made probabilities in place: scale (or softcap), then a
+// softmax over the keys, with the head's attention sink in the denominator when the layer has sinks.
+template <typename T>
+inline void softmax_rows(const Step<T>& s, float* sc, int64_t n, int64_t g, int64_t G) {
+  for (int64_t h = 0; h < G; ++h) {
+    float* row = sc + h * n;
+    const float scale = s.scale;
+    if (s.softcap > 0.f) {
+      for (int64_t j = 0; j < n; ++j) row[j] = s.softcap * std::tanh(row[j] * scale / s.softcap);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+    }
+    const bool sink = s.sinks != nullptr;
+    const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
+    float m = sink ? sink_logit : row[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
+    float total = sink ? exp_nonpositive(sink_logit - m) : 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = exp_nonpositive(row[j] - m);
+      total += row[j];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+  }
+}
+
 // Scratch space of one lane: scores, the widened queries, one widened K/V row, the float output.
 struct Scratch {
   std::vector<float> scores, query, row, out;
@@ -128,30 +158,7 @@ void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
     const float* key = as_float(s.k + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * D, key, D);
   });
-  for (int64_t h = 0; h < G; ++h) {
-    float* row = sc + h * n;
-    const float scale = s.scale;
-    if (s.softcap > 0.f) {
-      for (int64_t j = 0; j < n; ++j) row[j] = s.softcap * std::tanh(row[j] * scale / s.softcap);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
-    }
-    const bool sink = s.sinks != nullptr;
-    const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
-    float m = sink ? sink_logit : row[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
-    float total = sink ? exp_nonpositive(sink_logit - m) : 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; ++j) {
-      row[j] = exp_nonpositive(row[j] - m);
-      total += row[j];
-    }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
-  }
+  softmax_rows(s, sc, n, g, G);
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
     const float* value = as_float(s.v + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) axpy(o0 + h * D, sc[h * n + j], value, D);
@@ -201,30 +208,7 @@ void attend_fixed(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
       sc[h * n + j] = acc;
     }
   });
-  for (int h = 0; h < G; ++h) {
-    float* row = sc + h * n;
-    const float scale = s.scale;
-    if (s.softcap > 0.f) {
-      for (int64_t j = 0; j < n; ++j) row[j] = s.softcap * std::tanh(row[j] * scale / s.softcap);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) row[j] *= scale;
-    }
-    const bool sink = s.sinks != nullptr;
-    const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
-    float m = sink ? sink_logit : row[0];
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
-    float total = sink ? exp_nonpositive(sink_logit - m) : 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; ++j) {
-      row[j] = exp_nonpositive(row[j] - m);
-      total += row[j];
-    }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
-  }
+  softmax_rows(s, sc, n, g, G);
   alignas(64) float o[G][D];
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < D; ++i) o[h][i] = 0.f;

@@ -71,8 +71,13 @@ def _handle_of(module: nn.Linear) -> int:
     return handle
 
 
-def _packed_forward(module: nn.Linear, handle: int, min_rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    # Below `min_rows` rows MKL's plain product is the faster one (`PackRule`).
+def _packed_forward(
+    module: nn.Linear, handle: int, min_rows: int, eager: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The instance forward of a packed Linear: `eager(input)` (default: its own packed product) in an eager
+    forward from `min_rows` rows; below them MKL's plain product, the faster one there (`PackRule`); the
+    custom op in a compiled forward; `F.linear` when autograd records or the input's dtype / device
+    differs."""
     min_numel = min_rows * module.in_features
 
     def forward(input: torch.Tensor) -> torch.Tensor:
@@ -83,6 +88,8 @@ def _packed_forward(module: nn.Linear, handle: int, min_rows: int) -> Callable[[
             return packed_linear(input, weight, bias, handle)
         if input.numel() < min_numel:
             return F.linear(input, weight, bias)
+        if eager is not None:
+            return eager(input)
         return packed_linear_eager(input, weight, bias, handle)
 
     return forward
@@ -91,20 +98,8 @@ def _packed_forward(module: nn.Linear, handle: int, min_rows: int) -> Callable[[
 def _fused_forward(
     group: FusedGroup, index: int, handle: int, min_rows: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    module = group.members[index]
-    min_numel = min_rows * module.in_features
-
-    def forward(input: torch.Tensor) -> torch.Tensor:
-        weight, bias = module.weight, module.bias
-        if torch.is_grad_enabled() or input.dtype != weight.dtype or input.device != weight.device:
-            return F.linear(input, weight, bias)
-        if torch.compiler.is_compiling():
-            return packed_linear(input, weight, bias, handle)
-        if input.numel() < min_numel:
-            return F.linear(input, weight, bias)
-        return group.take(index, input)
-
-    return forward
+    """A fused group's member: its columns of the group's product (`FusedGroup.take`) in eager forwards."""
+    return _packed_forward(group.members[index], handle, min_rows, lambda x: group.take(index, x))
 
 
 def _group_handle() -> int:
