@@ -106,3 +106,23 @@ def test_greedy_generate_batch_equals_generate_fused(env, monkeypatch) -> None:
     )
     for i, prompt in enumerate(prompts):
         assert outputs[f"req_{i}"].generated_tokens == greedy_reference(model, prompt, 8)
+
+
+def test_siblings_on_other_inputs_unfuse_the_group(monkeypatch) -> None:
+    """Cross-attention's pattern (q on x, k and v on y): exact, and after the first broken call the group
+    stops computing a fused product per call."""
+    model = tiny_llama()
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(1, 5, model.config.hidden_size)
+    y = torch.randn(1, 7, model.config.hidden_size)
+    calls = count_products(monkeypatch)
+    with torch.inference_mode(), packed_linears(model, True):
+        outputs = []
+        for _ in range(3):
+            outputs += [attention.q_proj(x), attention.k_proj(y), attention.v_proj(y)]
+    for i, (proj, inp) in enumerate(
+        [(attention.q_proj, x), (attention.k_proj, y), (attention.v_proj, y)] * 3
+    ):
+        torch.testing.assert_close(outputs[i], nn.functional.linear(inp, proj.weight), rtol=1e-4, atol=1e-5)
+    # q: the fused product of x; k on y breaks the pattern: own products from there on (1 + 2, 3, 3).
+    assert len(calls) == 1 + 1 + 1 + 3 + 3

@@ -7,9 +7,11 @@ The user's modules stay as they are: the group's members get the same kind of in
 every packed Linear (`packed_model.packed_linears`), sharing one pack of their weights concatenated
 along the outputs (`PackRegistry.current_fused`, rebuilt when any member's weight changes). The first
 member called with an input computes the fused product and hands each other member its columns when
-that member is called with the same input tensor (the same object, at the same address); any other call
-(another input, an input changed in place, autograd recording, a compiled forward) is a member's own
-product, so a model whose code does not follow the pattern still gets exact results, only unfused.
+that member is called with the same input tensor (the same object, at the same address). When a member
+is called on another input while a sibling's columns are still pending (cross-attention, layers that skip
+their K/V projections), the group is unfused for the run; autograd recording and compiled forwards take the
+member's own product too. A model whose code does not follow the pattern still gets exact results, only
+unfused.
 
 Groups are found by name: siblings `q_proj` / `k_proj` / `v_proj` and `gate_proj` / `up_proj` of one
 parent module (Llama, Mistral, Qwen 2 / 3, Gemma 1-3, and every family that names them so), each a
@@ -51,6 +53,8 @@ class FusedGroup:
     members: tuple[nn.Linear, ...]
     handle: int
     pending: _Pending = field(default_factory=_Pending)
+    # Set when a call broke the one-input pattern (`take`): members run their own products for the run.
+    unfused: bool = False
 
     @property
     def in_features(self) -> int:
@@ -69,15 +73,24 @@ class FusedGroup:
             self.handle, tuple(m.weight for m in self.members), tuple(m.bias for m in self.members)
         )
 
-    def take(self, index: int, input: torch.Tensor) -> torch.Tensor:
+    def take(self, index: int, input: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s product of `input`: its columns of the fused product (computed now, or by the
-        sibling called first with the same input)."""
+        sibling called first with the same input); None once the group is unfused for the run."""
+        if self.unfused:
+            return None
         pending = self.pending
         if pending.input is input and pending.data_ptr == input.data_ptr() and index in pending.outputs:
             output = pending.outputs.pop(index)
             if not pending.outputs:
                 pending.clear()
             return output
+        if pending.outputs:
+            # A sibling never took its columns (its input was another tensor, or the model skips it, e.g.
+            # layers reusing another layer's K/V): the pattern does not hold here, so every member runs its
+            # own product from now on instead of a fused product per call.
+            pending.clear()
+            self.unfused = True
+            return None
         pack = self.pack()
         fused = torch.ops.mkldnn._linear_pointwise(input.contiguous(), pack.packed, pack.bias, "none", [], "")
         outputs = fused.split(self.out_features, dim=-1)

@@ -98,8 +98,17 @@ def _packed_forward(
 def _fused_forward(
     group: FusedGroup, index: int, handle: int, min_rows: int
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A fused group's member: its columns of the group's product (`FusedGroup.take`) in eager forwards."""
-    return _packed_forward(group.members[index], handle, min_rows, lambda x: group.take(index, x))
+    """A fused group's member: its columns of the group's product (`FusedGroup.take`) in eager forwards,
+    its own packed product once the group is unfused."""
+    module = group.members[index]
+
+    def eager(input: torch.Tensor) -> torch.Tensor:
+        output = group.take(index, input)
+        if output is None:
+            return packed_linear_eager(input, module.weight, module.bias, handle)
+        return output
+
+    return _packed_forward(module, handle, min_rows, eager)
 
 
 def _group_handle() -> int:
