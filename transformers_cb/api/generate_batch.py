@@ -18,11 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
@@ -30,7 +28,6 @@ from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.validation import per_item, refuse_multimodal_inputs
 from ..requests import GenerationOutput, Request
-from ..runner.packed_model import packed_linears
 from ..sampling.params import PER_REQUEST_KWARGS
 
 # generate_batch kwargs handed to the Engine as they are.
@@ -139,12 +136,7 @@ def generate_batch(
         )
         for i, ids in enumerate(inputs)
     ]
-    with (
-        paged_attention(self, engine.attn_implementation),
-        packed_linears(self, engine.packed_linear),
-        engine.assistant_session(),
-        torch.inference_mode(),
-    ):
+    with engine.session():
         if warmup and not engine.warmed_up:
             engine.warmup()
         for request in engine.admission_order(requests):

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import default_max_new_tokens
 from ..kv.offload import CpuOffload
@@ -31,7 +34,7 @@ from ..requests import Request, RequestStatus
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.packed_linear import WeightKey
-from ..runner.packed_model import model_pack_bytes
+from ..runner.packed_model import model_pack_bytes, packed_linears
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.scheduler import Scheduler
@@ -326,6 +329,20 @@ class Engine:
         """Start the work counters (`counters`, `snapshot().counters`, `snapshot().speculation`) from zero."""
         self.counters = EngineCounters()
         self.scheduler.speculation = SpeculationStats()
+
+    # -- the run session ---------------------------------------------------------------
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
+        warm-up): its paged attention backend, its packed products, the draft model's backend, inference
+        mode; all restored on exit. Every caller that steps the engine enters it, and only it."""
+        with (
+            paged_attention(self.model, self.attn_implementation),
+            packed_linears(self.model, self.packed_linear),
+            self.assistant_session(),
+            torch.inference_mode(),
+        ):
+            yield
 
     # -- the draft model ----------------------------------------------------------------
     def assistant_session(self) -> AbstractContextManager[Any]:

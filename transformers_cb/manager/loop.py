@@ -13,16 +13,13 @@ import threading
 from collections.abc import Callable
 from contextlib import nullcontext
 
-import torch
 from transformers import PreTrainedModel
 
-from ..attention.selection import paged_attention
 from ..distributed import TensorParallelError
 from ..engine.engine import Engine
 from ..engine.follower import FollowerEngine
 from ..invariants import present
 from ..requests import Request, RequestStatus
-from ..runner.packed_model import packed_linears
 from .results import ResultRouter
 from .state import ManagerState
 from .stats import ThroughputWindow
@@ -118,14 +115,7 @@ class ManagerLoop:
         engine = state.engine
         try:
             settings.apply()
-            target = engine.attn_implementation if engine is not None else None
-            packed = engine is not None and engine.packed_linear
-            with (
-                paged_attention(self._model, target),
-                packed_linears(self._model, packed),
-                engine.assistant_session() if engine is not None else nullcontext(),
-                torch.inference_mode(),
-            ):
+            with engine.session() if engine is not None else nullcontext():
                 if isinstance(engine, FollowerEngine):
                     engine.replay_session()  # a tensor-parallel follower replays rank 0's session
                 else:

@@ -19,13 +19,11 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..attention.selection import paged_attention
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
-from ..runner.packed_model import packed_linears
 from ..sampling.guided import GuidedDecoding
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
@@ -147,12 +145,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         if self.is_running():
             logger.warning("ContinuousBatchingManager.warmup(): skipped, the manager is already running")
             return
-        with (
-            paged_attention(self.model, engine.attn_implementation),
-            packed_linears(self.model, engine.packed_linear),
-            engine.assistant_session(),
-            torch.inference_mode(),
-        ):
+        with engine.session():
             engine.warmup()
 
     def stop(

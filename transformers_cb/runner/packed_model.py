@@ -1,7 +1,8 @@
 """Packed products for every dense CPU `nn.Linear` of a model (LM head included), for the run only.
 
-`packed_linears(model, enabled)` is entered beside `attention.selection.paged_attention` wherever the
-engine runs (`generate_batch`, the manager's thread and its `warmup()`). Inside, each eligible Linear
+`packed_linears(model, enabled)` is entered beside `attention.selection.paged_attention` by
+`Engine.session()`, the one run session of every caller that steps an engine (`generate_batch`, the
+manager's thread and its `warmup()`). Inside, each eligible Linear
 instance gets an instance attribute `forward` that calls `packed_linear.packed_linear`; on exit (and on
 `plugin.uninstall`, `restore_all`) the attribute is deleted, so the class's own forward
 shows again. Why an instance attribute: no module is replaced (the user's module tree, its types,
