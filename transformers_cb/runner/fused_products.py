@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .packed_linear import PACKS, Pack
+from .packed_linear import PACKS, Pack, pointwise
 
 # Sibling names whose products read one input; the first that is present in full forms a group.
 SIBLING_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -92,7 +92,7 @@ class FusedGroup:
             self.unfused = True
             return None
         pack = self.pack()
-        fused = torch.ops.mkldnn._linear_pointwise(input.contiguous(), pack.packed, pack.bias, "none", [], "")
+        fused = pointwise(input, pack.packed, pack.bias)
         outputs = fused.split(self.out_features, dim=-1)
         pending.input, pending.data_ptr = input, input.data_ptr()
         pending.outputs = {i: out for i, out in enumerate(outputs) if i != index}
@@ -100,10 +100,10 @@ class FusedGroup:
 
 
 def find_groups(
-    model: nn.Module, packable: Callable[[nn.Module], bool], new_handle: Callable[[], int]
+    model: nn.Module, packable: Callable[[nn.Module], bool], handle_of: Callable[[nn.Linear], int]
 ) -> list[FusedGroup]:
     """The fusable sibling groups of `model` (each member `packable`, one input width, dtype and bias
-    presence); `new_handle` gives each group's pack handle (kept per group by the caller)."""
+    presence); `handle_of(first member)` gives each group's pack handle (the same one every run)."""
     groups = []
     for parent in model.modules():
         children = dict(parent.named_children())
@@ -120,5 +120,5 @@ def find_groups(
                 for m in linears
             )
             if same:
-                groups.append(FusedGroup(linears, new_handle()))
+                groups.append(FusedGroup(linears, handle_of(first)))
     return groups

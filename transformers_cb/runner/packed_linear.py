@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -159,15 +160,7 @@ class PackRegistry:
     def current(self, handle: int, weight: torch.Tensor) -> torch.Tensor:
         """The pack of `weight` under `handle`, rebuilt first if the weight changed since it was built."""
         key = WeightKey.of(weight)
-        pack = self._packs.get(handle)
-        if pack is not None and pack.key == key:
-            return pack.packed
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_SIZE_HINT)
-        with self._lock:
-            if handle in self._packs:  # a dropped handle stays dropped
-                self._packs[handle] = Pack(key, packed)
-            self.builds += 1
-        return packed
+        return self._current(handle, key, lambda: Pack(key, reorder(weight.detach()))).packed
 
     def current_fused(
         self, handle: int, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
@@ -176,17 +169,36 @@ class PackRegistry:
         `runner/fused_products.py`), with the biases concatenated (None when they are); rebuilt when any
         weight or bias changed since it was built."""
         key = _key_of_many(weights + biases)
+
+        def build() -> Pack:
+            fused = torch.cat([w.detach() for w in weights])
+            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
+            return Pack(key, reorder(fused), bias)
+
+        return self._current(handle, key, build)
+
+    def _current(
+        self, handle: int, key: WeightKey | tuple[WeightKey, ...], build: Callable[[], Pack]
+    ) -> Pack:
         pack = self._packs.get(handle)
         if pack is not None and pack.key == key:
             return pack
-        fused = torch.cat([w.detach() for w in weights])
-        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
-        pack = Pack(key, torch.ops.mkldnn._reorder_linear_weight(fused, BATCH_SIZE_HINT), bias)
+        pack = build()
         with self._lock:
-            if handle in self._packs:
+            if handle in self._packs:  # a dropped handle stays dropped
                 self._packs[handle] = pack
             self.builds += 1
         return pack
+
+
+def reorder(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's blocked layout (one pack serves every row count)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
+
+
+def pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` on a packed `W`."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 PACKS = PackRegistry()
@@ -197,11 +209,7 @@ def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` through the oneDNN pack of `weight` registered under `handle`."""
-    if weight.is_inference():
-        # An inference tensor has no version counter: an in-place write to it could not be seen.
-        return F.linear(x, weight, bias)
-    packed = PACKS.current(handle, weight)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return packed_linear_eager(x, weight, bias, handle)
 
 
 def packed_linear_eager(
@@ -210,9 +218,9 @@ def packed_linear_eager(
     """`packed_linear` without the custom op's dispatch (~8 us a call, 200 calls a step on a 30-layer
     model): what an eager forward calls; a compiled one calls the op, which inductor can place."""
     if weight.is_inference():
+        # An inference tensor has no version counter: an in-place write to it could not be seen.
         return F.linear(x, weight, bias)
-    packed = PACKS.current(handle, weight)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return pointwise(x, PACKS.current(handle, weight), bias)
 
 
 @packed_linear.register_fake

@@ -63,13 +63,22 @@ def is_packable(module: nn.Module) -> bool:
     )
 
 
-def _handle_of(module: nn.Linear) -> int:
-    handle = _handles.get(module)
+def _handle_in(handles: weakref.WeakKeyDictionary[nn.Linear, int], module: nn.Linear) -> int:
+    """`module`'s handle in `handles`, registered (and dropped with the module) on first use."""
+    handle = handles.get(module)
     if handle is None:
         handle = PACKS.new_handle()
-        _handles[module] = handle
+        handles[module] = handle
         weakref.finalize(module, PACKS.drop, handle)
     return handle
+
+
+def _handle_of(module: nn.Linear) -> int:
+    return _handle_in(_handles, module)
+
+
+def _group_handle_of(first: nn.Linear) -> int:
+    return _handle_in(_group_handles, first)
 
 
 def _packed_forward(
@@ -112,10 +121,6 @@ def _fused_forward(
     return _packed_forward(module, handle, min_rows, eager)
 
 
-def _group_handle() -> int:
-    return PACKS.new_handle()
-
-
 @dataclass
 class PackedPlan:
     """What a run packs: single Linears with the row count from which each runs packed, and fused groups
@@ -141,16 +146,8 @@ def packed_plan(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> P
     groups: list[tuple[FusedGroup, int]] = []
     grouped: set[int] = set()
     if fuse:
-        for group in find_groups(model, is_packable, _group_handle):
-            first = group.members[0]
-            known = _group_handles.get(first)
-            if known is None:
-                _group_handles[first] = group.handle
-                weakref.finalize(first, PACKS.drop, group.handle)
-            else:
-                PACKS.drop(group.handle)
-                group.handle = known
-            min_rows = rule.min_rows_of(first.weight.dtype, group.numel)
+        for group in find_groups(model, is_packable, _group_handle_of):
+            min_rows = rule.min_rows_of(group.members[0].weight.dtype, group.numel)
             if min_rows < NEVER:
                 groups.append((group, min_rows))
                 grouped.update(id(m) for m in group.members)
