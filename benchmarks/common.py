@@ -1059,10 +1059,26 @@ def length_errors(result: RunResult, workload: Workload) -> list[str]:
 class CpuSnapshot:
     time: float
     busy_s: float | None  # CPU-seconds of all processes (from /proc/stat), None off Linux
-    own_s: float  # CPU-seconds of this process (all threads)
+    own_s: float  # CPU-seconds of this process (all threads) and of the engine's own helper processes
 
 
-def cpu_snapshot() -> CpuSnapshot:
+def helper_cpu_s(pids: Sequence[int]) -> float:
+    """CPU-seconds of the processes `pids` (an engine's own workers: vLLM's worker and engine core)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def cpu_snapshot(helper_pids: Sequence[int] = ()) -> CpuSnapshot:
+    """`helper_pids`: processes whose CPU time is the engine's own work, not other load (the same list for
+    both snapshots of a run)."""
     busy = None
     try:
         with open("/proc/stat") as f:
@@ -1072,7 +1088,7 @@ def cpu_snapshot() -> CpuSnapshot:
     except (OSError, ValueError, IndexError):
         pass
     t = os.times()
-    return CpuSnapshot(time.perf_counter(), busy, t.user + t.system)
+    return CpuSnapshot(time.perf_counter(), busy, t.user + t.system + helper_cpu_s(helper_pids))
 
 
 def other_load(start: CpuSnapshot, end: CpuSnapshot) -> float | None:

@@ -303,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                             log(
                                 f"   waited {waited:.0f}s for a quieter machine (other load {before:.2f} cores)"
                             )
-                    snap = common.cpu_snapshot()
+                    if hasattr(engine, "resume"):
+                        engine.resume()  # its processes exist and run before their CPU time is read
+                    helpers = engine.helper_pids() if hasattr(engine, "helper_pids") else []
+                    snap = common.cpu_snapshot(helpers)
                     try:
                         res = engine.run(model, workload)
                     except Exception:
@@ -314,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                         common.restore_attn_implementation(model)
                         if hasattr(engine, "pause"):
                             engine.pause()
-                    load = common.other_load(snap, common.cpu_snapshot())
+                    load = common.other_load(snap, common.cpu_snapshot(helpers))
                     res.other_load = load
                     load_str = "" if load is None else f" (other processes: {load:.2f} cores)"
                     log(f"   {model_name}/{wl_name}/{name} run {rep + 1}: {res.wall_s:.2f}s{load_str}")

@@ -157,6 +157,19 @@ class VllmEngine(common.Engine):
         if self._process is not None and self._process.poll() is None:
             os.killpg(self._process.pid, sig)
 
+    def helper_pids(self) -> list[int]:
+        """The worker and every process vLLM started under it (its engine core runs the forward): their CPU
+        time is this engine's work, not other load."""
+        if self._process is None or self._process.poll() is not None:
+            return []
+        import psutil
+
+        try:
+            worker = psutil.Process(self._process.pid)
+            return [worker.pid, *(child.pid for child in worker.children(recursive=True))]
+        except psutil.Error:
+            return []
+
     def pause(self) -> None:
         """Stop the worker's processes (SIGSTOP to its group) until `resume`: no idle polling between runs."""
         if not self.paused:
