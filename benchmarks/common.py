@@ -20,6 +20,8 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import hashlib
+import json
 import math
 import os
 import platform
@@ -314,6 +316,12 @@ class RunResult:
     peak_pages: dict[str, int] | None = None
     #: Prompt tokens run through the model (ours: counted; limit: prefix once + suffixes; else None).
     prefill_tokens: int | None = None
+
+
+def outputs_digest(outputs: list[list[int] | None]) -> str:
+    """A short digest of every request's token ids, in order: equal digests mean equal outputs (refactors
+    compare the JSON of two commits)."""
+    return hashlib.sha256(json.dumps(outputs).encode()).hexdigest()[:16]
 
 
 def cb_engine_settings(

@@ -320,6 +320,7 @@ def run(args: Any, log=print) -> list[dict[str, Any]]:
                     "acceptance": stats.get("acceptance"),
                     "tokens_per_step": stats.get("tokens_per_step"),
                     "identical": f"{same}/{len(outputs)}",
+                    "outputs_sha": common.outputs_digest(outputs),
                     "same_tokens": agreeing / compared if compared else 1.0,
                 }
             )

@@ -372,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
                         "fwd_tokens": res.tokens_forwarded,
                         "fwd_tokens_exact": res.tokens_forwarded_exact,
                         "prefill_tokens": res.prefill_tokens,
+                        "outputs_sha": common.outputs_digest(res.outputs) if name != "limit" else None,
                         "fwd_tokens_str": f"{res.tokens_forwarded}"
                         + ("" if res.tokens_forwarded_exact else " (est)"),
                         "x_limit": res.wall_s / limit_wall if limit_wall else None,
