@@ -128,7 +128,7 @@ def eos_token_ids(manager: Any, ignore_eos: bool, stop_token_ids: list[int] | No
 
 def _generation_config(manager: Any) -> GenerationConfig | None:
     engine = getattr(manager, "engine", None)
-    return None if engine is None else engine.generation_config
+    return None if engine is None else engine.plan.sampling.generation_config
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
