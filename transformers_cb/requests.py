@@ -16,6 +16,10 @@ A request's outputs (`to_output`) do not copy its growing lists: each output's `
 `logprobs`, ... is a `SharedPrefix` of the request's own list (which only grows), copied into a list
 the first time it is read. `new_tokens` (and `new_logprobs`, `new_top_logprobs`) are the items new
 since the request's previous output, so a stream of N tokens read through them costs O(N) in all.
+
+A request carries the state its sampling and speculation rooms attach (`Request.sampling`,
+`Request.speculation`); this module, below both, knows them only by what it calls on them
+(`SamplingState`, `SpeculationCounts`: protocols), so it imports nothing above it, not even for types.
 """
 
 from __future__ import annotations
@@ -24,13 +28,48 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
-
-if TYPE_CHECKING:
-    from .sampling.request_state import RequestSampling
-    from .scheduler.speculation import SpeculationState
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 from .invariants import InvariantError
+
+
+class OutputOptions(Protocol):
+    """What a request's outputs carry beyond its tokens (`sampling.params.SamplingParams`)."""
+
+    @property
+    def prompt_logprobs(self) -> bool: ...
+
+    @property
+    def top_logprobs(self) -> int: ...
+
+
+class SamplingState(Protocol):
+    """What a request asks of its sampling state (`sampling.request_state.RequestSampling`)."""
+
+    @property
+    def params(self) -> OutputOptions: ...
+
+    def hits_stop_string(self, token_ids: list[int]) -> bool: ...
+
+    def grammar_finished(self, generated_ids: list[int]) -> bool: ...
+
+
+class DraftCounts(Protocol):
+    """A request's speculation counts (`scheduler.speculation.SpeculationStats`)."""
+
+    @property
+    def drafted(self) -> int: ...
+
+    @property
+    def accepted(self) -> int: ...
+
+
+class SpeculationCounts(Protocol):
+    """What a request asks of its speculation state (`scheduler.speculation.SpeculationState`): its
+    counts, for the output."""
+
+    @property
+    def stats(self) -> DraftCounts: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -265,7 +304,7 @@ class Request:
     top_logprobs: list[dict[int, float]] | None = None
     prompt_logprobs: list[float] | None = None  # logprobs of prompt tokens 1, 2, ... computed so far
     prompt_top_logprobs: list[dict[int, float]] | None = None  # their top_logprobs alternatives
-    sampling: RequestSampling | None = None  # None: plain greedy argmax (sampling/request_state.py)
+    sampling: SamplingState | None = None  # None: plain greedy argmax (sampling/request_state.py)
     num_computed_tokens: int = 0
     pages: list[PageList] = field(default_factory=list)  # one per KV layer group, see `kv/layer_groups.py`
     num_preemptions: int = 0
@@ -286,7 +325,7 @@ class Request:
     fork_parent: Request | None = field(default=None, repr=False)
     num_output_tokens: int = 0  # generated tokens in this request's previous output (`to_output`)
     # Speculative decoding (prompt lookup): settings, draft length, counts; None: no speculation.
-    speculation: SpeculationState | None = field(default=None, repr=False)
+    speculation: SpeculationCounts | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)

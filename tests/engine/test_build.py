@@ -1,4 +1,4 @@
-"""engine/build.py: every setting resolved once into a frozen `EnginePlan` (nothing allocated, no config
+"""engine/plan.py and engine/build.py: every setting resolved once into a frozen `EnginePlan` (nothing allocated, no config
 written), then the parts wired from the plan alone; the values the engine runs with are the plan's."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from tests.support.models import build_tiny_model, tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.config.continuous_batching import DeviceOptions
-from transformers_cb.engine.build import build_engine, resolve_plan, wire
+from transformers_cb.engine.build import build_engine, wire
 from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.plan import resolve_plan
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory import host_cache
 from transformers_cb.memory.kv_cache import CacheLayout, PagedKVCache
@@ -46,10 +47,10 @@ def test_the_callers_configs_are_untouched_after_the_engine_ran() -> None:
     run_prompts(engine, model, prompts_of_lengths([30, 12, 21], seed=2))
     assert config == config_before and generation.to_dict() == generation_before
     # The engine's copy is the settings as given, never the resolved values.
-    assert engine.cb_config == config_before and engine.cb_config is not config
-    assert engine.cb_config.use_cuda_graph is True and engine.cb_config.max_blocks_per_request == 32
+    assert engine.plan.config == config_before and engine.plan.config is not config
+    assert engine.plan.config.use_cuda_graph is True and engine.plan.config.max_blocks_per_request == 32
     assert engine.plan.device_options == DeviceOptions((False, False), False)
-    assert engine.step_options.max_blocks_per_request == 0 and engine.step_options.cuda_graphs == (
+    assert engine.plan.step_options.max_blocks_per_request == 0 and engine.plan.step_options.cuda_graphs == (
         False,
         False,
     )
@@ -58,24 +59,33 @@ def test_the_callers_configs_are_untouched_after_the_engine_ran() -> None:
 def test_the_plan_is_frozen() -> None:
     engine = build_engine(tiny_llama(), GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=8))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.num_host_pages = 3  # type: ignore[misc]
+        engine.plan.host.num_pages = 3  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         engine.plan.sizing.num_pages = 3  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.cache.pages = (3,)  # type: ignore[misc]
+        engine.plan.cache.layout.pages = (3,)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.plan.scheduler.safety_margin = 0.5  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.plan.sampling.seed = 1  # type: ignore[misc]
 
 
 def test_the_engine_runs_with_the_plans_values() -> None:
     model = build_tiny_model("qwen2_sliding")
     engine = build_engine(model, GREEDY, _sliding_engine_config(), workload=[40] * 3)
     plan = engine.plan
-    full, sliding = plan.group_pages
+    full, sliding = plan.cache.group_pages
     assert sliding < full  # the sliding group is sized to its windows: resolution did something
     # Pages: the pools (beside the page policies), the KV tensors and the plan agree group by group.
-    assert tuple(pool.num_pages for pool in engine.pages.pools) == plan.group_pages
-    assert tuple(tensor.shape[2] for tensor in engine.cache.group_tensors) == plan.group_pages  # no scratch
-    assert engine.cache.layout == plan.cache and engine.num_total_pages == full + sliding
-    assert tuple(tables.max_pages_per_request for tables in engine.packer.block_tables) == plan.group_widths
+    assert tuple(pool.num_pages for pool in engine.pages.pools) == plan.cache.group_pages
+    assert (
+        tuple(tensor.shape[2] for tensor in engine.cache.group_tensors) == plan.cache.group_pages
+    )  # no scratch
+    assert engine.cache.layout == plan.cache.layout and engine.num_total_pages == full + sliding
+    assert (
+        tuple(tables.max_pages_per_request for tables in engine.packer.block_tables)
+        == plan.cache.group_widths
+    )
     # Step budget, admission and the policy.
     scheduler = engine.scheduler
     assert (scheduler.max_batch_tokens, scheduler.max_requests_per_batch) == (
@@ -83,14 +93,15 @@ def test_the_engine_runs_with_the_plans_values() -> None:
         plan.sizing.max_requests_per_batch,
     )
     assert (
-        scheduler.safety_margin == plan.safety_margin == 0.15 and scheduler.policy.name == plan.scheduler_type
+        scheduler.safety_margin == plan.scheduler.safety_margin == 0.15
+        and scheduler.policy.name == plan.scheduler.scheduler_type
     )
-    assert engine.sharing is plan.sharing is True
+    assert engine.pages.sharing is plan.cache.sharing is True
     # The host tier, the runner's options, the sampling defaults.
-    assert plan.num_host_pages > 0 and engine.offload.host.num_pages == plan.num_host_pages
-    assert [t.shape[2] for t in engine.runner.swapper.host_tensors] == [plan.num_host_pages] * 2
+    assert plan.host.num_pages > 0 and engine.offload.host.num_pages == plan.host.num_pages
+    assert [t.shape[2] for t in engine.runner.swapper.host_tensors] == [plan.host.num_pages] * 2
     assert engine.runner.options is plan.step_options
-    assert engine.sampling.config is plan.generation_config is engine.generation_config
+    assert engine.sampling.config is plan.sampling.generation_config
 
 
 def test_the_plan_is_resolved_before_anything_is_allocated() -> None:
@@ -98,9 +109,9 @@ def test_the_plan_is_resolved_before_anything_is_allocated() -> None:
     config = ContinuousBatchingConfig(page_size=4, num_blocks=8, cpu_offload_space=0.01)
     with mock.patch.object(PagedKVCache, "__init__", side_effect=AssertionError("allocated")):
         plan, tp = resolve_plan(model, GREEDY, config)
-    assert tp is None and plan.group_pages == (8,) and plan.num_host_pages > 0
+    assert tp is None and plan.cache.group_pages == (8,) and plan.host.num_pages > 0
     engine = wire(model, plan)
-    assert type(engine) is Engine and engine.plan is plan and engine.cache.layout == plan.cache
+    assert type(engine) is Engine and engine.plan is plan and engine.cache.layout == plan.cache.layout
 
 
 def _layout(device: str) -> CacheLayout:

@@ -23,11 +23,11 @@ def test_tensor_parallelism_refuses_speculation() -> None:
 def test_an_engine_that_cannot_speculate_refuses_speculating_requests() -> None:
     model = tiny_llama()
     engine = build_engine(model, GenerationConfig(max_new_tokens=4), None)
-    assert engine.supports_speculation
+    assert engine.speculation.refusal is None
     request = engine.build_request([5, 6, 7], "a", sampling_kwargs={"prompt_lookup_num_tokens": 3})
     assert request.speculation is not None and request.speculation.max_tokens == 3
     engine.speculation.refusal = "state layers cannot roll back"
-    assert not engine.supports_speculation
+    assert engine.speculation.refusal is not None
     with pytest.raises(ValueError, match="request 'b'.*state layers cannot roll back"):
         engine.build_request([5, 6, 7], "b", sampling_kwargs={"prompt_lookup_num_tokens": 3})
     assert engine.build_request([5, 6, 7], "c").speculation is None
@@ -44,7 +44,7 @@ def test_a_generation_config_with_prompt_lookup_is_every_requests_default(monkey
     off = engine.build_request([5, 6, 7], "b", sampling_kwargs={"prompt_lookup_num_tokens": 0})
     assert off.speculation is None
     monkeypatch.setattr(
-        "transformers_cb.engine.build.speculation_refusal",
+        "transformers_cb.engine.plan.speculation_refusal",
         lambda model, has_state_layers=False: "no rollback",
     )
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens: no rollback"):
@@ -57,7 +57,7 @@ def test_models_with_state_layers_refuse_speculation(name: str) -> None:
     request and from the GenerationConfig, while plain requests run."""
     model = build_hybrid(name)
     engine = build_engine(model, GenerationConfig(max_new_tokens=4), None)
-    assert not engine.supports_speculation
+    assert engine.speculation.refusal is not None
     with pytest.raises(ValueError, match="request 'a'.*state layers"):
         engine.build_request([5, 6, 7], "a", sampling_kwargs={"prompt_lookup_num_tokens": 3})
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*state layers"):

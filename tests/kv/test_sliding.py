@@ -30,7 +30,6 @@ from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.native import native_paged_attention
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
-from transformers_cb.engine.model_support import check_model_supported
 from transformers_cb.kv.layer_groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -42,6 +41,7 @@ from transformers_cb.kv.page_policies import FullAttentionPolicy, SlidingWindowP
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.memory.block_tables import BlockTables
 from transformers_cb.memory.kv_cache import PagedKVCache
+from transformers_cb.model_check.model_support import check_model_supported
 from transformers_cb.requests import PageList
 
 
@@ -229,8 +229,8 @@ def test_max_blocks_per_request_is_forced_to_zero_on_sliding_models(caplog) -> N
     model = build_tiny_model("mistral")
     with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
         engine = build_engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
-    assert engine.step_options.max_blocks_per_request == 0
-    assert engine.cb_config.max_blocks_per_request == 32  # the setting as given: resolving writes no config
+    assert engine.plan.step_options.max_blocks_per_request == 0
+    assert engine.plan.config.max_blocks_per_request == 32  # the setting as given: resolving writes no config
     assert "max_blocks_per_request=32 forced to 0" in caplog.text
 
 

@@ -1,5 +1,7 @@
 """The package layout: only the public entry points at the root, no import cycle, no import that runs
-upward, no private name imported from another room (docs/structure.md)."""
+upward, no private name imported from another room (docs/structure.md). Imports under `TYPE_CHECKING`
+count like any other: a type-only import that runs upward, or closes a cycle, is a dependency all the
+same (the module cannot be read without the one above it)."""
 
 from __future__ import annotations
 
@@ -28,23 +30,13 @@ def all_modules() -> dict[str, Path]:
     return {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 
-def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
-    while node in parents:
-        node = parents[node]
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            return True
-    return False
-
-
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, list[str]]]:
-    """(imported module, names taken from it) of every import that runs (not under TYPE_CHECKING)."""
+    """(imported module, names taken from it) of every import of the package's modules, lazy ones and those
+    under `TYPE_CHECKING` included."""
     tree = ast.parse(path.read_text())
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     package = name if is_package(path) else name.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
-        if _type_checking_only(node, parents):
-            continue
         if isinstance(node, ast.Import):
             found += [(alias.name, []) for alias in node.names if alias.name.startswith("transformers_cb")]
         elif isinstance(node, ast.ImportFrom):
@@ -86,14 +78,27 @@ def test_every_module_has_a_docstring():
         assert ast.get_docstring(ast.parse(path.read_text())), f"{name} has no module docstring"
 
 
-def test_no_import_cycle():
+# Cycles known and being removed elsewhere, each pair named with why; empty once they are gone.
+ALLOWED_CYCLES: set[frozenset[str]] = {
+    # The speculation refactor reshapes these two modules (a draft model's schedule reads the speculation
+    # state it is part of, for types only); remove this entry when it lands.
+    frozenset({"transformers_cb.scheduler.assisted", "transformers_cb.scheduler.speculation"}),
+}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (type-only imports included)."""
     modules = all_modules()
-    graph = {
+    return {
         name: {
             target for target, _ in imports_of(name, path, modules) if target in modules and target != name
         }
         for name, path in modules.items()
     }
+
+
+def test_no_import_cycle():
+    graph = import_graph()
     # Tarjan's strongly connected components: any component of more than one module is a cycle.
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -125,7 +130,17 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in index:
             visit(name)
-    assert not cycles, f"import cycles: {cycles}"
+    cycles = [cycle for cycle in cycles if frozenset(cycle) not in ALLOWED_CYCLES]
+    assert not cycles, f"import cycles (through TYPE_CHECKING imports too): {cycles}"
+
+
+def test_type_only_imports_are_read(tmp_path: Path):
+    """An import under `TYPE_CHECKING` counts: a cycle or an upward import closed by one is found."""
+    module = tmp_path / "m.py"
+    module.write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .engine import Engine\n"
+    )
+    assert ("transformers_cb.engine.engine", ["Engine"]) in imports_of("transformers_cb.engine.m", module, {})
 
 
 def test_no_private_name_imported_from_another_room():
@@ -154,6 +169,7 @@ IMPORT_ORDER: list[set[str]] = [
     {"scheduler"},
     {"runner"},
     {"distributed"},
+    {"model_check"},  # whether a model can run: the support check and its probes, read by the engine's plan
     {"engine"},
     {"manager"},
     {"api"},

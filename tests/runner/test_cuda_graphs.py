@@ -23,7 +23,7 @@ from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA2
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.config.continuous_batching import DeviceOptions, resolve_device_options
-from transformers_cb.engine import build as build_module
+from transformers_cb.engine import plan as plan_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.runner.async_batching import BufferTurns
@@ -50,7 +50,7 @@ def _as_configured(config: ContinuousBatchingConfig, device_type: str) -> Device
 def graphs_on_cpu(monkeypatch):
     """Keep `use_cuda_graph` on for a CPU engine: its graph steps then run eagerly (no capture)."""
     if not CUDA:
-        monkeypatch.setattr(build_module, "resolve_device_options", _as_configured)
+        monkeypatch.setattr(plan_module, "resolve_device_options", _as_configured)
     with flash_double.injected(fa2=True) as calls:
         yield calls
 
@@ -89,7 +89,7 @@ def test_steps_are_keyed_by_padded_query_and_kv_lengths(graphs_on_cpu) -> None:
     graphs = engine.runner.graphs
     engine.add(engine.build_request(list(range(3, 23)), "a"))
     step = engine.packer.pack(engine.scheduler.schedule())
-    prepare_flash_step(step.metadata, engine.step_options.max_blocks_per_request)
+    prepare_flash_step(step.metadata, engine.plan.step_options.max_blocks_per_request)
     # 20 tokens -> 24; KV 20 -> 300 -> 512 (whole pages of 256: the block table is page-granular)
     assert graphs.key_for(step, VARLEN) == GraphKey(VARLEN, 24, 512)
     assert graphs.key_for(step, DECODE) == GraphKey(DECODE, 24, 0)  # fixed table width: no KV bucket
@@ -116,7 +116,7 @@ def test_graph_steps_select_the_rows_of_a_model_ignoring_logits_to_keep(graphs_o
     model = tiny_llama_ignoring_logits_to_keep()
     model.set_attn_implementation(FA2)
     engine = build_engine(model, GREEDY, _config(q_padding_interval_size=4, max_batch_tokens=16))
-    assert engine.step_options.select_logit_rows
+    assert engine.plan.step_options.select_logit_rows
     _run_matches_generate(engine, model)
 
 
@@ -140,7 +140,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
             engine.scheduler.update(batch, engine.runner.run(batch).sampled)
         batch = engine.scheduler.schedule()
     step = engine.packer.pack(batch)
-    prepare_flash_step(step.metadata, engine.step_options.max_blocks_per_request)
+    prepare_flash_step(step.metadata, engine.plan.step_options.max_blocks_per_request)
     path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
     assert path == (DECODE if decode else VARLEN)
     cache = engine.cache
@@ -186,10 +186,10 @@ def test_cuda_options_resolve_instead_of_raising(caplog) -> None:
 
 
 def test_graphs_need_a_flash_backend(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(build_module, "resolve_device_options", _as_configured)
+    monkeypatch.setattr(plan_module, "resolve_device_options", _as_configured)
     with caplog.at_level(logging.WARNING, logger="transformers_cb"):
         engine = build_engine(tiny_llama(), GREEDY, _config(auto_switch_to_flash=False))
-    assert engine.runner.graphs is None and engine.step_options.cuda_graphs == (False, False)
+    assert engine.runner.graphs is None and engine.plan.step_options.cuda_graphs == (False, False)
     assert "needs a paged flash-attention backend" in caplog.text
 
 

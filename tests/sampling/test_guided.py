@@ -144,24 +144,21 @@ def test_unconstrained_rows_are_untouched(model, tokenizer) -> None:
     assert [o.generated_tokens for o in list(mixed.values())[::2]] == plain
 
 
-def test_compiled_grammars_are_cached_by_constraint(model, tokenizer) -> None:
+def test_compiled_grammars_are_cached_by_constraint(model, tokenizer, monkeypatch) -> None:
     prompts = _prompts(tokenizer, 4)
-    engine_holder = {}
-    import transformers_cb.engine.engine as engine_module
+    builder_holder = {}
+    from transformers_cb.engine.submission import RequestBuilder
 
-    original = engine_module.Engine.build_request
+    original = RequestBuilder.__call__
 
     def spy(self, *args, **kwargs):
-        engine_holder["engine"] = self
+        builder_holder["builder"] = self  # the engine's request builder: its sampling setup is the engine's
         return original(self, *args, **kwargs)
 
-    engine_module.Engine.build_request = spy
-    try:
-        same = {"json": dict(reversed(list(SCHEMA.items())))}  # the same schema, keys in another order
-        _run(model, tokenizer, prompts, guided=[{"json": SCHEMA}, same, {"json": SCHEMA}, {"regex": "a+"}])
-    finally:
-        engine_module.Engine.build_request = original
-    assert engine_holder["engine"].sampling.grammars.compiled == 2
+    monkeypatch.setattr(RequestBuilder, "__call__", spy)
+    same = {"json": dict(reversed(list(SCHEMA.items())))}  # the same schema, keys in another order
+    _run(model, tokenizer, prompts, guided=[{"json": SCHEMA}, same, {"json": SCHEMA}, {"regex": "a+"}])
+    assert builder_holder["builder"].sampling.grammars.compiled == 2
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,7 @@ def test_choice_events_read_each_outputs_new_tokens_only() -> None:
 
     from tests.support.counting import CountingList, count_request_reads
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.serve.choices import ChoiceOptions, Submitted, choice_events
+    from transformers_cb.serve.choices import ChoiceOptions, ManagerChoices, Submitted
 
     steps = 600
     request = Request("r", [1], max_new_tokens=steps, streaming=True)
@@ -221,7 +221,8 @@ def test_choice_events_read_each_outputs_new_tokens_only() -> None:
     async def events() -> list[Any]:
         options = ChoiceOptions(sampling={}, max_tokens=steps, want_logprobs=True, top_logprobs=1)
         choice = Submitted("r", 0, outputs(), 0.0)
-        return [e async for e in choice_events(Manager(), choice, TOKENIZER, options, ServerMetrics())]
+        choices = ManagerChoices(Manager())
+        return [e async for e in choices.events(choice, TOKENIZER, options, ServerMetrics())]
 
     got = asyncio.run(events())
     assert "".join(e.text for e in got) == TOKENIZER.decode(ids, skip_special_tokens=True)

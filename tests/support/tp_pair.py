@@ -14,8 +14,9 @@ from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.distributed import TensorParallelCoordinator, TensorParallelError
 from transformers_cb.distributed.coordinator import Kind, StepMessage
-from transformers_cb.engine.build import resolve_plan, wire
+from transformers_cb.engine.build import wire
 from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.plan import resolve_plan
 
 
 class ChannelGroup:

@@ -161,7 +161,7 @@ def default_max_new_tokens(config: GenerationConfig, num_prompt_tokens: int) -> 
     """The new-token limit of a request that gives none: `config.max_new_tokens`, else what
     `config.max_length` leaves after the prompt (may be <= 0: the request is then refused), else None.
 
-    `config` is a resolved one (`resolve_generation_config`); `Engine.default_max_new_tokens` applies this
+    `config` is a resolved one (`resolve_generation_config`); `RequestBuilder.__call__` applies this
     to its own, and `generate_batch` to size the cache before an engine exists."""
     if config.max_new_tokens is not None:
         return config.max_new_tokens

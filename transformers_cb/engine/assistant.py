@@ -29,9 +29,9 @@ from ..kv.page_policies import make_page_policy, num_pages_for
 from ..kv.pool import PagePool
 from ..memory.kv_cache import CacheLayout, PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages
+from ..model_check.model_support import check_model_supported, ignores_logits_to_keep, state_layout
 from ..runner.drafter import Drafter
 from ..runner.packing import BatchPacker
-from .model_support import check_model_supported, ignores_logits_to_keep, state_layout
 
 # Paged backends the assistant runs under: the torch ones (its steps are small; no flash preparation).
 _TORCH_BACKENDS = {"eager": "paged|eager", "paged|eager": "paged|eager", "paged|sdpa": "paged|sdpa"}

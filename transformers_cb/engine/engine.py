@@ -3,13 +3,14 @@
 `generate_batch` and the background manager both drive the same `step()`; the
 loop around it is theirs (blocking vs. threaded), the step is shared. An engine is
 built by `build.py` (`build_engine`): every setting resolved once into a frozen
-`EnginePlan`, then the parts wired; the engine takes both and resolves nothing. A
+`EnginePlan` (plan.py), then the parts wired; the engine takes both and resolves nothing. A
 tensor-parallel rank other than 0 is a `FollowerEngine` (follower.py); rank 0 tells
 the others about each step through its `StepPublisher` (publisher.py).
 
 The layers above (manager/, api/, serve/, ...) use the surface below (`build_request`,
-`add`, `step`, `finish`, `warmup`, `snapshot`, the page counts, the processor stages,
-`generation_config`, `sharing`, `rank`, ...), never the parts behind it.
+`add`, `step`, `finish`, `warmup`, `snapshot`, the page counts, the processor stages, `rank`,
+...) and read settings from the frozen `plan` (`engine.plan.sampling.generation_config`,
+`engine.plan.cache.sharing`, ...); never the parts behind it.
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from ..attention.selection import paged_attention
-from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.generation_fields import default_max_new_tokens
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
+from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
-from ..runner.packed_linear import WeightKey
 from ..runner.packed_model import model_pack_bytes, packed_linears
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
@@ -42,15 +41,10 @@ from ..scheduler.speculation import SpeculationStats
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
 from .speculation_support import EngineSpeculation
-from .submission import build_request
+from .submission import RequestBuilder
 
 if TYPE_CHECKING:
-    import torch
-
-    from ..kv.layer_groups import KVGroupSpec
-    from ..memory.sizing import ModelShape, Sizing
-    from ..runner.step_options import StepOptions
-    from .build import EnginePlan
+    from .plan import EnginePlan
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +59,6 @@ class StepResult:
     num_tokens: int = 0
 
 
-def weights_fingerprint(model: PreTrainedModel) -> tuple[WeightKey, ...]:
-    """What every parameter is now: changes when any weight is written in place or replaced (a write
-    through `.data` bumps no version counter; such callers recompute anyway: a fresh engine)."""
-    return tuple(WeightKey.of(p) for p in model.parameters())
-
-
 @dataclass
 class EngineParts:
     """What `build.py` wires from an `EnginePlan`, each part built once.
@@ -78,7 +66,8 @@ class EngineParts:
     `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
     scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what
     rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model on its
-    own pages (None: no `assistant_model`)."""
+    own pages (None: no `assistant_model`); `speculation` whether the engine can speculate and every
+    request's defaults; `build_request` a submission made a `Request` (submission.py)."""
 
     model: PreTrainedModel
     pages: PageManager
@@ -87,6 +76,8 @@ class EngineParts:
     packer: BatchPacker
     runner: ModelRunner
     sampling: SamplingSetup
+    speculation: EngineSpeculation
+    build_request: RequestBuilder
     offload: CpuOffload | None = None
     publisher: StepPublisher = field(default_factory=StepPublisher)
     drafter: Drafter | None = None
@@ -94,7 +85,7 @@ class EngineParts:
 
 class Engine:
     """Args:
-    plan: every setting, resolved (`build.resolve_plan`); read, never written.
+    plan: every setting, resolved (`plan.resolve_plan`); read, never written.
     parts: the parts wired from it (`build.build_engine` builds both: use it to make an engine).
     """
 
@@ -110,67 +101,14 @@ class Engine:
         self.offload = parts.offload
         self.publisher = parts.publisher
         self.drafter = parts.drafter
+        # Speculative decoding: whether this engine can, and every request's defaults.
+        self.speculation = parts.speculation
+        # Validate one submission into a `Request` (submission.py).
+        self.build_request = parts.build_request
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
         self._weights = weights_fingerprint(self.model)
-        # Speculative decoding: whether this engine can, and every request's defaults.
-        self.speculation = EngineSpeculation.for_engine(
-            plan.speculation_refusal,
-            self.generation_config,
-            self.drafter.model if self.drafter is not None else None,
-        )
-
-    @property
-    def supports_speculation(self) -> bool:
-        """Whether requests may speculate here (`speculation.refusal` says why not)."""
-        return self.speculation.refusal is None
-
-    # -- the resolved settings (read-only views of the plan) ----------------------------------
-    @property
-    def cb_config(self) -> ContinuousBatchingConfig:
-        """The settings as given (a validated private copy, never written); resolved values: `plan`."""
-        return self.plan.config
-
-    @property
-    def generation_config(self) -> GenerationConfig:
-        """The defaults of every request (resolved from the model's and the caller's configs)."""
-        return self.plan.generation_config
-
-    @property
-    def shape(self) -> ModelShape:
-        return self.plan.shape
-
-    @property
-    def sizing(self) -> Sizing:
-        return self.plan.sizing
-
-    @property
-    def step_options(self) -> StepOptions:
-        return self.plan.step_options
-
-    @property
-    def kv_groups(self) -> tuple[KVGroupSpec, ...]:
-        return self.plan.kv_groups
-
-    @property
-    def device(self) -> torch.device:
-        return self.plan.device
-
-    @property
-    def attn_implementation(self) -> str:
-        """The paged attention backend the model runs under while this engine steps."""
-        return self.plan.step_options.attn_implementation
-
-    @property
-    def packed_linear(self) -> bool:
-        """Whether the model's Linears run packed oneDNN products while this engine steps."""
-        return self.plan.step_options.packed_linear
-
-    @property
-    def max_queue_size(self) -> int:
-        """`ContinuousBatchingConfig.max_queue_size`: requests waiting at most (0: unbounded)."""
-        return self.plan.max_queue_size
 
     # -- tensor parallelism: what the layers above ask ----------------------------------------
     @property
@@ -188,17 +126,11 @@ class Engine:
         self.publisher.session_ended()
 
     # -- requests ------------------------------------------------------------
-    def default_max_new_tokens(self, num_prompt_tokens: int) -> int | None:
-        return default_max_new_tokens(self.generation_config, num_prompt_tokens)
-
     def new_request_id(self, taken: Any = ()) -> str:
         while True:
             request_id = f"req_{next(self._auto_ids)}"
             if request_id not in taken:
                 return request_id
-
-    # Validate one submission into a `Request` (submission.py), the engine as its first argument.
-    build_request = build_request
 
     def admission_order(self, requests: list[Request]) -> list[Request]:
         """The order to queue `requests` in: by prompt when prefix sharing is on, so that prompts
@@ -252,20 +184,6 @@ class Engine:
 
     # -- pages ------------------------------------------------------------------------------
     @property
-    def sharing(self) -> bool:
-        """Prefix sharing (and forks sharing their prompt's pages) is on."""
-        return self.pages.sharing
-
-    @property
-    def page_size(self) -> int:
-        return self.plan.sizing.page_size
-
-    @property
-    def num_kv_groups(self) -> int:
-        """KV layer groups (full attention, sliding window), each with its own pages."""
-        return len(self.plan.kv_groups)
-
-    @property
     def num_total_pages(self) -> int:
         """Device KV pages of every group together."""
         return sum(pool.num_pages for pool in self.pages.pools)
@@ -274,10 +192,6 @@ class Engine:
     def num_used_pages(self) -> int:
         """Device KV pages held by requests now, every group together (cached, evictable ones are free)."""
         return sum(pool.num_used_pages for pool in self.pages.pools)
-
-    def pages_in_use_by_group(self) -> dict[str, int]:
-        """KV layer group name -> device pages held by requests now."""
-        return self.pages.pages_in_use()
 
     # -- warmup -----------------------------------------------------------------------------
     def warmup(self, num_prompt_tokens: int = WARMUP_PROMPT_TOKENS) -> bool:
@@ -295,7 +209,9 @@ class Engine:
     def _warmup(self, num_prompt_tokens: int) -> bool:
         if self.has_work():
             return False
-        length = min(num_prompt_tokens, self.sizing.max_batch_tokens, self.shape.max_position_embeddings - 2)
+        length = min(
+            num_prompt_tokens, self.plan.sizing.max_batch_tokens, self.plan.shape.max_position_embeddings - 2
+        )
         length = max(1, length)
         request = Request(request_id=WARMUP_REQUEST_ID, prompt_ids=[0] * length, max_new_tokens=2)
         if self.unfittable_reason(request.max_total_tokens) is not None:
@@ -337,8 +253,8 @@ class Engine:
         warm-up): its paged attention backend, its packed products, the draft model's backend, inference
         mode; all restored on exit. Every caller that steps the engine enters it, and only it."""
         with (
-            paged_attention(self.model, self.attn_implementation),
-            packed_linears(self.model, self.packed_linear),
+            paged_attention(self.model, self.plan.step_options.attn_implementation),
+            packed_linears(self.model, self.plan.step_options.packed_linear),
             self.assistant_session(),
             torch.inference_mode(),
         ):
@@ -433,7 +349,7 @@ class Engine:
             state_slots_in_use=slots.num_in_use if slots is not None else 0,
             state_slots_total=slots.num_slots if slots is not None else 0,
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
-            packed_weight_bytes=model_pack_bytes(self.model) if self.packed_linear else 0,
+            packed_weight_bytes=model_pack_bytes(self.model) if self.plan.step_options.packed_linear else 0,
             speculation=replace(scheduler.speculation),
             counters=replace(self.counters),
         )

@@ -17,7 +17,7 @@ from .snapshot import EngineCounters
 
 if TYPE_CHECKING:
     from ..distributed import TensorParallelCoordinator
-    from .build import EnginePlan
+    from .plan import EnginePlan
 
 
 class FollowerEngine(Engine):

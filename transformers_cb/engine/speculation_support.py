@@ -36,7 +36,7 @@ from ..scheduler.speculation import SpeculationState
 
 def speculation_refusal(model: PreTrainedModel, has_state_layers: bool = False) -> str | None:
     """Why an engine running `model` cannot speculate, or None when it can (`has_state_layers`: the
-    model has state layers, engine/state_probe.py)."""
+    model has state layers, model_check/state_probe.py)."""
     if has_state_layers:
         return (
             "speculative decoding (prompt_lookup_num_tokens) is not supported for models with state layers "

@@ -16,6 +16,7 @@ Host page ids are their own id space: host page 3 has nothing to do with device 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -29,6 +30,15 @@ logger = logging.getLogger(__name__)
 
 GIB = 2**30
 CPU_HOST_CACHE_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The host tier of one engine (part of the `EnginePlan`): `num_pages` host pages in every KV group
+    (0: no CPU offload), from `resolve_host_pages`, the same on every tensor-parallel rank (the fewest any
+    rank can afford) so that rank 0's host page ids are valid everywhere."""
+
+    num_pages: int
 
 
 def host_page_bytes(device_cache: PagedKVCache) -> int:

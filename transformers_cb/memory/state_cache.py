@@ -5,7 +5,7 @@ Mamba, short convolutions) keeps, per request, a convolution window and a recurr
 through transformers' linear-attention cache API (`get_conv_state`, `update_conv_state`, ...). Here each
 such state of each layer is one tensor `[num_slots, *shape]` in the dtype transformers' own cache would
 hold it in; a request's state is the row of its slot (kv/state_slots.py). The shapes are learned before
-allocation from the layers themselves (`StateSpec`, engine/state_probe.py).
+allocation from the layers themselves (`StateSpec`, model_check/state_probe.py).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from ..kv.page_manager import PageManager
 from ..requests import Request
 from ..scheduler.assisted import ModelDraft
 from ..scheduler.plan import ScheduledRequest, StepPlan
+from ..scheduler.speculation import speculation_of
 from .model_call import call_model
 from .packing import BatchPacker
 
@@ -139,8 +140,9 @@ class Drafter:
             logger.exception("the assistant model's draft failed; this step runs without drafts")
             self.reset()
             for request in running:
-                if request.speculation is not None and isinstance(request.speculation.source, ModelDraft):
-                    request.speculation.source.tokens = []
+                state = speculation_of(request)
+                if state is not None and isinstance(state.source, ModelDraft):
+                    state.source.tokens = []
 
     @torch.inference_mode()
     def draft(self, running: list[Request]) -> None:
@@ -150,7 +152,7 @@ class Drafter:
             self._drop(request_id)
         pending = []
         for request in running:
-            state = request.speculation
+            state = speculation_of(request)
             if state is None or not isinstance(state.source, ModelDraft):
                 continue
             state.source.tokens = []

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..memory.weight_key import WeightKey
+
 logger = logging.getLogger(__name__)
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -88,27 +90,6 @@ def rule_from_env() -> PackRule | None:
     if value not in ("", "auto", "1", "on", "true", "yes"):
         logger.warning("%s=%r is not one of auto, all, off: the measured rule applies", RULE_ENV, value)
     return PackRule()
-
-
-@dataclass(frozen=True)
-class WeightKey:
-    """What a pack (or an engine's prefix cache, `Engine.drop_stale_prefix_cache`) was computed from: any in-place write (version), new storage, dtype or layout changes it."""
-
-    version: int
-    data_ptr: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-    @staticmethod
-    def of(weight: torch.Tensor) -> WeightKey:
-        try:
-            version = weight._version
-        except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written in place)
-            version = -1
-        return WeightKey(
-            version, weight.data_ptr(), weight.dtype, tuple(weight.shape), tuple(weight.stride())
-        )
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """How the engine runs each step's forward: backend, decode fast path, compile plan, CUDA graphs.
 
-Resolved once when the engine is built (engine/build.py), from the model, its device, the
+Resolved once when the engine is built (engine/plan.py), from the model, its device, the
 `ContinuousBatchingConfig` (read only) and its `DeviceOptions` (the GPU-only options as they apply on
 the device), so a bad combination fails at start with an error naming it, and each step only reads the
 result.
@@ -8,6 +8,7 @@ result.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -158,4 +159,17 @@ def resolve_step_options(
         packed_linear=resolve_packed_linear(
             model, config.packed_linear, device_type, config.max_memory_percent
         ),
+    )
+
+
+def without_traced_steps(options: StepOptions) -> StepOptions:
+    """A state model's step splits its state layers by request in Python (runner/state_layers.py), which
+    neither `torch.compile` nor a CUDA graph captures: those steps run eagerly."""
+    if options.compile_plan != CompilePlan() or any(options.cuda_graphs) or options.async_batching:
+        logger.warning(
+            "state layers: compiled steps, CUDA graphs and async batching are off for this model (its state "
+            "layers run each request's rows at its own slot, eagerly)"
+        )
+    return dataclasses.replace(
+        options, compile_plan=CompilePlan(), cuda_graphs=(False, False), async_batching=False
     )

@@ -16,14 +16,16 @@ where no row uses them returns `scores` as it is.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from .request_state import RequestSampling
+from .request_state import RequestSampling, SampledRow
 
 
-def apply(scores: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> torch.Tensor:
+def apply(
+    scores: torch.Tensor, requests: Sequence[SampledRow], states: list[RequestSampling | None]
+) -> torch.Tensor:
     """Args: scores `[S, vocab]`; `requests[i]` (`.all_token_ids`, `.num_prompt_tokens`,
     `.eos_token_ids`) and `states[i]` own row i."""
     rows = [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import GenerationConfig
@@ -17,6 +17,7 @@ from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..invariants import present
+from ..requests import SamplingState
 from .grammars import GrammarCompiler, GrammarState
 from .neutral import NEUTRAL_VALUES
 from .params import (
@@ -102,6 +103,35 @@ class RequestSampling:
     def grammar_finished(self, generated_ids: list[int]) -> bool:
         """The request's constraint has reached its end (nothing but eos may follow)."""
         return self.grammar is not None and self.grammar.finished(generated_ids)
+
+
+class SampledRow(Protocol):
+    """A row the sampler processes: a `Request`, or a speculating request at one draft depth
+    (`verification.DraftView`); what the stages read of it."""
+
+    @property
+    def sampling(self) -> SamplingState | None: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def generated_ids(self) -> list[int]: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+
+def sampling_state(row: SampledRow) -> RequestSampling | None:
+    """The sampling state of a request (or a row of it), as this room made it: `Request` knows it only by
+    the protocol it calls (`requests.SamplingState`), and `SamplingSetup.attach` is its one writer."""
+    return cast(RequestSampling | None, row.sampling)
 
 
 class SamplingSetup:

@@ -7,8 +7,8 @@ implemented option is applied (see processors.py and docs/sampling.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -17,7 +17,7 @@ from . import openai, warpers
 from .grammars import GrammarCompiler
 from .params import NEUTRAL
 from .processors import Stage
-from .request_state import RequestSampling
+from .request_state import RequestSampling, SampledRow, sampling_state
 
 __all__ = ["Sampler", "Samples"]
 
@@ -63,9 +63,9 @@ class Sampler:
         self.grammars = grammars
         self._row_index = {id(stage): i for i, stage in enumerate(s for s in stages if s.kind == "row")}
 
-    def sample(self, logits: torch.Tensor, requests: list[Any]) -> Samples:
+    def sample(self, logits: torch.Tensor, requests: Sequence[SampledRow]) -> Samples:
         """Args: logits `[S, vocab]` float32; `requests[i]` owns row i (`.sampling`, `.all_token_ids`)."""
-        states: list[RequestSampling | None] = [request.sampling for request in requests]
+        states: list[RequestSampling | None] = [sampling_state(request) for request in requests]
         if all(state is None for state in states):
             # Greedy without processors or outputs: the hot path, one argmax.
             return Samples(tokens=best_tokens(logits).tolist())
@@ -83,12 +83,14 @@ class Sampler:
                 tokens[rows] = self._draw(scores[rows], sampled_states)
         return self._outputs(scores, tokens, states)
 
-    def scores(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+    def scores(self, logits: torch.Tensor, requests: Sequence[SampledRow]) -> torch.Tensor:
         """The processed scores of each row (guided rows masked first, in place), before any draw."""
-        self._mask(logits, requests, [request.sampling for request in requests])
+        self._mask(logits, requests, [sampling_state(request) for request in requests])
         return self.process(logits, requests)
 
-    def _mask(self, logits: torch.Tensor, requests: list[Any], states: list[RequestSampling | None]) -> None:
+    def _mask(
+        self, logits: torch.Tensor, requests: Sequence[SampledRow], states: list[RequestSampling | None]
+    ) -> None:
         """Guided rows: only the tokens their grammar allows next (in place, those rows only). As vLLM
         does, before the processors: top-k / top-p then choose among allowed tokens."""
         guided = [
@@ -106,10 +108,10 @@ class Sampler:
         compiler = present(self.grammars, "guided requests without a grammar compiler")
         compiler.apply_masks(logits, rows, grammar_states)
 
-    def process(self, logits: torch.Tensor, requests: list[Any]) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, requests: Sequence[SampledRow]) -> torch.Tensor:
         """The scores `generate()` would sample from for each row (its processed `scores`)."""
         scores = logits
-        states: list[RequestSampling | None] = [request.sampling for request in requests]
+        states: list[RequestSampling | None] = [sampling_state(request) for request in requests]
         for stage in self.stages:
             if stage.kind == "vector":
                 scores = self._vector(stage.name, scores, requests, states)
@@ -122,7 +124,9 @@ class Sampler:
                 scores = self._rows(stage, scores, requests, states)
         return scores
 
-    def _vector(self, name: str, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
+    def _vector(
+        self, name: str, scores: torch.Tensor, requests: Sequence[SampledRow], states: list
+    ) -> torch.Tensor:
         values = [getattr(NEUTRAL if state is None else state.params, name) for state in states]
         if all(v == getattr(NEUTRAL, name) for v in values):
             return scores
@@ -138,7 +142,9 @@ class Sampler:
             return warpers.repetition_penalty(scores, seen, values)
         return getattr(warpers, name)(scores, values)
 
-    def _rows(self, stage: Stage, scores: torch.Tensor, requests: list[Any], states: list) -> torch.Tensor:
+    def _rows(
+        self, stage: Stage, scores: torch.Tensor, requests: Sequence[SampledRow], states: list
+    ) -> torch.Tensor:
         """A history-dependent processor: each row with its own request's tokens, as a batch of one."""
         index = self._row_index[id(stage)]
         rows = []

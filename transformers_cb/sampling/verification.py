@@ -21,12 +21,10 @@ it probability 0). Logprobs and top logprobs are the target's, row by row, as wi
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..requests import Request
-from .request_state import RequestSampling
+from .request_state import RequestSampling, sampling_state
 from .sampled_token import SampledToken
 from .sampler import Sampler, best_tokens
 
@@ -66,7 +64,7 @@ def verify(
     for draft in drafts:
         offsets.append(row)
         row += 1 + len(draft)
-    states = [request.sampling for request in requests]
+    states = [sampling_state(request) for request in requests]
     if all(state is None for state in states):  # plain greedy: one argmax over every row
         best = best_tokens(logits).tolist()
         return [
@@ -91,7 +89,7 @@ def verify(
 
 def _allowed_draft(request: Request, draft: list[int]) -> list[int]:
     """The draft up to the first token the request's grammar forbids (all of it when unguided)."""
-    state = request.sampling
+    state = sampling_state(request)
     if not draft or state is None or state.grammar is None:
         return draft
     return draft[: state.grammar.allowed_prefix(request.generated_ids, draft)]
@@ -110,7 +108,7 @@ def _processed_scores(
     for depth in range(1 + max(len(draft) for draft in drafts)):
         members = [i for i, draft in enumerate(drafts) if len(draft) >= depth]
         rows = torch.tensor([offsets[i] + depth for i in members], dtype=torch.long, device=logits.device)
-        views: list[Any] = [DraftView(requests[i], drafts[i][:depth]) for i in members]
+        views = [DraftView(requests[i], drafts[i][:depth]) for i in members]
         scores[rows] = sampler.scores(logits.index_select(0, rows), views)
     return scores
 

@@ -14,6 +14,7 @@ does not repeat costs (almost) nothing. See docs/speculative_decoding.md.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..requests import Request
 from ..sampling.sampled_token import SampledToken
@@ -77,6 +78,13 @@ class SpeculationState:
             self.num_tokens = self.max_tokens
 
 
+def speculation_of(request: Request) -> SpeculationState | None:
+    """A request's speculation state as this room made it: `Request` knows it only by the counts it reads
+    (`requests.SpeculationCounts`), and `engine.speculation_support.EngineSpeculation.attach` is its one
+    writer."""
+    return cast(SpeculationState | None, request.speculation)
+
+
 def lookup(tokens: list[int], max_ngram: int, num_tokens: int, min_ngram: int = 1) -> list[int]:
     """The draft of transformers' `PromptLookupCandidateGenerator`: for n from `max_ngram` down to
     `min_ngram` (transformers: 1), the first (leftmost) earlier occurrence of the last n tokens that has a
@@ -103,7 +111,7 @@ def propose(request: Request, budget: int) -> list[int]:
     """Draft tokens for a decoding `request` this step (empty: none), at most `budget - 1` (the step's
     token budget also runs its last token) and never past `max_new_tokens` (the target's own token
     after the draft is the last one the request may have)."""
-    state = request.speculation
+    state = speculation_of(request)
     if state is None or budget < 2:
         return []
     if state.paused_steps:
@@ -140,7 +148,7 @@ def draft_length(state: SpeculationState) -> int:
 
 def record(request: Request, drafted: int, accepted: int, emitted: int) -> None:
     """The outcome of a verification step: counts, then the next draft length and the pause."""
-    state = request.speculation
+    state = speculation_of(request)
     if state is None:
         return
     state.stats.add(drafted, accepted, emitted)
@@ -173,6 +181,7 @@ def append_verified(
     accepted = min(appended, len(run) - 1)
     stats.add(num_drafted, accepted, appended)
     record(request, num_drafted, accepted, appended)
-    if request.speculation is not None:  # a draft model's schedule (assisted.py)
-        after_verify(request.speculation, num_drafted, accepted)
+    state = speculation_of(request)
+    if state is not None:  # a draft model's schedule (assisted.py)
+        after_verify(state, num_drafted, accepted)
     return reason

@@ -3,7 +3,8 @@
 Request flow: parse and check the body (400/404) -> tokenize -> submit one
 manager request per choice (400/429/503 happen here, before any byte is sent)
 -> stream the choices' events as SSE, or collect them into one JSON body. A
-client that goes away cancels its manager requests (see `cancel_unfinished`).
+client that goes away cancels its manager requests (see `ManagerChoices.cancel_unfinished`). Everything
+the endpoints ask of the manager goes through the state's one `ManagerChoices` (choices.py).
 """
 
 from __future__ import annotations
@@ -15,38 +16,31 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from .choices import (
-    ChoiceEvent,
-    ChoiceOptions,
-    Submitted,
-    aclose,
-    cancel_unfinished,
-    choice_events,
-    eos_token_ids,
-    merge_events,
-    sampling_kwargs,
-    submit_choices,
-)
+from .choices import ChoiceEvent, ChoiceOptions, ManagerChoices, Submitted, aclose, merge_events
 from .guided import guided_of
 from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .responses import ChoiceTotals, ResponseShape, sse
+
+if TYPE_CHECKING:
+    from ..manager.manager import ContinuousBatchingManager
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ServeState:
-    """What the endpoints share. `manager` must be started; the app never stops it."""
+    """What the endpoints share. `manager` must be started; the app never stops it (`choices`: what the
+    endpoints ask of it)."""
 
-    manager: Any
+    manager: ContinuousBatchingManager
     tokenizer: Any
     model_name: str
     max_positions: int
@@ -55,6 +49,10 @@ class ServeState:
     has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    choices: ManagerChoices = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.choices = ManagerChoices(self.manager)
 
 
 class _CancellingStreamingResponse(StreamingResponse):
@@ -69,7 +67,7 @@ class _CancellingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            cancel_unfinished(self._state.manager, self._submitted)
+            self._state.choices.cancel_unfinished(self._submitted)
 
 
 def build_app(state: ServeState) -> FastAPI:
@@ -196,15 +194,17 @@ def _options(
             chosen["top_logprobs"] = top_logprobs
         if echo:
             chosen["prompt_logprobs"] = True
-    return ChoiceOptions(
-        sampling=sampling_kwargs(state.manager, body.temperature, chosen),
-        seed=body.seed,
-        eos_token_id=eos_token_ids(state.manager, body.ignore_eos, body.stop_token_ids),
-        max_tokens=max_tokens,
-        stops=tuple(body.stop_strings()),
-        want_logprobs=want_logprobs,
-        top_logprobs=top_logprobs,
-        echo=echo,
+    return state.choices.options(
+        chosen,
+        body.temperature,
+        body.seed,
+        body.ignore_eos,
+        body.stop_token_ids,
+        max_tokens,
+        tuple(body.stop_strings()),
+        want_logprobs,
+        top_logprobs,
+        echo,
     )
 
 
@@ -223,7 +223,7 @@ async def _generate(
         options = dataclasses.replace(options, sampling={**options.sampling, "guided": guided})
     prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     try:
-        submitted = submit_choices(state.manager, prompts, body.n, options, prefix)
+        submitted = state.choices.submit(prompts, body.n, options, prefix)
     except ApiError as error:
         if error.param == "guided":  # name the field the client sent
             error.param = guided_field
@@ -240,8 +240,7 @@ async def _generate(
             continuous_usage=continuous_usage,
         )
         streams = [
-            choice_events(
-                state.manager,
+            state.choices.events(
                 c,
                 state.tokenizer,
                 options,
@@ -262,11 +261,11 @@ async def _generate(
         state.metrics.count_response(request.url.path, 200)
         return JSONResponse(shape.body(totals))
     except BaseException:
-        cancel_unfinished(state.manager, submitted)
+        state.choices.cancel_unfinished(submitted)
         raise
     finally:
         if not body.stream:
-            cancel_unfinished(state.manager, submitted)
+            state.choices.cancel_unfinished(submitted)
 
 
 async def _collect(events: AsyncIterator[ChoiceEvent], indices: list[int]) -> dict[int, ChoiceTotals]:

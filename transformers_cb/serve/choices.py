@@ -10,7 +10,11 @@ sends `temperature=0` (greedy: with nothing else that changes its logits it
 costs the engine what a greedy engine costs, `request.sampling is None`). The
 server's engine is built with every per-request processor stage
 (`all_request_stages`), each neutral unless a request gives its value;
-`sampling_kwargs` passes the values a request gives.
+`ManagerChoices.options` passes the values a request gives.
+
+The endpoints (app.py) hand every choice to one `ManagerChoices`, which holds the server's manager: the
+options a choice is submitted with, its submission, its events and its cancellation all go through it, so
+the manager is asked in one place and the app never threads it through.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import queue
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig
 
@@ -31,6 +35,10 @@ from ..sampling.params import VECTOR_PARAMS, derive_seed
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner
+
+if TYPE_CHECKING:
+    from ..manager.manager import ContinuousBatchingManager
+    from ..requests import GenerationOutput
 
 
 def serving_generation_config(eos_token_id: Any, pad_token_id: Any) -> GenerationConfig:
@@ -85,50 +93,9 @@ class Submitted:
 
     request_id: str
     index: int
-    stream: AsyncIterator[Any]
+    stream: AsyncIterator[GenerationOutput]
     submitted_at: float
     over: bool = False  # final output seen, or cancelled by us
-
-
-def cancel_unfinished(manager: Any, submitted: list[Submitted]) -> None:
-    """Cancel every choice whose request has not ended (client gone, error, shutdown). Idempotent."""
-    for choice in submitted:
-        if not choice.over:
-            choice.over = True
-            manager.cancel_request(choice.request_id)
-
-
-def sampling_kwargs(manager: Any, temperature: float | None, chosen: dict[str, Any]) -> dict[str, Any]:
-    """Per-request sampling arguments for `manager.add_request`: `chosen` (non-neutral body fields) and
-    temperature as OpenAI means it (absent: 1; 0: greedy). What a request does not give is neutral in
-    the server's engine (`all_request_stages`). A value the engine cannot take is refused by it at
-    submission (a 400)."""
-    config = _generation_config(manager)
-    default_sample = bool(config is not None and config.do_sample)
-    temperature = 1.0 if temperature is None else temperature
-    kwargs = dict(chosen)
-    if temperature > 0 and not is_neutral("temperature", temperature):
-        kwargs["temperature"] = temperature
-    if (temperature > 0) != default_sample:
-        kwargs["do_sample"] = temperature > 0
-    return kwargs
-
-
-def eos_token_ids(manager: Any, ignore_eos: bool, stop_token_ids: list[int] | None) -> list[int] | None:
-    """The eos ids of a request: the engine's plus `stop_token_ids`; only the latter with `ignore_eos`."""
-    if not ignore_eos and not stop_token_ids:
-        return None
-    ids = list(stop_token_ids or ())
-    config = _generation_config(manager)
-    if not ignore_eos and config is not None and config.eos_token_id is not None:
-        eos = config.eos_token_id
-        ids = [*(eos if isinstance(eos, list) else [eos]), *ids]
-    return ids
-
-
-def _generation_config(manager: Any) -> GenerationConfig | None:
-    engine = getattr(manager, "engine", None)
-    return None if engine is None else engine.generation_config
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -139,36 +106,138 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return derive_seed(seed, f"choice-{index}")
 
 
-def submit_choices(
-    manager: Any, prompts: Sequence[list[int]], n: int, options: ChoiceOptions, id_prefix: str
-) -> list[Submitted]:
-    """Submit `n` requests per prompt (choice index = prompt * n + j). All or nothing: on any
-    refusal the ones already submitted are cancelled and an `ApiError` is raised."""
-    submitted: list[Submitted] = []
-    # max_tokens=0 (echo only) still runs the prefill; its one token is dropped (`_ChoiceText`).
-    max_new_tokens = 1 if options.max_tokens == 0 else options.max_tokens
-    try:
-        for p, prompt in enumerate(prompts):
-            for j in range(n):
-                index = p * n + j
-                seed = choice_seed(options.seed, index)
-                request_id = manager.add_request(
-                    prompt,
-                    request_id=f"{id_prefix}-{index}",
-                    max_new_tokens=max_new_tokens,
-                    streaming=True,
-                    eos_token_id=options.eos_token_id,
-                    **options.sampling,
-                    **({} if seed is None else {"seed": seed}),
-                )
-                if request_id is None:
-                    raise ApiError(503, "the server is shutting down and accepts no new requests")
-                stream = manager.stream(request_id)
-                submitted.append(Submitted(request_id, index, stream, time.perf_counter()))
-    except BaseException as error:
-        cancel_unfinished(manager, submitted)
-        raise _as_api_error(error, {**options.sampling, "seed": options.seed}) from error
-    return submitted
+@dataclass
+class ManagerChoices:
+    """The server's manager (started; never stopped here) as the endpoints use it: what a choice is
+    submitted with, its submission, its events, its cancellation."""
+
+    manager: ContinuousBatchingManager
+
+    def options(
+        self,
+        chosen: dict[str, Any],
+        temperature: float | None,
+        seed: int | None,
+        ignore_eos: bool,
+        stop_token_ids: list[int] | None,
+        max_tokens: int | None,
+        stops: tuple[str, ...],
+        want_logprobs: bool,
+        top_logprobs: int,
+        echo: bool,
+    ) -> ChoiceOptions:
+        """What every choice of one HTTP request is submitted with (`chosen`: its non-neutral body fields
+        as `add_request` keywords)."""
+        return ChoiceOptions(
+            sampling=self._sampling_kwargs(temperature, chosen),
+            seed=seed,
+            eos_token_id=self._eos_token_ids(ignore_eos, stop_token_ids),
+            max_tokens=max_tokens,
+            stops=stops,
+            want_logprobs=want_logprobs,
+            top_logprobs=top_logprobs,
+            echo=echo,
+        )
+
+    def _sampling_kwargs(self, temperature: float | None, chosen: dict[str, Any]) -> dict[str, Any]:
+        """Per-request sampling arguments for `manager.add_request`: `chosen` and temperature as OpenAI
+        means it (absent: 1; 0: greedy). What a request does not give is neutral in the server's engine
+        (`all_request_stages`). A value the engine cannot take is refused by it at submission (a 400)."""
+        config = self._generation_config()
+        default_sample = bool(config is not None and config.do_sample)
+        temperature = 1.0 if temperature is None else temperature
+        kwargs = dict(chosen)
+        if temperature > 0 and not is_neutral("temperature", temperature):
+            kwargs["temperature"] = temperature
+        if (temperature > 0) != default_sample:
+            kwargs["do_sample"] = temperature > 0
+        return kwargs
+
+    def _eos_token_ids(self, ignore_eos: bool, stop_token_ids: list[int] | None) -> list[int] | None:
+        """The eos ids of a request: the engine's plus `stop_token_ids`; only the latter with `ignore_eos`."""
+        if not ignore_eos and not stop_token_ids:
+            return None
+        ids = list(stop_token_ids or ())
+        config = self._generation_config()
+        if not ignore_eos and config is not None and config.eos_token_id is not None:
+            eos = config.eos_token_id
+            ids = [*(eos if isinstance(eos, list) else [eos]), *ids]
+        return ids
+
+    def _generation_config(self) -> GenerationConfig | None:
+        engine = self.manager.engine
+        return None if engine is None else engine.plan.sampling.generation_config
+
+    def submit(
+        self, prompts: Sequence[list[int]], n: int, options: ChoiceOptions, id_prefix: str
+    ) -> list[Submitted]:
+        """Submit `n` requests per prompt (choice index = prompt * n + j). All or nothing: on any
+        refusal the ones already submitted are cancelled and an `ApiError` is raised."""
+        manager = self.manager
+        submitted: list[Submitted] = []
+        # max_tokens=0 (echo only) still runs the prefill; its one token is dropped (`_ChoiceText`).
+        max_new_tokens = 1 if options.max_tokens == 0 else options.max_tokens
+        try:
+            for p, prompt in enumerate(prompts):
+                for j in range(n):
+                    index = p * n + j
+                    seed = choice_seed(options.seed, index)
+                    seeded: dict[str, Any] = {} if seed is None else {"seed": seed}
+                    request_id = manager.add_request(
+                        prompt,
+                        request_id=f"{id_prefix}-{index}",
+                        max_new_tokens=max_new_tokens,
+                        streaming=True,
+                        eos_token_id=options.eos_token_id,
+                        **options.sampling,
+                        **seeded,
+                    )
+                    if request_id is None:
+                        raise ApiError(503, "the server is shutting down and accepts no new requests")
+                    stream = manager.stream(request_id)
+                    submitted.append(Submitted(request_id, index, stream, time.perf_counter()))
+        except BaseException as error:
+            self.cancel_unfinished(submitted)
+            raise _as_api_error(error, {**options.sampling, "seed": options.seed}) from error
+        return submitted
+
+    def cancel_unfinished(self, submitted: list[Submitted]) -> None:
+        """Cancel every choice whose request has not ended (client gone, error, shutdown). Idempotent."""
+        for choice in submitted:
+            if not choice.over:
+                choice.over = True
+                self.manager.cancel_request(choice.request_id)
+
+    async def events(
+        self,
+        choice: Submitted,
+        tokenizer: Any,
+        options: ChoiceOptions,
+        metrics: ServerMetrics,
+        echo: tuple[str, list[int]] | None = None,
+    ) -> AsyncIterator[ChoiceEvent]:
+        """Text events of one choice, ending with one event that carries `finish_reason` or `error`.
+
+        Closing the generator early (client gone, stop string, shutdown) cancels the manager request.
+        """
+        scanner = StopScanner(list(options.stops))
+        text = _ChoiceText(choice, IncrementalDetokenizer(tokenizer), scanner, options, metrics, echo)
+        try:
+            async for output in choice.stream:
+                choice.over = choice.over or output.status.is_finished
+                event = text.take(output)
+                if event.text or event.token_ids or event.is_last:
+                    yield event
+                if event.is_last:
+                    return
+        except ManagerDeadError as error:
+            choice.over = True  # nothing left to cancel
+            yield ChoiceEvent(
+                choice.index, error=ApiError(500, f"the engine stopped: {error}", code="engine_error")
+            )
+        finally:
+            self.cancel_unfinished([choice])
+            await aclose(choice.stream)
 
 
 def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseException:
@@ -257,38 +326,6 @@ class _ChoiceText:
             for _ in range(num_new):
                 self.metrics.itl.observe((now - self.last_arrival) / num_new)
         self.last_arrival = now
-
-
-async def choice_events(
-    manager: Any,
-    choice: Submitted,
-    tokenizer: Any,
-    options: ChoiceOptions,
-    metrics: ServerMetrics,
-    echo: tuple[str, list[int]] | None = None,
-) -> AsyncIterator[ChoiceEvent]:
-    """Text events of one choice, ending with one event that carries `finish_reason` or `error`.
-
-    Closing the generator early (client gone, stop string, shutdown) cancels the manager request.
-    """
-    scanner = StopScanner(list(options.stops))
-    text = _ChoiceText(choice, IncrementalDetokenizer(tokenizer), scanner, options, metrics, echo)
-    try:
-        async for output in choice.stream:
-            choice.over = choice.over or output.status.is_finished
-            event = text.take(output)
-            if event.text or event.token_ids or event.is_last:
-                yield event
-            if event.is_last:
-                return
-    except ManagerDeadError as error:
-        choice.over = True  # nothing left to cancel
-        yield ChoiceEvent(
-            choice.index, error=ApiError(500, f"the engine stopped: {error}", code="engine_error")
-        )
-    finally:
-        cancel_unfinished(manager, [choice])
-        await aclose(choice.stream)
 
 
 def _finish(

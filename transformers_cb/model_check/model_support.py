@@ -4,7 +4,7 @@ Supported: decoder-only causal LMs (and the text path of vision-language models)
 attention or sliding-window attention (with logit softcapping and attention sinks where the model
 applies them), computed through transformers' attention interface, or state layers (linear attention,
 Mamba, short convolutions) that keep their state through transformers' linear-attention cache API
-(engine/state_probe.py, docs/state_layers.md).
+(model_check/state_probe.py, docs/state_layers.md).
 
 Refused, with the model type and what is missing. From the config alone:
 - per-layer attributes (`per_layer_config`) other than the KV head shape (`head_dim`,
@@ -210,7 +210,7 @@ def ignores_logits_to_keep(model: PreTrainedModel) -> bool:
 
 
 def state_layout(model: PreTrainedModel) -> StateLayout | None:
-    """The model's state layers and their states' shapes (engine/state_probe.py), learned by the support
+    """The model's state layers and their states' shapes (model_check/state_probe.py), learned by the support
     check (probed again here when the check was skipped or its config changed); None: no state layers."""
     verdict = _probed.get(model)
     try:

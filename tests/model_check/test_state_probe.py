@@ -1,4 +1,4 @@
-"""engine/state_probe.py: the state layers a model has, their states' shapes, and which ones continue a
+"""model_check/state_probe.py: the state layers a model has, their states' shapes, and which ones continue a
 prefill chunk one token at a time (their multi-token path restarts from a zero state); the support check's
 verdicts on the state families (tests/support/hybrids.py)."""
 
@@ -9,11 +9,11 @@ import torch
 
 from tests.support.hybrids import build_hybrid
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.engine import state_probe
-from transformers_cb.engine.build import resolve_plan
-from transformers_cb.engine.model_support import check_model_supported
-from transformers_cb.engine.state_probe import state_problems
+from transformers_cb.engine.plan import resolve_plan
 from transformers_cb.memory.state_cache import CONV, RECURRENT
+from transformers_cb.model_check import state_probe
+from transformers_cb.model_check.model_support import check_model_supported
+from transformers_cb.model_check.state_probe import state_problems
 
 
 @pytest.mark.parametrize(
@@ -62,7 +62,7 @@ def test_pure_state_space_model_plans_no_kv_group() -> None:
     model = build_hybrid("mamba2")
     check_model_supported(model)
     plan, _ = resolve_plan(model, None, ContinuousBatchingConfig(num_blocks=8))
-    assert plan.kv_groups == () and plan.group_pages == ()
+    assert plan.cache.kv_groups == () and plan.cache.group_pages == ()
     assert plan.states is not None and plan.sizing.num_state_slots >= 1
 
 

@@ -15,9 +15,9 @@ from tests.support.models import FAMILY_CONFIGS, LlamaIgnoringLogitsToKeep, buil
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.paged import METADATA_KWARG
-from transformers_cb.engine.model_support import check_model_supported, ignores_logits_to_keep
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.sizing import ModelShape
+from transformers_cb.model_check.model_support import check_model_supported, ignores_logits_to_keep
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 

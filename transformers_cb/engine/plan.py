@@ -1,0 +1,200 @@
+"""`EnginePlan`: every setting of one engine, resolved once at start (`resolve_plan`), then only read.
+
+The plan is composed of one frozen sub-plan per part, each resolved by the room that owns the setting
+(as vLLM's `VllmConfig` composes its configs): the device cache (`CachePlan`, memory/cache_plan.py), the
+host tier (`HostPlan`, memory/host_cache.py), the scheduler (`SchedulerPlan`,
+scheduler/scheduler_plan.py), sampling (`SamplingPlan`, sampling/sampling_plan.py), the runner's step
+(`StepOptions`, runner/step_options.py) and the draft model (`AssistantPlan`, engine/assistant.py).
+What the parts share stays at the top: this rank's shard of the model's shape, the device, the agreed
+`Sizing`, the state layers. `build.py` wires the parts from the plan alone; callers read settings from
+`engine.plan`.
+
+`resolve_plan` validates and resolves everything that depends on the model, the device, the configs and
+the workload, in one order (the errors a bad input meets first stay the same): the generation config,
+model support (model_check/), the speculation refusal and the draft model, the KV groups and this
+rank's shard of the shape, the GPU-only options, sizing, step options, the cache, the host tier. Under
+tensor parallelism the ranks agree on the sizes and the host tier here (the smallest any rank can
+afford). Nothing is allocated; no config is written: the caller's `ContinuousBatchingConfig` is copied
+once, and that copy is only read.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from ..config.continuous_batching import (
+    ContinuousBatchingConfig,
+    DeviceOptions,
+    resolve_device_options,
+    resolve_speculation_max_batch,
+)
+from ..config.generation_fields import ResolvedConfig
+from ..distributed import TensorParallelCoordinator
+from ..distributed.sharding import shard_shape, tp_size_of
+from ..kv.layer_groups import kv_groups_from_config
+from ..memory.cache_plan import CachePlan, resolve_cache_plan
+from ..memory.host_cache import HostPlan, resolve_host_pages
+from ..memory.sizing import ModelShape, Sizing, resolve_sizing
+from ..model_check.model_support import check_model_supported, ignores_logits_to_keep, state_layout
+from ..model_check.state_probe import StateLayout
+from ..runner.step_options import StepOptions, resolve_step_options, without_traced_steps
+from ..sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
+from ..scheduler.scheduler_plan import SchedulerPlan, resolve_scheduler_plan
+from .assistant import AssistantPlan, assistant_kv_bytes_per_token, check_assistant, resolve_assistant
+from .speculation_support import speculation_refusal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Every setting of one engine, resolved once at start; the engine and its parts only read it.
+
+    `config` is the `ContinuousBatchingConfig` as given (the engine's validated private copy, never
+    written); every other field is a resolved value, which is what the engine uses."""
+
+    config: ContinuousBatchingConfig
+    shape: ModelShape  # this rank's shard of the model's shape (its KV heads under tensor parallelism)
+    device: torch.device
+    dtype: torch.dtype
+    device_options: DeviceOptions  # CUDA graphs and async batching as they apply on `device`
+    sizing: Sizing  # agreed by every tensor-parallel rank
+    step_options: StepOptions  # the runner's
+    cache: CachePlan  # the device KV cache
+    host: HostPlan  # the host tier (CPU offload); agreed by every rank
+    scheduler: SchedulerPlan
+    sampling: SamplingPlan
+    # The model's state layers and their states' shapes (None: none); `sizing.num_state_slots` slots.
+    states: StateLayout | None = None
+    # Why the engine cannot speculate (state layers, tensor parallelism; None: it can).
+    speculation_refusal: str | None = None
+    # The draft model's plan (None: no `assistant_model`; engine/assistant.py).
+    assistant: AssistantPlan | None = None
+
+
+def private_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
+    """The engine's own validated copy of `cb_config` (the caller may change theirs later)."""
+    config = copy.deepcopy(cb_config) if cb_config is not None else ContinuousBatchingConfig()
+    config.validate()
+    return config
+
+
+def resolve_plan(
+    model: PreTrainedModel,
+    generation_config: GenerationConfig | ResolvedConfig | None,
+    cb_config: ContinuousBatchingConfig | None,
+    workload: list[int] | None = None,
+    all_request_stages: bool = False,
+    assistant_model: PreTrainedModel | None = None,
+) -> tuple[EnginePlan, TensorParallelCoordinator | None]:
+    """The plan of an engine for `model`, and this rank's tensor-parallel coordinator (None without
+    tensor parallelism), which the ranks agree on sizes through. Raises (`ValueError`,
+    `NotImplementedError`) before anything is allocated for what cannot run."""
+    config = private_config(cb_config)
+    sampling = resolve_sampling_plan(model, generation_config, config, all_request_stages)
+    check_model_supported(model)
+    states = state_layout(model)
+    refusal = speculation_refusal(model, states is not None)
+    assistant_shape = None
+    if assistant_model is not None:
+        assistant_shape = check_assistant(model, assistant_model, refusal)
+    kv_groups = tuple(kv_groups_from_config(model.config))
+    # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
+    shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
+    tp = TensorParallelCoordinator.for_model(model, config.cpu_group_timeout)
+    first_param = next(model.parameters())
+    device, dtype = first_param.device, first_param.dtype
+    device_options = resolve_device_options(config, device.type)
+    sizing = resolve_sizing(
+        config,
+        shape,
+        device,
+        dtype,
+        workload,
+        states.bytes_per_slot if states else 0,
+        0
+        if assistant_shape is None or assistant_model is None
+        else assistant_kv_bytes_per_token(assistant_model, assistant_shape),
+    )
+    if tp is not None:
+        sizing = tp.agree_sizing(sizing)
+    has_sliding = any(spec.sliding_window is not None for spec in kv_groups)
+    step_options = resolve_step_options(
+        model,
+        config,
+        device_options,
+        sampling.generation_config,
+        device.type,
+        has_sliding,
+        sizing.page_size,
+        workload,
+        ignores_logits_to_keep(model),
+    )
+    if states is not None:
+        step_options = without_traced_steps(step_options)
+    cache = resolve_cache_plan(
+        sizing,
+        kv_groups,
+        shape,
+        config,
+        workload,
+        dtype,
+        device,
+        scratch_page=any(step_options.cuda_graphs),
+        sharing=config.allow_block_sharing and states is None,
+    )
+    # CPU offload: under tensor parallelism every rank holds as many host pages (the fewest any rank
+    # can afford), so that rank 0's host page ids are valid everywhere.
+    # A model with state layers swaps each preempted request's state slot with its pages; a model with no
+    # KV group at all (pure state-space) holds no page to swap and recomputes.
+    num_host_pages = resolve_host_pages(config, cache.layout, workload) if kv_groups else 0
+    if states is not None:
+        _note_state_limits(config, has_pages=bool(kv_groups))
+    if tp is not None:
+        num_host_pages = tp.agree_host_pages(num_host_pages)
+    plan = EnginePlan(
+        config=config,
+        shape=shape,
+        device=device,
+        dtype=dtype,
+        device_options=device_options,
+        sizing=sizing,
+        step_options=step_options,
+        cache=cache,
+        host=HostPlan(num_pages=num_host_pages),
+        scheduler=resolve_scheduler_plan(config, resolve_speculation_max_batch(config, device.type)),
+        sampling=sampling,
+        states=states,
+        speculation_refusal=refusal,
+        assistant=None
+        if assistant_model is None or assistant_shape is None
+        else resolve_assistant(
+            assistant_model,
+            assistant_shape,
+            sizing,
+            config,
+            workload,
+            step_options.attn_implementation if assistant_model is model else None,
+        ),
+    )
+    return plan, tp
+
+
+def _note_state_limits(config: ContinuousBatchingConfig, has_pages: bool) -> None:
+    """What a model with state layers does not use, said once (the state of a token cannot be looked up
+    from a cached page: only recomputed)."""
+    if config.allow_block_sharing:
+        logger.info(
+            "state layers: prefix sharing is off for this model (a cached prefix's pages do not hold the "
+            "recurrent state after it); forks (num_return_sequences) copy the prompt's pages and state"
+        )
+    if config.cpu_offload_space and not has_pages:
+        logger.info(
+            "state layers: cpu_offload_space is not used for this model (it has no attention layer, so no "
+            "page to swap): a preempted request recomputes its state"
+        )
