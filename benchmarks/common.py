@@ -763,7 +763,8 @@ def _capture_ours_counters():
         engine = original(*args, **kwargs)
         engine.peak_pages = {}
         step = engine.step
-        pages_in_use = getattr(engine, "pages_in_use_by_group", None)
+        pages = getattr(engine, "pages", None)
+        pages_in_use = getattr(pages, "pages_in_use", None)
 
         def recorded_step(*step_args: Any, **step_kwargs: Any) -> Any:
             result = step(*step_args, **step_kwargs)
