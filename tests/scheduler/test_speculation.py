@@ -156,7 +156,7 @@ def _speculating_scheduler(eos: frozenset[int] = frozenset(), max_batch_tokens: 
     scheduler.add(request)
     while not request.generated_ids:  # the prompt, in chunks under a tight budget
         plan = scheduler.schedule()
-        scheduler.update(plan, [SampledToken(7)] if plan.entries[0].samples else [])
+        scheduler.update(plan, [[SampledToken(7)]] if plan.entries[0].samples else [])
     return scheduler, request
 
 
@@ -172,7 +172,7 @@ def test_the_budget_counts_draft_tokens_and_rejected_pages_go_back() -> None:
     pool = scheduler.pages.pools[0]
     assert len(request.pages[0].page_ids) == 3  # 12 tokens of KV: 7 + 5
     # The target accepts 8, rejects 9 and says 1 instead.
-    scheduler.update(plan, [SampledToken(8)], continuations={"r": [SampledToken(1)]})
+    scheduler.update(plan, [[SampledToken(8), SampledToken(1)]])
     assert request.generated_ids == [7, 8, 1]
     assert request.num_computed_tokens == 9  # prompt, 7 and 8: the KV of the accepted tokens only
     assert len(request.pages[0].page_ids) == 3 and pool.num_free_pages == 16 - 3
@@ -197,9 +197,7 @@ def test_eos_inside_a_verified_run_ends_the_request_there() -> None:
     (entry,) = plan.entries
     assert entry.draft == [8]  # lookup drafts stop before an eos
     entry.draft = [8, 9, 5]  # as a draft model could propose
-    scheduler.update(
-        plan, [SampledToken(8)], continuations={"r": [SampledToken(9), SampledToken(5), SampledToken(3)]}
-    )
+    scheduler.update(plan, [[SampledToken(8), SampledToken(9), SampledToken(5), SampledToken(3)]])
     assert request.generated_ids == [7, 8, 9] and request.finish_reason == "stop"
     assert request.is_finished and scheduler.pages.pools[0].num_used_pages == 0
 
@@ -212,7 +210,7 @@ def test_no_drafts_in_steps_with_more_running_requests_than_the_speculation_limi
     assert scheduler.speculates_now()
     other = Request("o", [1, 2, 3], 20)
     scheduler.add(other)
-    scheduler.update(scheduler.schedule(), [SampledToken(7), SampledToken(4)])  # "o" joins the batch
+    scheduler.update(scheduler.schedule(), [[SampledToken(7)], [SampledToken(4)]])  # "o" joins the batch
     assert len(scheduler.running) == 2 and not scheduler.speculates_now()
     plan = scheduler.schedule()
     assert all(entry.draft == [] for entry in plan.entries) and plan.num_tokens == 2

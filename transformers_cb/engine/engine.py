@@ -386,19 +386,16 @@ class Engine:
             else:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
-        emitted, num_speculating = (
-            self.scheduler.speculation.emitted,
-            sum(1 for e in batch.entries if e.draft),
-        )
+        # Tokens appended, not sampled: a verified run stops at the token that ends its request.
+        generated = sum(request.num_tokens for request in sampling)
         finished = self.scheduler.update(
-            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs, output.continuations
+            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs
         )
         self.runner.release(finished)
         if self.drafter is not None:
             self.drafter.forget(finished)
         self.runner.take_back([e.request for e in batch.entries if e.draft and not e.request.is_finished])
-        emitted = self.scheduler.speculation.emitted - emitted  # tokens the speculating requests appended
-        self.counters.generated_tokens += len(output.sampled) - num_speculating + emitted
+        self.counters.generated_tokens += sum(request.num_tokens for request in sampling) - generated
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens

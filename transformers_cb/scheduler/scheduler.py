@@ -319,15 +319,14 @@ class Scheduler:
     def update(
         self,
         plan: StepPlan,
-        sampled: Sequence[SampledToken],
+        sampled: Sequence[Sequence[SampledToken]],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
         prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
-        continuations: Mapping[str, list[SampledToken]] | None = None,
     ) -> list[Request]:
-        """Advance every scheduled request; `sampled[i]` is the token of the i-th sampling entry,
-        `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
-        `StepOutput`), `prompt_top_logprobs` their best alternatives where asked for, `continuations`
-        the tokens a speculating request appends after its `sampled` one.
+        """Advance every scheduled request; `sampled[i]` holds the tokens of the i-th sampling entry (one,
+        or a speculating entry's verified run), `prompt_logprobs` the prompt-token logprobs the step
+        scored, by request id (the runner's `StepOutput`), `prompt_top_logprobs` their best alternatives
+        where asked for.
 
         Returns the requests that finished in this step.
         """
@@ -336,8 +335,7 @@ class Scheduler:
         for entry in plan.entries:
             request = entry.request
             if entry.draft:
-                run = [next(samples), *(continuations or {}).get(request.request_id, ())]
-                if self._apply_verified(entry, run):
+                if self._apply_verified(entry, list(next(samples))):
                     finished.append(request)
                 continue
             request.num_computed_tokens = entry.end
@@ -358,7 +356,7 @@ class Scheduler:
             self.pages.trim(request)
             if not entry.samples:
                 continue
-            token = next(samples)
+            (token,) = next(samples)
             request.append_token(token.token_id, token.logprob, token.top_logprobs)
             reason = request.stop_reason()
             if reason is not None:
