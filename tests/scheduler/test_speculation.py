@@ -183,6 +183,25 @@ def test_the_budget_counts_draft_tokens_and_rejected_pages_go_back() -> None:
     assert scheduler.speculation.accepted == 1
 
 
+def test_a_rollback_is_one_decision_the_next_plan_carries() -> None:
+    """The pages of rejected draft tokens go back in `update`; the block-table side of that rollback (the
+    columns the rows forget, with each group's end page right after the release) rides in the next plan's
+    `taken_back`, once, for the runner to execute before it packs."""
+    from transformers_cb.scheduler.plan import TakeBack
+
+    scheduler, request = _speculating_scheduler()
+    plan = scheduler.schedule()
+    assert plan.taken_back == [] and plan.entries[0].draft == [8, 9, 5, 6]
+    assert len(request.pages[0].page_ids) == 3  # 12 tokens of KV
+    scheduler.update(plan, [[SampledToken(1)]])  # the first draft token is rejected
+    assert request.num_computed_tokens == 8 and len(request.pages[0].page_ids) == 2
+    assert scheduler.taken_back == [TakeBack(request, (2,))]
+    following = scheduler.schedule()
+    assert following.taken_back == [TakeBack(request, (2,))] and scheduler.taken_back == []
+    scheduler.update(following, [[SampledToken(3)] for entry in following.entries if entry.samples][:1])
+    assert scheduler.schedule().taken_back == []
+
+
 def test_a_tight_budget_shortens_the_draft() -> None:
     scheduler, request = _speculating_scheduler(max_batch_tokens=3)
     (entry,) = scheduler.schedule().entries

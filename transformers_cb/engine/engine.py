@@ -394,7 +394,6 @@ class Engine:
         self.runner.release(finished)
         if self.drafter is not None:
             self.drafter.forget(finished)
-        self.runner.take_back([e.request for e in batch.entries if e.draft and not e.request.is_finished])
         self.counters.generated_tokens += sum(request.num_tokens for request in sampling) - generated
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
@@ -438,7 +437,10 @@ class Engine:
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
-        for tables in self.packer.block_tables:
-            tables.check_integrity(self.scheduler.running)
+        taken_back = self.scheduler.taken_back  # rollbacks the next plan's rows execute
+        for g, tables in enumerate(self.packer.block_tables):
+            tables.check_integrity(
+                self.scheduler.running, {item.request.request_id: item.end_pages[g] for item in taken_back}
+            )
         if self.drafter is not None:
             self.drafter.check_integrity()

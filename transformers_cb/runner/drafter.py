@@ -185,7 +185,8 @@ class Drafter:
         if kept < shadow.num_computed_tokens:  # rejected draft tokens: their KV goes
             shadow.num_computed_tokens = kept
             self.pages.release_surplus(shadow)
-            self.packer.take_back(shadow)
+            groups = range(len(self.packer.block_tables))
+            self.packer.take_back(shadow, [shadow.group_pages(g).end_page for g in groups])
         del shadow.all_token_ids[kept:]
         shadow.all_token_ids.extend(tokens[kept:])
         sequence.synced = len(tokens)

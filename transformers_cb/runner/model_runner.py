@@ -100,7 +100,7 @@ class ModelRunner:
     @torch.inference_mode()
     def apply(self, batch: StepPlan) -> None:
         """The step's plan before its forward: fork copies (they read the last forward's KV, which a
-        swap may move or hand over), then swaps, then the released block-table rows."""
+        swap may move or hand over), then swaps, then the rolled-back and the released block-table rows."""
         if batch.copies:
             self.packer.cache.copy_pages(batch.copies)
         if batch.state_copies:
@@ -115,18 +115,14 @@ class ModelRunner:
             check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
             if self.swapper is not None:
                 self.swapper.run(batch.swaps)
+        for item in batch.taken_back:
+            self.packer.take_back(item.request, item.end_pages)
         self.release(batch.released)
 
     def release(self, requests: list[Request]) -> None:
         """Give the block-table rows of `requests` back (their pages were freed)."""
         for request in requests:
             self.packer.release_request(request)
-
-    def take_back(self, requests: list[Request]) -> None:
-        """Speculating `requests` gave back the pages of their rejected draft tokens: their block-table rows
-        forget those columns (rewritten when pages are appended again)."""
-        for request in requests:
-            self.packer.take_back(request)
 
     @torch.inference_mode()
     def run(self, batch: StepPlan) -> StepOutput:

@@ -23,7 +23,7 @@ from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .forks import Forks
 from .host_tier import HostTier
-from .plan import ScheduledRequest, StepPlan
+from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
 from .speculation import SpeculationStats, append_verified, propose
@@ -79,6 +79,8 @@ class Scheduler:
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self.forks = Forks(pages, state_slots)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation.py)
+        # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
+        self.taken_back: list[TakeBack] = []
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -118,7 +120,7 @@ class Scheduler:
         # never fit (nothing runs, not one token fits) fails instead and opens it again.
         budget = self.max_batch_tokens
         scheduled: dict[int, ScheduledRequest] = {}
-        plan = StepPlan(entries=[])
+        plan = StepPlan(entries=[], taken_back=self._take_back_rows())
         gate = AdmissionGate()
         speculating = self.speculates_now()
         for request in self.policy.candidates(self.running, self.waiting):
@@ -157,6 +159,12 @@ class Scheduler:
         if self.offload is not None:
             plan.swaps = self.offload.take_plan()
         return plan
+
+    def _take_back_rows(self) -> list[TakeBack]:
+        """The rollbacks since the last plan, for the runner: those of requests still live (an ended
+        request's rows went back whole)."""
+        taken_back, self.taken_back = self.taken_back, []
+        return [item for item in taken_back if not item.request.is_finished]
 
     def _keep_running(
         self,
@@ -377,7 +385,9 @@ class Scheduler:
         if self.recomputed.pending:
             self.recomputed.ran(request.request_id, entry.start, entry.end - len(entry.draft))
         self.pages.register(request)  # keys for full pages of accepted tokens only
-        self.pages.release_surplus(request)
+        if self.pages.release_surplus(request):  # the block-table side runs from the next plan
+            groups = range(len(self.pages.policies))
+            self.taken_back.append(TakeBack(request, tuple(request.group_pages(g).end_page for g in groups)))
         self.pages.trim(request)
         if reason is not None:
             request.finish_reason = reason
