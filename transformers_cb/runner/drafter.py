@@ -254,10 +254,7 @@ class Drafter:
         rollback can return to (the request's last one, run again when nothing was appended to it), not of
         the draft tokens past it."""
         shadow = sequence.shadow
-        computed = shadow.num_computed_tokens
-        shadow.num_computed_tokens = min(computed, sequence.synced - 1)
-        self.pages.trim(shadow)
-        shadow.num_computed_tokens = computed
+        self.pages.trim(shadow, min(shadow.num_computed_tokens, sequence.synced - 1))
 
     def _take(self, item: PendingDraft, row: tuple[int, float]) -> None:
         """Append the assistant's token; the draft is done at its length, an eos, or low confidence."""
@@ -313,12 +310,8 @@ class Drafter:
         shadows = [sequence.shadow for sequence in self.sequences.values()]
         self.pages.check_integrity(shadows, [])
         for sequence in self.sequences.values():
-            shadow, computed = sequence.shadow, sequence.shadow.num_computed_tokens
-            shadow.num_computed_tokens = min(computed, sequence.synced - 1)
-            try:
-                for policy in self.pages.policies:
-                    policy.check_request(shadow)
-            finally:
-                shadow.num_computed_tokens = computed
+            shadow = sequence.shadow
+            for policy in self.pages.policies:
+                policy.check_request(shadow, min(shadow.num_computed_tokens, sequence.synced - 1))
         for tables in self.packer.block_tables:
             tables.check_integrity(shadows)
