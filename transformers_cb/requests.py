@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, overload
 
 if TYPE_CHECKING:
     from .sampling.request_state import RequestSampling
-    from .scheduler.speculation import SpeculationState
+    from .scheduler.back_off import SpeculationState
 
 from .invariants import InvariantError
 

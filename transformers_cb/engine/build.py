@@ -37,18 +37,15 @@ from ..distributed import TensorParallelCoordinator
 from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
 from ..kv.offload import CpuOffload
-from ..kv.page_manager import PageManager
-from ..kv.page_policies import make_page_policy, num_pages_for
-from ..kv.pool import PagePool
+from ..kv.page_policies import num_pages_for
 from ..kv.state_slots import StateSlots
 from ..memory.host_cache import HostKVCache, resolve_host_pages
-from ..memory.kv_cache import CacheLayout, PagedKVCache
+from ..memory.kv_cache import CacheLayout
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
 from ..runner.compile_plan import CompilePlan
 from ..runner.model_runner import ModelRunner
-from ..runner.packing import BatchPacker
 from ..runner.state_layers import StateLayers
 from ..runner.step_options import StepOptions, resolve_step_options
 from ..sampling.neutral import check_generation_config
@@ -63,11 +60,12 @@ from .assistant import (
     check_assistant,
     resolve_assistant,
 )
+from .draft_setup import speculation_refusal
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
+from .kv_wiring import wire_kv
 from .model_support import check_model_supported, ignores_logits_to_keep, state_layout
 from .publisher import StepPublisher, TensorParallelPublisher
-from .speculation_support import speculation_refusal
 from .state_probe import StateLayout
 
 logger = logging.getLogger(__name__)
@@ -249,15 +247,9 @@ def wire(
 ) -> Engine:
     """Allocate and connect the parts of an engine from `plan` (see the module docstring);
     `assistant_model`: the draft model `plan.assistant` was resolved for."""
-    page_size = plan.sizing.page_size
-    # kv/ owns pages: one pool per KV group, each handed to its group's page policy.
-    pools = [PagePool(num_pages) for num_pages in plan.group_pages]
-    policies = [
-        make_page_policy(spec, pool, page_size, g)
-        for g, (spec, pool) in enumerate(zip(plan.kv_groups, pools, strict=True))
-    ]
-    pages = PageManager(policies, list(plan.kv_groups), sharing=plan.sharing, page_size=page_size)
-    cache = PagedKVCache.from_layout(plan.cache)
+    # kv/ owns pages: one pool per KV group, each handed to its group's page policy (kv_wiring.py).
+    kv = wire_kv(plan.kv_groups, plan.cache, plan.group_widths, plan.device, plan.sharing, plan.initial_pages)
+    policies, pages, cache, packer = kv.policies, kv.pages, kv.cache, kv.packer
     # CPU offload: the scheduler plans with the host tier's page ids (`offload`), the runner copies
     # into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
     offload, swapper = None, None
@@ -291,7 +283,6 @@ def wire(
         host_state_slots=host_slots,
         speculation_max_batch=resolve_speculation_max_batch(plan.config, plan.device.type),
     )
-    packer = BatchPacker(cache, list(plan.group_widths), plan.device, plan.initial_pages)
     packer.state_layers = states is not None
     sampling = SamplingSetup(
         plan.generation_config,

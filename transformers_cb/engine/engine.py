@@ -37,11 +37,13 @@ from ..runner.packed_linear import WeightKey
 from ..runner.packed_model import model_pack_bytes, packed_linears
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
+from ..scheduler.drafts import Drafts
 from ..scheduler.scheduler import Scheduler
-from ..scheduler.speculation import SpeculationStats
+from ..scheduler.shadow_planner import ShadowPlanner
+from ..scheduler.speculation_stats import SpeculationStats
+from .draft_setup import EngineSpeculation
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
-from .speculation_support import EngineSpeculation
 from .submission import build_request
 
 if TYPE_CHECKING:
@@ -77,8 +79,9 @@ class EngineParts:
 
     `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
     scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what
-    rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model on its
-    own pages (None: no `assistant_model`)."""
+    rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model as a
+    draft source: the planner of its shadows on its own pages (scheduler/shadow_planner.py) over the
+    drafter running its forwards (runner/drafter.py; None: no `assistant_model`)."""
 
     model: PreTrainedModel
     pages: PageManager
@@ -89,7 +92,7 @@ class EngineParts:
     sampling: SamplingSetup
     offload: CpuOffload | None = None
     publisher: StepPublisher = field(default_factory=StepPublisher)
-    drafter: Drafter | None = None
+    drafter: ShadowPlanner[Drafter] | None = None
 
 
 class Engine:
@@ -118,7 +121,8 @@ class Engine:
         self.speculation = EngineSpeculation.for_engine(
             plan.speculation_refusal,
             self.generation_config,
-            self.drafter.model if self.drafter is not None else None,
+            self.drafter.executor.model if self.drafter is not None else None,
+            self.drafter,
         )
 
     @property
@@ -348,19 +352,22 @@ class Engine:
     def assistant_session(self) -> AbstractContextManager[Any]:
         """The draft model under its paged backend for a run (beside the model's `paged_attention`); a
         no-op without one. Steps outside it switch the assistant per step."""
-        return self.drafter.session() if self.drafter is not None else nullcontext()
+        return self.drafter.executor.session() if self.drafter is not None else nullcontext()
 
-    def _draft(self) -> None:
-        """The draft model's tokens for this step's speculating requests (runner/drafter.py)."""
-        if self.drafter is not None and self.scheduler.speculates_now():
-            self.drafter.draft_or_skip(self.scheduler.running)
+    def _drafts(self) -> Drafts:
+        """This step's drafts, as data: each draft source's for its running requests (none in a step
+        where the scheduler does not speculate, `speculates_now`)."""
+        drafts: Drafts = {}
+        if self.scheduler.speculates_now():
+            for source in self.speculation.sources:
+                drafts.update(source.propose(self.scheduler.running))
+        return drafts
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule and run one forward pass. A failure fails only the requests of this step (under
         tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
-        self._draft()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._drafts())
         if self.drafter is not None and (batch.preempted or batch.failed):
             self.drafter.forget([*batch.preempted, *batch.failed])
         self.publisher.step_planned(batch)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..config.speculation import split_speculation_kwargs
+from ..config.draft_settings import split_speculation_kwargs
 from ..requests import Request
 from .forks import add_siblings, num_return_sequences_of
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs

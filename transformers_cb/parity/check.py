@@ -28,8 +28,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..api.generate_batch import CACHED_ENGINE_ATTR
 from ..config.continuous_batching import ContinuousBatchingConfig
+from ..engine.draft_setup import speculation_refusal
 from ..engine.model_support import state_layout
-from ..engine.speculation_support import speculation_refusal
 from ..requests import GenerationOutput, RequestStatus
 from .compare import (
     compare_tokens,

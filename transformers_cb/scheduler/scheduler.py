@@ -21,12 +21,13 @@ from ..kv.page_manager import PageManager
 from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .host_tier import HostTier
 from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
-from .speculation import SpeculationStats, append_verified, propose
+from .speculation_stats import SpeculationStats
 
 
 class Scheduler:
@@ -78,7 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self.forks = Forks(pages, state_slots)  # siblings' forks, their copies for the next step's plan
-        self.speculation = SpeculationStats()  # all requests' verification steps (speculation.py)
+        self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
         # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
         self.taken_back: list[TakeBack] = []
 
@@ -107,9 +108,10 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     # -- one step ------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> StepPlan:
         """Pick the next step. May preempt running requests (in `preempted`) and fail
-        requests that can never fit the cache (in `failed`, already finished)."""
+        requests that can never fit the cache (in `failed`, already finished). `drafts`: the draft
+        tokens proposed for speculating requests (`Drafts`, drafts.py), each cut to what the step fits."""
         # The algorithm: candidates come in the policy's order (fifo: running ones, then waiting ones)
         # while the step has token budget and request slots left. A running request keeps its place:
         # it runs the tokens that fit, else takes the pages of the newest unscheduled running requests
@@ -138,7 +140,8 @@ class Scheduler:
                     and request.num_remaining_tokens == 1
                     and request.generated_ids
                 ):
-                    draft = propose(request, budget)  # the budget counts draft tokens
+                    # The budget counts draft tokens.
+                    draft = fit_draft(request, budget, (drafts or {}).get(request.request_id, []))
                 num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
             if num_tokens is None:
                 continue
@@ -376,7 +379,7 @@ class Scheduler:
         return finished
 
     def _apply_verified(self, entry: ScheduledRequest, run: list[SampledToken]) -> bool:
-        """A speculating request's verified run (speculation.py `append_verified`), its KV kept for the
+        """A speculating request's verified run (drafts.py `append_verified`), its KV kept for the
         accepted tokens only (the pages past them go back). Returns whether it finished."""
         request = entry.request
         reason = append_verified(request, len(entry.draft), run, self.speculation)
