@@ -256,7 +256,7 @@ def test_fast_path_only_for_decode_steps_that_fit_the_table() -> None:
     prepare_flash_step(mixed.metadata, 4)
     assert mixed.metadata.decode_fast_path is None
     assert mixed.metadata.cu_seqlens_k.tolist() == [0, 20, 25]
-    engine.scheduler.update(batch, [SampledToken(7)] * 2)
+    engine.scheduler.update(batch, [[SampledToken(7)]] * 2)
     decode = engine.packer.pack(engine.scheduler.schedule())
     prepare_flash_step(decode.metadata, 4)
     fast = decode.metadata.decode_fast_path

@@ -130,3 +130,19 @@ def test_host_pages_count_a_cpu_device_cache_as_taken(monkeypatch) -> None:
     config = ContinuousBatchingConfig(cpu_offload_space=None, cpu_offload_space_safety_threshold=0.5)
     assert host_cache.resolve_host_pages(config, cuda) == 2500
     assert host_cache.resolve_host_pages(config, cpu, workload=[10**6]) == 2000  # (5000 - 1000) / 2
+
+
+def test_the_target_and_the_draft_model_wire_their_kv_one_way() -> None:
+    """`wire_kv` builds both models' KV parts: each group's policy over its own pool, sized by the plan;
+    the draft model's pages belong to its planner (no sharing), its drafter only runs forwards."""
+    model, assistant = tiny_llama(), tiny_llama(num_hidden_layers=1)
+    config = ContinuousBatchingConfig(page_size=4, num_blocks=16)
+    engine = build_engine(model, GenerationConfig(max_new_tokens=4), config, assistant_model=assistant)
+    drafter = engine.drafter
+    assert drafter is not None and engine.plan.assistant is not None
+    assert [pool.num_pages for pool in engine.pages.pools] == list(engine.plan.cache.group_pages)
+    assert [pool.num_pages for pool in drafter.pages.pools] == list(engine.plan.assistant.cache.pages)
+    assert [policy.pool for policy in drafter.pages.policies] == drafter.pages.pools
+    assert engine.pages.sharing and not drafter.pages.sharing
+    assert drafter.executor.packer.cache is not engine.cache
+    assert not hasattr(drafter.executor, "pages")

@@ -93,7 +93,8 @@ class RecordingPublisher(StepPublisher):
         self.calls.append(("failed", str(error)))
 
     def tokens_sampled(self, requests, tokens) -> None:
-        self.calls.append(("tokens", [r.request_id for r in requests], [t.token_id for t in tokens]))
+        assert all(len(run) == 1 for run in tokens)  # one token per request and step: no speculation here
+        self.calls.append(("tokens", [r.request_id for r in requests], [run[0].token_id for run in tokens]))
 
     def requests_finished(self, requests) -> None:
         self.calls.append(("finished", [r.request_id for r in requests]))

@@ -355,7 +355,7 @@ def test_block_tables_take_back_pages_from_the_end() -> None:
     set_page_ids(request, [0, 1, 2])
     row = tables.sync(request)
     set_page_ids(request, [0, 1])
-    tables.take_back(request)
+    tables.take_back(request, 2)
     tables.check_integrity([request])
     set_page_ids(request, [0, 1, 7])
     tables.sync(request)

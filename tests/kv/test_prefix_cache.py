@@ -47,7 +47,7 @@ def step(scheduler: Scheduler, token: int = 99) -> StepPlan:
     """One step with a fake model that samples `token`; integrity checked before and after."""
     batch = scheduler.schedule()
     scheduler.check_integrity()
-    scheduler.update(batch, [SampledToken(token) for _ in sampling_entries(batch)])
+    scheduler.update(batch, [[SampledToken(token)] for _ in sampling_entries(batch)])
     scheduler.check_integrity()
     return batch
 
@@ -275,7 +275,7 @@ def test_hybrid_hit_needs_the_window_pages_of_the_sliding_group() -> None:
     # Queries from 20 read keys (14, 20]: logical pages 3 and 4 only.
     assert sliding.first_page == 3 and sliding.page_ids[:2] == [3, 4]
     assert second.pages[0].page_ids[:5] == [0, 1, 2, 3, 4]
-    scheduler.update(batch, [SampledToken(99)] * len(sampling_entries(batch)))
+    scheduler.update(batch, [[SampledToken(99)]] * len(sampling_entries(batch)))
     scheduler.check_integrity()
 
 
@@ -295,7 +295,7 @@ def test_hybrid_hit_stops_where_a_window_page_is_missing() -> None:
     # 20 would need sliding pages 3-4; 16 needs pages 2-3, all there.
     assert batch.entries[0].start == 16
     assert second.pages[1].first_page == 2
-    scheduler.update(batch, [SampledToken(99)] * len(sampling_entries(batch)))
+    scheduler.update(batch, [[SampledToken(99)]] * len(sampling_entries(batch)))
     scheduler.check_integrity()
 
 

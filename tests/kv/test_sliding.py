@@ -30,6 +30,7 @@ from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.native import native_paged_attention
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
+from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -103,6 +104,23 @@ def test_window_of_one_token_can_drop_every_page() -> None:
     assert policy.num_new_pages(request, 1) == 1
     assert policy.allocate(request, 1) and request.pages[0].end_page == 3
     policy.check_request(request)
+
+
+def test_trim_and_check_take_an_explicit_bound() -> None:
+    """A caller whose window starts before the request's computed tokens (a draft model's shadow, whose
+    draft tokens past its last verified one may be rolled back) passes that bound; the request is not
+    written."""
+    pool = PagePool(10)
+    policy = SlidingWindowPolicy(pool, page_size=4, sliding_window=6)
+    request = make_request(num_prompt_tokens=100, max_new_tokens=1)
+    assert policy.allocate(request, 16)
+    request.num_computed_tokens = 16
+    assert policy.trim(request, 9) == 1  # a query at 9 reads keys 4..9: only page 0 is out
+    assert request.num_computed_tokens == 16 and request.pages[0] == PageList([1, 2, 3], 1)
+    policy.check_request(request, 9)
+    with pytest.raises(InvariantError, match="before its window"):
+        policy.check_request(request)  # from 16 on, page 1 is before the window
+    assert policy.trim(request) == 1
 
 
 def test_page_manager_is_check_then_commit_across_groups() -> None:

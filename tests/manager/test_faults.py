@@ -57,11 +57,11 @@ def test_scheduler_error_fails_the_running_requests_only(manager, ref):
     original = scheduler.schedule
     fail_next = threading.Event()
 
-    def flaky_schedule():
+    def flaky_schedule(*args, **kwargs):
         if fail_next.is_set():
             fail_next.clear()
             raise ValueError("injected scheduler bug")
-        return original()
+        return original(*args, **kwargs)
 
     scheduler.schedule = flaky_schedule
     victim = manager.add_request(PROMPTS[0], max_new_tokens=400)

@@ -78,14 +78,6 @@ def test_every_module_has_a_docstring():
         assert ast.get_docstring(ast.parse(path.read_text())), f"{name} has no module docstring"
 
 
-# Cycles known and being removed elsewhere, each pair named with why; empty once they are gone.
-ALLOWED_CYCLES: set[frozenset[str]] = {
-    # The speculation refactor reshapes these two modules (a draft model's schedule reads the speculation
-    # state it is part of, for types only); remove this entry when it lands.
-    frozenset({"transformers_cb.scheduler.assisted", "transformers_cb.scheduler.speculation"}),
-}
-
-
 def import_graph() -> dict[str, set[str]]:
     """module -> the package modules it imports (type-only imports included)."""
     modules = all_modules()
@@ -130,7 +122,6 @@ def test_no_import_cycle():
     for name in sorted(graph):
         if name not in index:
             visit(name)
-    cycles = [cycle for cycle in cycles if frozenset(cycle) not in ALLOWED_CYCLES]
     assert not cycles, f"import cycles (through TYPE_CHECKING imports too): {cycles}"
 
 

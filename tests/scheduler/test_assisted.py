@@ -1,17 +1,40 @@
-"""A draft model's side of the scheduler (scheduler/assisted.py): `propose` takes the drafter's tokens instead
-of a lookup, within the same limits (budget, max_new_tokens, eos), and only once; transformers'
-`num_assistant_tokens_schedule` moves the draft length after each verification; the settings' precedence
-(the engine's GenerationConfig, the assistant's own, transformers' defaults) and validation."""
+"""A draft model's side of the scheduler (scheduler/assisted.py): a step runs the draft model's proposal
+(not a lookup) within the same limits (budget, max_new_tokens, eos), and only in the step it was proposed
+for; transformers' `num_assistant_tokens_schedule` moves the draft length after each verification; the
+settings' precedence (the engine's GenerationConfig, the assistant's own, transformers' defaults) and
+validation."""
 
 from __future__ import annotations
 
 import pytest
 from transformers import GenerationConfig
 
-from transformers_cb.config.speculation import AssistantSettings, assistant_from_configs, request_assistant
+from transformers_cb.config.draft_settings import AssistantSettings, assistant_from_configs, request_assistant
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.assisted import ModelDraft, after_verify
-from transformers_cb.scheduler.speculation import SpeculationState, propose, record
+from transformers_cb.scheduler.assisted import AssistantSchedule, after_verify
+from transformers_cb.scheduler.back_off import SpeculationState, follow_schedule, record
+from transformers_cb.scheduler.draft_source import Drafts
+from transformers_cb.scheduler.drafts import fit_draft
+from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP
+
+
+def apply_schedule(state, drafted: int, accepted: int) -> None:
+    """What the draft model's source does after a verification (scheduler/shadow_planner.py)."""
+    follow_schedule(state, after_verify(state.assistant, drafted, accepted))
+
+
+class ModelSource:
+    """A draft model's source as the scheduler sees it: it proposes the given drafts, and its
+    `after_verify` runs the schedules (as scheduler/shadow_planner.py does)."""
+
+    def __init__(self) -> None:
+        self.drafts: Drafts = {}
+
+    def propose(self, requests) -> Drafts:
+        return {r.request_id: self.drafts[r.request_id] for r in requests if r.request_id in self.drafts}
+
+    def after_verify(self, request: Request, drafted: int, accepted: int) -> None:
+        apply_schedule(request.speculation, drafted, accepted)
 
 
 def assisted_request(
@@ -21,22 +44,46 @@ def assisted_request(
     request = Request("r", [1, 2, 3, 1, 2], max_new_tokens=20, eos_token_ids=eos)
     request.append_token(3)
     request.num_computed_tokens = request.num_tokens - 1
-    source = ModelDraft(schedule, 0.0, length=num_tokens)
-    request.speculation = SpeculationState(num_tokens, 2, source=source)
+    schedule_ = AssistantSchedule(schedule, 0.0, length=num_tokens)
+    request.speculation = SpeculationState(num_tokens, ModelSource(), 2, assistant=schedule_)
     return request
 
 
-def test_propose_takes_the_drafters_tokens_within_the_limits_and_once() -> None:
+def test_a_step_runs_the_draft_models_tokens_within_the_limits() -> None:
     request = assisted_request(eos=frozenset({99}))
-    source = request.speculation.source
-    source.tokens = [7, 8, 9, 10]
-    assert propose(request, budget=3) == [7, 8]  # budget - 1
-    assert propose(request, budget=16) == []  # used up: no stale draft next step
-    source.tokens = [7, 99, 8]
-    assert propose(request, budget=16) == [7]  # never past an eos
+    assert PROMPT_LOOKUP.propose([request]) == {}  # not a lookup request: its source's drafts win
+    assert fit_draft(request, 3, [7, 8, 9, 10]) == [7, 8]  # budget - 1
+    assert fit_draft(request, 16, [7, 99, 8]) == [7]  # never past an eos
     request.max_new_tokens = len(request.generated_ids) + 2
-    source.tokens = [7, 8, 9]
-    assert propose(request, budget=16) == [7]  # the target's own token is the last one allowed
+    assert fit_draft(request, 16, [7, 8, 9]) == [7]  # the target's own token is the last one allowed
+
+
+def test_a_draft_runs_only_in_the_step_it_was_proposed_for() -> None:
+    """Drafts are handed to each schedule: a schedule without one runs none (no stale draft)."""
+    from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+    from transformers_cb.kv.page_manager import PageManager
+    from transformers_cb.kv.page_policies import FullAttentionPolicy
+    from transformers_cb.kv.pool import PagePool
+    from transformers_cb.requests import RequestStatus
+    from transformers_cb.sampling.sampled_token import SampledToken
+    from transformers_cb.scheduler.policies import make_policy
+    from transformers_cb.scheduler.scheduler import Scheduler
+
+    pages = PageManager([FullAttentionPolicy(PagePool(16), 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
+    scheduler = Scheduler(pages, 64, 8, 0.0, make_policy("fifo"))
+    request = assisted_request()
+    assert pages.allocate(request, request.num_computed_tokens)
+    request.set_status(RequestStatus.PREFILLING)
+    request.set_status(RequestStatus.DECODING)
+    scheduler.running.append(request)
+    source = request.speculation.source
+    source.drafts = {"r": [7, 8, 9]}
+    plan = scheduler.schedule(source.propose(scheduler.running))
+    assert plan.entries[0].draft == [7, 8, 9]
+    scheduler.update(plan, [[SampledToken(7), SampledToken(5)]])  # 7 accepted, 8 rejected
+    assert request.generated_ids[-2:] == [7, 5] and request.speculation.paused_steps == 0
+    (entry,) = scheduler.schedule().entries
+    assert entry.draft == [] and entry.num_tokens == 1
 
 
 def test_heuristic_schedules_add_two_after_a_full_acceptance_and_drop_one_otherwise() -> None:
@@ -46,13 +93,13 @@ def test_heuristic_schedules_add_two_after_a_full_acceptance_and_drop_one_otherw
         lengths = []
         for drafted, accepted in [(4, 4), (6, 6), (8, 3), (7, 0), (6, 0), (5, 0)]:
             record(request, drafted, accepted, accepted + 1)
-            after_verify(state, drafted, accepted)
+            apply_schedule(state, drafted, accepted)
             lengths.append(state.num_tokens)
             assert state.paused_steps == 0  # no back-off pause under the heuristic schedules
         assert lengths == [6, 8, 7, 6, 5, 4], schedule
     request = assisted_request("heuristic", num_tokens=1)
     record(request, 1, 0, 1)
-    after_verify(request.speculation, 1, 0)
+    apply_schedule(request.speculation, 1, 0)
     assert request.speculation.num_tokens == 1  # never under 1
 
 
@@ -63,7 +110,7 @@ def test_the_constant_schedule_keeps_the_back_off() -> None:
     for drafted, accepted in [(4, 0), (4, 0), (4, 4), (3, 1)]:
         record(request, drafted, accepted, accepted + 1)
         before = (state.num_tokens, state.paused_steps, state.misses)
-        after_verify(state, drafted, accepted)
+        apply_schedule(state, drafted, accepted)
         assert (state.num_tokens, state.paused_steps, state.misses) == before
 
 

@@ -9,16 +9,22 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from transformers_cb.config.speculation import LookupSettings, lookup_settings, request_lookup
+from transformers_cb.config.draft_settings import LookupSettings, lookup_settings, request_lookup
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.speculation import (
-    MAX_PAUSE_STEPS,
-    SpeculationState,
-    draft_length,
-    lookup,
-    propose,
-    record,
-)
+from transformers_cb.scheduler.back_off import MAX_PAUSE_STEPS, SpeculationState, draft_length, record
+from transformers_cb.scheduler.drafts import fit_draft
+from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP, lookup
+
+
+def propose(request: Request, budget: int) -> list[int]:
+    """What a step with `budget` tokens left runs of the request's lookup draft (the source proposes,
+    the schedule cuts)."""
+    return fit_draft(request, budget, PROMPT_LOOKUP.propose([request]).get(request.request_id, []))
+
+
+def lookup_schedule(scheduler):
+    """A schedule handed prompt lookup's drafts for the running requests, as the engine does."""
+    return scheduler.schedule(PROMPT_LOOKUP.propose(scheduler.running))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -64,7 +70,8 @@ def _decoding(prompt: list[int], generated: list[int], max_new: int, settings: L
     request = Request("r", prompt, max_new, eos_token_ids=frozenset({0}))
     for token in generated:
         request.append_token(token)
-    request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
+    request.num_computed_tokens = request.num_tokens - 1  # decoding: its last token not run yet
+    request.speculation = SpeculationState(settings.num_tokens, PROMPT_LOOKUP, settings.max_ngram)
     return request
 
 
@@ -107,7 +114,7 @@ def test_back_off_follows_the_acceptance_and_pauses() -> None:
 
 
 def test_draft_length_is_the_expected_accepted_run() -> None:
-    state = SpeculationState(10, 2)
+    state = SpeculationState(10, PROMPT_LOOKUP, 2)
     assert draft_length(state) == 10
     state.accepted_recently, state.rejected_recently = 4.0, 1.0  # p = 0.8: runs of 4
     assert draft_length(state) == 4
@@ -152,11 +159,11 @@ def _speculating_scheduler(eos: frozenset[int] = frozenset(), max_batch_tokens: 
     )
     scheduler = Scheduler(pages, max_batch_tokens, 8, 0.0, make_policy("fifo"))
     request = Request("r", [5, 6, 7, 8, 9, 5, 6], 20, eos_token_ids=eos)
-    request.speculation = SpeculationState(4, 2)
+    request.speculation = SpeculationState(4, PROMPT_LOOKUP, 2)
     scheduler.add(request)
     while not request.generated_ids:  # the prompt, in chunks under a tight budget
-        plan = scheduler.schedule()
-        scheduler.update(plan, [SampledToken(7)] if plan.entries[0].samples else [])
+        plan = lookup_schedule(scheduler)
+        scheduler.update(plan, [[SampledToken(7)]] if plan.entries[0].samples else [])
     return scheduler, request
 
 
@@ -165,14 +172,14 @@ from transformers_cb.sampling.sampled_token import SampledToken  # noqa: E402
 
 def test_the_budget_counts_draft_tokens_and_rejected_pages_go_back() -> None:
     scheduler, request = _speculating_scheduler()
-    plan = scheduler.schedule()
+    plan = lookup_schedule(scheduler)
     (entry,) = plan.entries
     assert entry.draft == [8, 9, 5, 6] and entry.num_tokens == 5 and plan.num_tokens == 5
     assert entry.token_ids == [7, 8, 9, 5, 6]
     pool = scheduler.pages.pools[0]
     assert len(request.pages[0].page_ids) == 3  # 12 tokens of KV: 7 + 5
     # The target accepts 8, rejects 9 and says 1 instead.
-    scheduler.update(plan, [SampledToken(8)], continuations={"r": [SampledToken(1)]})
+    scheduler.update(plan, [[SampledToken(8), SampledToken(1)]])
     assert request.generated_ids == [7, 8, 1]
     assert request.num_computed_tokens == 9  # prompt, 7 and 8: the KV of the accepted tokens only
     assert len(request.pages[0].page_ids) == 3 and pool.num_free_pages == 16 - 3
@@ -183,9 +190,28 @@ def test_the_budget_counts_draft_tokens_and_rejected_pages_go_back() -> None:
     assert scheduler.speculation.accepted == 1
 
 
+def test_a_rollback_is_one_decision_the_next_plan_carries() -> None:
+    """The pages of rejected draft tokens go back in `update`; the block-table side of that rollback (the
+    columns the rows forget, with each group's end page right after the release) rides in the next plan's
+    `taken_back`, once, for the runner to execute before it packs."""
+    from transformers_cb.scheduler.plan import TakeBack
+
+    scheduler, request = _speculating_scheduler()
+    plan = lookup_schedule(scheduler)
+    assert plan.taken_back == [] and plan.entries[0].draft == [8, 9, 5, 6]
+    assert len(request.pages[0].page_ids) == 3  # 12 tokens of KV
+    scheduler.update(plan, [[SampledToken(1)]])  # the first draft token is rejected
+    assert request.num_computed_tokens == 8 and len(request.pages[0].page_ids) == 2
+    assert scheduler.taken_back == [TakeBack(request, (2,))]
+    following = lookup_schedule(scheduler)
+    assert following.taken_back == [TakeBack(request, (2,))] and scheduler.taken_back == []
+    scheduler.update(following, [[SampledToken(3)] for entry in following.entries if entry.samples][:1])
+    assert lookup_schedule(scheduler).taken_back == []
+
+
 def test_a_tight_budget_shortens_the_draft() -> None:
     scheduler, request = _speculating_scheduler(max_batch_tokens=3)
-    (entry,) = scheduler.schedule().entries
+    (entry,) = lookup_schedule(scheduler).entries
     assert entry.draft == [8, 9] and entry.num_tokens == 3
 
 
@@ -193,13 +219,11 @@ def test_eos_inside_a_verified_run_ends_the_request_there() -> None:
     """A run whose accepted tokens hold an eos (a draft model may propose one) stops at it: the tokens
     after it are dropped, the pages freed."""
     scheduler, request = _speculating_scheduler(eos=frozenset({9}))
-    plan = scheduler.schedule()
+    plan = lookup_schedule(scheduler)
     (entry,) = plan.entries
     assert entry.draft == [8]  # lookup drafts stop before an eos
     entry.draft = [8, 9, 5]  # as a draft model could propose
-    scheduler.update(
-        plan, [SampledToken(8)], continuations={"r": [SampledToken(9), SampledToken(5), SampledToken(3)]}
-    )
+    scheduler.update(plan, [[SampledToken(8), SampledToken(9), SampledToken(5), SampledToken(3)]])
     assert request.generated_ids == [7, 8, 9] and request.finish_reason == "stop"
     assert request.is_finished and scheduler.pages.pools[0].num_used_pages == 0
 
@@ -212,9 +236,11 @@ def test_no_drafts_in_steps_with_more_running_requests_than_the_speculation_limi
     assert scheduler.speculates_now()
     other = Request("o", [1, 2, 3], 20)
     scheduler.add(other)
-    scheduler.update(scheduler.schedule(), [SampledToken(7), SampledToken(4)])  # "o" joins the batch
+    scheduler.update(
+        lookup_schedule(scheduler), [[SampledToken(7)], [SampledToken(4)]]
+    )  # "o" joins the batch
     assert len(scheduler.running) == 2 and not scheduler.speculates_now()
-    plan = scheduler.schedule()
+    plan = lookup_schedule(scheduler)
     assert all(entry.draft == [] for entry in plan.entries) and plan.num_tokens == 2
     scheduler.speculation_max_batch = 2
     assert scheduler.speculates_now()

@@ -26,7 +26,7 @@ class FakeModel:
         self.kv: dict[str, list[int]] = {}
         self.eos_at = eos_at or {}  # request id -> number of generated tokens at which to emit EOS
 
-    def run(self, batch: StepPlan) -> list[SampledToken]:
+    def run(self, batch: StepPlan) -> list[list[SampledToken]]:
         for request in batch.preempted:
             self.kv.pop(request.request_id, None)
         sampled = []
@@ -40,7 +40,7 @@ class FakeModel:
             kv.extend(request.all_token_ids[entry.start : entry.end])
             if entry.samples:
                 assert kv == request.all_token_ids
-                sampled.append(SampledToken(self.token(request, kv)))
+                sampled.append([SampledToken(self.token(request, kv))])
         return sampled
 
     def token(self, request: Request, kv: list[int]) -> int:

@@ -108,7 +108,7 @@ class Rig:
                     self.cache.keys[layer][slot] = self.value(request, position)
                     self.cache.values[layer][slot] = -self.value(request, position)
             if entry.samples:
-                sampled.append(SampledToken(10 + sum(request.all_token_ids) % 200))
+                sampled.append([SampledToken(10 + sum(request.all_token_ids) % 200)])
         self.scheduler.update(batch, sampled)
         self.steps += 1
         self.check_integrity()

@@ -158,10 +158,10 @@ class TensorParallelCoordinator:
             message.entries.append((request.request_id, entry.start, entry.num_tokens, pages))
         self.cpu.exchange(message)
 
-    def record_tokens(self, sampling: list[Request], sampled: list[SampledToken]) -> None:
-        """`sampled[i]` is the token `sampling[i]` got this step."""
-        for request, token in zip(sampling, sampled, strict=True):
-            self._pending.tokens.append((request.request_id, token))
+    def record_tokens(self, sampling: list[Request], sampled: list[list[SampledToken]]) -> None:
+        """`sampled[i]` holds the tokens `sampling[i]` got this step (one: no speculation here)."""
+        for request, tokens in zip(sampling, sampled, strict=True):
+            self._pending.tokens.extend((request.request_id, token) for token in tokens)
 
     def record_finished(self, requests: list[Request]) -> None:
         for request in requests:

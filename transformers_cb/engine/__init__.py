@@ -2,4 +2,4 @@
 once (build.py) from a frozen plan composed of its parts' plans (plan.py), its tensor-parallel follower
 (follower.py) and rank 0's publisher (publisher.py), a submission made a `Request` (submission.py,
 validation.py, siblings.py), the draft model (assistant.py) and whether the engine can speculate
-(speculation_support.py). Whether a model can run at all is model_check/'s."""
+(draft_setup.py). Whether a model can run at all is model_check/'s."""

@@ -1,6 +1,7 @@
-"""The engine's draft model (`assistant_model`): what it may be, its plan, and its drafter.
+"""The engine's draft model (`assistant_model`): what it may be, its plan, and its draft source.
 
-An assistant drafts tokens for the target to verify (runner/drafter.py): it must share the target's
+An assistant drafts tokens for the target to verify (scheduler/shadow_planner.py plans its steps,
+runner/drafter.py runs them): it must share the target's
 vocabulary (its token ids are the target's: the same `vocab_size`; transformers' universal assisted
 decoding across tokenizers is not done here), run under continuous batching itself (the same support
 check as any model), and keep only positional state (paged KV: its rejected draft tokens are rolled back
@@ -24,14 +25,13 @@ from transformers import PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
-from ..kv.page_manager import PageManager
-from ..kv.page_policies import make_page_policy, num_pages_for
-from ..kv.pool import PagePool
-from ..memory.kv_cache import CacheLayout, PagedKVCache
+from ..kv.page_policies import num_pages_for
+from ..memory.kv_cache import CacheLayout
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages
 from ..model_check.model_support import check_model_supported, ignores_logits_to_keep, state_layout
 from ..runner.drafter import Drafter
-from ..runner.packing import BatchPacker
+from ..scheduler.shadow_planner import ShadowPlanner
+from .kv_wiring import wire_kv
 
 # Paged backends the assistant runs under: the torch ones (its steps are small; no flash preparation).
 _TORCH_BACKENDS = {"eager": "paged|eager", "paged|eager": "paged|eager", "paged|sdpa": "paged|sdpa"}
@@ -134,15 +134,12 @@ def resolve_assistant(
     )
 
 
-def build_drafter(assistant: PreTrainedModel, plan: AssistantPlan, max_batch_tokens: int) -> Drafter:
-    """The drafter's parts from `plan`: page pools and policies, its KV tensors, its packer."""
-    page_size = plan.cache.page_size
-    pools = [PagePool(num_pages) for num_pages in plan.cache.pages]
-    policies = [
-        make_page_policy(spec, pool, page_size, g)
-        for g, (spec, pool) in enumerate(zip(plan.kv_groups, pools, strict=True))
-    ]
-    pages = PageManager(policies, list(plan.kv_groups), sharing=False, page_size=page_size)
-    cache = PagedKVCache.from_layout(plan.cache)
-    packer = BatchPacker(cache, list(plan.group_widths), plan.cache.device)
-    return Drafter(assistant, pages, packer, max_batch_tokens, plan.attn_implementation, plan.select_rows)
+def build_drafter(
+    assistant: PreTrainedModel, plan: AssistantPlan, max_batch_tokens: int
+) -> ShadowPlanner[Drafter]:
+    """The draft model's source from `plan`: its KV parts wired as the target's (`wire_kv`: page pools and
+    policies, no prefix sharing, its KV tensors, its packer), the planner owning the pages and the
+    drafter (runner/drafter.py) executing its forwards."""
+    kv = wire_kv(plan.kv_groups, plan.cache, plan.group_widths, plan.cache.device)
+    executor = Drafter(assistant, kv.packer, plan.attn_implementation, plan.select_rows)
+    return ShadowPlanner(kv.pages, executor, max_batch_tokens)

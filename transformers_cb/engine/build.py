@@ -23,27 +23,23 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig
 from ..distributed import TensorParallelCoordinator
 from ..kv.offload import CpuOffload
-from ..kv.page_manager import PageManager
-from ..kv.page_policies import make_page_policy
-from ..kv.pool import PagePool
 from ..kv.state_slots import StateSlots
 from ..memory.host_cache import HostKVCache
-from ..memory.kv_cache import PagedKVCache
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
 from ..runner.model_runner import ModelRunner
-from ..runner.packing import BatchPacker
 from ..runner.state_layers import StateLayers
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
 from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .assistant import build_drafter
+from .draft_setup import EngineSpeculation
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
+from .kv_wiring import wire_kv
 from .plan import EnginePlan, resolve_plan
 from .publisher import StepPublisher, TensorParallelPublisher
-from .speculation_support import EngineSpeculation
 from .submission import RequestBuilder
 
 
@@ -57,15 +53,16 @@ def wire(
 ) -> Engine:
     """Allocate and connect the parts of an engine from `plan` (see the module docstring);
     `assistant_model`: the draft model `plan.assistant` was resolved for."""
-    page_size = plan.cache.page_size
-    # kv/ owns pages: one pool per KV group, each handed to its group's page policy.
-    pools = [PagePool(num_pages) for num_pages in plan.cache.group_pages]
-    policies = [
-        make_page_policy(spec, pool, page_size, g)
-        for g, (spec, pool) in enumerate(zip(plan.cache.kv_groups, pools, strict=True))
-    ]
-    pages = PageManager(policies, list(plan.cache.kv_groups), sharing=plan.cache.sharing, page_size=page_size)
-    cache = PagedKVCache.from_layout(plan.cache.layout)
+    # kv/ owns pages: one pool per KV group, each handed to its group's page policy (kv_wiring.py).
+    kv = wire_kv(
+        plan.cache.kv_groups,
+        plan.cache.layout,
+        plan.cache.group_widths,
+        plan.device,
+        plan.cache.sharing,
+        plan.cache.initial_pages,
+    )
+    policies, pages, cache, packer = kv.policies, kv.pages, kv.cache, kv.packer
     # CPU offload: the scheduler plans with the host tier's page ids (`offload`), the runner copies
     # into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
     offload, swapper = None, None
@@ -99,7 +96,6 @@ def wire(
         host_state_slots=host_slots,
         speculation_max_batch=plan.scheduler.speculation_max_batch,
     )
-    packer = BatchPacker(cache, list(plan.cache.group_widths), plan.device, plan.cache.initial_pages)
     packer.state_layers = states is not None
     settings = plan.sampling
     sampling = SamplingSetup(
@@ -126,7 +122,8 @@ def wire(
     speculation = EngineSpeculation.for_engine(
         plan.speculation_refusal,
         settings.generation_config,
-        drafter.model if drafter is not None else None,
+        drafter.executor.model if drafter is not None else None,
+        drafter,
     )
     parts = EngineParts(
         model=model,

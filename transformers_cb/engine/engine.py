@@ -36,11 +36,13 @@ from ..runner.model_runner import ModelRunner
 from ..runner.packed_model import model_pack_bytes, packed_linears
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
+from ..scheduler.draft_source import Drafts
 from ..scheduler.scheduler import Scheduler
-from ..scheduler.speculation import SpeculationStats
+from ..scheduler.shadow_planner import ShadowPlanner
+from ..scheduler.speculation_stats import SpeculationStats
+from .draft_setup import EngineSpeculation
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
-from .speculation_support import EngineSpeculation
 from .submission import RequestBuilder
 
 if TYPE_CHECKING:
@@ -65,9 +67,11 @@ class EngineParts:
 
     `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
     scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what
-    rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model on its
-    own pages (None: no `assistant_model`); `speculation` whether the engine can speculate and every
-    request's defaults; `build_request` a submission made a `Request` (submission.py)."""
+    rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model as a
+    draft source: the planner of its shadows on its own pages (scheduler/shadow_planner.py) over the
+    drafter running its forwards (runner/drafter.py; None: no `assistant_model`); `speculation` whether
+    the engine can speculate, every request's defaults and the draft sources; `build_request` a submission
+    made a `Request` (submission.py)."""
 
     model: PreTrainedModel
     pages: PageManager
@@ -80,7 +84,7 @@ class EngineParts:
     build_request: RequestBuilder
     offload: CpuOffload | None = None
     publisher: StepPublisher = field(default_factory=StepPublisher)
-    drafter: Drafter | None = None
+    drafter: ShadowPlanner[Drafter] | None = None
 
 
 class Engine:
@@ -264,19 +268,22 @@ class Engine:
     def assistant_session(self) -> AbstractContextManager[Any]:
         """The draft model under its paged backend for a run (beside the model's `paged_attention`); a
         no-op without one. Steps outside it switch the assistant per step."""
-        return self.drafter.session() if self.drafter is not None else nullcontext()
+        return self.drafter.executor.session() if self.drafter is not None else nullcontext()
 
-    def _draft(self) -> None:
-        """The draft model's tokens for this step's speculating requests (runner/drafter.py)."""
-        if self.drafter is not None and self.scheduler.speculates_now():
-            self.drafter.draft_or_skip(self.scheduler.running)
+    def _drafts(self) -> Drafts:
+        """This step's drafts, as data: each draft source's for its running requests (none in a step
+        where the scheduler does not speculate, `speculates_now`)."""
+        drafts: Drafts = {}
+        if self.scheduler.speculates_now():
+            for source in self.speculation.sources:
+                drafts.update(source.propose(self.scheduler.running))
+        return drafts
 
     # -- one step ----------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule and run one forward pass. A failure fails only the requests of this step (under
         tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
-        self._draft()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self._drafts())
         if self.drafter is not None and (batch.preempted or batch.failed):
             self.drafter.forget([*batch.preempted, *batch.failed])
         self.publisher.step_planned(batch)
@@ -302,19 +309,15 @@ class Engine:
             else:
                 self.counters.prefill_tokens += entry.num_tokens
         sampling = [entry.request for entry in batch.entries if entry.samples]
-        emitted, num_speculating = (
-            self.scheduler.speculation.emitted,
-            sum(1 for e in batch.entries if e.draft),
-        )
+        # Tokens appended, not sampled: a verified run stops at the token that ends its request.
+        generated = sum(request.num_tokens for request in sampling)
         finished = self.scheduler.update(
-            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs, output.continuations
+            batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs
         )
         self.runner.release(finished)
         if self.drafter is not None:
             self.drafter.forget(finished)
-        self.runner.take_back([e.request for e in batch.entries if e.draft and not e.request.is_finished])
-        emitted = self.scheduler.speculation.emitted - emitted  # tokens the speculating requests appended
-        self.counters.generated_tokens += len(output.sampled) - num_speculating + emitted
+        self.counters.generated_tokens += sum(request.num_tokens for request in sampling) - generated
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
         result.num_tokens = batch.num_tokens
@@ -357,7 +360,10 @@ class Engine:
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
-        for tables in self.packer.block_tables:
-            tables.check_integrity(self.scheduler.running)
+        taken_back = self.scheduler.taken_back  # rollbacks the next plan's rows execute
+        for g, tables in enumerate(self.packer.block_tables):
+            tables.check_integrity(
+                self.scheduler.running, {item.request.request_id: item.end_pages[g] for item in taken_back}
+            )
         if self.drafter is not None:
             self.drafter.check_integrity()

@@ -46,7 +46,7 @@ from ..runner.step_options import StepOptions, resolve_step_options, without_tra
 from ..sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
 from ..scheduler.scheduler_plan import SchedulerPlan, resolve_scheduler_plan
 from .assistant import AssistantPlan, assistant_kv_bytes_per_token, check_assistant, resolve_assistant
-from .speculation_support import speculation_refusal
+from .draft_setup import speculation_refusal
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ class StepPublisher:
     def step_failed(self, error: Exception) -> None:
         """The step's forward raised. Returning lets the engine fail only the step's requests."""
 
-    def tokens_sampled(self, requests: list[Request], tokens: list[SampledToken]) -> None:
-        """`requests[i]` got `tokens[i]` this step."""
+    def tokens_sampled(self, requests: list[Request], tokens: list[list[SampledToken]]) -> None:
+        """`requests[i]` got `tokens[i]` this step (the runner's `StepOutput.sampled`)."""
 
     def requests_finished(self, requests: list[Request]) -> None:
         """`requests` ended (any final status), in a step or through `Engine.finish`."""
@@ -69,7 +69,7 @@ class TensorParallelPublisher(StepPublisher):
         # The ranks ran the same forward; one failed, so they cannot be known to agree any more.
         raise self.tp.fatal(error) from error
 
-    def tokens_sampled(self, requests: list[Request], tokens: list[SampledToken]) -> None:
+    def tokens_sampled(self, requests: list[Request], tokens: list[list[SampledToken]]) -> None:
         self.tp.record_tokens(requests, tokens)
 
     def requests_finished(self, requests: list[Request]) -> None:

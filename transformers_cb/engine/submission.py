@@ -14,14 +14,14 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from ..config.draft_settings import split_speculation_kwargs
 from ..config.generation_fields import default_max_new_tokens
-from ..config.speculation import split_speculation_kwargs
 from ..kv.page_manager import PageManager
 from ..memory.sizing import ModelShape
 from ..requests import Request
 from ..sampling.request_state import SamplingSetup
+from .draft_setup import EngineSpeculation
 from .siblings import add_siblings, num_return_sequences_of
-from .speculation_support import EngineSpeculation
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
 
 

@@ -87,9 +87,10 @@ class PageManager:
                 raise InvariantError(f"group {policy.group} refused after can_allocate")
         return True
 
-    def trim(self, request: Request) -> int:
-        """Step boundary: release pages the request's next step no longer reads. Returns how many."""
-        return sum(a.trim(request) for a in self._trimming) if self._trimming else 0
+    def trim(self, request: Request, computed: int | None = None) -> int:
+        """Step boundary: release pages the request's next step (from `computed`, None: its computed
+        tokens; `PagePolicy.trim`) no longer reads. Returns how many."""
+        return sum(a.trim(request, computed) for a in self._trimming) if self._trimming else 0
 
     def release_surplus(self, request: Request) -> int:
         """Speculation: give back every group's pages past the request's accepted KV. Returns how many."""

@@ -66,13 +66,15 @@ class PagePolicy:
         self.pages(request).page_ids.extend(new_page_ids)
         return True
 
-    def trim(self, request: Request) -> int:
-        """Return the pages the request's next step no longer reads (none for full attention).
+    def trim(self, request: Request, computed: int | None = None) -> int:
+        """Return the pages the request's next step no longer reads (none for full attention): the
+        step starting at `computed` (None: at the request's computed tokens; a draft model's shadow
+        keeps the window of the earliest token its rollback can return to).
 
         Returns the number of pages released.
         """
         pages = self.pages(request)
-        keep_from = self.first_needed_page(request.num_computed_tokens)
+        keep_from = self.first_needed_page(request.num_computed_tokens if computed is None else computed)
         if keep_from <= pages.first_page:
             return 0
         num_dropped = min(keep_from - pages.first_page, len(pages.page_ids))
@@ -100,10 +102,11 @@ class PagePolicy:
         pages.page_ids = []
         pages.first_page = 0
 
-    def check_request(self, request: Request) -> None:
-        """Raise `InvariantError` unless the running `request` holds what its KV needs."""
+    def check_request(self, request: Request, computed: int | None = None) -> None:
+        """Raise `InvariantError` unless the running `request` holds what its KV needs, its window read
+        from `computed` (None: the request's computed tokens; as `trim`)."""
         pages = self.pages(request)
-        computed = request.num_computed_tokens
+        computed = request.num_computed_tokens if computed is None else computed
         check(
             pages.end_page >= num_pages_for(computed, self.page_size),
             f"{request.request_id}: group {self.group} ends at page {pages.end_page}, {computed=}",
@@ -151,10 +154,10 @@ class SlidingWindowPolicy(PagePolicy):
         # Chunks shrink to what fits, so one token at a time is enough to make progress.
         return min(num_pages_for(num_tokens, self.page_size), self.window_pages())
 
-    def check_request(self, request: Request) -> None:
-        super().check_request(request)
+    def check_request(self, request: Request, computed: int | None = None) -> None:
+        super().check_request(request, computed)
         pages = self.pages(request)
-        first_needed = self.first_needed_page(request.num_computed_tokens)
+        first_needed = self.first_needed_page(request.num_computed_tokens if computed is None else computed)
         check(
             not pages.page_ids or pages.first_page >= first_needed,
             f"{request.request_id}: group {self.group} still holds pages before its window "

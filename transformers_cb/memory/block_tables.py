@@ -15,6 +15,8 @@ engine for requests that end outside `schedule()`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..invariants import InvariantError
@@ -79,12 +81,12 @@ class BlockTables:
             self._num_written[key] = end
         return row
 
-    def take_back(self, request: Request) -> None:
-        """`request` gave pages back from the end of its list (speculation): those columns are rewritten
-        when pages are appended again."""
+    def take_back(self, request: Request, end_page: int) -> None:
+        """`request` gave pages back from the end of its list (speculation), down to `end_page`: the
+        columns from there on are rewritten when pages are appended again."""
         key = request.request_id
         if key in self._num_written:
-            self._num_written[key] = min(self._num_written[key], request.group_pages(self.group).end_page)
+            self._num_written[key] = min(self._num_written[key], end_page)
 
     def release(self, request: Request) -> None:
         row = self._rows.pop(request.request_id, None)
@@ -92,8 +94,10 @@ class BlockTables:
             del self._num_written[request.request_id]
             self._free_rows.append(row)
 
-    def check_integrity(self, running: list[Request]) -> None:
-        """Raise `InvariantError` if a row outlives its request or disagrees with its pages."""
+    def check_integrity(self, running: list[Request], taken_back: Mapping[str, int] | None = None) -> None:
+        """Raise `InvariantError` if a row outlives its request or disagrees with its pages. `taken_back`:
+        request id -> end page of a rollback the next plan executes (`StepPlan.taken_back`): the row is
+        checked as that leaves it."""
         by_id = {request.request_id: request for request in running}
         for request_id, row in self._rows.items():
             request = by_id.get(request_id)
@@ -101,6 +105,8 @@ class BlockTables:
                 raise InvariantError(f"block-table row {row} outlives request {request_id!r}")
             pages = request.group_pages(self.group)
             written = self._num_written[request_id]
+            if taken_back is not None and request_id in taken_back:
+                written = min(written, taken_back[request_id])
             if written > pages.end_page:
                 raise InvariantError(f"{request_id}: row holds {written} pages, request {pages.end_page}")
             # The pages still held and already written sit at column `logical page % width`.

@@ -28,7 +28,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..api.generate_batch import CACHED_ENGINE_ATTR
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..engine.speculation_support import speculation_refusal
+from ..engine.draft_setup import speculation_refusal
 from ..model_check.model_support import state_layout
 from ..requests import GenerationOutput, RequestStatus
 from .compare import (

@@ -41,16 +41,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepOutput:
-    """`sampled[i]`: the token of the i-th sampling entry, in `batch.entries` order; `prompt_logprobs`:
-    request id -> raw-model log-probabilities of the prompt tokens this step scored (in order);
-    `prompt_top_logprobs`: the same positions' best alternatives, for requests with `top_logprobs`."""
+    """`sampled[i]`: the tokens of the i-th sampling entry, in `batch.entries` order: one token, or for a
+    speculating entry its verified run (its accepted draft tokens, then the target's own: vLLM's
+    `sampled_token_ids`; runner/verified_step.py); `prompt_logprobs`: request id -> raw-model
+    log-probabilities of the prompt tokens this step scored (in order); `prompt_top_logprobs`: the same
+    positions' best alternatives, for requests with `top_logprobs`."""
 
-    sampled: list[SampledToken] = field(default_factory=list)
+    sampled: list[list[SampledToken]] = field(default_factory=list)
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
     prompt_top_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-    # Speculation: request id -> the tokens a speculating request appends after `sampled`'s (its accepted
-    # draft tokens after the first, then the target's own token; runner/verified_step.py).
-    continuations: dict[str, list[SampledToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -101,7 +100,7 @@ class ModelRunner:
     @torch.inference_mode()
     def apply(self, batch: StepPlan) -> None:
         """The step's plan before its forward: fork copies (they read the last forward's KV, which a
-        swap may move or hand over), then swaps, then the released block-table rows."""
+        swap may move or hand over), then swaps, then the rolled-back and the released block-table rows."""
         if batch.copies:
             self.packer.cache.copy_pages(batch.copies)
         if batch.state_copies:
@@ -116,18 +115,14 @@ class ModelRunner:
             check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
             if self.swapper is not None:
                 self.swapper.run(batch.swaps)
+        for item in batch.taken_back:
+            self.packer.take_back(item.request, item.end_pages)
         self.release(batch.released)
 
     def release(self, requests: list[Request]) -> None:
         """Give the block-table rows of `requests` back (their pages were freed)."""
         for request in requests:
             self.packer.release_request(request)
-
-    def take_back(self, requests: list[Request]) -> None:
-        """Speculating `requests` gave back the pages of their rejected draft tokens: their block-table rows
-        forget those columns (rewritten when pages are appended again)."""
-        for request in requests:
-            self.packer.take_back(request)
 
     @torch.inference_mode()
     def run(self, batch: StepPlan) -> StepOutput:
@@ -136,8 +131,7 @@ class ModelRunner:
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
         if any(entry.draft for entry in step.sampling_entries):
-            sampled, continuations = verified_tokens(self.sampler, logits, step.sampling_entries, batch)
-            output = StepOutput(sampled=sampled, continuations=continuations)
+            output = StepOutput(sampled=verified_tokens(self.sampler, logits, step.sampling_entries, batch))
         else:
             output = self._sample(logits, step, batch)
         if prompt_logits is not None:
@@ -154,7 +148,7 @@ class ModelRunner:
                 None if samples.logprobs is None else samples.logprobs[i],
                 None if samples.top_logprobs is None else samples.top_logprobs[i],
             )
-        return StepOutput(sampled=[by_entry[id(entry)] for entry in batch.entries if entry.samples])
+        return StepOutput(sampled=[[by_entry[id(entry)]] for entry in batch.entries if entry.samples])
 
     @torch.inference_mode()
     def forward(self, batch: StepPlan) -> None:

@@ -14,6 +14,7 @@ last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long ch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -157,10 +158,11 @@ class BatchPacker:
         for tables in self.block_tables:
             tables.release(request)
 
-    def take_back(self, request: Request) -> None:
-        """`request` gave pages back from its end (speculation's rejected draft tokens), in every group."""
-        for tables in self.block_tables:
-            tables.take_back(request)
+    def take_back(self, request: Request, end_pages: Sequence[int]) -> None:
+        """`request` gave pages back from its end (speculation's rejected draft tokens), in every group
+        down to its `end_pages[g]`."""
+        for tables, end_page in zip(self.block_tables, end_pages, strict=True):
+            tables.take_back(request, end_page)
 
     def pack(self, batch: StepPlan) -> PackedStep:
         decodes = sorted((e for e in batch.entries if e.num_tokens == 1), key=lambda e: -e.end)

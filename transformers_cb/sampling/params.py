@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..config.speculation import SPECULATION_KWARGS
+from ..config.draft_settings import SPECULATION_KWARGS
 from .guided import GuidedDecoding, as_guided
 from .neutral import NEUTRAL_VALUES
 
@@ -29,7 +29,7 @@ OPENAI_PARAMS = ("presence_penalty", "frequency_penalty", "logit_bias", "min_tok
 OUTPUT_OPTIONS = ("return_logprobs", "top_logprobs", "prompt_logprobs")
 # What the output must match (docs/structured_outputs.md); needs a tokenizer, not the flag.
 CONSTRAINT_OPTIONS = ("guided",)
-# Speculation (config/speculation.py) rides with the per-request kwargs; the engine takes it out before
+# Speculation (config/draft_settings.py) rides with the per-request kwargs; the engine takes it out before
 # the sampling parameters are resolved (`resolve_request_params` leaves it alone).
 PER_REQUEST_KWARGS = (
     *VECTOR_PARAMS,

@@ -7,13 +7,16 @@ The runner executes it in this order:
 1. `copies`: forks' copy-on-write page copies. They read the KV the last forward wrote, which a
    swap of this step may move out or hand to another request, so they run first;
 2. `swaps`: the host-tier swaps (`SwapPlan`, gathers before scatters, see memory/swap.py);
-3. `released`: the block-table rows of requests whose pages were freed in this schedule
+3. `taken_back`: the block-table columns of rejected draft tokens (speculation), whose pages the
+   previous step's `Scheduler.update` gave back, forgotten (one rollback: the scheduler releases the
+   pages, the plan carries what the rows forget);
+4. `released`: the block-table rows of requests whose pages were freed in this schedule
    (preempted, failed), given back before packing;
-4. pack `entries` and run the forward.
+5. pack `entries` and run the forward.
 
 `preempted` and `failed` tell the engine what happened to those requests (the failed ones are
 already finished). Each entry is a `ScheduledRequest`: one request's share of the step (which
-tokens it runs, and for a speculating request the draft tokens it verifies: scheduler/speculation.py).
+tokens it runs, and for a speculating request the draft tokens it verifies: scheduler/drafts.py).
 """
 
 from __future__ import annotations
@@ -56,6 +59,17 @@ class ScheduledRequest:
         return [*self.request.all_token_ids[self.start : self.end - len(self.draft)], *self.draft]
 
 
+@dataclass(slots=True)
+class TakeBack:
+    """A speculating request gave back the pages of its rejected draft tokens: in each KV group `g`, its
+    block-table row forgets the columns from logical page `end_pages[g]` on (rewritten when pages are
+    appended again). The end pages are those right after the release: the same schedule may append
+    pages again before the runner executes the plan."""
+
+    request: Request
+    end_pages: tuple[int, ...]
+
+
 @dataclass
 class StepPlan:
     """The whole decision of one step (see the module docstring for the order it is executed in)."""
@@ -75,6 +89,8 @@ class StepPlan:
     swaps: SwapPlan | None = None
     # Requests whose pages this schedule freed: their block-table rows go back before packing.
     released: list[Request] = field(default_factory=list)
+    # Speculation's rollbacks since the previous plan: block-table columns to forget, before `released`.
+    taken_back: list[TakeBack] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

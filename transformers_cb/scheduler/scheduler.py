@@ -21,12 +21,13 @@ from ..kv.page_manager import PageManager
 from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .host_tier import HostTier
-from .plan import ScheduledRequest, StepPlan
+from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
-from .speculation import SpeculationStats, append_verified, propose
+from .speculation_stats import SpeculationStats
 
 
 class Scheduler:
@@ -78,7 +79,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self.forks = Forks(pages, state_slots)  # siblings' forks, their copies for the next step's plan
-        self.speculation = SpeculationStats()  # all requests' verification steps (speculation.py)
+        self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
+        # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
+        self.taken_back: list[TakeBack] = []
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -105,9 +108,10 @@ class Scheduler:
         return [*self.running, *self.waiting]
 
     # -- one step ------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> StepPlan:
         """Pick the next step. May preempt running requests (in `preempted`) and fail
-        requests that can never fit the cache (in `failed`, already finished)."""
+        requests that can never fit the cache (in `failed`, already finished). `drafts`: the draft
+        tokens proposed for speculating requests (`Drafts`, drafts.py), each cut to what the step fits."""
         # The algorithm: candidates come in the policy's order (fifo: running ones, then waiting ones)
         # while the step has token budget and request slots left. A running request keeps its place:
         # it runs the tokens that fit, else takes the pages of the newest unscheduled running requests
@@ -118,7 +122,7 @@ class Scheduler:
         # never fit (nothing runs, not one token fits) fails instead and opens it again.
         budget = self.max_batch_tokens
         scheduled: dict[int, ScheduledRequest] = {}
-        plan = StepPlan(entries=[])
+        plan = StepPlan(entries=[], taken_back=self._take_back_rows())
         gate = AdmissionGate()
         speculating = self.speculates_now()
         for request in self.policy.candidates(self.running, self.waiting):
@@ -136,7 +140,8 @@ class Scheduler:
                     and request.num_remaining_tokens == 1
                     and request.generated_ids
                 ):
-                    draft = propose(request, budget)  # the budget counts draft tokens
+                    # The budget counts draft tokens.
+                    draft = fit_draft(request, budget, (drafts or {}).get(request.request_id, []))
                 num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
             if num_tokens is None:
                 continue
@@ -157,6 +162,12 @@ class Scheduler:
         if self.offload is not None:
             plan.swaps = self.offload.take_plan()
         return plan
+
+    def _take_back_rows(self) -> list[TakeBack]:
+        """The rollbacks since the last plan, for the runner: those of requests still live (an ended
+        request's rows went back whole)."""
+        taken_back, self.taken_back = self.taken_back, []
+        return [item for item in taken_back if not item.request.is_finished]
 
     def _keep_running(
         self,
@@ -319,15 +330,14 @@ class Scheduler:
     def update(
         self,
         plan: StepPlan,
-        sampled: Sequence[SampledToken],
+        sampled: Sequence[Sequence[SampledToken]],
         prompt_logprobs: Mapping[str, list[float]] | None = None,
         prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
-        continuations: Mapping[str, list[SampledToken]] | None = None,
     ) -> list[Request]:
-        """Advance every scheduled request; `sampled[i]` is the token of the i-th sampling entry,
-        `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
-        `StepOutput`), `prompt_top_logprobs` their best alternatives where asked for, `continuations`
-        the tokens a speculating request appends after its `sampled` one.
+        """Advance every scheduled request; `sampled[i]` holds the tokens of the i-th sampling entry (one,
+        or a speculating entry's verified run), `prompt_logprobs` the prompt-token logprobs the step
+        scored, by request id (the runner's `StepOutput`), `prompt_top_logprobs` their best alternatives
+        where asked for.
 
         Returns the requests that finished in this step.
         """
@@ -336,8 +346,7 @@ class Scheduler:
         for entry in plan.entries:
             request = entry.request
             if entry.draft:
-                run = [next(samples), *(continuations or {}).get(request.request_id, ())]
-                if self._apply_verified(entry, run):
+                if self._apply_verified(entry, list(next(samples))):
                     finished.append(request)
                 continue
             request.num_computed_tokens = entry.end
@@ -358,7 +367,7 @@ class Scheduler:
             self.pages.trim(request)
             if not entry.samples:
                 continue
-            token = next(samples)
+            (token,) = next(samples)
             request.append_token(token.token_id, token.logprob, token.top_logprobs)
             reason = request.stop_reason()
             if reason is not None:
@@ -370,7 +379,7 @@ class Scheduler:
         return finished
 
     def _apply_verified(self, entry: ScheduledRequest, run: list[SampledToken]) -> bool:
-        """A speculating request's verified run (speculation.py `append_verified`), its KV kept for the
+        """A speculating request's verified run (drafts.py `append_verified`), its KV kept for the
         accepted tokens only (the pages past them go back). Returns whether it finished."""
         request = entry.request
         reason = append_verified(request, len(entry.draft), run, self.speculation)
@@ -379,7 +388,9 @@ class Scheduler:
         if self.recomputed.pending:
             self.recomputed.ran(request.request_id, entry.start, entry.end - len(entry.draft))
         self.pages.register(request)  # keys for full pages of accepted tokens only
-        self.pages.release_surplus(request)
+        if self.pages.release_surplus(request):  # the block-table side runs from the next plan
+            groups = range(len(self.pages.policies))
+            self.taken_back.append(TakeBack(request, tuple(request.group_pages(g).end_page for g in groups)))
         self.pages.trim(request)
         if reason is not None:
             request.finish_reason = reason

@@ -1,4 +1,5 @@
-"""Whether an engine can speculate (docs/speculative_decoding.md), decided once when it is built.
+"""Which draft source each request speculates with, and whether an engine can speculate at all
+(docs/speculative_decoding.md), decided once when it is built.
 
 Speculation writes KV for draft tokens and takes the rejected ones back by rolling a request's token
 count back: that needs every per-request state to be positional (paged KV). What cannot roll back, or
@@ -8,8 +9,10 @@ as a `ValueError`. Models with state layers (linear attention, state-space, shor
 docs/state_layers.md) refuse: their recurrent state has absorbed the rejected tokens and cannot be
 rolled back to the last accepted one.
 
-`EngineSpeculation` holds the engine's answer and every request's defaults (the `GenerationConfig`'s
-prompt lookup, the draft model's settings), and gives each request its own (`attach`).
+`EngineSpeculation` holds the engine's answer, every request's defaults (the `GenerationConfig`'s
+prompt lookup, the draft model's settings) and the engine's draft sources (scheduler/drafts.py: prompt
+lookup; the draft model's, scheduler/shadow_planner.py), and gives each request its own settings and
+source (`attach`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..config.speculation import (
+from ..config.draft_settings import (
     DEFAULT_MAX_NGRAM,
     AssistantSettings,
     LookupSettings,
@@ -29,9 +32,12 @@ from ..config.speculation import (
     request_lookup,
 )
 from ..distributed.sharding import tp_size_of
+from ..invariants import present
 from ..requests import Request
-from ..scheduler.assisted import ModelDraft
-from ..scheduler.speculation import SpeculationState
+from ..scheduler.assisted import AssistantSchedule
+from ..scheduler.back_off import SpeculationState
+from ..scheduler.draft_source import DraftSource
+from ..scheduler.prompt_lookup import PROMPT_LOOKUP
 
 
 def speculation_refusal(model: PreTrainedModel, has_state_layers: bool = False) -> str | None:
@@ -53,20 +59,31 @@ def speculation_refusal(model: PreTrainedModel, has_state_layers: bool = False) 
 
 @dataclass
 class EngineSpeculation:
-    """One engine's speculation: why it cannot (`refusal`, None: it can) and every request's defaults
+    """One engine's speculation: why it cannot (`refusal`, None: it can), every request's defaults
     (`lookup`: the GenerationConfig's prompt lookup; `assistant`: the draft model's settings, None
-    without `assistant_model`)."""
+    without `assistant_model`) and the draft model's source (`model_source`, None without one)."""
 
     refusal: str | None
     lookup: LookupSettings | None
     assistant: AssistantSettings | None
+    model_source: DraftSource | None = None
+
+    @property
+    def sources(self) -> list[DraftSource]:
+        """The engine's draft sources, each asked for its requests' drafts before every schedule."""
+        return [PROMPT_LOOKUP] if self.model_source is None else [PROMPT_LOOKUP, self.model_source]
 
     @classmethod
     def for_engine(
-        cls, refusal: str | None, generation_config: GenerationConfig, assistant_model: Any | None
+        cls,
+        refusal: str | None,
+        generation_config: GenerationConfig,
+        assistant_model: Any | None,
+        model_source: DraftSource | None = None,
     ) -> EngineSpeculation:
         """Raises `ValueError` when the GenerationConfig asks for lookup, or an `assistant_model` is
-        given, on an engine that cannot speculate."""
+        given, on an engine that cannot speculate. `model_source`: the draft model's source (with
+        `assistant_model`)."""
         lookup = lookup_from_config(generation_config)
         if lookup is not None and refusal is not None:
             raise ValueError(f"GenerationConfig.prompt_lookup_num_tokens: {refusal}")
@@ -79,7 +96,7 @@ class EngineSpeculation:
                 getattr(assistant_model, "generation_config", None),
                 "GenerationConfig (num_assistant_tokens)",
             )
-        return cls(refusal, lookup, assistant)
+        return cls(refusal, lookup, assistant, model_source if assistant_model is not None else None)
 
     def attach(self, request: Request, kwargs: dict[str, Any], label: str) -> None:
         """The request's speculation (its own settings over the defaults), or a `ValueError` naming
@@ -92,7 +109,10 @@ class EngineSpeculation:
         if self.refusal is not None:
             raise ValueError(f"{label}: {self.refusal}")
         if settings is not None:
-            request.speculation = SpeculationState(settings.num_tokens, settings.max_ngram)
+            request.speculation = SpeculationState(settings.num_tokens, PROMPT_LOOKUP, settings.max_ngram)
         elif assisted is not None:
-            source = ModelDraft(assisted.schedule, assisted.confidence, length=assisted.num_tokens)
-            request.speculation = SpeculationState(assisted.num_tokens, DEFAULT_MAX_NGRAM, source=source)
+            source = present(self.model_source, "an engine with draft-model settings has the draft model")
+            schedule = AssistantSchedule(assisted.schedule, assisted.confidence, length=assisted.num_tokens)
+            request.speculation = SpeculationState(
+                assisted.num_tokens, source, DEFAULT_MAX_NGRAM, assistant=schedule
+            )

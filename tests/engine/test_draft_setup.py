@@ -10,7 +10,8 @@ from transformers import GenerationConfig
 from tests.support.hybrids import build_hybrid
 from tests.support.models import tiny_llama
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.speculation_support import speculation_refusal
+from transformers_cb.engine.draft_setup import speculation_refusal
+from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP
 
 
 def test_tensor_parallelism_refuses_speculation() -> None:
@@ -105,7 +106,8 @@ def test_assistant_settings_per_request_and_their_refusals() -> None:
     request = engine.build_request([5, 6, 7], "a")
     state = request.speculation
     assert state is not None and state.max_tokens == 7
-    assert state.source is not None and (state.source.schedule, state.source.confidence) == ("constant", 0.4)
+    assert state.source is engine.drafter  # the draft model's source; its settings per request:
+    assert (state.assistant.schedule, state.assistant.confidence) == ("constant", 0.4)
     own = engine.build_request(
         [5, 6, 7],
         "b",
@@ -115,12 +117,12 @@ def test_assistant_settings_per_request_and_their_refusals() -> None:
             "assistant_confidence_threshold": 0.0,
         },
     )
-    assert own.speculation.max_tokens == 3 and own.speculation.source.schedule == "heuristic"
+    assert own.speculation.max_tokens == 3 and own.speculation.assistant.schedule == "heuristic"
     assert (
         engine.build_request([5, 6, 7], "c", sampling_kwargs={"num_assistant_tokens": 0}).speculation is None
     )
     lookup = engine.build_request([5, 6, 7], "d", sampling_kwargs={"prompt_lookup_num_tokens": 2})
-    assert lookup.speculation.source is None  # prompt lookup wins, as in generate()
+    assert lookup.speculation.source is PROMPT_LOOKUP  # prompt lookup wins, as in generate()
     for bad in (
         {"num_assistant_tokens": -1},
         {"num_assistant_tokens_schedule": "sometimes"},
@@ -136,7 +138,8 @@ def test_assistant_settings_per_request_and_their_refusals() -> None:
     parent = engine.build_request([5, 6, 7], "f", num_return_sequences=2)
     (child,) = parent.siblings
     assert parent.speculation.max_tokens == child.speculation.max_tokens == 5
-    assert parent.speculation.source is not child.speculation.source
+    assert parent.speculation is not child.speculation
+    assert parent.speculation.assistant is not child.speculation.assistant
     with pytest.raises(ValueError, match="num_assistant_tokens_schedule must be one of"):
         build_engine(
             model,
