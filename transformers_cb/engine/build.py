@@ -40,7 +40,7 @@ from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..kv.page_policies import make_page_policy, num_pages_for
 from ..kv.pool import PagePool
-from ..kv.state_slots import StateSlots
+from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache, resolve_host_pages
 from ..memory.kv_cache import CacheLayout, PagedKVCache
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages, resolve_sizing
@@ -256,21 +256,23 @@ def wire(
         make_page_policy(spec, pool, page_size, g)
         for g, (spec, pool) in enumerate(zip(plan.kv_groups, pools, strict=True))
     ]
-    pages = PageManager(policies, list(plan.kv_groups), sharing=plan.sharing, page_size=page_size)
+    # A model with state layers: its per-request state slots are one more group behind the page manager.
+    slots = StateSlotPolicy(plan.sizing.num_state_slots) if plan.states is not None else None
+    pages = PageManager(
+        policies, list(plan.kv_groups), sharing=plan.sharing, page_size=page_size, slots=slots
+    )
     cache = PagedKVCache.from_layout(plan.cache)
-    # CPU offload: the scheduler plans with the host tier's page ids (`offload`), the runner copies
-    # into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
+    # CPU offload: the scheduler plans with the host tier's page ids (`offload`; state slots with as many
+    # host slots as device ones: every running request may be swapped out with its slot), the runner
+    # copies into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
     offload, swapper = None, None
     if plan.num_host_pages:
-        offload = CpuOffload(policies, plan.num_host_pages)
+        offload = CpuOffload(policies, plan.num_host_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.num_host_pages).tensors)
-    slots, host_slots, states = None, None, None
+    states = None
     if plan.states is not None:
-        slots = StateSlots(plan.sizing.num_state_slots)
         host_states = None
         if plan.num_host_pages:
-            # Every running request may be swapped out with its slot: as many host slots as device ones.
-            host_slots = StateSlots(plan.sizing.num_state_slots)
             host_states = StateCache(
                 plan.states.specs, plan.sizing.num_state_slots, torch.device("cpu"), empty=True
             )
@@ -287,8 +289,6 @@ def wire(
         safety_margin=plan.safety_margin,
         policy=make_policy(plan.scheduler_type),
         offload=offload,
-        state_slots=slots,
-        host_state_slots=host_slots,
         speculation_max_batch=resolve_speculation_max_batch(plan.config, plan.device.type),
     )
     packer = BatchPacker(cache, list(plan.group_widths), plan.device, plan.initial_pages)

@@ -414,7 +414,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
         scheduler, pages, offload = self.scheduler, self.pages, self.offload
-        slots = scheduler.state_slots
+        slots = pages.slots
         return EngineSnapshot(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

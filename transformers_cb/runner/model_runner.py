@@ -1,7 +1,9 @@
 """The runner: everything that touches the device for one step.
 
-It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' page
-copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
+It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' copies, the host-tier
+swaps (it owns the `SwapCopier`), the block-table rows to release, each copy and swap dispatched by
+group (the KV groups' pages to the paged cache and the copier, a model's state-slot group, after the KV
+groups, to its `StateCache`); then it
 packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs: `model_call.py`),
 computes logits only for positions that produce a token (and, for requests that
@@ -21,6 +23,8 @@ from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..invariants import check, present
+from ..kv.prefix_cache import PageCopy
+from ..kv.swap_plan import SwapPlan
 from ..memory.state_cache import swap_states
 from ..memory.swap import SwapCopier
 from ..requests import Request
@@ -72,6 +76,8 @@ class ModelRunner:
         self.packer = packer
         self.sampler = sampler
         self.swapper = swapper
+        # Copies and swaps of this group are state slots (`PageManager.slot_group`): right after the KV groups.
+        self.slot_group = len(packer.cache.group_tensors)
         self.device = packer.device
         self.options = options
         self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
@@ -103,20 +109,35 @@ class ModelRunner:
         """The step's plan before its forward: fork copies (they read the last forward's KV, which a
         swap may move or hand over), then swaps, then the released block-table rows."""
         if batch.copies:
-            self.packer.cache.copy_pages(batch.copies)
-        if batch.state_copies:
-            present(self.states, "state copies planned without state layers").cache.copy_slots(
-                batch.state_copies
-            )
-        if batch.state_swaps_out or batch.state_swaps_in:
+            self._copy(batch.copies)
+        if batch.swaps is not None:
+            self._swap(batch.swaps)
+        self.release(batch.released)
+
+    def _copy(self, copies: list[PageCopy]) -> None:
+        """Run copies `(group, source, destination)`: the KV groups' pages, then the slot group's states."""
+        if self.states is None:
+            self.packer.cache.copy_pages(copies)
+            return
+        slot_group = self.slot_group
+        pages = [copy for copy in copies if copy[0] != slot_group]
+        if pages:
+            self.packer.cache.copy_pages(pages)
+        slots = [(source, destination) for group, source, destination in copies if group == slot_group]
+        if slots:
+            self.states.cache.copy_slots(slots)
+
+    def _swap(self, plan: SwapPlan) -> None:
+        """Run the host-tier swaps: the slot group's states, then the KV groups' pages."""
+        out, back = plan.pairs(self.slot_group)
+        if out or back:
             states = present(self.states, "state swaps planned without state layers")
             host = present(states.host, "state swaps planned without a host tier")
-            swap_states(states.cache, host, batch.state_swaps_out, batch.state_swaps_in)
-        if batch.swaps is not None:
-            check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
-            if self.swapper is not None:
-                self.swapper.run(batch.swaps)
-        self.release(batch.released)
+            swap_states(states.cache, host, out, back)
+        pages = plan.head(min(plan.num_groups, self.slot_group))
+        check(self.swapper is not None or pages.is_empty, "swaps planned without a host tier")
+        if self.swapper is not None:
+            self.swapper.run(pages)
 
     def release(self, requests: list[Request]) -> None:
         """Give the block-table rows of `requests` back (their pages were freed)."""
