@@ -334,12 +334,14 @@ class Engine:
     @contextmanager
     def session(self) -> Iterator[None]:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
-        warm-up): its paged attention backend, its packed products, the draft model's backend, inference
-        mode; all restored on exit. Every caller that steps the engine enters it, and only it."""
+        warm-up): its paged attention backend, its packed products, the draft model's backend, the state
+        layers' split forwards (runner/state_layers.py), inference mode; all restored on exit. Every caller
+        that steps the engine enters it, and only it."""
         with (
             paged_attention(self.model, self.attn_implementation),
             packed_linears(self.model, self.packed_linear),
             self.assistant_session(),
+            self.runner.session(),
             torch.inference_mode(),
         ):
             yield

@@ -14,9 +14,9 @@ ask for prompt logprobs, their prompt positions), and samples. It returns a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -87,6 +87,11 @@ class ModelRunner:
             packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    def session(self) -> AbstractContextManager[Any]:
+        """The runner's part of the run session (`Engine.session`): the state layers' split forwards,
+        installed once for the run (nothing without state layers)."""
+        return self.states.session() if self.states is not None else nullcontext()
 
     # -- the sampler: replaced only through these two ---------------------------------------------
     def replace_stages(self, stages: list[Stage]) -> None:
