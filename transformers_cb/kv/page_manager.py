@@ -102,9 +102,7 @@ class PageManager:
         """Pages for `num_new_tokens` more tokens in every group, and a slot for a request that holds
         none; False (nothing changed) if any group is full."""
         slots = self.slots
-        if slots is None:
-            return self._allocate_pages(request, num_new_tokens)
-        if slots.holds(request):
+        if slots is None or slots.holds(request):
             return self._allocate_pages(request, num_new_tokens)
         if not slots.has_free() or not self._allocate_pages(request, num_new_tokens):
             return False
