@@ -30,6 +30,7 @@ from tests.support.preemptions import count_preemptions
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.engine.engine import Engine
+from transformers_cb.invariants import present
 from transformers_cb.memory import state_cache
 from transformers_cb.memory.state_cache import StateCache
 from transformers_cb.runner import model_runner, packing
@@ -143,7 +144,7 @@ def _check_steps(family: Family, seen: Observed, context: str) -> None:
     assert seen.mixed, f"{context}: no step mixed decode rows with a prefill chunk"
     (engine,) = seen.engines
     assert (not engine.plan.cache.kv_groups) == (family.name in PURE_STATE), context
-    assert engine.scheduler.state_slots.num_in_use == 0, f"{context}: state slots still held"
+    assert present(engine.pages.slots).num_in_use == 0, f"{context}: state slots still held"
 
 
 @pytest.mark.parametrize("name", EXACT)
@@ -170,7 +171,7 @@ def test_hybrid_parity_chunked_under_pressure(_families, name: str) -> None:
     _check_steps(family, seen, context)
     if name in PURE_STATE:
         (engine,) = seen.engines
-        assert engine.scheduler.state_slots.num_slots == SLOTS, context
+        assert present(engine.pages.slots).num_slots == SLOTS, context
         assert seen.max_running == SLOTS, f"{context}: the slots did not bound the running requests"
     else:
         assert preemptions, f"{context}: nothing was preempted; the test does not exercise recompute"
@@ -235,7 +236,7 @@ def test_hybrid_parity_swapped_to_the_host_tier(_families, name: str) -> None:
         # Requests that had computed something swap out; each comes back once.
         assert outs == backs == len(family.prompts), f"{context}: {swapped}"
         assert engine.snapshot().swap_in_pages > 0, context
-        assert engine.scheduler.host.host_slots.num_in_use == 0, context
+        assert present(engine.offload).host.slots.num_in_use == 0, context
     check_parity(family.model, family.prompts, outputs, family.expected(), context)
 
 

@@ -1,5 +1,6 @@
 """The run session is entered in one place: `Engine.session()` switches the model to its paged backend and
-packed products; every caller that steps an engine enters that, never the parts by hand."""
+packed products (and the state layers' split forwards); every caller that steps an engine enters that, never the
+parts by hand."""
 
 from __future__ import annotations
 
@@ -32,3 +33,12 @@ def test_packed_products_and_the_backend_switch_only_in_the_engine_session() -> 
     # same name in `attention/paged.py`): the engine's session, and the drafter for the draft model (its
     # part of the session, `Engine.assistant_session`).
     assert importers("selection import paged_attention") == {"engine/engine.py", "runner/drafter.py"}
+
+
+def test_the_state_layers_forwards_are_installed_only_by_the_run_session() -> None:
+    """The state modules' split forwards are installed by `StateLayers.session` (a step outside a run
+    session installs them for itself there too), which the runner's part of the run session enters, which
+    `Engine.session()` alone enters."""
+    assert callers("split_state_layers") == {"runner/state_layers.py"}
+    assert importers("states.session()") == {"runner/model_runner.py"}
+    assert importers("runner.session()") == {"engine/engine.py"}

@@ -16,7 +16,7 @@ from transformers.cache_utils import LinearAttentionLayer
 from tests.support.requests import make_request
 from transformers_cb.memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
 from transformers_cb.runner.packing import state_table
-from transformers_cb.runner.state_layers import SlotStateView, StateRecorder
+from transformers_cb.runner.state_layers import SlotStateView, StateLayers, StateRecorder, StateTable
 from transformers_cb.scheduler.plan import ScheduledRequest
 
 KERNEL = 4
@@ -122,3 +122,40 @@ def test_state_table_without_decodes() -> None:
     table = state_table([_entry("a", 0, 6, 1), _entry("b", 4, 3, 0)], torch.device("cpu"))
     assert table.num_decode_rows == 0 and table.decode_slots is None
     assert table.spans == [(0, 6, 1, True), (6, 3, 0, False)]
+
+
+# -- the split forwards: installed once per run session ------------------------------------------------
+
+
+class _Doubling(torch.nn.Module):
+    """A state module's signature (`hidden_states, cache_params, attention_mask`), doubling its input."""
+
+    def forward(
+        self, hidden_states: torch.Tensor, cache_params: object = None, attention_mask: object = None
+    ) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return hidden_states * 2
+
+
+def test_a_session_installs_the_split_forwards_once_and_steps_only_set_their_states() -> None:
+    """Inside a session each state module's forward is one installed function, the same object in every
+    step (a step sets its `StepStates`, nothing else: the module then runs once per request); nested
+    sessions install nothing more, and the class's own forward shows again when the last one ends."""
+    modules = {0: _Doubling(), 1: _Doubling()}
+    layers = StateLayers(modules, StateCache(SPECS, 2, torch.device("cpu")))
+    hidden = torch.ones(1, 3, 2)
+    with layers.session():
+        installed = [m.__dict__["forward"] for m in modules.values()]
+        with layers.step(StateTable(None, 0, [(0, 2, 0, True), (2, 1, 1, True)])):
+            assert [m.__dict__["forward"] for m in modules.values()] == installed
+            torch.testing.assert_close(modules[0](hidden), hidden * 2)
+            assert modules[0].calls == 2  # split by request: one call per span
+        with layers.session():  # a nested session (another caller of the same model): nothing more
+            assert [m.__dict__["forward"] for m in modules.values()] == installed
+        assert [m.__dict__["forward"] for m in modules.values()] == installed
+        modules[1](hidden)  # no step's states set: the module as written, one call
+        assert modules[1].calls == 1
+    assert all("forward" not in m.__dict__ for m in modules.values())
+    with layers.step(StateTable(None, 0, [(0, 3, 0, True)])):  # outside a session: installed for the step
+        assert all("forward" in m.__dict__ for m in modules.values())
+    assert all("forward" not in m.__dict__ for m in modules.values())

@@ -11,21 +11,28 @@ from tests.support.fakes import FakeModel
 from tests.support.requests import make_request
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.page_manager import PageManager
-from transformers_cb.kv.state_slots import StateSlots
+from transformers_cb.kv.state_slots import StateSlotPolicy
 from transformers_cb.requests import Request
 from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 
 
 def with_slots(scheduler: Scheduler, num_slots: int) -> Scheduler:
-    scheduler.state_slots = scheduler.forks.state_slots = StateSlots(num_slots)
+    """The scheduler's page manager with a slot group of `num_slots` state slots."""
+    scheduler.pages.slots = StateSlotPolicy(num_slots)
     return scheduler
+
+
+def slots_of(scheduler: Scheduler) -> StateSlotPolicy:
+    slots = scheduler.pages.slots
+    assert slots is not None
+    return slots
 
 
 def pure_state_scheduler(num_slots: int, max_batch_tokens: int = 16) -> Scheduler:
     """No KV group: a Mamba-style model whose requests hold a state slot and no page."""
-    pages = PageManager([], [], page_size=4)
-    return Scheduler(pages, max_batch_tokens, 64, 0.0, make_policy("fifo"), state_slots=StateSlots(num_slots))
+    pages = PageManager([], [], page_size=4, slots=StateSlotPolicy(num_slots))
+    return Scheduler(pages, max_batch_tokens, 64, 0.0, make_policy("fifo"))
 
 
 def test_admission_waits_for_a_free_slot() -> None:
@@ -39,7 +46,7 @@ def test_admission_waits_for_a_free_slot() -> None:
     first_c = next(i for i, step in enumerate(run.steps) if any(rid == "c" for rid, _, _ in step))
     last_a = max(i for i, step in enumerate(run.steps) if any(rid == "a" for rid, _, _ in step))
     assert first_c == last_a + 1
-    assert scheduler.state_slots.num_free == 2
+    assert slots_of(scheduler).num_free == 2
 
 
 def test_entries_carry_their_requests_slots() -> None:
@@ -64,17 +71,17 @@ def test_preemption_releases_the_slot_and_recompute_takes_one_again() -> None:
         plan = scheduler.schedule()
         for victim in plan.preempted:
             saw_preemption = True
-            assert not scheduler.state_slots.holds(victim.request_id)
+            assert not slots_of(scheduler).holds(victim.request_id)
         for entry in plan.entries:
-            assert scheduler.state_slots.slot_of(entry.request.request_id) == entry.state_slot
+            assert slots_of(scheduler).slot_of(entry.request.request_id) == entry.state_slot
         scheduler.check_integrity()
         finished = scheduler.update(plan, model.run(plan))
         scheduler.check_integrity()
         model.forget(finished)
         for request in finished:
-            assert not scheduler.state_slots.holds(request.request_id)
+            assert not slots_of(scheduler).holds(request.request_id)
     assert saw_preemption, "the cache never forced a preemption"
-    assert scheduler.state_slots.num_free == 2
+    assert slots_of(scheduler).num_free == 2
 
 
 def test_integrity_catches_a_slot_held_by_a_waiting_request() -> None:
@@ -83,7 +90,7 @@ def test_integrity_catches_a_slot_held_by_a_waiting_request() -> None:
     scheduler.add(make_request("b", 4, 3))
     scheduler.schedule()
     scheduler.check_integrity()
-    scheduler.state_slots.acquire("ghost")  # a slot nobody running owns
+    slots_of(scheduler).acquire("ghost")  # a slot nobody running owns
     with pytest.raises(InvariantError, match="state slots held by"):
         scheduler.check_integrity()
 
@@ -97,7 +104,7 @@ def test_pure_state_model_holds_no_pages_and_is_bounded_by_budget_and_slots() ->
     assert run[0] == [("a", 0, 16)]  # chunked by the budget alone
     assert all(r.is_finished and len(r.generated_ids) == 4 for r in requests)
     assert scheduler.pages.unfittable_reason(10**9) is None  # no page can be missing
-    assert scheduler.state_slots.num_free == 2
+    assert slots_of(scheduler).num_free == 2
 
 
 def run_to_completion_without_pools(scheduler: Scheduler, requests) -> list[list[tuple[str, int, int]]]:
@@ -143,11 +150,13 @@ def test_a_state_fork_copies_pages_and_slot_before_the_last_prompt_token() -> No
     scheduler.update(plan, [])
     assert child in scheduler.running and child.num_computed_tokens == 9
     plan = scheduler.schedule()
-    slots = scheduler.state_slots
-    assert plan.state_copies == [(slots.slot_of("p"), slots.slot_of(child.request_id))]
+    slots = slots_of(scheduler)
     parent_pages, child_pages = parent.group_pages(0).page_ids, child.group_pages(0).page_ids
+    # The pages' copies in KV group 0, then the slot's in the slot group (after the KV groups).
+    assert scheduler.pages.slot_group == 1
     assert [(g, src, dst) for g, src, dst in plan.copies] == [
-        (0, s, d) for s, d in zip(parent_pages, child_pages, strict=True)
+        *((0, s, d) for s, d in zip(parent_pages, child_pages, strict=True)),
+        (1, slots.slot_of("p"), slots.slot_of(child.request_id)),
     ]
     assert not set(parent_pages) & set(child_pages)
     assert [(e.request.request_id, e.start, e.num_tokens) for e in plan.entries] == [
@@ -165,7 +174,7 @@ def test_a_state_fork_without_a_free_slot_queues_the_sibling_on_its_own() -> Non
     plan = scheduler.schedule()
     scheduler.update(plan, [])
     assert child in scheduler.waiting and child.num_computed_tokens == 0 and not child.holds_pages
-    assert scheduler.schedule().state_copies == []
+    assert scheduler.schedule().copies == []
     scheduler.check_integrity()
 
 

@@ -23,7 +23,7 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig
 from ..distributed import TensorParallelCoordinator
 from ..kv.offload import CpuOffload
-from ..kv.state_slots import StateSlots
+from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
@@ -53,6 +53,8 @@ def wire(
 ) -> Engine:
     """Allocate and connect the parts of an engine from `plan` (see the module docstring);
     `assistant_model`: the draft model `plan.assistant` was resolved for."""
+    # A model with state layers: its per-request state slots are one more group behind the page manager.
+    slots = StateSlotPolicy(plan.sizing.num_state_slots) if plan.states is not None else None
     # kv/ owns pages: one pool per KV group, each handed to its group's page policy (kv_wiring.py).
     kv = wire_kv(
         plan.cache.kv_groups,
@@ -61,21 +63,20 @@ def wire(
         plan.device,
         plan.cache.sharing,
         plan.cache.initial_pages,
+        slots,
     )
     policies, pages, cache, packer = kv.policies, kv.pages, kv.cache, kv.packer
-    # CPU offload: the scheduler plans with the host tier's page ids (`offload`), the runner copies
-    # into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
+    # CPU offload: the scheduler plans with the host tier's page ids (`offload`; state slots with as many
+    # host slots as device ones: every running request may be swapped out with its slot), the runner
+    # copies into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.
     offload, swapper = None, None
     if plan.host.num_pages:
-        offload = CpuOffload(policies, plan.host.num_pages)
+        offload = CpuOffload(policies, plan.host.num_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
-    slots, host_slots, states = None, None, None
+    states = None
     if plan.states is not None:
-        slots = StateSlots(plan.sizing.num_state_slots)
         host_states = None
         if plan.host.num_pages:
-            # Every running request may be swapped out with its slot: as many host slots as device ones.
-            host_slots = StateSlots(plan.sizing.num_state_slots)
             host_states = StateCache(
                 plan.states.specs, plan.sizing.num_state_slots, torch.device("cpu"), empty=True
             )
@@ -92,8 +93,6 @@ def wire(
         safety_margin=plan.scheduler.safety_margin,
         policy=make_policy(plan.scheduler.scheduler_type),
         offload=offload,
-        state_slots=slots,
-        host_state_slots=host_slots,
         speculation_max_batch=plan.scheduler.speculation_max_batch,
     )
     packer.state_layers = states is not None

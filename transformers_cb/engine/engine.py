@@ -254,12 +254,14 @@ class Engine:
     @contextmanager
     def session(self) -> Iterator[None]:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
-        warm-up): its paged attention backend, its packed products, the draft model's backend, inference
-        mode; all restored on exit. Every caller that steps the engine enters it, and only it."""
+        warm-up): its paged attention backend, its packed products, the draft model's backend, the state
+        layers' split forwards (runner/state_layers.py), inference mode; all restored on exit. Every caller
+        that steps the engine enters it, and only it."""
         with (
             paged_attention(self.model, self.plan.step_options.attn_implementation),
             packed_linears(self.model, self.plan.step_options.packed_linear),
             self.assistant_session(),
+            self.runner.session(),
             torch.inference_mode(),
         ):
             yield
@@ -333,7 +335,7 @@ class Engine:
     def snapshot(self) -> EngineSnapshot:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
         scheduler, pages, offload = self.scheduler, self.pages, self.offload
-        slots = scheduler.state_slots
+        slots = pages.slots
         return EngineSnapshot(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

@@ -11,6 +11,11 @@ The scheduler's hooks (plain page ids, no tensors):
 - `discard(request)` when a swapped-out request ends (cancelled, failed, hard stop) or falls back to
   recompute: its host pages (and the device pages it kept) are freed.
 
+A model with state layers swaps its request's state slot with its pages, as one more group of the plan
+(the slot group after the KV groups, as in `PageManager`: state_slots.py): the request swaps out only
+when both the pages and a host slot have room (and it holds a slot), swaps in only when a device slot is
+free too, and its host slot goes with its host pages.
+
 Shared pages (refcount > 1 on the device: another request still references them) are not copied: the
 swapped-out request keeps its own reference (taken here, so the scheduler's release leaves the page
 resident) and gets the same page back on swap-in. Only exclusively owned pages move. Sliding-window
@@ -20,7 +25,8 @@ The copies of one step are collected in a `SwapPlan` (plain ids, swap_plan.py) t
 moves into the step's `StepPlan` (`take_plan`); the runner's `SwapCopier` (memory/swap.py)
 runs it before the step's forward, one gather/scatter per group and direction, on every
 tensor-parallel rank. This module stays torch-free: the host tier's bytes are
-`memory.host_cache.HostKVCache`, its page ids (`HostPages`, one `PagePool` per group) are here.
+`memory.host_cache.HostKVCache` (and the states' host copy, memory/state_cache.py), its page ids
+(`HostPages`, one `PagePool` per group, and its state slots) are here.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ..invariants import InvariantError, check
 from ..requests import PageList, Request
 from .page_policies import PagePolicy, num_pages_for
 from .pool import PagePool
+from .state_slots import StateSlotPolicy
 from .swap_plan import SwapPlan
 
 
@@ -54,12 +61,14 @@ class SwappedGroup:
 
 class HostPages:
     """The host tier's page ids: `num_pages` in each KV group's own pool (host page 3 has nothing to do
-    with device page 3)."""
+    with device page 3), and `num_slots` state slots (a model with state layers; 0: none), held by the
+    swapped-out requests."""
 
-    def __init__(self, num_pages: int, num_groups: int) -> None:
+    def __init__(self, num_pages: int, num_groups: int, num_slots: int = 0) -> None:
         check(num_pages >= 1, f"{num_pages=}")
         self.num_pages = num_pages
         self.pools = [PagePool(num_pages) for _ in range(num_groups)]
+        self.slots = StateSlotPolicy(num_slots) if num_slots else None
 
     @property
     def num_used_pages(self) -> int:
@@ -75,14 +84,19 @@ class HostPages:
 
 class CpuOffload:
     """Args: policies: the device tier's page policies, one per KV group (as in `PageManager`);
-    num_host_pages: host pages of every group (>= 1; the same on every tensor-parallel rank)."""
+    num_host_pages: host pages of every group (>= 1; the same on every tensor-parallel rank); slots: the
+    device's state slots (`PageManager.slots`; None: no state layers), with as many host slots."""
 
-    def __init__(self, policies: list[PagePolicy], num_host_pages: int) -> None:
+    def __init__(
+        self, policies: list[PagePolicy], num_host_pages: int, slots: StateSlotPolicy | None = None
+    ) -> None:
         self.policies = policies
-        self.host = HostPages(num_host_pages, len(policies))
+        self.slots = slots
+        self.host = HostPages(num_host_pages, len(policies), slots.num_slots if slots is not None else 0)
         self.page_size = policies[0].page_size
+        self.slot_group = len(policies)  # as `PageManager.slot_group`
         self.swapped: dict[str, list[SwappedGroup]] = {}  # request id -> its pages, per group
-        self.plan = SwapPlan(len(policies))  # planned since the last `take_plan`
+        self.plan = self._empty_plan()  # planned since the last `take_plan`
         self.swap_out_pages = 0  # pages copied to the host tier, since creation
         self.swap_in_pages = 0  # pages copied back
         self.kept_pages = 0  # shared pages a swap-out left resident (not copied), since creation
@@ -96,10 +110,18 @@ class CpuOffload:
     def is_swapped(self, request: Request) -> bool:
         return request.request_id in self.swapped
 
+    def _empty_plan(self) -> SwapPlan:
+        return SwapPlan(len(self.policies) + (self.slots is not None))
+
     # -- swap out ----------------------------------------------------------------------------------
     def try_swap_out(self, request: Request) -> bool:
         """Plan the copy of `request`'s exclusive pages to the host tier. False (nothing changed) if there
         is nothing to keep or the host tier lacks room; the caller then frees and recomputes."""
+        slots, host_slots = self.slots, self.host.slots
+        if slots is not None and not (
+            host_slots is not None and host_slots.has_free() and slots.holds(request)
+        ):
+            return False  # a state goes with its pages or not at all
         if request.num_computed_tokens == 0 or not request.holds_pages:
             return False
         held = [a.pages(request) for a in self.policies]
@@ -130,6 +152,9 @@ class CpuOffload:
             self.plan.out_dst[g].extend(host_ids)
             groups.append(SwappedGroup(pages.first_page, page_ids, on_host))
             self.swap_out_pages += len(ids)
+        if slots is not None and host_slots is not None:
+            self.plan.out_src[self.slot_group].append(slots.slot_of(request))
+            self.plan.out_dst[self.slot_group].append(host_slots.acquire(request))
         self.swapped[request.request_id] = groups
         self.num_swap_outs += 1
         return True
@@ -145,12 +170,14 @@ class CpuOffload:
         return needed
 
     def can_swap_in(self, request: Request) -> bool:
+        if self.slots is not None and not self.slots.has_free():
+            return False
         needed = self.pages_to_swap_in(request)
         return all(n <= a.pool.num_free_pages for n, a in zip(needed, self.policies, strict=True))
 
     def swap_in(self, request: Request) -> None:
-        """Give `request` fresh device pages for its host pages (copies planned) and its kept shared pages
-        back. Only after `can_swap_in` said yes."""
+        """Give `request` fresh device pages for its host pages (copies planned), its kept shared pages
+        back and (state layers) a device slot for its host slot. Only after `can_swap_in` said yes."""
         check(self.can_swap_in(request), f"{request.request_id}: swap_in without room")
         groups = self.swapped.pop(request.request_id)
         for g, (policy, group) in enumerate(zip(self.policies, groups, strict=True)):
@@ -170,11 +197,15 @@ class CpuOffload:
             # Freed now: the copy that reads them runs before any later swap-out writes them (swap.py).
             self.host.pools[g].release(host_ids)
             self.swap_in_pages += len(host_ids)
+        if self.slots is not None and self.host.slots is not None:
+            self.plan.in_src[self.slot_group].append(self.host.slots.slot_of(request))
+            self.plan.in_dst[self.slot_group].append(self.slots.acquire(request))
+            self.host.slots.release(request)
 
     # -- end or fallback ---------------------------------------------------------------------------
     def discard(self, request: Request) -> None:
-        """Forget `request`'s swapped pages (it ended, or recomputes instead): host pages and the device
-        pages it kept are released. A no-op for a request that is not swapped out."""
+        """Forget `request`'s swapped pages (it ended, or recomputes instead): host pages (and host slot)
+        and the device pages it kept are released. A no-op for a request that is not swapped out."""
         groups = self.swapped.pop(request.request_id, None)
         if groups is None:
             return
@@ -182,19 +213,27 @@ class CpuOffload:
             host_ids = group.host_ids
             self.host.pools[g].release(host_ids)
             policy.pool.release(group.kept_device_ids)
-            if self.plan.out_dst[g]:  # not copied yet: drop the copy, its host page may be reused at once
-                dropped = set(host_ids)
-                pairs = [
-                    (s, d)
-                    for s, d in zip(self.plan.out_src[g], self.plan.out_dst[g], strict=True)
-                    if d not in dropped
-                ]
-                self.plan.out_src[g] = [s for s, _ in pairs]
-                self.plan.out_dst[g] = [d for _, d in pairs]
+            self._drop_planned_out(g, set(host_ids))
+        host_slots = self.host.slots
+        if host_slots is not None and host_slots.holds(request):
+            self._drop_planned_out(self.slot_group, {host_slots.slot_of(request)})
+            host_slots.release(request)
+
+    def _drop_planned_out(self, g: int, dropped: set[int]) -> None:
+        """Not copied yet: drop the swap-outs into `dropped` host ids of group `g`, which may be reused at once."""
+        if not self.plan.out_dst[g]:
+            return
+        pairs = [
+            (s, d)
+            for s, d in zip(self.plan.out_src[g], self.plan.out_dst[g], strict=True)
+            if d not in dropped
+        ]
+        self.plan.out_src[g] = [s for s, _ in pairs]
+        self.plan.out_dst[g] = [d for _, d in pairs]
 
     def take_plan(self) -> SwapPlan:
         """The swaps planned since the last call (the step's), for its `StepPlan`."""
-        plan, self.plan = self.plan, SwapPlan(len(self.policies))
+        plan, self.plan = self.plan, self._empty_plan()
         return plan
 
     def device_tables(self) -> list[list[list[int]]]:
@@ -204,7 +243,8 @@ class CpuOffload:
         ]
 
     def check_integrity(self, waiting_ids: set[str]) -> None:
-        """Host pools match the swapped-out requests, which all wait; raises `InvariantError`."""
+        """Host pools (and host slots) match the swapped-out requests, which all wait; raises
+        `InvariantError`."""
         unknown = set(self.swapped) - waiting_ids
         if unknown:
             raise InvariantError(f"swapped-out requests not waiting: {sorted(unknown)}")
@@ -214,3 +254,5 @@ class CpuOffload:
         for groups in self.swapped.values():
             for group in groups:
                 check(len(group.page_ids) == len(group.on_host), "a swapped group's lists disagree")
+        if self.host.slots is not None:
+            self.host.slots.check_integrity(set(self.swapped))

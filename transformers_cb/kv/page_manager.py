@@ -8,6 +8,12 @@ windows go to every group at once. Prefix sharing is reached through it too (`at
 `promise`, `waits_for_pages`, `register`, `fork`, ...; each a no-op or "nothing" when sharing is
 off), so that the scheduler never needs to know whether it is on beyond `sharing`.
 
+A model with state layers adds its per-request state slots as one more group behind the facade (the
+slot group, `slot_group`, after the KV groups; state_slots.py): a running request holds exactly one
+slot, so fit and allocation need a free one for a request that holds none, `free` releases it, a fork
+copies it (a copy entry of the slot group) and the integrity check holds the slots to the running
+requests. A pure state-space model (e.g. Mamba) has no KV group at all: only the slot group.
+
 The host tier (CPU offload, offload.py) is not behind this facade: the scheduler gets it explicitly.
 It is a second tier with its own pools and its own decision (swap out or recompute, which victim
 comes back when), while everything here is about one tier's pages; keeping it out keeps this
@@ -23,13 +29,15 @@ from .layer_groups import KVGroupSpec
 from .page_policies import PagePolicy
 from .pool import PagePool
 from .prefix_cache import PageCopy, PrefixCache, PrefixStats
+from .state_slots import StateSlotPolicy
 
 
 class PageManager:
     """Args: policies: one per KV group, `policies[g].group == g`; specs: the matching groups;
     sharing: prefix sharing and forks (`prefix`, see prefix_cache.py), None when off; page_size: the
     tokens per page when there are no groups (a pure state-space model, e.g. Mamba: no layer caches
-    K/V, so its requests hold no pages and every fit check says yes).
+    K/V, so its requests hold no pages and every fit check says yes, but for its slots); slots: the
+    per-request state slots of a model with state layers (None: none), the slot group.
     """
 
     def __init__(
@@ -38,6 +46,7 @@ class PageManager:
         specs: list[KVGroupSpec],
         sharing: bool = False,
         page_size: int | None = None,
+        slots: StateSlotPolicy | None = None,
     ) -> None:
         check(len(policies) == len(specs), f"{len(policies)} policies, {len(specs)} groups")
         check(bool(policies) or page_size is not None, "a page manager without groups needs its page size")
@@ -49,6 +58,9 @@ class PageManager:
         # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
         self._trimming = [a for a in policies if a.sliding_window is not None]
         self.prefix = PrefixCache(policies) if sharing else None
+        self.slots = slots
+        # The slot group's index in copies and swaps: right after the KV groups.
+        self.slot_group = len(policies)
 
     @property
     def sharing(self) -> bool:
@@ -69,14 +81,35 @@ class PageManager:
         """Free share of the fullest group: admission looks at the group that runs out first."""
         return min((pool.num_free_pages / pool.num_pages for pool in self.pools), default=1.0)
 
+    def state_slot(self, request: Request) -> int:
+        """The request's state slot (the runner's row of its states); -1 without state layers."""
+        return -1 if self.slots is None else self.slots.slot_of(request)
+
+    def _lacks_slot(self, request: Request) -> bool:
+        """The request needs a slot and none is free."""
+        slots = self.slots
+        return slots is not None and not slots.has_free() and not slots.holds(request)
+
     def num_fitting_tokens(self, request: Request, wanted: int) -> int:
-        """How many of `wanted` new tokens every group can take. Pure."""
+        """How many of `wanted` new tokens every group can take (none without a slot to run in). Pure."""
+        if self._lacks_slot(request):
+            return 0
         if len(self.policies) == 1:
             return self.policies[0].num_fitting_tokens(request, wanted)
         return min((a.num_fitting_tokens(request, wanted) for a in self.policies), default=wanted)
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Pages for `num_new_tokens` more tokens in every group; False (nothing changed) if any group is full."""
+        """Pages for `num_new_tokens` more tokens in every group, and a slot for a request that holds
+        none; False (nothing changed) if any group is full."""
+        slots = self.slots
+        if slots is None or slots.holds(request):
+            return self._allocate_pages(request, num_new_tokens)
+        if not slots.has_free() or not self._allocate_pages(request, num_new_tokens):
+            return False
+        slots.acquire(request)
+        return True
+
+    def _allocate_pages(self, request: Request, num_new_tokens: int) -> bool:
         if len(self.policies) == 1:  # one group: its own allocation is already check-then-commit
             return self.policies[0].allocate(request, num_new_tokens)
         if not all(a.can_allocate(request, num_new_tokens) for a in self.policies):
@@ -97,11 +130,14 @@ class PageManager:
         return sum(policy.release_surplus(request) for policy in self.policies)
 
     def free(self, request: Request) -> None:
-        """Release the request's pages in every group, and (sharing) its promises of pages not computed."""
+        """Release the request's pages in every group and its slot (a state without its KV is recomputed
+        with it), and (sharing) its promises of pages not computed."""
         if self.prefix is not None:
             self.prefix.withdraw(request)
         for policy in self.policies:
             policy.free(request)
+        if self.slots is not None:
+            self.slots.release(request)
 
     # -- prefix sharing (prefix_cache.py); no-ops when it is off -------------------------------------
     def attach_prefix(self, request: Request) -> int:
@@ -134,9 +170,13 @@ class PageManager:
         return self.prefix.fork(parent, child)
 
     def copy_for_fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
-        """`child` gets copies of every page `parent` holds (no sharing: a model with state layers, whose
-        fork continues the parent's state, docs/state_layers.md) and its computed-token count; the page
-        copies to run, or None (nothing changed) when a group has too few free pages."""
+        """`child` gets copies of every page `parent` holds and of its slot (no sharing: a model with state
+        layers, whose fork continues the parent's state, docs/state_layers.md) and its computed-token
+        count; the copies to run (the slot's last, in the slot group), or None (nothing changed) when a
+        group has too few free pages or no slot is free."""
+        slots = self.slots
+        if slots is not None and not slots.has_free():
+            return None
         held = [policy.pages(parent) for policy in self.policies]
         if any(
             len(pages.page_ids) > policy.pool.num_free_pages
@@ -150,6 +190,8 @@ class PageManager:
             pages = policy.pages(child)
             pages.first_page, pages.page_ids = source.first_page, list(new_pages)
         child.num_computed_tokens = parent.num_computed_tokens
+        if slots is not None:
+            copies.append((self.slot_group, slots.slot_of(parent), slots.acquire(child)))
         return copies
 
     def unfittable_reason(self, num_tokens: int) -> str | None:
@@ -197,7 +239,8 @@ class PageManager:
         self, live: list[Request], running: list[Request], kept: list[list[list[int]]] | None = None
     ) -> None:
         """Every group's pool is consistent with the page lists of the live requests (and, per group,
-        `kept`: the pages swapped-out requests still reference on the device, see offload.py)."""
+        `kept`: the pages swapped-out requests still reference on the device, see offload.py); the slot
+        group's with the running requests, each holding one."""
         for g, policy in enumerate(self.policies):
             tables = [policy.pages(r).page_ids for r in live]
             policy.pool.check_integrity(tables + (kept[g] if kept is not None else []))
@@ -206,3 +249,5 @@ class PageManager:
                 policy.check_request(request)
         if self.prefix is not None:
             self.prefix.check_integrity(running)
+        if self.slots is not None:
+            self.slots.check_integrity({request.request_id for request in running})

@@ -1,7 +1,9 @@
 """The runner: everything that touches the device for one step.
 
-It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' page
-copies, the host-tier swaps (it owns the `SwapCopier`), the block-table rows to release; then it
+It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' copies, the host-tier
+swaps (it owns the `SwapCopier`), the block-table rows to release, each copy and swap dispatched by
+group (the KV groups' pages to the paged cache and the copier, a model's state-slot group, after the KV
+groups, to its `StateCache`); then it
 packs the scheduled batch, runs the transformers model's own forward once
 (with the paged attention metadata passed through the attention kwargs: `model_call.py`),
 computes logits only for positions that produce a token (and, for requests that
@@ -12,15 +14,17 @@ ask for prompt logprobs, their prompt positions), and samples. It returns a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
 
 from ..attention.fast_path import prepare_flash_step
 from ..invariants import check, present
+from ..kv.prefix_cache import PageCopy
+from ..kv.swap_plan import SwapPlan
 from ..memory.state_cache import swap_states
 from ..memory.swap import SwapCopier
 from ..requests import Request
@@ -71,6 +75,8 @@ class ModelRunner:
         self.packer = packer
         self.sampler = sampler
         self.swapper = swapper
+        # Copies and swaps of this group are state slots (`PageManager.slot_group`): right after the KV groups.
+        self.slot_group = len(packer.cache.group_tensors)
         self.device = packer.device
         self.options = options
         self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
@@ -80,6 +86,11 @@ class ModelRunner:
             packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+
+    def session(self) -> AbstractContextManager[Any]:
+        """The runner's part of the run session (`Engine.session`): the state layers' split forwards,
+        installed once for the run (nothing without state layers)."""
+        return self.states.session() if self.states is not None else nullcontext()
 
     # -- the sampler: replaced only through these two ---------------------------------------------
     def replace_stages(self, stages: list[Stage]) -> None:
@@ -102,22 +113,37 @@ class ModelRunner:
         """The step's plan before its forward: fork copies (they read the last forward's KV, which a
         swap may move or hand over), then swaps, then the rolled-back and the released block-table rows."""
         if batch.copies:
-            self.packer.cache.copy_pages(batch.copies)
-        if batch.state_copies:
-            present(self.states, "state copies planned without state layers").cache.copy_slots(
-                batch.state_copies
-            )
-        if batch.state_swaps_out or batch.state_swaps_in:
-            states = present(self.states, "state swaps planned without state layers")
-            host = present(states.host, "state swaps planned without a host tier")
-            swap_states(states.cache, host, batch.state_swaps_out, batch.state_swaps_in)
+            self._copy(batch.copies)
         if batch.swaps is not None:
-            check(self.swapper is not None or batch.swaps.is_empty, "swaps planned without a host tier")
-            if self.swapper is not None:
-                self.swapper.run(batch.swaps)
+            self._swap(batch.swaps)
         for item in batch.taken_back:
             self.packer.take_back(item.request, item.end_pages)
         self.release(batch.released)
+
+    def _copy(self, copies: list[PageCopy]) -> None:
+        """Run copies `(group, source, destination)`: the KV groups' pages, then the slot group's states."""
+        if self.states is None:
+            self.packer.cache.copy_pages(copies)
+            return
+        slot_group = self.slot_group
+        pages = [copy for copy in copies if copy[0] != slot_group]
+        if pages:
+            self.packer.cache.copy_pages(pages)
+        slots = [(source, destination) for group, source, destination in copies if group == slot_group]
+        if slots:
+            self.states.cache.copy_slots(slots)
+
+    def _swap(self, plan: SwapPlan) -> None:
+        """Run the host-tier swaps: the slot group's states, then the KV groups' pages."""
+        out, back = plan.pairs(self.slot_group)
+        if out or back:
+            states = present(self.states, "state swaps planned without state layers")
+            host = present(states.host, "state swaps planned without a host tier")
+            swap_states(states.cache, host, out, back)
+        pages = plan.head(min(plan.num_groups, self.slot_group))
+        check(self.swapper is not None or pages.is_empty, "swaps planned without a host tier")
+        if self.swapper is not None:
+            self.swapper.run(pages)
 
     def release(self, requests: list[Request]) -> None:
         """Give the block-table rows of `requests` back (their pages were freed)."""

@@ -4,8 +4,9 @@ A hybrid model's state layers (gated delta rule, Mamba, short convolutions) keep
 through transformers' linear-attention cache API: `get_conv_state`, `get_recurrent_state`,
 `update_conv_state`, `update_recurrent_state`, `is_recording_past`, `has_previous_state`. Their forward,
 called with the packed step's `[1, T, hidden]`, would run every request's tokens as one sequence; so,
-for the run, each state module's forward is replaced (an instance attribute, deleted afterwards) by one
-that splits the step by the step's `StateTable`:
+for the run session (`Engine.session`, through `ModelRunner.session`), each state module's forward is
+replaced once (an instance attribute, deleted when the last session using it ends) by one that splits
+the step by the step's `StateTable`:
 
 - the decode rows (one token of a request that has a state; the packer puts them first) run as one
   batch `[D, 1, hidden]`, their slots' states gathered, updated by the module's own one-token path, and
@@ -14,16 +15,22 @@ that splits the step by the step's `StateTable`:
   boundary) runs as a batch of one with its slot's state.
 
 The module's own code runs unchanged against `SlotStateView`, a view of the slots in transformers' cache
-API, so each family's arithmetic is transformers' own (the same code `generate()` runs). The table of a
-step is set in the `step_states` context variable by the runner for the forward's duration.
+API, so each family's arithmetic is transformers' own (the same code `generate()` runs). Per step, the
+runner only sets the step's `StepStates` (its table and the engine's state tensors) in the `step_states`
+context variable for the forward's duration; the installed forward reads it, and runs the module as
+transformers wrote it when none is set (a probe, a forward that is not a step). Because the installed
+forward is bound to no engine, engines sharing a model install it once between them (counted), each
+step reading its own engine's tensors from its own context; a step outside a run session (a test
+driving the runner directly) installs the forwards for itself.
 """
 
 from __future__ import annotations
 
 import contextvars
 import inspect
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -52,13 +59,23 @@ class StateTable:
     spans: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
 
-_step_states: contextvars.ContextVar[StateTable | None] = contextvars.ContextVar("step_states", default=None)
+@dataclass(frozen=True)
+class StepStates:
+    """What the split forwards read during one step: its `table`, the engine's state tensors (`cache`)
+    and the layers whose continued chunks run one token at a time (`stepwise`, `run_span`)."""
+
+    table: StateTable
+    cache: StateCache
+    stepwise: frozenset[int] = frozenset()
+
+
+_step_states: contextvars.ContextVar[StepStates | None] = contextvars.ContextVar("step_states", default=None)
 
 
 @contextmanager
-def step_states(table: StateTable | None) -> Iterator[None]:
-    """Make `table` the state table of the forward run inside."""
-    token = _step_states.set(table)
+def step_states(states: StepStates | None) -> Iterator[None]:
+    """Make `states` what the forward run inside splits by (None: the modules as transformers wrote them)."""
+    token = _step_states.set(states)
     try:
         yield
     finally:
@@ -271,13 +288,12 @@ def continuation_gap(
     return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
 
 
-def _split_forward(
-    original: Callable[..., Any], name: str, cache: StateCache, stepwise: bool
-) -> Callable[..., Any]:
+def _split_forward(original: Callable[..., Any], name: str, layer: int) -> Callable[..., Any]:
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        table = _step_states.get()
-        if table is None:  # not a step of ours (e.g. the support probe): the module as transformers wrote it
+        states = _step_states.get()
+        if states is None:  # not a step of ours (e.g. the support probe): the module as transformers wrote it
             return original(hidden_states, *args, **kwargs)
+        table, cache, stepwise = states.table, states.cache, layer in states.stepwise
         pieces: list[tuple[int, torch.Tensor]] = []
         rows = table.num_decode_rows
         if rows:
@@ -308,32 +324,50 @@ def cache_parameters(modules: dict[int, nn.Module]) -> dict[int, str]:
     return names
 
 
+@dataclass
+class _Installed:
+    """A split forward in force on a module: what it replaced (None: the class's own) and how many
+    `split_state_layers` blocks use it."""
+
+    previous: Any
+    users: int = 1
+
+
+_lock = threading.Lock()
+_installed: dict[int, _Installed] = {}  # id(module) -> its split forward in force
+
+
 @contextmanager
-def split_state_layers(
-    modules: dict[int, nn.Module],
-    cache: StateCache,
-    stepwise: frozenset[int] = frozenset(),
-    names: dict[int, str] | None = None,
-) -> Iterator[None]:
-    """Inside: every module of `modules` runs each request's rows at its own slot (see the module
-    docstring); their forwards are restored on the way out. `stepwise`: the layers whose continued
-    chunks run one token at a time (`run_span`); `names`: `cache_parameters(modules)`, when known."""
+def split_state_layers(modules: dict[int, nn.Module], names: dict[int, str] | None = None) -> Iterator[None]:
+    """Inside: every module of `modules` runs each request's rows at its own slot whenever a step's
+    `StepStates` is set (see the module docstring). Installed once however many blocks overlap on a
+    module; its forward is restored when the last one ends. `names`: `cache_parameters(modules)`, when
+    known."""
     names = names if names is not None else cache_parameters(modules)
-    patched: list[tuple[nn.Module, Any]] = []
-    try:
+    with _lock:
         for layer, module in modules.items():
-            name = names[layer]
+            installed = _installed.get(id(module))
+            if installed is not None:
+                installed.users += 1
+                continue
             # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
             # piece calls.
-            patched.append((module, module.__dict__.get("forward")))
-            module.forward = _split_forward(module.forward, name, cache, layer in stepwise)
+            _installed[id(module)] = _Installed(module.__dict__.get("forward"))
+            module.forward = _split_forward(module.forward, names[layer], layer)
+    try:
         yield
     finally:
-        for module, previous in patched:
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
+        with _lock:
+            for module in modules.values():
+                installed = _installed[id(module)]
+                installed.users -= 1
+                if installed.users:
+                    continue
+                del _installed[id(module)]
+                if installed.previous is None:
+                    del module.forward
+                else:
+                    module.forward = installed.previous
 
 
 @dataclass
@@ -347,12 +381,25 @@ class StateLayers:
     host: StateCache | None = None
     stepwise: frozenset[int] = frozenset()
     names: dict[int, str] = field(init=False)
+    sessions: int = field(init=False, default=0)  # run sessions in force (`session`)
 
     def __post_init__(self) -> None:
         self.names = cache_parameters(self.modules)
 
     @contextmanager
+    def session(self) -> Iterator[None]:
+        """Inside: the state modules' split forwards, installed once for the run session."""
+        with split_state_layers(self.modules, self.names):
+            self.sessions += 1
+            try:
+                yield
+            finally:
+                self.sessions -= 1
+
+    @contextmanager
     def step(self, table: StateTable | None) -> Iterator[None]:
-        """Inside: a forward of the step whose state table is `table`."""
-        with step_states(table), split_state_layers(self.modules, self.cache, self.stepwise, self.names):
+        """Inside: a forward of the step whose state table is `table`: only the step's states are set
+        (the run session installed the forwards; a step outside one installs them for itself)."""
+        states = StepStates(table, self.cache, self.stepwise) if table is not None else None
+        with step_states(states), self.session() if not self.sessions else nullcontext():
             yield

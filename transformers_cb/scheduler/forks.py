@@ -8,7 +8,8 @@ its last prompt token, each sampling its own tokens. Two ways, one per kind of m
   token again, from the same K/V;
 - a model with state layers (no sharing: a state is not in the pages): the parent's prefill stops
   before its last prompt token; then each sibling gets copies of its pages and of its state slot
-  (`PageManager.copy_for_fork`), so that every sibling runs that token from the same state.
+  (`PageManager.copy_for_fork`: the slot's copy is one of the slot group), so that every sibling runs
+  that token from the same state.
 
 Otherwise (no sharing, or a one-token prompt of a state model) the siblings queue as requests of their
 own. A sibling that finds no page (or slot) for its copies queues on its own too.
@@ -20,29 +21,26 @@ from collections import deque
 
 from ..kv.page_manager import PageManager
 from ..kv.prefix_cache import PageCopy
-from ..kv.state_slots import StateSlots
 from ..requests import Request, RequestStatus
 
 
 class Forks:
     """Plans forks and keeps their copies until the next step's plan (`take`)."""
 
-    def __init__(self, pages: PageManager, state_slots: StateSlots | None) -> None:
+    def __init__(self, pages: PageManager) -> None:
         self.pages = pages
-        self.state_slots = state_slots
         self._copies: list[PageCopy] = []
-        self._state_copies: list[tuple[int, int]] = []  # (source slot, destination slot)
 
     def rides_along(self, request: Request) -> bool:
         """Whether `request`'s siblings wait for it (else they queue as requests of their own)."""
-        if self.state_slots is not None:
+        if self.pages.slots is not None:
             return request.num_prompt_tokens >= 2
         return self.pages.sharing
 
     def fork_point(self, request: Request) -> int:
         """The computed-token count at which `request`'s siblings fork."""
         last = request.num_prompt_tokens - 1
-        return last if self.state_slots is not None else request.num_prompt_tokens
+        return last if self.pages.slots is not None else request.num_prompt_tokens
 
     def cap(self, request: Request, wanted: int) -> int:
         """`wanted` tokens of `request` this step, stopping at its fork point while it has siblings."""
@@ -69,16 +67,12 @@ class Forks:
         waiting.extendleft(reversed(unforked))
 
     def _copy(self, parent: Request, child: Request) -> list[PageCopy] | None:
-        slots = self.state_slots
-        if slots is None:
+        if self.pages.slots is None:
             return self.pages.fork(parent, child)
-        copies = self.pages.copy_for_fork(parent, child) if slots.has_free() else None
-        if copies is not None:
-            self._state_copies.append((slots.slot_of(parent.request_id), slots.acquire(child.request_id)))
-        return copies
+        return self.pages.copy_for_fork(parent, child)
 
-    def take(self) -> tuple[list[PageCopy], list[tuple[int, int]]]:
-        """The page and state-slot copies planned since the last call (the next step's)."""
-        copies, state_copies = self._copies, self._state_copies
-        self._copies, self._state_copies = [], []
-        return copies, state_copies
+    def take(self) -> list[PageCopy]:
+        """The copies planned since the last call (the next step's): pages, and state slots in the slot
+        group."""
+        copies, self._copies = self._copies, []
+        return copies

@@ -4,9 +4,11 @@ A `StepPlan` is the whole decision of a step, so that whoever executes it (the r
 rank 0, and on every tensor-parallel follower from rank 0's step message) needs nothing else.
 The runner executes it in this order:
 
-1. `copies`: forks' copy-on-write page copies. They read the KV the last forward wrote, which a
-   swap of this step may move out or hand to another request, so they run first;
-2. `swaps`: the host-tier swaps (`SwapPlan`, gathers before scatters, see memory/swap.py);
+1. `copies`: forks' copy-on-write page copies (and, for a model with state layers, state-slot copies:
+   entries of the slot group, `PageManager.slot_group`). They read what the last forward wrote, which
+   a swap of this step may move out or hand to another request, so they run first;
+2. `swaps`: the host-tier swaps (`SwapPlan`, gathers before scatters, see memory/swap.py), the state
+   slots' as one more group;
 3. `taken_back`: the block-table columns of rejected draft tokens (speculation), whose pages the
    previous step's `Scheduler.update` gave back, forgotten (one rollback: the scheduler releases the
    pages, the plan carries what the rows forget);
@@ -38,7 +40,7 @@ class ScheduledRequest:
     start: int
     num_tokens: int
     draft: list[int] = field(default_factory=list)
-    # The request's state slot (kv/state_slots.py) in a model with state layers; -1 otherwise.
+    # The request's state slot (`PageManager.state_slot`) in a model with state layers; -1 otherwise.
     state_slot: int = -1
 
     @property
@@ -77,15 +79,9 @@ class StepPlan:
     entries: list[ScheduledRequest]
     preempted: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
-    # Page copies (forks' copy-on-write) to run before anything else of the step.
+    # Copies (forks' copy-on-write pages; state slots in the slot group) to run before anything else.
     copies: list[PageCopy] = field(default_factory=list)
-    # State-slot copies (source slot, destination slot): forks of a model with state layers, run with
-    # the page copies.
-    state_copies: list[tuple[int, int]] = field(default_factory=list)
-    # State-slot swaps with the host tier (device slot, host slot) out and (host slot, device slot) back in.
-    state_swaps_out: list[tuple[int, int]] = field(default_factory=list)
-    state_swaps_in: list[tuple[int, int]] = field(default_factory=list)
-    # The host-tier swaps of this schedule (None: no host tier).
+    # The host-tier swaps of this schedule, state slots included (None: no host tier).
     swaps: SwapPlan | None = None
     # Requests whose pages this schedule freed: their block-table rows go back before packing.
     released: list[Request] = field(default_factory=list)

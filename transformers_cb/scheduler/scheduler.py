@@ -18,12 +18,10 @@ from collections.abc import Mapping, Sequence
 from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
-from ..kv.state_slots import StateSlots
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .drafts import append_verified, fit_draft
 from .forks import Forks
-from .host_tier import HostTier
 from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
@@ -35,7 +33,8 @@ class Scheduler:
 
     Args:
         pages: the device tier's pages, the scheduler's one facade over the KV groups' page
-            policies and prefix sharing (kv/page_manager.py).
+            policies, prefix sharing and (state layers) the per-request state slots
+            (kv/page_manager.py): a running request holds one slot, admission needs a free one.
         max_batch_tokens: query tokens per step.
         max_requests_per_batch: requests per step.
         safety_margin: new requests are admitted only while the free fraction of
@@ -43,11 +42,7 @@ class Scheduler:
         policy: candidate ordering.
         offload: the host tier's planner (CPU offload), given explicitly rather than behind the
             facade (see kv/page_manager.py): preempted requests swap out and back instead of
-            recomputing while it has room; None: always recompute.
-        state_slots: the per-request state slots of a model with state layers (None: no state
-            layers): a running request holds one, admission needs a free one.
-        host_state_slots: the host tier's state slots (CPU offload of a model with state layers): a
-            swapped-out request holds one, with its host pages.
+            recomputing while it has room (pages and state slot together); None: always recompute.
         speculation_max_batch: speculating requests draft only in steps where at most this many
             requests run (`speculates_now`; None: always).
     """
@@ -60,12 +55,9 @@ class Scheduler:
         safety_margin: float,
         policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
-        state_slots: StateSlots | None = None,
-        host_state_slots: StateSlots | None = None,
         speculation_max_batch: int | None = None,
     ) -> None:
         self.pages = pages
-        self.state_slots = state_slots
         self.speculation_max_batch = speculation_max_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
@@ -74,11 +66,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.offload = offload
-        # Swaps of pages and state slots together (host_tier.py); None without CPU offload.
-        self.host = HostTier(offload, state_slots, host_state_slots) if offload is not None else None
         self.num_preemptions = 0
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
-        self.forks = Forks(pages, state_slots)  # siblings' forks, their copies for the next step's plan
+        self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
         # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
         self.taken_back: list[TakeBack] = []
@@ -151,14 +141,17 @@ class Scheduler:
                 else RequestStatus.PREFILLING
             )
             draft = draft[: max(0, num_tokens - request.num_remaining_tokens)]  # what fits of it
-            slot = -1 if self.state_slots is None else self.state_slots.slot_of(request.request_id)
             scheduled[id(request)] = ScheduledRequest(
-                request, request.num_computed_tokens, num_tokens, draft, state_slot=slot
+                request,
+                request.num_computed_tokens,
+                num_tokens,
+                draft,
+                state_slot=self.pages.state_slot(request),
             )
             budget -= num_tokens
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        plan.copies, plan.state_copies = self.forks.take()
+        plan.copies = self.forks.take()
         if self.offload is not None:
             plan.swaps = self.offload.take_plan()
         return plan
@@ -192,9 +185,9 @@ class Scheduler:
         """A waiting request's first tokens if it starts this step (moved to the running list, pages
         allocated), else None: it keeps waiting (holding nothing), or failed because it can never fit."""
         swapped_in = False
-        if self.host is not None and self.host.is_swapped(request):
-            swapped_in = self._swap_in(self.host, request, gate.is_open)
-            if not swapped_in and self.host.is_swapped(request):  # it waits, and so do later ones
+        if self.offload is not None and self.offload.is_swapped(request):
+            swapped_in = self._swap_in(self.offload, request, gate.is_open)
+            if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
                 gate.close()
                 return None
         # A swapped-in request has its own KV back: no prefix lookup, no waiting for pages.
@@ -203,10 +196,9 @@ class Scheduler:
         if looks_up and self._waits_for_pages(request, hit):
             return None
         num_tokens = self.pages.num_fitting_tokens(request, self._wanted(request, budget))
-        # A swapped-in request holds its pages again: it is admitted (at least one token fits).
-        if not (
-            swapped_in or (gate.is_open and num_tokens > 0 and self._admits() and self._has_state_slot())
-        ):
+        # A swapped-in request holds its pages (and slot) again: it is admitted (at least one token fits).
+        # Without a free state slot nothing fits (`PageManager.num_fitting_tokens`).
+        if not (swapped_in or (gate.is_open and num_tokens > 0 and self._admits())):
             gate.close()
             if hit:  # waiting requests hold no pages: the hit goes back to the cache
                 self.pages.detach_prefix(request)
@@ -219,14 +211,7 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         self.pages.promise(request)
-        if self.state_slots is not None:
-            slot = self.state_slots.acquire(request.request_id)
-            if swapped_in and self.host is not None:  # its state comes back with its pages
-                self.host.state_back(request, slot, plan)
         return num_tokens
-
-    def _has_state_slot(self) -> bool:
-        return self.state_slots is None or self.state_slots.has_free()
 
     def _attach_prefix(self, request: Request) -> bool:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
@@ -278,21 +263,21 @@ class Scheduler:
                 return False
         return True
 
-    def _swap_in(self, host: HostTier, request: Request, admitting: bool) -> bool:
+    def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool) -> bool:
         """Take a swapped-out request back from the host tier if it may start now. With nothing running
         and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
-        if admitting and self._admits() and host.can_swap_in(request):
-            host.swap_in(request)
+        if admitting and self._admits() and offload.can_swap_in(request):
+            offload.swap_in(request)
             return True
         if not self.running:
-            host.discard(request)
+            offload.discard(request)
             self._drop_kv(request)
         return False
 
     def preempt(self, request: Request, plan: StepPlan) -> None:
-        """Take the pages of `request` away: swapped out to the host tier when there is one with room,
-        else dropped (it recomputes prompt + generated tokens later)."""
-        if self.host is None or not self.host.swap_out(request, plan):
+        """Take the pages (and state slot) of `request` away: swapped out to the host tier when there is one
+        with room, else dropped (it recomputes prompt + generated tokens later)."""
+        if self.offload is None or not self.offload.try_swap_out(request):
             self._drop_kv(request)
         self._free_pages(request)
         # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
@@ -310,9 +295,7 @@ class Scheduler:
         request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
-        self.pages.free(request)  # with its promises of pages not computed yet
-        if self.state_slots is not None:  # a state without its KV is recomputed with it
-            self.state_slots.release(request.request_id)
+        self.pages.free(request)  # with its state slot and its promises of pages not computed yet
 
     def _fail_unfittable(self, request: Request, plan: StepPlan) -> None:
         self.finish(
@@ -413,8 +396,8 @@ class Scheduler:
             request.fork_children = []
         self._free_pages(request)
         self.recomputed.forget(request.request_id)
-        if self.host is not None:
-            self.host.discard(request)
+        if self.offload is not None:
+            self.offload.discard(request)
         request.error = error
         if status != RequestStatus.FINISHED and request.finish_reason is None:
             request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
@@ -429,10 +412,8 @@ class Scheduler:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         kept = self.offload.device_tables() if self.offload is not None else None
         self.pages.check_integrity(self.live_requests(), self.running, kept)
-        if self.host is not None:
-            self.host.check_integrity(list(self.waiting))
-        if self.state_slots is not None:
-            self.state_slots.check_integrity({request.request_id for request in self.running})
+        if self.offload is not None:
+            self.offload.check_integrity({request.request_id for request in self.waiting})
         for request in self.running:
             check(
                 request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
