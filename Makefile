@@ -2,7 +2,7 @@
 # only when pyproject.toml changes (stamp files inside the venv).
 #
 #   make run   [ARGS="--model tiny ..."]           transformers-cb generate (the real model by default)
-#   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/ (the complete suite)
+#   make test  [ARGS="-k paged -x"]               pytest over tests/ and conformance/ (the complete suite, TEST_WORKERS=2 processes)
 #   make test-fast [ARGS=...]                     the same without the `slow` tier (minutes)
 #   make lint                                     ruff check + ruff format --check + mypy
 #   make bench [ARGS="..."]                       benchmarks/throughput.py
@@ -25,6 +25,10 @@ ARGS ?=
 TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 PIP_ARGS ?=
+# pytest-xdist workers of `make test` / `make test-fast` (0: one process). The suite waits on many child
+# processes (seed documents in fresh interpreters, compilers, servers, tensor-parallel ranks): two workers
+# keep both cores busy; each worker's torch gets its share of the cores (conftest.py).
+TEST_WORKERS ?= 2
 
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
@@ -79,13 +83,13 @@ serve: $(VENV)/.installed-serve
 
 # pytest exits 5 when it collects no tests; that is a failure here, never swallowed.
 test: $(VENV)/.installed-test
-	@rc=0; $(BIN)/python -m pytest $(ARGS) || rc=$$?; \
+	@rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) $(ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 
 # Everything but the `slow` tier (compile, tensor parallelism, server subprocesses, big property runs).
 test-fast: $(VENV)/.installed-test
-	@rc=0; $(BIN)/python -m pytest -m "not slow" $(ARGS) || rc=$$?; \
+	@rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 

@@ -15,6 +15,24 @@ import os
 import pytest
 from hypothesis import settings
 
+
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist (`make test`: TEST_WORKERS processes), give each worker its share of the cores:
+    two workers with a torch thread per core each oversubscribe the machine and slow each other far more
+    than twice. Set before any test imports torch, so child processes inherit it too; an explicit
+    OMP_NUM_THREADS is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1 or "OMP_NUM_THREADS" in os.environ:
+        return
+    share = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    import torch
+
+    torch.set_num_threads(share)
+
+
+_share_cores_between_workers()
+
 # The shared helpers (the scheduler's fake model, the manager checks, ...) assert like the tests do: have
 # pytest rewrite them as it rewrites test modules, so they keep checking, with its messages, under
 # `python -O` (which strips the asserts pytest did not rewrite) and show values on failure.
