@@ -177,3 +177,21 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
     ):
         engine.step()
     assert not request.is_finished
+
+
+def test_a_cancelled_request_gives_its_rows_back_with_the_next_plan() -> None:
+    """`Engine.finish` ends a request through the scheduler's one exit; its block-table rows go back with
+    the next plan's `released`, and the engine's integrity holds in between."""
+    engine = build_engine(tiny_llama(), GenerationConfig(max_new_tokens=8, do_sample=False), None)
+    with engine.session():
+        request = engine.build_request([5, 6, 7, 8], request_id="r")
+        engine.add(request)
+        engine.step()
+        tables = engine.packer.block_tables[0]
+        assert "r" in tables._rows
+        engine.finish(request, RequestStatus.CANCELLED)
+        assert engine.scheduler.ended == [request]
+        engine.check_integrity()  # its row is pending release, not leaked
+        engine.step()  # nothing to run: the plan alone releases it
+        assert "r" not in tables._rows and engine.scheduler.ended == []
+        engine.check_integrity()

@@ -303,16 +303,20 @@ def test_block_table_rows_never_outlive_their_request():
     engine.check_integrity()
     (tables,) = engine.packer.block_tables  # one KV group: one table
     assert sorted(tables._rows) == ["r0", "r1", "r2"], "rows are keyed by request id"
-    # Every exit gives the row back: the engine's `finish` (fail, cancel), the end in `update()` (r2,
-    # below), and a preemption or failure inside `schedule()` (the step plan's `released`, run by the
-    # runner; checked after every step by conformance/test_parity_offload.py). Before, a row could
-    # stay, and a recycled id() inherited it.
+    # Every exit gives the row back through one list (`Scheduler.ended`) that the next plan's `released`
+    # carries to the runner: the engine's `finish` (fail, cancel), the end in `update()` (r2, below), and a
+    # preemption or failure inside `schedule()` (checked after every step by
+    # conformance/test_parity_offload.py). Before, a row could stay, and a recycled id() inherited it.
     engine.finish(requests[0], RequestStatus.FAILED, "test")
     engine.finish(requests[1], RequestStatus.CANCELLED)
+    engine.check_integrity()  # their rows are pending release, not leaked
+    engine.step()
     assert sorted(tables._rows) == ["r2"]
     engine.check_integrity()
     while engine.has_work():
         engine.step()
+    engine.check_integrity()
+    engine.step()  # an empty plan still releases what ended in the last step
     assert not tables._rows
     engine.check_integrity()
     tables._rows["ghost"], tables._num_written["ghost"] = tables._free_rows.pop(), 0

@@ -82,7 +82,8 @@ def test_drafts_are_the_assistants_greedy_tokens_through_accepts_and_rejects() -
     # The first round's catch-ups did not fit one forward; later rounds: a catch-up and DRAFT - 1 steps.
     assert forwards[0] > DRAFT
     assert all(count == DRAFT for count in forwards[1:])
-    drafter.forget(requests)
+    for request in requests:
+        drafter.stopped(request)
     assert drafter.num_used_pages == 0 and not drafter.sequences
     drafter.check_integrity()
 

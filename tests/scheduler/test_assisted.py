@@ -36,6 +36,9 @@ class ModelSource:
     def after_verify(self, request: Request, drafted: int, accepted: int) -> None:
         apply_schedule(request.speculation, drafted, accepted)
 
+    def stopped(self, request: Request) -> None:
+        self.drafts.pop(request.request_id, None)
+
 
 def assisted_request(
     schedule: str = "constant", num_tokens: int = 4, eos: frozenset[int] = frozenset()

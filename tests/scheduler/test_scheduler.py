@@ -16,6 +16,7 @@ from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
+from transformers_cb.sampling.sampled_token import SampledToken
 from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 
@@ -426,3 +427,29 @@ def test_scheduler_properties(workload: dict) -> None:
         assert len(request.generated_ids) == max_new
         assert page_ids(request) == []
     assert generated(requests) == huge_cache_reference(specs)
+
+
+def test_every_request_that_stops_running_is_released_by_the_next_plan_once() -> None:
+    """One list of ended requests (issue 38): finished in `update`, cancelled through `finish`, preempted or
+    failed in `schedule`: each is in the next plan's `released` (rows, shadows) exactly once."""
+    scheduler = make_scheduler(num_pages=4, page_size=4)
+    done, cancelled, kept = (make_request(i, num_prompt_tokens=4, max_new_tokens=1) for i in ("d", "c", "k"))
+    for request in (done, cancelled, kept):
+        scheduler.add(request)
+    first = scheduler.schedule()
+    assert first.released == [] and len(first.entries) == 3
+    finished = scheduler.update(first, [[SampledToken(7)], [SampledToken(7)], [SampledToken(7)]])
+    assert finished == [done, cancelled, kept]
+    scheduler.add(late := make_request("late", num_prompt_tokens=4))
+    scheduler.finish(late, RequestStatus.CANCELLED)  # ended before it ever ran: released all the same
+    second = scheduler.schedule()
+    assert second.released == [done, cancelled, kept, late]
+    assert scheduler.schedule().released == []  # once
+    huge = make_request("huge", num_prompt_tokens=40)
+    scheduler.add(huge)  # runs chunks until no page is left: failed in a schedule, released by that plan
+    for _ in range(10):
+        plan = scheduler.schedule()
+        if plan.failed:
+            break
+        scheduler.update(plan, [])  # prefill chunks sample nothing
+    assert plan.failed == [huge] and plan.released == [huge]

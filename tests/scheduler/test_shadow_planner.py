@@ -97,7 +97,7 @@ def test_catch_up_then_draft_steps_and_a_rollback_the_executor_runs() -> None:
     assert drafts == {"a": expected_draft(a.all_token_ids)}
     assert executor.steps[0] == [("a", 12, 1)]  # the catch-up: the target's own token
     source.check_integrity()
-    source.forget([a])
+    source.stopped(a)
     assert executor.released == ["a"] and source.num_used_pages == 0 and not source.sequences
 
 

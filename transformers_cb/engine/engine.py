@@ -164,11 +164,9 @@ class Engine:
         return self.scheduler.has_work()
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """End `request` (cancel, fail): the scheduler's single exit, and its block-table rows back."""
+        """End `request` (cancel, fail): the scheduler's single exit (its rows and shadow go with the next
+        plan's `released`, as every ended request's)."""
         self.scheduler.finish(request, status, error)
-        self.runner.release([request])
-        if self.drafter is not None:
-            self.drafter.forget([request])
         self.publisher.requests_finished([request])
 
     def heartbeat(self) -> None:
@@ -286,8 +284,6 @@ class Engine:
         """Schedule and run one forward pass. A failure fails only the requests of this step (under
         tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
         batch = self.scheduler.schedule(self._drafts())
-        if self.drafter is not None and (batch.preempted or batch.failed):
-            self.drafter.forget([*batch.preempted, *batch.failed])
         self.publisher.step_planned(batch)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:
@@ -316,9 +312,6 @@ class Engine:
         finished = self.scheduler.update(
             batch, output.sampled, output.prompt_logprobs, output.prompt_top_logprobs
         )
-        self.runner.release(finished)
-        if self.drafter is not None:
-            self.drafter.forget(finished)
         self.counters.generated_tokens += sum(request.num_tokens for request in sampling) - generated
         result.finished.extend(finished)
         result.progressed = [request for request in sampling if not request.is_finished]
@@ -362,10 +355,13 @@ class Engine:
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
         self.scheduler.check_integrity()
-        taken_back = self.scheduler.taken_back  # rollbacks the next plan's rows execute
+        # Rollbacks and releases the next plan's rows execute.
+        taken_back, ended = self.scheduler.taken_back, {r.request_id for r in self.scheduler.ended}
         for g, tables in enumerate(self.packer.block_tables):
             tables.check_integrity(
-                self.scheduler.running, {item.request.request_id: item.end_pages[g] for item in taken_back}
+                self.scheduler.running,
+                {item.request.request_id: item.end_pages[g] for item in taken_back},
+                ended,
             )
         if self.drafter is not None:
             self.drafter.check_integrity()

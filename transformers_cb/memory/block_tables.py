@@ -15,7 +15,7 @@ engine for requests that end outside `schedule()`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -94,13 +94,20 @@ class BlockTables:
             del self._num_written[request.request_id]
             self._free_rows.append(row)
 
-    def check_integrity(self, running: list[Request], taken_back: Mapping[str, int] | None = None) -> None:
+    def check_integrity(
+        self,
+        running: list[Request],
+        taken_back: Mapping[str, int] | None = None,
+        ended: Collection[str] = (),
+    ) -> None:
         """Raise `InvariantError` if a row outlives its request or disagrees with its pages. `taken_back`:
         request id -> end page of a rollback the next plan executes (`StepPlan.taken_back`): the row is
-        checked as that leaves it."""
+        checked as that leaves it; `ended`: requests whose rows the next plan releases (`StepPlan.released`)."""
         by_id = {request.request_id: request for request in running}
         for request_id, row in self._rows.items():
             request = by_id.get(request_id)
+            if request is None and request_id in ended:
+                continue
             if request is None:
                 raise InvariantError(f"block-table row {row} outlives request {request_id!r}")
             pages = request.group_pages(self.group)

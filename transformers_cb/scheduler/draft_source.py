@@ -24,3 +24,8 @@ class DraftSource(Protocol):
     def after_verify(self, request: Request, drafted: int, accepted: int) -> None:
         """`request` verified `drafted` draft tokens of this source and accepted `accepted` of them."""
         ...
+
+    def stopped(self, request: Request) -> None:
+        """`request` stopped running (ended, failed, cancelled, preempted: `Scheduler.ended`): what this
+        source holds for it goes (the draft model's shadow and its pages)."""
+        ...

@@ -12,8 +12,9 @@ The runner executes it in this order:
 3. `taken_back`: the block-table columns of rejected draft tokens (speculation), whose pages the
    previous step's `Scheduler.update` gave back, forgotten (one rollback: the scheduler releases the
    pages, the plan carries what the rows forget);
-4. `released`: the block-table rows of requests whose pages were freed in this schedule
-   (preempted, failed), given back before packing;
+4. `released`: the requests that stopped running since the previous plan (`Scheduler.ended`: ended in
+   the previous step's update or by `Scheduler.finish` from any caller, preempted or failed in this
+   schedule): their block-table rows given back before packing, and the draft model's shadows;
 5. pack `entries` and run the forward.
 
 `preempted` and `failed` tell the engine what happened to those requests (the failed ones are
@@ -83,7 +84,8 @@ class StepPlan:
     copies: list[PageCopy] = field(default_factory=list)
     # The host-tier swaps of this schedule, state slots included (None: no host tier).
     swaps: SwapPlan | None = None
-    # Requests whose pages this schedule freed: their block-table rows go back before packing.
+    # Requests that stopped running since the previous plan (`Scheduler.ended`): their block-table rows
+    # go back before packing, the draft model forgets their shadows.
     released: list[Request] = field(default_factory=list)
     # Speculation's rollbacks since the previous plan: block-table columns to forget, before `released`.
     taken_back: list[TakeBack] = field(default_factory=list)

@@ -58,5 +58,8 @@ class PromptLookup:
     def after_verify(self, request: Request, drafted: int, accepted: int) -> None:
         """Nothing: the back-off (back_off.py `record`) is all a lookup request adapts."""
 
+    def stopped(self, request: Request) -> None:
+        """Nothing: a lookup holds nothing per request."""
+
 
 PROMPT_LOOKUP = PromptLookup()

@@ -4,8 +4,10 @@ The scheduler works on plain data (requests, page ids) and never touches a
 tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
 plan.py), the runner executes it, and `update()` applies the sampled
-tokens. Rows of requests that end outside `schedule()` (`update()`, `finish()`
-called by the engine) are released by the engine. Policies (`fifo`, `prefill_first`,
+tokens. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
+finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
+plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
+the one place. Policies (`fifo`, `prefill_first`,
 policies.py) only change the order in which candidates get the step's token budget.
 """
 
@@ -20,6 +22,7 @@ from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
+from .back_off import speculation_of
 from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .plan import ScheduledRequest, StepPlan, TakeBack
@@ -72,6 +75,8 @@ class Scheduler:
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
         # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
         self.taken_back: list[TakeBack] = []
+        # Requests that stopped running since the last plan (ended, preempted, failed): its `released`.
+        self.ended: list[Request] = []
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -154,6 +159,7 @@ class Scheduler:
         plan.copies = self.forks.take()
         if self.offload is not None:
             plan.swaps = self.offload.take_plan()
+        plan.released, self.ended = self.ended, []
         return plan
 
     def _take_back_rows(self) -> list[TakeBack]:
@@ -288,7 +294,15 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
         plan.preempted.append(request)
-        plan.released.append(request)
+        self._stopped(request)
+
+    def _stopped(self, request: Request) -> None:
+        """`request` stopped running: into `ended` (its rows go with the next plan's `released`), and its
+        draft source lets go of what it holds for it (the draft model's shadow)."""
+        self.ended.append(request)
+        state = speculation_of(request)
+        if state is not None:
+            state.source.stopped(request)
 
     def _drop_kv(self, request: Request) -> None:
         self.recomputed.dropped(request.request_id, request.num_computed_tokens)
@@ -307,7 +321,6 @@ class Scheduler:
             ),
         )
         plan.failed.append(request)
-        plan.released.append(request)
 
     # -- results -----------------------------------------------------------------
     def update(
@@ -384,8 +397,8 @@ class Scheduler:
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
         """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and
-        its host pages), stamps the time, removes it from the queues. Its block-table rows are the
-        caller's to release (the engine's; in `schedule()`, the plan's `released`)."""
+        its host pages), stamps the time, removes it from the queues, and adds it to `ended` (its block-table
+        rows and shadow go with the next plan's `released`)."""
         if request.is_finished:
             return
         parent = request.fork_parent
@@ -403,6 +416,7 @@ class Scheduler:
             request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
         request.set_status(status)
         request.finish_time = time.perf_counter()
+        self._stopped(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -119,10 +119,10 @@ class ShadowPlanner(Generic[Executor]):
         self.forwards = 0  # assistant forwards run (catch-up chunks and draft steps)
 
     # -- lifecycle of the shadows -------------------------------------------------------------
-    def forget(self, requests: list[Request]) -> None:
-        """`requests` stopped running (finished, failed, preempted): their shadows' pages go back."""
-        for request in requests:
-            self._drop(request.request_id)
+    def stopped(self, request: Request) -> None:
+        """`request` stopped running (finished, failed, cancelled, preempted; the scheduler says so as it
+        adds it to `Scheduler.ended`): its shadow's pages go back."""
+        self._drop(request.request_id)
 
     def reset(self) -> None:
         """Drop every shadow (after a failed draft: the next one starts from scratch)."""
