@@ -146,6 +146,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _write_side_rows(args: argparse.Namespace, workload: str, rows: list[dict]) -> None:
+    """A workload with its own table run alone (memory-pressure, lookup, structured): its rows as the JSON
+    (`--json`), so that two commits' runs can be compared (outputs_sha, counts) as the main table's are."""
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(
+            {"metadata": {"workload": workload, "argv": sys.argv[1:]}, "rows": rows}, f, indent=2, default=str
+        )
+    print(f"\nwrote {args.json}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = args.threads or os.cpu_count() or 1
@@ -163,24 +174,27 @@ def main(argv: list[str] | None = None) -> int:
         import memory_pressure
 
         args.workloads.remove("memory-pressure")
-        memory_pressure.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        side_rows = memory_pressure.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
+            _write_side_rows(args, "memory-pressure", side_rows)
             return 0
 
     if "lookup" in args.workloads:  # speculative decoding by prompt lookup: its own engines and table
         import lookup
 
         args.workloads.remove("lookup")
-        lookup.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        side_rows = lookup.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
+            _write_side_rows(args, "lookup", side_rows)
             return 0
 
     if "structured" in args.workloads:  # guided vs unconstrained: its own engines and table
         import structured
 
         args.workloads.remove("structured")
-        structured.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        side_rows = structured.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
+            _write_side_rows(args, "structured", side_rows)
             return 0
 
     for name in args.workloads:

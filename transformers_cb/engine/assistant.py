@@ -26,6 +26,7 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
 from ..kv.page_policies import num_pages_for
+from ..memory.cache_plan import layout_of
 from ..memory.kv_cache import CacheLayout
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages
 from ..model_check.model_support import check_model_supported, ignores_logits_to_keep, state_layout
@@ -106,16 +107,7 @@ def resolve_assistant(
     )
     pages, widths = resolve_group_pages(own, list(groups), config, workload)
     first = next(assistant.parameters())
-    cache = CacheLayout(
-        num_layers=shape.num_layers,
-        groups=groups,
-        pages=tuple(pages),
-        page_size=sizing.page_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=first.dtype,
-        device=first.device,
-    )
+    cache = layout_of(shape, groups, pages, sizing.page_size, first.dtype, first.device)
     current = assistant.config._attn_implementation
     if model_backend is not None:
         if model_backend not in ("paged|sdpa", "paged|eager"):

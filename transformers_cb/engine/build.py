@@ -43,6 +43,41 @@ from .publisher import StepPublisher, TensorParallelPublisher
 from .submission import RequestBuilder
 
 
+def _wire_states(plan: EnginePlan) -> StateLayers | None:
+    """The state layers' tensors (and the host tier's copy with CPU offload) of a model with state layers."""
+    if plan.states is None:
+        return None
+    host_states = None
+    if plan.host.num_pages:
+        host_states = StateCache(
+            plan.states.specs, plan.sizing.num_state_slots, torch.device("cpu"), empty=True
+        )
+    return StateLayers(
+        plan.states.modules,
+        StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device),
+        host=host_states,
+        stepwise=plan.states.stepwise,
+    )
+
+
+def _wire_sampling(plan: EnginePlan, tokenizer: Any | None, logits_processor: Any | None) -> SamplingSetup:
+    """Every request's sampling defaults and the processing stages, from the plan's sampling settings."""
+    settings = plan.sampling
+    return SamplingSetup(
+        settings.generation_config,
+        plan.device,
+        per_request_processors=settings.per_request_processors,
+        return_logprobs=settings.return_logprobs,
+        top_logprobs=settings.top_logprobs,
+        prompt_logprobs=settings.prompt_logprobs,
+        seed=settings.seed,
+        tokenizer=tokenizer,
+        user_processors=list(logits_processor or ()),
+        vocab_size=plan.shape.vocab_size,
+        all_request_stages=settings.all_request_stages,
+    )
+
+
 def wire(
     model: PreTrainedModel,
     plan: EnginePlan,
@@ -73,19 +108,7 @@ def wire(
     if plan.host.num_pages:
         offload = CpuOffload(policies, plan.host.num_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
-    states = None
-    if plan.states is not None:
-        host_states = None
-        if plan.host.num_pages:
-            host_states = StateCache(
-                plan.states.specs, plan.sizing.num_state_slots, torch.device("cpu"), empty=True
-            )
-        states = StateLayers(
-            plan.states.modules,
-            StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device),
-            host=host_states,
-            stepwise=plan.states.stepwise,
-        )
+    states = _wire_states(plan)
     scheduler = Scheduler(
         pages,
         max_batch_tokens=plan.sizing.max_batch_tokens,
@@ -97,19 +120,7 @@ def wire(
     )
     packer.state_layers = states is not None
     settings = plan.sampling
-    sampling = SamplingSetup(
-        settings.generation_config,
-        plan.device,
-        per_request_processors=settings.per_request_processors,
-        return_logprobs=settings.return_logprobs,
-        top_logprobs=settings.top_logprobs,
-        prompt_logprobs=settings.prompt_logprobs,
-        seed=settings.seed,
-        tokenizer=tokenizer,
-        user_processors=list(logits_processor or ()),
-        vocab_size=plan.shape.vocab_size,
-        all_request_stages=settings.all_request_stages,
-    )
+    sampling = _wire_sampling(plan, tokenizer, logits_processor)
     sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
     runner = ModelRunner(model, packer, sampler, plan.step_options, swapper, states)
     drafter = (

@@ -8,6 +8,7 @@ every tensor-parallel rank resolves the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,29 @@ class CachePlan:
         return self.layout.page_size
 
 
+def layout_of(
+    shape: ModelShape,
+    kv_groups: Sequence[KVGroupSpec],
+    group_pages: Sequence[int],
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    scratch_page: bool = False,
+) -> CacheLayout:
+    """The KV tensors' layout of a model of `shape` (the target's, or the draft model's own)."""
+    return CacheLayout(
+        num_layers=shape.num_layers,
+        groups=tuple(kv_groups),
+        pages=tuple(group_pages),
+        page_size=page_size,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        device=device,
+        scratch_page=scratch_page,
+    )
+
+
 def resolve_cache_plan(
     sizing: Sizing,
     kv_groups: tuple[KVGroupSpec, ...],
@@ -59,17 +83,7 @@ def resolve_cache_plan(
     """The cache of `sizing`'s pages split over `kv_groups` (`resolve_group_pages`); `scratch_page`: one
     page more per group for CUDA graphs' padded rows."""
     group_pages, group_widths = resolve_group_pages(sizing, list(kv_groups), config, workload)
-    layout = CacheLayout(
-        num_layers=shape.num_layers,
-        groups=kv_groups,
-        pages=tuple(group_pages),
-        page_size=sizing.page_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        dtype=dtype,
-        device=device,
-        scratch_page=scratch_page,
-    )
+    layout = layout_of(shape, kv_groups, group_pages, sizing.page_size, dtype, device, scratch_page)
     return CachePlan(
         layout=layout,
         group_widths=tuple(group_widths),
