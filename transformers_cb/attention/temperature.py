@@ -30,7 +30,8 @@ def tunes_temperature(module: torch.nn.Module) -> bool:
 def retuned_query(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """`query` `[1, H, T, D]` of a packed step, scaled by the temperature of each token's position
     `positions` `[T]` instead of the one the module applied (its step index)."""
-    floor_scale, attn_scale = float(module.floor_scale), float(module.attn_scale)
+    floor_scale = float(getattr(module, "floor_scale"))  # noqa: B009 (a Module attribute, not a Tensor)
+    attn_scale = float(getattr(module, "attn_scale"))  # noqa: B009
     step_index = torch.arange(query.shape[2], device=query.device)
     applied = scales(step_index, floor_scale, attn_scale)
     wanted = scales(positions.to(query.device), floor_scale, attn_scale)
