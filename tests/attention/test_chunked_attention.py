@@ -10,13 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import flash_double
+from tests.support.models import build_tiny_model
 from tests.support.packed_steps import KernelStep, build_kernel_step
 from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.flash_kernels import FA2
 from transformers_cb.attention.metadata import first_visible_key, visible_keys
 from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.attention.paged import paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
+from transformers_cb.attention.selection import has_chunked_layers, paged_implementation_for
 from transformers_cb.attention.temperature import retuned_query, scales
 
 CHUNK = 6  # not a multiple of the page size: chunks start mid-page
@@ -106,3 +110,17 @@ def test_nope_temperature_is_the_tokens_position() -> None:
     assert torch.equal(
         retuned_query(module, short, positions[:2]), short * scales(positions[:2], 4, 0.5).view(1, 1, -1, 1)
     )
+
+
+def test_a_chunked_model_never_runs_flash() -> None:
+    """Flash kernels have no chunk rule: no auto-switch, and a flash name is refused naming the reason (even
+    for a class that would support flash otherwise)."""
+    model = build_tiny_model("llama4")
+    model._supports_flash_attn = True  # the rule, not the class flag, refuses it
+    assert has_chunked_layers(model) and not has_chunked_layers(build_tiny_model("llama"))
+    with flash_double.injected(fa2=True, fa3=True):
+        assert paged_implementation_for("sdpa", model, auto_switch_to_flash=True, device_type="cpu") == (
+            "paged|sdpa"
+        )
+        with pytest.raises(ValueError, match="chunked-attention layers"):
+            paged_implementation_for(FA2, model, device_type="cpu")
