@@ -105,7 +105,7 @@ def test_nope_temperature_is_the_tokens_position() -> None:
     applied = (raw * scales(torch.arange(5), 4, 0.5).view(1, 1, -1, 1)).to(raw.dtype)
     expected = raw * scales(positions, 4, 0.5).view(1, 1, -1, 1)
     torch.testing.assert_close(retuned_query(module, applied, positions), expected)
-    # With a step shorter than floor_scale - 1 the module applied 1 everywhere: the product is exact.
+    # With a step shorter than floor_scale the module applied 1 everywhere: the product is exact.
     short = raw[:, :, :2]
     assert torch.equal(
         retuned_query(module, short, positions[:2]), short * scales(positions[:2], 4, 0.5).view(1, 1, -1, 1)

@@ -7,7 +7,7 @@ function; it numbers the positions itself, `arange(tokens) + past_key_values.get
 the token's index in the step, not its position in its sequence, so the glue (`paged.make_forward`)
 replaces the scale the module applied by the one of the token's position (`AttentionMetadata.position_ids`).
 
-Exact while a step has fewer than `floor_scale - 1` tokens (8192 for Llama 4): the module's scale is then
+Exact while a step has fewer than `floor_scale` tokens (8192 for Llama 4): the module's scale is then
 1 for every token, so its queries are the unscaled ones and the rescale is the module's own product; a
 longer step divides by the module's scale first (within a rounding of `generate()`).
 """
@@ -32,10 +32,11 @@ def retuned_query(module: torch.nn.Module, query: torch.Tensor, positions: torch
     `positions` `[T]` instead of the one the module applied (its step index)."""
     floor_scale = float(getattr(module, "floor_scale"))  # noqa: B009 (a Module attribute, not a Tensor)
     attn_scale = float(getattr(module, "attn_scale"))  # noqa: B009
-    step_index = torch.arange(query.shape[2], device=query.device)
-    applied = scales(step_index, floor_scale, attn_scale)
+    num_tokens = query.shape[2]
     wanted = scales(positions.to(query.device), floor_scale, attn_scale)
-    if not bool((applied == 1.0).all()):
-        # The module scaled its queries: undo it first (exact up to rounding).
-        query = (query.float() / applied.view(1, 1, -1, 1)).to(query.dtype)
+    # The module's scale at step index t is 1 while (t + 1) // floor_scale is 0, i.e. for every t of a step
+    # shorter than floor_scale (decided from shapes: no data-dependent branch in a compiled forward).
+    if num_tokens >= floor_scale and attn_scale != 0:
+        applied = scales(torch.arange(num_tokens, device=query.device), floor_scale, attn_scale)
+        query = (query.float() / applied.view(1, 1, -1, 1)).to(query.dtype)  # exact up to rounding
     return (query * wanted.view(1, 1, -1, 1)).to(query.dtype)
