@@ -32,7 +32,7 @@ ALWAYS = 10**6
 
 MAX_NEW_TOKENS = 24
 LOOKUP = 4
-FAMILIES = ("llama", "mistral", "gemma3")  # full attention; sliding window; hybrid (sliding + full)
+FAMILIES = ("llama", "mistral", "gemma3", "llama4")  # full; sliding; hybrid (sliding + full); chunked + full
 
 
 def repeating_prompts(model, count: int = 6, seed: int = 2) -> list[list[int]]:
