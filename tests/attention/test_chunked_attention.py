@@ -80,6 +80,18 @@ def test_chunked_kernels_match_the_reference(case: str, page_size: int, kernel: 
     assert not torch.allclose(out, _reference(step, None), atol=1e-3)
 
 
+@pytest.mark.parametrize("kernel", sorted(ATTENDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_chunked_kernels_in_low_precision(dtype: torch.dtype, kernel: str) -> None:
+    if kernel == "native" and ensure_native_module() is None:
+        pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
+    step = build_kernel_step(
+        CASES["mixed"], 4, 8, 2, 16, dtype=dtype, seed=5, chunk_size=CHUNK, native=kernel == "native"
+    )
+    out = _run(step, kernel)
+    torch.testing.assert_close(out.float(), _reference(step, CHUNK).float(), atol=2e-2, rtol=2e-2)
+
+
 def test_the_oracle_applies_the_chunk_rule() -> None:
     """The reference's chunk rule is transformers' `chunked_overlay`: keys of the query's own chunk."""
     positions = torch.arange(20)
