@@ -1,6 +1,6 @@
 """Greedy parity under heavy memory pressure with CPU offload (the host KV tier) on and off.
 
-Every family the suite runs (full attention, sliding and hybrid) on its paged backend x page sizes {4, 16}:
+Every family the suite runs (full attention, sliding and hybrid, chunked: Llama 4) on its paged backend x page sizes {4, 16}:
 8 requests on a device cache holding about a quarter of their working set (never less than the largest
 request + 1 page), chunked prefill (16 tokens per step). With offload on and a host tier big enough
 (`cpu_offload_space=None`, capped to what the work can use), preempted requests swap out and back:
@@ -35,7 +35,7 @@ from transformers_cb.memory.sizing import max_pages_held
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16)
 BUDGET = 16  # tokens per step: chunked prefill, so requests are also preempted between chunks
-ALL_FAMILIES = (*FAMILIES, *SLIDING_FAMILIES)
+ALL_FAMILIES = (*FAMILIES, *SLIDING_FAMILIES, "llama4")  # llama4: chunked + full NoPE layers
 
 
 def pressure_num_blocks(model, prompts: list[list[int]], page_size: int) -> int:

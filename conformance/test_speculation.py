@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup is exact: greedy outputs equal `generate()` token for token and
-equal the same requests without speculation, on the full-attention, sliding and hybrid families, with a
+equal the same requests without speculation, on the full-attention, sliding, hybrid and chunked (Llama 4)
+families, with a
 roomy cache, under preemption (a cache of about a quarter of the working set, chunked prefill mixing
 prefill chunks with verification rows), and with forks; eos and `max_new_tokens` cut a verified run
 exactly where plain decoding stops. The prompts repeat a pattern and random models repeat themselves, so
@@ -32,7 +33,7 @@ ALWAYS = 10**6
 
 MAX_NEW_TOKENS = 24
 LOOKUP = 4
-FAMILIES = ("llama", "mistral", "gemma3")  # full attention; sliding window; hybrid (sliding + full)
+FAMILIES = ("llama", "mistral", "gemma3", "llama4")  # full; sliding; hybrid (sliding + full); chunked + full
 
 
 def repeating_prompts(model, count: int = 6, seed: int = 2) -> list[list[int]]:

@@ -275,7 +275,6 @@ REFUSED_CONFIGS = {
         "cache of the model's own",
     ),
     "minimax": (lambda: AutoConfig.for_model("minimax", num_hidden_layers=2), "cache of the model's own"),
-    "llama4_chunked": (lambda: AutoConfig.for_model("llama4_text", attention_chunk_size=8), "chunked"),
     "gemma3_bidirectional": (
         lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True),
         "bidirectional",

@@ -25,6 +25,8 @@ from transformers import (
     Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -53,6 +55,7 @@ ARCHITECTURES: dict[str, tuple[type, type]] = {
     "cohere2": (Cohere2Config, Cohere2ForCausalLM),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     "stablelm": (StableLmConfig, StableLmForCausalLM),
+    "llama4": (Llama4TextConfig, Llama4ForCausalLM),
 }
 
 
@@ -136,6 +139,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "phi3", "stablelm")
 
 BOS, EOS, PAD = 1, 2, 0
 SLIDING_WINDOW = 8
+CHUNK_SIZE = 8  # Llama 4's attention_chunk_size
 FAMILY_SHAPE = {
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -209,6 +213,24 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_local_experts": 4,
             "num_experts_per_tok": 2,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    # Llama 4 text: 3 chunked layers (RoPE, attention chunks of 8) : 1 full NoPE layer whose queries are
+    # scaled by a temperature of their position (floor_scale 4, attn_scale 1: it changes from the fourth
+    # token on, so a step's wrong numbering would change the tokens), a tiny MoE.
+    "llama4": (
+        "llama4",
+        {
+            "vocab_size": 320,
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "attention_chunk_size": CHUNK_SIZE,
+            "intermediate_size": 64,
+            "intermediate_size_mlp": 128,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "floor_scale": 4,
+            "attn_scale": 1.0,
         },
     ),
 }

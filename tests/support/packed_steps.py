@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from transformers_cb.attention.metadata import AttentionMetadata
-from transformers_cb.kv.layer_groups import SLIDING_ATTENTION, KVGroupSpec
+from transformers_cb.kv.layer_groups import CHUNKED_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import PageList, Request
 from transformers_cb.runner.packing import BatchPacker
@@ -39,6 +39,7 @@ class KernelStep:
     # Every page each request's tokens were written to (a sliding request has dropped the first ones).
     all_page_ids: list[list[int]] = field(default_factory=list)
     sliding_window: int | None = None
+    chunk_size: int | None = None  # the layer's attention chunk (a chunked group)
 
     def slots(self, request_index: int, length: int) -> torch.Tensor:
         """Cache slots of tokens [0, length) of request `request_index`, from its page ids."""
@@ -58,22 +59,29 @@ def build_kernel_step(
     spare_pages: int = 3,
     sliding_window: int | None = None,
     native: bool = False,
+    chunk_size: int | None = None,
 ) -> KernelStep:
     """Requests with (past_len, q_len) each, on shuffled non-contiguous pages, packed by `BatchPacker`.
 
     Every request's prompt tokens are unique to it, so the packed order is read back from `input_ids`.
     With `sliding_window`, the layer is in a sliding group: each request holds only the pages from its
     window on (as `SlidingWindowPolicy.trim` leaves them) in a block-table ring just wide enough.
+    With `chunk_size`, the layer is in a chunked group: each request holds only the pages from its current
+    attention chunk on (as `ChunkedAttentionPolicy.trim` leaves them), in a ring as wide as a window's.
     With `native`, the packer hands the decodes and short chunks to the native CPU kernel.
     """
     generator = torch.Generator().manual_seed(seed)
     num_pages_each = [math.ceil((past + q) / page_size) for past, q in seqs]
     num_pages = sum(num_pages_each) + spare_pages
     groups = widths = None
+    span = sliding_window if sliding_window is not None else chunk_size
     if sliding_window is not None:
         groups = [KVGroupSpec(SLIDING_ATTENTION, (0,), sliding_window)]
+    elif chunk_size is not None:
+        groups = [KVGroupSpec(CHUNKED_ATTENTION, (0,), attention_chunk_size=chunk_size)]
+    if span is not None:
         max_q = max(q for _, q in seqs)
-        widths = [min(max(num_pages_each), math.ceil((sliding_window - 1 + max_q) / page_size) + 1)]
+        widths = [min(max(num_pages_each), math.ceil((span - 1 + max_q) / page_size) + 1)]
     cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device("cpu"), groups)
     cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
     cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
@@ -84,7 +92,11 @@ def build_kernel_step(
         tokens = [1000 * (i + 1) + t for t in range(past + q)]  # unique per request
         request = Request(request_id=f"r{i}", prompt_ids=tokens, max_new_tokens=1)
         all_page_ids.append(permutation[offset : offset + count])
-        first = 0 if sliding_window is None else max(0, past - sliding_window + 1) // page_size
+        first = 0
+        if sliding_window is not None:
+            first = max(0, past - sliding_window + 1) // page_size
+        elif chunk_size is not None:
+            first = past // chunk_size * chunk_size // page_size
         request.pages = [PageList(all_page_ids[-1][first:], first_page=first)]
         request.num_computed_tokens = past
         offset += count
@@ -114,4 +126,5 @@ def build_kernel_step(
         initial_keys=initial_keys,
         all_page_ids=all_page_ids,
         sliding_window=sliding_window,
+        chunk_size=chunk_size,
     )

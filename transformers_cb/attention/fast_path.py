@@ -38,7 +38,7 @@ def resolve_max_blocks_per_request(
             logger.log(
                 logging.WARNING if explicit else logging.INFO,
                 "decode fast path off (max_blocks_per_request=%s forced to 0): the model has sliding-window "
-                "layers, whose recycled pages the kernel's block table cannot address",
+                "or chunked-attention layers, whose recycled pages the kernel's block table cannot address",
                 requested,
             )
         return 0
@@ -68,7 +68,7 @@ def prepare_flash_step(metadata: AttentionMetadata, max_blocks_per_request: int)
     metadata.cu_seqlens_k = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     if max_blocks_per_request <= 0 or metadata.max_seqlen_q != 1 or len(metadata.groups) != 1:
         return
-    if metadata.groups[0].sliding_window is not None:
+    if metadata.groups[0].sliding_window is not None or metadata.groups[0].chunk_size is not None:
         return
     table = metadata.groups[0].block_table  # [B, pages of the longest request]
     if table.shape[1] > max_blocks_per_request:

@@ -15,9 +15,10 @@ close, gathered into one padded `[B, L]` slot index so the group is one batched
 attention call whose padding stays bounded. Each prefill chunk attends only to
 its own request's KV. No query ever attends over another request's KV.
 
-Each KV layer group (full attention, sliding window) has its own pages, so the
-slots, groups and masks above exist once per KV group (`GroupMetadata`); a
-sliding group's gathers cover only the window, and its masks apply it.
+Each KV layer group (full attention, sliding window, chunked attention) has its own
+pages, so the slots, groups and masks above exist once per KV group (`GroupMetadata`);
+a sliding group's gathers cover only the window, and its masks apply it; a chunked
+group's cover only the current attention chunk (`first_visible_key`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,31 @@ import torch
 
 if TYPE_CHECKING:
     from ..memory.kv_cache import PagedKVCache
+
+
+def first_visible_key(position: int, window: int | None, chunk: int | None) -> int:
+    """The first key a query at `position` attends (it attends every key from there up to itself): the
+    window's first, `(position - window, position]` (transformers' `sliding_window_overlay`), or its
+    attention chunk's first, `position // chunk * chunk` (`chunked_overlay`), or 0 (full attention)."""
+    if window is not None:
+        return max(0, position - window + 1)
+    if chunk is not None:
+        return position // chunk * chunk
+    return 0
+
+
+def visible_keys(
+    q_positions: torch.Tensor, kv_positions: torch.Tensor, window: int | None, chunk: int | None
+) -> torch.Tensor:
+    """`[Q, K]` bool: query at `q_positions[i]` attends the key at `kv_positions[j]` (causal, and the
+    window or chunk of `first_visible_key`)."""
+    q, k = q_positions[:, None], kv_positions[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= k > q - window
+    elif chunk is not None:
+        allowed &= k >= torch.div(q, chunk, rounding_mode="floor") * chunk
+    return allowed
 
 
 @dataclass(slots=True)
@@ -61,6 +87,16 @@ class GroupMetadata:
     # Varlen view of this group (flash-attn naming): logical page p of row i is block_table[i, p].
     # A sliding group has dropped the pages before its window; their entries are stale (never read).
     block_table: torch.Tensor  # [N, max_pages] int32
+    # A chunked group's attention chunk (a query at q attends keys [q // C * C, q]); None: not chunked.
+    chunk_size: int | None = None
+
+    @property
+    def kernel_window(self) -> int:
+        """The native kernel's `window` argument: the window, or minus the attention chunk (a negative
+        window is a chunk: `first_key` in attention/native_source.py), or 0 (full attention)."""
+        if self.sliding_window is not None:
+            return self.sliding_window
+        return -self.chunk_size if self.chunk_size is not None else 0
 
 
 @dataclass(slots=True)
@@ -90,6 +126,8 @@ class AttentionMetadata:
     # Every token of the step is the native kernel's (no decode or prefill groups): each layer's attention
     # is then one custom op that a compiled forward keeps in its graph (paged.py).
     all_native: bool = False
+    # Each token's position in its sequence `[T]` int64 (attention/temperature.py reads it).
+    position_ids: torch.Tensor | None = None
     # Filled by the runner for flash backends only (see attention/flash.py).
     cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
     decode_fast_path: DecodeFastPath | None = None

@@ -158,7 +158,8 @@ def native_paged_attention(
     """Write into `out` `[T, H, D]` the attention of `query` `[T, H, D]` over the paged cache.
 
     Token t is at logical position `token_pos[t]` of block-table row `token_row[t]` (int64) and sees
-    that row's keys up to itself, from `token_pos[t] - window + 1` when `window` is set;
+    that row's keys up to itself, from `token_pos[t] - window + 1` when `window` is positive, from its
+    attention chunk's start `token_pos[t] // C * C` when `window` is `-C` (chunked attention);
     `block_table` `[N, P]` int32 maps logical page p of a row to its page id. Query, caches and `out`
     share one dtype (float32, bfloat16 or float16); the kernel accumulates in float32."""
     module = native_module()

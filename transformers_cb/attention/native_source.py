@@ -4,7 +4,8 @@ One call attends every query token of a step that the kernel takes (decodes and 
 chunks) over the paged cache in place: no gathered K/V copies, no padding, one op per layer
 whatever the number of requests. Token `t` is at logical position `token_pos[t]` of block-table
 row `token_row[t]` and sees its row's keys `[lo, token_pos[t]]` (`lo` = 0, or the window start):
-causal by construction, windowed when `window > 0`.
+causal by construction, windowed when `window > 0`, chunked (`lo` = the start of the query's attention
+chunk of `-window` tokens) when `window < 0`.
 """
 
 SOURCE = r"""
@@ -70,6 +71,8 @@ struct Step {
 };
 
 inline int64_t first_key(int64_t window, int64_t pos) {
+  // window > 0: a sliding window; window < 0: an attention chunk of -window tokens; 0: full attention.
+  if (window < 0) return pos / -window * -window;
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
 }
 

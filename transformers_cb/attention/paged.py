@@ -7,7 +7,9 @@ Per layer, the kernels apply exactly what the model's attention module asks for
 through its kwargs: its `scaling`, its `sliding_window` (which must match the KV
 group the layer's pages come from: the window is applied by the gathers and
 masks built for that group), its logit `softcap`, and its attention sinks
-(`s_aux`, GPT-OSS). Nothing is assumed to be the same across layers.
+(`s_aux`, GPT-OSS). Nothing is assumed to be the same across layers. A chunked
+layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
+the config's `attention_chunk_size`, the one rule transformers' chunked mask applies.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from ..memory.kv_cache import layer_views, write_slots
 from .metadata import AttentionMetadata
 from .native import native_paged_attention
+from .temperature import retuned_query, tunes_temperature
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
 #        is_causal, scale, softcap: float | None, sinks: [H] | None) -> [B, H, Q, D]
@@ -80,7 +83,8 @@ def native_paged_attention_op(
 
     `kv_storage` is the KV group's whole tensor (`PagedKVCache.group_tensors`) and `layer` the layer's
     index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
-    that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off. Returns `[T, H, D]`.
+    that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off; a negative
+    `window` is an attention chunk (`GroupMetadata.kernel_window`). Returns `[T, H, D]`.
     """
     key_cache, value_cache = layer_views(kv_storage, layer)
     write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values)
@@ -94,7 +98,7 @@ def native_paged_attention_op(
         block_table,
         page_size,
         scale,
-        window or None,
+        window,
         softcap or None,
         sinks,
         out,
@@ -144,7 +148,7 @@ def paged_attention(
         group_metadata.block_table,
         metadata.cache.page_size,
         scale,
-        group_metadata.sliding_window or 0,
+        group_metadata.kernel_window,
         softcap or 0.0,
         sinks,
     )
@@ -184,7 +188,7 @@ def mixed_paged_attention(
             group_metadata.block_table,
             metadata.cache.page_size,
             scale,
-            group_metadata.sliding_window,
+            group_metadata.kernel_window,
             softcap,
             sinks,
             out[:n],
@@ -264,6 +268,14 @@ def make_forward(
         unsupported_kwargs(kwargs)
         layer_idx = cast(int, module.layer_idx)  # transformers' attention modules know their layer
         check_window(layer_idx, sliding_window, metadata.group_of(layer_idx).sliding_window)
+        if tunes_temperature(module):
+            # Llama 4's NoPE layers scale their queries by a position they number by step index.
+            if metadata.position_ids is None:
+                raise ValueError(
+                    f"layer {layer_idx} tunes its attention temperature by position, and this step "
+                    "carries no positions"
+                )
+            query = retuned_query(module, query, metadata.position_ids)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return run(query, key, value, layer_idx, metadata, scale, softcap, sinks), None
 

@@ -23,9 +23,11 @@ def reference_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Args: query `[T, H, D]`; key/value cache `[num_slots, Hkv, D]`; sliding_window: a query at
-    position q sees keys (q - sliding_window, q]; softcap: `softcap * tanh(scores / softcap)`;
+    position q sees keys (q - sliding_window, q]; chunk_size: a query at q sees keys
+    [q // chunk_size * chunk_size, q] (chunked attention); softcap: `softcap * tanh(scores / softcap)`;
     sinks: `[H]` logits that join each head's softmax without a value. Returns `[T, H, D]`."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -45,6 +47,8 @@ def reference_paged_attention(
         allowed = positions[None, :] <= q_pos
         if sliding_window is not None:
             allowed &= positions[None, :] > q_pos - sliding_window
+        if chunk_size is not None:
+            allowed &= positions[None, :] >= q_pos // chunk_size * chunk_size
         scores = scores.masked_fill(~allowed, float("-inf"))
         if sinks is not None:
             sink_column = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)

@@ -7,6 +7,8 @@
   supports flash, the first flash kernel that imports: flash-attn 3, then flash-attn 2 (a warning says
   so, as the documents do); otherwise `paged|sdpa` / `paged|eager`.
 A flash name whose kernel does not import raises `FlashKernelUnavailable` naming what to install.
+Flash kernels have no chunked-attention rule (Llama 4's `attention_chunk_size`): a model with chunked
+layers never switches to flash, and a flash name for it raises a `ValueError` naming the reason.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from contextlib import contextmanager
 
 from transformers import PreTrainedModel
 
+from ..kv.layer_groups import CHUNKED_ATTENTION, layer_types_of
 from . import PAGED_BACKENDS
 from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 
@@ -29,18 +32,32 @@ FLASH_DEVICES = {"cuda", "xpu"}
 AUTO_SWITCH_ORDER = (FA3, FA2)
 
 
+def has_chunked_layers(model: PreTrainedModel) -> bool:
+    """Whether some layer of `model` attends in chunks (a rule flash kernels cannot express)."""
+    return CHUNKED_ATTENTION in layer_types_of(model.config.get_text_config())
+
+
 def check_flash_backend(model: PreTrainedModel, name: str) -> None:
-    """Raise unless `model` can run flash backend `name` (kernel importable, model supports flash)."""
+    """Raise unless `model` can run flash backend `name` (kernel importable, model supports flash, no
+    chunked-attention layers)."""
     load_flash_kernel(name)
     if not getattr(model, "_supports_flash_attn", False):
         raise ValueError(
             f"attn_implementation={name!r}: {type(model).__name__} does not support flash attention; "
             "load it with 'sdpa' or 'paged|sdpa'"
         )
+    if has_chunked_layers(model):
+        raise ValueError(
+            f"attn_implementation={name!r}: {type(model).__name__} has chunked-attention layers "
+            "(attention_chunk_size), which the paged flash kernels do not implement; load it with 'sdpa' "
+            "or 'paged|sdpa'"
+        )
 
 
 def _auto_flash(model: PreTrainedModel, device_type: str) -> str | None:
     if device_type not in FLASH_DEVICES or not getattr(model, "_supports_flash_attn", False):
+        return None
+    if has_chunked_layers(model):
         return None
     for name in AUTO_SWITCH_ORDER:
         if flash_available(name):

@@ -123,7 +123,8 @@ def resolve_plan(
     )
     if tp is not None:
         sizing = tp.agree_sizing(sizing)
-    has_sliding = any(spec.sliding_window is not None for spec in kv_groups)
+    # Sliding and chunked groups recycle pages (what the decode fast path's tables cannot follow).
+    has_sliding = any(spec.span is not None for spec in kv_groups)
     step_options = resolve_step_options(
         model,
         config,

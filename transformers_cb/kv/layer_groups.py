@@ -3,7 +3,9 @@
 Layers are grouped by attention type. Each group has its own page pool and
 page policy (pages of the same `page_size`), and a request holds one page list
 per group. Full-attention layers keep every token; sliding-window layers only
-the last `sliding_window` tokens (see `page_policies.SlidingWindowPolicy`).
+the last `sliding_window` tokens (see `page_policies.SlidingWindowPolicy`); chunked-attention
+layers (Llama 4's `attention_chunk_size`) only the current chunk's tokens (see
+`page_policies.ChunkedAttentionPolicy`).
 
 Where the type of each layer comes from:
 - `config.layer_types` when present (Gemma 2/3, Qwen2, Cohere2, GPT-OSS, ...);
@@ -13,7 +15,7 @@ Layers that keep a fixed-size recurrent state instead of a growing KV (transform
 and `conv` layer types: gated delta rule, Mamba, short convolutions) belong to no KV group: their state
 lives in per-request state slots (memory/state_cache.py). transformers' `hybrid` layers hold both a state
 and full-attention KV (`hybrid_sliding`: sliding KV); `moe` / `mlp` layers hold nothing. Any other layer
-type (chunked attention, ...) is refused before anything is allocated.
+type is refused before anything is allocated.
 
 Per-layer head shapes (transformers' `per_layer_config`, e.g. Gemma 4: head_dim 256 and 8 KV heads
 on sliding layers, 512 and 1 on full ones): a group is keyed by (attention kind, window, KV heads,
@@ -31,7 +33,8 @@ from ..invariants import check
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+CHUNKED_ATTENTION = "chunked_attention"
+KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
 # transformers' layer types (cache_utils: `DYNAMIC_LAYER_TYPE_MAPPING`) with a recurrent state, and the
 # attention kind of their KV (None: no KV at all).
 STATE_LAYER_TYPES: dict[str, str | None] = {
@@ -50,17 +53,29 @@ HEAD_SHAPE_ATTRIBUTES = frozenset({"head_dim", "num_key_value_heads"})
 class KVGroupSpec:
     """One KV cache group: its attention type, its layers, and its window (None = full attention).
 
-    `head_shape`: (KV heads, head dim) of the group's layers when the model's layers differ in head
-    shape; None: the model's one shape (`memory.sizing.ModelShape`)."""
+    `attention_chunk_size`: a chunked group's chunk (a query at `q` reads keys `[q // C * C, q]`); None
+    for the other kinds. `head_shape`: (KV heads, head dim) of the group's layers when the model's layers
+    differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`)."""
 
     kind: str
     layer_indices: tuple[int, ...]
     sliding_window: int | None = None
     head_shape: tuple[int, int] | None = None
+    attention_chunk_size: int | None = None
+
+    @property
+    def span(self) -> int | None:
+        """The most keys one query reads (its window, or its chunk); None: every key before it (full
+        attention). Why one number: pages held, ring widths and sizing only need this bound."""
+        return self.sliding_window if self.sliding_window is not None else self.attention_chunk_size
 
     @property
     def name(self) -> str:
-        name = self.kind if self.sliding_window is None else f"{self.kind}(window={self.sliding_window})"
+        name = self.kind
+        if self.sliding_window is not None:
+            name = f"{self.kind}(window={self.sliding_window})"
+        elif self.attention_chunk_size is not None:
+            name = f"{self.kind}(chunk={self.attention_chunk_size})"
         return (
             name
             if self.head_shape is None
@@ -115,8 +130,8 @@ def layer_head_shapes(text_config: Any) -> list[tuple[int, int]] | None:
 
 
 def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
-    """Full-attention groups first (when present), then the sliding ones; with per-layer head shapes,
-    one group per (kind, head shape), in layer order. Raises on unknown types."""
+    """Full-attention groups first (when present), then the sliding ones, then the chunked ones; with
+    per-layer head shapes, one group per (kind, head shape), in layer order. Raises on unknown types."""
     text_config = config.get_text_config()
     layer_types = [kv_kind_of(t) for t in layer_types_of(text_config)]
     unknown = sorted({t for t in layer_types if t is not None} - set(KNOWN_LAYER_TYPES))
@@ -129,6 +144,9 @@ def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
     window = getattr(text_config, "sliding_window", None)
     if SLIDING_ATTENTION in layer_types and (not isinstance(window, int) or window < 1):
         raise ValueError(f"the config has sliding_attention layers but sliding_window={window!r}")
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    if CHUNKED_ATTENTION in layer_types and (not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"the config has chunked_attention layers but attention_chunk_size={chunk!r}")
     shapes = layer_head_shapes(text_config)
     groups = []
     for kind in KNOWN_LAYER_TYPES:
@@ -139,7 +157,13 @@ def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
             members = tuple(i for i in layers if shapes is None or shapes[i] == shape)
             if members:
                 groups.append(
-                    KVGroupSpec(kind, members, window if kind == SLIDING_ATTENTION else None, shape)
+                    KVGroupSpec(
+                        kind,
+                        members,
+                        window if kind == SLIDING_ATTENTION else None,
+                        shape,
+                        chunk if kind == CHUNKED_ATTENTION else None,
+                    )
                 )
     return groups
 

@@ -55,8 +55,9 @@ class PageManager:
         self.policies = policies
         self.specs = specs
         self.page_size = policies[0].page_size if policies else int(page_size or 0)
-        # Only sliding groups ever drop pages at a step boundary; full-attention-only models skip the trim.
-        self._trimming = [a for a in policies if a.sliding_window is not None]
+        # Only sliding and chunked groups ever drop pages at a step boundary; full-attention-only models
+        # skip the trim.
+        self._trimming = [a for a in policies if a.trims]
         self.prefix = PrefixCache(policies) if sharing else None
         self.slots = slots
         # The slot group's index in copies and swaps: right after the KV groups.

@@ -6,7 +6,8 @@ is shared (`PagePolicy`); each attention type only answers two hooks: which page
 starting at a token first reads, and how many pages a request must hold at once.
 Full attention (`FullAttentionPolicy`) keeps every page: a request with `n` tokens of KV
 holds ceil(n / page_size) pages. Sliding windows (`SlidingWindowPolicy`) keep only the
-pages of the window. `PageManager` (page_manager.py) combines one policy per group into
+pages of the window, chunked attention (`ChunkedAttentionPolicy`) only those of the current
+chunk. `PageManager` (page_manager.py) combines one policy per group into
 what the scheduler sees.
 """
 
@@ -26,6 +27,9 @@ class PagePolicy:
     """The page bookkeeping every attention type shares; subclasses answer the two hooks."""
 
     sliding_window: int | None = None
+    # Whether the pages before some point go back at step boundaries (`trim`): every kind but full
+    # attention. A policy that keeps every page is read from page 0 on (prefix sharing relies on it).
+    trims: bool = True
 
     def __init__(self, pool: PagePool, page_size: int, group: int = 0) -> None:
         self.pool = pool
@@ -115,10 +119,18 @@ class PagePolicy:
             pages.first_page <= self.first_needed_page(computed),
             f"{request.request_id}: group {self.group} dropped pages still in use ({pages.first_page=})",
         )
+        first_needed = self.first_needed_page(computed)
+        check(
+            not self.trims or not pages.page_ids or pages.first_page >= first_needed,
+            f"{request.request_id}: group {self.group} still holds pages before its window or chunk "
+            f"({pages.first_page=} < {first_needed})",
+        )
 
 
 class FullAttentionPolicy(PagePolicy):
     """Pages for full-attention layers: one page per `page_size` tokens, never recycled early."""
+
+    trims = False
 
     def first_needed_page(self, start: int) -> int:
         return 0
@@ -154,19 +166,37 @@ class SlidingWindowPolicy(PagePolicy):
         # Chunks shrink to what fits, so one token at a time is enough to make progress.
         return min(num_pages_for(num_tokens, self.page_size), self.window_pages())
 
-    def check_request(self, request: Request, computed: int | None = None) -> None:
-        super().check_request(request, computed)
-        pages = self.pages(request)
-        first_needed = self.first_needed_page(request.num_computed_tokens if computed is None else computed)
-        check(
-            not pages.page_ids or pages.first_page >= first_needed,
-            f"{request.request_id}: group {self.group} still holds pages before its window "
-            f"({pages.first_page=} < {first_needed})",
-        )
+
+class ChunkedAttentionPolicy(PagePolicy):
+    """Pages for chunked-attention layers (Llama 4's `attention_chunk_size`): only the current chunk's.
+
+    A query at position `q` reads keys `[q // C * C, q]` (transformers' `chunked_overlay`): the tokens
+    of its own chunk up to itself. At a step boundary (`trim`) the pages wholly before the next query's
+    chunk go back to the pool, as a sliding group's before its window: a chunk of `C` tokens straddles
+    at most the pages a window of `C` does, so a decoding request holds at most `chunk_pages()`.
+    """
+
+    def __init__(self, pool: PagePool, page_size: int, chunk_size: int, group: int = 0) -> None:
+        super().__init__(pool, page_size, group)
+        check(chunk_size >= 1, f"{chunk_size=}")
+        self.chunk_size = chunk_size
+
+    def first_needed_page(self, start: int) -> int:
+        return start // self.chunk_size * self.chunk_size // self.page_size
+
+    def chunk_pages(self) -> int:
+        """Pages one chunk's first `C` - 1 keys and the query can straddle: the decode-time bound."""
+        return num_pages_for(self.chunk_size - 1, self.page_size) + 1
+
+    def max_pages(self, num_tokens: int) -> int:
+        # Chunks of a prompt shrink to what fits, so one token at a time is enough to make progress.
+        return min(num_pages_for(num_tokens, self.page_size), self.chunk_pages())
 
 
 def make_page_policy(spec: KVGroupSpec, pool: PagePool, page_size: int, group: int) -> PagePolicy:
     """The page policy of one KV layer group."""
+    if spec.attention_chunk_size is not None:
+        return ChunkedAttentionPolicy(pool, page_size, spec.attention_chunk_size, group)
     if spec.sliding_window is None:
         return FullAttentionPolicy(pool, page_size, group)
     return SlidingWindowPolicy(pool, page_size, spec.sliding_window, group)

@@ -164,7 +164,7 @@ class PrefixCache:
 
         limit = max_pages
         for g, policy in enumerate(self.policies):
-            if policy.sliding_window is None:  # every page from 0 on
+            if not policy.trims:  # every page from 0 on
                 n = 0
                 while n < limit and find(g, n) is not None:
                     n += 1

@@ -192,10 +192,10 @@ def resolve_sizing(
 def max_pages_held(spec: KVGroupSpec, num_tokens: int, page_size: int, max_batch_tokens: int) -> int:
     """The most pages a request of `num_tokens` KV tokens holds at once in group `spec`."""
     full = num_pages_for(num_tokens, page_size)
-    if spec.sliding_window is None:
+    if spec.span is None:
         return full
-    # Its window plus the chunk a step writes, straddling one more page at most.
-    return min(full, num_pages_for(spec.sliding_window - 1 + max_batch_tokens, page_size) + 1)
+    # Its window (or attention chunk) plus the chunk a step writes, straddling one more page at most.
+    return min(full, num_pages_for(spec.span - 1 + max_batch_tokens, page_size) + 1)
 
 
 def resolve_group_pages(
@@ -206,8 +206,8 @@ def resolve_group_pages(
 ) -> tuple[list[int], list[int]]:
     """Pages of each KV group and the block-table width of each group.
 
-    Full-attention groups get `sizing.num_pages`. A sliding group never needs more than its
-    windows: with the workload known it gets what the workload holds at most (with the safety
+    Full-attention groups get `sizing.num_pages`. A sliding (or chunked) group never needs more than
+    its windows (chunks): with the workload known it gets what the workload holds at most (with the safety
     margin's headroom), else as many as a full group. `num_blocks` set by the user applies to
     every group.
     """
@@ -215,15 +215,15 @@ def resolve_group_pages(
     pages, widths = [], []
     for spec in groups:
         num_pages = sizing.num_pages
-        if spec.sliding_window is not None and config.num_blocks is None and workload:
+        if spec.span is not None and config.num_blocks is None and workload:
             held = [max_pages_held(spec, n, page_size, chunk) for n in workload]
             margin = min(config.resolved_safety_margin, 0.5)
             needed = -(-sum(held) // (1 - margin)) if margin > 0 else sum(held)
             num_pages = max(1, min(num_pages, max(int(needed), max(held))))
         width = min(num_pages, sizing.max_pages_per_request)
-        if spec.sliding_window is not None:
+        if spec.span is not None:
             # The row is a ring: it only has to span the pages held at once.
-            width = min(width, num_pages_for(spec.sliding_window - 1 + chunk, page_size) + 1)
+            width = min(width, num_pages_for(spec.span - 1 + chunk, page_size) + 1)
         pages.append(num_pages)
         widths.append(width)
     return pages, widths

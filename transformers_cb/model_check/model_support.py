@@ -1,7 +1,7 @@
 """Which models continuous batching can run, decided before anything is sized or allocated.
 
 Supported: decoder-only causal LMs (and the text path of vision-language models) whose layers are full
-attention or sliding-window attention (with logit softcapping and attention sinks where the model
+attention, sliding-window attention or chunked attention (Llama 4's `attention_chunk_size`; with logit softcapping and attention sinks where the model
 applies them), computed through transformers' attention interface, or state layers (linear attention,
 Mamba, short convolutions) that keep their state through transformers' linear-attention cache API
 (model_check/state_probe.py, docs/state_layers.md).
@@ -12,7 +12,7 @@ Refused, with the model type and what is missing. From the config alone:
   raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and nothing reads them per layer yet;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - recurrent models that keep their state in a cache of their own (MiniMax, RecurrentGemma, RWKV, ...);
-- attention the kernels do not implement: chunked (local block) attention, bidirectional attention,
+- attention the kernels do not implement: bidirectional attention,
   multi-latent attention with its own value size, ALiBi biases, cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
@@ -138,8 +138,6 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
             "its recurrent layers keep their state in a cache of the model's own, not through transformers' "
             "linear-attention cache API, which the per-request state slots hold",
         )
-    if getattr(text_config, "attention_chunk_size", None) is not None:
-        _refuse(model_type, "chunked (local block) attention is not implemented by the paged kernels")
     if getattr(text_config, "use_bidirectional_attention", False):
         _refuse(model_type, "bidirectional attention is not causal generation")
     if getattr(text_config, "kv_lora_rank", None) is not None:

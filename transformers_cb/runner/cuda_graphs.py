@@ -109,7 +109,14 @@ class StaticStep:
         self.logits_indices = torch.zeros(q, **i64)
         width = key.kv_len // cache.page_size
         groups = [
-            GroupMetadata(spec.sliding_window, torch.zeros(q, **i64), [], [], torch.zeros(q, width, **i32))
+            GroupMetadata(
+                spec.sliding_window,
+                torch.zeros(q, **i64),
+                [],
+                [],
+                torch.zeros(q, width, **i32),
+                spec.attention_chunk_size,
+            )
             for spec in cache.groups
         ]
         fast = None
@@ -124,6 +131,7 @@ class StaticStep:
             max_seqlen_k=key.kv_len if key.path == VARLEN else max_blocks * cache.page_size,
             cu_seqlens_k=torch.zeros(q + 1, **i32),
             decode_fast_path=fast,
+            position_ids=self.position_ids[0],  # filled below with the step's
         )
 
     def fill(self, step: PackedStep) -> None:

@@ -5,7 +5,7 @@ and split into groups whose padded size stays within `decode_padding_bound(dtype
 their real size (float32 KV only: in lower precision only equal lengths share a call); then each
 prefill chunk. `PackedStep.sampling_entries` names the scheduled entry of each
 sampled row. Slots, gathers and masks are built once per KV layer
-group (full attention, sliding window) and shared by that group's layers.
+group (full attention, sliding window, chunked attention) and shared by that group's layers.
 
 With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)
 follow the decodes, and all of those tokens are one native call per layer; longer chunks come
@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention.metadata import AttentionMetadata, DecodeGroup, GroupMetadata, PrefillGroup
+from ..attention.metadata import (
+    AttentionMetadata,
+    DecodeGroup,
+    GroupMetadata,
+    PrefillGroup,
+    first_visible_key,
+    visible_keys,
+)
 from ..attention.native import native_supported
 from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
@@ -81,14 +88,16 @@ def decode_padding_bound(dtype: torch.dtype) -> float:
 
 
 def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> list[tuple[int, int]]:
-    """Split descending `kv_lens` into [start, end) runs with `len * max <= bound * sum`."""
+    """Split `kv_lens` into [start, end) runs with `len * max <= bound * sum` (descending lengths, except
+    in a chunked group, where a decode reads its chunk's keys only: its run's max is then not its first)."""
     groups: list[tuple[int, int]] = []
-    start, total = 0, 0
+    start, total, longest = 0, 0, 0
     for i, length in enumerate(kv_lens):
-        if i > start and (i - start + 1) * kv_lens[start] > bound * (total + length):
+        if i > start and (i - start + 1) * max(longest, length) > bound * (total + length):
             groups.append((start, i))
-            start, total = i, 0
+            start, total, longest = i, 0, 0
         total += length
+        longest = max(longest, length)
     if start < len(kv_lens):
         groups.append((start, len(kv_lens)))
     return groups
@@ -217,6 +226,7 @@ class BatchPacker:
             token_row=token_entry[:native_tokens] if native_tokens else None,
             token_pos=position_ids[:native_tokens] if native_tokens else None,
             all_native=num_native_rows == len(ordered),
+            position_ids=position_ids,
         )
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
@@ -241,7 +251,8 @@ class BatchPacker:
         max_seqlen_k: int,
     ) -> GroupMetadata:
         tables = self.block_tables[group]
-        window = self.cache.groups[group].sliding_window
+        spec = self.cache.groups[group]
+        window, chunk = spec.sliding_window, spec.attention_chunk_size
         rows = torch.tensor([tables.sync(e.request) for e in ordered], dtype=torch.int64)
         table_rows = tables.table[rows.to(self.device)]  # [N, current width]
         ring, page_size = tables.max_pages_per_request, self.page_size
@@ -265,12 +276,15 @@ class BatchPacker:
         return GroupMetadata(
             sliding_window=window,
             slot_mapping=slot_mapping,
-            decode_groups=self._decode_groups(decodes, block_table, table_rows, ring, seq_lens_k, window),
+            decode_groups=self._decode_groups(
+                decodes, block_table, table_rows, ring, seq_lens_k, window, chunk
+            ),
             prefill_groups=self._prefill_groups(
-                ordered[first_row:], first_row, first_token, block_table, table_rows, ring, window
+                ordered[first_row:], first_row, first_token, block_table, table_rows, ring, window, chunk
             ),
             # Canonical strides (a one-row slice keeps its parent's): a compiled forward guards on them.
             block_table=block_table.to(torch.int32, memory_format=torch.contiguous_format),
+            chunk_size=chunk,
         )
 
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -292,14 +306,17 @@ class BatchPacker:
         ring: int,
         seq_lens_k: torch.Tensor,
         window: int | None,
+        chunk: int | None = None,
     ) -> list[DecodeGroup]:
-        """Full attention reads KV [0, end); a sliding group only [end - window, end) (its whole window)."""
+        """Full attention reads KV [0, end); a sliding group only [end - window, end) (its whole window); a
+        chunked group [its chunk's start, end) (`first_visible_key`)."""
         ends = [e.end for e in decodes]
-        kv_lens = ends if window is None else [min(end, window) for end in ends]
+        kv_lens = [end - first_visible_key(end - 1, window, chunk) for end in ends]
+        full = window is None and chunk is None
         groups = []
         for start, end in group_decodes(kv_lens, self.decode_padding_bound):
-            kv_len = kv_lens[start]
-            if window is None:
+            kv_len = max(kv_lens[start:end])
+            if full:
                 num_pages = -(-kv_len // self.page_size)
                 kv_slots = self._slots(block_table[start:end, :num_pages], kv_len)  # [B, L]
             else:
@@ -307,7 +324,7 @@ class BatchPacker:
                 positions = first[:, None] + torch.arange(kv_len, device=self.device)  # [B, L]
                 kv_slots = self._window_slots(table_rows[start:end], ring, positions)
             kv_mask = None
-            if kv_lens[end - 1] != kv_len:
+            if min(kv_lens[start:end]) != kv_len:
                 lengths = torch.tensor(kv_lens[start:end], device=self.device)
                 arange = torch.arange(kv_len, device=self.device)
                 kv_mask = (arange[None, :] < lengths[:, None]).view(end - start, 1, 1, kv_len)
@@ -323,29 +340,27 @@ class BatchPacker:
         table_rows: torch.Tensor,
         ring: int,
         window: int | None,
+        chunk: int | None = None,
     ) -> list[PrefillGroup]:
         groups, q_start = [], first_token
         for i, entry in enumerate(prefills, start=first_row):
             q_end = q_start + entry.num_tokens
             kv_slots = mask = None
-            if window is None and entry.start > 0:
+            if window is None and chunk is None and entry.start > 0:
                 num_pages = -(-entry.end // self.page_size)
                 kv_slots = self._slots(block_table[i : i + 1, :num_pages], entry.end)[0]  # [L]
                 mask = torch.ones(entry.num_tokens, entry.end, dtype=torch.bool, device=self.device)
                 mask = mask.tril(entry.start).view(1, 1, entry.num_tokens, entry.end)
-            elif window is not None and (entry.start > 0 or entry.num_tokens > window):
-                # Keys from the first position the chunk's first query still sees.
-                kv_start = max(0, entry.start - window + 1)
+            elif entry.start > 0 or first_visible_key(entry.end - 1, window, chunk) > 0:
+                # Keys from the first position the chunk's first query still sees (sliding or chunked).
+                kv_start = first_visible_key(entry.start, window, chunk)
                 kv_positions = torch.arange(kv_start, entry.end, device=self.device)
                 if entry.start > 0:
                     kv_slots = self._window_slots(table_rows[i : i + 1], ring, kv_positions[None, :])[0]
                 else:
                     kv_positions = kv_positions[: entry.num_tokens]  # the chunk's own K/V
-                q_positions = torch.arange(entry.start, entry.end, device=self.device)[:, None]
-                allowed = (kv_positions[None, :] <= q_positions) & (
-                    kv_positions[None, :] > q_positions - window
-                )
-                mask = allowed.view(1, 1, entry.num_tokens, -1)
+                q_positions = torch.arange(entry.start, entry.end, device=self.device)
+                mask = visible_keys(q_positions, kv_positions, window, chunk).view(1, 1, entry.num_tokens, -1)
             groups.append(PrefillGroup(q_start, q_end, entry.start, kv_slots, mask))
             q_start = q_end
         return groups
