@@ -248,3 +248,18 @@ def test_reasoning_modes() -> None:
     assert template_kwargs("auto", None, None) == {}
     assert template_kwargs("off", "low", None) == {"enable_thinking": False, "reasoning_effort": "low"}
     assert template_kwargs("on", None, {"enable_thinking": False}) == {"enable_thinking": False}
+
+
+def test_without_reasoning_the_templates_reasoning_is_content() -> None:
+    parser = TemplateParser(RESPONSE_TEMPLATE, "<|user|>hi\n<|assistant|>", _mode(), reasoning=False)
+    content, reasoning, calls = _run(parser, ["<think>plan</think>", HERMES])
+    assert reasoning == "" and content.startswith("plan") and "Let me check." in content
+    assert calls == [("get_weather", {"city": "Paris"})]
+
+
+def test_what_the_template_parser_cannot_read_is_content() -> None:
+    parser = TemplateParser(RESPONSE_TEMPLATE, "<|user|>hi\n<|assistant|>", _mode())
+    content, reasoning, calls = _run(
+        parser, ["<think>plan</think>ok", '<tool_call>{"name": "get_time", "argu']
+    )
+    assert (reasoning, calls) == ("plan", []) and content.startswith("ok") and content.endswith('"argu')

@@ -219,8 +219,16 @@ def test_forced_calls_always_parse_against_their_schema(
         {"type": "function", "function": {"name": "g", "parameters": other}},
     ]
     choice: Any = "required" if required else {"type": "function", "function": {"name": "f"}}
+    # One call at most (`maxItems` 1): the schemas bound every value, so the output is bounded and must end
+    # within max_tokens; only that cap could cut a forced call short (then finish_reason is "length").
     response = client.chat.completions.create(
-        model=MODEL_NAME, messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=400, seed=seed
+        model=MODEL_NAME,
+        messages=MESSAGES,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=600,
+        seed=seed,
     )
     result = response.choices[0]
     assert result.finish_reason == "tool_calls", result
@@ -349,3 +357,26 @@ def test_bad_tool_requests_are_400s_naming_the_field(client: Any, fields: dict, 
     assert info.value.body["param"] == param, info.value.body
     # ... and the server keeps serving
     assert client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=2).choices
+
+
+def test_a_declared_response_template_is_used_on_the_server(server: LiveServer, client: Any) -> None:
+    from tests.serve.test_tool_parsing import RESPONSE_TEMPLATE
+
+    tokenizer = server.state.tokenizer
+    tokenizer.response_template = {**RESPONSE_TEMPLATE, "start_anchor": "<|assistant|>"}
+    regex = r'[a-z]{2,6}</think>ok<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "tools": TOOLS, "extra_body": {"guided_regex": regex}}
+    try:
+        choice = client.chat.completions.create(max_tokens=MAX_TOKENS, **body).choices[0]
+        # Cut short inside the call (the output is 76 tokens): what the parser could not read is content.
+        cut = client.chat.completions.create(max_tokens=60, **body).choices[0]
+    finally:
+        del tokenizer.response_template
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.model_extra["reasoning_content"].strip().isalpha()
+    assert choice.message.content == "ok"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_time", {})
+    ]
+    assert cut.finish_reason == "length" and cut.message.tool_calls is None
+    assert cut.message.content.startswith("ok<tool_call>{")

@@ -227,31 +227,51 @@ class ForcedParser:
 
 
 class TemplateParser:
-    """transformers' `ResponseParser` on the tokenizer's `response_template` (fed the prompt as prefix)."""
+    """transformers' `ResponseParser` on the tokenizer's `response_template` (fed the prompt as prefix).
+    Without `reasoning` (`--reasoning off`), the reasoning it finds is content (its markers dropped)."""
 
-    def __init__(self, template: Any, prompt_text: str, tools: ToolMode) -> None:
+    def __init__(self, template: Any, prompt_text: str, tools: ToolMode, reasoning: bool = True) -> None:
         from transformers.utils.chat_parsing.response_parser import ResponseParser
 
-        self.tools = tools
-        self.parser = ResponseParser(template, prefix=prompt_text, tools=list(tools.tools) or None)
+        self.tools, self.reasoning = tools, reasoning
+        self.parser: Any = ResponseParser(template, prefix=prompt_text, tools=list(tools.tools) or None)
         self.first = self._read(self.parser.initial_events)
+        self.unread = ""  # text fed since the parser last gave something: content if it fails on it
 
     def push(self, text: str) -> AssistantDelta:
         first, self.first = self.first, AssistantDelta()
-        return first.extend(self._read(self.parser.feed(text)))
+        if self.parser is None:  # it failed earlier: the rest is content
+            return first.extend(AssistantDelta(content=text))
+        self.unread += text
+        try:
+            delta = self._read(self.parser.feed(text))
+        except ValueError:  # a region it cannot read (e.g. a malformed call)
+            return first.extend(self._give_up())
+        if delta.content or delta.reasoning or delta.tool_calls:
+            self.unread = ""
+        return first.extend(delta)
 
     def finish(self) -> AssistantDelta:
-        _, events = self.parser.finalize()
+        if self.parser is None:
+            return AssistantDelta()
+        try:
+            _, events = self.parser.finalize()
+        except ValueError:  # e.g. a call cut short by max_tokens
+            return self._give_up()
         return self._read(events)
+
+    def _give_up(self) -> AssistantDelta:
+        self.parser, unread, self.unread = None, self.unread, ""
+        return AssistantDelta(content=unread)
 
     def _read(self, events: list[dict[str, Any]]) -> AssistantDelta:
         out = AssistantDelta()
         for event in events:
             kind, name = event["type"], event.get("field")
             if kind == "region_chunk" and not event.get("dirty") and event.get("text"):
-                if name in REASONING_FIELDS:
+                if name in REASONING_FIELDS and self.reasoning:
                     out.reasoning += event["text"]
-                elif name == "content":
+                elif name == "content" or name in REASONING_FIELDS:
                     out.content += event["text"]
             elif kind == "region_close" and name == "tool_calls" and self.tools.parses:
                 value = event.get("value") or {}
@@ -277,7 +297,7 @@ class TurnFormat:
         if not (self.reasoning or self.tools.parses):
             return None
         if self.response_template is not None:
-            return TemplateParser(self.response_template, self.prompt_text, self.tools)
+            return TemplateParser(self.response_template, self.prompt_text, self.tools, self.reasoning)
         opens = self.reasoning and prompt_opens_thinking(self.prompt_text)
         return FallbackParser(self.reasoning, self.tools, state="reasoning" if opens else "start")
 
