@@ -263,3 +263,9 @@ def test_what_the_template_parser_cannot_read_is_content() -> None:
         parser, ["<think>plan</think>ok", '<tool_call>{"name": "get_time", "argu']
     )
     assert (reasoning, calls) == ("plan", []) and content.startswith("ok") and content.endswith('"argu')
+
+
+def test_output_nested_past_pythons_limit_is_content() -> None:
+    deep = "[" * 100_000
+    assert _run(FallbackParser(False, _mode()), [deep]) == (deep, "", [])
+    assert _run(ForcedParser(_mode("required")), [deep]) == (deep, "", [])

@@ -380,3 +380,30 @@ def test_a_declared_response_template_is_used_on_the_server(server: LiveServer, 
     ]
     assert cut.finish_reason == "length" and cut.message.tool_calls is None
     assert cut.message.content.startswith("ok<tool_call>{")
+
+
+def test_each_of_n_choices_makes_its_own_calls(client: Any) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=named,
+            max_tokens=MAX_TOKENS,
+            n=2,
+            seed=3,
+            stream=True,
+        )
+    )
+    calls: dict[int, list[Any]] = {0: [], 1: []}
+    finish: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            calls[choice.index] += choice.delta.tool_calls or []
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index, "")
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for parts in calls.values():
+        assert [p.index for p in parts] == [0]  # indices count each choice's own calls
+        jsonschema.validate(json.loads(parts[0].function.arguments), WEATHER_PARAMETERS)
+    assert calls[0][0].id != calls[1][0].id

@@ -77,7 +77,7 @@ def tool_calls_in(text: str, tools: ToolMode) -> list[ToolCall] | None:
         body = body[len(MISTRAL_MARK) :].strip()
     try:
         value = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's limit
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -88,7 +88,7 @@ def tool_calls_in(text: str, tools: ToolMode) -> list[ToolCall] | None:
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):
                 return None
         if not isinstance(arguments, dict):
             return None
@@ -245,7 +245,7 @@ class TemplateParser:
         self.unread += text
         try:
             delta = self._read(self.parser.feed(text))
-        except ValueError:  # a region it cannot read (e.g. a malformed call)
+        except Exception:  # noqa: BLE001 - a region it cannot read (a malformed call): model output, not a bug
             return first.extend(self._give_up())
         if delta.content or delta.reasoning or delta.tool_calls:
             self.unread = ""
@@ -256,7 +256,7 @@ class TemplateParser:
             return AssistantDelta()
         try:
             _, events = self.parser.finalize()
-        except ValueError:  # e.g. a call cut short by max_tokens
+        except Exception:  # noqa: BLE001 - e.g. a call cut short by max_tokens
             return self._give_up()
         return self._read(events)
 

@@ -101,7 +101,7 @@ class ToolMode:
         """The calls a forced output holds (None: it was cut short, e.g. by `max_tokens`)."""
         try:
             value = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # cut short, or nested past Python's limit
             return None
         if self.mode == "named" and self.name is not None and isinstance(value, dict):
             return [new_call(self.name, value)]
