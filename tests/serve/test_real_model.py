@@ -61,3 +61,35 @@ def test_a_json_schema_response_format_gives_valid_json(client: Any) -> None:
     )
     assert reply.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reply.choices[0].message.content), CAT)
+
+
+def test_the_openai_clients_tool_loop_on_the_real_model(client: Any) -> None:
+    """A named tool call is schema-valid by construction; the `tool` turn renders through the model's own
+    template (ChatML), and the answer after it is English text."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance", reason="forced tool calls need the 'structured' extra")
+    parameters = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}}]
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=messages,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=24,
+        temperature=0,
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), parameters)
+    messages += [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 degrees."}]
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, tools=tools, max_tokens=24, temperature=0
+    ).choices[0]
+    assert answer.message.content and answer.message.content.isascii(), answer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 import uuid
@@ -23,11 +24,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from .assistant import TurnFormat, split_events
 from .choices import ChoiceEvent, ChoiceOptions, ManagerChoices, Submitted, aclose, merge_events
 from .guided import guided_of
 from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from .reasoning import template_kwargs, thinks
 from .responses import ChoiceTotals, ResponseShape, sse
+from .tools import ToolMode, tool_mode
 
 if TYPE_CHECKING:
     from ..manager.manager import ContinuousBatchingManager
@@ -47,6 +51,7 @@ class ServeState:
     default_max_tokens: int = 256  # chat requests without max_tokens
     logprobs: bool = True  # False: `--no-logprobs`, requests asking for them get a 400
     has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
+    reasoning: str = "auto"  # `--reasoning`: on, off, auto (serve/reasoning.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: ManagerChoices = field(init=False)
@@ -127,13 +132,21 @@ def build_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
         _check_model(state, body.model)
-        prompt = _chat_prompt(state, body)
+        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
+        prompt_text = _chat_text(state, body, tools)
+        prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
+        turn = TurnFormat(
+            tools,
+            reasoning=thinks(state.reasoning, state.tokenizer),
+            prompt_text=prompt_text,
+            response_template=getattr(state.tokenizer, "response_template", None),
+        )
         limit = body.token_limit()
         if limit is None:
             limit = max(1, min(state.default_max_tokens, state.max_positions - len(prompt)))
         top = body.top_logprobs or 0
         options = _options(state, body, limit, body.logprobs, top, echo=False)
-        return await _generate(state, request, body, "chat", [prompt], options)
+        return await _generate(state, request, body, "chat", [prompt], options, turn=turn)
 
     return app
 
@@ -149,7 +162,9 @@ def _encode_prompt(state: ServeState, prompt: str | list[int]) -> list[int]:
     return list(prompt)  # token ids: the manager checks them against the vocabulary
 
 
-def _chat_prompt(state: ServeState, body: ChatCompletionRequest) -> list[int]:
+def _chat_text(state: ServeState, body: ChatCompletionRequest, tools: ToolMode) -> str:
+    """The rendered prompt: the messages (tool turns and earlier tool calls included), the tools, and the
+    template keywords (`--reasoning`, `reasoning_effort`, the request's `chat_template_kwargs`)."""
     tokenizer = state.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(
@@ -158,15 +173,50 @@ def _chat_prompt(state: ServeState, body: ChatCompletionRequest) -> list[int]:
             "server with --chat-template FILE",
             param="messages",
         )
-    # OpenAI's "developer" role is the newer name of "system", which is what templates know.
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages
-    ]
+    messages = [_template_message(m) for m in body.messages]
+    kwargs = template_kwargs(state.reasoning, body.reasoning_effort, body.chat_template_kwargs)
+    if tools.tools:
+        kwargs["tools"] = list(tools.tools)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return str(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        )
     except Exception as error:  # noqa: BLE001 - a template's own check (e.g. role order) is bad input
         raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _template_message(message: Any) -> dict[str, Any]:
+    # OpenAI's "developer" role is the newer name of "system", which is what templates know.
+    rendered: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.text(),
+    }
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        # Templates iterate the arguments as a mapping (transformers serve does the same).
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    return rendered
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ApiError(
+            400, "messages: a tool call's function.arguments is not JSON text", param="messages"
+        ) from None
 
 
 def _options(
@@ -216,9 +266,19 @@ async def _generate(
     prompts: list[list[int]],
     options: ChoiceOptions,
     echoes: list[tuple[str, list[int]]] | None = None,
+    turn: TurnFormat | None = None,
 ) -> Response:
     include_usage, continuous_usage = body.stream_usage()
     guided, guided_field = guided_of(body)
+    forced = None if turn is None else turn.tools.guided()
+    if forced is not None:
+        if guided is not None:
+            raise ApiError(
+                400,
+                f"tool_choice: a required or named tool call is its own output constraint; drop {guided_field}",
+                param="tool_choice",
+            )
+        guided, guided_field = forced, "tools"
     if guided is not None:
         options = dataclasses.replace(options, sampling={**options.sampling, "guided": guided})
     prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -238,6 +298,7 @@ async def _generate(
             sum(map(len, prompts)),
             top_logprobs=options.top_logprobs,
             continuous_usage=continuous_usage,
+            reasoning=turn is not None and turn.reasoning,
         )
         streams = [
             state.choices.events(
@@ -250,6 +311,8 @@ async def _generate(
             for c in submitted
         ]
         events = merge_events(streams)
+        if turn is not None:
+            events = split_events(events, turn)
         indices = [c.index for c in submitted]
         if body.stream:
             state.metrics.count_response(request.url.path, 200)
@@ -319,10 +382,11 @@ async def _stream_body(
             if event.error is not None:
                 yield sse(event.error.body())
                 break
-            offset = totals[event.index].text_length
+            offset, calls = totals[event.index].text_length, len(totals[event.index].tool_calls)
             totals[event.index].add(event)
-            if event.text or event.is_last or shape.want_logprobs:  # a token still held back: no chunk
-                chunk = shape.chunk(event, include_usage, text_offset=offset)
+            # A token still held back (a partial character, a possible marker) makes no chunk.
+            if event.text or event.reasoning or event.tool_calls or event.is_last or shape.want_logprobs:
+                chunk = shape.chunk(event, include_usage, text_offset=offset, tool_offset=calls)
                 if shape.continuous_usage:
                     chunk["usage"] = shape.usage(totals)
                 yield sse(chunk)

@@ -35,6 +35,7 @@ from ..sampling.params import VECTOR_PARAMS, derive_seed
 from .metrics import ServerMetrics
 from .protocol import ApiError
 from .text import IncrementalDetokenizer, StopScanner
+from .tools import ToolCall
 
 if TYPE_CHECKING:
     from ..manager.manager import ContinuousBatchingManager
@@ -62,6 +63,9 @@ class ChoiceEvent:
     echoed: int = 0  # how many leading `token_ids` are the echoed prompt (echo=true)
     finish_reason: str | None = None
     error: ApiError | None = None
+    # Chat only, once the text is split (serve/assistant.py): `text` is then the content.
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def is_last(self) -> bool:

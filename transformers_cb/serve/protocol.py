@@ -3,7 +3,7 @@
 Known fields are validated strictly: a wrong type or an out-of-range value is a 400 naming it.
 A field this server does not know is accepted and ignored with a warning in the log (as vLLM
 and transformers serve do: clients send their own extensions); a known field it cannot honour
-(`suffix`, `tools`, ...) away from its neutral value is a 400 naming it, so a request never gets a
+(`suffix`, `best_of`) away from its neutral value is a 400 naming it, so a request never gets a
 silently different meaning.
 
 Per-request sampling fields reach the engine through one table, `ENGINE_FIELDS` (body field ->
@@ -252,10 +252,26 @@ class TextPart(_Part):
     text: str
 
 
+class FunctionCall(_Part):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it back
+
+
+class AssistantToolCall(_Part):
+    """A tool call of an earlier assistant turn (what the server answered before)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Part):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as the server answered it
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -263,21 +279,75 @@ class ChatMessage(_Part):
         return self.content or ""
 
 
+class ToolFunction(_Part):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted: `tool_choice` required / named are always schema-exact
+
+
+class ToolDefinition(_Part):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+# Keywords of `apply_chat_template` a request's `chat_template_kwargs` may not set (the server sets them).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "continue_final_message",
+        "chat_template",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
+MAX_TEMPLATE_KWARGS_CHARS = 20_000
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None  # checked and resolved in serve/tools.py
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def check_neutral(self) -> None:
         super().check_neutral()
-        _refuse_unless(not self.tools, "tools")
-        _refuse_unless(self.tool_choice in (None, "none"), "tool_choice")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs: {', '.join(reserved)} is set by the server, not by a request",
+                param="chat_template_kwargs",
+            )
+        try:
+            size = len(json.dumps(kwargs))
+        except (
+            TypeError,
+            ValueError,
+        ):  # not reachable from JSON, but a dict built in Python may hold anything
+            size = MAX_TEMPLATE_KWARGS_CHARS + 1
+        if size > MAX_TEMPLATE_KWARGS_CHARS:
+            raise ApiError(
+                400,
+                f"chat_template_kwargs: more than {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON",
+                param="chat_template_kwargs",
+            )
 
     def token_limit(self) -> int | None:
         both = self.max_tokens is not None and self.max_completion_tokens is not None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .choices import ChoiceEvent
+from .tools import ToolCall
 
 
 @dataclass
@@ -22,6 +23,8 @@ class ChoiceTotals:
     top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     num_generated: int = 0  # `token_ids` less the echoed prompt
     finish_reason: str | None = None
+    reasoning_pieces: list[str] = field(default_factory=list)  # chat with reasoning split
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -36,6 +39,20 @@ class ChoiceTotals:
         self.top_logprobs += event.top_logprobs
         self.num_generated += event.num_generated
         self.finish_reason = event.finish_reason or self.finish_reason
+        if event.reasoning:
+            self.reasoning_pieces.append(event.reasoning)
+        self.tool_calls += event.tool_calls
+
+    def message(self, reasoning: bool) -> dict[str, Any]:
+        """The chat `message`: content (None when the turn is only tool calls), tool calls, reasoning."""
+        text = self.text
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_calls:
+            message["content"] = text if text.strip() else None
+            message["tool_calls"] = [call.wire() for call in self.tool_calls]
+        if reasoning:
+            message["reasoning_content"] = "".join(self.reasoning_pieces) or None
+        return message
 
 
 @dataclass
@@ -50,6 +67,7 @@ class ResponseShape:
     num_prompt_tokens: int
     top_logprobs: int = 0  # alternatives per token (completions: `logprobs=k`; chat: `top_logprobs`)
     continuous_usage: bool = False  # `stream_options.continuous_usage_stats`: usage in every chunk
+    reasoning: bool = False  # chat: `reasoning_content` is split from the content
     created: int = field(default_factory=lambda: int(time.time()))
 
     # -- logprobs ---------------------------------------------------------------
@@ -127,7 +145,7 @@ class ResponseShape:
             choice: dict[str, Any] = {"index": index, "finish_reason": t.finish_reason}
             choice["logprobs"] = self.logprobs(t.token_ids, t.logprobs, tops=t.top_logprobs)
             if self.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": t.text}
+                choice["message"] = t.message(self.reasoning)
             else:
                 choice["text"] = t.text
             choices.append(choice)
@@ -142,7 +160,12 @@ class ResponseShape:
 
     # -- streaming ----------------------------------------------------------------
     def chunk(
-        self, event: ChoiceEvent | None, include_usage: bool, text_offset: int = 0, role: bool = False
+        self,
+        event: ChoiceEvent | None,
+        include_usage: bool,
+        text_offset: int = 0,
+        role: bool = False,
+        tool_offset: int = 0,
     ) -> dict[str, Any]:
         """One SSE chunk for `event` (or, with `event=None`, the choice-less chunk used for usage)."""
         chunk: dict[str, Any] = {
@@ -160,13 +183,26 @@ class ResponseShape:
                 else self.logprobs(event.token_ids, event.logprobs, text_offset, event.top_logprobs)
             )
             if self.kind == "chat":
-                choice["delta"] = {"role": "assistant", "content": ""} if role else {"content": event.text}
+                choice["delta"] = {"role": "assistant", "content": ""} if role else _delta(event, tool_offset)
             else:
                 choice["text"] = event.text
             chunk["choices"] = [choice]
         if include_usage:
             chunk["usage"] = None
         return chunk
+
+
+def _delta(event: ChoiceEvent, tool_offset: int) -> dict[str, Any]:
+    """A chat delta: its content, reasoning and tool calls (each call whole, `index` counting the choice's
+    calls from `tool_offset`)."""
+    delta: dict[str, Any] = {}
+    if event.text or not (event.reasoning or event.tool_calls):
+        delta["content"] = event.text
+    if event.reasoning:
+        delta["reasoning_content"] = event.reasoning
+    if event.tool_calls:
+        delta["tool_calls"] = [call.wire(tool_offset + i) for i, call in enumerate(event.tool_calls)]
+    return delta
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -78,6 +78,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--no-logprobs", action="store_true", help="refuse requests asking for logprobs")
     serve.add_argument(
+        "--reasoning",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="on: templates think (enable_thinking=True) and reasoning_content is split from the content; "
+        "off: enable_thinking=False, no split; auto: the template's default, split when it thinks "
+        "(docs/serve.md)",
+    )
+    serve.add_argument(
         "--assistant-model",
         default=None,
         help="a draft model for speculative decoding (a folder or a name, as --model; same tokenizer): "
@@ -183,6 +191,7 @@ def build_state(args: argparse.Namespace) -> Any:
         default_max_tokens=args.default_max_tokens,
         logprobs=not args.no_logprobs,
         has_assistant=assistant is not None,
+        reasoning=args.reasoning,
     )
 
 
