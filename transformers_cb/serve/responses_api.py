@@ -3,8 +3,8 @@ becomes output items.
 
 A request's `instructions` (a system message) and `input` items (messages, `function_call`,
 `function_call_output`, `reasoning`) are translated into chat messages, and its `tools`
-(`{"type": "function", "name", "parameters"}`), `tool_choice`, `reasoning.effort`, `text.format` and sampling
-fields into the chat request's: the prompt, tool calling and reasoning are the chat path's (serve/app.py,
+(`{"type": "function", "name", "parameters"}`), `tool_choice`, `reasoning` (its `effort`), `text` (its
+`format`) and sampling fields into the chat request's: the prompt, tool calling and reasoning are the chat path's (serve/app.py,
 serve/tools.py, serve/assistant.py). The choice's events become output items (`reasoning`, `message`,
 `function_call`) through one `OutputItems`, which also gives the stream's events, so a streamed response and
 a whole one hold the same items. Finished responses' conversations (without their `instructions`, as OpenAI
@@ -41,7 +41,8 @@ RENAMED_PARAMS = {
 
 
 class TextFormat(_Part):
-    """`text.format`: `text`, `json_object`, or `json_schema` with the schema inline (`name`, `schema`)."""
+    """The `format` of a request's `text`: `text`, `json_object`, or `json_schema` with the schema inline
+    (`name`, `schema`)."""
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "output"
