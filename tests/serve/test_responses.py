@@ -11,7 +11,10 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from tests.serve.test_tools import TOOL_TEMPLATE, WEATHER_PARAMETERS
 from tests.support.serve import (
@@ -43,6 +46,23 @@ CHAT_TOOLS = [
     }
 ]
 INSTRUCTIONS = "Answer briefly."
+# Keys a fuzzed item or field may hold: the real ones, so that some bodies get far into the translation.
+KEYS = [
+    "type",
+    "role",
+    "content",
+    "text",
+    "call_id",
+    "name",
+    "arguments",
+    "output",
+    "summary",
+    "format",
+    "effort",
+    "parameters",
+    "schema",
+    "function",
+]
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +330,39 @@ def test_input_items_become_chat_messages() -> None:
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "assistant", "content": "done"},
     ]
+
+
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3)
+    | st.sampled_from(["", "x", "user", "message", "function_call"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(KEYS), inner, max_size=4),
+    max_leaves=12,
+)
+FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "input": JSON | st.lists(st.dictionaries(st.sampled_from(KEYS), JSON, max_size=5), max_size=3),
+        "instructions": JSON,
+        "previous_response_id": JSON | st.just("resp_" + "0" * 32),
+        "tools": JSON,
+        "tool_choice": JSON,
+        "text": JSON,
+        "reasoning": JSON,
+        "store": JSON,
+        "stream": st.booleans(),
+    },
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fields=FIELDS)
+def test_malformed_bodies_are_4xx_never_500(server: LiveServer, fields: dict[str, Any]) -> None:
+    body = {"model": MODEL_NAME, "input": "hi", "max_output_tokens": 1, **fields}
+    reply = httpx.post(server.url + "/v1/responses", json=body, timeout=TIMEOUT)
+    assert reply.status_code in (200, 400, 404), (body, reply.text)
+    event(f"status {reply.status_code}")
+    if reply.status_code != 200:
+        error = reply.json()["error"]
+        assert error["param"], (body, error)
