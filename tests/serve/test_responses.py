@@ -366,3 +366,32 @@ def test_malformed_bodies_are_4xx_never_500(server: LiveServer, fields: dict[str
     if reply.status_code != 200:
         error = reply.json()["error"]
         assert error["param"], (body, error)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_failure_fails_the_response_and_stores_nothing(
+    server: LiveServer, client: Any, monkeypatch: Any, stream: bool
+) -> None:
+    runner = server.manager.engine.runner
+    real_run, calls = runner.run, []
+
+    def fail_once(batch: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected kernel failure")
+        return real_run(batch)
+
+    monkeypatch.setattr(runner, "run", fail_once)
+    stored = len(server.state.stored.conversations)
+    kwargs = {"model": MODEL_NAME, "input": "x", "max_output_tokens": 4}
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+        assert "injected kernel failure" in events[-2].message
+        assert events[-1].response.status == "failed" and events[-1].response.error.code == "server_error"
+    else:
+        with pytest.raises(openai.InternalServerError, match="injected kernel failure"):
+            client.responses.create(**kwargs)
+    assert len(server.state.stored.conversations) == stored
+    monkeypatch.undo()
+    assert client.responses.create(**kwargs).status in ("completed", "incomplete")

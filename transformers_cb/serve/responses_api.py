@@ -474,9 +474,8 @@ class ResponseObject:
             "created_at": self.created_at,
             "model": self.model,
             "status": status,
-            "error": None
-            if error is None
-            else {"code": error.code or "server_error", "message": error.message},
+            # OpenAI's codes are a closed list; the engine's own code stays in the stream's `error` event.
+            "error": None if error is None else {"code": "server_error", "message": error.message},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
