@@ -93,3 +93,27 @@ def test_the_openai_clients_tool_loop_on_the_real_model(client: Any) -> None:
         model=MODEL_NAME, messages=messages, tools=tools, max_tokens=24, temperature=0
     ).choices[0]
     assert answer.message.content and answer.message.content.isascii(), answer
+
+
+def test_the_responses_api_answers_in_english_streamed_and_not(client: Any) -> None:
+    kwargs: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "instructions": "You are a helpful assistant.",
+        "input": "Name a cat breed.",
+        "max_output_tokens": 16,
+        "temperature": 0,
+    }
+    whole = client.responses.create(**kwargs)
+    words = whole.output_text.lower().replace(",", " ").replace(".", " ").split()
+    assert "cat" in words or "breed" in words, whole.output_text
+    events = list(client.responses.create(stream=True, **kwargs))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == events[-1].response.output_text == whole.output_text
+    follow = client.responses.create(
+        model=MODEL_NAME,
+        previous_response_id=whole.id,
+        input="Another one?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert follow.usage.input_tokens > whole.usage.input_tokens + whole.usage.output_tokens

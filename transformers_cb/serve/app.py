@@ -31,6 +31,17 @@ from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .reasoning import template_kwargs, thinks
 from .responses import ChoiceTotals, ResponseShape, sse
+from .responses_api import (
+    MAX_INPUT_ITEMS,
+    OutputItems,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    input_messages,
+    new_response_id,
+    rename_param,
+    sse_event,
+)
 from .tools import ToolMode, tool_mode
 
 if TYPE_CHECKING:
@@ -53,6 +64,7 @@ class ServeState:
     has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
     reasoning: str = "auto"  # `--reasoning`: on, off, auto (serve/reasoning.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
     choices: ManagerChoices = field(init=False)
 
@@ -132,23 +144,51 @@ def build_app(state: ServeState) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
         _check_model(state, body.model)
-        tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-        prompt_text = _chat_text(state, body, tools)
-        prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
-        turn = TurnFormat(
-            tools,
-            reasoning=thinks(state.reasoning, state.tokenizer),
-            prompt_text=prompt_text,
-            response_template=getattr(state.tokenizer, "response_template", None),
-        )
-        limit = body.token_limit()
-        if limit is None:
-            limit = max(1, min(state.default_max_tokens, state.max_positions - len(prompt)))
-        top = body.top_logprobs or 0
-        options = _options(state, body, limit, body.logprobs, top, echo=False)
+        prompt, options, turn = _chat_turn(state, body)
         return await _generate(state, request, body, "chat", [prompt], options, turn=turn)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        body: ResponsesRequest = parse_body(await request.body(), ResponsesRequest)
+        _check_model(state, body.model)
+        conversation = state.stored.conversation(body.previous_response_id) + input_messages(body.input)
+        if len(conversation) > MAX_INPUT_ITEMS:
+            raise ApiError(400, f"input: the conversation exceeds {MAX_INPUT_ITEMS} messages", param="input")
+        try:
+            chat = body.chat_request(conversation)
+            prompt, options, turn = _chat_turn(state, chat)
+        except ApiError as error:
+            error.param = rename_param(error.param)
+            raise
+        if len(prompt) >= state.max_positions:
+            raise ApiError(
+                400,
+                f"input: {len(prompt)} prompt tokens leave no room in the model's {state.max_positions} positions",
+                param="input",
+            )
+        shape = ResponseObject(new_response_id(), state.model_name, body, chat, len(prompt))
+        return await _respond(state, request, shape, prompt, options, turn, conversation)
+
     return app
+
+
+def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int], ChoiceOptions, TurnFormat]:
+    """A chat request's prompt, what its choices are submitted with, and how its answer is read."""
+    tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
+    prompt_text = _chat_text(state, body, tools)
+    prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
+    turn = TurnFormat(
+        tools,
+        reasoning=thinks(state.reasoning, state.tokenizer),
+        prompt_text=prompt_text,
+        response_template=getattr(state.tokenizer, "response_template", None),
+    )
+    limit = body.token_limit()
+    if limit is None:
+        limit = max(1, min(state.default_max_tokens, state.max_positions - len(prompt)))
+    top = body.top_logprobs or 0
+    options = _options(state, body, limit, body.logprobs, top, echo=False)
+    return prompt, options, turn
 
 
 def _check_model(state: ServeState, model: str) -> None:
@@ -269,25 +309,8 @@ async def _generate(
     turn: TurnFormat | None = None,
 ) -> Response:
     include_usage, continuous_usage = body.stream_usage()
-    guided, guided_field = guided_of(body)
-    forced = None if turn is None else turn.tools.guided()
-    if forced is not None:
-        if guided is not None:
-            raise ApiError(
-                400,
-                f"tool_choice: a required or named tool call is its own output constraint; drop {guided_field}",
-                param="tool_choice",
-            )
-        guided, guided_field = forced, "tools"
-    if guided is not None:
-        options = dataclasses.replace(options, sampling={**options.sampling, "guided": guided})
     prefix = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    try:
-        submitted = state.choices.submit(prompts, body.n, options, prefix)
-    except ApiError as error:
-        if error.param == "guided":  # name the field the client sent
-            error.param = guided_field
-        raise
+    submitted = _submit(state, body, prompts, body.n, options, prefix, turn)
     try:
         shape = ResponseShape(
             kind,
@@ -329,6 +352,130 @@ async def _generate(
     finally:
         if not body.stream:
             state.choices.cancel_unfinished(submitted)
+
+
+def _submit(
+    state: ServeState,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    n: int,
+    options: ChoiceOptions,
+    prefix: str,
+    turn: TurnFormat | None,
+) -> list[Submitted]:
+    """Submit every choice under the request's output constraint (or its forced tool call's)."""
+    guided, guided_field = guided_of(body)
+    forced = None if turn is None else turn.tools.guided()
+    if forced is not None:
+        if guided is not None:
+            raise ApiError(
+                400,
+                f"tool_choice: a required or named tool call is its own output constraint; drop {guided_field}",
+                param="tool_choice",
+            )
+        guided, guided_field = forced, "tools"
+    if guided is not None:
+        options = dataclasses.replace(options, sampling={**options.sampling, "guided": guided})
+    try:
+        return state.choices.submit(prompts, n, options, prefix)
+    except ApiError as error:
+        if error.param == "guided":  # name the field the client sent
+            error.param = guided_field
+        raise
+
+
+async def _respond(
+    state: ServeState,
+    request: Request,
+    shape: ResponseObject,
+    prompt: list[int],
+    options: ChoiceOptions,
+    turn: TurnFormat,
+    conversation: list[dict[str, Any]],
+) -> Response:
+    """A Responses API answer: one choice's events as output items, whole or as the stream's events; a
+    finished one's conversation is stored for `previous_response_id` (unless `store` is false)."""
+    try:
+        submitted = _submit(state, shape.chat, [prompt], 1, options, shape.response_id, turn)
+    except ApiError as error:
+        error.param = rename_param(error.param)
+        raise
+    try:
+        events = split_events(
+            state.choices.events(submitted[0], state.tokenizer, options, state.metrics), turn
+        )
+        if shape.body.stream:
+            state.metrics.count_response(request.url.path, 200)
+            content = _response_stream(state, shape, events, conversation)
+            return _CancellingStreamingResponse(content, state, submitted)
+        output = await _until_disconnect(request, _collect_output(events))
+        if output is None:
+            return Response(status_code=499)
+        _store(state, shape, conversation, output)
+        state.metrics.count_response(request.url.path, 200)
+        return JSONResponse(shape.render(output, output.status))
+    except BaseException:
+        state.choices.cancel_unfinished(submitted)
+        raise
+    finally:
+        if not shape.body.stream:
+            state.choices.cancel_unfinished(submitted)
+
+
+def _store(
+    state: ServeState, shape: ResponseObject, conversation: list[dict[str, Any]], output: OutputItems
+) -> None:
+    if shape.body.store:
+        state.stored.keep(shape.response_id, [*conversation, output.message()])
+
+
+async def _collect_output(events: AsyncIterator[ChoiceEvent]) -> OutputItems:
+    output = OutputItems()
+    try:
+        async for event in events:
+            if event.error is not None:
+                raise event.error
+            output.add(event)
+        output.finish()
+    finally:
+        await aclose(events)
+    return output
+
+
+async def _response_stream(
+    state: ServeState,
+    shape: ResponseObject,
+    events: AsyncIterator[ChoiceEvent],
+    conversation: list[dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    output = OutputItems()
+    sequence = 0
+
+    def numbered(event: dict[str, Any]) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return sse_event(event, sequence - 1)
+
+    try:
+        yield numbered({"type": "response.created", "response": shape.render(None, "in_progress")})
+        yield numbered({"type": "response.in_progress", "response": shape.render(None, "in_progress")})
+        async for event in events:
+            if event.error is not None:
+                error = event.error
+                yield numbered(
+                    {"type": "error", "code": error.code, "message": error.message, "param": error.param}
+                )
+                yield numbered({"type": "response.failed", "response": shape.render(output, "failed", error)})
+                return
+            for step in output.add(event):
+                yield numbered(step)
+        for step in output.finish():
+            yield numbered(step)
+        _store(state, shape, conversation, output)
+        kind = "response.completed" if output.status == "completed" else "response.incomplete"
+        yield numbered({"type": kind, "response": shape.render(output, output.status)})
+    finally:
+        await aclose(events)
 
 
 async def _collect(events: AsyncIterator[ChoiceEvent], indices: list[int]) -> dict[int, ChoiceTotals]:
