@@ -106,7 +106,7 @@ MODEL_RULES = {
     "attention bias in the mask": (
         lambda: tiny("doge", **SMALL, intermediate_size=64, num_key_value_heads=2),
         "doge",
-        "attention mask carries a bias",
+        "add a bias of their own to the attention mask",
     ),
 }
 
@@ -152,7 +152,7 @@ def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
 MODEL_RULES["a window the layers do not apply"] = (
     llama_with_a_window_it_does_not_apply,
     "llama",
-    "layer 0 applies no window (no sliding_window, a plain causal mask) while the config's sliding_window=8",
+    "layer 0 applies no window (no sliding_window, a plain causal mask) while the config sets sliding_window=8",
 )
 
 CONFIG_RULES = {

@@ -366,7 +366,16 @@ def dispatch_problems(
     unexpected = sorted(i for i in per_layer if i is not None and i not in expected)
     if unexpected:
         problems.append(f"layers {unexpected} attend although their layer type caches no K/V")
-    if result.mask_bias or any(c.mask_bias for c in calls):
+    layer_bias = sorted({c.layer_idx for c in calls if c.mask_bias and c.layer_idx is not None})
+    if layer_bias:
+        # The engine's call passes a plain mask: a bias there was made by the layer itself (Doge's dynamic
+        # mask: a per-key term from every cached key's value states, then a top-k of the keys).
+        problems.append(
+            f"layers {layer_bias} add a bias of their own to the attention mask (computed in the layer from "
+            "its keys' states, e.g. Doge's dynamic mask): the paged kernels add no bias to the logits, and a "
+            "layer sees only the step's new keys, not the cached ones the bias is over"
+        )
+    elif result.mask_bias or any(c.mask_bias for c in calls):
         problems.append("its attention mask carries a bias (e.g. ALiBi), which the paged kernels do not add")
     if any(not c.causal for c in calls):
         problems.append("its attention is bidirectional (is_causal=False), not causal generation")
@@ -399,9 +408,9 @@ def dispatch_problems(
                 # window: generate() attends fully while prefilling, within the window while decoding.
                 problems.append(
                     f"layer {c.layer_idx} applies no window (no sliding_window, a plain causal mask) while the "
-                    f"config's sliding_window={window!r} makes generate()'s cache keep only the last {window} "
-                    "tokens, so generate() attends to every key while prefilling and to the window while "
-                    "decoding; no paged KV group kind reproduces that mix"
+                    f"config sets sliding_window={window!r}, with which the DynamicCache of generate() keeps only "
+                    f"a {window}-token window: generate() attends to every key while prefilling and to the window while decoding, a mix "
+                    "no paged KV group kind reproduces"
                 )
                 break
             problems.append(
