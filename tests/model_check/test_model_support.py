@@ -56,8 +56,8 @@ MODEL_RULES = {
         "diffllama",
         "call attention 2 times per forward",
     ),
-    # MiMo-V2-Flash doubles the KV heads of its sliding layers in code, not in the config.
-    "K/V shapes the config does not state": (
+    # MiMo-V2-Flash's value heads are 16 wide for 8-wide keys: one KV group holds one head shape.
+    "a value head size other than the key's": (
         lambda: tiny(
             "mimo_v2_flash",
             **{**SMALL, "num_hidden_layers": 2},
@@ -67,12 +67,12 @@ MODEL_RULES = {
             num_experts_per_tok=2,
             num_key_value_heads=2,
             head_dim=8,
-            v_head_dim=8,
+            v_head_dim=16,
             sliding_window=8,
             layer_types=["full_attention", "sliding_attention"],
         ),
         "mimo_v2_flash",
-        "attends with K of (heads, dim) (4, 8)",
+        "layer 0 attends with V of (heads, dim) (2, 16) but K (2, 8): a value head size other than the key's",
     ),
     # BERT as a causal LM without is_decoder: every token attends to every other.
     "bidirectional layers": (
@@ -106,7 +106,7 @@ MODEL_RULES = {
     "attention bias in the mask": (
         lambda: tiny("doge", **SMALL, intermediate_size=64, num_key_value_heads=2),
         "doge",
-        "attention mask carries a bias",
+        "add a bias of their own to the attention mask",
     ),
 }
 
@@ -142,8 +142,8 @@ def llama_ignoring_logits_to_keep() -> PreTrainedModel:
 
 
 def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
-    """A config carrying `sliding_window` (so the cache would keep 8-token windows) for a class whose layers
-    attend without one (Moshi's case): the cache would drop KV the model still attends to."""
+    """A config carrying `sliding_window` for a class whose layers attend without one (Moshi's case):
+    generate()'s cache, built from the config, keeps only the window while the mask does not apply it."""
     model = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
     model.config.sliding_window = 8
     return model
@@ -152,7 +152,7 @@ def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
 MODEL_RULES["a window the layers do not apply"] = (
     llama_with_a_window_it_does_not_apply,
     "llama",
-    "layer 0 applies sliding_window=None but the config gives its layer kind window 8",
+    "layer 0 applies no window (no sliding_window, a plain causal mask) while the config sets sliding_window=8",
 )
 
 CONFIG_RULES = {
@@ -284,7 +284,7 @@ def test_a_config_edited_after_a_check_is_probed_again() -> None:
     model = tiny("llama", **SMALL, intermediate_size=64, num_key_value_heads=2)
     check_model_supported(model)
     model.config.sliding_window = 8  # now the cache would keep windows the layers do not apply
-    assert "sliding_window=None" in refusal(model)
+    assert "applies no window" in refusal(model)
 
 
 # Decoder layers that call their attention module without the forward's **kwargs: the step's metadata

@@ -29,7 +29,12 @@ from ..kv.page_policies import num_pages_for
 from ..memory.cache_plan import layout_of
 from ..memory.kv_cache import CacheLayout
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages
-from ..model_check.model_support import check_model_supported, ignores_logits_to_keep, state_layout
+from ..model_check.model_support import (
+    check_model_supported,
+    ignores_logits_to_keep,
+    observed_layers_of,
+    state_layout,
+)
 from ..runner.drafter import Drafter
 from ..scheduler.shadow_planner import ShadowPlanner
 from .kv_wiring import wire_kv
@@ -78,7 +83,7 @@ def check_assistant(model: PreTrainedModel, assistant: PreTrainedModel, refusal:
             "assistant_model: models with state layers (linear attention, state-space, short convolutions) "
             "cannot draft: a recurrent state that has taken in rejected draft tokens cannot be rolled back"
         )
-    return ModelShape.from_config(assistant.config)
+    return ModelShape.from_config(assistant.config, observed_layers_of(assistant))
 
 
 def assistant_kv_bytes_per_token(assistant: PreTrainedModel, shape: ModelShape) -> int:
@@ -98,7 +103,7 @@ def resolve_assistant(
     """The assistant's plan: its KV groups with the target's page count (`sizing`), block-table widths for
     its context, its backend (`model_backend`: the model's own, when the model is its own assistant: one
     object cannot run two backends; the drafter's steps need a torch one)."""
-    groups = tuple(kv_groups_from_config(assistant.config))
+    groups = tuple(kv_groups_from_config(assistant.config, observed_layers_of(assistant)))
     own = dataclasses.replace(
         sizing,
         max_pages_per_request=min(

@@ -40,7 +40,12 @@ from ..kv.layer_groups import kv_groups_from_config
 from ..memory.cache_plan import CachePlan, resolve_cache_plan
 from ..memory.host_cache import HostPlan, resolve_host_pages
 from ..memory.sizing import ModelShape, Sizing, resolve_sizing
-from ..model_check.model_support import check_model_supported, ignores_logits_to_keep, state_layout
+from ..model_check.model_support import (
+    check_model_supported,
+    ignores_logits_to_keep,
+    observed_layers_of,
+    state_layout,
+)
 from ..model_check.state_probe import StateLayout
 from ..runner.step_options import StepOptions, resolve_step_options, without_traced_steps
 from ..sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
@@ -103,9 +108,12 @@ def resolve_plan(
     assistant_shape = None
     if assistant_model is not None:
         assistant_shape = check_assistant(model, assistant_model, refusal)
-    kv_groups = tuple(kv_groups_from_config(model.config))
+    # The groups and shape the model's forward attends with (model_check: the probe), where it differs
+    # from its config.
+    observed = observed_layers_of(model)
+    kv_groups = tuple(kv_groups_from_config(model.config, observed))
     # Under tensor parallelism each rank caches its shard of the KV heads (raises for a bad split).
-    shape = shard_shape(model, ModelShape.from_config(model.config), tp_size_of(model))
+    shape = shard_shape(model, ModelShape.from_config(model.config, observed), tp_size_of(model))
     tp = TensorParallelCoordinator.for_model(model, config.cpu_group_timeout)
     first_param = next(model.parameters())
     device, dtype = first_param.device, first_param.dtype

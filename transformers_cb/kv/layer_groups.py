@@ -22,6 +22,10 @@ on sliding layers, 512 and 1 on full ones): a group is keyed by (attention kind,
 head dim), so layers of different shapes get their own groups, each with its head shape
 (`KVGroupSpec.head_shape`); read per layer (`layer_head_shapes`), never globally, where transformers
 raises `AmbiguousGlobalPerLayerAttributeError`.
+
+What the model's forward shows overrides the config (`ObservedLayers`, learned by model_check's probe):
+the (KV heads, head dim) each layer's attention call really passes (MiMo-V2-Flash's sliding layers have
+twice the config's KV heads; JetMoE repeats its K/V once per expert before attending).
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ STATE_LAYER_TYPES: dict[str, str | None] = {
 STATELESS_LAYER_TYPES = frozenset({"moe", "mlp"})
 # The per-layer attributes (`per_layer_config`) that only change a layer's KV head shape.
 HEAD_SHAPE_ATTRIBUTES = frozenset({"head_dim", "num_key_value_heads"})
+
+
+@dataclass(frozen=True)
+class ObservedLayers:
+    """What a model's forward showed of its layers, where that overrides its config (model_check's probe).
+
+    `head_shapes`: (KV heads, head dim) of each layer's attention call (empty: the config's); why: the
+    cache must hold what the kernels are given, and some models state other shapes than they attend with."""
+
+    head_shapes: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -129,9 +143,12 @@ def layer_head_shapes(text_config: Any) -> list[tuple[int, int]] | None:
     return shapes
 
 
-def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
+def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -> list[KVGroupSpec]:
     """Full-attention groups first (when present), then the sliding ones, then the chunked ones; with
-    per-layer head shapes, one group per (kind, head shape), in layer order. Raises on unknown types."""
+    per-layer head shapes, one group per (kind, head shape), in layer order. Raises on unknown types.
+
+    Args:
+        observed: what the model's forward showed (`ObservedLayers`); None: the config alone."""
     text_config = config.get_text_config()
     layer_types = [kv_kind_of(t) for t in layer_types_of(text_config)]
     unknown = sorted({t for t in layer_types if t is not None} - set(KNOWN_LAYER_TYPES))
@@ -147,7 +164,9 @@ def kv_groups_from_config(config: Any) -> list[KVGroupSpec]:
     chunk = getattr(text_config, "attention_chunk_size", None)
     if CHUNKED_ATTENTION in layer_types and (not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"the config has chunked_attention layers but attention_chunk_size={chunk!r}")
-    shapes = layer_head_shapes(text_config)
+    shapes = (
+        list(observed.head_shapes) if observed is not None and observed.head_shapes else None
+    ) or layer_head_shapes(text_config)
     groups = []
     for kind in KNOWN_LAYER_TYPES:
         layers = [i for i, t in enumerate(layer_types) if t == kind]

@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..kv.layer_groups import KVGroupSpec, kv_layer_indices, layer_head_shapes
+from ..kv.layer_groups import KVGroupSpec, ObservedLayers, kv_layer_indices, layer_head_shapes
 from ..kv.page_policies import num_pages_for
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
@@ -57,12 +57,16 @@ class ModelShape:
     kv_layers: tuple[int, ...] | None = None
 
     @classmethod
-    def from_config(cls, config) -> ModelShape:
+    def from_config(cls, config, observed: ObservedLayers | None = None) -> ModelShape:
+        """The shape `config` states, with the head shapes the model's forward showed (`observed`) instead
+        of the config's when given."""
         config = config.get_text_config()
         # State-space models (Mamba) have no attention heads: their shape only sizes the step buffers.
         num_heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
         hidden = config.hidden_size
-        per_layer = layer_head_shapes(config)
+        per_layer = (
+            list(observed.head_shapes) if observed is not None and observed.head_shapes else None
+        ) or layer_head_shapes(config)
         kv_layers = kv_layer_indices(config)
         if per_layer:
             num_kv_heads, head_dim = per_layer[0]

@@ -18,7 +18,15 @@ runner selects the rows itself when it does not (`ProbeResult.keeps_rows`).
   wrong for every sequence of a packed step but the first;
 - forward B is plain `generate()`'s call (no `position_ids`, the model's own mask, the same
   `logits_to_keep`). It differs from A only in who numbers the positions: different logits mean the
-  model's own positions are not 0..n-1 (an offset, learned positions counted from a padding index, ...).
+  model's own positions are not 0..n-1 (an offset, learned positions counted from a padding index, ...);
+- forward C (only when the config states a window) is B with the config's window shrunk below the
+  probe's token count: it tells a layer that windows through its mask alone (no `sliding_window` kwarg:
+  the config's window, which its KV group applies) from one that applies none (Moshi: a plain causal
+  mask, while generate()'s cache, built from the config, keeps only the window: refused, see
+  `dispatch_problems`).
+
+The K/V head shapes the probe saw (`observed_layers`) override the config's where they differ: the cache
+is sized for the K/V each layer really passes (`kv/layer_groups.py: ObservedLayers`).
 
 Each broken clause is one phrase of `dispatch_problems`; the support check refuses the model with them.
 The forwards run through `model.forward` in eval mode under `inference_mode`, and the attention
@@ -41,12 +49,15 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..attention.eager import eager_attend
 from ..attention.paged import METADATA_KWARG, step_metadata
+from ..kv.layer_groups import ObservedLayers
 
 PROBE_NAME = "cb_dispatch_probe"
 # Five tokens: a count no head count or head size is likely to equal, so a model that swaps the token and
 # head axes (BART's decoder given position_ids builds 5D states) cannot look right by accident.
 PROBE_TOKENS = 5
 KEEP_ROWS = (1, PROBE_TOKENS - 1)  # like the runner: an index tensor, not "the last n"
+# Forward C's window: below PROBE_TOKENS under any off-by-one convention, so a windowed mask shows.
+PROBE_WINDOW = 2
 # Kwargs the paged forwards refuse (`attention/paged.py: unsupported_kwargs`).
 UNSUPPORTED_KWARGS = ("sinks", "attention_chunk_size")
 
@@ -64,13 +75,16 @@ class _Call:
     causal: bool
     mask_bias: bool  # the mask carries finite nonzero values: an attention bias (ALiBi), not just masking
     unsupported: tuple[str, ...]
+    mask_windowed: bool = False  # the mask hides some earlier key from some query (a window)
 
 
 @dataclass
 class _Record:
     calls: list[_Call] = field(default_factory=list)  # forward A's (the engine's call)
     plain_calls: list[_Call] = field(default_factory=list)  # forward B's (generate()'s call)
+    window_calls: list[_Call] = field(default_factory=list)  # forward C's (B under a shrunk window)
     in_plain: bool = False
+    in_window: bool = False
 
 
 # The record of the probe running in this thread (its attention function is global to transformers).
@@ -90,7 +104,14 @@ def _recording_attention(
     """The probe's attention function: records the call, returns plain causal attention over `key`/`value`."""
     record = _active.get()
     if record is not None:
-        (record.plain_calls if record.in_plain else record.calls).append(
+        target = (
+            record.window_calls
+            if record.in_window
+            else record.plain_calls
+            if record.in_plain
+            else record.calls
+        )
+        target.append(
             _Call(
                 layer_idx=getattr(module, "layer_idx", None),
                 key_shape=(key.shape[1], key.shape[-1]),
@@ -104,6 +125,7 @@ def _recording_attention(
                 causal=kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False,
                 mask_bias=_is_bias(attention_mask),
                 unsupported=tuple(n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None),
+                mask_windowed=_is_windowed(attention_mask),
             )
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -124,6 +146,15 @@ def _is_bias(mask: torch.Tensor | None) -> bool:
         return False
     kept = mask[mask > torch.finfo(mask.dtype).min / 2]
     return bool((kept != 0).any())
+
+
+def _is_windowed(mask: torch.Tensor | None) -> bool:
+    """A mask that hides some key at or before its query (a window: causal masking hides only later keys)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
+        return False
+    earlier = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+    hidden = ~mask if mask.dtype == torch.bool else mask < torch.finfo(mask.dtype).min / 2
+    return bool((hidden & earlier).any())
 
 
 def _register() -> None:
@@ -174,6 +205,8 @@ class ProbeResult:
     positions_used: bool = True  # other position_ids give other logits
     error: str | None = None
     mask_bias: bool = False  # forward B's attention masks carry a bias
+    # Layers whose mask in forward C applies a window (None: forward C did not run, or failed).
+    windowed_layers: frozenset[int] | None = None
 
 
 @torch.inference_mode()
@@ -208,6 +241,7 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
                 logits_to_keep=keep,
             ).logits
             plain_call = forward(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+            windowed = _windowed_layers(model, forward, ids, keep, record)
     except Exception as error:  # noqa: BLE001  (any failure of the model's own forward is the reason)
         return ProbeResult(record.calls, True, True, error=f"{type(error).__name__}: {error}")
     finally:
@@ -223,7 +257,58 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
     used = not torch.equal(engine_call, spread_call)
     # A bias that only the model's own mask carries (B) is lost all the same under the engine's call.
     bias = any(c.mask_bias for c in record.plain_calls)
-    return ProbeResult(record.calls, keeps, agree, used, mask_bias=bias)
+    return ProbeResult(record.calls, keeps, agree, used, mask_bias=bias, windowed_layers=windowed)
+
+
+def _windowed_layers(
+    model: PreTrainedModel,
+    forward: Callable[..., Any],
+    ids: torch.Tensor,
+    keep: torch.Tensor,
+    record: _Record,
+) -> frozenset[int] | None:
+    """Forward C: the layers whose own mask applies the config's window (shrunk to `PROBE_WINDOW` for the
+    call, so five tokens show it). None when the config states no window or the forward fails."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    if not isinstance(window, int) or window <= PROBE_WINDOW:
+        return None
+    record.in_window = True
+    text.sliding_window = PROBE_WINDOW
+    try:
+        forward(input_ids=ids, use_cache=False, logits_to_keep=keep)
+    except Exception:  # noqa: BLE001  (no answer: every layer keeps the config's window)
+        return None
+    finally:
+        text.sliding_window = window
+        record.in_window = False
+    return frozenset(
+        c.layer_idx for c in record.window_calls if isinstance(c.layer_idx, int) and c.mask_windowed
+    )
+
+
+def _masks_window(result: ProbeResult, call: _Call, window: int | None) -> bool:
+    """The config gives the call's layer a window that the layer applies through its mask alone (no
+    `sliding_window` kwarg, a mask that follows the config's window: forward C)."""
+    return (
+        window is not None
+        and call.sliding_window is None
+        and result.windowed_layers is not None
+        and call.layer_idx in result.windowed_layers
+    )
+
+
+def observed_layers(result: ProbeResult, kv_shapes: list[tuple[int, int]]) -> ObservedLayers:
+    """What the probe saw that overrides the config: each layer's K head shape where any layer's differs
+    from `kv_shapes` (the config's; layers without a call keep theirs). Read only when
+    `dispatch_problems` found nothing (then every layer's V has its K's shape)."""
+    seen = {
+        c.layer_idx: c
+        for c in result.calls
+        if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < len(kv_shapes)
+    }
+    shapes = [seen[i].key_shape if i in seen else shape for i, shape in enumerate(kv_shapes)]
+    return ObservedLayers(tuple(shapes) if shapes != list(kv_shapes) else ())
 
 
 def dispatch_problems(
@@ -281,19 +366,27 @@ def dispatch_problems(
     unexpected = sorted(i for i in per_layer if i is not None and i not in expected)
     if unexpected:
         problems.append(f"layers {unexpected} attend although their layer type caches no K/V")
-    if result.mask_bias or any(c.mask_bias for c in calls):
+    layer_bias = sorted({c.layer_idx for c in calls if c.mask_bias and c.layer_idx is not None})
+    if layer_bias:
+        # The engine's call passes a plain mask: a bias there was made by the layer itself (Doge's dynamic
+        # mask: a per-key term from every cached key's value states, then a top-k of the keys).
+        problems.append(
+            f"layers {layer_bias} add a bias of their own to the attention mask (computed in the layer from "
+            "its keys' states, e.g. Doge's dynamic mask): the paged kernels add no bias to the logits, and a "
+            "layer sees only the step's new keys, not the cached ones the bias is over"
+        )
+    elif result.mask_bias or any(c.mask_bias for c in calls):
         problems.append("its attention mask carries a bias (e.g. ALiBi), which the paged kernels do not add")
     if any(not c.causal for c in calls):
         problems.append("its attention is bidirectional (is_causal=False), not causal generation")
+    # K/V shapes other than the config's are sized from the probe (`observed_layers`); what the cache
+    # cannot hold is a V of another shape than its K (one head shape per KV group).
     for c in calls:
-        if kv_shapes is None or c.layer_idx is None or not 0 <= c.layer_idx < len(kv_shapes):
-            continue
-        kv_shape = kv_shapes[c.layer_idx]
-        if c.key_shape != kv_shape or c.value_shape != kv_shape:
+        if kv_shapes is not None and c.key_shape != c.value_shape:
             problems.append(
-                f"layer {c.layer_idx} attends with K of (heads, dim) {c.key_shape} and V {c.value_shape}, but "
-                f"the config says {kv_shape} (head shapes the config does not state, or a value head size "
-                "other than the key's, are not supported yet)"
+                f"layer {c.layer_idx} attends with V of (heads, dim) {c.value_shape} but K {c.key_shape}: a "
+                "value head size other than the key's is not supported yet (the paged cache and kernels hold "
+                "K and V of one head shape per KV group)"
             )
             break
     for c in calls:
@@ -307,7 +400,19 @@ def dispatch_problems(
             isinstance(c.layer_idx, int)
             and 0 <= c.layer_idx < len(windows)
             and c.sliding_window != windows[c.layer_idx]
+            and not _masks_window(result, c, windows[c.layer_idx])
         ):
+            window = windows[c.layer_idx]
+            if c.sliding_window is None and result.windowed_layers is not None:
+                # Its mask is causal, yet generate()'s DynamicCache (built from the config) keeps only the
+                # window: generate() attends fully while prefilling, within the window while decoding.
+                problems.append(
+                    f"layer {c.layer_idx} applies no window (no sliding_window, a plain causal mask) while the "
+                    f"config sets sliding_window={window!r}, with which the DynamicCache of generate() keeps only "
+                    f"a {window}-token window: generate() attends to every key while prefilling and to the window while decoding, a mix "
+                    "no paged KV group kind reproduces"
+                )
+                break
             problems.append(
                 f"layer {c.layer_idx} applies sliding_window={c.sliding_window!r} but the config gives its layer "
                 f"kind window {windows[c.layer_idx]!r}"

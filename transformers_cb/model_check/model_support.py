@@ -21,9 +21,11 @@ From what the model's forward does (when the model is given; `attention_probe.py
 - attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
   ...: classes with `_supports_attention_backend` False compute it themselves);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
-  step's metadata is out of reach: its layers count as missing), two attention calls per layer, K/V shapes or windows the config does not
-  state, bidirectional layers, an attention bias in the mask (ALiBi), positions numbered another way
-  than 0..n-1.
+  step's metadata is out of reach: its layers count as missing), two attention calls per layer, a V
+  head shape other than K's, a window other than the config's, bidirectional layers, an attention bias in
+  the mask (ALiBi), positions numbered another way than 0..n-1.
+K/V head shapes other than the config's are taken from the forward instead (`observed_layers_of`: the
+engine sizes its cache from them), and so is a window applied through the mask alone (no kwarg).
 Two clauses are adapted instead of refused (runner/model_call.py): layers that drop the attention kwargs
 (StableLM, Nemotron) reach the step's metadata through a context variable, and a forward that ignores
 `logits_to_keep` has its rows selected by the runner (`ignores_logits_to_keep`).
@@ -42,13 +44,14 @@ from transformers import PreTrainedModel
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import (
     HEAD_SHAPE_ATTRIBUTES,
+    ObservedLayers,
     kv_groups_from_config,
     kv_layer_indices,
     layer_to_group,
     state_layer_indices,
 )
 from ..memory.sizing import ModelShape
-from .attention_probe import dispatch_problems, probe_token_ids, run_probe
+from .attention_probe import dispatch_problems, observed_layers, probe_token_ids, run_probe
 from .state_probe import StateLayout, probe_states, state_problems
 
 # Recurrent models whose state is not kept through transformers' linear-attention cache API (their own
@@ -61,10 +64,11 @@ ALIBI_FLAGS = ("alibi", "use_alibi")
 
 @dataclass(frozen=True)
 class _Verdict:
-    fingerprint: str
+    fingerprint: str | None  # None: a config JSON cannot hold (the verdict is then never reused)
     problems: list[str]
     ignores_logits_to_keep: bool
     states: StateLayout | None  # the model's state layers (None: none)
+    observed: ObservedLayers | None = None  # what the forward showed that overrides the config
 
 
 # The probe's verdict per model object and config (its forward does not change between engines; a config
@@ -180,11 +184,11 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     ]
     layout, problems = state_problems(model, config)
     if problems:
-        if fingerprint is not None:
-            _probed[model] = _Verdict(fingerprint, problems, False, None)
+        _probed[model] = _Verdict(fingerprint, problems, False, None)
         return problems
     with probe_states(layout, len(probe_token_ids(model)), first.device):
         result = run_probe(model)
+    observed = None
     if (
         not result.calls
         and kv_layers
@@ -194,9 +198,25 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     else:
         kv_shapes = [shape.layer_head_shape(i) for i in range(num_layers)]
         problems = dispatch_problems(result, num_layers, kv_shapes, windows, kv_layers, layout is not None)
-    if fingerprint is not None:
-        _probed[model] = _Verdict(fingerprint, problems, not result.keeps_rows, layout)
+        observed = None if problems else observed_layers(result, kv_shapes)
+    # Kept even without a fingerprint (never reused by the check then): the engine reads this probe's
+    # observations right after it (`observed_layers_of`).
+    _probed[model] = _Verdict(fingerprint, problems, not result.keeps_rows, layout, observed)
     return problems
+
+
+def observed_layers_of(model: PreTrainedModel) -> ObservedLayers | None:
+    """The KV head shapes the support check saw the model's forward attend with where its config says
+    otherwise (`kv/layer_groups.py: ObservedLayers`); None when it was not probed (meta weights, tensor
+    parallelism), or its config changed since: the config alone then sizes the cache."""
+    verdict = _probed.get(model)
+    try:
+        fingerprint: str | None = model.config.to_json_string()
+    except (TypeError, ValueError):
+        fingerprint = None
+    if verdict is None or verdict.fingerprint != fingerprint or verdict.problems:
+        return None
+    return verdict.observed
 
 
 def ignores_logits_to_keep(model: PreTrainedModel) -> bool:

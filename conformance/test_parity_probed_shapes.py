@@ -1,0 +1,145 @@
+"""Greedy parity on models whose layers attend with K/V head shapes their config does not state: the cache
+is sized from what the support check's probe saw each layer pass (`kv/layer_groups.py: ObservedLayers`).
+
+- JetMoE repeats its K/V once per routed expert (`num_experts_per_tok`) before attending: every layer
+  passes twice the config's KV heads; the cache holds the repeated K/V as the layer passes it.
+- MiMo-V2-Flash doubles the KV heads of its sliding layers in code: its full and sliding layers get KV
+  groups of different head shapes (window 8, shorter than most prompts). Its value head size equals the key's
+  here; a V head size other than K's is refused (tests/model_check/test_model_support.py).
+
+Each runs under the torch paged backends transformers lets it take (MiMo-V2-Flash: eager only) x page sizes {4, 16} x token budgets (5: chunked prefill; default),
+under eviction (a cache just big enough for the largest request) and with prefix sharing; the engine's
+integrity check runs after every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
+from conformance.test_parity_sliding import integrity_checked
+from conformance.test_prefix_sharing import shared_prompts
+from tests.support.prompts import random_prompts
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.attention.selection import paged_attention
+from transformers_cb.engine.build import build_engine
+from transformers_cb.model_check.model_support import observed_layers_of
+
+MAX_NEW_TOKENS = 10
+VOCAB = 300
+SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "bos_token_id": 1, "eos_token_id": 2}
+
+
+# The plain implementation generate() runs (transformers refuses sdpa for MiMo-V2-Flash: its sinks).
+PLAIN = {"jetmoe": "sdpa", "mimo_v2_flash": "eager"}
+
+
+def _tiny(model_type: str, **overrides) -> PreTrainedModel:
+    config = AutoConfig.for_model(model_type, **{**SMALL, **overrides})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation(PLAIN[model_type])
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+MODELS: dict[str, Callable[[], PreTrainedModel]] = {
+    "jetmoe": lambda: _tiny(
+        "jetmoe",
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "mimo_v2_flash": lambda: _tiny(
+        "mimo_v2_flash",
+        num_attention_heads=4,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        v_head_dim=8,
+        sliding_window=8,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
+}
+# What the probe sees each layer attend with, (KV heads, head dim) per layer: not the config's (2, 8).
+OBSERVED = {"jetmoe": ((4, 8), (4, 8)), "mimo_v2_flash": ((2, 8), (4, 8))}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def subject(request):
+    model = MODELS[request.param]()
+    prompts = random_prompts(6, VOCAB, 1, 30, seed=1)
+    return request.param, model, prompts, ReferenceCache(model, MAX_NEW_TOKENS)
+
+
+def test_the_cache_is_sized_from_the_probe(subject) -> None:
+    name, model, _, _ = subject
+    engine = build_engine(model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
+    observed = observed_layers_of(model)
+    assert observed is not None and observed.head_shapes == OBSERVED[name]
+    shapes = {layer: spec.head_shape for spec in engine.plan.cache.kv_groups for layer in spec.layer_indices}
+    assert tuple(shapes[i] for i in range(len(OBSERVED[name]))) == OBSERVED[name]
+
+
+@pytest.mark.parametrize("budget", [5, None], ids=lambda b: f"budget{b}")
+@pytest.mark.parametrize("page_size", [4, 16], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("backend", ["paged|sdpa", "paged|eager"])
+def test_probed_shapes_parity(subject, backend: str, page_size: int, budget: int | None) -> None:
+    name, model, prompts, references = subject
+    if backend == "paged|sdpa" and PLAIN[name] != "sdpa":
+        pytest.skip(f"transformers refuses sdpa-based implementations for {name}")
+    context = f"{name} / {backend!r} / page_size={page_size}, max_batch_tokens={budget}"
+    model.set_attn_implementation(backend)
+    try:
+        with integrity_checked() as steps:
+            outputs, _ = run_batch(
+                model, prompts, greedy_config(MAX_NEW_TOKENS), page_size=page_size, max_batch_tokens=budget
+            )
+    finally:
+        model.set_attn_implementation(PLAIN[name])
+    assert steps, "the engine never stepped"
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], context)
+
+
+def test_probed_shapes_parity_under_eviction(subject) -> None:
+    name, model, prompts, references = subject
+    num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, 4)
+    with integrity_checked():
+        outputs, preemptions = run_batch(
+            model,
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=4,
+            max_batch_tokens=16,
+            num_blocks=num_blocks,
+        )
+    assert preemptions, f"{name}: no request was evicted; the test does not exercise eviction"
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{name} under eviction")
+
+
+def test_probed_shapes_share_prefixes_and_match_generate(subject) -> None:
+    name, model, _, references = subject
+    prompts = shared_prompts(1.0, 4) + shared_prompts(0.5, 4, seed=1)
+    engine = build_engine(
+        model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
+    )
+    requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+    with paged_attention(model), torch.inference_mode():
+        for request in engine.admission_order(requests):
+            engine.add(request)
+        while engine.has_work():
+            engine.step()
+            engine.check_integrity()
+    outputs = {r.request_id: r.to_output() for r in requests}
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{name} sharing")
+    assert engine.scheduler.pages.prefix.stats.hit_tokens > 0
