@@ -12,17 +12,13 @@ chunked group's pages are recycled while running; the engine's integrity check r
 from __future__ import annotations
 
 import pytest
-import torch
 
 from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
 from conformance.test_parity_sliding import integrity_checked
-from conformance.test_prefix_sharing import shared_prompts
+from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.models import build_tiny_model, using_backend, vocab_size
 from tests.support.prompts import random_prompts
-from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ENV_SWITCH
-from transformers_cb.attention.selection import paged_attention
-from transformers_cb.engine.build import build_engine
 
 MAX_NEW_TOKENS = 12
 FAMILY = "llama4"
@@ -76,17 +72,4 @@ def test_chunked_model_shares_prefixes_and_matches_generate(llama4) -> None:
     """Hits on the chunked group take only the pages from the current attention chunk on (the shared 12
     tokens span two chunks of 8); the full NoPE group takes every page."""
     model, _, references = llama4
-    prompts = shared_prompts(1.0, 4) + shared_prompts(0.5, 4, seed=1)
-    engine = build_engine(
-        model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
-    )
-    requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model), torch.inference_mode():
-        for request in engine.admission_order(requests):
-            engine.add(request)
-        while engine.has_work():
-            engine.step()
-            engine.check_integrity()
-    outputs = {r.request_id: r.to_output() for r in requests}
-    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], "llama4 sharing")
-    assert engine.scheduler.pages.prefix.stats.hit_tokens > 0
+    check_shared_prefix_parity(model, references, "llama4 sharing", MAX_NEW_TOKENS)

@@ -22,10 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
 from conformance.test_parity_sliding import integrity_checked
-from conformance.test_prefix_sharing import shared_prompts
+from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.build import build_engine
 from transformers_cb.model_check.model_support import observed_layers_of
 
@@ -129,17 +128,4 @@ def test_probed_shapes_parity_under_eviction(subject) -> None:
 
 def test_probed_shapes_share_prefixes_and_match_generate(subject) -> None:
     name, model, _, references = subject
-    prompts = shared_prompts(1.0, 4) + shared_prompts(0.5, 4, seed=1)
-    engine = build_engine(
-        model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
-    )
-    requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model), torch.inference_mode():
-        for request in engine.admission_order(requests):
-            engine.add(request)
-        while engine.has_work():
-            engine.step()
-            engine.check_integrity()
-    outputs = {r.request_id: r.to_output() for r in requests}
-    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{name} sharing")
-    assert engine.scheduler.pages.prefix.stats.hit_tokens > 0
+    check_shared_prefix_parity(model, references, f"{name} sharing", MAX_NEW_TOKENS)

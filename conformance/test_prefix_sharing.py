@@ -114,25 +114,32 @@ def test_hits_skip_prefill_tokens(llama) -> None:
     assert engine.scheduler.pages.prefix.stats.hit_rate > 0.5
 
 
-@pytest.mark.parametrize("family", ["qwen2_sliding", "mistral", "gemma2"])
-def test_sliding_and_hybrid_models_share_and_match_generate(family) -> None:
-    """Hits on sliding groups take only the window's pages (window 8 < the shared 12 tokens)."""
-    model = build_tiny_model(family)
-    refs = ReferenceCache(model, MAX_NEW_TOKENS)
+def check_shared_prefix_parity(model, references: ReferenceCache, label: str, max_new_tokens: int) -> None:
+    """Prompts sharing prefixes, queued in admission order through one engine (page size 4, 16-token steps,
+    integrity checked after every step): later requests hit the first's pages, and every output equals
+    `generate()`'s."""
     prompts = shared_prompts(1.0, 4) + shared_prompts(0.5, 4, seed=1)
     engine = build_engine(
-        model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
+        model, greedy_config(max_new_tokens), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
     )
     requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
-    with paged_attention(model), torch.inference_mode():
+    with engine.session():
         for request in engine.admission_order(requests):
             engine.add(request)
         while engine.has_work():
             engine.step()
             engine.check_integrity()
     outputs = {r.request_id: r.to_output() for r in requests}
-    check_parity(model, prompts, outputs, [refs.get(p) for p in prompts], f"{family} sharing")
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], label)
     assert engine.scheduler.pages.prefix.stats.hit_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_sliding", "mistral", "gemma2"])
+def test_sliding_and_hybrid_models_share_and_match_generate(family) -> None:
+    """Hits on sliding groups take only the window's pages (window 8 < the shared 12 tokens)."""
+    model = build_tiny_model(family)
+    refs = ReferenceCache(model, MAX_NEW_TOKENS)
+    check_shared_prefix_parity(model, refs, f"{family} sharing", MAX_NEW_TOKENS)
 
 
 # -- property: random prompt sets from a few shared prefixes ---------------------------------------
