@@ -30,6 +30,7 @@ from .guided import guided_of
 from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .reasoning import template_kwargs, thinks
+from .response_stream import collect_output, response_stream
 from .responses import ChoiceTotals, ResponseShape, sse
 from .responses_api import (
     MAX_INPUT_ITEMS,
@@ -40,7 +41,6 @@ from .responses_api import (
     input_messages,
     new_response_id,
     rename_param,
-    sse_event,
 )
 from .tools import ToolMode, tool_mode
 
@@ -406,9 +406,11 @@ async def _respond(
         )
         if shape.body.stream:
             state.metrics.count_response(request.url.path, 200)
-            content = _response_stream(state, shape, events, conversation)
+            content = response_stream(
+                shape, events, lambda output: _store(state, shape, conversation, output)
+            )
             return _CancellingStreamingResponse(content, state, submitted)
-        output = await _until_disconnect(request, _collect_output(events))
+        output = await _until_disconnect(request, collect_output(events))
         if output is None:
             return Response(status_code=499)
         _store(state, shape, conversation, output)
@@ -427,55 +429,6 @@ def _store(
 ) -> None:
     if shape.body.store:
         state.stored.keep(shape.response_id, [*conversation, output.message()])
-
-
-async def _collect_output(events: AsyncIterator[ChoiceEvent]) -> OutputItems:
-    output = OutputItems()
-    try:
-        async for event in events:
-            if event.error is not None:
-                raise event.error
-            output.add(event)
-        output.finish()
-    finally:
-        await aclose(events)
-    return output
-
-
-async def _response_stream(
-    state: ServeState,
-    shape: ResponseObject,
-    events: AsyncIterator[ChoiceEvent],
-    conversation: list[dict[str, Any]],
-) -> AsyncIterator[bytes]:
-    output = OutputItems()
-    sequence = 0
-
-    def numbered(event: dict[str, Any]) -> bytes:
-        nonlocal sequence
-        sequence += 1
-        return sse_event(event, sequence - 1)
-
-    try:
-        yield numbered({"type": "response.created", "response": shape.render(None, "in_progress")})
-        yield numbered({"type": "response.in_progress", "response": shape.render(None, "in_progress")})
-        async for event in events:
-            if event.error is not None:
-                error = event.error
-                yield numbered(
-                    {"type": "error", "code": error.code, "message": error.message, "param": error.param}
-                )
-                yield numbered({"type": "response.failed", "response": shape.render(output, "failed", error)})
-                return
-            for step in output.add(event):
-                yield numbered(step)
-        for step in output.finish():
-            yield numbered(step)
-        _store(state, shape, conversation, output)
-        kind = "response.completed" if output.status == "completed" else "response.incomplete"
-        yield numbered({"type": kind, "response": shape.render(output, output.status)})
-    finally:
-        await aclose(events)
 
 
 async def _collect(events: AsyncIterator[ChoiceEvent], indices: list[int]) -> dict[int, ChoiceTotals]:
