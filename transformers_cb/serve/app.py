@@ -177,9 +177,13 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     prompt_text = _chat_text(state, body, tools)
     prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
+    # An answer under a response format (JSON, a schema) is that JSON itself: never split off as reasoning, or a
+    # schema-valid answer would come back as a reasoning item with no content. (guided_* constraints may
+    # write the reasoning region themselves, so they keep the split.)
+    formatted = guided_of(body)[1] == "response_format"
     turn = TurnFormat(
         tools,
-        reasoning=thinks(state.reasoning, state.tokenizer),
+        reasoning=thinks(state.reasoning, state.tokenizer) and not formatted,
         prompt_text=prompt_text,
         response_template=getattr(state.tokenizer, "response_template", None),
     )
