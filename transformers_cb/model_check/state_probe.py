@@ -23,13 +23,13 @@ from torch import nn
 from ..kv.layer_groups import state_layer_indices
 from ..memory.state_cache import StateCache, StateSpec, state_bytes_per_slot
 from ..runner.state_layers import (
+    StateCall,
     StateLayers,
     StateRecorder,
     StateTable,
-    cache_parameter,
     continuation_gap,
     run_with_recorder,
-    state_modules,
+    state_calls,
 )
 
 PROBE_TOKENS = 3
@@ -47,6 +47,8 @@ class StateLayout:
     specs: tuple[StateSpec, ...]
     # Layers whose continued prefill chunks run one token at a time (runner/state_layers.py `run_span`).
     stepwise: frozenset[int] = frozenset()
+    # How each module runs one piece of a step (runner/state_layers.py `StateCall`); None: the cache API's.
+    calls: dict[int, StateCall] | None = None
 
     @property
     def bytes_per_slot(self) -> int:
@@ -60,7 +62,7 @@ class StateLayout:
 def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, list[str]]:
     """The model's `StateLayout` (None: no state layers) and what keeps them from running (empty: nothing)."""
     typed = state_layer_indices(config)
-    modules = state_modules(model)
+    modules, calls = state_calls(model)
     if not typed and not modules:
         return None, []
     problems = []
@@ -76,7 +78,7 @@ def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, l
             "linear-attention cache API (get_conv_state / update_recurrent_state ...)"
         )
     for layer, module in sorted(modules.items()):
-        if cache_parameter(module) is None:
+        if layer not in calls:
             problems.append(
                 f"{type(module).__name__} (layer {layer}) does not take (hidden_states, cache, attention_mask)"
             )
@@ -92,7 +94,7 @@ def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, l
         recorder = StateRecorder()
         try:
             with torch.inference_mode():
-                run_with_recorder(module, hidden, recorder)
+                run_with_recorder(module, calls[layer], hidden, recorder)
         except Exception as error:  # noqa: BLE001  (any failure of the module's own forward is the reason)
             return None, [
                 f"its state layer {layer} ({type(module).__name__}) fails alone: {type(error).__name__}: {error}"
@@ -102,14 +104,18 @@ def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, l
                 f"its state layer {layer} ({type(module).__name__}) stores no state through the cache API"
             ]
         specs.extend(recorder.specs[key] for key in sorted(recorder.specs))
-    stepwise, problems = stepwise_layers(modules, tuple(specs), hidden_size, generator)
+    stepwise, problems = stepwise_layers(modules, calls, tuple(specs), hidden_size, generator)
     if problems:
         return None, problems
-    return StateLayout(modules, tuple(specs), stepwise), []
+    return StateLayout(modules, tuple(specs), stepwise, calls), []
 
 
 def stepwise_layers(
-    modules: dict[int, nn.Module], specs: tuple[StateSpec, ...], hidden_size: int, generator: torch.Generator
+    modules: dict[int, nn.Module],
+    calls: dict[int, StateCall],
+    specs: tuple[StateSpec, ...],
+    hidden_size: int,
+    generator: torch.Generator,
 ) -> tuple[frozenset[int], list[str]]:
     """The layers whose multi-token path ignores the state it is given (continued chunks then run one
     token at a time), and the layers that continue no state either way (problems).
@@ -132,9 +138,15 @@ def stepwise_layers(
         hidden = torch.randn(1, 2 * PROBE_TOKENS, hidden_size, generator=generator).to(device)
         try:
             with torch.inference_mode():
-                if continuation_gap(exact, exact_specs, hidden, stepwise=False) <= CONTINUATION_TOLERANCE:
+                if (
+                    continuation_gap(exact, calls[layer], exact_specs, hidden, stepwise=False)
+                    <= CONTINUATION_TOLERANCE
+                ):
                     continue
-                if continuation_gap(exact, exact_specs, hidden, stepwise=True) <= CONTINUATION_TOLERANCE:
+                if (
+                    continuation_gap(exact, calls[layer], exact_specs, hidden, stepwise=True)
+                    <= CONTINUATION_TOLERANCE
+                ):
                     stepwise.add(layer)
                     continue
         except Exception as error:  # noqa: BLE001  (any failure of the module's own forward is the reason)
@@ -158,6 +170,8 @@ def probe_states(layout: StateLayout | None, num_tokens: int, device: torch.devi
     if layout is None:
         yield
         return
-    layers = StateLayers(layout.modules, StateCache(layout.specs, 1, device), stepwise=layout.stepwise)
+    layers = StateLayers(
+        layout.modules, StateCache(layout.specs, 1, device), stepwise=layout.stepwise, calls=layout.calls
+    )
     with layers.step(StateTable(None, 0, [(0, num_tokens, 0, True)])):
         yield
