@@ -54,9 +54,9 @@ from ..memory.sizing import ModelShape
 from .attention_probe import dispatch_problems, observed_layers, probe_token_ids, run_probe
 from .state_probe import StateLayout, probe_states, state_problems
 
-# Recurrent models whose state is not kept through transformers' linear-attention cache API (their own
-# cache classes, or recurrences the API does not carry): the state slots cannot hold it.
-OWN_STATE_MODEL_TYPES = frozenset({"minimax", "plamo2", "recurrent_gemma", "rwkv", "xlstm"})
+# Recurrent models whose state is kept neither through transformers' linear-attention cache API nor by a
+# model-owned recurrence the state slots carry (runner/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
+OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits, which the paged kernels
 # do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
 ALIBI_FLAGS = ("alibi", "use_alibi")

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..kv.layer_groups import state_layer_indices
 from ..memory.state_cache import StateCache, StateSpec, state_bytes_per_slot
+from ..runner.own_state import state_calls
 from ..runner.state_layers import (
     StateCall,
     StateLayers,
@@ -29,7 +30,6 @@ from ..runner.state_layers import (
     StateTable,
     continuation_gap,
     run_with_recorder,
-    state_calls,
 )
 
 PROBE_TOKENS = 3

@@ -382,18 +382,6 @@ def continuation_gap(
     return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
 
 
-def state_calls(model: nn.Module) -> tuple[dict[int, nn.Module], dict[int, StateCall]]:
-    """The model's state modules by layer, and how each runs a piece of a step (a module with no call
-    here cannot be split by request: the probe names it)."""
-    modules = state_modules(model)
-    calls: dict[int, StateCall] = {}
-    for layer, module in modules.items():
-        name = cache_parameter(module)
-        if name is not None:
-            calls[layer] = CacheApiCall(name)
-    return modules, calls
-
-
 def _split_forward(original: Callable[..., Any], call: StateCall, layer: int) -> Callable[..., Any]:
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         states = _step_states.get()
