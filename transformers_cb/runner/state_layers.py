@@ -62,6 +62,11 @@ class StateTable:
     num_decode_rows: int
     spans: list[tuple[int, int, int, bool]] = field(default_factory=list)
 
+    @property
+    def num_rows(self) -> int:
+        """The step's rows: the decode batch and every span."""
+        return self.num_decode_rows + sum(count for _, count, _, _ in self.spans)
+
 
 @dataclass(frozen=True)
 class StepStates:
@@ -388,6 +393,12 @@ def _split_forward(original: Callable[..., Any], call: StateCall, layer: int) ->
         if states is None:  # not a step of ours (e.g. the support probe): the module as transformers wrote it
             return original(hidden_states, *args, **kwargs)
         table, cache, stepwise = states.table, states.cache, layer in states.stepwise
+        if hidden_states.shape[1] != table.num_rows:
+            raise InvariantError(
+                f"state layer {layer} was called on {hidden_states.shape[1]} rows of a step of "
+                f"{table.num_rows}: the model split the step itself (xLSTM does past its "
+                "max_inference_chunksize: lower max_batch_tokens below it)"
+            )
         pieces: list[tuple[int, torch.Tensor]] = []
         rows = table.num_decode_rows
         if rows:
