@@ -3,7 +3,8 @@ the shape and dtype of each state (`StateLayout`), or why they cannot run (a ref
 
 transformers' layer types say which layers keep a state (`kv/layer_groups.py`: `linear_attention`,
 `conv`, `hybrid`); the modules that keep it are those whose forward calls transformers'
-linear-attention cache API (`runner/state_layers.py`). Each is run once on three tokens against a
+linear-attention cache API (`runner/state_layers.py`), and the model-owned recurrences with an adapter
+(`runner/own_state.py`: MiniMax, RecurrentGemma, RWKV, xLSTM). Each is run once on three tokens against a
 recorder of that API (its own code, batch one, as `generate()`'s first step), which gives the state
 tensors the slots must hold.
 """
