@@ -52,6 +52,12 @@ class StateLayout:
     calls: dict[int, StateCall] | None = None
 
     @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens a step may have (`StateCall.max_step_tokens`; None: no bound)."""
+        bounds = [c.max_step_tokens for c in (self.calls or {}).values() if c.max_step_tokens is not None]
+        return min(bounds) if bounds else None
+
+    @property
     def bytes_per_slot(self) -> int:
         return state_bytes_per_slot(self.specs)
 

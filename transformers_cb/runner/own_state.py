@@ -193,6 +193,11 @@ class XlstmCall(StateCall):
 
     layer: int
     shapes: tuple[tuple[int, ...], ...]  # C, n, m per request
+    chunk_limit: int  # `max_inference_chunksize`: `xLSTMModel` splits a longer forward into pieces
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        return self.chunk_limit
 
     def run(
         self,
@@ -234,7 +239,9 @@ OWN_STATE_CALLS: dict[str, Callable[[Any, int], StateCall]] = {
     "MiniMaxLightningAttention": lambda module, layer: MiniMaxCall(layer),
     "RecurrentGemmaRecurrentBlock": lambda module, layer: RecurrentGemmaCall(layer, module),
     "RwkvBlock": lambda module, layer: RwkvCall(layer, module.config.hidden_size),
-    "xLSTMBlock": lambda module, layer: XlstmCall(layer, _xlstm_shapes(module.config)),
+    "xLSTMBlock": lambda module, layer: XlstmCall(
+        layer, _xlstm_shapes(module.config), module.config.max_inference_chunksize
+    ),
 }
 
 

@@ -299,6 +299,12 @@ class StateCall:
     def packed(self, output: torch.Tensor) -> Any:
         return output
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens a step may have for the model to call this module on the whole step at once
+        (None: no bound; xLSTM splits a longer forward itself)."""
+        return None
+
 
 @dataclass(frozen=True)
 class CacheApiCall(StateCall):
