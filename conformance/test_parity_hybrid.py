@@ -271,7 +271,7 @@ def test_hybrid_forks_equal_generate(_families, name: str) -> None:
     assert len(copied) == sum(len(p) >= 2 for p in family.prompts), f"{name}: state forks {copied}"
 
 
-STREAMED = ("qwen3_5", "mamba2", "jamba", "lfm2", "falcon_h1")
+STREAMED = ("qwen3_5", "mamba2", "jamba", "lfm2", "falcon_h1", "minimax", "recurrent_gemma", "rwkv", "xlstm")
 
 
 @pytest.mark.parametrize("name", STREAMED)
@@ -311,7 +311,7 @@ def test_hybrid_manager_streaming(_families, name: str) -> None:
         manager.destroy()
 
 
-BF16 = ("qwen3_5", "mamba", "bamba", "lfm2")
+BF16 = ("qwen3_5", "mamba", "bamba", "lfm2", "minimax", "recurrent_gemma", "rwkv", "xlstm")
 
 
 @pytest.mark.parametrize("name", BF16)

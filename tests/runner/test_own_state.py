@@ -89,15 +89,22 @@ def test_a_packed_step_equals_each_request_alone(name: str) -> None:
     torch.testing.assert_close(packed[4], _last_logits(model, c), rtol=1e-4, atol=1e-4)
 
 
-def test_recurrent_gemma_leaves_no_state_on_its_modules() -> None:
-    """Its states live on the block during a call only: after a step the blocks hold nothing (the slots
-    do), so a later `generate()` starts from its own cache."""
+def test_recurrent_gemma_steps_never_touch_the_blocks_own_state() -> None:
+    """Its states live on the block in transformers; a step runs on copies holding the slots' states, so
+    a `generate()` of the same model (another thread beside a running manager) keeps its own: the
+    block's attributes are what `generate()` left, before and after a step."""
     model = build_hybrid("recurrent_gemma")
     layers = _layers(model)
-    with torch.no_grad(), layers.step(StateTable(None, 0, [(0, 3, 0, True)])):
-        model(torch.tensor([[5, 6, 7]]), use_cache=False)
-    for module in layers.modules.values():
-        assert module.conv1d_state is None and module.rg_lru.recurrent_states is None
+    with torch.no_grad():
+        model(torch.tensor([[9, 8]]), use_cache=True)  # generate()'s prefill leaves its states on the blocks
+        left = {
+            i: (m.conv1d_state.clone(), m.rg_lru.recurrent_states.clone()) for i, m in layers.modules.items()
+        }
+        with layers.step(StateTable(None, 0, [(0, 3, 0, True)])):
+            model(torch.tensor([[5, 6, 7]]), position_ids=torch.tensor([[0, 1, 2]]), use_cache=False)
+    for i, module in layers.modules.items():
+        torch.testing.assert_close(module.conv1d_state, left[i][0], rtol=0, atol=0)
+        torch.testing.assert_close(module.rg_lru.recurrent_states, left[i][1], rtol=0, atol=0)
     assert layers.cache.tensors[(0, RECURRENT, 0)][0].any()
 
 

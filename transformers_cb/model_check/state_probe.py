@@ -11,7 +11,6 @@ tensors the slots must hold.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -136,7 +135,7 @@ def stepwise_layers(
     for layer, module in sorted(modules.items()):
         first = next(module.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
-        exact = copy.deepcopy(module).float()
+        exact = calls[layer].float32_copy(module)
         exact_specs = tuple(
             dataclasses.replace(spec, dtype=torch.float32) if spec.dtype.is_floating_point else spec
             for spec in specs

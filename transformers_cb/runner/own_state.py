@@ -12,9 +12,9 @@ own, unchanged:
   state read and set through `get_linear_cache` / `set_linear_cache` of its `MiniMaxCache`, given here
   over the slots (`LinearCacheView`);
 - RecurrentGemma's recurrent block (`RecurrentGemmaRecurrentBlock`): its convolution window and RG-LRU
-  state live on the module (`conv1d_state`, `rg_lru.recurrent_states`), set from the slots before the
-  call and read back after it; the block reads each token's position (`position_ids`: the RG-LRU resets
-  at 0), taken from the step's rows;
+  state live on the module (`conv1d_state`, `rg_lru.recurrent_states`): each call runs on a shallow
+  copy of the block holding the slots' states, read back after the call; the block reads each token's
+  position (`position_ids`: the RG-LRU resets at 0), taken from the step's rows;
 - RWKV (`RwkvBlock`): five per-layer states (the attention's and the feed-forward's token shifts, the
   WKV numerator, denominator and maximum) in the model's `state` list `[batch, hidden, layers]`, given
   as views whose layer axis is this layer's state alone;
@@ -26,6 +26,7 @@ so a request's first chunk computes what `generate()`'s prefill does.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,12 +86,30 @@ class MiniMaxCall(StateCall):
     def packed(self, output: torch.Tensor) -> Any:
         return output, None
 
+    def float32_copy(self, module: nn.Module) -> nn.Module:
+        """With its decay buffers computed again in float32: a bfloat16 model's are rounded each on its
+        own, so its block path (the tables) and its token path (`exp(-slope_rate)`) differ by that
+        rounding, which the continuation check would take for a restart."""
+        exact: Any = super().float32_copy(module)
+        slope_rate = exact.get_slope_rate(device=exact.slope_rate.device)
+        query_decay, key_decay, diagonal_decay = exact.decay_factors(slope_rate)
+        exact.slope_rate.copy_(slope_rate)
+        exact.query_decay.copy_(query_decay)
+        exact.key_decay.copy_(key_decay)
+        exact.diagonal_decay.copy_(diagonal_decay)
+        return exact
+
 
 @dataclass(frozen=True)
 class RecurrentGemmaCall(StateCall):
     """`RecurrentGemmaRecurrentBlock(input_states, position_ids, attention_mask, use_cache)`, returning
-    `(output, None)`, its states on the module: set from the slots (fresh: the zeros of its
-    `_setup_cache`) for the call, read back and cleared after it."""
+    `(output, None)`, its states on the module (`conv1d_state`, `rg_lru.recurrent_states`).
+
+    Each call runs the class's forward on a shallow copy of the block (and of its RG-LRU) holding the
+    slots' states (fresh: the zeros of its `_setup_cache`), read back after the call: the block's own
+    attributes are never touched, so a `generate()` on the same model (another thread, beside a running
+    manager) and the engine's steps never see each other's states. (A wrapper installed on the block's
+    `forward`, such as accelerate's device hooks, is not called: the slots live on the model's device.)"""
 
     layer: int
     module: Any = field(compare=False, repr=False)  # transformers' RecurrentGemmaRecurrentBlock
@@ -105,7 +124,12 @@ class RecurrentGemmaCall(StateCall):
         kwargs: dict[str, Any],
     ) -> torch.Tensor:
         hidden = rows.take(hidden_states)
-        batch, block = hidden.shape[0], self.module
+        # The block `original` is the forward of (the probe's float32 copy, or the model's own); a
+        # wrapper of it: the block this call was made for.
+        block = getattr(original, "__self__", None)
+        if not isinstance(block, type(self.module)):
+            block = self.module
+        batch = hidden.shape[0]
         conv = view.read(self.layer, CONV, 0)
         recurrent = view.read(self.layer, RECURRENT, 0)
         if conv is None or recurrent is None:
@@ -115,19 +139,26 @@ class RecurrentGemmaCall(StateCall):
         positions = kwargs.get("position_ids", args[0] if args else None)
         if not isinstance(positions, torch.Tensor):
             raise InvariantError("RecurrentGemma's recurrent block was called without its position_ids")
-        block.conv1d_state, block.rg_lru.recurrent_states = conv, recurrent
-        try:
-            output, _ = original(
-                hidden, position_ids=rows.take(positions), attention_mask=None, use_cache=True
-            )
-            view.keep(self.layer, CONV, 0, block.conv1d_state)
-            view.keep(self.layer, RECURRENT, 0, block.rg_lru.recurrent_states)
-        finally:
-            block.conv1d_state, block.rg_lru.recurrent_states = None, None
+        own = _with_own_state(block)
+        own.conv1d_state, own.rg_lru.recurrent_states = conv, recurrent
+        output, _ = type(block).forward(
+            own, hidden, position_ids=rows.take(positions), attention_mask=None, use_cache=True
+        )
+        view.keep(self.layer, CONV, 0, own.conv1d_state)
+        view.keep(self.layer, RECURRENT, 0, own.rg_lru.recurrent_states)
         return output
 
     def packed(self, output: torch.Tensor) -> Any:
         return output, None
+
+
+def _with_own_state(block: nn.Module) -> Any:
+    """A shallow copy of RecurrentGemma's recurrent `block` whose state attributes are its own (its
+    RG-LRU copied too; the weights and the other submodules shared)."""
+    own = copy.copy(block)
+    own._modules = dict(block._modules)
+    own._modules["rg_lru"] = copy.copy(block._modules["rg_lru"])
+    return own
 
 
 @dataclass(frozen=True)

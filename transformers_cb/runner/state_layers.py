@@ -31,6 +31,7 @@ driving the runner directly) installs the forwards for itself.
 from __future__ import annotations
 
 import contextvars
+import copy
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -304,6 +305,11 @@ class StateCall:
         """The most tokens a step may have for the model to call this module on the whole step at once
         (None: no bound; xLSTM splits a longer forward itself)."""
         return None
+
+    def float32_copy(self, module: nn.Module) -> nn.Module:
+        """A float32 copy of `module` for the probe's continuation check (model_check/state_probe.py),
+        which must tell a rounding from a restart in any dtype."""
+        return copy.deepcopy(module).float()
 
 
 @dataclass(frozen=True)
