@@ -20,16 +20,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..invariants import InvariantError
 from ..kv.layer_groups import state_layer_indices
 from ..memory.state_cache import StateCache, StateSpec, state_bytes_per_slot
 from ..runner.own_state import state_calls
 from ..runner.state_layers import (
+    Rows,
+    SlotStateView,
     StateCall,
     StateLayers,
     StateRecorder,
     StateTable,
-    continuation_gap,
-    run_with_recorder,
+    run_span,
 )
 
 PROBE_TOKENS = 3
@@ -63,6 +65,50 @@ class StateLayout:
     @property
     def layers(self) -> tuple[int, ...]:
         return tuple(sorted(self.modules))
+
+
+def probe_kwargs(num_tokens: int, device: torch.device) -> dict[str, Any]:
+    """What a state module is called with beside its hidden states when it runs alone (the probe): one
+    request's positions `0..num_tokens-1`."""
+    return {"position_ids": torch.arange(num_tokens, device=device).unsqueeze(0)}
+
+
+def run_with_recorder(
+    module: nn.Module, call: StateCall, hidden: torch.Tensor, recorder: StateRecorder
+) -> None:
+    """Run `module`'s own forward once on `hidden` `[1, tokens, hidden]` against `recorder`."""
+    rows = Rows(0, hidden.shape[1])
+    out = call.run(module.forward, recorder, rows, hidden, (), probe_kwargs(hidden.shape[1], hidden.device))
+    if not isinstance(out, torch.Tensor) or out.shape[:2] != hidden.shape[:2]:
+        raise InvariantError(
+            f"{type(module).__name__} returns {type(out).__name__} {getattr(out, 'shape', '')}, not one "
+            f"tensor of its input's {tuple(hidden.shape[:2])} rows"
+        )
+
+
+def continuation_gap(
+    module: nn.Module, call: StateCall, specs: tuple[StateSpec, ...], hidden: torch.Tensor, stepwise: bool
+) -> float:
+    """How far `module`'s output on `hidden` `[1, n, hidden]` split in two (a fresh first half, then a
+    second half continuing its state through a slot, `run_span` with `stepwise`) is from its output on
+    the whole at once: the largest difference over the largest magnitude (0: the same)."""
+    tokens = hidden.shape[1]
+    kwargs = probe_kwargs(tokens, hidden.device)
+    slots = torch.zeros(1, dtype=torch.int64, device=hidden.device)
+    whole_view = SlotStateView(StateCache(specs, 1, hidden.device), slots, True)
+    whole = call.run(module.forward, whole_view, Rows(0, tokens), hidden, (), kwargs)
+    cache = StateCache(specs, 1, hidden.device)
+    half = tokens // 2
+    first_view = SlotStateView(cache, slots, fresh=True)
+    first = run_span(module.forward, call, first_view, Rows(0, half), hidden, (), kwargs, stepwise)
+    first_view.write_back()
+    second_view = SlotStateView(cache, slots, fresh=False)
+    second = run_span(
+        module.forward, call, second_view, Rows(half, tokens - half), hidden, (), kwargs, stepwise
+    )
+    split = torch.cat([first, second], dim=1).float()
+    whole = whole.float()
+    return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
 
 
 def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, list[str]]:

@@ -331,25 +331,6 @@ class CacheApiCall(StateCall):
         return original(rows.take(hidden_states), **{self.name: view, "attention_mask": None})
 
 
-def probe_kwargs(num_tokens: int, device: torch.device) -> dict[str, Any]:
-    """What a state module is called with beside its hidden states when it runs alone (the probe): one
-    request's positions `0..num_tokens-1`."""
-    return {"position_ids": torch.arange(num_tokens, device=device).unsqueeze(0)}
-
-
-def run_with_recorder(
-    module: nn.Module, call: StateCall, hidden: torch.Tensor, recorder: StateRecorder
-) -> None:
-    """Run `module`'s own forward once on `hidden` `[1, tokens, hidden]` against `recorder`."""
-    rows = Rows(0, hidden.shape[1])
-    out = call.run(module.forward, recorder, rows, hidden, (), probe_kwargs(hidden.shape[1], hidden.device))
-    if not isinstance(out, torch.Tensor) or out.shape[:2] != hidden.shape[:2]:
-        raise InvariantError(
-            f"{type(module).__name__} returns {type(out).__name__} {getattr(out, 'shape', '')}, not one "
-            f"tensor of its input's {tuple(hidden.shape[:2])} rows"
-        )
-
-
 def run_span(
     original: Callable[..., Any],
     call: StateCall,
@@ -372,31 +353,6 @@ def run_span(
         [call.run(original, view, rows.token(i), hidden_states, args, kwargs) for i in range(rows.count)],
         dim=1,
     )
-
-
-def continuation_gap(
-    module: nn.Module, call: StateCall, specs: tuple[StateSpec, ...], hidden: torch.Tensor, stepwise: bool
-) -> float:
-    """How far `module`'s output on `hidden` `[1, n, hidden]` split in two (a fresh first half, then a
-    second half continuing its state through a slot, `run_span` with `stepwise`) is from its output on
-    the whole at once: the largest difference over the largest magnitude (0: the same)."""
-    tokens = hidden.shape[1]
-    kwargs = probe_kwargs(tokens, hidden.device)
-    slots = torch.zeros(1, dtype=torch.int64, device=hidden.device)
-    whole_view = SlotStateView(StateCache(specs, 1, hidden.device), slots, True)
-    whole = call.run(module.forward, whole_view, Rows(0, tokens), hidden, (), kwargs)
-    cache = StateCache(specs, 1, hidden.device)
-    half = tokens // 2
-    first_view = SlotStateView(cache, slots, fresh=True)
-    first = run_span(module.forward, call, first_view, Rows(0, half), hidden, (), kwargs, stepwise)
-    first_view.write_back()
-    second_view = SlotStateView(cache, slots, fresh=False)
-    second = run_span(
-        module.forward, call, second_view, Rows(half, tokens - half), hidden, (), kwargs, stepwise
-    )
-    split = torch.cat([first, second], dim=1).float()
-    whole = whole.float()
-    return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
 
 
 def _split_forward(original: Callable[..., Any], call: StateCall, layer: int) -> Callable[..., Any]:
