@@ -2,8 +2,9 @@
 equal `generate()` token for token.
 
 Families: the hand-written tiny configs of tests/support/hybrids.py (hybrids mix attention and state
-layers; Mamba, Mamba 2 and Falcon-Mamba have no attention layer at all: no KV group, their requests hold
-no pages). Every run has prompts longer than the step's token budget (prefill chunks continue a state),
+layers; Mamba, Mamba 2, Falcon-Mamba, RWKV and xLSTM have no attention layer at all: no KV group, their
+requests hold no pages), the model-owned recurrences (MiniMax, RecurrentGemma, RWKV, xLSTM: issue 41,
+runner/own_state.py) among them. Every run has prompts longer than the step's token budget (prefill chunks continue a state),
 a one-token prompt, mixed prefill + decode steps (checked on the steps' state tables), and the engine's
 integrity check (pages and state slots) after every step. Hybrids run in a cache small enough to preempt;
 every family is also preempted on purpose in the middle of its decode (a pure state-space model never
@@ -40,7 +41,7 @@ from transformers_cb.scheduler.scheduler import Scheduler
 REFUSED = {"zamba2": "shared attention block", "kimi_linear": "multi-latent attention"}
 EXACT = tuple(name for name in HYBRIDS if name not in REFUSED)
 # No attention layer: zero KV groups.
-PURE_STATE = ("mamba2", "mamba", "falcon_mamba")
+PURE_STATE = ("mamba2", "mamba", "falcon_mamba", "rwkv", "xlstm")
 
 MAX_NEW_TOKENS = 10
 PAGE_SIZE = 4
@@ -270,7 +271,7 @@ def test_hybrid_forks_equal_generate(_families, name: str) -> None:
     assert len(copied) == sum(len(p) >= 2 for p in family.prompts), f"{name}: state forks {copied}"
 
 
-STREAMED = ("qwen3_5", "mamba2", "jamba", "lfm2", "falcon_h1")
+STREAMED = ("qwen3_5", "mamba2", "jamba", "lfm2", "falcon_h1", "minimax", "recurrent_gemma", "rwkv", "xlstm")
 
 
 @pytest.mark.parametrize("name", STREAMED)
@@ -310,7 +311,7 @@ def test_hybrid_manager_streaming(_families, name: str) -> None:
         manager.destroy()
 
 
-BF16 = ("qwen3_5", "mamba", "bamba", "lfm2")
+BF16 = ("qwen3_5", "mamba", "bamba", "lfm2", "minimax", "recurrent_gemma", "rwkv", "xlstm")
 
 
 @pytest.mark.parametrize("name", BF16)

@@ -285,6 +285,72 @@ def _config(name: str) -> tuple[str, str, dict[str, Any]]:
                 "linear_conv_kernel_dim": 4,
             },
         )
+    if name == "minimax":
+        # Lightning attention in blocks of 8 (the prompts cross them), experts as the family has them.
+        return (
+            "MiniMaxConfig",
+            "MiniMaxForCausalLM",
+            {
+                **_COMMON,
+                **_ATTENTION,
+                "num_hidden_layers": 4,
+                "layer_types": ALTERNATING,
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "block_size": 8,
+            },
+        )
+    if name == "recurrent_gemma":
+        # Two recurrent blocks then local attention with a 16-token window (the prompts outgrow it).
+        return (
+            "RecurrentGemmaConfig",
+            "RecurrentGemmaForCausalLM",
+            {
+                **_COMMON,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 3,
+                "lru_width": HIDDEN,
+                "attention_window_size": 16,
+                "conv1d_width": 4,
+            },
+        )
+    if name == "rwkv":
+        return (
+            "RwkvConfig",
+            "RwkvForCausalLM",
+            {
+                "vocab_size": VOCAB,
+                "hidden_size": HIDDEN,
+                "attention_hidden_size": HIDDEN,
+                "intermediate_size": INTERMEDIATE,
+                "num_hidden_layers": 4,
+                "context_length": 512,
+                "rescale_every": 2,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+        )
+    if name == "xlstm":
+        # Kernel chunks of 8 (the prompts cross them); float32 kernels, as the model's own dtype; q/k as
+        # wide as the hidden size (`xLSTMCache` sizes its state by the widths rounded up to 64).
+        return (
+            "xLSTMConfig",
+            "xLSTMForCausalLM",
+            {
+                "vocab_size": VOCAB,
+                "hidden_size": HIDDEN,
+                "embedding_dim": HIDDEN,
+                "num_hidden_layers": 2,
+                "num_heads": 4,
+                "qk_dim_factor": 1.0,
+                "chunk_size": 8,
+                "autocast_kernel_dtype": "float32",
+                "pad_token_id": 0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            },
+        )
     raise KeyError(f"no tiny config for {name!r}")
 
 
@@ -305,6 +371,11 @@ HYBRIDS = (
     "zamba2",
     "olmo_hybrid",
     "kimi_linear",
+    # The model-owned recurrences (runner/own_state.py).
+    "minimax",
+    "recurrent_gemma",
+    "rwkv",
+    "xlstm",
 )
 
 

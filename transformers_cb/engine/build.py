@@ -57,6 +57,7 @@ def _wire_states(plan: EnginePlan) -> StateLayers | None:
         StateCache(plan.states.specs, plan.sizing.num_state_slots, plan.device),
         host=host_states,
         stepwise=plan.states.stepwise,
+        calls=plan.states.calls,
     )
 
 

@@ -21,6 +21,7 @@ once, and that copy is only read.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -129,6 +130,8 @@ def resolve_plan(
         if assistant_shape is None or assistant_model is None
         else assistant_kv_bytes_per_token(assistant_model, assistant_shape),
     )
+    if states is not None:
+        sizing = _within_state_step_limit(sizing, config, states)
     if tp is not None:
         sizing = tp.agree_sizing(sizing)
     # Sliding and chunked groups recycle pages (what the decode fast path's tables cannot follow).
@@ -192,6 +195,21 @@ def resolve_plan(
         ),
     )
     return plan, tp
+
+
+def _within_state_step_limit(sizing: Sizing, config: ContinuousBatchingConfig, states: StateLayout) -> Sizing:
+    """`sizing` with a step no longer than the state layers take whole (`StateLayout.max_step_tokens`:
+    xLSTM splits a longer forward itself, which the per-request split cannot follow): the default
+    budget lowered to it, a `max_batch_tokens` asked above it refused."""
+    limit = states.max_step_tokens
+    if limit is None or sizing.max_batch_tokens <= limit:
+        return sizing
+    if config.max_batch_tokens is not None:
+        raise ValueError(
+            f"max_batch_tokens={config.max_batch_tokens} exceeds the {limit} tokens this model's state "
+            "layers run in one forward (its max_inference_chunksize): set max_batch_tokens to at most that"
+        )
+    return dataclasses.replace(sizing, max_batch_tokens=limit)
 
 
 def _note_state_limits(config: ContinuousBatchingConfig, has_pages: bool) -> None:

@@ -47,6 +47,9 @@ STATE_LAYER_TYPES: dict[str, str | None] = {
     "hybrid": FULL_ATTENTION,
     "hybrid_sliding": SLIDING_ATTENTION,
 }
+# Families whose every layer is a recurrence and whose config names no layer types (RWKV, xLSTM: their
+# recurrences are model-owned, runner/own_state.py): every layer is a `linear_attention` state layer.
+RECURRENT_ONLY_MODEL_TYPES = frozenset({"rwkv", "xlstm"})
 # Layer types with neither KV nor state (a feed-forward block in a layer list of its own).
 STATELESS_LAYER_TYPES = frozenset({"moe", "mlp"})
 # The per-layer attributes (`per_layer_config`) that only change a layer's KV head shape.
@@ -100,6 +103,8 @@ class KVGroupSpec:
 def layer_types_of(text_config: Any) -> list[str]:
     """The attention type of every decoder layer, following the model's own conventions."""
     num_layers = text_config.num_hidden_layers
+    if getattr(text_config, "model_type", None) in RECURRENT_ONLY_MODEL_TYPES:
+        return ["linear_attention"] * num_layers
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types:
         return list(layer_types)[:num_layers]

@@ -186,10 +186,16 @@ class PageManager:
             return None
         copies: list[PageCopy] = []
         for g, (policy, source) in enumerate(zip(self.policies, held, strict=True)):
-            new_pages = policy.pool.allocate(len(source.page_ids)) or []
-            copies.extend((g, src, dst) for src, dst in zip(source.page_ids, new_pages, strict=True))
+            # Only the pages the child's next step reads: the parent may still hold pages before its
+            # window that its own step-boundary trim has not dropped yet (a sliding group).
+            first = source.first_page
+            if policy.trims:
+                first = max(first, policy.first_needed_page(parent.num_computed_tokens))
+            kept = source.page_ids[min(first - source.first_page, len(source.page_ids)) :]
+            new_pages = policy.pool.allocate(len(kept)) or []
+            copies.extend((g, src, dst) for src, dst in zip(kept, new_pages, strict=True))
             pages = policy.pages(child)
-            pages.first_page, pages.page_ids = source.first_page, list(new_pages)
+            pages.first_page, pages.page_ids = first, list(new_pages)
         child.num_computed_tokens = parent.num_computed_tokens
         if slots is not None:
             copies.append((self.slot_group, slots.slot_of(parent), slots.acquire(child)))

@@ -3,15 +3,17 @@
 Supported: decoder-only causal LMs (and the text path of vision-language models) whose layers are full
 attention, sliding-window attention or chunked attention (Llama 4's `attention_chunk_size`; with logit softcapping and attention sinks where the model
 applies them), computed through transformers' attention interface, or state layers (linear attention,
-Mamba, short convolutions) that keep their state through transformers' linear-attention cache API
-(model_check/state_probe.py, docs/state_layers.md).
+Mamba, short convolutions) that keep their state through transformers' linear-attention cache API, or a
+model-owned recurrence with its adapter (model_check/state_probe.py, runner/own_state.py,
+docs/state_layers.md).
 
 Refused, with the model type and what is missing. From the config alone:
 - per-layer attributes (`per_layer_config`) other than the KV head shape (`head_dim`,
   `num_key_value_heads`: Gemma 4's 512 on full layers gets its own KV groups): read globally they
   raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and nothing reads them per layer yet;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
-- recurrent models that keep their state in a cache of their own (MiniMax, RecurrentGemma, RWKV, ...);
+- recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
+  MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
 - attention the kernels do not implement: bidirectional attention,
   multi-latent attention with its own value size, ALiBi biases, cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
@@ -54,9 +56,9 @@ from ..memory.sizing import ModelShape
 from .attention_probe import dispatch_problems, observed_layers, probe_token_ids, run_probe
 from .state_probe import StateLayout, probe_states, state_problems
 
-# Recurrent models whose state is not kept through transformers' linear-attention cache API (their own
-# cache classes, or recurrences the API does not carry): the state slots cannot hold it.
-OWN_STATE_MODEL_TYPES = frozenset({"minimax", "plamo2", "recurrent_gemma", "rwkv", "xlstm"})
+# Recurrent models whose state is kept neither through transformers' linear-attention cache API nor by a
+# model-owned recurrence the state slots carry (runner/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
+OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits, which the paged kernels
 # do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
 ALIBI_FLAGS = ("alibi", "use_alibi")
@@ -139,8 +141,9 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
     if getattr(text_config, "model_type", None) in OWN_STATE_MODEL_TYPES:
         _refuse(
             model_type,
-            "its recurrent layers keep their state in a cache of the model's own, not through transformers' "
-            "linear-attention cache API, which the per-request state slots hold",
+            "its recurrent layers keep their state in a cache of the model's own, neither through "
+            "transformers' linear-attention cache API nor through an adapter of runner/own_state.py, which "
+            "the per-request state slots hold",
         )
     if getattr(text_config, "use_bidirectional_attention", False):
         _refuse(model_type, "bidirectional attention is not causal generation")

@@ -15,7 +15,11 @@ the step by the step's `StateTable`:
   boundary) runs as a batch of one with its slot's state.
 
 The module's own code runs unchanged against `SlotStateView`, a view of the slots in transformers' cache
-API, so each family's arithmetic is transformers' own (the same code `generate()` runs). Per step, the
+API, so each family's arithmetic is transformers' own (the same code `generate()` runs). How one piece
+calls its module is the module's `StateCall`: `CacheApiCall` for the cache API's modules here; the
+families that keep their recurrence in a cache of their own (MiniMax, RecurrentGemma, RWKV, xLSTM) have
+theirs in runner/own_state.py, each reading and keeping its states through the same view
+(`SlotStateView.read`, `SlotStateView.keep`). Per step, the
 runner only sets the step's `StepStates` (its table and the engine's state tensors) in the `step_states`
 context variable for the forward's duration; the installed forward reads it, and runs the module as
 transformers wrote it when none is set (a probe, a forward that is not a step). Because the installed
@@ -27,6 +31,7 @@ driving the runner directly) installs the forwards for itself.
 from __future__ import annotations
 
 import contextvars
+import copy
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -57,6 +62,11 @@ class StateTable:
     decode_slots: torch.Tensor | None
     num_decode_rows: int
     spans: list[tuple[int, int, int, bool]] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        """The step's rows: the decode batch and every span."""
+        return self.num_decode_rows + sum(count for _, count, _, _ in self.spans)
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,19 @@ class SlotStateView:
                 return None
             self._held[key] = storage.index_select(0, self.slots)
         return self._held[key]
+
+    def read(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
+        """The rows' state `(layer_idx, kind, state_idx)` (None: the rows start a request, or no such
+        state): a model-owned recurrence's way in (runner/own_state.py)."""
+        return None if self.fresh else self._rows(layer_idx, kind, state_idx)
+
+    def keep(self, layer_idx: int, kind: str, state_idx: int, value: torch.Tensor) -> None:
+        """What the rows' state `(layer_idx, kind, state_idx)` is after the call (`[rows, *shape]`),
+        stored by `write_back()`."""
+        storage = self.cache.tensor(layer_idx, kind, state_idx)
+        if storage is None:
+            raise InvariantError(f"layer {layer_idx} keeps a {kind} state {state_idx} its probe never saw")
+        self._held[(layer_idx, kind, state_idx)] = value.to(storage.dtype, copy=True)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return None if self.fresh else self._rows(layer_idx, CONV, state_idx)
@@ -175,6 +198,11 @@ class StateRecorder(SlotStateView):
         super().__init__(cast(StateCache, None), torch.zeros(1, dtype=torch.int64), fresh=True)
         self.specs: dict[tuple[int, str, int], StateSpec] = {}
 
+    def keep(self, layer_idx: int, kind: str, state_idx: int, value: torch.Tensor) -> None:
+        self.specs[(layer_idx, kind, state_idx)] = StateSpec(
+            layer_idx, kind, state_idx, tuple(value.shape[1:]), value.dtype
+        )
+
     def update_conv_state(
         self,
         conv_states: torch.Tensor,
@@ -231,97 +259,142 @@ def state_modules(model: nn.Module) -> dict[int, nn.Module]:
     return found
 
 
-def _call(original: Callable[..., Any], name: str, hidden: torch.Tensor, view: Any) -> torch.Tensor:
-    return original(hidden, **{name: view, "attention_mask": None})
+@dataclass(frozen=True)
+class Rows:
+    """The rows of the packed step `[1, T, ...]` one call runs: one request's span (`[1, count, ...]`)
+    or the decode batch (`decode`: rows `[first, first + count)`, each a request of its own, as
+    `[count, 1, ...]`)."""
+
+    first: int
+    count: int
+    decode: bool = False
+
+    def take(self, packed: torch.Tensor) -> torch.Tensor:
+        """These rows of a per-row tensor of the step (hidden states, `position_ids`)."""
+        part = packed[:, self.first : self.first + self.count]
+        return part.transpose(0, 1) if self.decode else part
+
+    def token(self, i: int) -> Rows:
+        """The span's `i`-th token alone."""
+        return Rows(self.first + i, 1)
 
 
-def run_with_recorder(module: nn.Module, hidden: torch.Tensor, recorder: StateRecorder) -> None:
-    """Run `module`'s own forward once on `hidden` `[1, tokens, hidden]` against `recorder`."""
-    name = cache_parameter(module)
-    if name is None:
-        raise InvariantError(f"{type(module).__name__} does not take (hidden_states, cache, attention_mask)")
-    out = _call(module.forward, name, hidden, recorder)
-    if not isinstance(out, torch.Tensor) or out.shape[:2] != hidden.shape[:2]:
-        raise InvariantError(
-            f"{type(module).__name__} returns {type(out).__name__} {getattr(out, 'shape', '')}, not one "
-            f"tensor of its input's {tuple(hidden.shape[:2])} rows"
-        )
+class StateCall:
+    """How a state module's forward runs one piece of the step (`rows`) against `view`, the slots'
+    states of those rows: `run` returns its output hidden states `[batch, tokens, hidden]` (`rows.take`'s
+    shape); `packed` gives the whole step's output in the module's own return structure. `args` /
+    `kwargs`: what the model called the module with for the whole step (per-row tensors in them, such as
+    `position_ids`, are sliced by `rows`)."""
+
+    def run(
+        self,
+        original: Callable[..., Any],
+        view: SlotStateView,
+        rows: Rows,
+        hidden_states: torch.Tensor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def packed(self, output: torch.Tensor) -> Any:
+        return output
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most tokens a step may have for the model to call this module on the whole step at once
+        (None: no bound; xLSTM splits a longer forward itself)."""
+        return None
+
+    def float32_copy(self, module: nn.Module) -> nn.Module:
+        """A float32 copy of `module` for the probe's continuation check (model_check/state_probe.py),
+        which must tell a rounding from a restart in any dtype."""
+        return copy.deepcopy(module).float()
+
+
+@dataclass(frozen=True)
+class CacheApiCall(StateCall):
+    """A module of transformers' linear-attention cache API: `(hidden_states, <cache>, attention_mask)`,
+    the cache being the view (`name`: `cache_params` or `past_key_values`); it returns one tensor."""
+
+    name: str
+
+    def run(
+        self,
+        original: Callable[..., Any],
+        view: SlotStateView,
+        rows: Rows,
+        hidden_states: torch.Tensor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        return original(rows.take(hidden_states), **{self.name: view, "attention_mask": None})
 
 
 def run_span(
-    original: Callable[..., Any], name: str, hidden: torch.Tensor, view: SlotStateView, stepwise: bool
+    original: Callable[..., Any],
+    call: StateCall,
+    view: SlotStateView,
+    rows: Rows,
+    hidden_states: torch.Tensor,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    stepwise: bool,
 ) -> torch.Tensor:
-    """One request's rows `hidden` `[1, n, hidden]` through the module against `view`, `[1, n, hidden]`.
+    """One request's rows through the module against `view`, `[1, n, hidden]`.
 
     `stepwise`: the module's multi-token path starts from a zero state whatever the cache holds (Mamba's
-    and Jamba's full-sequence scan: transformers' `generate()` never continues a state with more than
-    one token), so a continued chunk runs one token at a time through its one-token path, which reads
-    and updates the state; a fresh chunk runs whole."""
-    if not stepwise or view.fresh or hidden.shape[1] == 1:
-        return _call(original, name, hidden, view)
+    and Jamba's full-sequence scan, RecurrentGemma's convolution: transformers' `generate()` never
+    continues a state with more than one token), so a continued chunk runs one token at a time through
+    its one-token path, which reads and updates the state; a fresh chunk runs whole."""
+    if not stepwise or view.fresh or rows.count == 1:
+        return call.run(original, view, rows, hidden_states, args, kwargs)
     return torch.cat(
-        [_call(original, name, hidden[:, i : i + 1], view) for i in range(hidden.shape[1])], dim=1
+        [call.run(original, view, rows.token(i), hidden_states, args, kwargs) for i in range(rows.count)],
+        dim=1,
     )
 
 
-def continuation_gap(
-    module: nn.Module, specs: tuple[StateSpec, ...], hidden: torch.Tensor, stepwise: bool
-) -> float:
-    """How far `module`'s output on `hidden` `[1, n, hidden]` split in two (a fresh first half, then a
-    second half continuing its state through a slot, `run_span` with `stepwise`) is from its output on
-    the whole at once: the largest difference over the largest magnitude (0: the same)."""
-    name = cache_parameter(module)
-    if name is None:
-        raise InvariantError(f"{type(module).__name__} does not take (hidden_states, cache, attention_mask)")
-    slots = torch.zeros(1, dtype=torch.int64, device=hidden.device)
-    whole = _call(
-        module.forward, name, hidden, SlotStateView(StateCache(specs, 1, hidden.device), slots, True)
-    )
-    cache = StateCache(specs, 1, hidden.device)
-    half = hidden.shape[1] // 2
-    first_view = SlotStateView(cache, slots, fresh=True)
-    first = run_span(module.forward, name, hidden[:, :half], first_view, stepwise)
-    first_view.write_back()
-    second = run_span(module.forward, name, hidden[:, half:], SlotStateView(cache, slots, False), stepwise)
-    split = torch.cat([first, second], dim=1).float()
-    whole = whole.float()
-    return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
-
-
-def _split_forward(original: Callable[..., Any], name: str, layer: int) -> Callable[..., Any]:
-    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _split_forward(original: Callable[..., Any], call: StateCall, layer: int) -> Callable[..., Any]:
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         states = _step_states.get()
         if states is None:  # not a step of ours (e.g. the support probe): the module as transformers wrote it
             return original(hidden_states, *args, **kwargs)
         table, cache, stepwise = states.table, states.cache, layer in states.stepwise
+        if hidden_states.shape[1] != table.num_rows:
+            raise InvariantError(
+                f"state layer {layer} was called on {hidden_states.shape[1]} rows of a step of "
+                f"{table.num_rows}: the model split the step itself (xLSTM does past its "
+                "max_inference_chunksize: lower max_batch_tokens below it)"
+            )
         pieces: list[tuple[int, torch.Tensor]] = []
         rows = table.num_decode_rows
         if rows:
             view = SlotStateView(cache, table.decode_slots, fresh=False)  # type: ignore[arg-type]
-            out = _call(original, name, hidden_states[0, :rows].unsqueeze(1), view)
+            out = call.run(original, view, Rows(0, rows, decode=True), hidden_states, args, kwargs)
             view.write_back()
             pieces.append((0, out[:, 0]))
         for first, count, slot, fresh in table.spans:
             slots = torch.tensor([slot], dtype=torch.int64, device=hidden_states.device)
             view = SlotStateView(cache, slots, fresh=fresh)
-            out = run_span(original, name, hidden_states[:, first : first + count], view, stepwise)
+            out = run_span(original, call, view, Rows(first, count), hidden_states, args, kwargs, stepwise)
             view.write_back()
             pieces.append((first, out[0]))
         pieces.sort(key=lambda piece: piece[0])
-        return torch.cat([piece for _, piece in pieces], dim=0).unsqueeze(0)
+        return call.packed(torch.cat([piece for _, piece in pieces], dim=0).unsqueeze(0))
 
     return forward
 
 
-def cache_parameters(modules: dict[int, nn.Module]) -> dict[int, str]:
-    """Each state module's cache parameter name (`cache_parameter`), read once for all steps."""
-    names = {}
+def cache_api_calls(modules: dict[int, nn.Module]) -> dict[int, StateCall]:
+    """Each cache-API state module's `CacheApiCall` (its cache parameter read once for all steps)."""
+    calls: dict[int, StateCall] = {}
     for layer, module in modules.items():
         name = cache_parameter(module)
         if name is None:
             raise InvariantError(f"{type(module).__name__} cannot be split by request")
-        names[layer] = name
-    return names
+        calls[layer] = CacheApiCall(name)
+    return calls
 
 
 @dataclass
@@ -338,12 +411,14 @@ _installed: dict[int, _Installed] = {}  # id(module) -> its split forward in for
 
 
 @contextmanager
-def split_state_layers(modules: dict[int, nn.Module], names: dict[int, str] | None = None) -> Iterator[None]:
+def split_state_layers(
+    modules: dict[int, nn.Module], calls: dict[int, StateCall] | None = None
+) -> Iterator[None]:
     """Inside: every module of `modules` runs each request's rows at its own slot whenever a step's
     `StepStates` is set (see the module docstring). Installed once however many blocks overlap on a
-    module; its forward is restored when the last one ends. `names`: `cache_parameters(modules)`, when
-    known."""
-    names = names if names is not None else cache_parameters(modules)
+    module; its forward is restored when the last one ends. `calls`: how each module runs a piece
+    (`cache_api_calls(modules)` when not given)."""
+    calls = calls if calls is not None else cache_api_calls(modules)
     with _lock:
         for layer, module in modules.items():
             installed = _installed.get(id(module))
@@ -353,7 +428,7 @@ def split_state_layers(modules: dict[int, nn.Module], names: dict[int, str] | No
             # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
             # piece calls.
             _installed[id(module)] = _Installed(module.__dict__.get("forward"))
-            module.forward = _split_forward(module.forward, names[layer], layer)
+            module.forward = _split_forward(module.forward, calls[layer], layer)
     try:
         yield
     finally:
@@ -374,22 +449,24 @@ def split_state_layers(modules: dict[int, nn.Module], names: dict[int, str] | No
 class StateLayers:
     """A model's state modules (by layer) and the state tensors they read and write through the slots
     (`host`: the CPU offload tier's copy of swapped-out requests' states, None without offload);
-    `stepwise`: the layers whose continued chunks run one token at a time (`run_span`)."""
+    `stepwise`: the layers whose continued chunks run one token at a time (`run_span`); `calls`: how
+    each module runs a piece (the probe's `StateLayout.calls`; the cache API's when not given)."""
 
     modules: dict[int, nn.Module]
     cache: StateCache
     host: StateCache | None = None
     stepwise: frozenset[int] = frozenset()
-    names: dict[int, str] = field(init=False)
+    calls: dict[int, StateCall] | None = None
     sessions: int = field(init=False, default=0)  # run sessions in force (`session`)
 
     def __post_init__(self) -> None:
-        self.names = cache_parameters(self.modules)
+        if self.calls is None:
+            self.calls = cache_api_calls(self.modules)
 
     @contextmanager
     def session(self) -> Iterator[None]:
         """Inside: the state modules' split forwards, installed once for the run session."""
-        with split_state_layers(self.modules, self.names):
+        with split_state_layers(self.modules, self.calls):
             self.sessions += 1
             try:
                 yield
