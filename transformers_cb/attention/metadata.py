@@ -89,6 +89,8 @@ class GroupMetadata:
     block_table: torch.Tensor  # [N, max_pages] int32
     # A chunked group's attention chunk (a query at q attends keys [q // C * C, q]); None: not chunked.
     chunk_size: int | None = None
+    # A latent group's (kv_lora_rank, qk_rope_head_dim): its layers attend through attention/latent.py.
+    latent: tuple[int, int] | None = None
 
     @property
     def kernel_window(self) -> int:

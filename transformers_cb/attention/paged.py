@@ -9,7 +9,8 @@ group the layer's pages come from: the window is applied by the gathers and
 masks built for that group), its logit `softcap`, and its attention sinks
 (`s_aux`, GPT-OSS). Nothing is assumed to be the same across layers. A chunked
 layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
-the config's `attention_chunk_size`, the one rule transformers' chunked mask applies.
+the config's `attention_chunk_size`, the one rule transformers' chunked mask applies. A layer of a latent
+group (multi-latent attention) is handed to attention/latent.py whatever the backend.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import cast
 import torch
 
 from ..memory.kv_cache import layer_views, write_slots
+from .latent import latent_attention
 from .metadata import AttentionMetadata
 from .native import native_paged_attention
 from .temperature import retuned_query, tunes_temperature
@@ -267,7 +269,16 @@ def make_forward(
         sinks = kwargs.pop("s_aux", None)
         unsupported_kwargs(kwargs)
         layer_idx = cast(int, module.layer_idx)  # transformers' attention modules know their layer
-        check_window(layer_idx, sliding_window, metadata.group_of(layer_idx).sliding_window)
+        group_metadata = metadata.group_of(layer_idx)
+        check_window(layer_idx, sliding_window, group_metadata.sliding_window)
+        if group_metadata.latent is not None:
+            # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
+            if softcap is not None or sinks is not None:
+                raise NotImplementedError(
+                    f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented"
+                )
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return latent_attention(module, query, key, value, layer_idx, metadata, scale), None
         if tunes_temperature(module):
             # Llama 4's NoPE layers scale their queries by a position they number by step index.
             if metadata.position_ids is None:
