@@ -10,12 +10,13 @@ logprob is within 1e-4 of its own.
 
 Each runs with chunked prefill (5 and 16-token steps), under preemption (a cache just big enough for the
 largest request), with CPU offload (preempted requests swap their latent pages out and back), with prefix
-hits and with forks (`num_return_sequences`), on the native CPU kernel and on the torch path, the engine's
+hits, with forks (`num_return_sequences`) and with a latent draft model, on the native CPU kernel and on the torch path, the engine's
 integrity check after every step.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -248,3 +249,18 @@ def test_latent_parity_with_forks(subject, kernel: str) -> None:
         expected = references.get(prompt)
         for rid in (f"req_{i}", f"req_{i}__child#0"):
             assert outputs[rid].generated_tokens == expected, f"{name} / native={kernel}: {rid}"
+
+
+def test_latent_parity_with_a_latent_draft_model(subject, kernel: str) -> None:
+    """Speculation with a draft model of the same latent shape (a copy): verification steps run several
+    query tokens of one request over its latent pages, and the draft model runs on latent pages of its own."""
+    name, model, prompts, references = subject
+    outputs = model.generate_batch(
+        [list(p) for p in prompts],
+        generation_config=greedy_config(MAX_NEW_TOKENS),
+        assistant_model=copy.deepcopy(model),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, max_batch_tokens=16),
+        progress_bar=False,
+    )
+    context = f"{name} / native={kernel} / draft model"
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], context)
