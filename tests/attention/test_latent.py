@@ -180,3 +180,20 @@ def test_a_module_decompressing_otherwise_is_named() -> None:
     biased = _module()
     biased.kv_b_proj = torch.nn.Linear(RANK, HEADS * (NOPE + V_DIM), bias=True)
     assert "kv_b_proj is not a Linear without bias" in str(latent_module_problem(biased))
+
+
+def test_a_bf16_module_passes_the_check() -> None:
+    """Rounding in 16 bits is not a layout difference (a real kv_lora_rank: 512)."""
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        hidden_size=64,
+        num_attention_heads=4,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        q_lora_rank=None,
+    )
+    torch.manual_seed(0)
+    module = DeepseekV3Attention(config, layer_idx=0).to(torch.bfloat16)
+    assert latent_module_problem(module) is None

@@ -113,24 +113,30 @@ def latent_module_problem(module: Any) -> str | None:
             key, value = type(module).expand_kv(module, latent, rope)
             w_uk, w_uv = absorbed_weights(module)
             heads = module.num_heads
+            c, r = latent[0, 0].float(), rope[0].float()
             expected_key = torch.cat(
-                (torch.einsum("lr,hnr->hln", latent[0, 0], w_uk), rope[0].expand(heads, -1, -1)), dim=-1
+                (torch.einsum("lr,hnr->hln", c, w_uk.float()), r.expand(heads, -1, -1)), dim=-1
             )
-            expected_value = torch.einsum("lr,hvr->hlv", latent[0, 0], w_uv)
+            expected_value = torch.einsum("lr,hvr->hlv", c, w_uv.float())
     except (RuntimeError, TypeError, ValueError) as error:  # e.g. a quantized kv_b_proj's weight
         return f"{type(module).__name__}.kv_b_proj's weight cannot be read per head ({type(error).__name__}: {error})"
-    tolerance = {"rtol": 1e-3, "atol": 1e-3}
-    if (
-        key.shape != (1, *expected_key.shape)
-        or value.shape != (1, *expected_value.shape)
-        or not torch.allclose(key[0].float(), expected_key.float(), **tolerance)
-        or not torch.allclose(value[0].float(), expected_value.float(), **tolerance)
-    ):
+    # Why relative to the largest value, and loose in 16 bits: rounding, not a layout, must pass; another
+    # split or order of the rows is off by the values' own size.
+    tolerance = 1e-3 if weight.dtype in (torch.float32, torch.float64) else 5e-2
+    if not (_close(key, expected_key, tolerance) and _close(value, expected_value, tolerance)):
         return (
             f"{type(module).__name__}.expand_kv decompresses its latent otherwise than kv_b_proj split per head "
             "into qk_nope_head_dim key and v_head_dim value rows, the one layout the absorbed attention reads"
         )
     return None
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bool:
+    """`actual` `[1, *expected.shape]` within `tolerance` of `expected`, relative to its largest value."""
+    if actual.shape != (1, *expected.shape):
+        return False
+    scale = max(float(expected.abs().max()), 1e-6)
+    return float((actual[0].float() - expected).abs().max()) <= tolerance * scale
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
