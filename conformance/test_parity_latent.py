@@ -264,3 +264,18 @@ def test_latent_parity_with_a_latent_draft_model(subject, kernel: str) -> None:
     )
     context = f"{name} / native={kernel} / draft model"
     check_parity(model, prompts, outputs, [references.get(p) for p in prompts], context)
+
+
+def test_plain_generate_during_a_run_decompresses(subject) -> None:
+    """Inside the engine's session (the modules' `expand_kv` handed through, the paged backend set), a plain
+    `generate()` outside any step still decompresses: its tokens are generate()'s own."""
+    name, model, prompts, references = subject
+    engine = build_engine(model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
+    with engine.session():
+        inside = [
+            model.generate(torch.tensor([list(p)]), generation_config=greedy_config(MAX_NEW_TOKENS))[
+                0, len(p) :
+            ]
+            for p in prompts[:2]
+        ]
+    assert [t.tolist() for t in inside] == [references.get(p) for p in prompts[:2]], name

@@ -19,6 +19,7 @@ from transformers_cb.attention.latent import (
     latent_pass_through,
 )
 from transformers_cb.attention.native import native_module
+from transformers_cb.attention.paged import step_metadata
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import PageList, Request
@@ -148,18 +149,25 @@ def test_absorbed_weights_are_kv_b_proj_per_head() -> None:
     torch.testing.assert_close(value[0], torch.einsum("lr,hvr->hlv", latent[0, 0], w_uv))
 
 
-def test_the_pass_through_is_installed_for_the_block_only() -> None:
+def test_the_pass_through_is_installed_for_the_block_and_a_step_only() -> None:
+    """Handed through inside a continuous-batching forward (the runner's step metadata set in this
+    thread); decompressed anywhere else, even inside the block (a plain generate() during a run)."""
     parent = torch.nn.Module()
     parent.attn = _module()
     module = parent.attn
     assert latent_modules(parent) == [module]
     latent, rope = torch.randn(1, 1, 2, RANK), torch.randn(1, 1, 2, ROPE)
+    _, metadata, _, _ = _step([(0, 2)], 4, False)
     with latent_pass_through(parent):
         with latent_pass_through(parent):  # nested: nothing more installed, nothing removed early
             pass
-        assert module.expand_kv(latent, rope) == (latent, rope)
+        with step_metadata(metadata):
+            assert module.expand_kv(latent, rope) == (latent, rope)
+        key, _ = module.expand_kv(latent, rope)
+        assert key.shape == (1, HEADS, 2, NOPE + ROPE)
     assert "expand_kv" not in module.__dict__
-    key, _ = module.expand_kv(latent, rope)
+    with step_metadata(metadata):
+        key, _ = module.expand_kv(latent, rope)
     assert key.shape == (1, HEADS, 2, NOPE + ROPE)
 
 

@@ -28,16 +28,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..invariants import present
+from .metadata import STEP_METADATA, AttentionMetadata
 from .native import native_paged_attention
-
-if TYPE_CHECKING:
-    from .metadata import AttentionMetadata
 
 # What an MLA module must have for the absorbed attention (the same names in every family).
 LATENT_ATTRIBUTES = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -64,24 +62,36 @@ def latent_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def _pass_through(kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return kv_nope, k_rot
+class HandedThrough:
+    """An MLA module's `expand_kv` for a run: inside a continuous-batching forward (the runner's
+    `STEP_METADATA` is an `AttentionMetadata` in this thread) it returns the latent and the rotary key
+    unchanged, for the paged forward; anywhere else (a plain `generate()` during the run, the support
+    check's probe) it decompresses as the module's class does."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __call__(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(STEP_METADATA.get(), AttentionMetadata):
+            return kv_nope, k_rot
+        return type(self.module).expand_kv(self.module, kv_nope, k_rot)
 
 
 @contextmanager
 def latent_pass_through(model: torch.nn.Module) -> Iterator[None]:
-    """Inside: every MLA module of `model` hands its latent and rotary key to the attention interface
-    undecompressed (an instance `expand_kv`, removed on exit). Nested entries install nothing more."""
+    """Inside: every MLA module of `model` hands its latent and rotary key to the paged forward
+    undecompressed (an instance `expand_kv`, `HandedThrough`, removed on exit). Nested entries install
+    nothing more."""
     installed = []
     for module in latent_modules(model):
         if "expand_kv" not in module.__dict__:
-            setattr(module, "expand_kv", _pass_through)  # noqa: B010  (an instance attribute of a Module)
+            setattr(module, "expand_kv", HandedThrough(module))  # noqa: B010  (an instance attribute)
             installed.append(module)
     try:
         yield
     finally:
         for module in installed:
-            if module.__dict__.get("expand_kv") is _pass_through:
+            if isinstance(module.__dict__.get("expand_kv"), HandedThrough):
                 del module.expand_kv
 
 

@@ -15,7 +15,6 @@ group (multi-latent attention) is handed to attention/latent.py whatever the bac
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import cast
@@ -24,7 +23,7 @@ import torch
 
 from ..memory.kv_cache import layer_views, write_slots
 from .latent import latent_attention
-from .metadata import AttentionMetadata
+from .metadata import STEP_METADATA, AttentionMetadata
 from .native import native_paged_attention
 from .temperature import retuned_query, tunes_temperature
 
@@ -34,28 +33,25 @@ Attend = Callable[..., torch.Tensor]
 
 METADATA_KWARG = "cb_attention_metadata"
 
-# The metadata of the step whose forward is running in this thread (None outside one). Why: some decoder
-# layers (StableLM, Nemotron) call their attention module without the forward's `**kwargs`, so the
-# metadata kwarg never reaches the attention function; the runner sets it here for the forward's
-# duration and the glue reads it when the kwarg is missing.
-_step_metadata: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
-    "cb_step_metadata", default=None
-)
+# The metadata of the step whose forward is running in this thread (None outside one) is `STEP_METADATA`
+# (attention/metadata.py). Why: some decoder layers (StableLM, Nemotron) call their attention module
+# without the forward's `**kwargs`, so the metadata kwarg never reaches the attention function; the
+# runner sets it for the forward's duration and the glue reads it when the kwarg is missing.
 
 
 @contextmanager
 def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
     """Inside: `current_step_metadata()` is `metadata` in this thread (the forward of one step)."""
-    token = _step_metadata.set(metadata)
+    token = STEP_METADATA.set(metadata)
     try:
         yield
     finally:
-        _step_metadata.reset(token)
+        STEP_METADATA.reset(token)
 
 
 def current_step_metadata() -> AttentionMetadata | None:
     """The metadata of the step running in this thread, or None outside a continuous-batching forward."""
-    return _step_metadata.get()
+    return STEP_METADATA.get()
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
