@@ -76,7 +76,9 @@ class KVGroupSpec:
 
     `attention_chunk_size`: a chunked group's chunk (a query at `q` reads keys `[q // C * C, q]`); None
     for the other kinds. `head_shape`: (KV heads, head dim) of the group's layers when the model's layers
-    differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`)."""
+    differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`). `latent`: a latent
+    group's (kv_lora_rank, qk_rope_head_dim): its pages hold one latent row per token and layer (one head
+    of their summed width, no V), attended by attention/latent.py; its page policy is its kind's."""
 
     kind: str
     layer_indices: tuple[int, ...]
