@@ -201,8 +201,10 @@ def latent_attention(
     w_uk, w_uv = absorbed_weights(module)
     nope = module.qk_nope_head_dim
     out = q.new_empty(q.shape[0], q.shape[1], module.v_head_dim)
-    # Only the tokens attended over the latent need the absorbed query (a prefill chunk decompresses).
-    absorbed = _absorbed_query(q, w_uk, nope) if metadata.native_tokens or group.decode_groups else q
+    # Only the tokens attended over the latent need the absorbed query: the native run and the decodes,
+    # which lead the packed step (a prefill chunk after them decompresses).
+    absorbed_rows = max([metadata.native_tokens, *(decode.q_end for decode in group.decode_groups)])
+    absorbed = _absorbed_query(q[:absorbed_rows], w_uk, nope)
     if metadata.native_tokens:
         n = metadata.native_tokens
         attended = key_cache.new_empty(n, q.shape[1], rank + rope)
