@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import transformers
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -80,8 +82,30 @@ _TINY_HYBRID: dict[str, Any] = {
 
 #: Configs of the benchmark models (Llama unless `build_model` says otherwise). Weights are random (seeded); the
 #: configs alone decide the cost.
+#: "tiny"'s size in DeepSeek-V3's shape: multi-latent attention (a 64 + 16-value latent per token and layer in
+#: the cache instead of 4 heads x (32 + 16) key and 4 x 32 value values), a query LoRA, MoE after a dense first
+#: layer. Built as `DeepseekV3ForCausalLM` (see `build_model`).
+_TINY_MLA: dict[str, Any] = {
+    **_TINY,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+}
+
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": _TINY,
+    # DeepSeek-V3's shape at "tiny"'s size: multi-latent attention on latent pages (docs/models.md).
+    "tiny-mla": _TINY_MLA,
     # A Qwen3.5-shaped hybrid of "tiny"'s size: 3 linear-attention (gated delta rule) layers + 1 full attention.
     "tiny-hybrid": _TINY_HYBRID,
     # "tiny" with every layer sliding over a 256-token window (Mistral architecture = Llama + sliding window):
@@ -120,6 +144,25 @@ def is_hybrid(config: Any) -> bool:
     return "linear_attention" in (getattr(config, "layer_types", None) or ())
 
 
+def is_latent(config: Any) -> bool:
+    """Whether a model's config has multi-latent attention (`kv_lora_rank`)."""
+    return getattr(config, "kv_lora_rank", None) is not None
+
+
+def kv_bytes_per_token(config: Any, element_size: int) -> dict[str, int]:
+    """One token's KV bytes in every layer: `latent` (what ours' pages hold for a multi-latent model; its
+    K + V otherwise) and `decompressed` (the per-head K and V a multi-latent model's attention computes)."""
+    layers = config.num_hidden_layers
+    if not is_latent(config):
+        heads = config.num_key_value_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        size = 2 * layers * heads * head_dim * element_size
+        return {"latent": size, "decompressed": size}
+    latent = layers * (config.kv_lora_rank + config.qk_rope_head_dim) * element_size
+    per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    return {"latent": latent, "decompressed": layers * config.num_attention_heads * per_head * element_size}
+
+
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Build a benchmark model with seeded random weights, in eval mode, with SDPA attention and EOS disabled.
     A config with `sliding_window` builds the Mistral architecture (Llama with sliding-window attention), one with
@@ -128,6 +171,8 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32) ->
         raise ValueError(f"Unknown model {name!r}; choose from {sorted(MODEL_CONFIGS)}")
     if "linear_attention" in MODEL_CONFIGS[name].get("layer_types", ()):
         config_class, model_class = Qwen3_5TextConfig, Qwen3_5ForCausalLM
+    elif "kv_lora_rank" in MODEL_CONFIGS[name]:
+        config_class, model_class = DeepseekV3Config, DeepseekV3ForCausalLM
     elif "sliding_window" in MODEL_CONFIGS[name]:
         config_class, model_class = MistralConfig, MistralForCausalLM
     else:
@@ -316,6 +361,8 @@ class RunResult:
     peak_pages: dict[str, int] | None = None
     #: Prompt tokens run through the model (ours: counted; limit: prefix once + suffixes; else None).
     prefill_tokens: int | None = None
+    #: One token's KV bytes in ours' pages (`stats().kv_bytes_per_token`; ours only, else None).
+    kv_bytes_per_token: int | None = None
 
 
 def outputs_digest(outputs: list[list[int] | None]) -> str:
@@ -444,6 +491,8 @@ class BuiltinEngine(Engine):
                 "transformers' continuous batching refuses linear-attention layers "
                 "(ValueError: Invalid layer type: linear_attention)"
             )
+        if is_latent(model.config):
+            return "transformers' continuous batching is not run on multi-latent attention (docs/models.md)"
         return None
 
     def run(self, model: LlamaForCausalLM, workload: Workload) -> RunResult:
@@ -624,6 +673,7 @@ class OursEngine(Engine):
             notes,
             peak_pages=peak_pages,
             prefill_tokens=prefill,
+            kv_bytes_per_token=recorded[0].snapshot().kv_bytes_per_token if recorded else None,
         )
 
 
@@ -825,6 +875,11 @@ class LimitEngine(Engine):
 
     def __init__(self, repeats: int = 2):
         self.repeats = max(1, repeats)
+
+    def unsupported(self, model: torch.nn.Module) -> str | None:
+        if is_latent(model.config):
+            return "its pre-filled decode caches are per-head K/V, not multi-latent attention's latents"
+        return None
 
     def run(self, model: LlamaForCausalLM, workload: Workload) -> RunResult:
         requests = workload.requests

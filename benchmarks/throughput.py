@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_csv,
         default=["tiny", "small"],
         help="comma list of: tiny, small, tiny-sliding (tiny with a 256-token sliding window), tiny-hybrid (a "
-        "Qwen3.5-shaped linear-attention hybrid of tiny's size), mini (4 layers, "
+        "Qwen3.5-shaped linear-attention hybrid of tiny's size), tiny-mla (a DeepSeek-V3-shaped multi-latent "
+        "attention MoE of tiny's size: its KV is a latent per token), mini (4 layers, "
         "256 wide: the many-short model), smollm2 (the real model, SmolLM2-135M-Instruct from its cached folder, "
         "on English questions through its chat template: benchmarks/real_prompts.py), or a local model folder "
         "(the same real prompts)",
@@ -266,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             model = common.build_model(model_name, seed=args.seed, dtype=getattr(torch, args.dtype))
             config_meta = common.MODEL_CONFIGS[model_name]
         nparams = common.param_count(model)
-        models_meta[model_name] = {"params": nparams, "config": config_meta}
+        kv_bytes = common.kv_bytes_per_token(model.config.get_text_config(), model.dtype.itemsize)
+        models_meta[model_name] = {"params": nparams, "config": config_meta, "kv_bytes_per_token": kv_bytes}
         log(f"== model {model_name}: {nparams / 1e6:.2f}M parameters")
         engines = {name: make_engine(name) for name in args.engines}
         for name, engine in list(engines.items()):
@@ -403,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
                         "slowdown": busy_results[name].wall_s / res.wall_s
                         if name in busy_results and res.wall_s > 0
                         else None,
+                        # KV bytes a request holds at its full length in ours' pages, on average (the latent
+                        # for a multi-latent model), beside its speed.
+                        "kv_per_request": res.kv_bytes_per_token
+                        * (workload.num_prompt_tokens + workload.num_generated_tokens)
+                        // len(workload.requests)
+                        if res.kv_bytes_per_token
+                        else None,
                         "peak_pages": ", ".join(f"{g} {n}" for g, n in res.peak_pages.items())
                         if res.peak_pages
                         else None,
@@ -442,13 +451,20 @@ def main(argv: list[str] | None = None) -> int:
         ("openmp", "OpenMP"),
         *([("busy_wall_s", "busy s"), ("slowdown", "busy / quiet")] if args.busy_core else []),
         ("peak_pages", "peak KV pages"),
+        ("kv_per_request", "KV B/request (mean)"),
         ("identical", "identical outputs (requests)"),
         ("errors", "errors"),
     ]
     print()
     print(f"threads={threads} scale={args.scale} repeats={args.repeats} seed={args.seed} dtype={args.dtype}")
     for name, meta in models_meta.items():
-        print(f"model {name}: {meta['params']:,} parameters")
+        kv = meta["kv_bytes_per_token"]
+        latent = (
+            f" (ours' pages; {kv['decompressed']} B decompressed)"
+            if kv["latent"] != kv["decompressed"]
+            else ""
+        )
+        print(f"model {name}: {meta['params']:,} parameters, KV {kv['latent']} B per token{latent}")
     for name, meta in workloads_meta.items():
         print(
             f"workload {name}: {meta['num_requests']} requests, {meta['prompt_tokens']} prompt tokens, "

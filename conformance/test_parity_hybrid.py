@@ -38,7 +38,7 @@ from transformers_cb.runner import model_runner, packing
 from transformers_cb.scheduler.scheduler import Scheduler
 
 # model type -> a phrase of the refusal's reason.
-REFUSED = {"zamba2": "shared attention block", "kimi_linear": "multi-latent attention"}
+REFUSED = {"zamba2": "shared attention block"}
 EXACT = tuple(name for name in HYBRIDS if name not in REFUSED)
 # No attention layer: zero KV groups.
 PURE_STATE = ("mamba2", "mamba", "falcon_mamba", "rwkv", "xlstm")

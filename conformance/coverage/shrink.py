@@ -82,6 +82,7 @@ EXACT_TARGETS: dict[str, int] = {
     "top_k_experts": ACTIVE_EXPERTS,
     "moe_topk": ACTIVE_EXPERTS,
     "moe_k": ACTIVE_EXPERTS,
+    "num_experts_per_token": ACTIVE_EXPERTS,  # Bailing-hybrid, Kimi-Linear
     "n_group": 1,
     "topk_group": 1,
     "num_expert_group": 1,
@@ -301,6 +302,10 @@ def _fix_consistency(d: dict, out: dict) -> None:
     expand, hidden = d.get("mamba_expand"), out.get("hidden_size")
     if isinstance(out.get("mamba_d_ssm"), int) and isinstance(expand, int) and isinstance(hidden, int):
         out["mamba_d_ssm"] = expand * hidden
+    # Multi-latent attention's rotary embedding is sized by `head_dim`, which the classes set to
+    # `qk_rope_head_dim` (DeepSeek V3, Youtu, AXK1, LongCat): it stays the shrunk rotary width.
+    if d.get("kv_lora_rank") is not None and d.get("head_dim") == d.get("qk_rope_head_dim"):
+        out["head_dim"] = out.get("qk_rope_head_dim")
     # A window or chunk at least as long as the model's context would never apply.
     for key in ("sliding_window", "attention_chunk_size"):
         value = out.get(key)

@@ -14,6 +14,7 @@ from transformers_cb.attention.paged import METADATA_KWARG, current_step_metadat
 
 class _Group:
     sliding_window = None
+    latent = None
 
 
 class FakeMetadata:

@@ -16,7 +16,11 @@ def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
     model = tiny_llama()
     config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16, cpu_offload_space=1.0)
     engine = build_engine(model, GenerationConfig(max_new_tokens=8, do_sample=False), config)
-    idle = EngineSnapshot(pages_total=engine.num_total_pages, pages_in_use_by_group={"full_attention": 0})
+    idle = EngineSnapshot(
+        pages_total=engine.num_total_pages,
+        pages_in_use_by_group={"full_attention": 0},
+        kv_bytes_per_token=engine.plan.cache.layout.page_bytes() // engine.plan.cache.layout.page_size,
+    )
     assert engine.snapshot() == idle
     prefix = prompts_of_lengths([12], seed=3)[0]
     for i, suffix in enumerate(prompts_of_lengths([6, 9, 4, 7], seed=4)):

@@ -274,7 +274,10 @@ REFUSED_CONFIGS = {
         lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True),
         "bidirectional",
     ),
-    "deepseek_v3": (lambda: AutoConfig.for_model("deepseek_v3", num_hidden_layers=1), "multi-latent"),
+    "deepseek_v32": (
+        lambda: AutoConfig.for_model("deepseek_v32", num_hidden_layers=1),
+        "DeepSeek sparse attention \\(indexed_attention layers",
+    ),
 }
 
 

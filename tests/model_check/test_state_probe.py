@@ -68,7 +68,7 @@ def test_pure_state_space_model_plans_no_kv_group() -> None:
 
 @pytest.mark.parametrize(
     ("name", "reason"),
-    [("zamba2", "shared attention block"), ("kimi_linear", "multi-latent attention")],
+    [("zamba2", "shared attention block")],
 )
 def test_families_that_cannot_run_exactly_are_refused(name: str, reason: str) -> None:
     with pytest.raises(NotImplementedError, match=rf"model_type='{name}'.*{reason}"):

@@ -23,13 +23,20 @@ group's cover only the current attention chunk (`first_visible_key`).
 
 from __future__ import annotations
 
+import contextvars
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from ..memory.kv_cache import PagedKVCache
+
+# The metadata of the step whose forward is running in this thread (None outside one), set by the runner
+# (`attention.paged.step_metadata`): the paged forward reads it where a layer dropped the kwargs, and a
+# multi-latent module hands its latent through only inside such a forward (attention/latent.py). `Any`:
+# the support check's probe sets its own record here.
+STEP_METADATA: contextvars.ContextVar[Any] = contextvars.ContextVar("cb_step_metadata", default=None)
 
 
 def first_visible_key(position: int, window: int | None, chunk: int | None) -> int:
@@ -89,6 +96,8 @@ class GroupMetadata:
     block_table: torch.Tensor  # [N, max_pages] int32
     # A chunked group's attention chunk (a query at q attends keys [q // C * C, q]); None: not chunked.
     chunk_size: int | None = None
+    # A latent group's (kv_lora_rank, qk_rope_head_dim): its layers attend through attention/latent.py.
+    latent: tuple[int, int] | None = None
 
     @property
     def kernel_window(self) -> int:

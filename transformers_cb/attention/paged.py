@@ -9,12 +9,12 @@ group the layer's pages come from: the window is applied by the gathers and
 masks built for that group), its logit `softcap`, and its attention sinks
 (`s_aux`, GPT-OSS). Nothing is assumed to be the same across layers. A chunked
 layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
-the config's `attention_chunk_size`, the one rule transformers' chunked mask applies.
+the config's `attention_chunk_size`, the one rule transformers' chunked mask applies. A layer of a latent
+group (multi-latent attention) is handed to attention/latent.py whatever the backend.
 """
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import cast
@@ -22,7 +22,8 @@ from typing import cast
 import torch
 
 from ..memory.kv_cache import layer_views, write_slots
-from .metadata import AttentionMetadata
+from .latent import latent_attention
+from .metadata import STEP_METADATA, AttentionMetadata
 from .native import native_paged_attention
 from .temperature import retuned_query, tunes_temperature
 
@@ -32,28 +33,25 @@ Attend = Callable[..., torch.Tensor]
 
 METADATA_KWARG = "cb_attention_metadata"
 
-# The metadata of the step whose forward is running in this thread (None outside one). Why: some decoder
-# layers (StableLM, Nemotron) call their attention module without the forward's `**kwargs`, so the
-# metadata kwarg never reaches the attention function; the runner sets it here for the forward's
-# duration and the glue reads it when the kwarg is missing.
-_step_metadata: contextvars.ContextVar[AttentionMetadata | None] = contextvars.ContextVar(
-    "cb_step_metadata", default=None
-)
+# The metadata of the step whose forward is running in this thread (None outside one) is `STEP_METADATA`
+# (attention/metadata.py). Why: some decoder layers (StableLM, Nemotron) call their attention module
+# without the forward's `**kwargs`, so the metadata kwarg never reaches the attention function; the
+# runner sets it for the forward's duration and the glue reads it when the kwarg is missing.
 
 
 @contextmanager
 def step_metadata(metadata: AttentionMetadata) -> Iterator[None]:
     """Inside: `current_step_metadata()` is `metadata` in this thread (the forward of one step)."""
-    token = _step_metadata.set(metadata)
+    token = STEP_METADATA.set(metadata)
     try:
         yield
     finally:
-        _step_metadata.reset(token)
+        STEP_METADATA.reset(token)
 
 
 def current_step_metadata() -> AttentionMetadata | None:
     """The metadata of the step running in this thread, or None outside a continuous-batching forward."""
-    return _step_metadata.get()
+    return STEP_METADATA.get()
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -267,7 +265,16 @@ def make_forward(
         sinks = kwargs.pop("s_aux", None)
         unsupported_kwargs(kwargs)
         layer_idx = cast(int, module.layer_idx)  # transformers' attention modules know their layer
-        check_window(layer_idx, sliding_window, metadata.group_of(layer_idx).sliding_window)
+        group_metadata = metadata.group_of(layer_idx)
+        check_window(layer_idx, sliding_window, group_metadata.sliding_window)
+        if group_metadata.latent is not None:
+            # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
+            if softcap is not None or sinks is not None:
+                raise NotImplementedError(
+                    f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented"
+                )
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return latent_attention(module, query, key, value, layer_idx, metadata, scale), None
         if tunes_temperature(module):
             # Llama 4's NoPE layers scale their queries by a position they number by step index.
             if metadata.position_ids is None:

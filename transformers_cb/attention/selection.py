@@ -8,7 +8,9 @@
   so, as the documents do); otherwise `paged|sdpa` / `paged|eager`.
 A flash name whose kernel does not import raises `FlashKernelUnavailable` naming what to install.
 Flash kernels have no chunked-attention rule (Llama 4's `attention_chunk_size`): a model with chunked
-layers never switches to flash, and a flash name for it raises a `ValueError` naming the reason.
+layers never switches to flash, and a flash name for it raises a `ValueError` naming the reason; so does a
+multi-latent attention model (its latent pages are read by attention/latent.py). Inside `paged_attention`,
+a multi-latent model's modules hand their latent to the paged forward (`latent.latent_pass_through`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from contextlib import contextmanager
 
 from transformers import PreTrainedModel
 
-from ..kv.layer_groups import CHUNKED_ATTENTION, layer_types_of
+from ..kv.layer_groups import CHUNKED_ATTENTION, latent_shape_of, layer_types_of
 from . import PAGED_BACKENDS
 from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
+from .latent import latent_pass_through
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +38,12 @@ AUTO_SWITCH_ORDER = (FA3, FA2)
 def has_chunked_layers(model: PreTrainedModel) -> bool:
     """Whether some layer of `model` attends in chunks (a rule flash kernels cannot express)."""
     return CHUNKED_ATTENTION in layer_types_of(model.config.get_text_config())
+
+
+def has_latent_layers(model: PreTrainedModel) -> bool:
+    """Whether `model` caches a multi-latent KV (its layers attend through attention/latent.py, which the
+    flash kernels do not run)."""
+    return latent_shape_of(model.config.get_text_config()) is not None
 
 
 def check_flash_backend(model: PreTrainedModel, name: str) -> None:
@@ -52,12 +61,17 @@ def check_flash_backend(model: PreTrainedModel, name: str) -> None:
             "(attention_chunk_size), which the paged flash kernels do not implement; load it with 'sdpa' "
             "or 'paged|sdpa'"
         )
+    if has_latent_layers(model):
+        raise ValueError(
+            f"attn_implementation={name!r}: {type(model).__name__} has multi-latent attention (kv_lora_rank), "
+            "whose latent pages the paged flash kernels do not read; load it with 'sdpa' or 'paged|sdpa'"
+        )
 
 
 def _auto_flash(model: PreTrainedModel, device_type: str) -> str | None:
     if device_type not in FLASH_DEVICES or not getattr(model, "_supports_flash_attn", False):
         return None
-    if has_chunked_layers(model):
+    if has_chunked_layers(model) or has_latent_layers(model):
         return None
     for name in AUTO_SWITCH_ORDER:
         if flash_available(name):
@@ -121,7 +135,8 @@ def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterat
     if target != current:
         model.set_attn_implementation(target)
     try:
-        yield target
+        with latent_pass_through(model):  # multi-latent modules hand their latent to the paged forward
+            yield target
     finally:
         if target != current and model.config._attn_implementation == target:
             model.set_attn_implementation(current if current is not None else "sdpa")

@@ -79,6 +79,13 @@ def shard_shape(model: PreTrainedModel, shape: ModelShape, tp_size: int) -> Mode
     check_no_device_map(model)
     if not kv_heads_are_sharded(model):
         return shape
+    if shape.latent is not None:
+        # Why: a latent row is one head shared by every query head; each rank would hold all of it.
+        raise NotImplementedError(
+            f"tensor parallelism (tp_size={tp_size}) of a multi-latent attention model (kv_lora_rank) is not "
+            "supported yet: its latent pages hold one KV head per token, which no rank split divides; run it "
+            "with tp_size=1"
+        )
     if shape.layer_head_shapes:
         # Why: each KV group would need its own share of heads (and some, e.g. Gemma 4's single global
         # KV head, cannot be split); not built yet.

@@ -347,6 +347,7 @@ class Engine:
             state_slots_in_use=slots.num_in_use if slots is not None else 0,
             state_slots_total=slots.num_slots if slots is not None else 0,
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
+            kv_bytes_per_token=self.plan.cache.layout.bytes_per_token(),
             packed_weight_bytes=model_pack_bytes(self.model) if self.plan.step_options.packed_linear else 0,
             speculation=replace(scheduler.speculation),
             counters=replace(self.counters),

@@ -39,6 +39,7 @@ class EngineSnapshot:
     state_slots_in_use: int = 0  # state layers (docs/state_layers.md): slots held by running requests
     state_slots_total: int = 0
     state_bytes_per_slot: int = 0
+    kv_bytes_per_token: int = 0  # one token's KV in every group (a latent group: its latent vector)
     packed_weight_bytes: int = 0  # packed copies of the model's Linear weights held now (docs/design.md)
     counters: EngineCounters = field(default_factory=EngineCounters)
     speculation: SpeculationStats = field(

@@ -23,6 +23,11 @@ head dim), so layers of different shapes get their own groups, each with its hea
 (`KVGroupSpec.head_shape`); read per layer (`layer_head_shapes`), never globally, where transformers
 raises `AmbiguousGlobalPerLayerAttributeError`.
 
+Multi-latent attention (DeepSeek V2/V3, MiniCPM3, Kimi, ...: a config with `kv_lora_rank`): every KV group
+is a latent group (`KVGroupSpec.latent`), whose pages hold one compressed vector per token and layer, the
+`kv_lora_rank` latent and the `qk_rope_head_dim` rotary key, as one head of their summed width and no
+separate V (attention/latent.py decompresses or absorbs it); its page policy is its kind's, like any group's.
+
 What the model's forward shows overrides the config (`ObservedLayers`, learned by model_check's probe):
 the (KV heads, head dim) each layer's attention call really passes (MiMo-V2-Flash's sliding layers have
 twice the config's KV heads; JetMoE repeats its K/V once per expert before attending).
@@ -39,6 +44,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
+# DeepSeek sparse attention's layer type (an indexer picks each query's keys): known, not run.
+INDEXED_ATTENTION = "indexed_attention"
 # transformers' layer types (cache_utils: `DYNAMIC_LAYER_TYPE_MAPPING`) with a recurrent state, and the
 # attention kind of their KV (None: no KV at all).
 STATE_LAYER_TYPES: dict[str, str | None] = {
@@ -72,13 +79,17 @@ class KVGroupSpec:
 
     `attention_chunk_size`: a chunked group's chunk (a query at `q` reads keys `[q // C * C, q]`); None
     for the other kinds. `head_shape`: (KV heads, head dim) of the group's layers when the model's layers
-    differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`)."""
+    differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`). `latent`: a latent
+    group's (kv_lora_rank, qk_rope_head_dim): its pages hold one latent row per token and layer (one head
+    of their summed width, no V), attended by attention/latent.py; its page policy is its kind's."""
 
     kind: str
     layer_indices: tuple[int, ...]
     sliding_window: int | None = None
     head_shape: tuple[int, int] | None = None
     attention_chunk_size: int | None = None
+    # (kv_lora_rank, qk_rope_head_dim) of a latent group (multi-latent attention); None: K/V pages.
+    latent: tuple[int, int] | None = None
 
     @property
     def span(self) -> int | None:
@@ -93,11 +104,26 @@ class KVGroupSpec:
             name = f"{self.kind}(window={self.sliding_window})"
         elif self.attention_chunk_size is not None:
             name = f"{self.kind}(chunk={self.attention_chunk_size})"
+        if self.latent is not None:
+            return f"{name}[latent={self.latent[0]}+{self.latent[1]}]"
         return (
             name
             if self.head_shape is None
             else f"{name}[heads={self.head_shape[0]}, dim={self.head_shape[1]}]"
         )
+
+    @property
+    def kv_streams(self) -> int:
+        """Tensors a page holds per layer: K and V (2), or the latent alone (1)."""
+        return 1 if self.latent is not None else 2
+
+
+def latent_shape_of(text_config: Any) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a multi-latent attention model's config; None for any other."""
+    rank = getattr(text_config, "kv_lora_rank", None)
+    if rank is None:
+        return None
+    return int(rank), int(getattr(text_config, "qk_rope_head_dim", None) or 0)
 
 
 def layer_types_of(text_config: Any) -> list[str]:
@@ -169,9 +195,14 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
     chunk = getattr(text_config, "attention_chunk_size", None)
     if CHUNKED_ATTENTION in layer_types and (not isinstance(chunk, int) or chunk < 1):
         raise ValueError(f"the config has chunked_attention layers but attention_chunk_size={chunk!r}")
+    latent = latent_shape_of(text_config)
     shapes = (
         list(observed.head_shapes) if observed is not None and observed.head_shapes else None
     ) or layer_head_shapes(text_config)
+    if latent is not None:
+        # Why one head of the summed width: the latent and the rotary key of a token are one row, the
+        # absorbed decode's single KV head (attention/latent.py).
+        shapes = [(1, sum(latent))] * len(layer_types)
     groups = []
     for kind in KNOWN_LAYER_TYPES:
         layers = [i for i, t in enumerate(layer_types) if t == kind]
@@ -187,6 +218,7 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
                         window if kind == SLIDING_ATTENTION else None,
                         shape,
                         chunk if kind == CHUNKED_ATTENTION else None,
+                        latent,
                     )
                 )
     return groups

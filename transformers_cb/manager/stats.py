@@ -58,6 +58,9 @@ class ManagerStats:
     state_slots_in_use: int = 0
     state_slots_total: int = 0
     state_bytes_per_slot: int = 0
+    # One token's KV bytes in every KV group (a multi-latent model: its latent, kv_lora_rank +
+    # qk_rope_head_dim values per layer, not the decompressed K/V; docs/models.md).
+    kv_bytes_per_token: int = 0
     # Packed products (docs/design.md, "Packed products"): bytes of the packed copies of the model's Linear
     # weights held now (0 when the engine runs plain products).
     packed_weight_bytes: int = 0
@@ -109,6 +112,7 @@ def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
         state_slots_in_use=engine.state_slots_in_use,
         state_slots_total=engine.state_slots_total,
         state_bytes_per_slot=engine.state_bytes_per_slot,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
         packed_weight_bytes=engine.packed_weight_bytes,
         draft_tokens=engine.speculation.drafted,
         accepted_draft_tokens=engine.speculation.accepted,

@@ -42,15 +42,20 @@ class CacheLayout:
         return self.groups[group].head_shape or (self.num_kv_heads, self.head_dim)
 
     def group_page_bytes(self, group: int) -> int:
-        """Bytes of one page of group `group`: K and V of each of its layers."""
+        """Bytes of one page of group `group`: K and V of each of its layers (a latent group: its latent
+        vectors alone, `KVGroupSpec.kv_streams`)."""
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         layers = len(self.groups[group].layer_indices)
         heads, dim = self.head_shape(group)
-        return 2 * layers * self.page_size * heads * dim * element_size
+        return self.groups[group].kv_streams * layers * self.page_size * heads * dim * element_size
 
     def page_bytes(self) -> int:
         """Bytes of one page in every group (a host page id exists in each group's pool)."""
         return sum(self.group_page_bytes(g) for g in range(len(self.groups)))
+
+    def bytes_per_token(self) -> int:
+        """KV bytes one token holds in every group (a multi-latent model: its latent, not decompressed K/V)."""
+        return self.page_bytes() // self.page_size
 
     def nbytes(self) -> int:
         """Bytes of the whole cache, scratch pages included."""
@@ -60,9 +65,10 @@ class CacheLayout:
 
 def layer_views(storage: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `index` of a KV group's tensor `[2, layers, pages, page_size, Hkv, D]` as its key and value
-    caches `[slots, Hkv, D]` (views: writes land in the group's tensor)."""
+    caches `[slots, Hkv, D]` (views: writes land in the group's tensor). A latent group's tensor has one
+    stream (`[1, ...]`): its value cache is its key cache, so nothing decompressed is ever stored."""
     heads, dim = storage.shape[-2:]
-    return storage[0, index].view(-1, heads, dim), storage[1, index].view(-1, heads, dim)
+    return storage[0, index].view(-1, heads, dim), storage[-1, index].view(-1, heads, dim)
 
 
 def write_slots(
@@ -125,13 +131,13 @@ class PagedKVCache:
             scratch_page,
         )
         self.has_scratch_page = scratch_page
-        # One tensor per group, `[2 (K, V), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
+        # One tensor per group, `[2 (K, V; 1 for a latent group), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
         # head_dim]` (the group's head shape: `CacheLayout.head_shape`), so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
         # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
         # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
         self.group_tensors = [
             torch.zeros(
-                2,
+                spec.kv_streams,
                 len(spec.layer_indices),
                 n + int(scratch_page),
                 page_size,
@@ -194,7 +200,8 @@ class PagedKVCache:
             dst = (torch.tensor(destinations, device=device)[:, None] * self.page_size + offsets).reshape(-1)
             for layer in self.groups[group].layer_indices:
                 self.keys[layer].index_copy_(0, dst, self.keys[layer].index_select(0, src))
-                self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
+                if self.groups[group].latent is None:  # a latent group's values are its keys
+                    self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]

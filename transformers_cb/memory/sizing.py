@@ -27,7 +27,13 @@ import psutil
 import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..kv.layer_groups import KVGroupSpec, ObservedLayers, kv_layer_indices, layer_head_shapes
+from ..kv.layer_groups import (
+    KVGroupSpec,
+    ObservedLayers,
+    kv_layer_indices,
+    latent_shape_of,
+    layer_head_shapes,
+)
 from ..kv.page_policies import num_pages_for
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
@@ -55,6 +61,9 @@ class ModelShape:
     layer_head_shapes: tuple[tuple[int, int], ...] = ()
     # The layers that cache K/V (None: every layer; a hybrid's state-only layers cache none).
     kv_layers: tuple[int, ...] | None = None
+    # (kv_lora_rank, qk_rope_head_dim) of a multi-latent attention model: each layer caches one latent
+    # vector per token (one head of their summed width, no V), not decompressed K/V.
+    latent: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, config, observed: ObservedLayers | None = None) -> ModelShape:
@@ -68,6 +77,9 @@ class ModelShape:
             list(observed.head_shapes) if observed is not None and observed.head_shapes else None
         ) or layer_head_shapes(config)
         kv_layers = kv_layer_indices(config)
+        latent = latent_shape_of(config)
+        if latent is not None:
+            per_layer = [(1, sum(latent))] * config.num_hidden_layers
         if per_layer:
             num_kv_heads, head_dim = per_layer[0]
         else:
@@ -83,6 +95,7 @@ class ModelShape:
             max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2**31 - 1,
             layer_head_shapes=tuple(per_layer or ()),
             kv_layers=None if len(kv_layers) == config.num_hidden_layers else tuple(kv_layers),
+            latent=latent,
         )
 
     def layer_head_shape(self, layer_idx: int) -> tuple[int, int]:
@@ -92,10 +105,11 @@ class ModelShape:
         return self.num_kv_heads, self.head_dim
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        """K and V of one token in every layer that caches them (each layer with its own head shape)."""
+        """K and V of one token in every layer that caches them (each layer with its own head shape); a
+        multi-latent model's latent vector alone (`kv_lora_rank + qk_rope_head_dim` per layer)."""
         layers = range(self.num_layers) if self.kv_layers is None else self.kv_layers
         elements = sum(h * d for h, d in map(self.layer_head_shape, layers))
-        return 2 * elements * element_size
+        return (1 if self.latent is not None else 2) * elements * element_size
 
     def activation_bytes_per_token(self, element_size: int) -> int:
         # hidden + residual + q/k/v/o + MLP intermediates (gate, up, act), a rough upper bound.

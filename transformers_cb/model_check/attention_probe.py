@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
@@ -131,10 +132,15 @@ def _recording_attention(
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return query.new_zeros(*query.shape[:-3], query.shape[-2], query.shape[-3], value.shape[-1]), None
     batch, heads, q_len, _ = query.shape
-    if heads % key.shape[1] or key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:
+    if heads % key.shape[1] or key.shape[-1] != query.shape[-1]:
         # A shape the paged kernels cannot run anyway (recorded above): keep the forward going.
         return query.new_zeros(batch, q_len, heads, value.shape[-1]), None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if value.shape[-1] != query.shape[-1]:
+        # Multi-latent attention's decompressed V (`v_head_dim`): attended, so that positions still
+        # change the logits (a V of another size is refused for any other model by `dispatch_problems`).
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
     out = eager_attend(query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"))
     return out.transpose(1, 2).contiguous(), None  # [B, T, H, D], as transformers' functions return
 

@@ -14,9 +14,11 @@ Refused, with the model type and what is missing. From the config alone:
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
   MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
-- attention the kernels do not implement: bidirectional attention,
-  multi-latent attention with its own value size, ALiBi biases, cross-attention, or any unknown
+- attention the kernels do not implement: bidirectional attention, DeepSeek sparse attention
+  (`indexed_attention` layers of a multi-latent model), ALiBi biases, cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
+Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
+an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
 - state layers whose modules do not keep their state through the cache API, or that do not take
   (hidden_states, cache, attention_mask); state layers under tensor parallelism;
@@ -43,13 +45,17 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from ..attention.latent import latent_module_problem, latent_modules
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import (
     HEAD_SHAPE_ATTRIBUTES,
+    INDEXED_ATTENTION,
     ObservedLayers,
     kv_groups_from_config,
     kv_layer_indices,
+    latent_shape_of,
     layer_to_group,
+    layer_types_of,
     state_layer_indices,
 )
 from ..memory.sizing import ModelShape
@@ -147,8 +153,14 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
         )
     if getattr(text_config, "use_bidirectional_attention", False):
         _refuse(model_type, "bidirectional attention is not causal generation")
-    if getattr(text_config, "kv_lora_rank", None) is not None:
-        _refuse(model_type, "multi-latent attention (kv_lora_rank) needs its own cache layout")
+    if latent_shape_of(text_config) is not None and INDEXED_ATTENTION in layer_types_of(text_config):
+        # Why: DeepSeek sparse attention's indexer keeps keys of its own per token and picks each query's
+        # top-k cached keys; the latent pages hold no indexer keys and the kernels attend to every key.
+        _refuse(
+            model_type,
+            "DeepSeek sparse attention (indexed_attention layers: an indexer with a key cache of its own picks "
+            "each query's top-k keys) is not implemented: the latent pages hold no indexer keys",
+        )
     # Why: an ALiBi bias is added to the logits inside the model's own attention; the paged kernels
     # compute softmax(QK^T) without it.
     attn_config = getattr(text_config, "attn_config", None)
@@ -200,12 +212,37 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
         problems = [_no_interface_reason(model)]
     else:
         kv_shapes = [shape.layer_head_shape(i) for i in range(num_layers)]
-        problems = dispatch_problems(result, num_layers, kv_shapes, windows, kv_layers, layout is not None)
-        observed = None if problems else observed_layers(result, kv_shapes)
+        if shape.latent is not None:
+            # The probe sees the decompressed K/V (V of its own size, by design); the cache holds the latent.
+            problems = latent_problems(model, kv_layers) or dispatch_problems(
+                result, num_layers, None, windows, kv_layers, layout is not None
+            )
+        else:
+            problems = dispatch_problems(
+                result, num_layers, kv_shapes, windows, kv_layers, layout is not None
+            )
+            observed = None if problems else observed_layers(result, kv_shapes)
     # Kept even without a fingerprint (never reused by the check then): the engine reads this probe's
     # observations right after it (`observed_layers_of`).
     _probed[model] = _Verdict(fingerprint, problems, not result.keeps_rows, layout, observed)
     return problems
+
+
+def latent_problems(model: PreTrainedModel, kv_layers: list[int]) -> list[str]:
+    """What keeps a multi-latent model's KV layers from the latent pages: a layer without an MLA module
+    (`attention/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read."""
+    by_layer = {getattr(m, "layer_idx", None): m for m in latent_modules(model)}
+    missing = [i for i in kv_layers if i not in by_layer]
+    if missing:
+        return [
+            f"layers {missing} have no multi-latent attention module (kv_b_proj, expand_kv) although the "
+            "config sets kv_lora_rank, so their KV is not one latent per token"
+        ]
+    for i in kv_layers:
+        problem = latent_module_problem(by_layer[i])
+        if problem is not None:
+            return [f"layer {i}: {problem}"]
+    return []
 
 
 def observed_layers_of(model: PreTrainedModel) -> ObservedLayers | None:

@@ -116,6 +116,7 @@ class StaticStep:
                 [],
                 torch.zeros(q, width, **i32),
                 spec.attention_chunk_size,
+                spec.latent,
             )
             for spec in cache.groups
         ]

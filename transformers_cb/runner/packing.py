@@ -285,6 +285,7 @@ class BatchPacker:
             # Canonical strides (a one-row slice keeps its parent's): a compiled forward guards on them.
             block_table=block_table.to(torch.int32, memory_format=torch.contiguous_format),
             chunk_size=chunk,
+            latent=spec.latent,
         )
 
     def _slots(self, block_table_rows: torch.Tensor, kv_len: int) -> torch.Tensor:
