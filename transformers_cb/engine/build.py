@@ -27,10 +27,12 @@ from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
+from ..runner.media import MediaRunner
 from ..runner.model_runner import ModelRunner
 from ..runner.state_layers import StateLayers
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
+from ..scheduler.media_budget import MediaBudget
 from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .assistant import build_drafter
@@ -38,6 +40,7 @@ from .draft_setup import EngineSpeculation
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
 from .kv_wiring import wire_kv
+from .media_inputs import MediaModel
 from .plan import EnginePlan, resolve_plan
 from .publisher import StepPublisher, TensorParallelPublisher
 from .submission import RequestBuilder
@@ -109,6 +112,11 @@ def wire(
         offload = CpuOffload(policies, plan.host.num_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
     states = _wire_states(plan)
+    # Images / videos / audio: the encoder's store holds as many rows as the device cache holds tokens.
+    media_model = MediaModel.of(model)
+    media = None
+    if media_model.takes_media:
+        media = MediaBudget(min((pool.num_pages for pool in pages.pools), default=0) * pages.page_size)
     scheduler = Scheduler(
         pages,
         max_batch_tokens=plan.sizing.max_batch_tokens,
@@ -117,12 +125,15 @@ def wire(
         policy=make_policy(plan.scheduler.scheduler_type),
         offload=offload,
         speculation_max_batch=plan.scheduler.speculation_max_batch,
+        media=media,
     )
     packer.state_layers = states is not None
     settings = plan.sampling
     sampling = _wire_sampling(plan, tokenizer, logits_processor)
     sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
-    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper, states)
+    mrope = media_model.rope_index is not None
+    media_runner = MediaRunner(model, mrope=mrope) if media is not None else None
+    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper, states, media_runner)
     drafter = (
         None
         if plan.assistant is None or assistant_model is None
@@ -144,7 +155,9 @@ def wire(
         runner=runner,
         sampling=sampling,
         speculation=speculation,
-        build_request=RequestBuilder(plan.shape, settings.generation_config, sampling, speculation, pages),
+        build_request=RequestBuilder(
+            plan.shape, settings.generation_config, sampling, speculation, pages, media_model, media
+        ),
         offload=offload,
         publisher=TensorParallelPublisher(tp) if tp is not None and tp.is_driver else StepPublisher(),
         drafter=drafter,

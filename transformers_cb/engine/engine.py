@@ -46,6 +46,7 @@ from .snapshot import EngineCounters, EngineSnapshot
 from .submission import RequestBuilder
 
 if TYPE_CHECKING:
+    from ..scheduler.plan import StepPlan
     from .plan import EnginePlan
 
 logger = logging.getLogger(__name__)
@@ -289,6 +290,10 @@ class Engine:
         if not batch.entries:
             self.runner.apply(batch)  # the plan alone: copies, swaps, released rows
             return self._ended(result)
+        self._fail_bad_media(batch, result)
+        if not batch.entries:
+            self.runner.apply(batch)
+            return self._ended(result)
         self.counters.steps += 1
         try:
             output = self.runner.run(batch)
@@ -318,6 +323,21 @@ class Engine:
         result.num_tokens = batch.num_tokens
         self.publisher.tokens_sampled(sampling, output.sampled)
         return self._ended(result)
+
+    def _fail_bad_media(self, batch: StepPlan, result: StepResult) -> None:
+        """Encode the media of the plan's newly admitted requests (none of which the same plan releases);
+        a request whose media the encoder refuses fails alone, its entry leaving the step (runner/media.py)."""
+        failures = self.runner.encode_media(batch)
+        if not failures:
+            return
+        for entry in batch.entries:
+            reason = failures.get(entry.request.request_id)
+            if reason is not None:
+                self.finish(
+                    entry.request, RequestStatus.FAILED, f"request {entry.request.request_id!r}: {reason}"
+                )
+                result.finished.append(entry.request)
+        batch.entries = [entry for entry in batch.entries if entry.request.request_id not in failures]
 
     def _ended(self, result: StepResult) -> StepResult:
         """The step's outcome for the publisher (rank 0: the next message; the end of a drained run)."""

@@ -1,0 +1,83 @@
+"""Tiny vision-language models built from their configs (no download), their prompts with image
+placeholders, and the greedy reference of `generate()` on one prompt with its processor-shaped inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedModel,
+)
+
+# Llava: a 28x28 image is 2x2 patches of 14 (the CLS row is dropped): 4 placeholder tokens per image.
+LLAVA_IMAGE_TOKEN = 100
+LLAVA_TOKENS_PER_IMAGE = 4
+LLAVA_VOCAB = 128
+
+
+def build_tiny_llava(seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=LLAVA_VOCAB,
+        max_position_embeddings=256,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN, vision_feature_layer=-1
+    )
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def llava_image(seed: int, count: int = 1) -> torch.Tensor:
+    """`count` random 28x28 images as the processor's `pixel_values` `[count, 3, 28, 28]`."""
+    return torch.randn(count, 3, 28, 28, generator=torch.Generator().manual_seed(seed))
+
+
+def with_images(parts: list[list[int] | int]) -> list[int]:
+    """A prompt from text runs (lists of ids) and images (an int: one image's placeholder tokens)."""
+    prompt: list[int] = []
+    for part in parts:
+        prompt.extend([LLAVA_IMAGE_TOKEN] * LLAVA_TOKENS_PER_IMAGE if isinstance(part, int) else part)
+    return prompt
+
+
+@torch.inference_mode()
+def media_reference(
+    model: PreTrainedModel, prompt: list[int], media: dict[str, Any], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from plain `generate()` on one prompt with its media."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    output = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **media,
+    )
+    tokens = output.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(score[0].float(), -1)[token].item()
+        for score, token in zip(output.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs
