@@ -146,3 +146,55 @@ def test_the_manager_takes_images_and_a_bad_image_fails_alone(llava, references)
             manager.add_request(PROMPTS[0], max_new_tokens=2, pixel_values=torch.zeros(3, 3, 28, 28))
     finally:
         manager.stop(block=True)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    from tests.support.vision_models import build_tiny_qwen2_vl
+
+    return build_tiny_qwen2_vl(seed=0)
+
+
+@pytest.mark.parametrize("max_batch_tokens", [None, 5])
+def test_qwen2_vl_m_rope_positions_equal_generate(qwen2_vl, max_batch_tokens) -> None:
+    """3-D positions from the model's `get_rope_index`, the rope delta carried into decode: one image,
+    text only, and two images of different grids in one request, chunked across the images."""
+    import torch
+
+    from tests.support.vision_models import (
+        QWEN2_VL_IMAGE_TOKEN,
+        mm_token_type_ids,
+        qwen2_vl_image,
+        qwen2_vl_placeholders,
+    )
+
+    one, two = qwen2_vl_image(1), qwen2_vl_image(2, 4, 8)
+    prompts = [
+        [1, 5, 6, *qwen2_vl_placeholders(), 7, 8, 9],
+        [1, 3, 4, 5, 6, 7, 8, 9],
+        [3, *qwen2_vl_placeholders(), 4, *qwen2_vl_placeholders(4, 8), 11, 12],
+    ]
+    media = [
+        one,
+        {},
+        {key: torch.cat([one[key], two[key]]) for key in one},
+    ]
+    references = [
+        media_reference(
+            qwen2_vl,
+            prompt,
+            {**m, "mm_token_type_ids": mm_token_type_ids(prompt, QWEN2_VL_IMAGE_TOKEN)} if m else {},
+            MAX_NEW_TOKENS,
+        )
+        for prompt, m in zip(prompts, media, strict=True)
+    ]
+    inputs = [{"input_ids": torch.tensor([prompt]), **m} for prompt, m in zip(prompts, media, strict=True)]
+    config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens) if max_batch_tokens else None
+    results = qwen2_vl.generate_batch(
+        inputs,
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+        continuous_batching_config=config,
+        progress_bar=False,
+        top_logprobs=1,
+    )
+    check([results[f"req_{i}"] for i in range(len(prompts))], references)

@@ -81,3 +81,61 @@ def media_reference(
         for score, token in zip(output.scores, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+# Qwen2-VL: 14-pixel patches merged 2x2; an image of a (h, w) patch grid is h * w / 4 placeholder tokens
+# between its vision start / end tokens; 3-D rotary positions (M-RoPE).
+QWEN2_VL_IMAGE_TOKEN = 150
+QWEN2_VL_VISION_START, QWEN2_VL_VISION_END = 152, 153
+
+
+def build_tiny_qwen2_vl(seed: int = 0) -> PreTrainedModel:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 160,
+            "max_position_embeddings": 256,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        },
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=QWEN2_VL_IMAGE_TOKEN,
+        video_token_id=151,
+        vision_start_token_id=QWEN2_VL_VISION_START,
+        vision_end_token_id=QWEN2_VL_VISION_END,
+    )
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def qwen2_vl_image(seed: int, height: int = 4, width: int = 4) -> dict[str, torch.Tensor]:
+    """One image as Qwen2-VL's processor gives it: flattened patches and its `image_grid_thw`."""
+    patches = torch.randn(height * width, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return {"pixel_values": patches, "image_grid_thw": torch.tensor([[1, height, width]])}
+
+
+def qwen2_vl_placeholders(height: int = 4, width: int = 4) -> list[int]:
+    return [QWEN2_VL_VISION_START, *[QWEN2_VL_IMAGE_TOKEN] * (height * width // 4), QWEN2_VL_VISION_END]
+
+
+def mm_token_type_ids(prompt: list[int], image_token: int) -> torch.Tensor:
+    """What the processor returns beside Qwen2-VL's prompt: 1 at image placeholders, 0 elsewhere."""
+    ids = torch.tensor([prompt])
+    return (ids == image_token).to(torch.int)

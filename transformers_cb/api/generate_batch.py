@@ -26,7 +26,7 @@ from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, r
 from ..config.interop import take_cb_config
 from ..engine.build import build_engine
 from ..engine.engine import Engine
-from ..engine.media_inputs import MediaModel
+from ..engine.media_inputs import MediaIntake
 from ..engine.validation import per_item
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
@@ -98,7 +98,7 @@ def generate_batch(
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     cb_config = take_cb_config(generation_config, continuous_batching_config)
-    media_model = MediaModel.of(self)
+    media_model = MediaIntake.of(self)
     media_kwargs, kwargs = media_model.split(kwargs)
     if media_kwargs and not media_model.takes_media:
         raise ValueError(f"generate_batch: {media_model.refuse_text_only(media_kwargs)}")

@@ -40,7 +40,7 @@ from .draft_setup import EngineSpeculation
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
 from .kv_wiring import wire_kv
-from .media_inputs import MediaModel
+from .media_inputs import MediaIntake
 from .plan import EnginePlan, resolve_plan
 from .publisher import StepPublisher, TensorParallelPublisher
 from .submission import RequestBuilder
@@ -113,7 +113,7 @@ def wire(
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
     states = _wire_states(plan)
     # Images / videos / audio: the encoder's store holds as many rows as the device cache holds tokens.
-    media_model = MediaModel.of(model)
+    media_model = MediaIntake.of(model)
     media = None
     if media_model.takes_media:
         media = MediaBudget(min((pool.num_pages for pool in pages.pools), default=0) * pages.page_size)

@@ -1,7 +1,7 @@
 """A submission's images / videos / audio: which keyword arguments are media, checked against the
 model's placeholders and made a `RequestMedia` (docs/multimodal.md).
 
-What a model takes is read once from the model itself (`MediaModel.of`): its feature methods
+What a model takes is read once from the model itself (`MediaIntake.of`): its feature methods
 (`get_image_features`, `get_video_features`, `get_audio_features` on the base model, as `generate()`
 finds them), each one's keyword arguments, the placeholder token id of each modality in its config,
 and whether its positions are 3-D (M-RoPE: the model's own `get_rope_index`). Every rule a family
@@ -32,7 +32,7 @@ BIDIRECTIONAL_IMAGE_TOKENS = ("gemma3", "paligemma", "gemma3n")
 
 
 @dataclass(frozen=True)
-class MediaModel:
+class MediaIntake:
     """What a composite model takes: `params[modality]` its feature method's keyword arguments,
     `token_ids[modality]` its placeholder token; `rope_index`: the model's `get_rope_index` (3-D
     positions), None for 1-D positions; `refusal`: why its media cannot run here (None: they can)."""
@@ -44,7 +44,7 @@ class MediaModel:
     refusal: str | None = None
 
     @classmethod
-    def of(cls, model: PreTrainedModel) -> MediaModel:
+    def of(cls, model: PreTrainedModel) -> MediaIntake:
         config = model.config
         model_type = str(getattr(config, "model_type", type(model).__name__))
         base = getattr(model, "base_model", model)
@@ -118,15 +118,15 @@ class MediaModel:
             raise ValueError(f"{label}: {self.refuse_text_only(given)}")
         inputs: dict[str, dict[str, torch.Tensor]] = {}
         for name, value in given.items():
-            modality = next((m for m, names in self.params.items() if name in names), None)
-            if modality is None:
+            owner = next((m for m, names in self.params.items() if name in names), None)
+            if owner is None:
                 raise ValueError(
                     f"{label}: {name!r} is not an input of {self.model_type}'s feature methods "
                     f"({', '.join(f'get_{m}_features' for m in self.params)})"
                 )
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"{label}: {name} must be a tensor, got {type(value).__name__}")
-            inputs.setdefault(modality, {})[name] = value
+            inputs.setdefault(owner, {})[name] = value
         for modality, tensors in inputs.items():
             spots = placeholders[modality]
             if not spots:

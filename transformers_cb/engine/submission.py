@@ -22,7 +22,7 @@ from ..requests import Request
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.media_budget import MediaBudget
 from .draft_setup import EngineSpeculation
-from .media_inputs import MediaModel
+from .media_inputs import MediaIntake
 from .siblings import add_siblings, num_return_sequences_of
 from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
@@ -39,7 +39,7 @@ class RequestBuilder:
     sampling: SamplingSetup
     speculation: EngineSpeculation
     pages: PageManager
-    media: MediaModel | None = None
+    media: MediaIntake | None = None
     media_budget: MediaBudget | None = None
 
     def __call__(
@@ -87,7 +87,7 @@ class RequestBuilder:
             streaming=streaming,
             record_timestamps=record_timestamps,
         )
-        media_model = self.media if self.media is not None else MediaModel("text")
+        media_model = self.media if self.media is not None else MediaIntake("text")
         media_kwargs, sampling_kwargs = media_model.split(sampling_kwargs)
         request.media = media_model.build(prompt, media_kwargs, label)
         if request.media is not None and self.media_budget is not None:
