@@ -139,3 +139,120 @@ def mm_token_type_ids(prompt: list[int], image_token: int) -> torch.Tensor:
     """What the processor returns beside Qwen2-VL's prompt: 1 at image placeholders, 0 elsewhere."""
     ids = torch.tensor([prompt])
     return (ids == image_token).to(torch.int)
+
+
+# -- the judged families, built from the coverage matrix's tiny configs --------------------------------
+# Each family's vision tower is shrunk to its smallest images (a few patches) so the encoder is fast.
+JUDGED_FAMILIES = (
+    "llava",
+    "llava_next",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "idefics3",
+    "smolvlm",
+    "internvl",
+    "mistral3",
+)
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def build_family_vlm(family: str) -> PreTrainedModel:
+    """The family's image-text-to-text class from the coverage matrix's tiny config, with small images."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    from conformance.coverage.build import SEED, entry_config
+    from conformance.coverage.catalog import all_entries
+
+    entries = {entry.name: entry for entry in all_entries()}
+    config = entry_config(entries.get(f"{family}:vlm", entries.get(family)))
+    vision = config.vision_config
+    if family in ("llava", "llava_next", "gemma3"):
+        vision.image_size, vision.patch_size = 28, 14
+    if family == "llava_next":
+        config.image_grid_pinpoints = [[28, 28], [28, 56]]
+    if family == "internvl":
+        vision.image_size, vision.patch_size = [28, 28], [14, 14]
+    if family in ("idefics3", "smolvlm"):
+        vision.image_size, vision.patch_size = 64, 16
+    if family == "mistral3":
+        vision.image_size, vision.patch_size = 56, 14
+    torch.manual_seed(SEED)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
+    return model
+
+
+def image_token_of(model: PreTrainedModel) -> int:
+    config = model.config
+    return next(
+        value
+        for name in ("image_token_id", "image_token_index")
+        if isinstance(value := getattr(config, name, None), int)
+    )
+
+
+def family_images(model: PreTrainedModel, family: str, seed: int, count: int) -> dict[str, torch.Tensor]:
+    """`count` random images shaped as the family's processor gives them for one prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    if family in ("llava", "internvl", "gemma3"):
+        return {"pixel_values": torch.randn(count, 3, 28, 28, generator=generator)}
+    if family == "llava_next":  # a 28x56 image: the base image and its 2 tiles
+        return {
+            "pixel_values": torch.randn(count, 3, 3, 28, 28, generator=generator),
+            "image_sizes": torch.tensor([[28, 56]] * count),
+        }
+    if family in ("idefics3", "smolvlm"):
+        return {
+            "pixel_values": torch.randn(1, count, 3, 64, 64, generator=generator),
+            "pixel_attention_mask": torch.ones(1, count, 64, 64, dtype=torch.bool),
+        }
+    if family == "mistral3":
+        return {
+            "pixel_values": torch.randn(count, 3, 56, 56, generator=generator),
+            "image_sizes": torch.tensor([[56, 56]] * count),
+        }
+    if family in MROPE_FAMILIES:  # a 4x4 patch grid, merged 2x2: 4 placeholders each
+        patch = model.config.vision_config.patch_size
+        return {
+            "pixel_values": torch.randn(16 * count, 3 * 2 * patch * patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, 4, 4]] * count),
+        }
+    raise ValueError(f"no image inputs for {family}")
+
+
+@torch.inference_mode()
+def family_prompt(
+    model: PreTrainedModel, family: str, images: dict[str, torch.Tensor], text: list[int]
+) -> list[int]:
+    """`text[:2]`, each image's placeholders (as many as its encoder rows; Qwen's between vision start /
+    end tokens), then `text[2:]`."""
+    output = model.base_model.get_image_features(**images, return_dict=True).pooler_output
+    rows = (
+        [output.reshape(-1, output.shape[-1]).shape[0]]
+        if isinstance(output, torch.Tensor)
+        else [item.reshape(-1, item.shape[-1]).shape[0] for item in output]
+    )
+    token = image_token_of(model)
+    middle: list[int] = []
+    for count in rows:
+        if family in MROPE_FAMILIES:
+            config = model.config
+            middle += [config.vision_start_token_id, *[token] * count, config.vision_end_token_id]
+        else:
+            middle += [token] * count
+    return [*text[:2], *middle, *text[2:]]
+
+
+def family_reference(
+    model: PreTrainedModel,
+    family: str,
+    prompt: list[int],
+    images: dict[str, torch.Tensor],
+    max_new_tokens: int,
+) -> tuple[list[int], list[float]]:
+    """`generate()` on one prompt with the inputs its processor would add (M-RoPE's `mm_token_type_ids`)."""
+    extra: dict[str, Any] = dict(images)
+    if images and family in MROPE_FAMILIES:
+        extra["mm_token_type_ids"] = mm_token_type_ids(prompt, image_token_of(model))
+    return media_reference(model, prompt, extra, max_new_tokens)

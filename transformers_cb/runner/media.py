@@ -15,8 +15,11 @@ generated tokens, the position plus the rope delta on all three axes, as `genera
 
 from __future__ import annotations
 
+import inspect
 import time
 from bisect import bisect_left
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,10 +33,12 @@ from ..scheduler.plan import ScheduledRequest
 
 @dataclass
 class MediaStepInputs:
-    """What a step with media hands the forward instead of its token ids and 1-D positions."""
+    """What a step with media hands the forward instead of its token ids and 1-D positions; `deepstack`:
+    the packed rows holding media and, per decoder layer, their rows (Qwen3-VL's deepstack features)."""
 
     inputs_embeds: torch.Tensor | None = None  # [1, T, hidden]
     position_ids: torch.Tensor | None = None  # [3, 1, T] (M-RoPE)
+    deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
 
 @dataclass
@@ -61,10 +66,10 @@ class MediaRunner:
                         **{name: t.to(self.model.device) for name, t in inputs.items()}, return_dict=True
                     )
                     rows, extra = _flatten(output)
-                    if extra:
+                    if extra and self.deepstack_target() is None:
                         raise ValueError(
-                            f"{type(self.model).__name__} feeds per-layer (deepstack) {modality} features to its "
-                            "decoder, which continuous batching does not carry yet"
+                            f"{type(self.model).__name__} gives per-layer (deepstack) {modality} features but its "
+                            "language model takes no deepstack_visual_embeds"
                         )
                     expected = len(media.placeholders[modality])
                     if rows.shape[0] != expected:
@@ -72,6 +77,8 @@ class MediaRunner:
                             f"the {modality} encoder gave {rows.shape[0]} rows for {expected} placeholder tokens"
                         )
                     encoded.rows[modality] = rows
+                    if extra:
+                        encoded.extra[modality] = extra
                     self.items_encoded += 1
             except Exception as error:  # noqa: BLE001 - one request's bad media fail that request only
                 failures[request.request_id] = (
@@ -86,7 +93,7 @@ class MediaRunner:
         """The step's embeddings when a prefill chunk reads placeholders, and its 3-D positions when a
         request has them (nothing for a text-only step)."""
         inputs = MediaStepInputs()
-        fills: list[tuple[torch.Tensor, torch.Tensor]] = []  # (packed rows, their embedding rows)
+        fills: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []  # packed rows, rows, layers'
         offset = 0
         for entry in entries:
             media = entry.request.media
@@ -98,12 +105,44 @@ class MediaRunner:
         if fills:
             embeds = self.model.get_input_embeddings()(input_ids)  # [1, T, hidden]
             embeds = embeds.clone()
-            for index, rows in fills:
+            for index, rows, _ in fills:
                 embeds[0, index.to(embeds.device)] = rows.to(embeds.dtype)
             inputs.inputs_embeds = embeds
+            if any(layers for _, _, layers in fills):
+                inputs.deepstack = _deepstack(fills, input_ids.shape[1], embeds.device)
         if self.mrope and any(isinstance(e.request.media, RequestMedia) for e in entries):
             inputs.position_ids = _mrope_positions(entries, input_ids.device)
         return inputs
+
+    def deepstack_target(self) -> torch.nn.Module | None:
+        """The language model that takes `deepstack_visual_embeds` (Qwen3-VL), if the model has one."""
+        base = getattr(self.model, "base_model", self.model)
+        language_model = getattr(base, "language_model", None)
+        if language_model is None:
+            return None
+        takes = "deepstack_visual_embeds" in inspect.signature(language_model.forward).parameters
+        return language_model if takes else None
+
+    @contextmanager
+    def carried(self, inputs: MediaStepInputs) -> Iterator[None]:
+        """The step's deepstack rows handed to the language model's forward (the composite forward only
+        computes them from pixels or pre-encoded outputs, which a packed step cannot give it)."""
+        target = self.deepstack_target() if inputs.deepstack is not None else None
+        if target is None or inputs.deepstack is None:
+            yield
+            return
+        mask, layers = inputs.deepstack
+
+        def hook(
+            _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+        ) -> tuple[tuple, dict[str, Any]]:
+            return args, {**kwargs, "visual_pos_masks": mask, "deepstack_visual_embeds": layers}
+
+        handle = target.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def after_step(self, entries: list[ScheduledRequest]) -> None:
         """Drop the rows of requests whose last placeholder this step read (`MediaBudget.computed`)."""
@@ -140,8 +179,9 @@ def _flatten(output: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 def _chunk_fills(
     media: RequestMedia, encoded: EncodedMedia, entry: ScheduledRequest, offset: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The packed rows of `entry`'s chunk that are placeholders, each with its embedding row."""
+) -> list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]:
+    """The packed rows of `entry`'s chunk that are placeholders, with their embedding rows and their
+    rows of each deepstack layer."""
     fills = []
     for modality, spots in media.placeholders.items():
         first = bisect_left(spots, entry.start)
@@ -149,8 +189,24 @@ def _chunk_fills(
         if first == last:
             continue
         index = torch.tensor([offset + spots[i] - entry.start for i in range(first, last)], dtype=torch.long)
-        fills.append((index, encoded.rows[modality][first:last]))
+        layers = [layer[first:last] for layer in encoded.extra.get(modality, [])]
+        fills.append((index, encoded.rows[modality][first:last], layers))
     return fills
+
+
+def _deepstack(
+    fills: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]], num_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`visual_pos_masks` `[1, T]` and each layer's rows in packed order, as Qwen3-VL's forward builds them."""
+    index = torch.cat([i for i, _, _ in fills])
+    order = index.argsort()
+    mask = torch.zeros(1, num_tokens, dtype=torch.bool, device=device)
+    mask[0, index.to(device)] = True
+    num_layers = max(len(layers) for _, _, layers in fills)
+    layers = [
+        torch.cat([ls[k] for _, _, ls in fills])[order.to(fills[0][1].device)] for k in range(num_layers)
+    ]
+    return mask, layers
 
 
 def _mrope_positions(entries: list[ScheduledRequest], device: torch.device) -> torch.Tensor:

@@ -221,7 +221,10 @@ class ModelRunner:
         if media.inputs_embeds is not None or media.position_ids is not None:
             # Embeddings or 3-D positions: the eager forward (one token's path is never compiled), as the
             # compiled paths and graphs take token ids and 1-D positions.
-            with self.states.step(step.states) if self.states is not None else nullcontext():
+            with (
+                self.states.step(step.states) if self.states is not None else nullcontext(),
+                present(self.media, "media inputs without a media runner").carried(media),
+            ):
                 logits = call_model(
                     self.forwards(path, 1),
                     step.input_ids,
