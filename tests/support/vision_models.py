@@ -177,6 +177,8 @@ def build_family_vlm(family: str) -> PreTrainedModel:
         vision.image_size, vision.patch_size = 64, 16
     if family == "mistral3":
         vision.image_size, vision.patch_size = 56, 14
+    if family == "qwen3_vl":  # the shrunk vision tower's layers feed the decoder's first layers (deepstack)
+        vision.deepstack_visual_indexes = list(range(min(vision.depth, config.text_config.num_hidden_layers)))
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
