@@ -198,3 +198,30 @@ def test_qwen2_vl_m_rope_positions_equal_generate(qwen2_vl, max_batch_tokens) ->
         top_logprobs=1,
     )
     check([results[f"req_{i}"] for i in range(len(prompts))], references)
+
+
+def test_cpu_offload_swaps_requests_mid_image(llava, references) -> None:
+    """A cache too small for all requests with a host tier: preempted requests swap out (with a 3-token budget,
+    possibly between two chunks of an image), come back, are encoded again where placeholders remain, and equal `generate()`;
+    with two sequences per input, the siblings fork after the prompt."""
+    from conformance.test_parity_offload import engines_checked
+
+    page_size = 4
+    pages = math.ceil((max(map(len, PROMPTS)) + MAX_NEW_TOKENS) / page_size) + 2
+    config = ContinuousBatchingConfig(
+        num_blocks=pages, page_size=page_size, max_batch_tokens=3, cpu_offload_space=None
+    )
+    with engines_checked() as engines, count_preemptions() as preemptions:
+        results = llava.generate_batch(
+            PROMPTS,
+            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+            continuous_batching_config=config,
+            progress_bar=False,
+            pixel_values=IMAGES,
+            num_return_sequences=2,
+        )
+    (engine,) = engines
+    assert preemptions and engine.offload.swap_out_pages > 0
+    for i, (tokens, _) in enumerate(references):
+        for request_id in (f"req_{i}", f"req_{i}__child#0"):
+            assert results[request_id].generated_tokens == tokens, request_id
