@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..memory.media_store import EncodedMedia, MediaStore, RequestMedia
+from ..memory.media_store import MODALITIES, EncodedMedia, MediaStore, RequestMedia
 from ..requests import Request
 from ..scheduler.plan import ScheduledRequest
 
@@ -53,41 +53,94 @@ class MediaRunner:
 
     def encode(self, requests: list[Request]) -> dict[str, str]:
         """Encode each request's media into the store; returns `{request id: why}` for those whose media
-        the encoder refused or whose rows do not match their placeholders (only they fail)."""
+        the encoder refused or whose rows do not match their placeholders (only they fail).
+
+        Requests whose tensors of a modality differ only in their leading (item) dimension are encoded in
+        one call, their rows split back by placeholder counts; a joined call that fails is retried one
+        request at a time, so that only the request at fault fails."""
         failures: dict[str, str] = {}
         start = time.perf_counter()
-        base = getattr(self.model, "base_model", self.model)
-        for request in requests:
-            media = _media_of(request)
-            encoded = EncodedMedia()
-            try:
-                for modality, inputs in media.inputs.items():
-                    output = getattr(base, f"get_{modality}_features")(
-                        **{name: t.to(self.model.device) for name, t in inputs.items()}, return_dict=True
-                    )
-                    rows, extra = _flatten(output)
-                    if extra and self.deepstack_target() is None:
-                        raise ValueError(
-                            f"{type(self.model).__name__} gives per-layer (deepstack) {modality} features but its "
-                            "language model takes no deepstack_visual_embeds"
+        encoded = {request.request_id: EncodedMedia() for request in requests}
+        for modality in MODALITIES:
+            group = [r for r in requests if modality in _media_of(r).inputs]
+            for batch in _joinable(group, modality):
+                joined = self._encode_joined(batch, modality) if len(batch) > 1 else None
+                for request in batch:
+                    if request.request_id in failures:
+                        continue
+                    try:
+                        rows, extra = (
+                            joined[request.request_id] if joined else self._encode_one(request, modality)
                         )
-                    expected = len(media.placeholders[modality])
-                    if rows.shape[0] != expected:
-                        raise ValueError(
-                            f"the {modality} encoder gave {rows.shape[0]} rows for {expected} placeholder tokens"
+                    except Exception as error:  # noqa: BLE001 - one request's bad media fail that request only
+                        failures[request.request_id] = (
+                            f"its media could not be encoded: {type(error).__name__}: {error}"
                         )
-                    encoded.rows[modality] = rows
+                        continue
+                    encoded[request.request_id].rows[modality] = rows
                     if extra:
-                        encoded.extra[modality] = extra
+                        encoded[request.request_id].extra[modality] = extra
                     self.items_encoded += 1
-            except Exception as error:  # noqa: BLE001 - one request's bad media fail that request only
-                failures[request.request_id] = (
-                    f"its media could not be encoded: {type(error).__name__}: {error}"
-                )
-                continue
-            self.store.put(request.request_id, encoded)
+        for request in requests:
+            if request.request_id not in failures:
+                self.store.put(request.request_id, encoded[request.request_id])
         self.encode_seconds += time.perf_counter() - start
         return failures
+
+    def _features(
+        self, modality: str, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[int] | None]:
+        """The rows, the deepstack layers' rows and, when the model gives one tensor per item, each item's
+        row count."""
+        base = getattr(self.model, "base_model", self.model)
+        output = getattr(base, f"get_{modality}_features")(
+            **{name: t.to(self.model.device) for name, t in inputs.items()}, return_dict=True
+        )
+        rows, extra, item_rows = _flatten(output)
+        if extra and self.deepstack_target() is None:
+            raise ValueError(
+                f"{type(self.model).__name__} gives per-layer (deepstack) {modality} features but its "
+                "language model takes no deepstack_visual_embeds"
+            )
+        return rows, extra, item_rows
+
+    def _encode_one(self, request: Request, modality: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        media = _media_of(request)
+        rows, extra, _ = self._features(modality, media.inputs[modality])
+        expected = len(media.placeholders[modality])
+        if rows.shape[0] != expected:
+            raise ValueError(
+                f"the {modality} encoder gave {rows.shape[0]} rows for {expected} placeholder tokens"
+            )
+        return rows, extra
+
+    def _encode_joined(
+        self, batch: list[Request], modality: str
+    ) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]] | None:
+        """One encoder call for `batch`, its rows split back by request; None when the call fails or any
+        request's items do not give exactly its placeholders' rows (they are then encoded one by one,
+        where the fault is named)."""
+        names = sorted(_media_of(batch[0]).inputs[modality])
+        joined = {name: torch.cat([_media_of(r).inputs[modality][name] for r in batch]) for name in names}
+        counts = [len(_media_of(r).placeholders[modality]) for r in batch]
+        items = [_num_items(_media_of(r).inputs[modality]) for r in batch]
+        try:
+            rows, extra, item_rows = self._features(modality, joined)
+        except Exception:  # noqa: BLE001 - retried one request at a time, where the fault is named
+            return None
+        if item_rows is None or len(item_rows) != sum(items):
+            return None
+        first = 0
+        for count, num_items in zip(counts, items, strict=True):
+            if sum(item_rows[first : first + num_items]) != count:
+                return None
+            first += num_items
+        split_rows = rows.split(counts)
+        split_extra = [layer.split(counts) for layer in extra]
+        return {
+            request.request_id: (split_rows[i], [layer[i] for layer in split_extra])
+            for i, request in enumerate(batch)
+        }
 
     def step_inputs(self, entries: list[ScheduledRequest], input_ids: torch.Tensor) -> MediaStepInputs:
         """The step's embeddings when a prefill chunk reads placeholders, and its 3-D positions when a
@@ -155,6 +208,26 @@ class MediaRunner:
         self.store.drop(request.request_id)
 
 
+def _joinable(requests: list[Request], modality: str) -> list[list[Request]]:
+    """`requests` in runs whose tensors of `modality` have the same names, dtypes and shapes past their
+    first dimension (they concatenate along it), in order."""
+    runs: dict[tuple, list[Request]] = {}
+    for request in requests:
+        inputs = _media_of(request).inputs[modality]
+        key = tuple((name, t.dtype, tuple(t.shape[1:])) for name, t in sorted(inputs.items()))
+        runs.setdefault(key, []).append(request)
+    return list(runs.values())
+
+
+def _num_items(inputs: dict[str, torch.Tensor]) -> int:
+    """Items (images, videos, clips) in one request's tensors: one row each of `*grid_thw` / `*sizes`
+    where given, else the leading dimension of its first tensor."""
+    for name, tensor in sorted(inputs.items()):
+        if name.endswith(("grid_thw", "sizes")):
+            return tensor.shape[0]
+    return next(iter(inputs.values())).shape[0]
+
+
 def _media_of(request: Request) -> RequestMedia:
     media = request.media
     if not isinstance(media, RequestMedia):
@@ -162,9 +235,10 @@ def _media_of(request: Request) -> RequestMedia:
     return media
 
 
-def _flatten(output: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _flatten(output: Any) -> tuple[torch.Tensor, list[torch.Tensor], list[int] | None]:
     """The pooled features as `[rows, hidden]` (a list of per-item tensors or one batched tensor, as
-    `generate()`'s chunked prefill reads them), and the deepstack layers' the same way."""
+    `generate()`'s chunked prefill reads them), the deepstack layers' the same way, and each item's row
+    count when the features come as one tensor per item."""
 
     def rows_of(features: Any) -> torch.Tensor:
         if isinstance(features, torch.Tensor):
@@ -174,7 +248,10 @@ def _flatten(output: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
     pooled = output["pooler_output"] if not isinstance(output, (torch.Tensor, list, tuple)) else output
     deepstack = output.get("deepstack_features") if hasattr(output, "get") else None
     extra = [rows_of(layer) for layer in deepstack] if deepstack is not None else []
-    return rows_of(pooled), extra
+    item_rows = None
+    if isinstance(pooled, (list, tuple)):
+        item_rows = [f.reshape(-1, f.shape[-1]).shape[0] for f in pooled]
+    return rows_of(pooled), extra, item_rows
 
 
 def _chunk_fills(
