@@ -136,6 +136,9 @@ def test_the_manager_takes_images_and_a_bad_image_fails_alone(llava, references)
         assert "16 rows for 8 placeholder tokens" in (failed.error or "")
         for request_id, (tokens, _) in zip(ids, references, strict=True):
             assert manager.get_result(request_id, timeout=120).generated_tokens == tokens
+        stats = manager.stats()  # every image encoded once, the store empty again (the failed request's too)
+        assert stats.media_items_encoded == 4 and stats.media_encode_seconds > 0
+        assert stats.media_store_rows == 0 and stats.media_store_capacity > 0
         with pytest.raises(ValueError, match="no image input was given"):
             manager.add_request(PROMPTS[0], max_new_tokens=2)
         with pytest.raises(ValueError, match="pixel_values must be a tensor"):

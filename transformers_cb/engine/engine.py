@@ -349,6 +349,7 @@ class Engine:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
         scheduler, pages, offload = self.scheduler, self.pages, self.offload
         slots = pages.slots
+        media, budget = self.runner.media, scheduler.media
         return EngineSnapshot(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
@@ -368,6 +369,10 @@ class Engine:
             state_slots_total=slots.num_slots if slots is not None else 0,
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
             packed_weight_bytes=model_pack_bytes(self.model) if self.plan.step_options.packed_linear else 0,
+            media_items_encoded=media.items_encoded if media is not None else 0,
+            media_encode_seconds=media.encode_seconds if media is not None else 0.0,
+            media_store_rows=budget.used if budget is not None else 0,
+            media_store_capacity=budget.capacity if budget is not None else 0,
             speculation=replace(scheduler.speculation),
             counters=replace(self.counters),
         )

@@ -43,7 +43,8 @@ class MediaStepInputs:
 
 @dataclass
 class MediaRunner:
-    """The encoder and the embedding store of one engine. `encode_seconds`: time spent encoding."""
+    """The encoder and the embedding store of one engine. `encode_seconds`: time spent encoding;
+    `items_encoded`: images, videos or clips encoded."""
 
     model: PreTrainedModel
     store: MediaStore = field(default_factory=MediaStore)
@@ -80,7 +81,7 @@ class MediaRunner:
                     encoded[request.request_id].rows[modality] = rows
                     if extra:
                         encoded[request.request_id].extra[modality] = extra
-                    self.items_encoded += 1
+                    self.items_encoded += _num_items(_media_of(request).inputs[modality])
         for request in requests:
             if request.request_id not in failures:
                 self.store.put(request.request_id, encoded[request.request_id])
