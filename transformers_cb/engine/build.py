@@ -112,11 +112,8 @@ def wire(
         offload = CpuOffload(policies, plan.host.num_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
     states = _wire_states(plan)
-    # Images / videos / audio: the encoder's store holds as many rows as the device cache holds tokens.
     media_model = MediaIntake.of(model)
-    media = None
-    if media_model.takes_media:
-        media = MediaBudget(min((pool.num_pages for pool in pages.pools), default=0) * pages.page_size)
+    media = _media_budget(model, plan, kv) if media_model.takes_media else None
     scheduler = Scheduler(
         pages,
         max_batch_tokens=plan.sizing.max_batch_tokens,
@@ -165,6 +162,20 @@ def wire(
     if tp is not None and not tp.is_driver:
         return FollowerEngine(plan, parts, tp)
     return Engine(plan, parts)
+
+
+def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: Any) -> MediaBudget:
+    """The embedding store's rows (docs/multimodal.md, "The store's size"): as many bytes as the device KV
+    cache, at least as many rows as it holds tokens; with windowed groups only, whose pages do not bound a
+    prompt, the model's context."""
+    pages = kv.pages
+    tokens = max(pool.num_pages for pool in pages.pools) * pages.page_size
+    hidden = getattr(model.config.get_text_config(decoder=True), "hidden_size", None)
+    row_bytes = hidden * model.dtype.itemsize if isinstance(hidden, int) and hidden > 0 else 0
+    rows = max(tokens, kv.cache.nbytes() // row_bytes if row_bytes else 0)
+    if all(policy.trims for policy in kv.policies):
+        rows = max(rows, plan.shape.max_position_embeddings)
+    return MediaBudget(rows)
 
 
 def build_engine(

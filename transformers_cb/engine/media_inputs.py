@@ -163,8 +163,13 @@ class MediaIntake:
         grids = {
             name: t for tensors in inputs.values() for name, t in tensors.items() if name.endswith("grid_thw")
         }
+        takes = inspect.signature(self.rope_index).parameters
+        if "mm_token_type_ids" in takes:
+            grids["mm_token_type_ids"] = types  # Qwen2-VL's family; the Omni thinkers find the spans by token
+        if "attention_mask" in takes:
+            grids["attention_mask"] = torch.ones_like(ids)
         try:
-            positions, deltas = self.rope_index(ids, mm_token_type_ids=types, **grids)
+            positions, deltas = self.rope_index(ids, **grids)
         except Exception as error:  # noqa: BLE001 - the model's own check of the grids against the prompt
             raise ValueError(f"{label}: the media do not match the prompt's placeholders: {error}") from error
         return positions[:, 0].to(torch.long).cpu(), int(deltas.reshape(-1)[0])

@@ -56,7 +56,7 @@ class MediaBudget:
     def unfittable_reason(self, num_rows: int) -> str | None:
         if num_rows > self.capacity:
             return (
-                f"its media need {num_rows} embedding rows, more than the store holds ({self.capacity}: "
-                "the device cache's token capacity)"
+                f"its media need {num_rows} embedding rows, more than the store holds ({self.capacity}, "
+                "sized with the KV cache)"
             )
         return None
