@@ -228,3 +228,46 @@ def test_cpu_offload_swaps_requests_mid_image(llava, references) -> None:
     for i, (tokens, _) in enumerate(references):
         for request_id in (f"req_{i}", f"req_{i}__child#0"):
             assert results[request_id].generated_tokens == tokens, request_id
+
+
+def test_qwen2_vl_video_equals_generate(qwen2_vl) -> None:
+    """A video (4 frames: 2 temporal patches of a 4x4 grid, 8 placeholders) through `get_video_features`,
+    its 3-D positions from the grid, beside a request with an image and a text-only one, in 5-token chunks."""
+    import torch
+
+    from tests.support.vision_models import (
+        QWEN2_VL_IMAGE_TOKEN,
+        QWEN2_VL_VISION_END,
+        QWEN2_VL_VISION_START,
+        qwen2_vl_image,
+        qwen2_vl_placeholders,
+    )
+
+    video_token = qwen2_vl.config.video_token_id
+    video = {
+        "pixel_values_videos": torch.randn(32, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(4)),
+        "video_grid_thw": torch.tensor([[2, 4, 4]]),
+    }
+    prompts = [
+        [1, 5, QWEN2_VL_VISION_START, *[video_token] * 8, QWEN2_VL_VISION_END, 7, 8],
+        [1, 3, *qwen2_vl_placeholders(), 9],
+        [1, 3, 4, 5],
+    ]
+    media = [video, qwen2_vl_image(5), {}]
+    types = [
+        2 * (torch.tensor([prompts[0]]) == video_token).int(),
+        (torch.tensor([prompts[1]]) == QWEN2_VL_IMAGE_TOKEN).int(),
+    ]
+    references = [
+        media_reference(qwen2_vl, prompts[0], {**video, "mm_token_type_ids": types[0]}, MAX_NEW_TOKENS),
+        media_reference(qwen2_vl, prompts[1], {**media[1], "mm_token_type_ids": types[1]}, MAX_NEW_TOKENS),
+        media_reference(qwen2_vl, prompts[2], {}, MAX_NEW_TOKENS),
+    ]
+    results = qwen2_vl.generate_batch(
+        [{"input_ids": torch.tensor([p]), **m} for p, m in zip(prompts, media, strict=True)],
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+        continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=5),
+        progress_bar=False,
+        top_logprobs=1,
+    )
+    check([results[f"req_{i}"] for i in range(3)], references)
