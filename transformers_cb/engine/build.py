@@ -14,6 +14,7 @@ phases, so that what the engine uses is one object that can be read and tested:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -113,7 +114,13 @@ def wire(
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
     states = _wire_states(plan)
     media_model = MediaIntake.of(model)
-    media = _media_budget(model, plan, kv) if media_model.takes_media else None
+    if tp is not None and media_model.takes_media and media_model.refusal is None:
+        # Rank 0 encodes at admission; the other ranks replay plans, not the encoder's rows.
+        media_model = dataclasses.replace(
+            media_model, refusal="images, videos and audio do not run under tensor parallelism yet"
+        )
+    runs_media = media_model.takes_media and media_model.refusal is None
+    media = _media_budget(model, plan, kv) if runs_media else None
     scheduler = Scheduler(
         pages,
         max_batch_tokens=plan.sizing.max_batch_tokens,
