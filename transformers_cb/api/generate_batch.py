@@ -215,7 +215,10 @@ def _media_per_input(
                     )
                 tokens = tokens[0]
             ids.append(tokens)
-            media.append({name: value for name, value in item.items() if name != "input_ids"})
+            # The prompt's attention mask is all ones for one prompt: the engine attends by construction.
+            media.append(
+                {name: value for name, value in item.items() if name not in ("input_ids", "attention_mask")}
+            )
         else:
             ids.append(item)
             media.append({})

@@ -26,9 +26,6 @@ MEDIA_PREFIXES = ("pixel_values", "image", "video", "audio", "input_features", "
 POSITION_KWARGS = ("mm_token_type_ids", "token_type_ids", "attention_mask")
 # M-RoPE's modality codes in `mm_token_type_ids` (Qwen2-VL's processors: text 0, image 1, video 2).
 MROPE_TYPE = {"image": 1, "video": 2}
-# Families whose image tokens attend bidirectionally within an image (from `token_type_ids`): the paged
-# kernels attend causally, so their media are refused (their text path runs).
-BIDIRECTIONAL_IMAGE_TOKENS = ("gemma3", "paligemma", "gemma3n")
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,9 @@ class MediaIntake:
             params[modality] = frozenset(n for n in names if n not in ("self", "kwargs", "return_dict"))
             token_ids[modality] = token
         refusal = None
-        if model_type in BIDIRECTIONAL_IMAGE_TOKENS:
+        # A composite forward that takes `token_type_ids` builds a mask letting an image's tokens attend to
+        # each other both ways (Gemma 3, Gemma 3n, PaliGemma: the only ones of transformers 5.23 that do).
+        if params and "token_type_ids" in inspect.signature(model.forward).parameters:
             refusal = (
                 f"{model_type}'s image tokens attend to each other bidirectionally (token_type_ids), which the "
                 "paged attention kernels (causal) cannot express; its text path runs"
@@ -74,7 +73,7 @@ class MediaIntake:
     def is_media(self, name: str) -> bool:
         return (
             name.startswith(MEDIA_PREFIXES)
-            or name in POSITION_KWARGS
+            or (self.takes_media and name in POSITION_KWARGS)
             or any(name in names for names in self.params.values())
         )
 
