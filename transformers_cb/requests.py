@@ -72,6 +72,20 @@ class SpeculationCounts(Protocol):
     def stats(self) -> DraftCounts: ...
 
 
+class MediaSpans(Protocol):
+    """Where a request's images / videos / audio sit in its prompt, as the torch-free rooms see them
+    (`memory.media_store.RequestMedia`): the scheduler sizes the embedding store with it, prefix
+    sharing salts the keys of the pages it covers."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    def page_salt(self, start: int, end: int) -> bytes: ...
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered so that `status >= FINISHED` means the request is over.
 
@@ -326,6 +340,8 @@ class Request:
     num_output_tokens: int = 0  # generated tokens in this request's previous output (`to_output`)
     # Speculative decoding (prompt lookup): settings, draft length, counts; None: no speculation.
     speculation: SpeculationCounts | None = field(default=None, repr=False)
+    # Images / videos / audio of the prompt (docs/multimodal.md); None: a text-only request.
+    media: MediaSpans | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)

@@ -29,6 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--builtin-timeout", type=float, default=60.0, help="seconds per type for the built-in (default 60)"
     )
     parser.add_argument("--no-builtin", action="store_true", help="skip the built-in peer column")
+    parser.add_argument(
+        "--media",
+        action="store_true",
+        help="the media column: classes with an image encoder judged with images",
+    )
     parser.add_argument("--json", type=Path, help="write the rows and counts as JSON")
     parser.add_argument("--markdown", type=Path, help="write the table (docs/models.md)")
     parser.add_argument("--verbose", action="store_true", help="let the workers print (logs, warnings)")
@@ -56,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(done: int, total: int, row) -> None:
         theirs = "" if row.builtin is None else f"  [built-in: {row.builtin.state}]"
+        theirs += "" if row.media is None else f"  [media: {row.media.state}]"
         reason = f"  {row.ours.reason[:160]}" if row.ours.reason else ""
         print(f"[{done}/{total}] {row.name}: {row.ours.state} {row.seconds:.1f}s{theirs}{reason}", flush=True)
 
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         builtin=not args.no_builtin,
         quiet=not args.verbose,
         progress=progress,
+        media=args.media,
     )
     wall = time.time() - start
     print(f"\n{summary_table(rows)}\n\nwall: {wall:.0f} s")

@@ -38,6 +38,9 @@ class Row:
     seconds: float = 0.0
     ours: Outcome = field(default_factory=lambda: Outcome(CRASH, "no result"))
     builtin: Outcome | None = None
+    media: Outcome | None = (
+        None  # `--media`: the class judged with images (coverage/media.py); None: not asked
+    )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,6 +50,7 @@ class Row:
         d = dict(d)
         d["ours"] = Outcome.from_dict(d["ours"])
         d["builtin"] = Outcome.from_dict(d["builtin"]) if d.get("builtin") else None
+        d["media"] = Outcome.from_dict(d["media"]) if d.get("media") else None
         return cls(**d)
 
 

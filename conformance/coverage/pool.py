@@ -41,7 +41,7 @@ def _silence() -> None:
     os.dup2(devnull, 2)
 
 
-def _child(entry: Entry, conn: Connection, builtin: bool, quiet: bool) -> None:
+def _child(entry: Entry, conn: Connection, builtin: bool, quiet: bool, media: bool = False) -> None:
     import logging
     import warnings
 
@@ -56,13 +56,13 @@ def _child(entry: Entry, conn: Connection, builtin: bool, quiet: bool) -> None:
     torch.set_num_threads(1)
 
     try:
-        _probe(entry, conn, builtin)
+        _probe(entry, conn, builtin, media)
     except Exception as exc:  # noqa: BLE001  (a bug of the tool itself: reported as the row's reason)
         conn.send(("tool-error", f"coverage tool error: {type(exc).__name__}: {exc}"))
     conn.send(("done", None))
 
 
-def _probe(entry: Entry, conn: Connection, builtin: bool) -> None:
+def _probe(entry: Entry, conn: Connection, builtin: bool, media: bool = False) -> None:
     from .build import NotBuilt, build_subject, describe_unbuilt
     from .ours import run_ours
 
@@ -76,7 +76,12 @@ def _probe(entry: Entry, conn: Connection, builtin: bool) -> None:
             conn.send(("builtin", outcome))
         return
     conn.send(("info", (subject.family, subject.layer_kinds)))
-    conn.send(("ours", run_ours(subject)))
+    ours = run_ours(subject)
+    conn.send(("ours", ours))
+    if media:
+        from .media import media_outcome
+
+        conn.send(("media", media_outcome(entry, subject.model, ours)))
     if builtin:
         from .builtin import run_builtin
 
@@ -86,10 +91,12 @@ def _probe(entry: Entry, conn: Connection, builtin: bool) -> None:
         conn.send(("builtin", outcome))
 
 
-def _start(entry: Entry, builtin: bool, timeout: float, quiet: bool) -> Job:
+def _start(entry: Entry, builtin: bool, timeout: float, quiet: bool, media: bool = False) -> Job:
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child, args=(entry, child, builtin, quiet), name=f"coverage-{entry.name}")
+    process = ctx.Process(
+        target=_child, args=(entry, child, builtin, quiet, media), name=f"coverage-{entry.name}"
+    )
     process.start()
     child.close()
     now = time.monotonic()
@@ -109,6 +116,8 @@ def _receive(job: Job, builtin_timeout: float) -> None:
         job.ours_done = True
     elif kind == "builtin":
         job.row.builtin = payload
+    elif kind == "media":
+        job.row.media = payload
     elif kind == "tool-error":
         job.tool_error = payload
     elif kind == "done":
@@ -138,14 +147,16 @@ def run_all(
     builtin: bool = True,
     quiet: bool = True,
     progress: Callable[[int, int, Row], None] | None = None,
+    media: bool = False,
 ) -> list[Row]:
-    """Run every entry, `jobs` at a time; rows in the entries' order."""
+    """Run every entry, `jobs` at a time; rows in the entries' order. `media`: the media column too (after
+    ours, within the built-in's deadline)."""
     queue = deque(entries)
     running: dict[Connection, Job] = {}
     rows: dict[str, Row] = {}
     while queue or running:
         while queue and len(running) < jobs:
-            job = _start(queue.popleft(), builtin, timeout, quiet)
+            job = _start(queue.popleft(), builtin, timeout, quiet, media)
             running[job.conn] = job
         ready = wait(list(running), timeout=0.5)
         for conn in ready:

@@ -72,18 +72,32 @@ def refusals_table(rows: list[Row]) -> str:
 
 
 def rows_table(rows: list[Row]) -> str:
+    with_media = any(r.media is not None for r in rows)
     lines = [
-        "| type | family | layer kinds | state | seconds | reason | built-in |",
-        "|---|---|---|---|---:|---|---|",
+        "| type | family | layer kinds | state | seconds | reason | built-in |"
+        + (" media |" if with_media else ""),
+        "|---|---|---|---|---:|---|---|" + ("---|" if with_media else ""),
     ]
     for r in rows:
         reason = r.ours.reason or r.ours.notes
         theirs = "-" if r.builtin is None else r.builtin.state
         if r.builtin is not None and r.builtin.state not in ("exact",) and r.builtin.reason:
             theirs += f": {r.builtin.reason[:120]}"
-        lines.append(
-            f"| {r.name} | {r.family} | {r.layer_kinds} | {r.ours.state} | {r.seconds:.1f} | {reason} | {theirs} |"
-        )
+        line = f"| {r.name} | {r.family} | {r.layer_kinds} | {r.ours.state} | {r.seconds:.1f} | {reason} | {theirs} |"
+        if with_media:
+            cell = "-" if r.media is None else r.media.state
+            if r.media is not None and r.media.reason:
+                cell += f": {r.media.reason[:120]}"
+            line += f" {cell} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def media_table(rows: list[Row]) -> str:
+    """The media column's counts (`--media`): image-text-to-text classes judged with images."""
+    cells = Counter(r.media.state for r in rows if r.media is not None)
+    lines = ["| media | count |", "|---|---:|"]
+    lines += [f"| {state} | {count} |" for state, count in sorted(cells.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)
 
 
@@ -92,9 +106,16 @@ def markdown(rows: list[Row], args: str, when: str, wall_s: float) -> str:
 
     machine = f"{platform.machine()}, {wall_s:.0f} s wall"
     header = MARKDOWN_HEADER.format(version=transformers.__version__, args=args, when=when, machine=machine)
+    media = ""
+    if any(r.media is not None for r in rows):
+        media = (
+            "## With images\n\nThe media column (`--media`): each class with an image encoder judged with small "
+            "random images against `generate()` (conformance/coverage/media.py, docs/multimodal.md).\n\n"
+            f"{media_table(rows)}\n\n"
+        )
     return (
         f"{header}## Counts\n\n{summary_table(rows)}\n\n## Refusals by reason\n\n{refusals_table(rows)}\n\n"
-        f"## Per type\n\n{rows_table(rows)}\n"
+        f"{media}## Per type\n\n{rows_table(rows)}\n"
     )
 
 

@@ -234,7 +234,11 @@ def test_failing_step_fails_only_its_requests(model, monkeypatch) -> None:
 )
 def test_image_video_and_audio_inputs_are_refused_by_name(model, forward_calls, name) -> None:
     check_rejected(
-        model, forward_calls, [GOOD], rf"\['{name}'\]: image, video and audio", **{name: torch.zeros(1)}
+        model,
+        forward_calls,
+        [GOOD],
+        rf"\['{name}'\]: image, video and audio inputs need a model with feature methods",
+        **{name: torch.zeros(1)},
     )
 
 
@@ -243,7 +247,7 @@ def test_a_manager_refuses_image_inputs_by_name(model) -> None:
     manager.start()
     try:
         with pytest.raises(
-            ValueError, match=r"\['pixel_values'\]: image, video and audio inputs are not supported"
+            ValueError, match=r"\['pixel_values'\]: image, video and audio inputs need a model with"
         ):
             manager.add_request(GOOD, max_new_tokens=2, pixel_values=torch.zeros(1))
         request_id = manager.add_request(GOOD, max_new_tokens=2)  # the manager still serves text

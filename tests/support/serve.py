@@ -96,7 +96,7 @@ def live_server(
         manager,
         tokenizer,
         MODEL_NAME,
-        model.config.max_position_embeddings,
+        model.config.get_text_config().max_position_embeddings,
         has_assistant=assistant_model is not None,
     )
     sock = bind_socket("127.0.0.1", 0)

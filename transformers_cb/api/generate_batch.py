@@ -15,7 +15,7 @@ avoids it with `threads.ThreadSettings`; see docs/design.md, "Threads and speed"
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -26,7 +26,8 @@ from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, r
 from ..config.interop import take_cb_config
 from ..engine.build import build_engine
 from ..engine.engine import Engine
-from ..engine.validation import per_item, refuse_multimodal_inputs
+from ..engine.media_inputs import MediaIntake
+from ..engine.validation import per_item
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
 
@@ -51,7 +52,9 @@ def generate_batch(
     """Generate for every prompt of `inputs` and block until all are finished or failed.
 
     Args:
-        inputs: token-id lists (or 1D tensors), one per request.
+        inputs: token-id lists (or 1D tensors), one per request; or, for a model that takes images /
+            videos / audio, a processor's output for one prompt (a dict with `input_ids` and the
+            processor's tensors, `pixel_values`, `image_sizes`, `image_grid_thw`, ...; docs/multimodal.md).
         generation_config: sampling/stopping settings (default: the model's); never mutated.
         continuous_batching_config: hardware-side settings, ours or transformers' (converted); never mutated.
         record_timestamps: give each output `timestamps`, one `time.perf_counter()` per generated token.
@@ -75,6 +78,8 @@ def generate_batch(
         temperature, top_k, top_p, min_p, repetition_penalty, seed, stop_strings, top_logprobs,
             prompt_logprobs (kwargs): per-request parameters, one value for all or a list with one per
             input (see docs/sampling.md; the processor ones need `per_request_processors=True`).
+        pixel_values, image_sizes, image_grid_thw, pixel_values_videos, input_features, ... (kwargs): media
+            as the model's processor returns them, a list with one value per input (None: none).
         guided (kwarg): the output must match a JSON schema, regex, choice list or grammar: a
             `GuidedDecoding`, a dict such as `{"json": schema}` or a pydantic model class, one for all
             inputs or a list with one per input (None: unconstrained); needs `tokenizer=` and the
@@ -93,7 +98,11 @@ def generate_batch(
     if isinstance(inputs, (str, bytes)) or not isinstance(inputs, Sequence):
         raise ValueError(f"inputs must be a list of token-id lists, got {type(inputs).__name__}")
     cb_config = take_cb_config(generation_config, continuous_batching_config)
-    refuse_multimodal_inputs(list(kwargs), "generate_batch")
+    media_model = MediaIntake.of(self)
+    media_kwargs, kwargs = media_model.split(kwargs)
+    if media_kwargs and not media_model.takes_media:
+        raise ValueError(f"generate_batch: {media_model.refuse_text_only(media_kwargs)}")
+    inputs, media = _media_per_input(inputs, media_kwargs)
     unknown = set(kwargs) - {
         "max_new_tokens",
         "eos_token_id",
@@ -131,7 +140,7 @@ def generate_batch(
             eos_ids[i],
             label=f"inputs[{i}]",
             record_timestamps=record_timestamps,
-            sampling_kwargs={name: values[i] for name, values in per_request.items()},
+            sampling_kwargs={**{name: values[i] for name, values in per_request.items()}, **media[i]},
             num_return_sequences=forks[i],
         )
         for i, ids in enumerate(inputs)
@@ -183,6 +192,45 @@ def _engine_for(
     engine = build_engine(model, generation_config, cb_config, workload=workload, **extras)
     setattr(model, CACHED_ENGINE_ATTR, (key, engine))
     return engine
+
+
+def _media_per_input(
+    inputs: Sequence[Any], media_kwargs: dict[str, Any]
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Each input's token ids and media: a processor's output (a dict with `input_ids`) split into both;
+    media keyword arguments given one per input (a list) joined to theirs."""
+    ids: list[Any] = []
+    media: list[dict[str, Any]] = []
+    for i, item in enumerate(inputs):
+        if isinstance(item, Mapping):
+            if "input_ids" not in item:
+                raise ValueError(
+                    f"inputs[{i}]: a dict input needs input_ids (a processor's output for one prompt)"
+                )
+            tokens = item["input_ids"]
+            if hasattr(tokens, "dim") and tokens.dim() == 2:
+                if tokens.shape[0] != 1:
+                    raise ValueError(
+                        f"inputs[{i}]: input_ids holds {tokens.shape[0]} prompts; give one per input"
+                    )
+                tokens = tokens[0]
+            ids.append(tokens)
+            # The prompt's attention mask is all ones for one prompt: the engine attends by construction.
+            media.append(
+                {name: value for name, value in item.items() if name not in ("input_ids", "attention_mask")}
+            )
+        else:
+            ids.append(item)
+            media.append({})
+    for name, value in media_kwargs.items():
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name}: give a list with one value per input (None for an input without it)")
+        for i, item_value in enumerate(per_item(value, len(inputs), name)):
+            if item_value is not None:
+                if name in media[i]:
+                    raise ValueError(f"inputs[{i}]: {name} given both in the input and as a keyword argument")
+                media[i][name] = item_value
+    return ids, media
 
 
 def _num_tokens(ids: Any) -> int:

@@ -14,6 +14,7 @@ phases, so that what the engine uses is one object that can be read and tested:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -27,10 +28,12 @@ from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
+from ..runner.media import MediaRunner
 from ..runner.model_runner import ModelRunner
 from ..runner.state_layers import StateLayers
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
+from ..scheduler.media_budget import MediaBudget
 from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .assistant import build_drafter
@@ -38,6 +41,7 @@ from .draft_setup import EngineSpeculation
 from .engine import Engine, EngineParts
 from .follower import FollowerEngine
 from .kv_wiring import wire_kv
+from .media_inputs import MediaIntake
 from .plan import EnginePlan, resolve_plan
 from .publisher import StepPublisher, TensorParallelPublisher
 from .submission import RequestBuilder
@@ -110,6 +114,14 @@ def wire(
         offload = CpuOffload(policies, plan.host.num_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
     states = _wire_states(plan)
+    media_model = MediaIntake.of(model)
+    if tp is not None and media_model.takes_media and media_model.refusal is None:
+        # Rank 0 encodes at admission; the other ranks replay plans, not the encoder's rows.
+        media_model = dataclasses.replace(
+            media_model, refusal="images, videos and audio do not run under tensor parallelism yet"
+        )
+    runs_media = media_model.takes_media and media_model.refusal is None
+    media = _media_budget(model, plan, kv) if runs_media else None
     scheduler = Scheduler(
         pages,
         max_batch_tokens=plan.sizing.max_batch_tokens,
@@ -118,12 +130,15 @@ def wire(
         policy=make_policy(plan.scheduler.scheduler_type),
         offload=offload,
         speculation_max_batch=plan.scheduler.speculation_max_batch,
+        media=media,
     )
     packer.state_layers = states is not None
     settings = plan.sampling
     sampling = _wire_sampling(plan, tokenizer, logits_processor)
     sampler = Sampler(sampling.stages, sampling.do_sample, plan.device, sampling.grammars)
-    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper, states)
+    mrope = media_model.rope_index is not None
+    media_runner = MediaRunner(model, mrope=mrope) if media is not None else None
+    runner = ModelRunner(model, packer, sampler, plan.step_options, swapper, states, media_runner)
     drafter = (
         None
         if plan.assistant is None or assistant_model is None
@@ -145,7 +160,9 @@ def wire(
         runner=runner,
         sampling=sampling,
         speculation=speculation,
-        build_request=RequestBuilder(plan.shape, settings.generation_config, sampling, speculation, pages),
+        build_request=RequestBuilder(
+            plan.shape, settings.generation_config, sampling, speculation, pages, media_model, media
+        ),
         offload=offload,
         publisher=TensorParallelPublisher(tp) if tp is not None and tp.is_driver else StepPublisher(),
         drafter=drafter,
@@ -153,6 +170,20 @@ def wire(
     if tp is not None and not tp.is_driver:
         return FollowerEngine(plan, parts, tp)
     return Engine(plan, parts)
+
+
+def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: Any) -> MediaBudget:
+    """The embedding store's rows (docs/multimodal.md, "The store's size"): as many bytes as the device KV
+    cache, at least as many rows as it holds tokens; with windowed groups only, whose pages do not bound a
+    prompt, the model's context."""
+    pages = kv.pages
+    tokens = max(pool.num_pages for pool in pages.pools) * pages.page_size
+    hidden = getattr(model.config.get_text_config(decoder=True), "hidden_size", None)
+    row_bytes = hidden * model.dtype.itemsize if isinstance(hidden, int) and hidden > 0 else 0
+    rows = max(tokens, kv.cache.nbytes() // row_bytes if row_bytes else 0)
+    if all(policy.trims for policy in kv.policies):
+        rows = max(rows, plan.shape.max_position_embeddings)
+    return MediaBudget(rows)
 
 
 def build_engine(

@@ -46,6 +46,7 @@ from .snapshot import EngineCounters, EngineSnapshot
 from .submission import RequestBuilder
 
 if TYPE_CHECKING:
+    from ..scheduler.plan import StepPlan
     from .plan import EnginePlan
 
 logger = logging.getLogger(__name__)
@@ -289,6 +290,10 @@ class Engine:
         if not batch.entries:
             self.runner.apply(batch)  # the plan alone: copies, swaps, released rows
             return self._ended(result)
+        self._fail_bad_media(batch, result)
+        if not batch.entries:
+            self.runner.apply(batch)
+            return self._ended(result)
         self.counters.steps += 1
         try:
             output = self.runner.run(batch)
@@ -319,6 +324,21 @@ class Engine:
         self.publisher.tokens_sampled(sampling, output.sampled)
         return self._ended(result)
 
+    def _fail_bad_media(self, batch: StepPlan, result: StepResult) -> None:
+        """Encode the media of the plan's newly admitted requests (none of which the same plan releases);
+        a request whose media the encoder refuses fails alone, its entry leaving the step (runner/media.py)."""
+        failures = self.runner.encode_media(batch)
+        if not failures:
+            return
+        for entry in batch.entries:
+            reason = failures.get(entry.request.request_id)
+            if reason is not None:
+                self.finish(
+                    entry.request, RequestStatus.FAILED, f"request {entry.request.request_id!r}: {reason}"
+                )
+                result.finished.append(entry.request)
+        batch.entries = [entry for entry in batch.entries if entry.request.request_id not in failures]
+
     def _ended(self, result: StepResult) -> StepResult:
         """The step's outcome for the publisher (rank 0: the next message; the end of a drained run)."""
         self.publisher.step_ended(result.finished, self.scheduler.has_work)
@@ -329,6 +349,7 @@ class Engine:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
         scheduler, pages, offload = self.scheduler, self.pages, self.offload
         slots = pages.slots
+        media, budget = self.runner.media, scheduler.media
         return EngineSnapshot(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
@@ -349,6 +370,10 @@ class Engine:
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
             kv_bytes_per_token=self.plan.cache.layout.bytes_per_token(),
             packed_weight_bytes=model_pack_bytes(self.model) if self.plan.step_options.packed_linear else 0,
+            media_items_encoded=media.items_encoded if media is not None else 0,
+            media_encode_seconds=media.encode_seconds if media is not None else 0.0,
+            media_store_rows=budget.used if budget is not None else 0,
+            media_store_capacity=budget.capacity if budget is not None else 0,
             speculation=replace(scheduler.speculation),
             counters=replace(self.counters),
         )

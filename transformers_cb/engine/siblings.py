@@ -45,6 +45,7 @@ def add_siblings(
             streaming=parent.streaming,
             record_timestamps=parent.record_timestamps,
             fork_parent=parent,
+            media=parent.media,  # a sibling that prefills on its own encodes them again
         )
         sampling.attach(child, kwargs, label)
         parent.siblings.append(child)

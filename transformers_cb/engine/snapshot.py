@@ -41,6 +41,10 @@ class EngineSnapshot:
     state_bytes_per_slot: int = 0
     kv_bytes_per_token: int = 0  # one token's KV in every group (a latent group: its latent vector)
     packed_weight_bytes: int = 0  # packed copies of the model's Linear weights held now (docs/design.md)
+    media_items_encoded: int = 0  # images / videos / audio clips encoded (docs/multimodal.md)
+    media_encode_seconds: float = 0.0  # time the encoder took, off the decoder's forwards
+    media_store_rows: int = 0  # embedding rows held now, of `media_store_capacity`
+    media_store_capacity: int = 0
     counters: EngineCounters = field(default_factory=EngineCounters)
     speculation: SpeculationStats = field(
         default_factory=SpeculationStats

@@ -20,22 +20,27 @@ from ..kv.page_manager import PageManager
 from ..memory.sizing import ModelShape
 from ..requests import Request
 from ..sampling.request_state import SamplingSetup
+from ..scheduler.media_budget import MediaBudget
 from .draft_setup import EngineSpeculation
+from .media_inputs import MediaIntake
 from .siblings import add_siblings, num_return_sequences_of
-from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids, refuse_multimodal_inputs
+from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
 
 
 @dataclass
 class RequestBuilder:
     """Checks submissions against `shape` (vocabulary, positions), `generation_config` (defaults), the
     device tier's `pages` (a request that can never fit) and attaches each request's `sampling` and
-    `speculation` state."""
+    `speculation` state, and its media, checked against what the model takes (`media`: its feature
+    methods and placeholders; `media_budget`: the embedding store, None when the model takes none)."""
 
     shape: ModelShape
     generation_config: GenerationConfig
     sampling: SamplingSetup
     speculation: EngineSpeculation
     pages: PageManager
+    media: MediaIntake | None = None
+    media_budget: MediaBudget | None = None
 
     def __call__(
         self,
@@ -54,7 +59,9 @@ class RequestBuilder:
         `sampling_kwargs`: per-request parameters (`temperature`, `top_k`, `seed`, `stop_strings`,
         `top_logprobs`, ...; see sampling/params.py), None values meaning "not given".
         `num_return_sequences` (default: the generation config's): with n > 1 the request carries
-        n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all."""
+        n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all.
+        Media (`pixel_values`, `image_sizes`, `image_grid_thw`, `pixel_values_videos`, `input_features`,
+        ... whatever the model's processor returns for this prompt) come in `sampling_kwargs` too."""
         label = label or f"request {request_id!r}"
         prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
         if max_new_tokens is None:
@@ -80,7 +87,13 @@ class RequestBuilder:
             streaming=streaming,
             record_timestamps=record_timestamps,
         )
-        refuse_multimodal_inputs(list(sampling_kwargs or ()), label)
+        media_model = self.media if self.media is not None else MediaIntake("text")
+        media_kwargs, sampling_kwargs = media_model.split(sampling_kwargs)
+        request.media = media_model.build(prompt, media_kwargs, label)
+        if request.media is not None and self.media_budget is not None:
+            reason = self.media_budget.unfittable_reason(request.media.num_rows)
+            if reason is not None:
+                raise ValueError(f"{label}: {reason}")
         speculation_kwargs, sampling_kwargs = split_speculation_kwargs(sampling_kwargs)
         self.sampling.attach(request, sampling_kwargs, label)
         self.speculation.attach(request, speculation_kwargs, label)

@@ -7,20 +7,6 @@ from typing import Any
 
 import torch
 
-# Inputs of a vision / audio / video model's processor. Continuous batching runs the text path of a composite
-# model (token-id prompts); these would silently be dropped, so they are refused by name instead.
-MULTIMODAL_PREFIXES = ("pixel_values", "image", "video", "audio", "input_features", "vision")
-
-
-def refuse_multimodal_inputs(names: Sequence[str], label: str) -> None:
-    """Raise `ValueError` naming the first image / video / audio input among `names`, if any."""
-    found = sorted(name for name in names if name.startswith(MULTIMODAL_PREFIXES))
-    if found:
-        raise ValueError(
-            f"{label}: {found}: image, video and audio inputs are not supported yet; continuous batching "
-            "runs the text path of a vision-language model (token-id prompts only)"
-        )
-
 
 def per_item(value: Any, count: int, name: str, lists_are_values: bool = False) -> list[Any]:
     """`value` for each of `count` items, or its i-th element for item i when it is a list or tuple

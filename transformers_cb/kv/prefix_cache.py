@@ -47,12 +47,19 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def request_keys(request: Request, num_pages: int, page_size: int) -> list[bytes]:
-    """Keys of the request's first `num_pages` pages (all full), extended lazily and kept on it."""
+    """Keys of the request's first `num_pages` pages (all full), extended lazily and kept on it.
+
+    A request with media salts the key of each page from its first placeholder on with the media's
+    content digest (`MediaSpans.page_salt`): the same image shares pages, another image at the same
+    placeholder tokens never does (docs/multimodal.md)."""
     keys = request.page_keys
     tokens = request.all_token_ids
+    media = request.media
     while len(keys) < num_pages:
         i = len(keys)
-        keys.append(page_key(keys[-1] if keys else ROOT_KEY, tokens[i * page_size : (i + 1) * page_size]))
+        parent = keys[-1] if keys else ROOT_KEY
+        salt = media.page_salt(i * page_size, (i + 1) * page_size) if media is not None else b""
+        keys.append(page_key(parent + salt if salt else parent, tokens[i * page_size : (i + 1) * page_size]))
     return keys
 
 

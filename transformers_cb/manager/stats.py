@@ -64,6 +64,12 @@ class ManagerStats:
     # Packed products (docs/design.md, "Packed products"): bytes of the packed copies of the model's Linear
     # weights held now (0 when the engine runs plain products).
     packed_weight_bytes: int = 0
+    # Images / videos / audio (docs/multimodal.md): items encoded and the encoder's time since creation (off
+    # the decoder's forwards), and the embedding store's rows held now, of its capacity.
+    media_items_encoded: int = 0
+    media_encode_seconds: float = 0.0
+    media_store_rows: int = 0
+    media_store_capacity: int = 0
     # Speculative decoding (docs/speculative_decoding.md), since creation: draft tokens verified, accepted,
     # the steps that verified drafts and the tokens those steps appended.
     draft_tokens: int = 0
@@ -114,6 +120,10 @@ def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
         state_bytes_per_slot=engine.state_bytes_per_slot,
         kv_bytes_per_token=engine.kv_bytes_per_token,
         packed_weight_bytes=engine.packed_weight_bytes,
+        media_items_encoded=engine.media_items_encoded,
+        media_encode_seconds=engine.media_encode_seconds,
+        media_store_rows=engine.media_store_rows,
+        media_store_capacity=engine.media_store_capacity,
         draft_tokens=engine.speculation.drafted,
         accepted_draft_tokens=engine.speculation.accepted,
         speculation_steps=engine.speculation.steps,

@@ -20,17 +20,16 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
-from ..api.generate_batch import CACHED_ENGINE_ATTR
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..engine.draft_setup import speculation_refusal
 from ..model_check.model_support import state_layout
-from ..requests import GenerationOutput, RequestStatus
+from ..requests import RequestStatus
+from .batch_runs import GENERATE_KWARGS, SettingResult, generate_batch_counting_preemptions
 from .compare import (
     compare_tokens,
     greedy_config,
@@ -38,26 +37,6 @@ from .compare import (
     plain_generation_config,
     reference_greedy,
 )
-
-
-@dataclass
-class SettingResult:
-    name: str
-    num_requests: int = 0
-    num_match: int = 0
-    num_near_ties: int = 0
-    num_failed: int = 0  # mismatches that are not near-ties, and requests that did not finish
-    num_preemptions: int = 0
-    seconds: float = 0.0
-    details: list[str] | None = None
-
-    @property
-    def passed(self) -> bool:
-        return self.num_failed == 0
-
-
-# Keys of a setting that are `generate_batch` keywords rather than `ContinuousBatchingConfig` fields.
-GENERATE_KWARGS = ("prompt_lookup_num_tokens", "assistant_model")
 
 
 def default_settings(
@@ -151,40 +130,6 @@ def run_check(
     return results
 
 
-def generate_batch_counting_preemptions(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    generation_config: GenerationConfig,
-    cb_config: ContinuousBatchingConfig,
-    **generate_kwargs: Any,
-) -> tuple[dict[str, GenerationOutput], int]:
-    """`model.generate_batch(prompts)` and the preemptions its engine counted (`Engine.snapshot()`).
-
-    The call keeps its engine on the model (`persistent_manager=True`) so that its count can be read
-    afterwards; it starts with no engine cached, so the engine and its count are this call's own, and
-    whatever the model held before is put back."""
-    held: Any = getattr(model, CACHED_ENGINE_ATTR, None)
-    if held is not None:
-        delattr(model, CACHED_ENGINE_ATTR)
-    try:
-        # The plugin installs `generate_batch` (api/generate_batch.py) on the model classes at run time.
-        outputs: dict[str, GenerationOutput] = cast(Any, model).generate_batch(
-            prompts,
-            generation_config=generation_config,
-            continuous_batching_config=cb_config,
-            progress_bar=False,
-            persistent_manager=True,
-            **generate_kwargs,
-        )
-        _, engine = getattr(model, CACHED_ENGINE_ATTR)
-        return outputs, engine.snapshot().preemptions
-    finally:
-        if held is not None:
-            setattr(model, CACHED_ENGINE_ATTR, held)
-        elif hasattr(model, CACHED_ENGINE_ATTR):
-            delattr(model, CACHED_ENGINE_ATTR)
-
-
 def format_table(results: list[SettingResult]) -> str:
     header = ("setting", "requests", "match", "near-ties", "mismatch", "evictions", "seconds", "result")
     rows = [
@@ -249,6 +194,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="stop at the model's eos token (default: eos disabled, every prompt runs max-new-tokens)",
     )
     parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        help="an image file (repeatable): prompts go through the model's processor with the images in turn, "
+        "every other one text only (parity/media_check.py; needs Pillow)",
+    )
+    parser.add_argument("--processor", default=None, help="the processor's folder (default: the model's)")
+    parser.add_argument(
+        "--inputs",
+        default=None,
+        help="a torch.save'd list of processor outputs (dicts with input_ids and the processor's tensors), "
+        "one per prompt, checked instead of random prompts",
+    )
+    parser.add_argument(
         "--tie-tolerance",
         type=float,
         default=None,
@@ -272,6 +231,8 @@ def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] |
     import transformers_cb  # noqa: F401  (installs the plugin and registers the paged backends)
 
     folder = model_folder(args.model) if model_folder is not None else args.model
+    if args.image or args.inputs:
+        return _media_main(args, folder)
     model = AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
     )
@@ -317,6 +278,10 @@ def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] |
         tolerance=args.tie_tolerance,
         assistant_model=assistant,
     )
+    return _report(results)
+
+
+def _report(results: list[SettingResult]) -> int:
     print(format_table(results))
     for result in results:
         for detail in result.details or []:
@@ -329,3 +294,29 @@ def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] |
         + (f" ({num_ties} floating-point near-tie(s) reported above)" if num_ties else "")
     )
     return 0 if passed else 1
+
+
+def _media_main(args: argparse.Namespace, folder: str) -> int:
+    """The check with images (`--image` through the processor, or `--inputs`): parity/media_check.py."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from .media_check import load_inputs, processor_inputs, run_media_check
+
+    model = AutoModelForImageTextToText.from_pretrained(
+        folder, attn_implementation=args.attn, dtype=DTYPES[args.dtype]
+    )
+    model = model.to(args.device).eval()
+    if args.inputs:
+        inputs = load_inputs(args.inputs)
+    else:
+        processor = AutoProcessor.from_pretrained(args.processor or folder)
+        inputs = processor_inputs(processor, args.image, args.prompts, args.seed)
+    lengths = [int(item["input_ids"].shape[-1]) for item in inputs]
+    print(
+        f"model {args.model} ({type(model).__name__}, {args.attn}, {args.dtype}, {args.device}): "
+        f"{len(inputs)} prompts with their media, {min(lengths)}-{max(lengths)} tokens, "
+        f"{args.max_new_tokens} new tokens each"
+    )
+    eos = model.generation_config.eos_token_id if args.keep_eos else None
+    settings = default_settings(max(lengths) + args.max_new_tokens, speculation_refusal_of(model) is None)
+    return _report(run_media_check(model, inputs, args.max_new_tokens, settings, eos))

@@ -32,16 +32,20 @@ def call_model(
     keep: torch.Tensor,
     metadata: AttentionMetadata,
     select_rows: bool = False,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The forward's logits at the rows `keep` (indices into the step's tokens), `[len(keep), vocab]`.
 
     Args:
         select_rows: the model ignores `logits_to_keep` (the probe saw it): its logits cover every token
             of the step, and the rows are selected here even when their count equals the step's.
+        inputs_embeds: the step's embeddings with its media rows (runner/media.py), given instead of
+            `input_ids`.
     """
+    tokens_or_embeds = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     with step_metadata(metadata):
         output = forward(
-            input_ids=input_ids,
+            **tokens_or_embeds,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,

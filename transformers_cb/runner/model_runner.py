@@ -33,6 +33,7 @@ from ..sampling.sampler import Sampler
 from ..scheduler.plan import StepPlan
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
+from .media import MediaRunner, MediaStepInputs
 from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 from .state_layers import StateLayers
@@ -59,7 +60,8 @@ class StepOutput:
 class ModelRunner:
     """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
     swapper: the copier between the device and the host tier (None: no CPU offload); states: the
-    model's state layers and their slots' tensors (None: no state layers)."""
+    model's state layers and their slots' tensors (None: no state layers); media: the encoder and the
+    embedding store of a model that takes images / videos / audio (runner/media.py; None: text only)."""
 
     def __init__(
         self,
@@ -69,9 +71,11 @@ class ModelRunner:
         options: StepOptions | None = None,
         swapper: SwapCopier | None = None,
         states: StateLayers | None = None,
+        media: MediaRunner | None = None,
     ) -> None:
         self.model = model
         self.states = states
+        self.media = media
         self.packer = packer
         self.sampler = sampler
         self.swapper = swapper
@@ -149,6 +153,15 @@ class ModelRunner:
         """Give the block-table rows of `requests` back (their pages were freed)."""
         for request in requests:
             self.packer.release_request(request)
+            if self.media is not None:
+                self.media.release(request)
+
+    def encode_media(self, batch: StepPlan) -> dict[str, str]:
+        """Encode the media of the plan's `encode` requests into the store; `{request id: why}` for those
+        that failed (the engine fails only them, before the step runs)."""
+        if not batch.encode or self.media is None:
+            return {}
+        return self.media.encode(batch.encode)
 
     @torch.inference_mode()
     def run(self, batch: StepPlan) -> StepOutput:
@@ -156,6 +169,8 @@ class ModelRunner:
         self.apply(batch)
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
+        if self.media is not None:
+            self.media.after_step(step.ordered)
         if any(entry.draft for entry in step.sampling_entries):
             output = StepOutput(sampled=verified_tokens(self.sampler, logits, step.sampling_entries, batch))
         else:
@@ -198,6 +213,29 @@ class ModelRunner:
         if self.options is not None and self.options.is_flash:
             prepare_flash_step(step.metadata, self.options.max_blocks_per_request)
         path = DECODE if step.metadata.max_seqlen_q == 1 else VARLEN
+        media = (
+            self.media.step_inputs(step.ordered, step.input_ids)
+            if self.media is not None
+            else MediaStepInputs()
+        )
+        if media.inputs_embeds is not None or media.position_ids is not None:
+            # Embeddings or 3-D positions: the eager forward (one token's path is never compiled), as the
+            # compiled paths and graphs take token ids and 1-D positions.
+            with (
+                self.states.step(step.states) if self.states is not None else nullcontext(),
+                present(self.media, "media inputs without a media runner").carried(media),
+            ):
+                logits = call_model(
+                    self.forwards(path, 1),
+                    step.input_ids,
+                    media.position_ids if media.position_ids is not None else step.position_ids,
+                    self._no_mask,
+                    keep,
+                    step.metadata,
+                    self.options is not None and self.options.select_logit_rows,
+                    inputs_embeds=media.inputs_embeds,
+                ).float()
+            return logits[:num_sampled], (logits[num_sampled:] if step.prompt_indices else None)
         if self.graphs is not None and not step.prompt_indices:
             # Graphs follow transformers' split: the decode graph is the fast path's, the rest is varlen.
             graph_path = DECODE if step.metadata.decode_fast_path is not None else VARLEN

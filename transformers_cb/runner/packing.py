@@ -57,6 +57,8 @@ class PackedStep:
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
     # Each request's rows and state slot, for a model with state layers (runner/state_layers.py).
     states: StateTable | None = None
+    # The entries in packed order (the media's rows follow it: runner/media.py).
+    ordered: list[ScheduledRequest] = field(default_factory=list)
 
 
 def state_table(ordered: list[ScheduledRequest], device: torch.device) -> StateTable:
@@ -237,6 +239,7 @@ class BatchPacker:
             prompt_indices=prompt_indices,
             prompt_spans=prompt_spans,
             states=state_table(ordered, self.device) if self.state_layers else None,
+            ordered=ordered,
         )
 
     def _group_metadata(

@@ -15,7 +15,9 @@ The runner executes it in this order:
 4. `released`: the requests that stopped running since the previous plan (`Scheduler.ended`: ended in
    the previous step's update or by `Scheduler.finish` from any caller, preempted or failed in this
    schedule): their block-table rows given back before packing, and the draft model's shadows;
-5. pack `entries` and run the forward.
+5. `encode`: the requests whose media the encoder turns into embedding rows this step (admitted with
+   placeholders still to compute; scheduler/media_budget.py), before the forward reads them;
+6. pack `entries` and run the forward.
 
 `preempted` and `failed` tell the engine what happened to those requests (the failed ones are
 already finished). Each entry is a `ScheduledRequest`: one request's share of the step (which
@@ -89,6 +91,8 @@ class StepPlan:
     released: list[Request] = field(default_factory=list)
     # Speculation's rollbacks since the previous plan: block-table columns to forget, before `released`.
     taken_back: list[TakeBack] = field(default_factory=list)
+    # Requests whose media are encoded into the embedding store before this step's forward.
+    encode: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,7 @@ from ..sampling.sampled_token import SampledToken
 from .back_off import speculation_of
 from .drafts import append_verified, fit_draft
 from .forks import Forks
+from .media_budget import MediaBudget
 from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
@@ -48,6 +49,8 @@ class Scheduler:
             recomputing while it has room (pages and state slot together); None: always recompute.
         speculation_max_batch: speculating requests draft only in steps where at most this many
             requests run (`speculates_now`; None: always).
+        media: the embedding store's rows (media_budget.py): a request with media starts only while
+            its rows fit; None: no request has media.
     """
 
     def __init__(
@@ -59,8 +62,10 @@ class Scheduler:
         policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
         speculation_max_batch: int | None = None,
+        media: MediaBudget | None = None,
     ) -> None:
         self.pages = pages
+        self.media = media
         self.speculation_max_batch = speculation_max_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
@@ -204,7 +209,11 @@ class Scheduler:
         num_tokens = self.pages.num_fitting_tokens(request, self._wanted(request, budget))
         # A swapped-in request holds its pages (and slot) again: it is admitted (at least one token fits).
         # Without a free state slot nothing fits (`PageManager.num_fitting_tokens`).
-        if not (swapped_in or (gate.is_open and num_tokens > 0 and self._admits())):
+        # A request with placeholders still to compute waits for room in the embedding store; one swapped
+        # back in mid-image is already admitted and takes its rows past the capacity (they go soon).
+        if not (
+            swapped_in or (gate.is_open and num_tokens > 0 and self._admits() and self._media_fits(request))
+        ):
             gate.close()
             if hit:  # waiting requests hold no pages: the hit goes back to the cache
                 self.pages.detach_prefix(request)
@@ -217,7 +226,13 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         self.pages.promise(request)
+        if self.media is not None and self.media.needs(request):
+            self.media.hold(request)
+            plan.encode.append(request)
         return num_tokens
+
+    def _media_fits(self, request: Request) -> bool:
+        return self.media is None or not self.media.needs(request) or self.media.fits(request)
 
     def _attach_prefix(self, request: Request) -> bool:
         """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
@@ -300,6 +315,8 @@ class Scheduler:
         """`request` stopped running: into `ended` (its rows go with the next plan's `released`), and its
         draft source lets go of what it holds for it (the draft model's shadow)."""
         self.ended.append(request)
+        if self.media is not None:
+            self.media.release(request)
         state = speculation_of(request)
         if state is not None:
             state.source.stopped(request)
@@ -346,6 +363,8 @@ class Scheduler:
                     finished.append(request)
                 continue
             request.num_computed_tokens = entry.end
+            if self.media is not None:
+                self.media.computed(request)
             scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
             if scored:
                 if request.prompt_logprobs is None:

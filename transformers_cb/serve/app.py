@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from .assistant import TurnFormat, split_events
 from .choices import ChoiceEvent, ChoiceOptions, ManagerChoices, Submitted, aclose, merge_events
 from .guided import guided_of
+from .media import has_media, media_prompt
 from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .reasoning import template_kwargs, thinks
@@ -63,6 +64,7 @@ class ServeState:
     logprobs: bool = True  # False: `--no-logprobs`, requests asking for them get a 400
     has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
     reasoning: str = "auto"  # `--reasoning`: on, off, auto (serve/reasoning.py)
+    processor: Any = None  # the model's processor: chat messages with images / audio (serve/media.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
@@ -175,8 +177,16 @@ def build_app(state: ServeState) -> FastAPI:
 def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int], ChoiceOptions, TurnFormat]:
     """A chat request's prompt, what its choices are submitted with, and how its answer is read."""
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-    prompt_text = _chat_text(state, body, tools)
-    prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
+    media: dict[str, Any] = {}
+    if has_media(body):  # the processor renders the template and prepares the images (serve/media.py)
+        kwargs = template_kwargs(state.reasoning, body.reasoning_effort, body.chat_template_kwargs)
+        prompt, media = media_prompt(
+            state.processor, body, {**kwargs, **({"tools": list(tools.tools)} if tools.tools else {})}
+        )
+        prompt_text = state.tokenizer.decode(prompt)
+    else:
+        prompt_text = _chat_text(state, body, tools)
+        prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
     # An answer under a response format (JSON, a schema) is that JSON itself: never split off as reasoning, or a
     # schema-valid answer would come back as a reasoning item with no content. (guided_* constraints may
     # write the reasoning region themselves, so they keep the split.)
@@ -192,6 +202,8 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
         limit = max(1, min(state.default_max_tokens, state.max_positions - len(prompt)))
     top = body.top_logprobs or 0
     options = _options(state, body, limit, body.logprobs, top, echo=False)
+    if media:
+        options = dataclasses.replace(options, sampling={**options.sampling, **media})
     return prompt, options, turn
 
 

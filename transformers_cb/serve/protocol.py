@@ -252,6 +252,29 @@ class TextPart(_Part):
     text: str
 
 
+class ImageUrl(_Part):
+    url: str  # only `data:image/...;base64,...` URLs are read (serve/media.py)
+    detail: str | None = None  # accepted, not used: the model's processor decides the resolution
+
+
+class ImagePart(_Part):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class InputAudio(_Part):
+    data: str  # base64
+    format: str  # "wav" is decoded (serve/media.py)
+
+
+class AudioPart(_Part):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = TextPart | ImagePart | AudioPart
+
+
 class FunctionCall(_Part):
     name: str
     arguments: str  # JSON text, as OpenAI sends it back
@@ -267,7 +290,7 @@ class AssistantToolCall(_Part):
 
 class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this answers
@@ -275,8 +298,12 @@ class ChatMessage(_Part):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    @property
+    def has_media(self) -> bool:
+        return isinstance(self.content, list) and any(not isinstance(p, TextPart) for p in self.content)
 
 
 class ToolFunction(_Part):

@@ -1,0 +1,260 @@
+"""Tiny vision-language models built from their configs (no download), their prompts with image
+placeholders, and the greedy reference of `generate()` on one prompt with its processor-shaped inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import (
+    CLIPVisionConfig,
+    LlamaConfig,
+    LlavaConfig,
+    LlavaForConditionalGeneration,
+    PreTrainedModel,
+)
+
+# Llava: a 28x28 image is 2x2 patches of 14 (the CLS row is dropped): 4 placeholder tokens per image.
+LLAVA_IMAGE_TOKEN = 100
+LLAVA_TOKENS_PER_IMAGE = 4
+LLAVA_VOCAB = 128
+
+
+def build_tiny_llava(seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        projection_dim=32,
+    )
+    text = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=LLAVA_VOCAB,
+        max_position_embeddings=256,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN, vision_feature_layer=-1
+    )
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def llava_image(seed: int, count: int = 1) -> torch.Tensor:
+    """`count` random 28x28 images as the processor's `pixel_values` `[count, 3, 28, 28]`."""
+    return torch.randn(count, 3, 28, 28, generator=torch.Generator().manual_seed(seed))
+
+
+def with_images(parts: list[list[int] | int]) -> list[int]:
+    """A prompt from text runs (lists of ids) and images (an int: one image's placeholder tokens)."""
+    prompt: list[int] = []
+    for part in parts:
+        prompt.extend([LLAVA_IMAGE_TOKEN] * LLAVA_TOKENS_PER_IMAGE if isinstance(part, int) else part)
+    return prompt
+
+
+@torch.inference_mode()
+def media_reference(
+    model: PreTrainedModel, prompt: list[int], media: dict[str, Any], max_new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs from plain `generate()` on one prompt with its media."""
+    ids = torch.tensor([prompt], dtype=torch.long)
+    output = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **media,
+    )
+    tokens = output.sequences[0, len(prompt) :].tolist()
+    logprobs = [
+        torch.log_softmax(score[0].float(), -1)[token].item()
+        for score, token in zip(output.scores, tokens, strict=True)
+    ]
+    return tokens, logprobs
+
+
+# Qwen2-VL: 14-pixel patches merged 2x2; an image of a (h, w) patch grid is h * w / 4 placeholder tokens
+# between its vision start / end tokens; 3-D rotary positions (M-RoPE).
+QWEN2_VL_IMAGE_TOKEN = 150
+QWEN2_VL_VISION_START, QWEN2_VL_VISION_END = 152, 153
+
+
+def build_tiny_qwen2_vl(seed: int = 0) -> PreTrainedModel:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = Qwen2VLConfig(
+        text_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 160,
+            "max_position_embeddings": 256,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        },
+        vision_config={
+            "depth": 1,
+            "embed_dim": 32,
+            "hidden_size": 32,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=QWEN2_VL_IMAGE_TOKEN,
+        video_token_id=151,
+        vision_start_token_id=QWEN2_VL_VISION_START,
+        vision_end_token_id=QWEN2_VL_VISION_END,
+    )
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def qwen2_vl_image(seed: int, height: int = 4, width: int = 4) -> dict[str, torch.Tensor]:
+    """One image as Qwen2-VL's processor gives it: flattened patches and its `image_grid_thw`."""
+    patches = torch.randn(height * width, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return {"pixel_values": patches, "image_grid_thw": torch.tensor([[1, height, width]])}
+
+
+def qwen2_vl_placeholders(height: int = 4, width: int = 4) -> list[int]:
+    return [QWEN2_VL_VISION_START, *[QWEN2_VL_IMAGE_TOKEN] * (height * width // 4), QWEN2_VL_VISION_END]
+
+
+def mm_token_type_ids(prompt: list[int], image_token: int) -> torch.Tensor:
+    """What the processor returns beside Qwen2-VL's prompt: 1 at image placeholders, 0 elsewhere."""
+    ids = torch.tensor([prompt])
+    return (ids == image_token).to(torch.int)
+
+
+# -- the judged families, built from the coverage matrix's tiny configs --------------------------------
+# Each family's vision tower is shrunk to its smallest images (a few patches) so the encoder is fast.
+JUDGED_FAMILIES = (
+    "llava",
+    "llava_next",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "idefics3",
+    "smolvlm",
+    "internvl",
+    "mistral3",
+)
+MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def build_family_vlm(family: str) -> PreTrainedModel:
+    """The family's image-text-to-text class from the coverage matrix's tiny config, with small images."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    from conformance.coverage.build import SEED, entry_config
+    from conformance.coverage.catalog import all_entries
+
+    entries = {entry.name: entry for entry in all_entries()}
+    config = entry_config(entries.get(f"{family}:vlm", entries.get(family)))
+    vision = config.vision_config
+    if family in ("llava", "llava_next", "gemma3"):
+        vision.image_size, vision.patch_size = 28, 14
+    if family == "llava_next":
+        config.image_grid_pinpoints = [[28, 28], [28, 56]]
+    if family == "internvl":
+        vision.image_size, vision.patch_size = [28, 28], [14, 14]
+    if family in ("idefics3", "smolvlm"):
+        vision.image_size, vision.patch_size = 64, 16
+    if family == "mistral3":
+        vision.image_size, vision.patch_size = 56, 14
+    if family == "qwen3_vl":  # the shrunk vision tower's layers feed the decoder's first layers (deepstack)
+        vision.deepstack_visual_indexes = list(range(min(vision.depth, config.text_config.num_hidden_layers)))
+    torch.manual_seed(SEED)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
+    return model
+
+
+def image_token_of(model: PreTrainedModel) -> int:
+    config = model.config
+    return next(
+        value
+        for name in ("image_token_id", "image_token_index")
+        if isinstance(value := getattr(config, name, None), int)
+    )
+
+
+def family_images(model: PreTrainedModel, family: str, seed: int, count: int) -> dict[str, torch.Tensor]:
+    """`count` random images shaped as the family's processor gives them for one prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    if family in ("llava", "internvl", "gemma3"):
+        return {"pixel_values": torch.randn(count, 3, 28, 28, generator=generator)}
+    if family == "llava_next":  # a 28x56 image: the base image and its 2 tiles
+        return {
+            "pixel_values": torch.randn(count, 3, 3, 28, 28, generator=generator),
+            "image_sizes": torch.tensor([[28, 56]] * count),
+        }
+    if family in ("idefics3", "smolvlm"):
+        return {
+            "pixel_values": torch.randn(1, count, 3, 64, 64, generator=generator),
+            "pixel_attention_mask": torch.ones(1, count, 64, 64, dtype=torch.bool),
+        }
+    if family == "mistral3":
+        return {
+            "pixel_values": torch.randn(count, 3, 56, 56, generator=generator),
+            "image_sizes": torch.tensor([[56, 56]] * count),
+        }
+    if family in MROPE_FAMILIES:  # a 4x4 patch grid, merged 2x2: 4 placeholders each
+        patch = model.config.vision_config.patch_size
+        return {
+            "pixel_values": torch.randn(16 * count, 3 * 2 * patch * patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, 4, 4]] * count),
+        }
+    raise ValueError(f"no image inputs for {family}")
+
+
+@torch.inference_mode()
+def family_prompt(
+    model: PreTrainedModel, family: str, images: dict[str, torch.Tensor], text: list[int]
+) -> list[int]:
+    """`text[:2]`, each image's placeholders (as many as its encoder rows; Qwen's between vision start /
+    end tokens), then `text[2:]`."""
+    output = model.base_model.get_image_features(**images, return_dict=True).pooler_output
+    rows = (
+        [output.reshape(-1, output.shape[-1]).shape[0]]
+        if isinstance(output, torch.Tensor)
+        else [item.reshape(-1, item.shape[-1]).shape[0] for item in output]
+    )
+    token = image_token_of(model)
+    middle: list[int] = []
+    for count in rows:
+        if family in MROPE_FAMILIES:
+            config = model.config
+            middle += [config.vision_start_token_id, *[token] * count, config.vision_end_token_id]
+        else:
+            middle += [token] * count
+    return [*text[:2], *middle, *text[2:]]
+
+
+def family_reference(
+    model: PreTrainedModel,
+    family: str,
+    prompt: list[int],
+    images: dict[str, torch.Tensor],
+    max_new_tokens: int,
+) -> tuple[list[int], list[float]]:
+    """`generate()` on one prompt with the inputs its processor would add (M-RoPE's `mm_token_type_ids`)."""
+    extra: dict[str, Any] = dict(images)
+    if images and family in MROPE_FAMILIES:
+        extra["mm_token_type_ids"] = mm_token_type_ids(prompt, image_token_of(model))
+    return media_reference(model, prompt, extra, max_new_tokens)
