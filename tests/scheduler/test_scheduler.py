@@ -362,11 +362,11 @@ def test_decode_first_prefill_budget_grows_with_the_queue() -> None:
     lone = [make_request("lone", 5000, 1)]
     assert policy.prefill_limits(8192, [], lone) == PrefillLimits(8192, 8192)  # nothing waits: it runs whole
     few = [make_request(f"f{i}", 40, 1) for i in range(4)]
-    assert policy.prefill_limits(8192, [], few) == PrefillLimits(256, 128)  # 160 / 4 < the minimum, 256
+    assert policy.prefill_limits(8192, [], few) == PrefillLimits(256, 128)  # 160 / 6 < the minimum, 256
     burst = [make_request(f"b{i}", 100, 1) for i in range(200)]
-    assert policy.prefill_limits(8192, [], burst) == PrefillLimits(5000, 2500)  # a quarter of 20,000
-    assert policy.prefill_limits(8192, [], burst[:100]).budget == 5000  # it keeps its size while it drains
-    assert policy.prefill_limits(4096, [], burst).budget == 4096  # never more than the step
+    assert policy.prefill_limits(8192, [], burst) == PrefillLimits(3334, 1667)  # a sixth of 20,000
+    assert policy.prefill_limits(8192, [], burst[:100]).budget == 3334  # it keeps its size while it drains
+    assert policy.prefill_limits(2048, [], burst).budget == 2048  # never more than the step
     assert (
         policy.prefill_limits(8192, [], []).budget == 8192
     )  # the queue emptied: the next burst starts afresh

@@ -70,7 +70,7 @@ class DecodeFirstPolicy(SchedulingPolicy):
     """
 
     name = "decode_first"
-    SPLIT = 4
+    SPLIT = 6
     MIN_PREFILL_BUDGET = 256
 
     def __init__(self) -> None:
