@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,19 @@ def metrics(url: str) -> dict[str, float]:
     return values
 
 
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The stream's lines as server-sent events define them: split at LF, CR LF or CR only. (httpx's
+    `aiter_lines` also splits at U+2028, U+0085 and the like, which JSON may carry unescaped in a string.)"""
+    pending = b""
+    async for data in response.aiter_bytes():
+        pending += data
+        *lines, pending = pending.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n")
+        for line in lines:
+            yield line.decode("utf-8")
+    if pending:
+        yield pending.decode("utf-8")
+
+
 class Traffic:
     """The clients: each request drawn from `MIX`, sent, and judged."""
 
@@ -296,13 +310,17 @@ class Traffic:
             if response.status_code != 200:
                 outcome.problem = f"HTTP {response.status_code}: {(await response.aread())[:300]!r}"
                 return
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":
                     done += 1
                     continue
-                chunk = json.loads(line[6:])
+                try:
+                    chunk = json.loads(line[6:])
+                except json.JSONDecodeError:
+                    outcome.problem = f"malformed event: {line[:300]!r}"
+                    return
                 if "error" in chunk:
                     outcome.problem = f"error event: {chunk['error']}"
                     return
