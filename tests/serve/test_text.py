@@ -251,6 +251,7 @@ def test_speculation_fields_and_vllm_speculative_config() -> None:
         parse_body(body, CompletionRequest).engine_kwargs()
 
 
+@requires_serve
 @given(
     st.text(
         alphabet=st.sampled_from(["a", "é", "\u0085", "\u2028", "\u2029", "\n", "\r", "\x0b"]), max_size=30
