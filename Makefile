@@ -6,6 +6,7 @@
 #   make test-fast [ARGS=...]                     the same without the `slow` tier (minutes)
 #   make lint                                     ruff check + ruff format --check + mypy
 #   make bench [ARGS="..."]                       benchmarks/throughput.py
+#   make soak  [ARGS="--duration 3600 ..."]       benchmarks/soak.py: mixed traffic against the server (CI: 2 minutes)
 #   make serve [ARGS="--port 8000 ..."]           transformers-cb serve (OpenAI-compatible HTTP, the real model)
 #
 # Without a working nvidia-smi, torch is installed as $(TORCH_CPU) first so that pip
@@ -33,7 +34,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: install install-serve install-test build-kernels run serve test test-fast lint format bench clean-venv
+.PHONY: install install-serve install-test build-kernels run serve test test-fast lint format bench soak clean-venv
 
 install: $(VENV)/.installed-run
 
@@ -104,6 +105,9 @@ format: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-run
 	$(BIN)/python benchmarks/throughput.py $(ARGS)
+
+soak: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/soak.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

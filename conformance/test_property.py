@@ -56,7 +56,7 @@ def workloads(draw, families: tuple[str, ...] = ("llama",)) -> dict:
         "num_blocks": draw(
             st.one_of(st.integers(needed, needed + 2), st.integers(needed, max(needed, total + 1)))
         ),
-        "scheduler_type": draw(st.sampled_from(["fifo", "prefill_first"])),
+        "scheduler_type": draw(st.sampled_from(["fifo", "prefill_first", "decode_first"])),
         "backend": draw(st.sampled_from([b for b in backends_for(family) if b.startswith("paged|")])),
     }
 

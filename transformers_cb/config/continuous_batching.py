@@ -19,10 +19,10 @@ from transformers import CompileConfig
 
 logger = logging.getLogger(__name__)
 
-SCHEDULER_TYPES = ("fifo", "prefill_first")
+SCHEDULER_TYPES = ("fifo", "prefill_first", "decode_first")
 # CUDA graphs kept alive when `max_cached_graphs` is not set (least recently used ones are dropped).
 DEFAULT_MAX_CACHED_GRAPHS = 32
-DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
+DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0, "decode_first": 0.15}
 MIN_PAGE_SIZE = 4
 
 

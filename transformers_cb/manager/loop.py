@@ -20,6 +20,7 @@ from ..engine.engine import Engine
 from ..engine.follower import FollowerEngine
 from ..invariants import present
 from ..requests import Request, RequestStatus
+from .adaptive_threads import AdaptiveThreads
 from .results import ResultRouter
 from .state import ManagerState
 from .stats import ThroughputWindow
@@ -43,6 +44,8 @@ class ManagerLoop:
         throughput: counts the tokens delivered to users.
         model: switched to its paged attention backend while the thread runs.
         release: called by the thread as it ends after a non-blocking `destroy()` (`state.release_on_exit`).
+        adaptive_threads: sets the thread's torch threads between steps to the cores other processes leave
+            idle (adaptive_threads.py); None: the count it starts with (the starting thread's) is kept.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class ManagerLoop:
         throughput: ThroughputWindow,
         model: PreTrainedModel,
         release: Callable[[], None],
+        adaptive_threads: AdaptiveThreads | None = None,
     ) -> None:
         self._state = state
+        self._threads = adaptive_threads
         self._router = router
         self._throughput = throughput
         self._model = model
@@ -115,6 +120,8 @@ class ManagerLoop:
         engine = state.engine
         try:
             settings.apply()
+            if self._threads is not None:
+                self._threads.start()
             with engine.session() if engine is not None else nullcontext():
                 if isinstance(engine, FollowerEngine):
                     engine.replay_session()  # a tensor-parallel follower replays rank 0's session
@@ -159,6 +166,8 @@ class ManagerLoop:
                     if not state.incoming:
                         state.lock.wait(timeout=IDLE_WAIT_S)
                     continue
+            if self._threads is not None:
+                self._threads.tick()
             self._step(engine)
         self.fail_everything(HARD_STOP_ERROR)
 

@@ -25,6 +25,7 @@ from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
+from .adaptive_threads import AdaptiveThreads
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
 from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
@@ -61,11 +62,13 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         *,
         all_request_stages: bool = False,
         assistant_model: PreTrainedModel | None = None,
+        adaptive_threads: AdaptiveThreads | None = None,
     ) -> None:
         """`all_request_stages`: the engine builds every per-request processor stage, and a request
         that gives no value for one uses its neutral value (the server's manager: each request brings
         its own values; see `SamplingSetup`). `assistant_model`: a draft model for speculative decoding
-        (docs/speculative_decoding.md)."""
+        (docs/speculative_decoding.md). `adaptive_threads`: the manager thread's torch threads follow the
+        cores other processes leave idle while it runs (manager/adaptive_threads.py; the server's, on CPU)."""
         self.model = model
         hints = as_workload_hints(workload_hints)
         engine = build_engine(
@@ -82,7 +85,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         self._state = ManagerState(engine)
         self._router = ResultRouter()
         self._throughput = ThroughputWindow()
-        self._loop = ManagerLoop(self._state, self._router, self._throughput, model, self._release_engine)
+        self.adaptive_threads = adaptive_threads
+        self._loop = ManagerLoop(
+            self._state, self._router, self._throughput, model, self._release_engine, adaptive_threads
+        )
         self._submissions = Submissions(self._state, self._router, self._loop)
         self._pause_holders = threading.local()  # per thread: how many `pause()` blocks it is inside
         self._batch_processor: BatchProcessorView | None = None  # compat: the started session's

@@ -1,5 +1,7 @@
 """How many CPU threads torch runs a command's model with: `--threads`, else `OMP_NUM_THREADS`, else the cores
-other processes leave idle.
+other processes leave idle: read once from the load average for `generate` (a job that starts and ends), and
+measured while it runs for `serve` (it starts with every core; manager/adaptive_threads.py follows the others'
+work between steps: a server outlives the load it started under).
 
 torch's default is one thread per core. OpenMP threads spin-wait for each other at every parallel region, so
 when other processes hold cores, a thread that is descheduled stalls the rest of its team at every op: on two
@@ -31,10 +33,16 @@ def idle_cores(cores: int | None = None, load: float | None = None) -> int:
     return max(1, min(cores, int(cores - load + 0.5)))
 
 
-def cpu_threads(requested: int | None, device: str) -> int | None:
-    """The thread count to set, or None to leave torch's (not on the CPU, or `OMP_NUM_THREADS` set)."""
+def adapts(requested: int | None, device: str) -> bool:
+    """Whether the count is the command's to choose: on the CPU, neither `--threads` nor `OMP_NUM_THREADS` given."""
+    return requested is None and device.startswith("cpu") and not os.environ.get("OMP_NUM_THREADS")
+
+
+def cpu_threads(requested: int | None, device: str, adaptive: bool = False) -> int | None:
+    """The thread count to set, or None to leave torch's (not on the CPU, or `OMP_NUM_THREADS` set).
+    `adaptive`: the count will follow the load while the command runs, so it starts with every core."""
     if requested is not None:
         return requested
-    if not device.startswith("cpu") or os.environ.get("OMP_NUM_THREADS"):
+    if not adapts(requested, device):
         return None
-    return idle_cores()
+    return available_cores() if adaptive else idle_cores()

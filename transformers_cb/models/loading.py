@@ -79,7 +79,7 @@ def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
     on first use), `--attn-implementation`, `--dtype`, `--device`, `--threads` (models/cpu_threads.py) and
     `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""
     device = resolve_device(args.device)
-    threads = cpu_threads(getattr(args, "threads", None), device)
+    threads = cpu_threads(getattr(args, "threads", None), device, getattr(args, "adaptive_threads", False))
     if threads is not None:
         torch.set_num_threads(threads)
     torch.manual_seed(args.seed)

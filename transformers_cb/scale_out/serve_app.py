@@ -119,7 +119,15 @@ def build_app(options: Mapping[str, Any] | None = None) -> Any:
 
 def serve_options_of(args: argparse.Namespace) -> dict[str, Any]:
     """The replicas' `transformers-cb serve` options from the command's arguments."""
-    ignored = {"func", "command", "ray_replicas", "ray_address", "replica_cpus", "replica_gpus"}
+    ignored = {
+        "func",
+        "command",
+        "ray_replicas",
+        "ray_address",
+        "replica_cpus",
+        "replica_gpus",
+        "adaptive_threads",
+    }
     return {name: value for name, value in vars(args).items() if name not in ignored}
 
 

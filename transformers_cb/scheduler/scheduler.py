@@ -7,8 +7,9 @@ plan.py), the runner executes it, and `update()` applies the sampled
 tokens. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
 finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
 plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
-the one place. Policies (`fifo`, `prefill_first`,
-policies.py) only change the order in which candidates get the step's token budget.
+the one place. Policies (`fifo`, `prefill_first`, `decode_first`,
+policies.py) change the order in which candidates get the step's token budget, and may bound the share of
+it prompts take (`prefill_limits`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class Scheduler:
         # first waiting request that cannot start closes the gate for those behind it; one that can
         # never fit (nothing runs, not one token fits) fails instead and opens it again.
         budget = self.max_batch_tokens
+        # The policy bounds the step's prompt tokens (decodes are not counted) and any one request's chunk.
+        limits = self.policy.prefill_limits(budget, self.running, self.waiting)
+        prefill_left = limits.budget
         scheduled: dict[int, ScheduledRequest] = {}
         plan = StepPlan(entries=[], taken_back=self._take_back_rows())
         gate = AdmissionGate()
@@ -131,8 +135,15 @@ class Scheduler:
             if request.is_finished or request in plan.preempted:
                 continue
             draft: list[int] = []
+            prefills = request.status != RequestStatus.DECODING
+            if prefills and prefill_left == 0:
+                continue  # it waits for a later step (a waiting one does not close the gate: none fits now)
             if request.status in (RequestStatus.PENDING, RequestStatus.EVICTED):
-                num_tokens = self._admit(request, budget, gate, plan)
+                num_tokens = self._admit(request, min(budget, prefill_left, limits.chunk), gate, plan)
+            elif prefills:
+                num_tokens = self._keep_running(
+                    request, min(budget, prefill_left, limits.chunk), scheduled, plan
+                )
             else:
                 if (
                     speculating
@@ -159,6 +170,8 @@ class Scheduler:
                 state_slot=self.pages.state_slot(request),
             )
             budget -= num_tokens
+            if prefills:
+                prefill_left -= num_tokens
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
         plan.copies = self.forks.take()

@@ -205,7 +205,19 @@ def _delta(event: ChoiceEvent, tool_offset: int) -> dict[str, Any]:
     return delta
 
 
+# Line separators JSON leaves raw in a string: a client that splits the stream with a universal-newline reader
+# (httpx's `aiter_lines`, Python's `str.splitlines`) would cut an event in two at them, although SSE ends lines
+# at CR and LF only. Escaped, they decode to the same text (benchmarks/soak.py met one from the tiny model).
+_SEPARATORS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying `data` (a JSON object, or the literal `[DONE]`)."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    if isinstance(data, str):
+        payload = data
+    else:
+        payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+        for raw, escaped in _SEPARATORS.items():
+            if raw in payload:
+                payload = payload.replace(raw, escaped)
     return f"data: {payload}\n\n".encode()

@@ -26,6 +26,12 @@ from . import require_serve_extra
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "transformers-cb-tiny"
+# A server does not know its requests ahead, so it pages finely: with the config's 256-token pages a chat of
+# 100 tokens holds a whole page, and on the CPU's default cache (512 MiB) the real model then ran 39 of a
+# 50-request burst and held 11 back for a second wave (docs/benchmarks.md, "The server under a burst").
+SERVE_PAGE_SIZE = 16
+# The scheduling policy for bursts: decodes first, prompts in shares of the queue (scheduler/policies.py).
+SERVE_SCHEDULER_TYPE = "decode_first"
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -53,14 +59,25 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: $OMP_NUM_THREADS, else the cores the load average leaves idle)",
+        help="torch CPU threads (default: $OMP_NUM_THREADS, else every core at start, then the cores other "
+        "processes leave idle, measured while it runs)",
     )
     serve.add_argument("--seed", type=int, default=0, help="torch seed and the built-in model's weights")
-    for flag in ("--page-size", "--num-blocks", "--max-batch-tokens"):
+    serve.add_argument(
+        "--page-size",
+        type=int,
+        default=SERVE_PAGE_SIZE,
+        help=f"KV tokens per page (default: {SERVE_PAGE_SIZE})",
+    )
+    for flag in ("--num-blocks", "--max-batch-tokens"):
         serve.add_argument(
             flag, type=int, default=None, help="ContinuousBatchingConfig." + flag[2:].replace("-", "_")
         )
-    serve.add_argument("--scheduler-type", default=None, help="fifo or prefill_first")
+    serve.add_argument(
+        "--scheduler-type",
+        default=SERVE_SCHEDULER_TYPE,
+        help=f"fifo, prefill_first or decode_first (default: {SERVE_SCHEDULER_TYPE}, docs/config.md)",
+    )
     serve.add_argument(
         "--max-queue-size", type=int, default=0, help="waiting requests before 429 (default: 0 = unbounded)"
     )
@@ -95,7 +112,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
-    serve.set_defaults(func=run_serve)
+    serve.set_defaults(func=run_serve, adaptive_threads=True)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -141,11 +158,15 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any, assistant_model: Any = None) -> Any:
+def start_serving_manager(
+    model: Any, tokenizer: Any, cb_config: Any, assistant_model: Any = None, adaptive_threads: Any = None
+) -> Any:
     """A started manager as the server runs it: every per-request processor available and neutral
     unless a request sets it (`per_request_processors=True`, `all_request_stages=True`); logprobs are
     computed per request; `assistant_model`: the draft model every request speculates with (as vLLM's
-    `speculative_config` at start; a request turns it off with `num_assistant_tokens=0`)."""
+    `speculative_config` at start; a request turns it off with `num_assistant_tokens=0`);
+    `adaptive_threads`: its thread's torch threads follow the idle cores (manager/adaptive_threads.py).
+    Warmed up before it starts."""
     import dataclasses
 
     from ..manager.manager import ContinuousBatchingManager
@@ -161,7 +182,11 @@ def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any, assistant_
         tokenizer=tokenizer,
         all_request_stages=True,
         assistant_model=assistant_model,
+        adaptive_threads=adaptive_threads,
     )
+    # The first step pays one-time costs (on the real model on the CPU: 1.5 s for a 33-token prompt, 0.17 s
+    # after): paid here, before the server accepts anyone, not by the first burst's requests.
+    manager.warmup()
     manager.start()
     return manager
 
@@ -170,7 +195,9 @@ def build_state(args: argparse.Namespace) -> Any:
     """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
     import transformers_cb
 
-    from ..models.loading import load_assistant_for_command, load_for_command
+    from ..manager.adaptive_threads import AdaptiveThreads
+    from ..models.cpu_threads import adapts, available_cores
+    from ..models.loading import load_assistant_for_command, load_for_command, resolve_device
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
@@ -178,7 +205,10 @@ def build_state(args: argparse.Namespace) -> Any:
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
     assistant = load_assistant_for_command(args)
-    manager = start_serving_manager(model, tokenizer, cb_config, assistant)
+    adaptive = None
+    if getattr(args, "adaptive_threads", False) and adapts(args.threads, resolve_device(args.device)):
+        adaptive = AdaptiveThreads(available_cores())
+    manager = start_serving_manager(model, tokenizer, cb_config, assistant, adaptive)
     name = args.served_model_name or (
         Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME
     )
