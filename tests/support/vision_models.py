@@ -258,3 +258,58 @@ def family_reference(
     if images and family in MROPE_FAMILIES:
         extra["mm_token_type_ids"] = mm_token_type_ids(prompt, image_token_of(model))
     return media_reference(model, prompt, extra, max_new_tokens)
+
+
+# -- a tiny Llava checkpoint with its processor, as a vision-language folder on disk -------------------
+# The byte-level tiny tokenizer plus one `<image>` token; CLIP's image processor at 28x28 (4 patches of 14,
+# the CLS row dropped: 4 placeholders per image), and a chat template that puts `<image>` where an image
+# part is (string contents too, for the text-only path through the tokenizer).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_llava_checkpoint(folder: Any, seed: int = 0) -> tuple[PreTrainedModel, Any]:
+    """A tiny Llava and its `LlavaProcessor` saved to `folder` (what `transformers-cb serve --model folder`
+    loads); returns both as saved. Needs Pillow (the PIL image processor: torchvision is not required)."""
+    from transformers import CLIPImageProcessor, GenerationConfig, LlavaProcessor
+
+    from transformers_cb.models.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.split_special_tokens = False  # `<image>` must stay one token for the processor to expand it
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token="<image>",
+    )
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14,
+    )  # fmt: skip
+    text = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=len(tokenizer), max_position_embeddings=512,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, processor

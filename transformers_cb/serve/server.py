@@ -167,16 +167,20 @@ def start_serving_manager(model: Any, tokenizer: Any, cb_config: Any, assistant_
 
 
 def build_state(args: argparse.Namespace) -> Any:
-    """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
+    """Load the model, its tokenizer and (a vision-language folder's) processor, start the manager, and
+    return the app's `ServeState`."""
     import transformers_cb
 
-    from ..models.loading import load_assistant_for_command, load_for_command
+    from ..models.loading import load_assistant_for_command, load_for_command, load_processor
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)
+    processor = load_processor(args.model)  # chat messages with images render through it (serve/media.py)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        if processor is not None:
+            processor.chat_template = tokenizer.chat_template
     assistant = load_assistant_for_command(args)
     manager = start_serving_manager(model, tokenizer, cb_config, assistant)
     name = args.served_model_name or (
@@ -192,6 +196,7 @@ def build_state(args: argparse.Namespace) -> Any:
         logprobs=not args.no_logprobs,
         has_assistant=assistant is not None,
         reasoning=args.reasoning,
+        processor=processor,
     )
 
 
