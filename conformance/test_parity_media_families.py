@@ -66,6 +66,15 @@ def test_gemma3_images_are_refused_with_the_reason() -> None:
             GenerationConfig(max_new_tokens=2, do_sample=False),
             progress_bar=False,
         )
+    # The reason holds: generate()'s prefill mask from token_type_ids (an image block attending both ways)
+    # changes the logits against the causal mask the paged kernels apply.
+    ids = torch.tensor([prompt])
+    types = (ids == image_token_of(model)).long()
+    with torch.inference_mode():
+        both_ways = model(ids, token_type_ids=types, **images).logits
+        causal = model(ids, **images).logits
+    assert torch.equal(both_ways[0, :2], causal[0, :2])  # text before the image: the same
+    assert not torch.allclose(both_ways[0, 2:], causal[0, 2:], atol=1e-4)  # the image's and after: not
     # Its text path still runs.
     results = model.generate_batch(
         [TEXT[1]], GenerationConfig(max_new_tokens=2, do_sample=False), progress_bar=False

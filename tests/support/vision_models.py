@@ -169,6 +169,8 @@ def build_family_vlm(family: str) -> PreTrainedModel:
     vision = config.vision_config
     if family in ("llava", "llava_next", "gemma3"):
         vision.image_size, vision.patch_size = 28, 14
+    if family == "gemma3":  # 2x2 patches pooled to 2x2 tokens: 4 placeholders per image
+        config.mm_tokens_per_image = 4
     if family == "llava_next":
         config.image_grid_pinpoints = [[28, 28], [28, 56]]
     if family == "internvl":

@@ -56,12 +56,17 @@ class MediaIntake:
             params[modality] = frozenset(n for n in names if n not in ("self", "kwargs", "return_dict"))
             token_ids[modality] = token
         refusal = None
-        # A composite forward that takes `token_type_ids` builds a mask letting an image's tokens attend to
-        # each other both ways (Gemma 3, Gemma 3n, PaliGemma: the only ones of transformers 5.23 that do).
+        # A composite forward that takes `token_type_ids` builds its prefill mask from them (Gemma 3, Gemma 3n,
+        # PaliGemma: the only ones of transformers 5.23 that do), at inference too: generate()'s first
+        # forward ORs a blockwise overlay into the causal mask (ANDed with the window on sliding layers).
+        # Exactness would need a per-query "visible up to" bound in every paged kernel and prefill chunks
+        # never ending inside a block (the scheduler's cut, with its page and budget fallbacks): not built.
         if params and "token_type_ids" in inspect.signature(model.forward).parameters:
             refusal = (
-                f"{model_type}'s image tokens attend to each other bidirectionally (token_type_ids), which the "
-                "paged attention kernels (causal) cannot express; its text path runs"
+                f"{model_type}'s image tokens attend bidirectionally: generate()'s prefill mask, built from "
+                "token_type_ids, lets each image's placeholder tokens see their whole block of placeholders "
+                "(Gemma 3; PaliGemma: the whole prompt prefix), while the paged kernels attend causally and a "
+                "prefill chunk may end inside a block; its text path runs"
             )
         rope_index = getattr(base, "get_rope_index", None)
         return cls(model_type, params, token_ids, rope_index if callable(rope_index) else None, refusal)
