@@ -373,3 +373,56 @@ def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
         )
     finally:
         assert live.stop() == 0
+
+
+@requires_serve
+def test_responses_input_images_take_the_same_path(vlm_checkpoint) -> None:
+    """`/v1/responses` with `input_image` parts (serve/responses_api.py): the chat path's processor and
+    engine, so the answer equals `generate()` on the processor's outputs; a bad image names its input field."""
+    import httpx
+
+    folder, model, processor = vlm_checkpoint
+    url = image_url(png_bytes(4))
+    chat_content = [{"type": "text", "text": "look:"}, image_part(url)]
+    _, tokens, _ = processor_reference(model, processor, chat_content, 6)
+    content = [
+        {"type": "input_text", "text": "look:"},
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+    ]
+    with served_folder(folder) as live:
+        response = openai_client(live).responses.create(
+            model=live.state.model_name,
+            input=[{"role": "user", "content": content}],
+            max_output_tokens=6,
+            temperature=0,
+        )
+        assert response.output_text == processor.tokenizer.decode(tokens, skip_special_tokens=True)
+        for part, param, reason in (
+            (
+                {"type": "input_image", "image_url": image_url(b"not an image")},
+                "input.0.content.1.image_url",
+                "could not be decoded",
+            ),
+            (
+                {"type": "input_image", "image_url": "https://example.com/cat.png"},
+                "input.0.content.1.image_url",
+                "only data URLs are read",
+            ),
+            (
+                {"type": "input_image", "file_id": "file-123"},
+                "input.0.content.1.image_url",
+                "file_id is not read",
+            ),
+        ):
+            reply = httpx.post(
+                live.url + "/v1/responses",
+                json={
+                    "model": live.state.model_name,
+                    "input": [{"role": "user", "content": [content[0], part]}],
+                },
+                timeout=TIMEOUT,
+            )
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == param and reason in error["message"], error
+        assert live.manager.is_running()
