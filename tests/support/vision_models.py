@@ -153,6 +153,7 @@ JUDGED_FAMILIES = (
     "smolvlm",
     "internvl",
     "mistral3",
+    "gemma3",
 )
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -184,6 +185,11 @@ def build_family_vlm(family: str) -> PreTrainedModel:
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
+    if (
+        family == "gemma3"
+    ):  # its projection starts at zeros (every image the same rows): random, so images count
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
     return model
 
 
@@ -237,15 +243,29 @@ def family_prompt(
         if isinstance(output, torch.Tensor)
         else [item.reshape(-1, item.shape[-1]).shape[0] for item in output]
     )
+    if (
+        family == "gemma3" and isinstance(output, torch.Tensor) and output.dim() == 3
+    ):  # [images, rows, hidden]
+        rows = [output.shape[1]] * output.shape[0]
     token = image_token_of(model)
     middle: list[int] = []
     for count in rows:
         if family in MROPE_FAMILIES:
             config = model.config
             middle += [config.vision_start_token_id, *[token] * count, config.vision_end_token_id]
+        elif family == "gemma3":  # between its begin / end of image tokens: one block per image
+            middle += [model.config.boi_token_index, *[token] * count, model.config.eoi_token_index]
         else:
             middle += [token] * count
     return [*text[:2], *middle, *text[2:]]
+
+
+def family_extras(model: PreTrainedModel, family: str, prompt: list[int]) -> dict[str, torch.Tensor]:
+    """What the family's processor returns beside the prompt and the images: Gemma 3's `token_type_ids`
+    (1 at image placeholders: generate()'s prefill lets each image's run attend both ways)."""
+    if family == "gemma3":
+        return {"token_type_ids": mm_token_type_ids(prompt, image_token_of(model)).long()}
+    return {}
 
 
 def family_reference(
@@ -255,10 +275,13 @@ def family_reference(
     images: dict[str, torch.Tensor],
     max_new_tokens: int,
 ) -> tuple[list[int], list[float]]:
-    """`generate()` on one prompt with the inputs its processor would add (M-RoPE's `mm_token_type_ids`)."""
+    """`generate()` on one prompt with the inputs its processor would add (M-RoPE's `mm_token_type_ids`,
+    Gemma 3's `token_type_ids`)."""
     extra: dict[str, Any] = dict(images)
     if images and family in MROPE_FAMILIES:
         extra["mm_token_type_ids"] = mm_token_type_ids(prompt, image_token_of(model))
+    if images:
+        extra.update(family_extras(model, family, prompt))
     return media_reference(model, prompt, extra, max_new_tokens)
 
 
