@@ -338,3 +338,34 @@ def save_tiny_llava_checkpoint(folder: Any, seed: int = 0) -> tuple[PreTrainedMo
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return model, processor
+
+
+# -- audio: a tiny Voxtral (Whisper-style encoder, 4 frames merged per row) --------------------------------
+VOXTRAL_AUDIO_TOKEN = 100
+VOXTRAL_ROWS_PER_CLIP = 4  # 16 mel frames -> 8 encoder positions -> 4 rows of 4 x 32 merged to 64, projected
+
+
+def build_tiny_voxtral(seed: int = 0) -> PreTrainedModel:
+    from transformers import GenerationConfig, VoxtralConfig, VoxtralForConditionalGeneration
+
+    config = VoxtralConfig(
+        audio_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_mel_bins": 16, "max_source_positions": 8,
+        },
+        text_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": 128, "max_position_embeddings": 256, "head_dim": 16,
+        },
+        audio_token_id=VOXTRAL_AUDIO_TOKEN,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = VoxtralForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
+    return model
+
+
+def voxtral_clips(seed: int, count: int = 1) -> torch.Tensor:
+    """`count` random clips as Voxtral's feature extractor gives them: `input_features` `[count, 16, 16]`
+    (mel bins x frames, padded to the encoder's length)."""
+    return torch.randn(count, 16, 16, generator=torch.Generator().manual_seed(seed))
