@@ -98,3 +98,40 @@ def test_gemma3_blocks_attend_both_ways_as_generate_does(monkeypatch) -> None:
             continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=3),
             progress_bar=False,
         )
+
+
+def test_gemma3_under_preemption_and_prefix_sharing() -> None:
+    """A cache just big enough for the largest request (requests are preempted and recompute their blocks),
+    prefix sharing on for two requests with the same image, 4-token pages, 5-token chunks: still `generate()`'s."""
+    import math
+
+    from tests.support.preemptions import count_preemptions
+
+    model = build_family_vlm("gemma3")
+    media = [family_images(model, "gemma3", seed, n) for seed, n in ((0, 1), (0, 1), (1, 2))]
+    texts = [TEXT[0], [23, 24, 40, 41, 42, 43], TEXT[2]]
+    prompts = [family_prompt(model, "gemma3", m, t) for m, t in zip(media, texts, strict=True)]
+    references = [
+        family_reference(model, "gemma3", p, m, MAX_NEW_TOKENS) for p, m in zip(prompts, media, strict=True)
+    ]
+    inputs = [
+        {"input_ids": torch.tensor([p]), **m, **family_extras(model, "gemma3", p)}
+        for p, m in zip(prompts, media, strict=True)
+    ]
+    pages = math.ceil((max(map(len, prompts)) + MAX_NEW_TOKENS) / 4) + 1
+    config = ContinuousBatchingConfig(
+        num_blocks=pages, page_size=4, max_batch_tokens=5, allow_block_sharing=True
+    )
+    with count_preemptions() as preemptions:
+        results = model.generate_batch(
+            inputs,
+            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+            continuous_batching_config=config,
+            progress_bar=False,
+            top_logprobs=1,
+        )
+    assert preemptions
+    for i, (tokens, logprobs) in enumerate(references):
+        output = results[f"req_{i}"]
+        assert output.status == RequestStatus.FINISHED, (i, output.error)
+        assert (output.generated_tokens, output.logprobs) == (tokens, pytest.approx(logprobs, abs=1e-4)), i
