@@ -67,3 +67,25 @@ def test_images_need_pillow_or_inputs(tmp_path) -> None:
     else:
         with pytest.raises(FileNotFoundError):  # Pillow reads the file (none here)
             processor_inputs(object(), [str(tmp_path / "x.png")], 2, 0)
+
+
+def test_the_check_reads_real_image_files_through_the_folders_processor(tmp_path, capsys) -> None:
+    """`--image a.png --image b.jpg`: Pillow reads the files, the folder's `LlavaProcessor` renders them."""
+    pytest.importorskip("PIL", reason="--image reads files with Pillow (the test extra)")
+    import numpy as np
+    from PIL import Image
+
+    from tests.support.vision_models import save_tiny_llava_checkpoint
+
+    save_tiny_llava_checkpoint(tmp_path)
+    rng = np.random.default_rng(0)
+    files = []
+    for name in ("a.png", "b.jpg"):
+        Image.fromarray((rng.random((30, 44, 3)) * 255).astype(np.uint8)).save(tmp_path / name)
+        files += ["--image", str(tmp_path / name)]
+    code = conformance_check.main(
+        ["--model", str(tmp_path), *files, "--prompts", "4", "--max-new-tokens", "5"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "4 prompts with their media" in out and "PASS: generate_batch matches generate()" in out

@@ -21,7 +21,8 @@ ENTRIES = {entry.name: entry for entry in all_entries()}
         ("llava_next", EXACT),  # tiles with image_sizes
         ("qwen2_vl", EXACT),  # patches with a grid: 3-D positions
         ("idefics3", EXACT),  # one prompt's images with their pixel mask
-        ("gemma3", REFUSED),  # bidirectional image tokens
+        ("gemma3", EXACT),  # each image's tokens attend both ways (token_type_ids)
+        ("paligemma", REFUSED),  # the whole prompt prefix attends both ways
     ],
 )
 def test_media_cells(name, state) -> None:

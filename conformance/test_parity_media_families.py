@@ -1,8 +1,9 @@
 """Greedy parity with images for the judged families (issue 39): llava, llava-next, qwen2-vl,
-qwen2.5-vl, qwen3-vl (deepstack features carried to the decoder layers), idefics3, smolvlm, internvl and
-mistral3, tiny models from the coverage matrix's configs with their smallest images, processor-shaped
+qwen2.5-vl, qwen3-vl (deepstack features carried to the decoder layers), idefics3, smolvlm, internvl,
+mistral3 and gemma3, tiny models from the coverage matrix's configs with their smallest images, processor-shaped
 inputs. One batch mixes a request with one image, a text-only one and one with two images, with the
-default budget and one of 5 tokens (chunks cut the images). Gemma 3 is refused with the reason."""
+default budget and one of 5 tokens (chunks cut the images; Gemma 3's are cut before its images, whose
+placeholders attend to each other both ways)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import transformers_cb  # noqa: F401  (installs the plugin)
 from tests.support.vision_models import (
     JUDGED_FAMILIES,
     build_family_vlm,
+    family_extras,
     family_images,
     family_prompt,
     family_reference,
@@ -39,7 +41,12 @@ def test_family_with_images_equals_generate(family) -> None:
         for prompt, images in zip(prompts, media, strict=True)
     ]
     inputs = [
-        {"input_ids": torch.tensor([prompt]), **images} for prompt, images in zip(prompts, media, strict=True)
+        {
+            "input_ids": torch.tensor([prompt]),
+            **images,
+            **(family_extras(model, family, prompt) if images else {}),
+        }
+        for prompt, images in zip(prompts, media, strict=True)
     ]
     for budget in (None, 5):
         results = model.generate_batch(
@@ -56,18 +63,75 @@ def test_family_with_images_equals_generate(family) -> None:
             assert output.logprobs == pytest.approx(logprobs, abs=1e-4), (family, budget, i)
 
 
-def test_gemma3_images_are_refused_with_the_reason() -> None:
+def test_gemma3_blocks_attend_both_ways_as_generate_does(monkeypatch) -> None:
+    """generate()'s prefill mask from `token_type_ids` lets an image's placeholders attend to each other both
+    ways; the engine widens the chunk's mask to each block (runner/packing.py) and never ends a chunk inside
+    one. Without the widening the answers differ; a block longer than the budget is refused up front."""
     model = build_family_vlm("gemma3")
     images = family_images(model, "gemma3", 0, 1)
-    prompt = [23, 24, *[image_token_of(model)] * 4, 32]
-    with pytest.raises(ValueError, match="bidirectionally"):
+    prompt = family_prompt(model, "gemma3", images, TEXT[0])
+    extras = family_extras(model, "gemma3", prompt)
+    ids = torch.tensor([prompt])
+    first = prompt.index(image_token_of(model))
+    with torch.inference_mode():
+        both_ways = model(ids, token_type_ids=extras["token_type_ids"], **images).logits
+        causal = model(ids, **images).logits
+    assert torch.equal(both_ways[0, :first], causal[0, :first])  # text before the image: the same
+    assert not torch.allclose(
+        both_ways[0, first:], causal[0, first:], atol=1e-4
+    )  # the image's and after: not
+    tokens, logprobs = family_reference(model, "gemma3", prompt, images, MAX_NEW_TOKENS)
+    inputs = [{"input_ids": ids, **images, **extras}]
+    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    output = model.generate_batch(inputs, config, progress_bar=False, top_logprobs=1)["req_0"]
+    assert (output.generated_tokens, output.logprobs) == (tokens, pytest.approx(logprobs, abs=1e-4))
+    import transformers_cb.runner.packing as packing
+
+    monkeypatch.setattr(packing, "blocks_in", lambda entry: [])  # causal chunks: what the kernels did before
+    output = model.generate_batch(inputs, config, progress_bar=False, top_logprobs=1)["req_0"]
+    assert (output.generated_tokens, output.logprobs) != (tokens, pytest.approx(logprobs, abs=1e-4))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"image block of 4 tokens .* max_batch_tokens \(3\)"):
         model.generate_batch(
-            [{"input_ids": torch.tensor([prompt]), **images}],
-            GenerationConfig(max_new_tokens=2, do_sample=False),
+            inputs,
+            config,
+            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=3),
             progress_bar=False,
         )
-    # Its text path still runs.
-    results = model.generate_batch(
-        [TEXT[1]], GenerationConfig(max_new_tokens=2, do_sample=False), progress_bar=False
+
+
+def test_gemma3_under_preemption_and_prefix_sharing() -> None:
+    """A cache just big enough for the largest request (requests are preempted and recompute their blocks),
+    prefix sharing on for two requests with the same image, 4-token pages, 5-token chunks: still `generate()`'s."""
+    import math
+
+    from tests.support.preemptions import count_preemptions
+
+    model = build_family_vlm("gemma3")
+    media = [family_images(model, "gemma3", seed, n) for seed, n in ((0, 1), (0, 1), (1, 2))]
+    texts = [TEXT[0], [23, 24, 40, 41, 42, 43], TEXT[2]]
+    prompts = [family_prompt(model, "gemma3", m, t) for m, t in zip(media, texts, strict=True)]
+    references = [
+        family_reference(model, "gemma3", p, m, MAX_NEW_TOKENS) for p, m in zip(prompts, media, strict=True)
+    ]
+    inputs = [
+        {"input_ids": torch.tensor([p]), **m, **family_extras(model, "gemma3", p)}
+        for p, m in zip(prompts, media, strict=True)
+    ]
+    pages = math.ceil((max(map(len, prompts)) + MAX_NEW_TOKENS) / 4) + 1
+    config = ContinuousBatchingConfig(
+        num_blocks=pages, page_size=4, max_batch_tokens=5, allow_block_sharing=True
     )
-    assert results["req_0"].status == RequestStatus.FINISHED
+    with count_preemptions() as preemptions:
+        results = model.generate_batch(
+            inputs,
+            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
+            continuous_batching_config=config,
+            progress_bar=False,
+            top_logprobs=1,
+        )
+    assert preemptions
+    for i, (tokens, logprobs) in enumerate(references):
+        output = results[f"req_{i}"]
+        assert output.status == RequestStatus.FINISHED, (i, output.error)
+        assert (output.generated_tokens, output.logprobs) == (tokens, pytest.approx(logprobs, abs=1e-4)), i

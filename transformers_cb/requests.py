@@ -85,6 +85,12 @@ class MediaSpans(Protocol):
 
     def page_salt(self, start: int, end: int) -> bytes: ...
 
+    @property
+    def blocks(self) -> tuple[tuple[int, int], ...]:
+        """Prompt spans `[start, end)` whose tokens attend to each other both ways (Gemma 3's images): a
+        prefill chunk never ends inside one (scheduler/media_budget.py)."""
+        ...
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered so that `status >= FINISHED` means the request is over.

@@ -54,6 +54,10 @@ def media_model(entry: Entry) -> PreTrainedModel:
         vision.image_size = size if isinstance(vision.image_size, (list, tuple)) else size[0]
         if getattr(config, "image_grid_pinpoints", None):  # LLaVA-NeXT's tilings, at the new size
             config.image_grid_pinpoints = [size, [size[0], 2 * size[1]]]
+        if isinstance(
+            getattr(config, "mm_tokens_per_image", None), int
+        ):  # Gemma 3: 4x4 patches pooled to 2x2
+            config.mm_tokens_per_image = 4
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
@@ -110,9 +114,15 @@ def _candidates(model: PreTrainedModel) -> list[tuple[str, Callable[[int, int], 
 
 
 @torch.inference_mode()
-def _rows_per_image(model: PreTrainedModel, images: dict[str, torch.Tensor]) -> list[int]:
+def _rows_per_image(
+    model: PreTrainedModel, images: dict[str, torch.Tensor], apart: bool = False
+) -> list[int]:
+    """The placeholder rows of each image (`apart`: one count per image of a `[images, rows, hidden]`
+    output, for a model whose images are blocks of their own; else the whole output as one count)."""
     output = model.base_model.get_image_features(**images, return_dict=True)
     pooled = output["pooler_output"]
+    if isinstance(pooled, torch.Tensor) and apart and pooled.dim() == 3:
+        return [pooled.shape[1]] * pooled.shape[0]
     if isinstance(pooled, torch.Tensor):
         return [pooled.reshape(-1, pooled.shape[-1]).shape[0]]
     return [item.reshape(-1, item.shape[-1]).shape[0] for item in pooled]
@@ -123,8 +133,9 @@ def _prompt(model: PreTrainedModel, text: list[int], rows: list[int], token: int
     (the 3-D position families find an image's span by them)."""
     config = model.config
     bracket: tuple[int, int] | None = None
-    for prefix in ("vision", "image"):
-        start, end = (getattr(config, f"{prefix}_{k}_token_id", None) for k in ("start", "end"))
+    names = [(f"{prefix}_start_token_id", f"{prefix}_end_token_id") for prefix in ("vision", "image")]
+    for first, last in [*names, ("boi_token_index", "eoi_token_index")]:  # Gemma 3: begin / end of image
+        start, end = getattr(config, first, None), getattr(config, last, None)
         if isinstance(start, int) and isinstance(end, int):
             bracket = (start, end)
             break
@@ -132,6 +143,14 @@ def _prompt(model: PreTrainedModel, text: list[int], rows: list[int], token: int
     for count in rows:
         middle += [bracket[0], *[token] * count, bracket[1]] if bracket else [token] * count
     return [*text[:2], *middle, *text[2:]]
+
+
+def _with_types(prompt: list[int], images: dict[str, Any], token: int, blockwise: bool) -> dict[str, Any]:
+    """`images` with what a blockwise model's processor adds (Gemma 3's `token_type_ids`, 1 at image
+    placeholders: generate() and the engine let each image's run attend both ways)."""
+    if not (images and blockwise):
+        return images
+    return {**images, "token_type_ids": (torch.tensor([prompt]) == token).long()}
 
 
 @torch.inference_mode()
@@ -193,7 +212,8 @@ def run_media(entry: Entry) -> Outcome:
     for name, make in _candidates(model):
         try:
             one, two = make(0, 1), make(1, 2)
-            rows_one, rows_two = _rows_per_image(model, one), _rows_per_image(model, two)
+            rows_one = _rows_per_image(model, one, intake.blockwise)
+            rows_two = _rows_per_image(model, two, intake.blockwise)
         except Exception:  # noqa: BLE001 - this shape does not fit the class: try the next
             continue
         prompts = [
@@ -201,7 +221,9 @@ def run_media(entry: Entry) -> Outcome:
             TEXT[1],
             _prompt(model, TEXT[2], rows_two, token),
         ]
-        media = [one, {}, two]
+        media = [
+            _with_types(p, m, token, intake.blockwise) for p, m in zip(prompts, [one, {}, two], strict=True)
+        ]
         try:
             references = [
                 _reference(model, p, m, token, intake.rope_index is not None)

@@ -60,3 +60,28 @@ def test_dict_inputs_and_media_kwargs_give_the_same_tokens(llava) -> None:
 def test_bad_media_inputs_name_the_problem(llava, inputs, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         llava.generate_batch(inputs, GREEDY, progress_bar=False, **kwargs)
+
+
+def test_gemma3s_blocks_are_the_runs_of_its_token_type_ids_and_flash_refuses_them() -> None:
+    """Gemma 3 declares blockwise prefill masks (engine/media_inputs.py): its `token_type_ids` runs are the
+    request's blocks, a wrong length is named, and a flash backend (causal varlen) refuses its images."""
+    from tests.support.vision_models import build_family_vlm, family_images, image_token_of
+    from transformers_cb.engine.media_inputs import MediaIntake
+
+    model = build_family_vlm("gemma3")
+    intake = MediaIntake.of(model)
+    assert intake.blockwise and intake.refusal is None
+    token = image_token_of(model)
+    prompt = [5, 6, *[token] * 4, 7, *[token] * 4, 8]
+    images = family_images(model, "gemma3", 0, 2)
+    types = (torch.tensor([prompt]) == token).long()
+    media = intake.build(prompt, {**images, "token_type_ids": types}, "inputs[0]")
+    assert media is not None and media.blocks == ((2, 6), (7, 11))
+    assert intake.build(prompt, dict(images), "inputs[0]").blocks == ()  # generate() is causal without them
+    with pytest.raises(ValueError, match=r"inputs\[0\]: token_type_ids must hold one value per prompt token"):
+        intake.build(prompt, {**images, "token_type_ids": types[:, :-1]}, "inputs[0]")
+    assert intake.on_backend("paged|sdpa") is intake
+    flash = intake.on_backend("paged|flash_attention_2")
+    assert flash.refusal is not None and "use paged|sdpa" in flash.refusal
+    llava = MediaIntake.of(build_tiny_llava(seed=0))
+    assert not llava.blockwise and llava.on_backend("paged|flash_attention_2") is llava

@@ -78,3 +78,50 @@ def test_a_request_past_its_placeholders_needs_no_rows() -> None:
     request.num_computed_tokens = 2
     assert not budget.needs(request)
     assert budget.unfittable_reason(5) is not None and budget.unfittable_reason(4) is None
+
+
+# -- blocks attending both ways (Gemma 3's images): a prefill chunk never ends inside one --------------
+
+
+def with_block(request_id: str, first: int, last: int, length: int = 12) -> Request:
+    request = with_image(request_id, list(range(first, last)), length)
+    media = request.media
+    request.media = RequestMedia(media.inputs, media.placeholders, media.digest, blocks=((first, last),))
+    return request
+
+
+def chunks(s: Scheduler, request_id: str) -> list[tuple[int, int]]:
+    """(start, tokens) of `request_id`'s entries, step by step, until it has computed its prompt."""
+    seen = []
+    for _ in range(20):
+        plan = step(s)
+        mine = [e for e in plan.entries if e.request.request_id == request_id]
+        seen += [(e.start, e.num_tokens) for e in mine]
+        if any(e.start + e.num_tokens >= len(e.request.prompt_ids) for e in mine):
+            return seen
+    raise AssertionError(f"{request_id} did not finish its prompt: {seen}")
+
+
+def test_a_chunk_is_cut_before_a_block_and_the_block_runs_whole() -> None:
+    s = scheduler(capacity=16, max_batch_tokens=5)
+    s.add(with_block("a", 3, 8))
+    # 0-4 would end inside [3, 8): cut to 0-2; then the block whole (5 tokens), then the rest.
+    assert chunks(s, "a") == [(0, 3), (3, 5), (8, 4)]
+
+
+def test_a_block_waits_for_a_step_whose_budget_holds_it() -> None:
+    s = scheduler(capacity=16, max_batch_tokens=5)
+    busy = Request(request_id="busy", prompt_ids=[1, 2], max_new_tokens=8)
+    s.add(busy)
+    step(s)  # busy decodes from now on: 1 token a step, so 4 are left for "a"
+    s.add(with_block("a", 0, 5, length=7))
+    assert chunks(s, "a")[0] == (0, 5)  # never a part of the block
+    assert not s.waiting
+
+
+def test_a_block_longer_than_the_budget_is_refused_at_submission() -> None:
+    budget = MediaBudget(64, max_chunk=5)
+    assert budget.unfittable_reason(6, [(0, 6)]) is not None and "max_batch_tokens (5)" in str(
+        budget.unfittable_reason(6, [(0, 6)])
+    )
+    assert budget.unfittable_reason(6, [(0, 5), (6, 11)]) is None

@@ -1,24 +1,37 @@
 """Chat messages with images on the server (serve/media.py): data URLs only, bounded count and bytes,
 `wav` audio decoded, and an image request through a processor equal to `generate()` on the same inputs.
 
-Pillow is not a dependency, so the end-to-end test decodes its images with a test double of
-`load_image` and renders them with a processor test double (the tokenizer's chat template, four
-placeholder tokens per image, the decoded pixels as `pixel_values`): what is judged is the server's
-path from content parts to the engine, not an image codec."""
+Two paths: a processor test double (the tokenizer's chat template, four placeholder tokens per image, raw
+pixels as `pixel_values`) judges the server's path from content parts to the engine alone; the served
+checkpoint folder (a tiny Llava saved with its `LlavaProcessor`, loaded by `build_state` as the command
+loads it) judges the real one: PNG and JPEG data URLs decoded by Pillow, rendered by the processor."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
+import threading
 import wave
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.support.serve import greedy_config, live_server, openai_client, tiny_model_and_tokenizer
-from tests.support.vision_models import media_reference
+from tests.support.serve import (
+    LiveServer,
+    greedy_config,
+    live_server,
+    openai_client,
+    requires_serve,
+    tiny_model_and_tokenizer,
+)
+from tests.support.threads import TIMEOUT
+from tests.support.vision_models import media_reference, save_tiny_llava_checkpoint
 from transformers_cb.serve import media
 from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest
 
@@ -180,3 +193,236 @@ def test_an_image_chat_equals_generate_on_the_processors_inputs(monkeypatch) -> 
             model="tiny-test", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
         )
         assert again.choices[0].message.content == answer.choices[0].message.content
+
+
+# -- the command's own loading: a checkpoint folder with its processor, real image codecs -------------
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (40, 50), kind: str = "PNG") -> bytes:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((*size, 3)) * 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format=kind)
+    return buffer.getvalue()
+
+
+def image_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    pytest.importorskip("PIL", reason="decoding images needs Pillow (the serve and test extras)")
+    folder = tmp_path_factory.mktemp("tiny-llava")
+    model, processor = save_tiny_llava_checkpoint(folder)
+    return folder, model, processor
+
+
+def serve_args(folder: Path) -> argparse.Namespace:
+    from transformers_cb.serve.server import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(
+        ["serve", "--model", str(folder), "--device", "cpu", "--page-size", "16", "--num-blocks", "64"]
+    )
+
+
+@contextmanager
+def served_folder(folder: Path) -> Iterator[LiveServer]:
+    """`transformers-cb serve --model folder` in this process: `build_state` as the command runs it."""
+    from transformers_cb.serve.app import build_app
+    from transformers_cb.serve.server import bind_socket, build_state, drain, make_uvicorn_server
+
+    state = build_state(serve_args(folder))
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_uvicorn_server(build_app(state), log_level="warning", shutdown_timeout=5.0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        if not server.started_event.wait(60):
+            raise AssertionError("the test server did not start")
+        yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state, server)
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
+        drain(state.manager, TIMEOUT)
+
+
+def processor_reference(model: Any, processor: Any, content: list[dict[str, Any]], max_new_tokens: int):
+    """`generate()` on what the processor makes of the user turn, the images decoded as the server does."""
+    from PIL import Image
+
+    parts = []
+    for part in content:
+        if part["type"] == "image_url":
+            data = base64.b64decode(part["image_url"]["url"].split(",", 1)[1])
+            parts.append({"type": "image", "image": Image.open(io.BytesIO(data)).convert("RGB")})
+        else:
+            parts.append(part)
+    rendered = processor.apply_chat_template(
+        [{"role": "user", "content": parts}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
+    prompt = rendered["input_ids"][0].tolist()
+    eos = processor.tokenizer.eos_token_id
+    tokens, logprobs = media_reference(
+        model, prompt, {"pixel_values": rendered["pixel_values"], "eos_token_id": eos}, max_new_tokens
+    )
+    return prompt, tokens, logprobs
+
+
+@requires_serve
+def test_the_served_folder_answers_png_and_jpeg_images_as_generate_does(vlm_checkpoint) -> None:
+    """The folder's processor is loaded by the command's state building; PNG and JPEG data URLs are decoded
+    with Pillow and rendered by it: tokens and logprobs equal `generate()` on the processor's outputs."""
+    folder, model, processor = vlm_checkpoint
+    with served_folder(folder) as live:
+        assert type(live.state.processor).__name__ == "LlavaProcessor"
+        client = openai_client(live)
+        for seed, mime, kind in ((0, "image/png", "PNG"), (1, "image/jpeg", "JPEG")):
+            content = [
+                {"type": "text", "text": "what is"},
+                image_part(image_url(png_bytes(seed, kind=kind), mime)),
+                {"type": "text", "text": "?"},
+            ]
+            prompt, tokens, logprobs = processor_reference(model, processor, content, 8)
+            answer = client.chat.completions.create(
+                model=live.state.model_name,
+                messages=[{"role": "user", "content": content}],
+                max_tokens=8,
+                temperature=0,
+                logprobs=True,
+            )
+            assert answer.choices[0].message.content == processor.tokenizer.decode(
+                tokens, skip_special_tokens=True
+            )
+            assert [t.logprob for t in answer.choices[0].logprobs.content] == pytest.approx(
+                logprobs, abs=1e-4
+            )
+            assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(prompt), len(tokens))
+        # Text only on the same server: the tokenizer's template, no media.
+        text = client.chat.completions.create(
+            model=live.state.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert text.usage.completion_tokens >= 1
+
+
+@requires_serve
+def test_a_corrupt_image_is_a_400_naming_the_field_and_the_server_goes_on(vlm_checkpoint) -> None:
+    import httpx
+
+    folder, model, processor = vlm_checkpoint
+    good = [{"type": "text", "text": "and"}, image_part(image_url(png_bytes(2)))]
+    with served_folder(folder) as live:
+        for url, reason in (
+            (image_url(b"\x89PNG\r\n\x1a\n not really a png"), "could not be decoded"),
+            (image_url(png_bytes(2)[:40]), "could not be decoded"),  # truncated
+            ("data:image/png;base64,%%%", "not valid base64"),
+        ):
+            response = httpx.post(
+                live.url + "/v1/chat/completions",
+                json={
+                    "model": live.state.model_name,
+                    "messages": [{"role": "user", "content": [good[0], image_part(url)]}],
+                    "max_tokens": 2,
+                },
+                timeout=TIMEOUT,
+            )
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "messages.0.content.1.image_url.url" and reason in error["message"]
+        assert live.manager.is_running()
+        _, tokens, _ = processor_reference(model, processor, good, 4)
+        answer = openai_client(live).chat.completions.create(
+            model=live.state.model_name,
+            messages=[{"role": "user", "content": good}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert answer.choices[0].message.content == processor.tokenizer.decode(
+            tokens, skip_special_tokens=True
+        )
+
+
+@requires_serve
+@pytest.mark.slow  # the server in a subprocess
+def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
+    """`transformers-cb serve --model folder` itself: the official client's data-URL image is answered as
+    `generate()` answers the processor's outputs."""
+    from tests.serve.test_command import start_server
+
+    folder, model, processor = vlm_checkpoint
+    content = [{"type": "text", "text": "describe"}, image_part(image_url(png_bytes(3)))]
+    _, tokens, _ = processor_reference(model, processor, content, 6)
+    live = start_server(["--model", str(folder), "--served-model-name", "tiny-llava"])
+    try:
+        import openai
+
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        answer = client.chat.completions.create(
+            model="tiny-llava", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
+        )
+        assert answer.choices[0].message.content == processor.tokenizer.decode(
+            tokens, skip_special_tokens=True
+        )
+    finally:
+        assert live.stop() == 0
+
+
+@requires_serve
+def test_responses_input_images_take_the_same_path(vlm_checkpoint) -> None:
+    """`/v1/responses` with `input_image` parts (serve/responses_api.py): the chat path's processor and
+    engine, so the answer equals `generate()` on the processor's outputs; a bad image names its input field."""
+    import httpx
+
+    folder, model, processor = vlm_checkpoint
+    url = image_url(png_bytes(4))
+    chat_content = [{"type": "text", "text": "look:"}, image_part(url)]
+    _, tokens, _ = processor_reference(model, processor, chat_content, 6)
+    content = [
+        {"type": "input_text", "text": "look:"},
+        {"type": "input_image", "image_url": url, "detail": "auto"},
+    ]
+    with served_folder(folder) as live:
+        response = openai_client(live).responses.create(
+            model=live.state.model_name,
+            input=[{"role": "user", "content": content}],
+            max_output_tokens=6,
+            temperature=0,
+        )
+        assert response.output_text == processor.tokenizer.decode(tokens, skip_special_tokens=True)
+        for part, param, reason in (
+            (
+                {"type": "input_image", "image_url": image_url(b"not an image")},
+                "input.0.content.1.image_url",
+                "could not be decoded",
+            ),
+            (
+                {"type": "input_image", "image_url": "https://example.com/cat.png"},
+                "input.0.content.1.image_url",
+                "only data URLs are read",
+            ),
+            (
+                {"type": "input_image", "file_id": "file-123"},
+                "input.0.content.1.image_url",
+                "file_id is not read",
+            ),
+        ):
+            reply = httpx.post(
+                live.url + "/v1/responses",
+                json={
+                    "model": live.state.model_name,
+                    "input": [{"role": "user", "content": [content[0], part]}],
+                },
+                timeout=TIMEOUT,
+            )
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == param and reason in error["message"], error
+        assert live.manager.is_running()

@@ -240,6 +240,10 @@ def _error(client: Any, status: int, **kwargs: Any) -> Any:
         ({"input": [{"role": "user"}]}, "input.0.content"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.image_url",  # not a data URL (images: tests/serve/test_media.py)
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input.0.content",
         ),
         (

@@ -153,6 +153,7 @@ JUDGED_FAMILIES = (
     "smolvlm",
     "internvl",
     "mistral3",
+    "gemma3",
 )
 MROPE_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -169,6 +170,8 @@ def build_family_vlm(family: str) -> PreTrainedModel:
     vision = config.vision_config
     if family in ("llava", "llava_next", "gemma3"):
         vision.image_size, vision.patch_size = 28, 14
+    if family == "gemma3":  # 2x2 patches pooled to 2x2 tokens: 4 placeholders per image
+        config.mm_tokens_per_image = 4
     if family == "llava_next":
         config.image_grid_pinpoints = [[28, 28], [28, 56]]
     if family == "internvl":
@@ -182,6 +185,11 @@ def build_family_vlm(family: str) -> PreTrainedModel:
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
+    if (
+        family == "gemma3"
+    ):  # its projection starts at zeros (every image the same rows): random, so images count
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)
     return model
 
 
@@ -235,15 +243,29 @@ def family_prompt(
         if isinstance(output, torch.Tensor)
         else [item.reshape(-1, item.shape[-1]).shape[0] for item in output]
     )
+    if (
+        family == "gemma3" and isinstance(output, torch.Tensor) and output.dim() == 3
+    ):  # [images, rows, hidden]
+        rows = [output.shape[1]] * output.shape[0]
     token = image_token_of(model)
     middle: list[int] = []
     for count in rows:
         if family in MROPE_FAMILIES:
             config = model.config
             middle += [config.vision_start_token_id, *[token] * count, config.vision_end_token_id]
+        elif family == "gemma3":  # between its begin / end of image tokens: one block per image
+            middle += [model.config.boi_token_index, *[token] * count, model.config.eoi_token_index]
         else:
             middle += [token] * count
     return [*text[:2], *middle, *text[2:]]
+
+
+def family_extras(model: PreTrainedModel, family: str, prompt: list[int]) -> dict[str, torch.Tensor]:
+    """What the family's processor returns beside the prompt and the images: Gemma 3's `token_type_ids`
+    (1 at image placeholders: generate()'s prefill lets each image's run attend both ways)."""
+    if family == "gemma3":
+        return {"token_type_ids": mm_token_type_ids(prompt, image_token_of(model)).long()}
+    return {}
 
 
 def family_reference(
@@ -253,8 +275,97 @@ def family_reference(
     images: dict[str, torch.Tensor],
     max_new_tokens: int,
 ) -> tuple[list[int], list[float]]:
-    """`generate()` on one prompt with the inputs its processor would add (M-RoPE's `mm_token_type_ids`)."""
+    """`generate()` on one prompt with the inputs its processor would add (M-RoPE's `mm_token_type_ids`,
+    Gemma 3's `token_type_ids`)."""
     extra: dict[str, Any] = dict(images)
     if images and family in MROPE_FAMILIES:
         extra["mm_token_type_ids"] = mm_token_type_ids(prompt, image_token_of(model))
+    if images:
+        extra.update(family_extras(model, family, prompt))
     return media_reference(model, prompt, extra, max_new_tokens)
+
+
+# -- a tiny Llava checkpoint with its processor, as a vision-language folder on disk -------------------
+# The byte-level tiny tokenizer plus one `<image>` token; CLIP's image processor at 28x28 (4 patches of 14,
+# the CLS row dropped: 4 placeholders per image), and a chat template that puts `<image>` where an image
+# part is (string contents too, for the text-only path through the tokenizer).
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_llava_checkpoint(folder: Any, seed: int = 0) -> tuple[PreTrainedModel, Any]:
+    """A tiny Llava and its `LlavaProcessor` saved to `folder` (what `transformers-cb serve --model folder`
+    loads); returns both as saved. Needs Pillow (the PIL image processor: torchvision is not required)."""
+    from transformers import CLIPImageProcessor, GenerationConfig, LlavaProcessor
+
+    from transformers_cb.models.tiny import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.split_special_tokens = False  # `<image>` must stay one token for the processor to expand it
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}),
+        tokenizer=tokenizer,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+        image_token="<image>",
+    )
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+        patch_size=14,
+    )  # fmt: skip
+    text = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=len(tokenizer), max_position_embeddings=512,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+    )
+    model = LlavaForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(
+        do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return model, processor
+
+
+# -- audio: a tiny Voxtral (Whisper-style encoder, 4 frames merged per row) --------------------------------
+VOXTRAL_AUDIO_TOKEN = 100
+VOXTRAL_ROWS_PER_CLIP = 4  # 16 mel frames -> 8 encoder positions -> 4 rows of 4 x 32 merged to 64, projected
+
+
+def build_tiny_voxtral(seed: int = 0) -> PreTrainedModel:
+    from transformers import GenerationConfig, VoxtralConfig, VoxtralForConditionalGeneration
+
+    config = VoxtralConfig(
+        audio_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_mel_bins": 16, "max_source_positions": 8,
+        },
+        text_config={
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "vocab_size": 128, "max_position_embeddings": 256, "head_dim": 16,
+        },
+        audio_token_id=VOXTRAL_AUDIO_TOKEN,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = VoxtralForConditionalGeneration(config).eval()
+    model.generation_config = GenerationConfig(bos_token_id=None, pad_token_id=0, eos_token_id=None)
+    return model
+
+
+def voxtral_clips(seed: int, count: int = 1) -> torch.Tensor:
+    """`count` random clips as Voxtral's feature extractor gives them: `input_features` `[count, 16, 16]`
+    (mel bins x frames, padded to the encoder's length)."""
+    return torch.randn(count, 16, 16, generator=torch.Generator().manual_seed(seed))

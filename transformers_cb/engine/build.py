@@ -114,7 +114,7 @@ def wire(
         offload = CpuOffload(policies, plan.host.num_pages, slots)
         swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
     states = _wire_states(plan)
-    media_model = MediaIntake.of(model)
+    media_model = MediaIntake.of(model).on_backend(plan.step_options.attn_implementation)
     if tp is not None and media_model.takes_media and media_model.refusal is None:
         # Rank 0 encodes at admission; the other ranks replay plans, not the encoder's rows.
         media_model = dataclasses.replace(
@@ -183,7 +183,7 @@ def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: Any) -> MediaBud
     rows = max(tokens, kv.cache.nbytes() // row_bytes if row_bytes else 0)
     if all(policy.trims for policy in kv.policies):
         rows = max(rows, plan.shape.max_position_embeddings)
-    return MediaBudget(rows)
+    return MediaBudget(rows, max_chunk=plan.sizing.max_batch_tokens)
 
 
 def build_engine(

@@ -10,6 +10,7 @@ needs lives here, keyed by what the model declares, or is a refusal naming the r
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,13 +33,15 @@ MROPE_TYPE = {"image": 1, "video": 2}
 class MediaIntake:
     """What a composite model takes: `params[modality]` its feature method's keyword arguments,
     `token_ids[modality]` its placeholder token; `rope_index`: the model's `get_rope_index` (3-D
-    positions), None for 1-D positions; `refusal`: why its media cannot run here (None: they can)."""
+    positions), None for 1-D positions; `refusal`: why its media cannot run here (None: they can);
+    `blockwise`: given `token_type_ids`, each run of 1s is a block attending both ways (Gemma 3)."""
 
     model_type: str
     params: dict[str, frozenset[str]] = field(default_factory=dict)
     token_ids: dict[str, int] = field(default_factory=dict)
     rope_index: Callable[..., Any] | None = None
     refusal: str | None = None
+    blockwise: bool = False  # each image block of `token_type_ids` attends both ways (Gemma 3)
 
     @classmethod
     def of(cls, model: PreTrainedModel) -> MediaIntake:
@@ -56,15 +59,25 @@ class MediaIntake:
             params[modality] = frozenset(n for n in names if n not in ("self", "kwargs", "return_dict"))
             token_ids[modality] = token
         refusal = None
-        # A composite forward that takes `token_type_ids` builds a mask letting an image's tokens attend to
-        # each other both ways (Gemma 3, Gemma 3n, PaliGemma: the only ones of transformers 5.23 that do).
+        # A composite forward that takes `token_type_ids` builds its prefill mask from them (Gemma 3, Gemma 3n,
+        # PaliGemma: the only ones of transformers 5.23 that do), at inference too: generate()'s first
+        # forward ORs a blockwise overlay into the causal mask (ANDed with the window on sliding layers).
+        # Gemma 3's blocks are each image's run of placeholders (its module's `get_block_sequence_ids_for_mask`):
+        # exact here (`RequestMedia.blocks`); PaliGemma's block is the whole prompt prefix, Gemma 3n's its own.
+        blockwise = False
         if params and "token_type_ids" in inspect.signature(model.forward).parameters:
-            refusal = (
-                f"{model_type}'s image tokens attend to each other bidirectionally (token_type_ids), which the "
-                "paged attention kernels (causal) cannot express; its text path runs"
-            )
+            module = inspect.getmodule(type(model))
+            blockwise = callable(getattr(module, "get_block_sequence_ids_for_mask", None))
+            if not blockwise:
+                refusal = (
+                    f"{model_type}'s image tokens attend bidirectionally: generate()'s prefill mask, built from "
+                    "token_type_ids, lets the whole prompt prefix (PaliGemma) or the media tokens see each "
+                    "other both ways, which the paged kernels (causal) do not express; its text path runs"
+                )
         rope_index = getattr(base, "get_rope_index", None)
-        return cls(model_type, params, token_ids, rope_index if callable(rope_index) else None, refusal)
+        return cls(
+            model_type, params, token_ids, rope_index if callable(rope_index) else None, refusal, blockwise
+        )
 
     @property
     def takes_media(self) -> bool:
@@ -76,6 +89,17 @@ class MediaIntake:
             or (self.takes_media and name in POSITION_KWARGS)
             or any(name in names for names in self.params.values())
         )
+
+    def on_backend(self, attn_implementation: str) -> MediaIntake:
+        """This intake under the run's paged backend: a flash one (causal varlen) cannot widen a prefill
+        chunk's mask to an image block, so a blockwise model's media are refused there."""
+        if not self.blockwise or self.refusal is not None or "flash" not in attn_implementation:
+            return self
+        reason = (
+            f"{self.model_type}'s image tokens attend to their whole image both ways (token_type_ids), which "
+            f"the paged torch backends express and {attn_implementation} (causal varlen) does not; use paged|sdpa"
+        )
+        return dataclasses.replace(self, refusal=reason)
 
     def refuse_text_only(self, names: Mapping[str, Any]) -> str:
         return (
@@ -142,7 +166,29 @@ class MediaIntake:
                 )
         kept = {m: placeholders[m] for m in inputs}
         positions, delta = self._positions(prompt, inputs, kept, label)
-        return RequestMedia(inputs, kept, media_digest(inputs), positions, delta)
+        blocks = self._blocks(kwargs.get("token_type_ids"), len(prompt), label) if self.blockwise else ()
+        return RequestMedia(inputs, kept, media_digest(inputs), positions, delta, blocks)
+
+    def _blocks(self, token_type_ids: Any, length: int, label: str) -> tuple[tuple[int, int], ...]:
+        """The runs of 1s in `token_type_ids` as `[start, end)` spans, as generate()'s prefill mask reads
+        them (`get_block_sequence_ids_for_mask`); none without them (generate() is then causal too)."""
+        if token_type_ids is None:
+            return ()
+        if not isinstance(token_type_ids, torch.Tensor) or token_type_ids.numel() != length:
+            shape = tuple(token_type_ids.shape) if isinstance(token_type_ids, torch.Tensor) else None
+            raise ValueError(
+                f"{label}: token_type_ids must hold one value per prompt token ({length}), got "
+                f"{shape if shape is not None else type(token_type_ids).__name__}"
+            )
+        flags = [int(t) == 1 for t in token_type_ids.reshape(-1).tolist()]
+        blocks, start = [], None
+        for i, flag in enumerate([*flags, False]):
+            if flag and start is None:
+                start = i
+            elif not flag and start is not None:
+                blocks.append((start, i))
+                start = None
+        return tuple(blocks)
 
     def _positions(
         self,

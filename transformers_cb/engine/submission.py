@@ -91,7 +91,7 @@ class RequestBuilder:
         media_kwargs, sampling_kwargs = media_model.split(sampling_kwargs)
         request.media = media_model.build(prompt, media_kwargs, label)
         if request.media is not None and self.media_budget is not None:
-            reason = self.media_budget.unfittable_reason(request.media.num_rows)
+            reason = self.media_budget.unfittable_reason(request.media.num_rows, request.media.blocks)
             if reason is not None:
                 raise ValueError(f"{label}: {reason}")
         speculation_kwargs, sampling_kwargs = split_speculation_kwargs(sampling_kwargs)

@@ -24,13 +24,17 @@ class RequestMedia:
     """`inputs[modality]`: the keyword arguments of that modality's feature method (`pixel_values`,
     `image_sizes`, `image_grid_thw`, ...); `placeholders[modality]`: the prompt positions its rows fill,
     ascending; `digest`: the content hash of every tensor (prefix keys); `positions`: a model with
-    3-D rotary positions (M-RoPE): the prompt's `[3, L]` positions and the delta generated tokens carry."""
+    3-D rotary positions (M-RoPE): the prompt's `[3, L]` positions and the delta generated tokens carry;
+    `blocks`: prompt spans `[start, end)` whose tokens attend to each other both ways in the prefill
+    (Gemma 3's images, from its `token_type_ids`): runner/packing.py widens their masks, the scheduler
+    never ends a chunk inside one."""
 
     inputs: dict[str, dict[str, torch.Tensor]]
     placeholders: dict[str, list[int]]
     digest: bytes
     positions: torch.Tensor | None = None
     rope_delta: int = 0
+    blocks: tuple[tuple[int, int], ...] = ()
     first: int = field(init=False)
     end: int = field(init=False)
 

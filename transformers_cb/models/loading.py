@@ -1,4 +1,5 @@
-"""Loading the model a command runs: the device, the model and its tokenizer, their special ids.
+"""Loading the model a command runs: the device, the model and its tokenizer (and a vision-language
+checkpoint's processor), their special ids.
 
 Shared by `transformers-cb generate` (cli/main.py) and `transformers-cb serve` (serve/server.py), so
 both load a checkpoint (or the built-in tiny model, models/tiny.py) the same way.
@@ -7,6 +8,8 @@ both load a checkpoint (or the built-in tiny model, models/tiny.py) the same way
 from __future__ import annotations
 
 import argparse
+import logging
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -14,6 +17,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cpu_threads import cpu_threads
 from .tiny import build_tiny_model, build_tiny_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# The files that say a checkpoint folder has a processor (an image processor or feature extractor beside
+# its tokenizer): what `save_pretrained` writes for a processor and for its image processor.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 def resolve_device(device: str | None) -> str:
@@ -63,15 +72,55 @@ def load_model_and_tokenizer(
         tiny = build_tiny_model(seed=seed, attn_implementation=attn_implementation, tokenizer=tokenizer)
         model = cast(torch.nn.Module, tiny).to(dtype=dtype)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path)
-        loaded = AutoModelForCausalLM.from_pretrained(
+        loaded = auto_model_class(path).from_pretrained(
             path, attn_implementation=attn_implementation, dtype=dtype
         )
         model = cast(torch.nn.Module, loaded)
     # Moved and switched to eval mode, it is still the `PreTrainedModel` it was loaded as.
     return cast(PreTrainedModel, model.to(device).eval()), tokenizer
+
+
+def auto_model_class(path: str) -> Any:
+    """The auto class that loads the checkpoint at `path` whole: `AutoModelForCausalLM`, or for a
+    vision-language checkpoint it does not map (Llava, Qwen2-VL, ...) `AutoModelForImageTextToText`, whose
+    class keeps the vision tower and the feature methods the engine encodes images with."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    model_type = getattr(AutoConfig.from_pretrained(path), "model_type", None)
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def load_processor(path: str | None) -> Any | None:
+    """The processor of a local checkpoint folder that has one (`PROCESSOR_FILES`), read offline with
+    `AutoProcessor`; None for a text-only folder, a name, or the built-in model. A processor that cannot be
+    loaded is logged and left out (the server still serves text; images get a 400 saying it has none)."""
+    if (
+        path is None
+        or not Path(path).is_dir()
+        or not any((Path(path) / f).is_file() for f in PROCESSOR_FILES)
+    ):
+        return None
+    from transformers import AutoProcessor, ProcessorMixin
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    except Exception as error:  # noqa: BLE001 - any failure leaves the text path serving
+        logger.warning("%s: the processor could not be loaded, images will be refused: %s", path, error)
+        return None
+    # A folder with only an image processor or feature extractor gives that back: no chat template to render.
+    return processor if isinstance(processor, ProcessorMixin) else None
 
 
 def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:

@@ -120,6 +120,41 @@ def _prompt_positions(
     spans.append((request, first, last - first + 1))
 
 
+def blocks_in(entry: ScheduledRequest) -> list[tuple[int, int]]:
+    """The blocks of `entry`'s media (spans attending both ways, `RequestMedia.blocks`) its chunk holds."""
+    media = entry.request.media
+    if media is None:
+        return []
+    return [(first, last) for first, last in media.blocks if first < entry.end and last > entry.start]
+
+
+def widened_mask(
+    mask: torch.Tensor | None,
+    entry: ScheduledRequest,
+    first_key: int,
+    blocks: list[tuple[int, int]],
+    window: int | None,
+    chunk: int | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """A prefill chunk's mask `[1, 1, Q, K]` (None: causal over its own keys) with each block's queries also
+    seeing the block's later keys, as generate()'s prefill mask has them (causal OR same block, ANDed with
+    the window: a later key is always inside it). Keys run from position `first_key` to the chunk's end;
+    the scheduler never ends a chunk inside a block (`block_cut`), so a block's keys are all there."""
+    q_positions = torch.arange(entry.start, entry.end, device=device)
+    kv_positions = torch.arange(first_key, entry.end, device=device)
+    if mask is None:
+        base = visible_keys(q_positions, kv_positions, window, chunk)
+    else:
+        base = mask.view(entry.num_tokens, -1)
+    block_of = torch.full((entry.end,), -1, dtype=torch.int64, device=device)
+    for index, (first, last) in enumerate(blocks):
+        block_of[first:last] = index
+    q_block, k_block = block_of[q_positions][:, None], block_of[kv_positions][None, :]
+    later_in_block = (kv_positions[None, :] > q_positions[:, None]) & (q_block == k_block) & (q_block >= 0)
+    return (base | later_in_block).view(1, 1, entry.num_tokens, -1)
+
+
 class BatchPacker:
     """Builds `PackedStep`s; owns the persistent block tables (one set per KV group) of running requests.
 
@@ -181,10 +216,13 @@ class BatchPacker:
         num_native_rows = 0
         if self.native:
             # A speculating request's few query tokens (1 + draft) join the native call at any KV length.
-            short = [e for e in prefills if e.draft or e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK]
-            prefills = short + [
-                e for e in prefills if not e.draft and e.num_tokens * e.end > NATIVE_PREFILL_MAX_WORK
+            # A chunk holding a block that attends both ways needs its widened mask: never the native call.
+            short = [
+                e
+                for e in prefills
+                if (e.draft or e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK) and not blocks_in(e)
             ]
+            prefills = short + [e for e in prefills if not any(e is s for s in short)]
             num_native_rows = len(decodes) + len(short)
         ordered = decodes + prefills
         input_ids: list[int] = []
@@ -365,6 +403,10 @@ class BatchPacker:
                     kv_positions = kv_positions[: entry.num_tokens]  # the chunk's own K/V
                 q_positions = torch.arange(entry.start, entry.end, device=self.device)
                 mask = visible_keys(q_positions, kv_positions, window, chunk).view(1, 1, entry.num_tokens, -1)
+            blocks = blocks_in(entry)
+            if blocks:  # tokens of one block attend to each other both ways (Gemma 3's images)
+                first_key = 0 if kv_slots is None or mask is None else entry.end - mask.shape[-1]
+                mask = widened_mask(mask, entry, first_key, blocks, window, chunk, self.device)
             groups.append(PrefillGroup(q_start, q_end, entry.start, kv_slots, mask))
             q_start = q_end
         return groups

@@ -5,11 +5,13 @@ A request with media holds its rows (one per placeholder token) from the step it
 placeholders still to compute until the step that computes the last one, or until it stops running
 (finished, failed, preempted). Admission waits while the store is full; a request whose rows exceed
 the whole store is refused at submission (`MediaBudget.unfittable_reason`). A request that comes back
-(recompute after preemption, a swap-in mid-image) is encoded again.
+(recompute after preemption, a swap-in mid-image) is encoded again. A prefill chunk never ends inside
+a block of tokens attending both ways (`block_cut`: Gemma 3's images).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..requests import Request
@@ -17,10 +19,12 @@ from ..requests import Request
 
 @dataclass
 class MediaBudget:
-    """`capacity`: embedding rows the store may hold at once."""
+    """`capacity`: embedding rows the store may hold at once; `max_chunk`: the most tokens one prefill chunk
+    runs (`max_batch_tokens`), which a block attending both ways must fit whole (`block_cut`)."""
 
     capacity: int
     held: dict[str, int] = field(default_factory=dict)
+    max_chunk: int | None = None
 
     @property
     def used(self) -> int:
@@ -53,10 +57,32 @@ class MediaBudget:
         """`request` stopped running (its rows go with the plan's `released`)."""
         self.held.pop(request.request_id, None)
 
-    def unfittable_reason(self, num_rows: int) -> str | None:
+    def unfittable_reason(self, num_rows: int, blocks: Sequence[tuple[int, int]] = ()) -> str | None:
         if num_rows > self.capacity:
             return (
                 f"its media need {num_rows} embedding rows, more than the store holds ({self.capacity}, "
                 "sized with the KV cache)"
             )
+        longest = max((end - start for start, end in blocks), default=0)
+        if self.max_chunk is not None and longest > self.max_chunk:
+            return (
+                f"an image block of {longest} tokens attends both ways and must run in one prefill chunk, "
+                f"longer than max_batch_tokens ({self.max_chunk})"
+            )
         return None
+
+
+def block_cut(request: Request, num_tokens: int) -> int:
+    """`num_tokens` of `request`'s next chunk, shortened so that the chunk does not end inside one of its
+    media's blocks (tokens attending to each other both ways: they must run in one chunk, their keys all
+    written when their queries attend): cut before the block, or 0 when the chunk starts at (or inside)
+    it and cannot hold the rest of it."""
+    media = request.media
+    if media is None or not media.blocks:
+        return num_tokens
+    start = request.num_computed_tokens
+    end = start + num_tokens
+    for first, last in media.blocks:
+        if first < end < last:
+            return max(0, first - start)
+    return num_tokens

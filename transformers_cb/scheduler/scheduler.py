@@ -26,7 +26,7 @@ from ..sampling.sampled_token import SampledToken
 from .back_off import speculation_of
 from .drafts import append_verified, fit_draft
 from .forks import Forks
-from .media_budget import MediaBudget
+from .media_budget import MediaBudget, block_cut
 from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
@@ -196,8 +196,12 @@ class Scheduler:
     ) -> int | None:
         """A running request's tokens this step (pages allocated), or None when it had to be preempted
         or failed itself. `num_draft` draft tokens run too where pages fit them; nobody is preempted for them."""
-        wanted = self._wanted(request, budget)
-        num_tokens = self.pages.num_fitting_tokens(request, min(wanted + num_draft, budget))
+        wanted = block_cut(request, self._wanted(request, budget))
+        if wanted == 0:  # the next image block does not fit this step's budget: it waits for a later step
+            return None
+        num_tokens = block_cut(
+            request, self.pages.num_fitting_tokens(request, min(wanted + num_draft, budget))
+        )
         if num_tokens > 0:
             self._allocate(request, num_tokens)
             return num_tokens
@@ -219,7 +223,7 @@ class Scheduler:
         hit = looks_up and self._attach_prefix(request)
         if looks_up and self._waits_for_pages(request, hit):
             return None
-        num_tokens = self.pages.num_fitting_tokens(request, self._wanted(request, budget))
+        num_tokens = block_cut(request, self.pages.num_fitting_tokens(request, self._wanted(request, budget)))
         # A swapped-in request holds its pages (and slot) again: it is admitted (at least one token fits).
         # Without a free state slot nothing fits (`PageManager.num_fitting_tokens`).
         # A request with placeholders still to compute waits for room in the embedding store; one swapped
@@ -230,7 +234,9 @@ class Scheduler:
             gate.close()
             if hit:  # waiting requests hold no pages: the hit goes back to the cache
                 self.pages.detach_prefix(request)
-                num_tokens = self.pages.num_fitting_tokens(request, self._wanted(request, budget))
+                num_tokens = block_cut(
+                    request, self.pages.num_fitting_tokens(request, self._wanted(request, budget))
+                )
             if not self.running and num_tokens == 0:
                 self._fail_unfittable(request, plan)
                 gate.open()  # it blocked nobody: the next waiting request may start
@@ -242,7 +248,8 @@ class Scheduler:
         if self.media is not None and self.media.needs(request):
             self.media.hold(request)
             plan.encode.append(request)
-        return num_tokens
+        # A request swapped back in before an image block this step's budget cannot hold runs in a later step.
+        return num_tokens if num_tokens > 0 else None
 
     def _media_fits(self, request: Request) -> bool:
         return self.media is None or not self.media.needs(request) or self.media.fits(request)

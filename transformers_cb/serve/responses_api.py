@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`) as a chat turn: the request becomes a chat request, the answer
 becomes output items.
 
-A request's `instructions` (a system message) and `input` items (messages, `function_call`,
+A request's `instructions` (a system message) and `input` items (messages, with `input_image` data URLs as
+chat's `image_url` parts (serve/media.py); `function_call`,
 `function_call_output`, `reasoning`) are translated into chat messages, and its `tools`
 (`{"type": "function", "name", "parameters"}`), `tool_choice`, `reasoning` (its `effort`), `text` (its
 `format`) and sampling fields into the chat request's: the prompt, tool calling and reasoning are the chat path's (serve/app.py,
@@ -24,6 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from .choices import ChoiceEvent
+from .media import decode_data_url, load_image
 from .protocol import ApiError, ChatCompletionRequest, _Body, _Part
 from .tools import ToolCall
 
@@ -164,10 +166,20 @@ class ContentPart(_Part):
     text: str
 
 
+class ImageInputPart(_Part):
+    """An `input_image` part: its `image_url` a data URL (serve/media.py reads no other); `file_id` (the
+    Files API) is refused by name."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None  # accepted, not used: the model's processor decides the resolution
+
+
 class MessageItem(_Part):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+    content: str | list[ContentPart | ImageInputPart]
 
 
 class FunctionCallItem(_Part):
@@ -202,8 +214,31 @@ ITEM_MODELS: dict[str, type[BaseModel]] = {
 }
 
 
-def _text(content: str | list[ContentPart]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+def _text(content: str | list[ContentPart] | list[ContentPart | ImageInputPart]) -> str:
+    return content if isinstance(content, str) else "".join(getattr(part, "text", "") for part in content)
+
+
+def _message_content(index: int, item: MessageItem) -> str | list[dict[str, Any]]:
+    """A message's chat content: its text, or with images chat's content parts (`text`, `image_url`), each
+    image checked here so that a bad one is a 400 naming its input field (`input.0.content.1.image_url`)."""
+    if isinstance(item.content, str) or not any(isinstance(p, ImageInputPart) for p in item.content):
+        return _text(item.content)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(item.content):
+        where = f"input.{index}.content.{j}"
+        if not isinstance(part, ImageInputPart):
+            parts.append({"type": "text", "text": part.text})
+            continue
+        if part.image_url is None:
+            raise ApiError(
+                400,
+                f"{where}.image_url: give the image as a data URL (file_id is not read)",
+                param=f"{where}.image_url",
+            )
+        _, data = decode_data_url(part.image_url, f"{where}.image_url")
+        load_image(data, f"{where}.image_url")
+        parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+    return parts
 
 
 def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
@@ -219,7 +254,7 @@ def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or item.summary)
         elif isinstance(item, MessageItem):
-            message: dict[str, Any] = {"role": item.role, "content": _text(item.content)}
+            message: dict[str, Any] = {"role": item.role, "content": _message_content(i, item)}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)

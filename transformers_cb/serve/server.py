@@ -192,18 +192,22 @@ def start_serving_manager(
 
 
 def build_state(args: argparse.Namespace) -> Any:
-    """Load the model and tokenizer, start the manager, and return the app's `ServeState`."""
+    """Load the model, its tokenizer and (a vision-language folder's) processor, start the manager, and
+    return the app's `ServeState`."""
     import transformers_cb
 
     from ..manager.adaptive_threads import AdaptiveThreads
     from ..models.cpu_threads import adapts, available_cores
-    from ..models.loading import load_assistant_for_command, load_for_command, resolve_device
+    from ..models.loading import load_assistant_for_command, load_for_command, load_processor, resolve_device
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)
+    processor = load_processor(args.model)  # chat messages with images render through it (serve/media.py)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        if processor is not None:
+            processor.chat_template = tokenizer.chat_template
     assistant = load_assistant_for_command(args)
     adaptive = None
     if getattr(args, "adaptive_threads", False) and adapts(args.threads, resolve_device(args.device)):
@@ -222,6 +226,7 @@ def build_state(args: argparse.Namespace) -> Any:
         logprobs=not args.no_logprobs,
         has_assistant=assistant is not None,
         reasoning=args.reasoning,
+        processor=processor,
     )
 
 
