@@ -65,9 +65,11 @@ from .state_probe import StateLayout, probe_states, state_problems
 # Recurrent models whose state is kept neither through transformers' linear-attention cache API nor by a
 # model-owned recurrence the state slots carry (runner/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
 OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
-# Config flags of ALiBi (a per-head linear bias added to the attention logits, which the paged kernels
-# do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
+# Config flags of ALiBi (a per-head linear bias added to the attention logits): Falcon's `alibi`, MPT's
+# `attn_config.alibi`, BERT-style `position_embedding_type`. The kernels add it for the families whose
+# adapter passes their slopes (attention/classic.py: Bloom, whose config has no flag, and MPT).
 ALIBI_FLAGS = ("alibi", "use_alibi")
+ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 
 
 @dataclass(frozen=True)
@@ -164,7 +166,7 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
     # Why: an ALiBi bias is added to the logits inside the model's own attention; the paged kernels
     # compute softmax(QK^T) without it.
     attn_config = getattr(text_config, "attn_config", None)
-    if (
+    if getattr(text_config, "model_type", None) not in ALIBI_MODEL_TYPES and (
         any(getattr(text_config, flag, False) is True for flag in ALIBI_FLAGS)
         or getattr(attn_config, "alibi", False) is True
         or getattr(text_config, "position_embedding_type", None) == "alibi"

@@ -1,0 +1,175 @@
+"""The classic families' attention through the paged cache: one adapter, a small table per family.
+
+Bloom, MPT, GPT-J, CodeGen, GPT-Neo (and Falcon) compute attention inside their attention module (their own
+`_attn`, a cache they `update` through `layer_past`) instead of calling transformers' attention interface,
+so a paged backend never sees their K/V. For the run (`classic_attention`, entered with the paged backend
+and by the support check's probe) each such module gets an instance `forward` that runs the module's own
+projections (and rotary, when the family has one) from the family's table, hands query/key/value
+`[1, H, T, D]` to the attention function it is given (a paged forward, or the probe's recorder) with the
+layer's scaling, window and ALiBi slopes (`alibi_slopes`: the kernels add the bias, attention/alibi.py),
+and finishes as the module does (output projection, Bloom's residual add). Nothing of the attention math
+is copied per family: only where the family keeps its projections and how it shapes its heads.
+
+Model-level code that reads what the paged step no longer has is patched too, for the run only (Bloom
+builds its ALiBi tensor from a 2D padding mask; the step passes a 4D no-mask): `ClassicFamily.owner_patches`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .alibi import bloom_slopes, mpt_slopes
+
+# (query, key, value) `[1, H, T, D]` from the module, the hidden states and the call's kwargs.
+Project = Callable[[Any, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+# The module's return value from the attention output `[1, T, H * D]`, the call's args and kwargs.
+Finish = Callable[[Any, torch.Tensor, tuple, dict], Any]
+
+
+@dataclass(frozen=True)
+class ClassicFamily:
+    """How one family's attention module runs through the paged attention."""
+
+    module_class: str  # the attention module's class name
+    project: Project
+    finish: Finish
+    scaling: Callable[[Any], float]
+    # The layer's ALiBi slopes `[H]` from the module and the model's (text) config; None: no ALiBi.
+    slopes: Callable[[Any, Any], torch.Tensor] | None = None
+    window: Callable[[Any], int | None] = lambda module: None  # the layer's sliding window
+    # (owner class name, attribute, replacement) set on each instance of the owner for the run.
+    owner_patches: tuple[tuple[str, str, Callable[..., Any]], ...] = field(default_factory=tuple)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[B, T, H * D]` as `[B, H, T, D]`."""
+    return x.view(*x.shape[:2], heads, -1).transpose(1, 2)
+
+
+# -- Bloom: fused query_key_value laid out [H, 3, D], ALiBi, the residual added in the module ----------------
+def _bloom_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    fused = module.query_key_value(hidden).view(*hidden.shape[:2], module.num_heads, 3, module.head_dim)
+    return tuple(fused[..., i, :].transpose(1, 2) for i in range(3))
+
+
+def _bloom_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    residual = args[1] if len(args) > 1 else kwargs["residual"]
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        slices = module.hidden_size // module.pretraining_tp
+        output = torch.zeros_like(out)
+        for i in range(module.pretraining_tp):
+            output = output + torch.nn.functional.linear(
+                out[:, :, i * slices : (i + 1) * slices],
+                module.dense.weight[:, i * slices : (i + 1) * slices],
+            )
+        output = output + module.dense.bias
+    else:
+        output = module.dense(out)
+    dropped = torch.nn.functional.dropout(output, p=module.hidden_dropout, training=module.training)
+    return residual + dropped, None
+
+
+def _no_alibi_tensor(attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bloom's model-level ALiBi tensor, unused by the adapted layers (the kernels add the bias)."""
+    return torch.zeros(1, dtype=dtype, device=attention_mask.device)
+
+
+BLOOM = ClassicFamily(
+    module_class="BloomAttention",
+    project=_bloom_project,
+    finish=_bloom_finish,
+    scaling=lambda module: module.inv_norm_factor,
+    slopes=lambda module, config: bloom_slopes(module.num_heads),
+    owner_patches=(("BloomModel", "build_alibi_tensor", _no_alibi_tensor),),
+)
+
+
+# -- MPT: fused Wqkv laid out [3, H, D], its clip_qkv, ALiBi with its own slopes ------------------------------
+def _mpt_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    mixed = module.Wqkv(hidden)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    return tuple(_heads(x, module.n_heads) for x in mixed.chunk(3, dim=2))
+
+
+def _mpt_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.out_proj(out), None
+
+
+def _mpt_slopes(module: Any, config: Any) -> torch.Tensor:
+    return mpt_slopes(module.n_heads, getattr(config.attn_config, "alibi_bias_max", 8))
+
+
+MPT = ClassicFamily(
+    module_class="MptAttention",
+    project=_mpt_project,
+    finish=_mpt_finish,
+    scaling=lambda module: module.softmax_scale,
+    slopes=_mpt_slopes,
+)
+
+FAMILIES = {family.module_class: family for family in (BLOOM, MPT)}
+
+
+def classic_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ClassicFamily]]:
+    """The model's attention modules that an adapter of this table runs, with their family."""
+    return [
+        (module, FAMILIES[type(module).__name__])
+        for module in model.modules()
+        if type(module).__name__ in FAMILIES
+    ]
+
+
+def has_classic_attention(model: torch.nn.Module) -> bool:
+    """Whether some attention module of `model` runs through a classic family's adapter."""
+    return bool(classic_modules(model))
+
+
+def _adapted_forward(
+    module: Any, family: ClassicFamily, config: Any, attention: Callable[..., Any]
+) -> Callable[..., Any]:
+    device = next(module.parameters()).device
+    slopes = None if family.slopes is None else family.slopes(module, config).to(device)
+    scaling = family.scaling(module)
+    window = family.window(module)
+    extra: dict[str, Any] = {} if slopes is None else {"alibi_slopes": slopes}
+    if window is not None:
+        extra["sliding_window"] = window
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        query, key, value = family.project(module, hidden, kwargs)
+        out, _ = attention(module, query, key, value, None, scaling=scaling, dropout=0.0, **extra)
+        return family.finish(module, out.reshape(*out.shape[:2], -1), args, kwargs)
+
+    return forward
+
+
+@contextmanager
+def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> Iterator[None]:
+    """Inside: each classic family's attention module of `model` attends through `attention` (an
+    `AttentionInterface` function), and its owners' patches are set; all removed on exit. A module already
+    adapted (a nested entry) is left to the outer one."""
+    installed: list[tuple[Any, str]] = []
+    config = model.config.get_text_config()  # type: ignore[operator]
+    adapted = classic_modules(model)
+    patches = {patch for _, family in adapted for patch in family.owner_patches}
+    try:
+        for module, family in adapted:
+            if "forward" not in module.__dict__:
+                module.forward = _adapted_forward(module, family, config, attention)
+                installed.append((module, "forward"))
+        for owner in model.modules():
+            for owner_class, attribute, replacement in patches:
+                if type(owner).__name__ == owner_class and attribute not in owner.__dict__:
+                    setattr(owner, attribute, replacement)
+                    installed.append((owner, attribute))
+        yield
+    finally:
+        for owner, attribute in reversed(installed):
+            owner.__dict__.pop(attribute, None)
