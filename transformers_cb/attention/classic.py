@@ -16,6 +16,7 @@ builds its ALiBi tensor from a 2D padding mask; the step passes a 4D no-mask): `
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -113,7 +114,90 @@ MPT = ClassicFamily(
     slopes=_mpt_slopes,
 )
 
-FAMILIES = {family.module_class: family for family in (BLOOM, MPT)}
+
+# -- GPT-J, CodeGen: rotary on the first `rotary_dim` of each head, interleaved pairs, from sin/cos tables -----
+def _every_two_rotary(
+    module: Any, heads: tuple[torch.Tensor, ...], kwargs: dict, cast: bool
+) -> tuple[torch.Tensor, ...]:
+    """GPT-J's rotary through the module's own `apply_rotary_pos_emb` (its modeling module's), on query and
+    key `[B, T, H, D]`; returns query, key, value as `[B, H, T, D]`."""
+    query, key, value = heads
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    position_ids = kwargs["position_ids"]
+    sincos = module.embed_positions.to(position_ids.device)[position_ids]
+    if cast:  # GPT-J casts the table to the key's dtype, CodeGen keeps it in float32
+        sincos = sincos.to(key.dtype)
+    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    dim = module.rotary_dim
+    if dim is not None:
+        key = torch.cat([rotate(key[..., :dim], sin, cos), key[..., dim:]], dim=-1)
+        query = torch.cat([rotate(query[..., :dim], sin, cos), query[..., dim:]], dim=-1)
+    else:
+        key, query = rotate(key, sin, cos), rotate(query, sin, cos)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _gptj_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    heads, dim = module.num_attention_heads, module.head_dim
+    projected = (module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden))
+    return _every_two_rotary(module, tuple(x.view(*x.shape[:2], heads, dim) for x in projected), kwargs, True)
+
+
+def _codegen_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    # Its fused qkv_proj is laid out for 4 model-parallel shards of (query, value, key) each.
+    shards = 4
+    qkv = module.qkv_proj(hidden)
+    split = qkv.reshape(qkv.shape[:-1] + (shards, -1))
+    local = module.head_dim * module.num_attention_heads // shards
+    query, value, key = torch.split(split, local, dim=-1)
+    heads = tuple(
+        module._split_heads(x, module.num_attention_heads, module.head_dim, mp_num=shards)
+        for x in (query, key, value)
+    )
+    query, key, value = _every_two_rotary(module, heads, kwargs, False)
+    return query, key.to(hidden.dtype), value
+
+
+def _out_proj_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.resid_dropout(module.out_proj(out)), None
+
+
+GPTJ = ClassicFamily(
+    module_class="GPTJAttention",
+    project=_gptj_project,
+    finish=_out_proj_finish,
+    scaling=lambda module: 1.0 / module.scale_attn,
+)
+CODEGEN = ClassicFamily(
+    module_class="CodeGenAttention",
+    project=_codegen_project,
+    finish=_out_proj_finish,
+    scaling=lambda module: 1.0 / module.scale_attn,
+)
+
+
+# -- Falcon (rotary; its ALiBi variant is refused by the support check): fused query_key_value in one of three
+# layouts (multi-query, grouped new decoder architecture, plain), its own `_split_heads` reads them ---------
+def _falcon_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    query, key, value = (x.transpose(1, 2) for x in module._split_heads(module.query_key_value(hidden)))
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    cos, sin = kwargs["position_embeddings"]
+    query, key = rotate(query, key, cos, sin)
+    return query, key, value
+
+
+def _dense_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.dense(out), None
+
+
+FALCON = ClassicFamily(
+    module_class="FalconAttention",
+    project=_falcon_project,
+    finish=_dense_finish,
+    scaling=lambda module: module.inv_norm_factor,
+)
+
+FAMILIES = {family.module_class: family for family in (BLOOM, MPT, GPTJ, CODEGEN, FALCON)}
 
 
 def classic_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ClassicFamily]]:
