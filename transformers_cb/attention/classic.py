@@ -16,6 +16,7 @@ builds its ALiBi tensor from a 2D padding mask; the step passes a 4D no-mask): `
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +37,9 @@ Finish = Callable[[Any, torch.Tensor, tuple, dict], Any]
 class ClassicFamily:
     """How one family's attention module runs through the paged attention."""
 
-    module_class: str  # the attention module's class name
+    module_class: (
+        str  # the attention module's class as `modeling_<family>.<Class>` (OpenAI-GPT's is `Attention`)
+    )
     project: Project
     finish: Finish
     scaling: Callable[[Any], float]
@@ -81,7 +84,7 @@ def _no_alibi_tensor(attention_mask: torch.Tensor, num_heads: int, dtype: torch.
 
 
 BLOOM = ClassicFamily(
-    module_class="BloomAttention",
+    module_class="modeling_bloom.BloomAttention",
     project=_bloom_project,
     finish=_bloom_finish,
     scaling=lambda module: module.inv_norm_factor,
@@ -107,7 +110,7 @@ def _mpt_slopes(module: Any, config: Any) -> torch.Tensor:
 
 
 MPT = ClassicFamily(
-    module_class="MptAttention",
+    module_class="modeling_mpt.MptAttention",
     project=_mpt_project,
     finish=_mpt_finish,
     scaling=lambda module: module.softmax_scale,
@@ -163,13 +166,13 @@ def _out_proj_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) 
 
 
 GPTJ = ClassicFamily(
-    module_class="GPTJAttention",
+    module_class="modeling_gptj.GPTJAttention",
     project=_gptj_project,
     finish=_out_proj_finish,
     scaling=lambda module: 1.0 / module.scale_attn,
 )
 CODEGEN = ClassicFamily(
-    module_class="CodeGenAttention",
+    module_class="modeling_codegen.CodeGenAttention",
     project=_codegen_project,
     finish=_out_proj_finish,
     scaling=lambda module: 1.0 / module.scale_attn,
@@ -191,21 +194,92 @@ def _dense_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> 
 
 
 FALCON = ClassicFamily(
-    module_class="FalconAttention",
+    module_class="modeling_falcon.FalconAttention",
     project=_falcon_project,
     finish=_dense_finish,
     scaling=lambda module: module.inv_norm_factor,
 )
 
-FAMILIES = {family.module_class: family for family in (BLOOM, MPT, GPTJ, CODEGEN, FALCON)}
+
+# -- XGLM: separate projections, the query scaled before the product ---------------------------------------
+def _xglm_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    query = module.q_proj(hidden) * module.scaling
+    return tuple(_heads(x, module.num_heads) for x in (query, module.k_proj(hidden), module.v_proj(hidden)))
+
+
+def _out_proj_only(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.out_proj(out), None
+
+
+XGLM = ClassicFamily(
+    module_class="modeling_xglm.XGLMAttention",
+    project=_xglm_project,
+    finish=_out_proj_only,
+    scaling=lambda module: 1.0,
+)
+
+
+# -- OpenAI-GPT: a fused Conv1D c_attn, scaled by 1/sqrt(D) only when the block asks (`scale`) ------------------
+def _openai_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    return tuple(_heads(x, module.n_head) for x in module.c_attn(hidden).split(module.split_size, dim=2))
+
+
+def _openai_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return [module.resid_dropout(module.c_proj(out))]
+
+
+OPENAI_GPT = ClassicFamily(
+    module_class="modeling_openai.Attention",
+    project=_openai_project,
+    finish=_openai_finish,
+    scaling=lambda module: 1.0 / math.sqrt(module.split_size // module.n_head) if module.scale else 1.0,
+)
+
+
+# -- GPT-NeoX-Japanese: fused qkv laid out [H, 3, D], rotary on the first rotary_ndims, a bias handed back ----
+def _neox_japanese_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    size = module.head_size
+    qkv = module.query_key_value(hidden).view(*hidden.shape[:2], module.num_attention_heads, 3 * size)
+    query, key, value = (qkv[..., i * size : (i + 1) * size].transpose(1, 2) for i in range(3))
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    cos, sin = kwargs["position_embeddings"]
+    dim = module.rotary_ndims
+    query_rot, key_rot = rotate(query[..., :dim], key[..., :dim], cos, sin)
+    return (
+        torch.cat((query_rot, query[..., dim:]), dim=-1),
+        torch.cat((key_rot, key[..., dim:]), dim=-1),
+        value,
+    )
+
+
+def _neox_japanese_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.dense(out), None, module.dense_bias
+
+
+GPT_NEOX_JAPANESE = ClassicFamily(
+    module_class="modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention",
+    project=_neox_japanese_project,
+    finish=_neox_japanese_finish,
+    scaling=lambda module: 1.0 / module.norm_factor,
+)
+
+FAMILIES = {
+    family.module_class: family
+    for family in (BLOOM, MPT, GPTJ, CODEGEN, FALCON, XGLM, OPENAI_GPT, GPT_NEOX_JAPANESE)
+}
+
+
+def _family_key(module: torch.nn.Module) -> str:
+    """`modeling_<family>.<Class>` of a module (the table's key: a class name alone is ambiguous)."""
+    return f"{type(module).__module__.rsplit('.', 1)[-1]}.{type(module).__qualname__}"
 
 
 def classic_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ClassicFamily]]:
     """The model's attention modules that an adapter of this table runs, with their family."""
     return [
-        (module, FAMILIES[type(module).__name__])
+        (module, FAMILIES[_family_key(module)])
         for module in model.modules()
-        if type(module).__name__ in FAMILIES
+        if _family_key(module) in FAMILIES
     ]
 
 
@@ -244,7 +318,12 @@ def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> 
     adapted = classic_modules(model)
     patches = {patch for _, family in adapted for patch in family.owner_patches}
     try:
-        for module, family in adapted:
+        for index, (module, family) in enumerate(adapted):
+            if getattr(module, "layer_idx", None) is None:
+                # OpenAI-GPT's modules have no index (GPT-Neo's call it `layer_id`): the paged forward reads
+                # `layer_idx`, and the adapted modules come in layer order.
+                module.layer_idx = getattr(module, "layer_id", index)
+                installed.append((module, "layer_idx"))
             if "forward" not in module.__dict__:
                 module.forward = _adapted_forward(module, family, config, attention)
                 installed.append((module, "forward"))
