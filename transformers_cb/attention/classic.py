@@ -45,7 +45,7 @@ class ClassicFamily:
     scaling: Callable[[Any], float]
     # The layer's ALiBi slopes `[H]` from the module and the model's (text) config; None: no ALiBi.
     slopes: Callable[[Any, Any], torch.Tensor] | None = None
-    window: Callable[[Any], int | None] = lambda module: None  # the layer's sliding window
+    window: Callable[[Any, Any], int | None] = lambda module, config: None  # the layer's sliding window
     # (owner class name, attribute, replacement) set on each instance of the owner for the run.
     owner_patches: tuple[tuple[str, str, Callable[..., Any]], ...] = field(default_factory=tuple)
 
@@ -263,9 +263,26 @@ GPT_NEOX_JAPANESE = ClassicFamily(
     scaling=lambda module: 1.0 / module.norm_factor,
 )
 
+
+# -- GPT-Neo: separate projections, no scaling at all, "local" layers a sliding window of `window_size` ---------
+def _gpt_neo_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        _heads(x, module.num_heads)
+        for x in (module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden))
+    )
+
+
+GPT_NEO = ClassicFamily(
+    module_class="modeling_gpt_neo.GPTNeoSelfAttention",
+    project=_gpt_neo_project,
+    finish=_out_proj_finish,
+    scaling=lambda module: 1.0,
+    window=lambda module, config: config.window_size if module.attention_type == "local" else None,
+)
+
 FAMILIES = {
     family.module_class: family
-    for family in (BLOOM, MPT, GPTJ, CODEGEN, FALCON, XGLM, OPENAI_GPT, GPT_NEOX_JAPANESE)
+    for family in (BLOOM, MPT, GPTJ, CODEGEN, FALCON, XGLM, OPENAI_GPT, GPT_NEOX_JAPANESE, GPT_NEO)
 }
 
 
@@ -294,7 +311,7 @@ def _adapted_forward(
     device = next(module.parameters()).device
     slopes = None if family.slopes is None else family.slopes(module, config).to(device)
     scaling = family.scaling(module)
-    window = family.window(module)
+    window = family.window(module, config)
     extra: dict[str, Any] = {} if slopes is None else {"alibi_slopes": slopes}
     if window is not None:
         extra["sliding_window"] = window
