@@ -132,7 +132,12 @@ def test_classic_parity_under_eviction(subject) -> None:
     num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, 4)
     with integrity_checked():
         outputs, preemptions = run_batch(
-            model, prompts, greedy_config(MAX_NEW_TOKENS), page_size=4, max_batch_tokens=16, num_blocks=num_blocks
+            model,
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=4,
+            max_batch_tokens=16,
+            num_blocks=num_blocks,
         )
     assert preemptions, f"{name}: no request was evicted; the test does not exercise eviction"
     check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{name} under eviction")
