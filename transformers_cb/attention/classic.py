@@ -21,14 +21,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .alibi import bloom_slopes, mpt_slopes
 
 # (query, key, value) `[1, H, T, D]` from the module, the hidden states and the call's kwargs.
-Project = Callable[[Any, torch.Tensor, dict], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+Project = Callable[[Any, torch.Tensor, dict], tuple[torch.Tensor, ...]]
 # The module's return value from the attention output `[1, T, H * D]`, the call's args and kwargs.
 Finish = Callable[[Any, torch.Tensor, tuple, dict], Any]
 
@@ -331,11 +331,12 @@ def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> 
     `AttentionInterface` function), and its owners' patches are set; all removed on exit. A module already
     adapted (a nested entry) is left to the outer one."""
     installed: list[tuple[Any, str]] = []
-    config = model.config.get_text_config()  # type: ignore[operator]
+    config = cast(Any, model).config.get_text_config()
     adapted = classic_modules(model)
     patches = {patch for _, family in adapted for patch in family.owner_patches}
     try:
-        for index, (module, family) in enumerate(adapted):
+        for index, (layer, family) in enumerate(adapted):
+            module = cast(Any, layer)
             if getattr(module, "layer_idx", None) is None:
                 # OpenAI-GPT's modules have no index (GPT-Neo's call it `layer_id`): the paged forward reads
                 # `layer_idx`, and the adapted modules come in layer order.
