@@ -37,10 +37,20 @@ def refusal(model_or_config) -> str:
 
 # rule -> (builder, model type named, words naming the missing capability)
 MODEL_RULES = {
-    # Attention computed inside the class (ALiBi here), never through the attention interface.
+    # Attention computed inside the class (a relative position bias here) by a family with no adapter in
+    # attention/classic.py, never through the attention interface.
     "outside the attention interface": (
-        lambda: tiny("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4),
-        "bloom",
+        lambda: tiny(
+            "cpmant",
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            dim_head=8,
+            dim_ff=64,
+            prompt_length=4,
+        ),
+        "cpmant",
         "`_supports_attention_backend` is False",
     ),
     # Attention run in another thread: the step's metadata (kwarg dropped, context variable per thread)
