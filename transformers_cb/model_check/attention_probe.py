@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention.classic import classic_attention
+from ..attention.classic import classic_attention, has_classic_attention
 from ..attention.eager import eager_attend
 from ..attention.paged import ALIBI_KWARG, METADATA_KWARG, step_metadata
 from ..kv.layer_groups import ObservedLayers
@@ -183,13 +183,16 @@ def _probing(model: PreTrainedModel):
     """The model on the recording attention, in eval mode (dropout would make A and B differ)."""
     _register()
     saved_impl, was_training = model.config._attn_implementation, model.training
-    model.set_attn_implementation(PROBE_NAME)
+    switch = not has_classic_attention(model)  # their classes cannot switch (attention/classic.py)
+    if switch:
+        model.set_attn_implementation(PROBE_NAME)
     model.eval()
     try:
         with classic_attention(model, _recording_attention):  # the classic families, as the run adapts them
             yield
     finally:
-        model.set_attn_implementation(saved_impl if saved_impl is not None else "sdpa")
+        if switch:
+            model.set_attn_implementation(saved_impl if saved_impl is not None else "sdpa")
         model.train(was_training)
 
 
