@@ -201,8 +201,14 @@ FALCON = ClassicFamily(
 )
 
 
-# -- XGLM: separate projections, the query scaled before the product ---------------------------------------
+# -- XGLM, TrOCR, MVP (BART-style decoders): separate projections, the query scaled before the product -----
 def _xglm_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    if kwargs.get("key_value_states") is not None:
+        raise NotImplementedError("cross-attention needs the encoder's states, not a paged cache")
+    if kwargs.get("attn_prompt") is not None:
+        raise NotImplementedError(
+            "MVP's attention prompts (use_prompt) prepend keys and values of their own to every layer's cache"
+        )
     query = module.q_proj(hidden) * module.scaling
     return tuple(_heads(x, module.num_heads) for x in (query, module.k_proj(hidden), module.v_proj(hidden)))
 
@@ -280,9 +286,34 @@ GPT_NEO = ClassicFamily(
     window=lambda module, config: config.window_size if module.attention_type == "local" else None,
 )
 
+TROCR = ClassicFamily(
+    module_class="modeling_trocr.TrOCRAttention",
+    project=_xglm_project,
+    finish=_out_proj_only,
+    scaling=lambda module: 1.0,
+)
+MVP = ClassicFamily(
+    module_class="modeling_mvp.MvpAttention",
+    project=_xglm_project,
+    finish=_out_proj_only,
+    scaling=lambda module: 1.0,
+)
+
 FAMILIES = {
     family.module_class: family
-    for family in (BLOOM, MPT, GPTJ, CODEGEN, FALCON, XGLM, OPENAI_GPT, GPT_NEOX_JAPANESE, GPT_NEO)
+    for family in (
+        BLOOM,
+        MPT,
+        GPTJ,
+        CODEGEN,
+        FALCON,
+        XGLM,
+        OPENAI_GPT,
+        GPT_NEOX_JAPANESE,
+        GPT_NEO,
+        TROCR,
+        MVP,
+    )
 }
 
 

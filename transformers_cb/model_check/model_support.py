@@ -122,6 +122,32 @@ def check_model_supported(model: PreTrainedModel | Any) -> None:
 
 def _no_interface_reason(model: PreTrainedModel) -> str:
     """Why a model's attention never reached the attention interface, as far as its class says."""
+    encoder_modules = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if "Attention" in type(m).__name__ and m.__dict__.get("is_decoder") is False
+        }
+    )
+    if encoder_modules:
+        # BERT-style self-attention: causal only when built as a decoder (`is_decoder`), otherwise every token
+        # attends to every other, which no paged cache of earlier tokens reproduces.
+        return (
+            f"its attention is bidirectional ({', '.join(encoder_modules)} built with is_decoder=False), not "
+            "causal generation"
+        )
+    text = model.config.get_text_config()
+    # XLM's `causal`, XLNet's `attn_type`: flags of masked-language-model attention (every token sees all).
+    for flag, bidirectional in (("causal", False), ("attn_type", "bi")):
+        if flag in text.to_dict() and getattr(text, flag) == bidirectional:
+            return f"its attention is bidirectional ({flag}={bidirectional!r}), not causal generation"
+    for buckets in ("relative_attention_num_buckets", "position_bias_num_buckets"):
+        if getattr(text, buckets, None):
+            # CPM-Ant: a bias looked up per head and (query, key) distance bucket, not a linear one like ALiBi.
+            return (
+                f"it adds a learned relative-position bias ({buckets}={getattr(text, buckets)}) to its attention "
+                "logits, which the paged kernels do not add"
+            )
     if not getattr(type(model), "_supports_attention_backend", False):
         # transformers sets the flag on classes whose attention modules call `ALL_ATTENTION_FUNCTIONS`; the
         # others compute attention themselves (ALiBi, learned or interleaved-rotary variants, their own KV).
