@@ -1,7 +1,9 @@
 """The classic families' attention through the paged cache: one adapter, a small table per family.
 
-Bloom, MPT, GPT-J, CodeGen, GPT-Neo (and Falcon) compute attention inside their attention module (their own
-`_attn`, a cache they `update` through `layer_past`) instead of calling transformers' attention interface,
+Bloom, MPT, Falcon, GPT-J, CodeGen, GPT-Neo, GPT-NeoX-Japanese, XGLM and OpenAI-GPT (and the BART-style
+decoders of TrOCR and MVP, which the support check then refuses by their own position numbering) compute
+attention inside their attention module (their own `_attn`, a cache they `update` through `layer_past`)
+instead of calling transformers' attention interface,
 so a paged backend never sees their K/V. For the run (`classic_attention`, entered with the paged backend
 and by the support check's probe) each such module gets an instance `forward` that runs the module's own
 projections (and rotary, when the family has one) from the family's table, hands query/key/value
@@ -37,9 +39,8 @@ Finish = Callable[[Any, torch.Tensor, tuple, dict], Any]
 class ClassicFamily:
     """How one family's attention module runs through the paged attention."""
 
-    module_class: (
-        str  # the attention module's class as `modeling_<family>.<Class>` (OpenAI-GPT's is `Attention`)
-    )
+    # The attention module's class as `modeling_<family>.<Class>` (OpenAI-GPT's is plain `Attention`).
+    module_class: str
     project: Project
     finish: Finish
     scaling: Callable[[Any], float]

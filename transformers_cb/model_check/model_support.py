@@ -15,15 +15,18 @@ Refused, with the model type and what is missing. From the config alone:
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
   MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
 - attention the kernels do not implement: bidirectional attention, DeepSeek sparse attention
-  (`indexed_attention` layers of a multi-latent model), ALiBi biases, cross-attention, or any unknown
+  (`indexed_attention` layers of a multi-latent model), ALiBi of a family without an adapter (Falcon's
+  bfloat16-rounded form; Bloom's and MPT's run: attention/classic.py), cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
 Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
 an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
 - state layers whose modules do not keep their state through the cache API, or that do not take
   (hidden_states, cache, attention_mask); state layers under tensor parallelism;
-- attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
-  ...: classes with `_supports_attention_backend` False compute it themselves);
+- attention that never reaches transformers' attention interface (classes with `_supports_attention_backend`
+  False compute it themselves; the classic families run through their adapters, attention/classic.py, and
+  the others are refused naming what they miss: an encoder's `is_decoder=False`, XLM's `causal=False`,
+  XLNet's `attn_type='bi'`, CPM-Ant's relative-position buckets, or else no adapter);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
   step's metadata is out of reach: its layers count as missing), two attention calls per layer, a V
   head shape other than K's, a window other than the config's, bidirectional layers, an attention bias in
