@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
-from transformers_cb.attention.alibi import bloom_slopes, key_bias, mpt_slopes
+from transformers_cb.attention.alibi import alibi_bias, bloom_slopes, mpt_slopes
 from transformers_cb.attention.classic import classic_attention, classic_modules, has_classic_attention
 
 
@@ -25,11 +25,13 @@ def test_mpt_slopes_are_mpt_s(heads: int, bias_max: int) -> None:
     assert torch.equal(-tensor[:, 0, -2], mpt_slopes(heads, bias_max))
 
 
-def test_key_bias_is_slope_times_key_index() -> None:
+def test_alibi_bias_is_the_distance_to_the_query_s_own_key() -> None:
     slopes = torch.tensor([0.5, 0.25])
-    assert torch.equal(
-        key_bias(slopes, 3, torch.device("cpu"))[:, 0], torch.tensor([[0, 0.5, 1], [0, 0.25, 0.5]])
-    )
+    causal = alibi_bias(slopes, None, 2, 3, torch.device("cpu"))  # queries are keys 1 and 2
+    assert torch.equal(causal[0, 0], torch.tensor([[-0.5, 0.0, 0.5], [-1.0, -0.5, 0.0]]))
+    padded = torch.tensor([[True, True, False], [True, True, True]]).view(2, 1, 1, 3)  # a decode group's rows
+    bias = alibi_bias(slopes, padded, 1, 3, torch.device("cpu"))
+    assert torch.equal(bias[:, 1, 0], torch.tensor([[-0.25, 0.0, 0.25], [-0.5, -0.25, 0.0]]))
 
 
 def _tiny(model_type: str, **overrides):

@@ -4,9 +4,10 @@ The kernels add it from positions they already know (the key's index in the gath
 in the native kernel), never from a bias tensor the model builds: a paged step has no `[H, Q, L]` bias of
 the packed tokens. Within one query's row the bias only needs to be right up to a constant (softmax is
 shift-invariant row-wise), so Bloom's `slope * key_pos`, MPT's `slope * (key_pos - (L - 1))` and the paper's
-`slope * (key_pos - query_pos)` give one result; the gathered keys of a row are consecutive positions, so
-`slope * key_index` is that bias for every backend that gathers (the window's or chunk's first key only
-shifts the row).
+`slope * (key_pos - query_pos)` give one result. The kernels add the last: it is 0 on the query's own key,
+so a long context loses no precision in the recent keys that matter. The gathered keys of a row are
+consecutive positions, so the distance is one of key indices (`alibi_bias`); the native kernel has the
+positions themselves.
 
 The slopes are each family's own (`bloom_slopes`, `mpt_slopes`), computed as the family does in float32.
 """
@@ -43,8 +44,19 @@ def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
     return slopes
 
 
-def key_bias(slopes: torch.Tensor, kv_len: int, device: torch.device) -> torch.Tensor:
-    """`[H, 1, L]` float32: `slope_h * j` for the j-th of a row's `kv_len` consecutive keys (the bias up to a
-    constant per row, see the module docstring)."""
-    positions = torch.arange(kv_len, device=device, dtype=torch.float32)
-    return slopes.to(device=device, dtype=torch.float32).view(-1, 1, 1) * positions
+def alibi_bias(
+    slopes: torch.Tensor, mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor:
+    """`[B, H, Q, L]` float32 (B = 1 without a mask): `slope_h * (j - i_q)` for the j-th of a row's gathered
+    keys, `i_q` the index of the query's own key among them (the last it sees: attention is causal), so
+    the bias is 0 on the query's own key and exact to float32 however long the context.
+
+    Args:
+        mask: `[B, 1, Q, L]` bool (True: attend) or None (bottom-right causal: query i is key L - Q + i)."""
+    keys = torch.arange(kv_len, device=device)
+    if mask is None:
+        own = (keys[kv_len - q_len :]).view(1, 1, q_len, 1)
+    else:
+        own = torch.where(mask, keys, 0).amax(dim=-1, keepdim=True)  # [B, 1, Q, 1]
+    distance = (keys.view(1, 1, 1, kv_len) - own).to(torch.float32)
+    return slopes.to(device=device, dtype=torch.float32).view(1, -1, 1, 1) * distance

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .alibi import key_bias
+from .alibi import alibi_bias
 from .paged import make_paged_forward
 
 
@@ -45,9 +45,9 @@ def eager_attend(
     q = query.reshape(batch, num_kv_heads, group * q_len, head_dim)
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, group * Q, L]
     scores = _softcapped(scores.view(batch, num_kv_heads, group, q_len, kv_len), softcap)
-    if slopes is not None:
-        bias = key_bias(slopes, kv_len, query.device).view(1, num_kv_heads, group, 1, kv_len)
-        scores = scores + bias.to(scores.dtype)
+    if slopes is not None:  # in float32, as the reference and the native kernel add it
+        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device)
+        scores = scores.float() + bias.view(bias.shape[0], num_kv_heads, group, q_len, kv_len)
     if is_causal and mask is None:
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     if mask is not None:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .alibi import key_bias
+from .alibi import alibi_bias
 from .eager import eager_attend, eager_attention_forward
 from .paged import make_paged_forward
 
@@ -33,7 +33,7 @@ def sdpa_attend(
         q_len, kv_len = query.shape[2], key.shape[2]
         if mask is None and is_causal:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-        bias = key_bias(slopes, kv_len, query.device).unsqueeze(0).to(query.dtype)  # [1, H, 1, L]
+        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device).to(query.dtype)  # [B, H, Q, L]
         if mask is not None:
             bias = torch.where(mask.view(-1, 1, q_len, kv_len), bias, float("-inf"))
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
