@@ -107,7 +107,9 @@ def _mpt_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> An
 
 
 def _mpt_slopes(module: Any, config: Any) -> torch.Tensor:
-    return mpt_slopes(module.n_heads, getattr(config.attn_config, "alibi_bias_max", 8))
+    # MptModel builds its tensor with the default `alibi_bias_max` (8), whatever `attn_config` says, and adds
+    # it whether `attn_config.alibi` is set or not: so do the slopes here.
+    return mpt_slopes(module.n_heads)
 
 
 MPT = ClassicFamily(
