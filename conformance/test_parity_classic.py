@@ -1,6 +1,7 @@
 """Greedy parity on the classic families, whose attention modules compute attention themselves and run
-through the paged cache by their adapters (attention/classic.py): Bloom and MPT with ALiBi (the kernels add
-the bias from positions; head counts that are not powers of two, so the extra slopes are exercised), GPT-J
+through the paged cache by their adapters (attention/classic.py): Bloom (also its exact tensor-parallel
+output path) and MPT with ALiBi (the kernels add the bias from positions; head counts that are not powers of
+two, so the extra slopes are exercised), GPT-J
 and CodeGen (rotary on part of the head), Falcon (multi-query, and the new decoder architecture's grouped
 K/V), GPT-Neo (its local layers a sliding window of 5, shorter than most prompts), XGLM, OpenAI-GPT and
 GPT-NeoX-Japanese.
@@ -32,6 +33,10 @@ VOCAB = 300
 
 CONFIGS: dict[str, tuple[str, dict]] = {
     "bloom": ("bloom", {"hidden_size": 48, "n_layer": 2, "n_head": 3}),
+    "bloom_exact_tp": (
+        "bloom",
+        {"hidden_size": 48, "n_layer": 2, "n_head": 3, "pretraining_tp": 2, "slow_but_exact": True},
+    ),
     "mpt": ("mpt", {"d_model": 48, "n_heads": 6, "n_layers": 2, "max_seq_len": 128, "expansion_ratio": 2}),
     "gptj": ("gptj", {"n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4, "n_positions": 128}),
     "codegen": ("codegen", {"n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4, "n_positions": 128}),

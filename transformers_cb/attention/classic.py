@@ -65,14 +65,12 @@ def _bloom_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[tor
 def _bloom_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
     residual = args[1] if len(args) > 1 else kwargs["residual"]
     if module.pretraining_tp > 1 and module.slow_but_exact:
-        slices = module.hidden_size // module.pretraining_tp
+        # Bloom's exact-TP path, as it writes it (no bias added there).
+        slices = module.hidden_size / module.pretraining_tp
         output = torch.zeros_like(out)
         for i in range(module.pretraining_tp):
-            output = output + torch.nn.functional.linear(
-                out[:, :, i * slices : (i + 1) * slices],
-                module.dense.weight[:, i * slices : (i + 1) * slices],
-            )
-        output = output + module.dense.bias
+            part = slice(int(i * slices), int((i + 1) * slices))
+            output = output + torch.nn.functional.linear(out[:, :, part], module.dense.weight[:, part])
     else:
         output = module.dense(out)
     dropped = torch.nn.functional.dropout(output, p=module.hidden_dropout, training=module.training)
