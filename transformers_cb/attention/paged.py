@@ -6,10 +6,10 @@ over dense per-group tensors; the paging (slot writes and gathers) lives here on
 Per layer, the kernels apply exactly what the model's attention module asks for
 through its kwargs: its `scaling`, its `sliding_window` (which must match the KV
 group the layer's pages come from: the window is applied by the gathers and
-masks built for that group), its logit `softcap`, and its attention sinks
-(`s_aux`, GPT-OSS), and its ALiBi slopes (`alibi_slopes`, passed by the classic families' adapters:
-attention/classic.py; the kernels add the bias from positions: attention/alibi.py). Nothing is assumed to be the same across layers. A chunked
-layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
+masks built for that group), its logit `softcap`, its attention sinks
+(`s_aux`, GPT-OSS), and its ALiBi slopes (`alibi_slopes`, passed by the classic families'
+adapters: attention/classic.py; the kernels add the bias from positions: attention/alibi.py).
+Nothing is assumed to be the same across layers. A chunked layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
 the config's `attention_chunk_size`, the one rule transformers' chunked mask applies. A layer of a latent
 group (multi-latent attention) is handed to attention/latent.py whatever the backend.
 """
@@ -86,7 +86,8 @@ def native_paged_attention_op(
     `kv_storage` is the KV group's whole tensor (`PagedKVCache.group_tensors`) and `layer` the layer's
     index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
     that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off; a negative
-    `window` is an attention chunk (`GroupMetadata.kernel_window`). Returns `[T, H, D]`.
+    `window` is an attention chunk (`GroupMetadata.kernel_window`); `slopes` `[H]`: ALiBi (None: off).
+    Returns `[T, H, D]`.
     """
     key_cache, value_cache = layer_views(kv_storage, layer)
     write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values)
