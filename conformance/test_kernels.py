@@ -17,11 +17,12 @@ from conformance.common import TOLERANCES, assert_close
 from tests.support import flash_double
 from tests.support.packed_steps import KernelStep, build_kernel_step
 from transformers_cb.attention import PAGED_BACKENDS
+from transformers_cb.attention.alibi import bloom_slopes
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA3, is_flash_backend
 from transformers_cb.attention.native import ensure_native_module
-from transformers_cb.attention.paged import METADATA_KWARG, paged_attention
+from transformers_cb.attention.paged import ALIBI_KWARG, METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
 from transformers_cb.runner.packing import NATIVE_PREFILL_MAX_WORK
@@ -51,7 +52,11 @@ class _Layer(torch.nn.Module):
 
 
 def run_kernel(
-    step: KernelStep, kernel: str, softcap: float | None = None, sinks: torch.Tensor | None = None
+    step: KernelStep,
+    kernel: str,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`kernel`: an `attend` name (through `paged_attention`) or a registered backend name (through its
     `attn_implementation` forward, as the model calls it, with the layer's window, softcap and sinks).
@@ -59,16 +64,23 @@ def run_kernel(
     if kernel in ATTENDS or kernel == NATIVE:
         attend = ATTENDS.get(kernel, sdpa_attend)
         return paged_attention(
-            step.query, step.key, step.value, 0, step.metadata, step.scale, attend, softcap, sinks
+            step.query, step.key, step.value, 0, step.metadata, step.scale, attend, softcap, sinks, slopes
         )
     if is_flash_backend(kernel):
         with flash_double.injected(fa2=False, fa3=True):
             prepare_flash_step(step.metadata, 0)  # what the runner adds for flash backends
-            return _call_backend(step, kernel, softcap, sinks)
-    return _call_backend(step, kernel, softcap, sinks)
+            return _call_backend(step, kernel, softcap, sinks, slopes)
+    return _call_backend(step, kernel, softcap, sinks, slopes)
 
 
-def _call_backend(step: KernelStep, kernel: str, softcap: float | None, sinks: torch.Tensor | None):
+def _call_backend(
+    step: KernelStep,
+    kernel: str,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    slopes: torch.Tensor | None = None,
+):
+    alibi = {} if slopes is None else {ALIBI_KWARG: slopes}
     out, _ = PAGED_BACKENDS[kernel](
         _Layer(),
         step.query,
@@ -80,6 +92,7 @@ def _call_backend(step: KernelStep, kernel: str, softcap: float | None, sinks: t
         softcap=softcap,
         s_aux=sinks,
         **{METADATA_KWARG: step.metadata},
+        **alibi,
     )
     return out
 
@@ -103,7 +116,11 @@ def expected_tables(step: KernelStep) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def check_kernel(
-    step: KernelStep, kernel: str, softcap: float | None = None, sinks: torch.Tensor | None = None
+    step: KernelStep,
+    kernel: str,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> None:
     metadata = step.metadata
     cu_seqlens_q, seq_lens_k, block_table = expected_tables(step)
@@ -118,7 +135,7 @@ def check_kernel(
     assert metadata.max_seqlen_q == max(q for _, q in step.seqs)
     assert metadata.max_seqlen_k == max(p + q for p, q in step.seqs)
 
-    out = run_kernel(step, kernel, softcap, sinks)  # [1, T, H, D]
+    out = run_kernel(step, kernel, softcap, sinks, slopes)  # [1, T, H, D]
     assert out.shape == (1, step.query.shape[2], step.query.shape[1], step.query.shape[3])
 
     # The new K/V landed exactly at the requests' own slots, and nothing else changed.
@@ -147,6 +164,7 @@ def check_kernel(
         step.sliding_window,
         softcap,
         sinks,
+        slopes=slopes,
     )
     atol, rtol = TOLERANCES[step.query.dtype]
     shape = f"seqs={step.seqs} packed_order={step.packed_order} page_size={step.page_size}"
@@ -165,6 +183,7 @@ def check_kernel(
         step.sliding_window,
         softcap,
         sinks,
+        slopes=slopes,
     )
     assert torch.equal(from_metadata, expected)
 
@@ -308,6 +327,30 @@ def test_window_softcap_sinks_match_reference(case: str, variant: str, kernel: s
             run_kernel(step, kernel, softcap, sinks)  # flash-attn 3 has no sinks: refused, never ignored
         return
     check_kernel(step, kernel, softcap, sinks)
+
+
+@pytest.mark.parametrize("kernel", [*KERNELS, *BACKENDS])
+@pytest.mark.parametrize("variant", ["full", "window"])
+@pytest.mark.parametrize("case", sorted(SLIDING_CASES))
+def test_alibi_matches_reference(case: str, variant: str, kernel: str) -> None:
+    """ALiBi (Bloom's slopes of 6 heads: not a power of two) in every kernel, against the reference's
+    `slope * (key_pos - query_pos)`; the paged flash kernels refuse it, never ignore it."""
+    step = kernel_step(
+        SLIDING_CASES[case],
+        P,
+        6,
+        2,
+        16,
+        seed=sorted(SLIDING_CASES).index(case),
+        sliding_window=W if variant == "window" else None,
+        kernel=kernel,
+    )
+    slopes = bloom_slopes(6) * 4  # steeper than Bloom's, so that a bias off by one position shows
+    if is_flash_backend(kernel):
+        with pytest.raises(NotImplementedError, match="ALiBi"):
+            run_kernel(step, kernel, slopes=slopes)
+        return
+    check_kernel(step, kernel, slopes=slopes)
 
 
 @settings(

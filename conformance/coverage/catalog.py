@@ -15,8 +15,8 @@ IMAGE_TEXT_TO_TEXT = "image-text-to-text"
 VLM_SUFFIX = ":vlm"
 
 # The fixed subset the test suite runs (`--subset`): exact families (full, sliding / hybrid, MoE,
-# soft-caps + sinks), refusals learned from the config and classes (ALiBi outside the attention
-# interface, an encoder with a causal-LM head, an encoder-decoder's decoder, a shared attention block,
+# soft-caps + sinks, ALiBi in a module of its own: Bloom's adapter), refusals learned from the config and
+# classes (an encoder with a causal-LM head, an encoder-decoder's decoder, a shared attention block,
 # per-layer head shapes), linear-attention and state-space models (a hybrid, a model without attention),
 # and vision-language models on their text path.
 SUBSET = (

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from tests.support.models import FAMILY_CONFIGS, LlamaIgnoringLogitsToKeep, build_tiny_model
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.attention import classic
 from transformers_cb.attention.paged import METADATA_KWARG
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.sizing import ModelShape
@@ -37,11 +38,33 @@ def refusal(model_or_config) -> str:
 
 # rule -> (builder, model type named, words naming the missing capability)
 MODEL_RULES = {
-    # Attention computed inside the class (ALiBi here), never through the attention interface.
-    "outside the attention interface": (
-        lambda: tiny("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4),
-        "bloom",
-        "`_supports_attention_backend` is False",
+    # Attention computed inside the class by a family with no adapter in attention/classic.py: the piece
+    # it misses is named (CPM-Ant's learned bias per relative-position bucket; a BERT-style encoder).
+    "a learned relative-position bias": (
+        lambda: tiny(
+            "cpmant",
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            dim_head=8,
+            dim_ff=64,
+            prompt_length=4,
+        ),
+        "cpmant",
+        "learned relative-position bias (position_bias_num_buckets=",
+    ),
+    "an encoder's self-attention": (
+        lambda: tiny(
+            "megatron-bert",
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+        ),
+        "megatron-bert",
+        "bidirectional (MegatronBertSelfAttention built with is_decoder=False)",
     ),
     # Attention run in another thread: the step's metadata (kwarg dropped, context variable per thread)
     # cannot reach it, and the probe does not see the calls either.
@@ -326,3 +349,10 @@ def test_a_forward_ignoring_logits_to_keep_has_its_rows_selected() -> None:
             logprobs = plain(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
         expected = [logprobs[p - 1, prompt[p]].item() for p in range(1, len(prompt))]
         assert out.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+
+
+def test_a_class_computing_attention_itself_without_an_adapter_is_refused(monkeypatch) -> None:
+    """Bloom without its adapter (attention/classic.py) never reaches the attention interface."""
+    monkeypatch.delitem(classic.FAMILIES, "modeling_bloom.BloomAttention")
+    message = refusal(tiny("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
+    assert "model_type='bloom'" in message and "`_supports_attention_backend` is False" in message

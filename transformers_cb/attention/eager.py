@@ -1,14 +1,15 @@
 """`paged|eager`: plain matmul + softmax over gathered pages, GQA without repeating KV.
 
 It applies every logit transform a model's own eager attention does: scaling, logit
-softcapping (Gemma 2), masking (causal, sliding window, padding) and attention sinks
-(GPT-OSS: one extra logit per head that takes probability mass but has no value).
+softcapping (Gemma 2), ALiBi biases (Bloom, MPT: attention/alibi.py), masking (causal, sliding window,
+padding) and attention sinks (GPT-OSS: one extra logit per head that takes probability mass but has no value).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .alibi import alibi_bias
 from .paged import make_paged_forward
 
 
@@ -34,7 +35,9 @@ def eager_attend(
     scale: float,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """slopes: `[H]` ALiBi slopes (None: no bias); the keys of each row are consecutive positions."""
     batch, num_heads, q_len, head_dim = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
@@ -42,6 +45,9 @@ def eager_attend(
     q = query.reshape(batch, num_kv_heads, group * q_len, head_dim)
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, group * Q, L]
     scores = _softcapped(scores.view(batch, num_kv_heads, group, q_len, kv_len), softcap)
+    if slopes is not None:  # in float32, as the reference and the native kernel add it
+        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device)
+        scores = scores.float() + bias.view(bias.shape[0], num_kv_heads, group, q_len, kv_len)
     if is_causal and mask is None:
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
     if mask is not None:

@@ -154,6 +154,7 @@ def native_paged_attention(
     softcap: float | None,
     sinks: torch.Tensor | None,
     out: torch.Tensor,
+    slopes: torch.Tensor | None = None,
 ) -> None:
     """Write into `out` `[T, H, D]` the attention of `query` `[T, H, D]` over the paged cache.
 
@@ -161,7 +162,8 @@ def native_paged_attention(
     that row's keys up to itself, from `token_pos[t] - window + 1` when `window` is positive, from its
     attention chunk's start `token_pos[t] // C * C` when `window` is `-C` (chunked attention);
     `block_table` `[N, P]` int32 maps logical page p of a row to its page id. Query, caches and `out`
-    share one dtype (float32, bfloat16 or float16); the kernel accumulates in float32."""
+    share one dtype (float32, bfloat16 or float16); the kernel accumulates in float32. `slopes` `[H]`: ALiBi,
+    `slope_h * (key_pos - query_pos)` added to each scaled logit (attention/alibi.py)."""
     module = native_module()
     if module is None:
         raise RuntimeError("the native paged-attention kernel is not available")
@@ -177,5 +179,6 @@ def native_paged_attention(
         window or 0,
         softcap or 0.0,
         sinks,
+        slopes,
         out,
     )

@@ -65,6 +65,7 @@ struct Step {
   const int64_t* token_row; const int64_t* token_pos;
   const int32_t* block_table; int64_t table_stride;
   const float* sinks;
+  const float* slopes;  // ALiBi: slope_h * (key_pos - query_pos) added to the scaled logits; nullptr: none
   T* out;
   int64_t heads, kv_heads, group, head_dim, page_size, window;
   float scale, softcap;
@@ -103,8 +104,9 @@ inline const float* as_float(const T* row, int64_t n, float* buffer) {
 
 // Scores `sc` [G, n] of kv head g's query heads made probabilities in place: scale (or softcap), then a
 // softmax over the keys, with the head's attention sink in the denominator when the layer has sinks.
+// The keys are positions lo..lo+n-1 of a query at `pos` (its ALiBi bias).
 template <typename T>
-inline void softmax_rows(const Step<T>& s, float* sc, int64_t n, int64_t g, int64_t G) {
+inline void softmax_rows(const Step<T>& s, float* sc, int64_t n, int64_t g, int64_t G, int64_t lo, int64_t pos) {
   for (int64_t h = 0; h < G; ++h) {
     float* row = sc + h * n;
     const float scale = s.scale;
@@ -113,6 +115,10 @@ inline void softmax_rows(const Step<T>& s, float* sc, int64_t n, int64_t g, int6
     } else {
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) row[j] *= scale;
+    }
+    if (s.slopes != nullptr) {
+      const float slope = s.slopes[g * G + h];
+      for (int64_t j = 0; j < n; ++j) row[j] += slope * static_cast<float>(lo + j - pos);
     }
     const bool sink = s.sinks != nullptr;
     const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
@@ -161,7 +167,7 @@ void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
     const float* key = as_float(s.k + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * D, key, D);
   });
-  softmax_rows(s, sc, n, g, G);
+  softmax_rows(s, sc, n, g, G, lo, pos);
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
     const float* value = as_float(s.v + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) axpy(o0 + h * D, sc[h * n + j], value, D);
@@ -211,7 +217,7 @@ void attend_fixed(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
       sc[h * n + j] = acc;
     }
   });
-  softmax_rows(s, sc, n, g, G);
+  softmax_rows(s, sc, n, g, G, lo, pos);
   alignas(64) float o[G][D];
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < D; ++i) o[h][i] = 0.f;
@@ -261,7 +267,7 @@ template <typename T>
 void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
               const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
               int64_t page_size, double scale, int64_t window, double softcap, const float* sinks,
-              at::Tensor& out) {
+              const float* slopes, at::Tensor& out) {
   Step<T> s;
   s.q = query.data_ptr<T>(); s.q_stride_t = query.stride(0); s.q_stride_h = query.stride(1);
   s.k = key_cache.data_ptr<T>(); s.v = value_cache.data_ptr<T>();
@@ -269,6 +275,7 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
   s.token_row = token_row.data_ptr<int64_t>(); s.token_pos = token_pos.data_ptr<int64_t>();
   s.block_table = block_table.data_ptr<int32_t>(); s.table_stride = block_table.stride(0);
   s.sinks = sinks;
+  s.slopes = slopes;
   s.out = out.data_ptr<T>();
   s.heads = query.size(1); s.kv_heads = key_cache.size(1); s.group = s.heads / s.kv_heads;
   s.head_dim = query.size(2); s.page_size = page_size; s.window = window;
@@ -300,7 +307,8 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
                      int64_t page_size, double scale, int64_t window, double softcap,
-                     const c10::optional<at::Tensor>& sinks, at::Tensor& out) {
+                     const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& slopes,
+                     at::Tensor& out) {
   const auto dtype = query.scalar_type();
   TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype && out.scalar_type() == dtype,
               "query, caches and out must share one dtype");
@@ -310,15 +318,18 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   at::Tensor sink_values;
   if (sinks.has_value()) sink_values = sinks->to(at::kFloat).contiguous();
   const float* sink_data = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
+  at::Tensor slope_values;
+  if (slopes.has_value()) slope_values = slopes->to(at::kFloat).contiguous();
+  const float* slope_data = slopes.has_value() ? slope_values.data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
     run_step<float>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window,
-                    softcap, sink_data, out);
+                    softcap, sink_data, slope_data, out);
   } else if (dtype == at::kBFloat16) {
     run_step<c10::BFloat16>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
-                            window, softcap, sink_data, out);
+                            window, softcap, sink_data, slope_data, out);
   } else if (dtype == at::kHalf) {
     run_step<c10::Half>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
-                        window, softcap, sink_data, out);
+                        window, softcap, sink_data, slope_data, out);
   } else {
     TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", dtype);
   }

@@ -1,14 +1,15 @@
 """Glue shared by the paged backends: write the step's new K/V, then attend group by group.
 
-A backend only supplies `attend(q, k, v, mask, is_causal, scale, softcap, sinks)`
+A backend only supplies `attend(q, k, v, mask, is_causal, scale, softcap, sinks, slopes)`
 over dense per-group tensors; the paging (slot writes and gathers) lives here once.
 
 Per layer, the kernels apply exactly what the model's attention module asks for
 through its kwargs: its `scaling`, its `sliding_window` (which must match the KV
 group the layer's pages come from: the window is applied by the gathers and
-masks built for that group), its logit `softcap`, and its attention sinks
-(`s_aux`, GPT-OSS). Nothing is assumed to be the same across layers. A chunked
-layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
+masks built for that group), its logit `softcap`, its attention sinks
+(`s_aux`, GPT-OSS), and its ALiBi slopes (`alibi_slopes`, passed by the classic families'
+adapters: attention/classic.py; the kernels add the bias from positions: attention/alibi.py).
+Nothing is assumed to be the same across layers. A chunked layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
 the config's `attention_chunk_size`, the one rule transformers' chunked mask applies. A layer of a latent
 group (multi-latent attention) is handed to attention/latent.py whatever the backend.
 """
@@ -28,10 +29,12 @@ from .native import native_paged_attention
 from .temperature import retuned_query, tunes_temperature
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
-#        is_causal, scale, softcap: float | None, sinks: [H] | None) -> [B, H, Q, D]
+#        is_causal, scale, softcap: float | None, sinks: [H] | None, slopes: [H] | None) -> [B, H, Q, D]
 Attend = Callable[..., torch.Tensor]
 
 METADATA_KWARG = "cb_attention_metadata"
+# The `[H]` ALiBi slopes of a layer, passed by the classic families' adapters (attention/classic.py).
+ALIBI_KWARG = "alibi_slopes"
 
 # The metadata of the step whose forward is running in this thread (None outside one) is `STEP_METADATA`
 # (attention/metadata.py). Why: some decoder layers (StableLM, Nemotron) call their attention module
@@ -75,6 +78,7 @@ def native_paged_attention_op(
     window: int,
     softcap: float,
     sinks: torch.Tensor | None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer of a step whose every token the native kernel attends, as one opaque torch op: write the
     step's new K/V `[T, Hkv, D]` at `slot_mapping`, then attend `query` `[T, H, D]` from the pages.
@@ -82,7 +86,8 @@ def native_paged_attention_op(
     `kv_storage` is the KV group's whole tensor (`PagedKVCache.group_tensors`) and `layer` the layer's
     index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
     that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off; a negative
-    `window` is an attention chunk (`GroupMetadata.kernel_window`). Returns `[T, H, D]`.
+    `window` is an attention chunk (`GroupMetadata.kernel_window`); `slopes` `[H]`: ALiBi (None: off).
+    Returns `[T, H, D]`.
     """
     key_cache, value_cache = layer_views(kv_storage, layer)
     write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values)
@@ -100,6 +105,7 @@ def native_paged_attention_op(
         softcap or None,
         sinks,
         out,
+        slopes,
     )
     return out
 
@@ -119,9 +125,10 @@ def paged_attention(
     attend: Attend,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Args: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` of the packed step; softcap: logit
-    softcapping of this layer; sinks: `[H]` attention-sink logits of this layer.
+    softcapping of this layer; sinks: `[H]` attention-sink logits of this layer; slopes: `[H]` ALiBi slopes.
 
     Returns `[1, T, H, D]`, the layout transformers' attention functions return.
 
@@ -131,7 +138,9 @@ def paged_attention(
     eagerly: see runner/compile_plan.py).
     """
     if not metadata.all_native:
-        return mixed_paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks)
+        return mixed_paged_attention(
+            query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes
+        )
     group_metadata = metadata.group_of(layer_idx)
     storage, layer = metadata.cache.storage_of(layer_idx)
     out = native_paged_attention_op(
@@ -149,6 +158,7 @@ def paged_attention(
         group_metadata.kernel_window,
         softcap or 0.0,
         sinks,
+        slopes,
     )
     return out.unsqueeze(0)
 
@@ -164,6 +174,7 @@ def mixed_paged_attention(
     attend: Attend,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` of any step: the native kernel's leading tokens, then the decode and prefill groups
     through `attend`. Its control flow follows each step's layout (it would recompile every step), so it is
@@ -190,12 +201,15 @@ def mixed_paged_attention(
             softcap,
             sinks,
             out[:n],
+            slopes,
         )
     for group in group_metadata.decode_groups:
         q_group = q[group.q_start : group.q_end].unsqueeze(2)  # [B, H, 1, D]
         k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
         v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
-        o = attend(q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks)  # [B, H, 1, D]
+        o = attend(
+            q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks, slopes
+        )  # [B, H, 1, D]
         out[group.q_start : group.q_end] = o.squeeze(2)
     for chunk in group_metadata.prefill_groups:
         rows = slice(chunk.q_start, chunk.q_end)
@@ -205,16 +219,17 @@ def mixed_paged_attention(
             k_group = new_keys[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Q, D]
             v_group = new_values[rows].transpose(0, 1).unsqueeze(0)
             is_causal = chunk.q_end - chunk.q_start > 1
-            o = attend(q_group, k_group, v_group, chunk.mask, is_causal, scale, softcap, sinks)
+            o = attend(q_group, k_group, v_group, chunk.mask, is_causal, scale, softcap, sinks, slopes)
         else:
             k_group = _gather(key_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             v_group = _gather(value_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)
-            o = attend(q_group, k_group, v_group, chunk.mask, False, scale, softcap, sinks)
+            o = attend(q_group, k_group, v_group, chunk.mask, False, scale, softcap, sinks, slopes)
         out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
 
 
-# A paged kernel as the forwards below call it: (query, key, value, layer_idx, metadata, scale, softcap, sinks).
+# A paged kernel as the forwards below call it: (query, key, value, layer_idx, metadata, scale, softcap, sinks),
+# and `slopes=` for an ALiBi layer (a kernel without ALiBi refuses it: `ALIBI_KWARG`).
 PagedRun = Callable[..., torch.Tensor]
 
 
@@ -228,8 +243,8 @@ def make_paged_forward(
     `plain_fallback` for layers `fallback` cannot run (softcapping, sinks).
     """
 
-    def run(query, key, value, layer_idx, metadata, scale, softcap, sinks) -> torch.Tensor:
-        return paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks)
+    def run(query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=None) -> torch.Tensor:
+        return paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes)
 
     return make_forward(run, fallback, name, plain_fallback)
 
@@ -263,10 +278,14 @@ def make_forward(
         sliding_window = kwargs.pop("sliding_window", None)
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
+        slopes = kwargs.pop(ALIBI_KWARG, None)
         unsupported_kwargs(kwargs)
         layer_idx = cast(int, module.layer_idx)  # transformers' attention modules know their layer
         group_metadata = metadata.group_of(layer_idx)
         check_window(layer_idx, sliding_window, group_metadata.sliding_window)
+        if slopes is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return run(query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=slopes), None
         if group_metadata.latent is not None:
             # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
             if softcap is not None or sinks is not None:

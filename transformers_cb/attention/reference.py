@@ -24,11 +24,13 @@ def reference_paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Args: query `[T, H, D]`; key/value cache `[num_slots, Hkv, D]`; sliding_window: a query at
     position q sees keys (q - sliding_window, q]; chunk_size: a query at q sees keys
     [q // chunk_size * chunk_size, q] (chunked attention); softcap: `softcap * tanh(scores / softcap)`;
-    sinks: `[H]` logits that join each head's softmax without a value. Returns `[T, H, D]`."""
+    sinks: `[H]` logits that join each head's softmax without a value; slopes: `[H]` ALiBi slopes, the
+    bias `slope_h * (key_pos - query_pos)` added to the scaled logits. Returns `[T, H, D]`."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -44,6 +46,8 @@ def reference_paged_attention(
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(kv_len - (q_end - q_start), kv_len)[:, None]
+        if slopes is not None:
+            scores = scores + slopes.float().view(-1, 1, 1) * (positions[None, :] - q_pos).float()
         allowed = positions[None, :] <= q_pos
         if sliding_window is not None:
             allowed &= positions[None, :] > q_pos - sliding_window

@@ -10,7 +10,9 @@ A flash name whose kernel does not import raises `FlashKernelUnavailable` naming
 Flash kernels have no chunked-attention rule (Llama 4's `attention_chunk_size`): a model with chunked
 layers never switches to flash, and a flash name for it raises a `ValueError` naming the reason; so does a
 multi-latent attention model (its latent pages are read by attention/latent.py). Inside `paged_attention`,
-a multi-latent model's modules hand their latent to the paged forward (`latent.latent_pass_through`).
+a multi-latent model's modules hand their latent to the paged forward (`latent.latent_pass_through`), and
+the classic families' attention modules (Bloom, MPT, ...) attend through it (`classic.classic_attention`:
+their classes cannot switch attention implementation, so they are not switched, only adapted).
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from transformers import PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kv.layer_groups import CHUNKED_ATTENTION, latent_shape_of, layer_types_of
 from . import PAGED_BACKENDS
+from .classic import classic_attention, has_classic_attention
 from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 from .latent import latent_pass_through
 
@@ -132,11 +136,15 @@ def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterat
     current = model.config._attn_implementation
     if target is None:
         target = paged_implementation_for(current, model, device_type=model.device.type)
-    if target != current:
+    switch = target != current and not has_classic_attention(model)
+    if switch:
         model.set_attn_implementation(target)
     try:
-        with latent_pass_through(model):  # multi-latent modules hand their latent to the paged forward
+        with (
+            latent_pass_through(model),  # multi-latent modules hand their latent to the paged forward
+            classic_attention(model, ALL_ATTENTION_FUNCTIONS[target]),
+        ):
             yield target
     finally:
-        if target != current and model.config._attn_implementation == target:
+        if switch and model.config._attn_implementation == target:
             model.set_attn_implementation(current if current is not None else "sdpa")

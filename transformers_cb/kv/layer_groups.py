@@ -134,9 +134,20 @@ def layer_types_of(text_config: Any) -> list[str]:
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types:
         return list(layer_types)[:num_layers]
+    if getattr(text_config, "model_type", None) == "gpt_neo":
+        # GPT-Neo's `attention_layers`: "local" layers attend a window of `window_size` (`sliding_window_of`).
+        kinds = {"global": FULL_ATTENTION, "local": SLIDING_ATTENTION}
+        return [kinds.get(t, t) for t in text_config.attention_layers][:num_layers]
     window = getattr(text_config, "sliding_window", None)
     sliding = window is not None and getattr(text_config, "use_sliding_window", True)
     return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * num_layers
+
+
+def sliding_window_of(text_config: Any) -> int | None:
+    """The window of the config's sliding layers: `sliding_window`, or GPT-Neo's `window_size`."""
+    if getattr(text_config, "model_type", None) == "gpt_neo":
+        return text_config.window_size
+    return getattr(text_config, "sliding_window", None)
 
 
 def kv_kind_of(layer_type: str) -> str | None:
@@ -189,7 +200,7 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
             f"model_type={model_type!r} has layers of attention type {unknown}; continuous batching supports "
             f"only {list(KNOWN_LAYER_TYPES)} layers"
         )
-    window = getattr(text_config, "sliding_window", None)
+    window = sliding_window_of(text_config)
     if SLIDING_ATTENTION in layer_types and (not isinstance(window, int) or window < 1):
         raise ValueError(f"the config has sliding_attention layers but sliding_window={window!r}")
     chunk = getattr(text_config, "attention_chunk_size", None)

@@ -48,8 +48,9 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from ..attention.classic import classic_attention, has_classic_attention
 from ..attention.eager import eager_attend
-from ..attention.paged import METADATA_KWARG, step_metadata
+from ..attention.paged import ALIBI_KWARG, METADATA_KWARG, step_metadata
 from ..kv.layer_groups import ObservedLayers
 
 PROBE_NAME = "cb_dispatch_probe"
@@ -77,6 +78,7 @@ class _Call:
     mask_bias: bool  # the mask carries finite nonzero values: an attention bias (ALiBi), not just masking
     unsupported: tuple[str, ...]
     mask_windowed: bool = False  # the mask hides some earlier key from some query (a window)
+    alibi: bool = False  # ALiBi slopes passed: the layer's positions are its keys' (attention/alibi.py)
 
 
 @dataclass
@@ -127,6 +129,7 @@ def _recording_attention(
                 mask_bias=_is_bias(attention_mask),
                 unsupported=tuple(n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None),
                 mask_windowed=_is_windowed(attention_mask),
+                alibi=kwargs.get(ALIBI_KWARG) is not None,
             )
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -141,7 +144,10 @@ def _recording_attention(
         # change the logits (a V of another size is refused for any other model by `dispatch_problems`).
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    out = eager_attend(query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"))
+    slopes = kwargs.get(ALIBI_KWARG)
+    out = eager_attend(
+        query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"), slopes
+    )
     return out.transpose(1, 2).contiguous(), None  # [B, T, H, D], as transformers' functions return
 
 
@@ -177,12 +183,16 @@ def _probing(model: PreTrainedModel):
     """The model on the recording attention, in eval mode (dropout would make A and B differ)."""
     _register()
     saved_impl, was_training = model.config._attn_implementation, model.training
-    model.set_attn_implementation(PROBE_NAME)
+    switch = not has_classic_attention(model)  # their classes cannot switch (attention/classic.py)
+    if switch:
+        model.set_attn_implementation(PROBE_NAME)
     model.eval()
     try:
-        yield
+        with classic_attention(model, _recording_attention):  # the classic families, as the run adapts them
+            yield
     finally:
-        model.set_attn_implementation(saved_impl if saved_impl is not None else "sdpa")
+        if switch:
+            model.set_attn_implementation(saved_impl if saved_impl is not None else "sdpa")
         model.train(was_training)
 
 
@@ -427,7 +437,9 @@ def dispatch_problems(
     unsupported = sorted({name for c in calls for name in c.unsupported})
     if unsupported:
         problems.append(f"its attention passes {unsupported}, which the paged kernels do not implement")
-    if not result.positions_used and not has_state:
+    # ALiBi layers take positions from the keys the kernels attend (each request's own), not position_ids.
+    alibi = bool(calls) and all(c.alibi for c in calls)
+    if not result.positions_used and not has_state and not alibi:
         problems.append(
             "its forward ignores `position_ids` (it numbers the tokens of a packed step itself, so every "
             "sequence but the first would get wrong positions; or it has no positional encoding at all)"

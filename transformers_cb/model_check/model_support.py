@@ -15,15 +15,18 @@ Refused, with the model type and what is missing. From the config alone:
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
   MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
 - attention the kernels do not implement: bidirectional attention, DeepSeek sparse attention
-  (`indexed_attention` layers of a multi-latent model), ALiBi biases, cross-attention, or any unknown
+  (`indexed_attention` layers of a multi-latent model), ALiBi of a family without an adapter (Falcon's
+  bfloat16-rounded form; Bloom's and MPT's run: attention/classic.py), cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
 Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
 an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
 - state layers whose modules do not keep their state through the cache API, or that do not take
   (hidden_states, cache, attention_mask); state layers under tensor parallelism;
-- attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
-  ...: classes with `_supports_attention_backend` False compute it themselves);
+- attention that never reaches transformers' attention interface (classes with `_supports_attention_backend`
+  False compute it themselves; the classic families run through their adapters, attention/classic.py, and
+  the others are refused naming what they miss: an encoder's `is_decoder=False`, XLM's `causal=False`,
+  XLNet's `attn_type='bi'`, CPM-Ant's relative-position buckets, or else no adapter);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
   step's metadata is out of reach: its layers count as missing), two attention calls per layer, a V
   head shape other than K's, a window other than the config's, bidirectional layers, an attention bias in
@@ -65,9 +68,11 @@ from .state_probe import StateLayout, probe_states, state_problems
 # Recurrent models whose state is kept neither through transformers' linear-attention cache API nor by a
 # model-owned recurrence the state slots carry (runner/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
 OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
-# Config flags of ALiBi (a per-head linear bias added to the attention logits, which the paged kernels
-# do not add): Falcon's `alibi`, MPT's `attn_config.alibi`, BERT-style `position_embedding_type`.
+# Config flags of ALiBi (a per-head linear bias added to the attention logits): Falcon's `alibi`, MPT's
+# `attn_config.alibi`, BERT-style `position_embedding_type`. The kernels add it for the families whose
+# adapter passes their slopes (attention/classic.py: Bloom, whose config has no flag, and MPT).
 ALIBI_FLAGS = ("alibi", "use_alibi")
+ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,32 @@ def check_model_supported(model: PreTrainedModel | Any) -> None:
 
 def _no_interface_reason(model: PreTrainedModel) -> str:
     """Why a model's attention never reached the attention interface, as far as its class says."""
+    encoder_modules = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if "Attention" in type(m).__name__ and m.__dict__.get("is_decoder") is False
+        }
+    )
+    if encoder_modules:
+        # BERT-style self-attention: causal only when built as a decoder (`is_decoder`), otherwise every token
+        # attends to every other, which no paged cache of earlier tokens reproduces.
+        return (
+            f"its attention is bidirectional ({', '.join(encoder_modules)} built with is_decoder=False), not "
+            "causal generation"
+        )
+    text = model.config.get_text_config()
+    # XLM's `causal`, XLNet's `attn_type`: flags of masked-language-model attention (every token sees all).
+    for flag, bidirectional in (("causal", False), ("attn_type", "bi")):
+        if flag in text.to_dict() and getattr(text, flag) == bidirectional:
+            return f"its attention is bidirectional ({flag}={bidirectional!r}), not causal generation"
+    for buckets in ("relative_attention_num_buckets", "position_bias_num_buckets"):
+        if getattr(text, buckets, None):
+            # CPM-Ant: a bias looked up per head and (query, key) distance bucket, not a linear one like ALiBi.
+            return (
+                f"it adds a learned relative-position bias ({buckets}={getattr(text, buckets)}) to its attention "
+                "logits, which the paged kernels do not add"
+            )
     if not getattr(type(model), "_supports_attention_backend", False):
         # transformers sets the flag on classes whose attention modules call `ALL_ATTENTION_FUNCTIONS`; the
         # others compute attention themselves (ALiBi, learned or interleaved-rotary variants, their own KV).
@@ -164,17 +195,32 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
     # Why: an ALiBi bias is added to the logits inside the model's own attention; the paged kernels
     # compute softmax(QK^T) without it.
     attn_config = getattr(text_config, "attn_config", None)
-    if (
+    if getattr(text_config, "model_type", None) not in ALIBI_MODEL_TYPES and (
         any(getattr(text_config, flag, False) is True for flag in ALIBI_FLAGS)
         or getattr(attn_config, "alibi", False) is True
         or getattr(text_config, "position_embedding_type", None) == "alibi"
     ):
-        _refuse(model_type, "ALiBi attention biases are not implemented by the paged kernels")
+        _refuse(model_type, _alibi_refusal(text_config))
     # Why: cross-attention reads an encoder's states, which are not part of the paged self-attention cache.
     if getattr(text_config, "add_cross_attention", False):
         _refuse(
             model_type, "cross-attention (add_cross_attention) needs the encoder's states, not a paged cache"
         )
+
+
+def _alibi_refusal(text_config: Any) -> str:
+    """Why an ALiBi config is refused: the one family whose form the kernels do not reproduce is named."""
+    if getattr(text_config, "model_type", None) == "falcon":
+        # Why: Falcon adds `slopes.bfloat16() * key_pos`, rounded to bfloat16 per key, before the scaling; the
+        # kernels add `slope * key_pos` in float32 after it, which agrees only to about 1e-2 in the logits.
+        return (
+            "Falcon's ALiBi (alibi=True) rounds its bias to bfloat16 per key position and adds it before the "
+            "scaling; the paged kernels add the float32 bias slope * position after the scaling (Bloom, MPT), "
+            "so the bfloat16-rounded form is the missing piece"
+        )
+    return (
+        "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/classic.py)"
+    )
 
 
 def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> list[str]:

@@ -1,0 +1,388 @@
+"""The classic families' attention through the paged cache: one adapter, a small table per family.
+
+Bloom, MPT, Falcon, GPT-J, CodeGen, GPT-Neo, GPT-NeoX-Japanese, XGLM and OpenAI-GPT (and the BART-style
+decoders of TrOCR and MVP, which the support check then refuses by their own position numbering) compute
+attention inside their attention module (their own `_attn`, a cache they `update` through `layer_past`)
+instead of calling transformers' attention interface,
+so a paged backend never sees their K/V. For the run (`classic_attention`, entered with the paged backend
+and by the support check's probe) each such module gets an instance `forward` that runs the module's own
+projections (and rotary, when the family has one) from the family's table, hands query/key/value
+`[1, H, T, D]` to the attention function it is given (a paged forward, or the probe's recorder) with the
+layer's scaling, window and ALiBi slopes (`alibi_slopes`: the kernels add the bias, attention/alibi.py),
+and finishes as the module does (output projection, Bloom's residual add). Nothing of the attention math
+is copied per family: only where the family keeps its projections and how it shapes its heads.
+
+Model-level code that reads what the paged step no longer has is patched too, for the run only (Bloom
+builds its ALiBi tensor from a 2D padding mask; the step passes a 4D no-mask): `ClassicFamily.owner_patches`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+
+from .alibi import bloom_slopes, mpt_slopes
+
+# (query, key, value) `[1, H, T, D]` from the module, the hidden states and the call's kwargs.
+Project = Callable[[Any, torch.Tensor, dict], tuple[torch.Tensor, ...]]
+# The module's return value from the attention output `[1, T, H * D]`, the call's args and kwargs.
+Finish = Callable[[Any, torch.Tensor, tuple, dict], Any]
+
+
+@dataclass(frozen=True)
+class ClassicFamily:
+    """How one family's attention module runs through the paged attention."""
+
+    # The attention module's class as `modeling_<family>.<Class>` (OpenAI-GPT's is plain `Attention`).
+    module_class: str
+    project: Project
+    finish: Finish
+    scaling: Callable[[Any], float]
+    # The layer's ALiBi slopes `[H]` from the module and the model's (text) config; None: no ALiBi.
+    slopes: Callable[[Any, Any], torch.Tensor] | None = None
+    window: Callable[[Any, Any], int | None] = lambda module, config: None  # the layer's sliding window
+    # (owner class name, attribute, replacement) set on each instance of the owner for the run.
+    owner_patches: tuple[tuple[str, str, Callable[..., Any]], ...] = field(default_factory=tuple)
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`[B, T, H * D]` as `[B, H, T, D]`."""
+    return x.view(*x.shape[:2], heads, -1).transpose(1, 2)
+
+
+# -- Bloom: fused query_key_value laid out [H, 3, D], ALiBi, the residual added in the module ----------------
+def _bloom_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    fused = module.query_key_value(hidden).view(*hidden.shape[:2], module.num_heads, 3, module.head_dim)
+    return tuple(fused[..., i, :].transpose(1, 2) for i in range(3))
+
+
+def _bloom_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    residual = args[1] if len(args) > 1 else kwargs["residual"]
+    if module.pretraining_tp > 1 and module.slow_but_exact:
+        # Bloom's exact-TP path, as it writes it (no bias added there).
+        slices = module.hidden_size / module.pretraining_tp
+        output = torch.zeros_like(out)
+        for i in range(module.pretraining_tp):
+            part = slice(int(i * slices), int((i + 1) * slices))
+            output = output + torch.nn.functional.linear(out[:, :, part], module.dense.weight[:, part])
+    else:
+        output = module.dense(out)
+    dropped = torch.nn.functional.dropout(output, p=module.hidden_dropout, training=module.training)
+    return residual + dropped, None
+
+
+def _no_alibi_tensor(attention_mask: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bloom's model-level ALiBi tensor, unused by the adapted layers (the kernels add the bias)."""
+    return torch.zeros(1, dtype=dtype, device=attention_mask.device)
+
+
+BLOOM = ClassicFamily(
+    module_class="modeling_bloom.BloomAttention",
+    project=_bloom_project,
+    finish=_bloom_finish,
+    scaling=lambda module: module.inv_norm_factor,
+    slopes=lambda module, config: bloom_slopes(module.num_heads),
+    owner_patches=(("BloomModel", "build_alibi_tensor", _no_alibi_tensor),),
+)
+
+
+# -- MPT: fused Wqkv laid out [3, H, D], its clip_qkv, ALiBi with its own slopes ------------------------------
+def _mpt_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    mixed = module.Wqkv(hidden)
+    if module.clip_qkv:
+        mixed = mixed.clamp(min=-module.clip_qkv, max=module.clip_qkv)
+    return tuple(_heads(x, module.n_heads) for x in mixed.chunk(3, dim=2))
+
+
+def _mpt_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.out_proj(out), None
+
+
+def _mpt_slopes(module: Any, config: Any) -> torch.Tensor:
+    # MptModel builds its tensor with the default `alibi_bias_max` (8), whatever `attn_config` says, and adds
+    # it whether `attn_config.alibi` is set or not: so do the slopes here.
+    return mpt_slopes(module.n_heads)
+
+
+MPT = ClassicFamily(
+    module_class="modeling_mpt.MptAttention",
+    project=_mpt_project,
+    finish=_mpt_finish,
+    scaling=lambda module: module.softmax_scale,
+    slopes=_mpt_slopes,
+)
+
+
+# -- GPT-J, CodeGen: rotary on the first `rotary_dim` of each head, interleaved pairs, from sin/cos tables -----
+def _every_two_rotary(
+    module: Any, heads: tuple[torch.Tensor, ...], kwargs: dict, cast: bool
+) -> tuple[torch.Tensor, ...]:
+    """GPT-J's rotary through the module's own `apply_rotary_pos_emb` (its modeling module's), on query and
+    key `[B, T, H, D]`; returns query, key, value as `[B, H, T, D]`."""
+    query, key, value = heads
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    position_ids = kwargs["position_ids"]
+    sincos = module.embed_positions.to(position_ids.device)[position_ids]
+    if cast:  # GPT-J casts the table to the key's dtype, CodeGen keeps it in float32
+        sincos = sincos.to(key.dtype)
+    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    dim = module.rotary_dim
+    if dim is not None:
+        key = torch.cat([rotate(key[..., :dim], sin, cos), key[..., dim:]], dim=-1)
+        query = torch.cat([rotate(query[..., :dim], sin, cos), query[..., dim:]], dim=-1)
+    else:
+        key, query = rotate(key, sin, cos), rotate(query, sin, cos)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
+def _gptj_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    heads, dim = module.num_attention_heads, module.head_dim
+    projected = (module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden))
+    return _every_two_rotary(module, tuple(x.view(*x.shape[:2], heads, dim) for x in projected), kwargs, True)
+
+
+def _codegen_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    # Its fused qkv_proj is laid out for 4 model-parallel shards of (query, value, key) each.
+    shards = 4
+    qkv = module.qkv_proj(hidden)
+    split = qkv.reshape(qkv.shape[:-1] + (shards, -1))
+    local = module.head_dim * module.num_attention_heads // shards
+    query, value, key = torch.split(split, local, dim=-1)
+    heads = tuple(
+        module._split_heads(x, module.num_attention_heads, module.head_dim, mp_num=shards)
+        for x in (query, key, value)
+    )
+    query, key, value = _every_two_rotary(module, heads, kwargs, False)
+    return query, key.to(hidden.dtype), value
+
+
+def _out_proj_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.resid_dropout(module.out_proj(out)), None
+
+
+GPTJ = ClassicFamily(
+    module_class="modeling_gptj.GPTJAttention",
+    project=_gptj_project,
+    finish=_out_proj_finish,
+    scaling=lambda module: 1.0 / module.scale_attn,
+)
+CODEGEN = ClassicFamily(
+    module_class="modeling_codegen.CodeGenAttention",
+    project=_codegen_project,
+    finish=_out_proj_finish,
+    scaling=lambda module: 1.0 / module.scale_attn,
+)
+
+
+# -- Falcon (rotary; its ALiBi variant is refused by the support check): fused query_key_value in one of three
+# layouts (multi-query, grouped new decoder architecture, plain), its own `_split_heads` reads them ---------
+def _falcon_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    query, key, value = (x.transpose(1, 2) for x in module._split_heads(module.query_key_value(hidden)))
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    cos, sin = kwargs["position_embeddings"]
+    query, key = rotate(query, key, cos, sin)
+    return query, key, value
+
+
+def _dense_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.dense(out), None
+
+
+FALCON = ClassicFamily(
+    module_class="modeling_falcon.FalconAttention",
+    project=_falcon_project,
+    finish=_dense_finish,
+    scaling=lambda module: module.inv_norm_factor,
+)
+
+
+# -- XGLM, TrOCR, MVP (BART-style decoders): separate projections, the query scaled before the product -----
+def _xglm_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    if kwargs.get("key_value_states") is not None:
+        raise NotImplementedError("cross-attention needs the encoder's states, not a paged cache")
+    if kwargs.get("attn_prompt") is not None:
+        raise NotImplementedError(
+            "MVP's attention prompts (use_prompt) prepend keys and values of their own to every layer's cache"
+        )
+    query = module.q_proj(hidden) * module.scaling
+    return tuple(_heads(x, module.num_heads) for x in (query, module.k_proj(hidden), module.v_proj(hidden)))
+
+
+def _out_proj_only(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.out_proj(out), None
+
+
+XGLM = ClassicFamily(
+    module_class="modeling_xglm.XGLMAttention",
+    project=_xglm_project,
+    finish=_out_proj_only,
+    scaling=lambda module: 1.0,
+)
+
+
+# -- OpenAI-GPT: a fused Conv1D c_attn, scaled by 1/sqrt(D) only when the block asks (`scale`) ------------------
+def _openai_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    return tuple(_heads(x, module.n_head) for x in module.c_attn(hidden).split(module.split_size, dim=2))
+
+
+def _openai_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return [module.resid_dropout(module.c_proj(out))]
+
+
+OPENAI_GPT = ClassicFamily(
+    module_class="modeling_openai.Attention",
+    project=_openai_project,
+    finish=_openai_finish,
+    scaling=lambda module: 1.0 / math.sqrt(module.split_size // module.n_head) if module.scale else 1.0,
+)
+
+
+# -- GPT-NeoX-Japanese: fused qkv laid out [H, 3, D], rotary on the first rotary_ndims, a bias handed back ----
+def _neox_japanese_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    size = module.head_size
+    qkv = module.query_key_value(hidden).view(*hidden.shape[:2], module.num_attention_heads, 3 * size)
+    query, key, value = (qkv[..., i * size : (i + 1) * size].transpose(1, 2) for i in range(3))
+    rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
+    cos, sin = kwargs["position_embeddings"]
+    dim = module.rotary_ndims
+    query_rot, key_rot = rotate(query[..., :dim], key[..., :dim], cos, sin)
+    return (
+        torch.cat((query_rot, query[..., dim:]), dim=-1),
+        torch.cat((key_rot, key[..., dim:]), dim=-1),
+        value,
+    )
+
+
+def _neox_japanese_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    return module.dense(out), None, module.dense_bias
+
+
+GPT_NEOX_JAPANESE = ClassicFamily(
+    module_class="modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention",
+    project=_neox_japanese_project,
+    finish=_neox_japanese_finish,
+    scaling=lambda module: 1.0 / module.norm_factor,
+)
+
+
+# -- GPT-Neo: separate projections, no scaling at all, "local" layers a sliding window of `window_size` ---------
+def _gpt_neo_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        _heads(x, module.num_heads)
+        for x in (module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden))
+    )
+
+
+GPT_NEO = ClassicFamily(
+    module_class="modeling_gpt_neo.GPTNeoSelfAttention",
+    project=_gpt_neo_project,
+    finish=_out_proj_finish,
+    scaling=lambda module: 1.0,
+    window=lambda module, config: config.window_size if module.attention_type == "local" else None,
+)
+
+TROCR = ClassicFamily(
+    module_class="modeling_trocr.TrOCRAttention",
+    project=_xglm_project,
+    finish=_out_proj_only,
+    scaling=lambda module: 1.0,
+)
+MVP = ClassicFamily(
+    module_class="modeling_mvp.MvpAttention",
+    project=_xglm_project,
+    finish=_out_proj_only,
+    scaling=lambda module: 1.0,
+)
+
+FAMILIES = {
+    family.module_class: family
+    for family in (
+        BLOOM,
+        MPT,
+        GPTJ,
+        CODEGEN,
+        FALCON,
+        XGLM,
+        OPENAI_GPT,
+        GPT_NEOX_JAPANESE,
+        GPT_NEO,
+        TROCR,
+        MVP,
+    )
+}
+
+
+def _family_key(module: torch.nn.Module) -> str:
+    """`modeling_<family>.<Class>` of a module (the table's key: a class name alone is ambiguous)."""
+    return f"{type(module).__module__.rsplit('.', 1)[-1]}.{type(module).__qualname__}"
+
+
+def classic_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ClassicFamily]]:
+    """The model's attention modules that an adapter of this table runs, with their family."""
+    return [
+        (module, FAMILIES[_family_key(module)])
+        for module in model.modules()
+        if _family_key(module) in FAMILIES
+    ]
+
+
+def has_classic_attention(model: torch.nn.Module) -> bool:
+    """Whether some attention module of `model` runs through a classic family's adapter."""
+    return bool(classic_modules(model))
+
+
+def _adapted_forward(
+    module: Any, family: ClassicFamily, config: Any, attention: Callable[..., Any]
+) -> Callable[..., Any]:
+    device = next(module.parameters()).device
+    slopes = None if family.slopes is None else family.slopes(module, config).to(device)
+    scaling = family.scaling(module)
+    window = family.window(module, config)
+    extra: dict[str, Any] = {} if slopes is None else {"alibi_slopes": slopes}
+    if window is not None:
+        extra["sliding_window"] = window
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        query, key, value = family.project(module, hidden, kwargs)
+        out, _ = attention(module, query, key, value, None, scaling=scaling, dropout=0.0, **extra)
+        return family.finish(module, out.reshape(*out.shape[:2], -1), args, kwargs)
+
+    return forward
+
+
+@contextmanager
+def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> Iterator[None]:
+    """Inside: each classic family's attention module of `model` attends through `attention` (an
+    `AttentionInterface` function), and its owners' patches are set; all removed on exit. A module already
+    adapted (a nested entry) is left to the outer one."""
+    installed: list[tuple[Any, str]] = []
+    config = cast(Any, model).config.get_text_config()
+    adapted = classic_modules(model)
+    patches = {patch for _, family in adapted for patch in family.owner_patches}
+    try:
+        for index, (layer, family) in enumerate(adapted):
+            module = cast(Any, layer)
+            if getattr(module, "layer_idx", None) is None:
+                # OpenAI-GPT's modules have no index (GPT-Neo's call it `layer_id`): the paged forward reads
+                # `layer_idx`, and the adapted modules come in layer order.
+                module.layer_idx = getattr(module, "layer_id", index)
+                installed.append((module, "layer_idx"))
+            if "forward" not in module.__dict__:
+                module.forward = _adapted_forward(module, family, config, attention)
+                installed.append((module, "forward"))
+        for owner in model.modules():
+            for owner_class, attribute, replacement in patches:
+                if type(owner).__name__ == owner_class and attribute not in owner.__dict__:
+                    setattr(owner, attribute, replacement)
+                    installed.append((owner, attribute))
+        yield
+    finally:
+        for owner, attribute in reversed(installed):
+            owner.__dict__.pop(attribute, None)
