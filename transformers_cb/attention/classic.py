@@ -214,6 +214,11 @@ def _xglm_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torc
     return tuple(_heads(x, module.num_heads) for x in (query, module.k_proj(hidden), module.v_proj(hidden)))
 
 
+def _bare_finish(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+    """The attention output as is: the output projection is the owner's (BERT's `SelfOutput`)."""
+    return out, None
+
+
 def _out_proj_only(module: Any, out: torch.Tensor, args: tuple, kwargs: dict) -> Any:
     return module.out_proj(out), None
 
@@ -300,6 +305,28 @@ MVP = ClassicFamily(
     scaling=lambda module: 1.0,
 )
 
+
+# -- GIT, BLIP's text decoder (BERT-style self-attention): separate query/key/value, scaled by 1/sqrt(D) ------
+def _bert_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    if kwargs.get("encoder_hidden_states") is not None:
+        raise NotImplementedError("cross-attention needs the encoder's states, not a paged cache")
+    heads = module.num_attention_heads
+    return tuple(_heads(x, heads) for x in (module.query(hidden), module.key(hidden), module.value(hidden)))
+
+
+GIT = ClassicFamily(
+    module_class="modeling_git.GitSelfAttention",
+    project=_bert_project,
+    finish=_bare_finish,
+    scaling=lambda module: 1.0 / math.sqrt(module.attention_head_size),
+)
+BLIP_TEXT = ClassicFamily(
+    module_class="modeling_blip_text.BlipTextSelfAttention",
+    project=_bert_project,
+    finish=_bare_finish,
+    scaling=lambda module: 1.0 / math.sqrt(module.attention_head_size),
+)
+
 FAMILIES = {
     family.module_class: family
     for family in (
@@ -314,6 +341,8 @@ FAMILIES = {
         GPT_NEO,
         TROCR,
         MVP,
+        GIT,
+        BLIP_TEXT,
     )
 }
 

@@ -48,6 +48,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from ..attention.classic import has_classic_attention
 from ..attention.latent import latent_module_problem, latent_modules
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import (
@@ -250,11 +251,10 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     with probe_states(layout, len(probe_token_ids(model)), first.device):
         result = run_probe(model)
     observed = None
-    if (
-        not result.calls
-        and kv_layers
-        and (result.error is None or not getattr(type(model), "_supports_attention_backend", False))
-    ):
+    # A classic family's modules attend through the interface while the probe runs (attention/classic.py):
+    # a forward that fails there failed for its own reason (BLIP's decoder asks for `pixel_values`).
+    reaches_interface = getattr(type(model), "_supports_attention_backend", False) or has_classic_attention(model)
+    if not result.calls and kv_layers and (result.error is None or not reaches_interface):
         problems = [_no_interface_reason(model)]
     else:
         kv_shapes = [shape.layer_head_shape(i) for i in range(num_layers)]
