@@ -1,7 +1,7 @@
 """Greedy parity on the classic families, whose attention modules compute attention themselves and run
 through the paged cache by their adapters (attention/classic.py): Bloom (also its exact tensor-parallel
 output path) and MPT with ALiBi (the kernels add the bias from positions; head counts that are not powers of
-two, so the extra slopes are exercised), GPT-J
+two, so the extra slopes are exercised), Falcon's ALiBi in its own bfloat16-rounded form, GPT-J
 and CodeGen (rotary on part of the head), Falcon (multi-query, and the new decoder architecture's grouped
 K/V), GPT-Neo (its local layers a sliding window of 5, shorter than most prompts), XGLM, OpenAI-GPT and
 GPT-NeoX-Japanese.
@@ -25,6 +25,7 @@ from conformance.common import ReferenceCache, check_parity, greedy_config, run_
 from conformance.test_parity_sliding import integrity_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
+from transformers_cb.attention import paged
 from transformers_cb.attention.classic import classic_modules
 from transformers_cb.attention.native import ENV_SWITCH, ensure_native_module
 
@@ -41,6 +42,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "gptj": ("gptj", {"n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4, "n_positions": 128}),
     "codegen": ("codegen", {"n_embd": 32, "n_layer": 2, "n_head": 4, "rotary_dim": 4, "n_positions": 128}),
     "falcon": ("falcon", {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}),
+    # ALiBi in Falcon's own form (bfloat16 products of absolute positions, scaled); 6 heads: extra slopes.
+    "falcon_alibi": (
+        "falcon",
+        {"hidden_size": 48, "num_hidden_layers": 2, "num_attention_heads": 6, "alibi": True},
+    ),
     "falcon_grouped": (
         "falcon",
         {
@@ -92,7 +98,9 @@ def _tiny(name: str) -> PreTrainedModel:
     model_type, overrides = CONFIGS[name]
     config = AutoConfig.for_model(model_type, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **overrides)
     torch.manual_seed(0)
-    if model_type == "blip_text_model":  # BLIP's text decoder alone: no auto class, no image to cross-attend to
+    if (
+        model_type == "blip_text_model"
+    ):  # BLIP's text decoder alone: no auto class, no image to cross-attend to
         model = BlipTextLMHeadModel(config).eval()
     else:
         model = AutoModelForCausalLM.from_config(config).eval()
@@ -124,7 +132,9 @@ def test_every_attention_module_is_adapted(subject) -> None:
     name, model, _, _ = subject
     # BLIP's decoder layers also hold a cross-attention module of the same class (unused without an image).
     expected = 4 if name == "blip_text" else 2
-    assert len(classic_modules(model)) == expected, f"{name}: {type(model).__name__} has unadapted attention modules"
+    assert len(classic_modules(model)) == expected, (
+        f"{name}: {type(model).__name__} has unadapted attention modules"
+    )
 
 
 KERNELS = [("paged|eager", "torch"), ("paged|sdpa", "torch"), ("paged|sdpa", "native")]
@@ -164,3 +174,30 @@ def test_classic_parity_under_eviction(subject) -> None:
 def test_classic_share_prefixes_and_match_generate(subject) -> None:
     name, model, _, references = subject
     check_shared_prefix_parity(model, references, f"{name} sharing", MAX_NEW_TOKENS)
+
+
+def test_falcon_form_runs_the_native_kernel_s_rows_through_torch(monkeypatch) -> None:
+    """The native kernel adds only the relative ALiBi form: with it on, Falcon's layers attend the tokens it
+    was planned for through the torch kernel (attention/paged.py), never through it, and stay exact."""
+    if ensure_native_module(timeout=600) is None:
+        pytest.skip("the native kernel cannot be built here")
+    model = _tiny("falcon_alibi")
+    prompts = random_prompts(4, VOCAB, 1, 30, seed=2)
+    used: list[int] = []
+    torch_rows = paged._attend_native_rows
+
+    def counted(*args):
+        used.append(1)
+        return torch_rows(*args)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the native kernel ran a layer of Falcon's ALiBi form")
+
+    monkeypatch.setattr(paged, "_attend_native_rows", counted)
+    monkeypatch.setattr(paged, "native_paged_attention", refused)
+    monkeypatch.setattr(paged, "native_paged_attention_op", refused)
+    with backend(model, "paged|sdpa"):
+        outputs, _ = run_batch(model, prompts, greedy_config(MAX_NEW_TOKENS), page_size=4, max_batch_tokens=5)
+    assert used, "no step had tokens planned for the native kernel"
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], "falcon_alibi / native rows")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, BlipTextLMHeadModel
 from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+from transformers.models.falcon.modeling_falcon import build_alibi_tensor as falcon_alibi_tensor
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
-from transformers_cb.attention.alibi import alibi_bias, bloom_slopes, mpt_slopes
+from transformers_cb.attention.alibi import FALCON_FORM, RELATIVE, alibi_bias, bloom_slopes, mpt_slopes
 from transformers_cb.attention.classic import classic_attention, classic_modules, has_classic_attention
+from transformers_cb.attention.eager import eager_attend
 
 
 @pytest.mark.parametrize("heads", range(1, 18))
@@ -111,3 +115,96 @@ def test_models_of_the_attention_interface_are_not_adapted() -> None:
     assert not has_classic_attention(
         _tiny("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=4)
     )
+
+
+# -- Falcon's form of the bias (alibi.AlibiForm) ------------------------------------------------------------
+def _falcon_bias(heads: int, kv_len: int, head_dim: int) -> torch.Tensor:
+    """Falcon's own additive bias `[H, L]` as its model adds it to the scaled logits (float32 model)."""
+    alibi = falcon_alibi_tensor(torch.ones(1, kv_len, dtype=torch.long), heads, torch.float32)  # [H, 1, L]
+    return alibi[:, 0] / math.sqrt(head_dim)
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_falcon_form_is_falcon_s_bias(heads: int) -> None:
+    """Bitwise Falcon's: bfloat16 slopes times absolute positions, rounded to bfloat16, then scaled (past
+    position 256 the rounding is no longer shift-invariant: the relative form differs there)."""
+    kv_len, q_len, head_dim = 700, 3, 8
+    bias = alibi_bias(
+        bloom_slopes(heads), None, q_len, kv_len, torch.device("cpu"), FALCON_FORM, head_dim**-0.5
+    )
+    expected = _falcon_bias(heads, kv_len, head_dim)
+    assert bias.shape == (1, heads, q_len, kv_len)
+    for row in range(q_len):
+        assert torch.equal(bias[0, :, row], expected)
+    relative = alibi_bias(bloom_slopes(heads), None, q_len, kv_len, torch.device("cpu"))[0, :, -1]
+    shifted = (
+        relative * head_dim**-0.5 + expected[:, -1:]
+    )  # the relative form, row-shifted to agree at the end
+    assert not torch.allclose(shifted, expected, rtol=0, atol=1e-6)
+
+
+def test_falcon_form_reads_absolute_positions_under_a_padded_decode_mask() -> None:
+    padded = torch.tensor([[True, True, False], [True, True, True]]).view(2, 1, 1, 3)
+    bias = alibi_bias(torch.tensor([0.3]), padded, 1, 3, torch.device("cpu"), FALCON_FORM, 0.5)
+    per_key = (torch.tensor([0.3]).bfloat16() * torch.arange(3)).bfloat16().float() / 2.0
+    assert (
+        bias.shape == (2, 1, 1, 3)
+        and torch.equal(bias[0, 0, 0], per_key)
+        and torch.equal(bias[1, 0, 0], per_key)
+    )
+
+
+def test_an_absolute_form_is_refused_on_a_windowed_layer() -> None:
+    FALCON_FORM.check_layer("layer 0", None)
+    RELATIVE.check_layer("layer 0", 4)
+    with pytest.raises(NotImplementedError, match="layer 0: .*sliding-window"):
+        FALCON_FORM.check_layer("layer 0", 4)
+
+
+def test_falcon_alibi_passes_its_slopes_and_form_and_restores_the_model_flag() -> None:
+    model = _tiny("falcon", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, alibi=True)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    before = model(ids).logits
+    calls: list = []
+    with classic_attention(model, _record(calls)):
+        assert model.transformer.use_alibi is False  # its model-level tensor is not built for the run
+        model(ids)
+    assert model.transformer.use_alibi is True
+    kwargs = calls[0][4]
+    assert torch.equal(kwargs["alibi_slopes"], bloom_slopes(6)) and kwargs["alibi_form"] is FALCON_FORM
+    assert torch.equal(model(ids).logits, before)
+
+
+def test_falcon_alibi_through_the_adapter_is_falcon_s_forward() -> None:
+    """The adapted forward with the eager kernel (Falcon's form) gives the model's own (SDPA) logits."""
+    model = _tiny("falcon", hidden_size=48, num_hidden_layers=2, num_attention_heads=6, alibi=True)
+    ids = torch.tensor([list(range(3, 40))])
+    expected = model(ids).logits
+
+    def eager(module, query, key, value, mask, scaling=None, dropout=0.0, **kwargs):
+        out = eager_attend(
+            query, key, value, None, True, scaling, None, None, kwargs["alibi_slopes"], kwargs["alibi_form"]
+        )
+        return out.transpose(1, 2), None
+
+    with classic_attention(model, eager):
+        adapted = model(ids).logits
+    torch.testing.assert_close(adapted, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_git_and_blip_text_are_adapted_and_exact() -> None:
+    """GIT's and BLIP's decoder's BERT-style self-attention through the adapter: the model's own logits."""
+    git = _tiny("git", hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    blip = BlipTextLMHeadModel(
+        AutoConfig.for_model(
+            "blip_text_model", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4
+        )
+    ).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    for model in (git, blip):
+        expected = model(ids).logits
+        calls: list = []
+        with classic_attention(model, _record(calls)):
+            adapted = model(ids).logits
+        assert [c[0] for c in calls] == [0, 1] and calls[0][3] == pytest.approx(8**-0.5)
+        torch.testing.assert_close(adapted, expected, rtol=1e-5, atol=1e-5)

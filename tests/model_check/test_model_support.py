@@ -9,7 +9,13 @@ from unittest import mock
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BlipForConditionalGeneration,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from tests.support.models import FAMILY_CONFIGS, LlamaIgnoringLogitsToKeep, build_tiny_model
 from tests.support.reference import greedy_reference
@@ -187,7 +193,8 @@ CONFIG_RULES = {
         "gemma4_text",
         "per-layer attributes ['intermediate_size']",
     ),
-    "ALiBi": (lambda: AutoConfig.for_model("falcon", alibi=True), "falcon", "ALiBi"),
+    # An ALiBi flag on a family without an adapter passing its slopes (Falcon's, Bloom's and MPT's run).
+    "ALiBi": (lambda: AutoConfig.for_model("gpt_neox", alibi=True), "gpt_neox", "ALiBi"),
     "cross-attention": (
         lambda: AutoConfig.for_model("bert", is_decoder=True, add_cross_attention=True),
         "bert",
@@ -356,3 +363,33 @@ def test_a_class_computing_attention_itself_without_an_adapter_is_refused(monkey
     monkeypatch.delitem(classic.FAMILIES, "modeling_bloom.BloomAttention")
     message = refusal(tiny("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
     assert "model_type='bloom'" in message and "`_supports_attention_backend` is False" in message
+
+
+def test_a_classic_family_whose_forward_needs_an_image_is_refused_for_that() -> None:
+    """BLIP's decoder runs through its adapter, but BlipForConditionalGeneration's forward asks for
+    `pixel_values` (its decoder cross-attends to the image): the probe's error is the reason, not the class."""
+    config = AutoConfig.for_model(
+        "blip",
+        text_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 64},
+        vision_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 32},
+    )
+    torch.manual_seed(0)
+    model = BlipForConditionalGeneration(config).eval()
+    message = refusal(model)
+    assert "a forward on token ids alone fails" in message and "pixel_values" in message
+
+
+def test_falcon_alibi_and_git_are_supported() -> None:
+    check_model_supported(
+        tiny("falcon", vocab_size=64, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, alibi=True)
+    )
+    check_model_supported(
+        tiny(
+            "git",
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+        )
+    )

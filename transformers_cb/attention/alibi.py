@@ -10,13 +10,71 @@ consecutive positions, so the distance is one of key indices (`alibi_bias`); the
 positions themselves.
 
 The slopes are each family's own (`bloom_slopes`, `mpt_slopes`), computed as the family does in float32.
+
+Falcon (`alibi=True`) writes another form, `AlibiForm`: it rounds the slopes to bfloat16, multiplies them by
+each key's absolute position and rounds that product to bfloat16 again, and the bias joins the logits
+scaled as they are (`alibi / sqrt(D)` added to `q.k / sqrt(D)`). The per-key rounding is not shift-invariant,
+so that form reads absolute key positions: a full-attention layer's gathered keys start at position 0, so the
+j-th is at position j (the form is refused on windowed layers: `AlibiForm.check_layer`). The native kernel
+adds only the relative float32 form; a step's tokens it would attend run through the torch kernels for the
+layers of another form (attention/paged.py).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class AlibiForm:
+    """How a family adds its ALiBi bias: which positions it multiplies, rounded to what, scaled or not."""
+
+    # Absolute key positions (`slope * key_pos`, the family rounds the product so a shift would change it)
+    # instead of the distance to the query (`slope * (key_pos - query_pos)`, exact to float32).
+    absolute: bool = False
+    # The dtype the slopes, and each product, are rounded to as the family computes them (None: float32).
+    rounding: torch.dtype | None = None
+    # The bias multiplied by the layer's scaling, as when the family adds it to the unscaled logits.
+    scaled: bool = False
+
+    @property
+    def native(self) -> bool:
+        """Whether the native kernel adds this form (the relative float32 one only)."""
+        return self == RELATIVE
+
+    def check_layer(self, layer: str, sliding_window: int | None) -> None:
+        """An absolute form needs the row's gathered keys to start at position 0: no sliding window."""
+        if self.absolute and sliding_window is not None:
+            raise NotImplementedError(
+                f"{layer}: an ALiBi bias of absolute key positions on a sliding-window layer is not implemented"
+            )
+
+    def values(
+        self, slopes: torch.Tensor, keys: torch.Tensor, own: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """The float32 bias of `slopes` `[H]` (as `[1, H, 1, 1]`) for key indices `keys` `[1, 1, 1, L]`, the
+        query's own key index `own` (`[B, 1, Q, 1]`, or anything broadcast to it); `[B, H, Q, L]`."""
+        slopes = slopes.view(1, -1, 1, 1)
+        if self.absolute:
+            positions = keys.expand(torch.broadcast_shapes(keys.shape, own.shape))  # the rows' shape
+        else:
+            positions = keys - own
+        if self.rounding is not None:
+            bias = (slopes.to(self.rounding) * positions).to(self.rounding).float()
+        else:
+            bias = slopes.float() * positions.float()
+        # Divided by the inverse, as Falcon writes `alibi / sqrt(D)`: the same float32 rounding as its own.
+        return bias / (1.0 / scale) if self.scaled else bias
+
+
+# Bloom's and MPT's form (any, as they write it: softmax is shift-invariant) and the native kernel's.
+RELATIVE = AlibiForm()
+# Falcon's (`alibi=True`): `build_alibi_tensor`'s bfloat16 products of absolute positions, added as
+# `alibi / sqrt(D)` to the scaled logits.
+FALCON_FORM = AlibiForm(absolute=True, rounding=torch.bfloat16, scaled=True)
 
 
 def bloom_slopes(num_heads: int) -> torch.Tensor:
@@ -45,11 +103,18 @@ def mpt_slopes(num_heads: int, alibi_bias_max: float = 8) -> torch.Tensor:
 
 
 def alibi_bias(
-    slopes: torch.Tensor, mask: torch.Tensor | None, q_len: int, kv_len: int, device: torch.device
+    slopes: torch.Tensor,
+    mask: torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    form: AlibiForm = RELATIVE,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """`[B, H, Q, L]` float32 (B = 1 without a mask): `slope_h * (j - i_q)` for the j-th of a row's gathered
     keys, `i_q` the index of the query's own key among them (the last it sees: attention is causal), so
-    the bias is 0 on the query's own key and exact to float32 however long the context.
+    the bias is 0 on the query's own key and exact to float32 however long the context; or the bias of
+    another `form` (`scale`: the layer's, for a scaled form).
 
     Args:
         mask: `[B, 1, Q, L]` bool (True: attend) or None (bottom-right causal: query i is key L - Q + i)."""
@@ -58,5 +123,7 @@ def alibi_bias(
         own = (keys[kv_len - q_len :]).view(1, 1, q_len, 1)
     else:
         own = torch.where(mask, keys, 0).amax(dim=-1, keepdim=True)  # [B, 1, Q, 1]
-    distance = (keys.view(1, 1, 1, kv_len) - own).to(torch.float32)
-    return slopes.to(device=device, dtype=torch.float32).view(1, -1, 1, 1) * distance
+    if form == RELATIVE:
+        distance = (keys.view(1, 1, 1, kv_len) - own).to(torch.float32)
+        return slopes.to(device=device, dtype=torch.float32).view(1, -1, 1, 1) * distance
+    return form.values(slopes.to(device), keys.view(1, 1, 1, kv_len), own, scale)

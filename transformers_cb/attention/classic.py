@@ -1,19 +1,21 @@
 """The classic families' attention through the paged cache: one adapter, a small table per family.
 
-Bloom, MPT, Falcon, GPT-J, CodeGen, GPT-Neo, GPT-NeoX-Japanese, XGLM and OpenAI-GPT (and the BART-style
-decoders of TrOCR and MVP, which the support check then refuses by their own position numbering) compute
-attention inside their attention module (their own `_attn`, a cache they `update` through `layer_past`)
-instead of calling transformers' attention interface,
-so a paged backend never sees their K/V. For the run (`classic_attention`, entered with the paged backend
+Bloom, MPT, Falcon, GPT-J, CodeGen, GPT-Neo, GPT-NeoX-Japanese, XGLM, OpenAI-GPT, GIT and BLIP's text decoder
+(and the BART-style decoders of TrOCR and MVP, which the support check then refuses by their own position
+numbering) compute attention inside their attention module (their own `_attn`, a cache they `update`
+through `layer_past`) instead of calling transformers' attention interface, so a paged backend never sees
+their K/V. For the run (`classic_attention`, entered with the paged backend
 and by the support check's probe) each such module gets an instance `forward` that runs the module's own
 projections (and rotary, when the family has one) from the family's table, hands query/key/value
 `[1, H, T, D]` to the attention function it is given (a paged forward, or the probe's recorder) with the
-layer's scaling, window and ALiBi slopes (`alibi_slopes`: the kernels add the bias, attention/alibi.py),
+layer's scaling, window and ALiBi slopes (`alibi_slopes`: the kernels add the bias, attention/alibi.py;
+with `alibi_form` for a family of another form than the relative float32 one, Falcon's),
 and finishes as the module does (output projection, Bloom's residual add). Nothing of the attention math
 is copied per family: only where the family keeps its projections and how it shapes its heads.
 
 Model-level code that reads what the paged step no longer has is patched too, for the run only (Bloom
-builds its ALiBi tensor from a 2D padding mask; the step passes a 4D no-mask): `ClassicFamily.owner_patches`.
+builds its ALiBi tensor from a 2D padding mask; the step passes a 4D no-mask; Falcon's `use_alibi` flag):
+`ClassicFamily.owner_patches`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, cast
 
 import torch
 
-from .alibi import bloom_slopes, mpt_slopes
+from .alibi import FALCON_FORM, RELATIVE, AlibiForm, bloom_slopes, mpt_slopes
 
 # (query, key, value) `[1, H, T, D]` from the module, the hidden states and the call's kwargs.
 Project = Callable[[Any, torch.Tensor, dict], tuple[torch.Tensor, ...]]
@@ -45,10 +47,11 @@ class ClassicFamily:
     finish: Finish
     scaling: Callable[[Any], float]
     # The layer's ALiBi slopes `[H]` from the module and the model's (text) config; None: no ALiBi.
-    slopes: Callable[[Any, Any], torch.Tensor] | None = None
+    slopes: Callable[[Any, Any], torch.Tensor | None] | None = None
+    alibi_form: AlibiForm = RELATIVE  # how the family adds them (attention/alibi.py)
     window: Callable[[Any, Any], int | None] = lambda module, config: None  # the layer's sliding window
     # (owner class name, attribute, replacement) set on each instance of the owner for the run.
-    owner_patches: tuple[tuple[str, str, Callable[..., Any]], ...] = field(default_factory=tuple)
+    owner_patches: tuple[tuple[str, str, Any], ...] = field(default_factory=tuple)
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -180,10 +183,12 @@ CODEGEN = ClassicFamily(
 )
 
 
-# -- Falcon (rotary; its ALiBi variant is refused by the support check): fused query_key_value in one of three
-# layouts (multi-query, grouped new decoder architecture, plain), its own `_split_heads` reads them ---------
+# -- Falcon: fused query_key_value in one of three layouts (multi-query, grouped new decoder architecture,
+# plain), its own `_split_heads` reads them; rotary, or (`alibi=True`) ALiBi of its own form ---------------
 def _falcon_project(module: Any, hidden: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, ...]:
     query, key, value = (x.transpose(1, 2) for x in module._split_heads(module.query_key_value(hidden)))
+    if module.config.alibi:
+        return query, key, value
     rotate = sys.modules[type(module).__module__].apply_rotary_pos_emb
     cos, sin = kwargs["position_embeddings"]
     query, key = rotate(query, key, cos, sin)
@@ -199,6 +204,11 @@ FALCON = ClassicFamily(
     project=_falcon_project,
     finish=_dense_finish,
     scaling=lambda module: module.inv_norm_factor,
+    slopes=lambda module, config: bloom_slopes(module.num_heads) if config.alibi else None,
+    alibi_form=FALCON_FORM,
+    # FalconModel builds its ALiBi tensor from a 2D padding mask and folds it into the causal mask: off for
+    # the run (the kernels add the bias; the adapted layers read `config.alibi`, not the model's flag).
+    owner_patches=(("FalconModel", "use_alibi", False),),
 )
 
 
@@ -347,6 +357,9 @@ FAMILIES = {
 }
 
 
+_UNSET = object()  # an owner's attribute that only its class defined before the run
+
+
 def _family_key(module: torch.nn.Module) -> str:
     """`modeling_<family>.<Class>` of a module (the table's key: a class name alone is ambiguous)."""
     return f"{type(module).__module__.rsplit('.', 1)[-1]}.{type(module).__qualname__}"
@@ -370,10 +383,14 @@ def _adapted_forward(
     module: Any, family: ClassicFamily, config: Any, attention: Callable[..., Any]
 ) -> Callable[..., Any]:
     device = next(module.parameters()).device
-    slopes = None if family.slopes is None else family.slopes(module, config).to(device)
+    slopes = None if family.slopes is None else family.slopes(module, config)
     scaling = family.scaling(module)
     window = family.window(module, config)
-    extra: dict[str, Any] = {} if slopes is None else {"alibi_slopes": slopes}
+    extra: dict[str, Any] = {}
+    if slopes is not None:
+        extra["alibi_slopes"] = slopes.to(device)
+        if family.alibi_form != RELATIVE:
+            extra["alibi_form"] = family.alibi_form
     if window is not None:
         extra["sliding_window"] = window
 
@@ -392,6 +409,7 @@ def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> 
     `AttentionInterface` function), and its owners' patches are set; all removed on exit. A module already
     adapted (a nested entry) is left to the outer one."""
     installed: list[tuple[Any, str]] = []
+    restored: list[tuple[Any, str, Any]] = []
     config = cast(Any, model).config.get_text_config()
     adapted = classic_modules(model)
     patches = {patch for _, family in adapted for patch in family.owner_patches}
@@ -408,10 +426,17 @@ def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> 
                 installed.append((module, "forward"))
         for owner in model.modules():
             for owner_class, attribute, replacement in patches:
-                if type(owner).__name__ == owner_class and attribute not in owner.__dict__:
+                if type(owner).__name__ == owner_class:
+                    # An instance's own value (Falcon's `use_alibi` flag) comes back on exit; a method
+                    # shadowed here (Bloom's `build_alibi_tensor`) is unshadowed.
+                    restored.append((owner, attribute, owner.__dict__.get(attribute, _UNSET)))
                     setattr(owner, attribute, replacement)
-                    installed.append((owner, attribute))
         yield
     finally:
+        for owner, attribute, previous in reversed(restored):
+            if previous is _UNSET:
+                owner.__dict__.pop(attribute, None)
+            else:
+                setattr(owner, attribute, previous)
         for owner, attribute in reversed(installed):
             owner.__dict__.pop(attribute, None)

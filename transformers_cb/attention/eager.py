@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .alibi import alibi_bias
+from .alibi import RELATIVE, AlibiForm, alibi_bias
 from .paged import make_paged_forward
 
 
@@ -36,6 +36,7 @@ def eager_attend(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     slopes: torch.Tensor | None = None,
+    alibi_form: AlibiForm = RELATIVE,
 ) -> torch.Tensor:
     """slopes: `[H]` ALiBi slopes (None: no bias); the keys of each row are consecutive positions."""
     batch, num_heads, q_len, head_dim = query.shape
@@ -46,7 +47,7 @@ def eager_attend(
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, group * Q, L]
     scores = _softcapped(scores.view(batch, num_kv_heads, group, q_len, kv_len), softcap)
     if slopes is not None:  # in float32, as the reference and the native kernel add it
-        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device)
+        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device, alibi_form, scale)
         scores = scores.float() + bias.view(bias.shape[0], num_kv_heads, group, q_len, kv_len)
     if is_causal and mask is None:
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)

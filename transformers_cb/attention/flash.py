@@ -125,7 +125,9 @@ def flash_paged_attention(
 def make_flash_forward(name: str) -> Callable:
     """The function registered in transformers' `AttentionInterface` for flash backend `name`."""
 
-    def run(query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=None) -> torch.Tensor:
+    def run(
+        query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=None, alibi_form=None
+    ) -> torch.Tensor:
         if slopes is not None:
             raise NotImplementedError(
                 f"layer {layer_idx}: ALiBi biases are not implemented by the paged flash kernels; load the "

@@ -22,7 +22,9 @@ from typing import cast
 
 import torch
 
+from ..invariants import check
 from ..memory.kv_cache import layer_views, write_slots
+from .alibi import RELATIVE, AlibiForm
 from .latent import latent_attention
 from .metadata import STEP_METADATA, AttentionMetadata
 from .native import native_paged_attention
@@ -35,6 +37,8 @@ Attend = Callable[..., torch.Tensor]
 METADATA_KWARG = "cb_attention_metadata"
 # The `[H]` ALiBi slopes of a layer, passed by the classic families' adapters (attention/classic.py).
 ALIBI_KWARG = "alibi_slopes"
+# Its form when not the relative float32 one (`AlibiForm`: Falcon's), passed beside the slopes.
+ALIBI_FORM_KWARG = "alibi_form"
 
 # The metadata of the step whose forward is running in this thread (None outside one) is `STEP_METADATA`
 # (attention/metadata.py). Why: some decoder layers (StableLM, Nemotron) call their attention module
@@ -126,9 +130,11 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     slopes: torch.Tensor | None = None,
+    alibi_form: AlibiForm = RELATIVE,
 ) -> torch.Tensor:
     """Args: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` of the packed step; softcap: logit
-    softcapping of this layer; sinks: `[H]` attention-sink logits of this layer; slopes: `[H]` ALiBi slopes.
+    softcapping of this layer; sinks: `[H]` attention-sink logits of this layer; slopes: `[H]` ALiBi slopes;
+    alibi_form: how they are added (a form the native kernel does not add runs its tokens through `attend`).
 
     Returns `[1, T, H, D]`, the layout transformers' attention functions return.
 
@@ -137,9 +143,9 @@ def paged_attention(
     `mixed_paged_attention`, whose Python follows the step's groups (the runner runs such steps' forward
     eagerly: see runner/compile_plan.py).
     """
-    if not metadata.all_native:
+    if not metadata.all_native or (slopes is not None and not alibi_form.native):
         return mixed_paged_attention(
-            query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes
+            query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes, alibi_form
         )
     group_metadata = metadata.group_of(layer_idx)
     storage, layer = metadata.cache.storage_of(layer_idx)
@@ -175,6 +181,7 @@ def mixed_paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     slopes: torch.Tensor | None = None,
+    alibi_form: AlibiForm = RELATIVE,
 ) -> torch.Tensor:
     """`paged_attention` of any step: the native kernel's leading tokens, then the decode and prefill groups
     through `attend`. Its control flow follows each step's layout (it would recompile every step), so it is
@@ -186,7 +193,22 @@ def mixed_paged_attention(
     metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous
-    if metadata.native_tokens:
+    if metadata.native_tokens and slopes is not None and not alibi_form.native:
+        _attend_native_rows(
+            q,
+            key_cache,
+            value_cache,
+            layer_idx,
+            metadata,
+            scale,
+            attend,
+            softcap,
+            sinks,
+            slopes,
+            alibi_form,
+            out,
+        )
+    elif metadata.native_tokens:
         n = metadata.native_tokens
         native_paged_attention(
             q[:n],
@@ -208,7 +230,7 @@ def mixed_paged_attention(
         k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
         v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
         o = attend(
-            q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks, slopes
+            q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks, slopes, alibi_form
         )  # [B, H, 1, D]
         out[group.q_start : group.q_end] = o.squeeze(2)
     for chunk in group_metadata.prefill_groups:
@@ -219,13 +241,69 @@ def mixed_paged_attention(
             k_group = new_keys[rows].transpose(0, 1).unsqueeze(0)  # [1, Hkv, Q, D]
             v_group = new_values[rows].transpose(0, 1).unsqueeze(0)
             is_causal = chunk.q_end - chunk.q_start > 1
-            o = attend(q_group, k_group, v_group, chunk.mask, is_causal, scale, softcap, sinks, slopes)
+            o = attend(
+                q_group, k_group, v_group, chunk.mask, is_causal, scale, softcap, sinks, slopes, alibi_form
+            )
         else:
             k_group = _gather(key_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             v_group = _gather(value_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)
-            o = attend(q_group, k_group, v_group, chunk.mask, False, scale, softcap, sinks, slopes)
+            o = attend(
+                q_group, k_group, v_group, chunk.mask, False, scale, softcap, sinks, slopes, alibi_form
+            )
         out[rows] = o[0].transpose(0, 1)
     return out.unsqueeze(0)
+
+
+def _attend_native_rows(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    layer_idx: int,
+    metadata: AttentionMetadata,
+    scale: float,
+    attend: Attend,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+    slopes: torch.Tensor,
+    alibi_form: AlibiForm,
+    out: torch.Tensor,
+) -> None:
+    """The step's leading tokens, planned for the native kernel, through `attend` one row at a time: the
+    native kernel adds only the relative ALiBi form, and the packing plans no groups for its rows."""
+    group_metadata = metadata.group_of(layer_idx)
+    if group_metadata.sliding_window is not None or group_metadata.chunk_size is not None:
+        raise NotImplementedError(
+            f"layer {layer_idx}: an ALiBi form the native kernel does not add, on a windowed layer"
+        )
+    n, page_size = metadata.native_tokens, metadata.cache.page_size
+    rows, counts = torch.unique_consecutive(cast(torch.Tensor, metadata.token_row), return_counts=True)
+    token_pos = cast(torch.Tensor, metadata.token_pos)
+    start = 0
+    for row, count in zip(rows.tolist(), counts.tolist(), strict=True):
+        end = start + count
+        kv_len = int(token_pos[end - 1]) + 1  # a row's tokens are its last `count` positions
+        positions = torch.arange(kv_len, device=q.device)
+        pages = group_metadata.block_table[row, positions // page_size].long()
+        slots = pages * page_size + positions % page_size
+        k_row = _gather(key_cache, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v_row = _gather(value_cache, slots).transpose(0, 1).unsqueeze(0)
+        mask = torch.ones(count, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - count)
+        q_row = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        o = attend(
+            q_row,
+            k_row,
+            v_row,
+            mask.view(1, 1, count, kv_len),
+            False,
+            scale,
+            softcap,
+            sinks,
+            slopes,
+            alibi_form,
+        )
+        out[start:end] = o[0].transpose(0, 1)
+        start = end
+    check(start == n, f"layer {layer_idx}: the native rows cover {start} of {n} tokens")
 
 
 # A paged kernel as the forwards below call it: (query, key, value, layer_idx, metadata, scale, softcap, sinks),
@@ -243,8 +321,12 @@ def make_paged_forward(
     `plain_fallback` for layers `fallback` cannot run (softcapping, sinks).
     """
 
-    def run(query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=None) -> torch.Tensor:
-        return paged_attention(query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes)
+    def run(
+        query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=None, alibi_form=RELATIVE
+    ) -> torch.Tensor:
+        return paged_attention(
+            query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes, alibi_form
+        )
 
     return make_forward(run, fallback, name, plain_fallback)
 
@@ -279,13 +361,27 @@ def make_forward(
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
         slopes = kwargs.pop(ALIBI_KWARG, None)
+        alibi_form = kwargs.pop(ALIBI_FORM_KWARG, None) or RELATIVE
         unsupported_kwargs(kwargs)
         layer_idx = cast(int, module.layer_idx)  # transformers' attention modules know their layer
         group_metadata = metadata.group_of(layer_idx)
         check_window(layer_idx, sliding_window, group_metadata.sliding_window)
         if slopes is not None:
+            alibi_form.check_layer(f"layer {layer_idx}", group_metadata.sliding_window)
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return run(query, key, value, layer_idx, metadata, scale, softcap, sinks, slopes=slopes), None
+            out = run(
+                query,
+                key,
+                value,
+                layer_idx,
+                metadata,
+                scale,
+                softcap,
+                sinks,
+                slopes=slopes,
+                alibi_form=alibi_form,
+            )
+            return out, None
         if group_metadata.latent is not None:
             # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
             if softcap is not None or sinks is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .alibi import RELATIVE, AlibiForm
+
 
 def reference_paged_attention(
     query: torch.Tensor,
@@ -25,12 +27,14 @@ def reference_paged_attention(
     sinks: torch.Tensor | None = None,
     chunk_size: int | None = None,
     slopes: torch.Tensor | None = None,
+    alibi_form: AlibiForm = RELATIVE,
 ) -> torch.Tensor:
     """Args: query `[T, H, D]`; key/value cache `[num_slots, Hkv, D]`; sliding_window: a query at
     position q sees keys (q - sliding_window, q]; chunk_size: a query at q sees keys
     [q // chunk_size * chunk_size, q] (chunked attention); softcap: `softcap * tanh(scores / softcap)`;
     sinks: `[H]` logits that join each head's softmax without a value; slopes: `[H]` ALiBi slopes, the
-    bias `slope_h * (key_pos - query_pos)` added to the scaled logits. Returns `[T, H, D]`."""
+    bias `slope_h * (key_pos - query_pos)` added to the scaled logits, or the bias of another `alibi_form`
+    (Falcon's: `round(round(slope_h) * key_pos) * scale`, rounded as the form says). Returns `[T, H, D]`."""
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
@@ -46,8 +50,11 @@ def reference_paged_attention(
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(kv_len - (q_end - q_start), kv_len)[:, None]
-        if slopes is not None:
+        if slopes is not None and alibi_form == RELATIVE:
             scores = scores + slopes.float().view(-1, 1, 1) * (positions[None, :] - q_pos).float()
+        elif slopes is not None:
+            own = q_pos.view(1, 1, -1, 1)
+            scores = scores + alibi_form.values(slopes, positions.view(1, 1, 1, -1), own, scale)[0]
         allowed = positions[None, :] <= q_pos
         if sliding_window is not None:
             allowed &= positions[None, :] > q_pos - sliding_window

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .alibi import alibi_bias
+from .alibi import RELATIVE, AlibiForm, alibi_bias
 from .eager import eager_attend, eager_attention_forward
 from .paged import make_paged_forward
 
@@ -26,14 +26,17 @@ def sdpa_attend(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     slopes: torch.Tensor | None = None,
+    alibi_form: AlibiForm = RELATIVE,
 ) -> torch.Tensor:
     if softcap is not None or sinks is not None:
-        return eager_attend(query, key, value, mask, is_causal, scale, softcap, sinks, slopes)
+        return eager_attend(query, key, value, mask, is_causal, scale, softcap, sinks, slopes, alibi_form)
     if slopes is not None:
         q_len, kv_len = query.shape[2], key.shape[2]
         if mask is None and is_causal:
             mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
-        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device).to(query.dtype)  # [B, H, Q, L]
+        bias = alibi_bias(slopes, mask, q_len, kv_len, query.device, alibi_form, scale).to(
+            query.dtype
+        )  # [B, H, Q, L]
         if mask is not None:
             bias = torch.where(mask.view(-1, 1, q_len, kv_len), bias, float("-inf"))
         return F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)

@@ -48,9 +48,10 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from ..attention.alibi import RELATIVE
 from ..attention.classic import classic_attention, has_classic_attention
 from ..attention.eager import eager_attend
-from ..attention.paged import ALIBI_KWARG, METADATA_KWARG, step_metadata
+from ..attention.paged import ALIBI_FORM_KWARG, ALIBI_KWARG, METADATA_KWARG, step_metadata
 from ..kv.layer_groups import ObservedLayers
 
 PROBE_NAME = "cb_dispatch_probe"
@@ -144,9 +145,9 @@ def _recording_attention(
         # change the logits (a V of another size is refused for any other model by `dispatch_problems`).
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
-    slopes = kwargs.get(ALIBI_KWARG)
+    slopes, form = kwargs.get(ALIBI_KWARG), kwargs.get(ALIBI_FORM_KWARG) or RELATIVE
     out = eager_attend(
-        query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"), slopes
+        query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"), slopes, form
     )
     return out.transpose(1, 2).contiguous(), None  # [B, T, H, D], as transformers' functions return
 

@@ -15,8 +15,8 @@ Refused, with the model type and what is missing. From the config alone:
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
   MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
 - attention the kernels do not implement: bidirectional attention, DeepSeek sparse attention
-  (`indexed_attention` layers of a multi-latent model), ALiBi of a family without an adapter (Falcon's
-  bfloat16-rounded form; Bloom's and MPT's run: attention/classic.py), cross-attention, or any unknown
+  (`indexed_attention` layers of a multi-latent model), ALiBi of a family without an adapter (Bloom's, MPT's
+  and Falcon's bfloat16-rounded form run: attention/classic.py), cross-attention, or any unknown
   `layer_types` entry (`kv/layer_groups.py`).
 Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
 an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`).
@@ -71,9 +71,10 @@ from .state_probe import StateLayout, probe_states, state_problems
 OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits): Falcon's `alibi`, MPT's
 # `attn_config.alibi`, BERT-style `position_embedding_type`. The kernels add it for the families whose
-# adapter passes their slopes (attention/classic.py: Bloom, whose config has no flag, and MPT).
+# adapter passes their slopes (attention/classic.py: Bloom, whose config has no flag, MPT, and Falcon with
+# its own form of the bias, `alibi.AlibiForm`).
 ALIBI_FLAGS = ("alibi", "use_alibi")
-ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt"})
+ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
 
 
 @dataclass(frozen=True)
@@ -210,15 +211,7 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
 
 
 def _alibi_refusal(text_config: Any) -> str:
-    """Why an ALiBi config is refused: the one family whose form the kernels do not reproduce is named."""
-    if getattr(text_config, "model_type", None) == "falcon":
-        # Why: Falcon adds `slopes.bfloat16() * key_pos`, rounded to bfloat16 per key, before the scaling; the
-        # kernels add `slope * key_pos` in float32 after it, which agrees only to about 1e-2 in the logits.
-        return (
-            "Falcon's ALiBi (alibi=True) rounds its bias to bfloat16 per key position and adds it before the "
-            "scaling; the paged kernels add the float32 bias slope * position after the scaling (Bloom, MPT), "
-            "so the bfloat16-rounded form is the missing piece"
-        )
+    """Why an ALiBi config is refused."""
     return (
         "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/classic.py)"
     )
@@ -253,7 +246,9 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     observed = None
     # A classic family's modules attend through the interface while the probe runs (attention/classic.py):
     # a forward that fails there failed for its own reason (BLIP's decoder asks for `pixel_values`).
-    reaches_interface = getattr(type(model), "_supports_attention_backend", False) or has_classic_attention(model)
+    reaches_interface = getattr(type(model), "_supports_attention_backend", False) or has_classic_attention(
+        model
+    )
     if not result.calls and kv_layers and (result.error is None or not reaches_interface):
         problems = [_no_interface_reason(model)]
     else:
