@@ -14,6 +14,8 @@ from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 from transformers_cb.attention.alibi import FALCON_FORM, RELATIVE, alibi_bias, bloom_slopes, mpt_slopes
 from transformers_cb.attention.classic import classic_attention, classic_modules, has_classic_attention
 from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.reference import reference_paged_attention
+from transformers_cb.attention.sdpa import sdpa_attend
 
 
 @pytest.mark.parametrize("heads", range(1, 18))
@@ -208,3 +210,33 @@ def test_git_and_blip_text_are_adapted_and_exact() -> None:
             adapted = model(ids).logits
         assert [c[0] for c in calls] == [0, 1] and calls[0][3] == pytest.approx(8**-0.5)
         torch.testing.assert_close(adapted, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_kernels_and_the_oracle_add_falcon_s_form_alike() -> None:
+    """Eager, SDPA and the reference oracle give one result under Falcon's form, and another than under the
+    relative form (a context past 256 positions, where the bfloat16 products stop being shift-invariant)."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, q_len, kv_len, dim, page = 6, 2, 3, 300, 8, 4
+    query = torch.randn(1, heads, q_len, dim, generator=gen)
+    key = torch.randn(1, kv_heads, kv_len, dim, generator=gen)
+    value = torch.randn(1, kv_heads, kv_len, dim, generator=gen)
+    slopes, scale = bloom_slopes(heads), dim**-0.5
+    eager = eager_attend(query, key, value, None, True, scale, None, None, slopes, FALCON_FORM)
+    sdpa = sdpa_attend(query, key, value, None, True, scale, None, None, slopes, FALCON_FORM)
+    block_table = torch.arange(kv_len // page, dtype=torch.int32).view(1, -1)
+    oracle = reference_paged_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1).contiguous(),
+        value[0].transpose(0, 1).contiguous(),
+        torch.tensor([0, q_len]),
+        torch.tensor([kv_len]),
+        block_table,
+        page,
+        scale,
+        slopes=slopes,
+        alibi_form=FALCON_FORM,
+    )
+    torch.testing.assert_close(eager, sdpa, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(eager[0].transpose(0, 1), oracle, rtol=1e-5, atol=1e-6)
+    relative = eager_attend(query, key, value, None, True, scale, None, None, slopes * scale)
+    assert not torch.allclose(eager, relative, rtol=1e-5, atol=1e-6)
