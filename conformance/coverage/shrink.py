@@ -306,6 +306,18 @@ def _fix_consistency(d: dict, out: dict) -> None:
     # `qk_rope_head_dim` (DeepSeek V3, Youtu, AXK1, LongCat): it stays the shrunk rotary width.
     if d.get("kv_lora_rank") is not None and d.get("head_dim") == d.get("qk_rope_head_dim"):
         out["head_dim"] = out.get("qk_rope_head_dim")
+    # A V head size the class sets apart from K's (MiMo-V2-Flash: 128 for 192) stays apart, in proportion:
+    # a tiny model whose V has K's size would not show whether V is cached at its own size.
+    head_dim, v_head_dim = d.get("head_dim"), d.get("v_head_dim")
+    if (
+        d.get("kv_lora_rank") is None
+        and isinstance(head_dim, int)
+        and isinstance(v_head_dim, int)
+        and head_dim > 0
+        and v_head_dim != head_dim
+        and isinstance(out.get("head_dim"), int)
+    ):
+        out["v_head_dim"] = max(1, round(out["head_dim"] * v_head_dim / head_dim))
     # A window or chunk at least as long as the model's context would never apply.
     for key in ("sliding_window", "attention_chunk_size"):
         value = out.get(key)

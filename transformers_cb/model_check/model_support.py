@@ -25,11 +25,11 @@ From what the model's forward does (when the model is given; `attention_probe.py
 - attention that never reaches transformers' attention interface (Bloom, MPT, Falcon, GPT-J, CodeGen,
   ...: classes with `_supports_attention_backend` False compute it themselves);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
-  step's metadata is out of reach: its layers count as missing), two attention calls per layer, a V
-  head shape other than K's, a window other than the config's, bidirectional layers, an attention bias in
+  step's metadata is out of reach: its layers count as missing), two attention calls per layer, V with
+  other heads than K's, a window other than the config's, bidirectional layers, an attention bias in
   the mask (ALiBi), positions numbered another way than 0..n-1.
 K/V head shapes other than the config's are taken from the forward instead (`observed_layers_of`: the
-engine sizes its cache from them), and so is a window applied through the mask alone (no kwarg).
+engine sizes its cache from them; V's own head size, K/V a layer tiles before the call), and so is a window applied through the mask alone (no kwarg).
 Two clauses are adapted instead of refused (runner/model_call.py): layers that drop the attention kwargs
 (StableLM, Nemotron) reach the step's metadata through a context variable, and a forward that ignores
 `logits_to_keep` has its rows selected by the runner (`ignores_logits_to_keep`).
