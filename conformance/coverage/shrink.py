@@ -73,6 +73,9 @@ EXACT_TARGETS: dict[str, int] = {
     "v_head_dim": HEAD_DIM,
     "index_head_dim": HEAD_DIM,
     "index_n_heads": HEADS,
+    # DeepSeek sparse attention: fewer selected keys than the prompts hold, so the selection matters
+    "index_topk": WINDOW,
+    "index_kpool": 4,  # GLM-5-next pools keys in blocks; the selected count stays a multiple of the block
     # MoE routing: kept, smaller
     "num_experts": EXPERTS,
     "num_local_experts": EXPERTS,

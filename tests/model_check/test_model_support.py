@@ -134,7 +134,7 @@ def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
 MODEL_RULES["a window the layers do not apply"] = (
     llama_with_a_window_it_does_not_apply,
     "llama",
-    "layer 0 applies no window (no sliding_window, a plain causal mask) while the config sets sliding_window=8",
+    "layer 0 applies no window (a plain causal mask) while generate()'s DynamicCache keeps a 8-token window",
 )
 
 CONFIG_RULES = {

@@ -70,8 +70,9 @@ def test_a_window_is_read_from_the_mask_when_the_layer_passes_none() -> None:
 
 def test_a_layer_applying_no_window_is_refused_naming_generates_mix() -> None:
     (problem,) = _problems([_call(0), _call(1)], [8, 8], windowed=frozenset())
-    assert problem.startswith("layer 0 applies no window (no sliding_window, a plain causal mask)")
+    assert problem.startswith("layer 0 applies no window (a plain causal mask)")
     assert "sliding_window=8" in problem and "while prefilling" in problem
+    assert "missing: a KV group kind whose queries inside the prompt attend every earlier key" in problem
 
 
 def test_without_forward_c_a_missing_window_is_refused_as_before() -> None:
@@ -133,6 +134,7 @@ def test_biases_are_told_apart_by_who_made_them() -> None:
     the model's own mask carries is the model's (ALiBi through the mask)."""
     (own,) = _problems([_call(0, bias=True)], [None])
     assert own.startswith("layers [0] add a bias of their own to the attention mask")
+    assert "missing a per-(KV head, key) term from every cached key's states added to the logits" in own
     (model_bias,) = _problems([_call(0)], [None], plain_bias=True)
     assert model_bias.startswith("its attention mask carries a bias")
 

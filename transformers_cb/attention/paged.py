@@ -302,6 +302,8 @@ def make_forward(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
         sliding_window = kwargs.pop("sliding_window", None)
+        # DeepSeek sparse attention's selected keys (attention/sparse_index.py); None for any other layer.
+        indices = kwargs.pop("indices", None)
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
         unsupported_kwargs(kwargs)
@@ -310,12 +312,17 @@ def make_forward(
         check_window(layer_idx, sliding_window, group_metadata.sliding_window)
         if group_metadata.latent is not None:
             # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
-            if softcap is not None or sinks is not None:
+            if softcap is not None or (sinks is not None and indices is None):
                 raise NotImplementedError(
-                    f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented"
+                    f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented "
+                    "(sinks are, on DeepSeek sparse attention layers)"
                 )
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return latent_attention(module, query, key, value, layer_idx, metadata, scale), None
+            return latent_attention(
+                module, query, key, value, layer_idx, metadata, scale, indices, sinks
+            ), None
+        if indices is not None:
+            raise NotImplementedError(f"layer {layer_idx}: selected keys (indices) outside a latent layer")
         if tunes_temperature(module):
             # Llama 4's NoPE layers scale their queries by a position they number by step index.
             if metadata.position_ids is None:

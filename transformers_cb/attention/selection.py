@@ -25,6 +25,7 @@ from ..kv.layer_groups import CHUNKED_ATTENTION, latent_shape_of, layer_types_of
 from . import PAGED_BACKENDS
 from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 from .latent import latent_pass_through
+from .sparse_index import indexer_pass_through
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +136,8 @@ def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterat
     if target != current:
         model.set_attn_implementation(target)
     try:
-        with latent_pass_through(model):  # multi-latent modules hand their latent to the paged forward
+        # Multi-latent modules hand their latent to the paged forward; indexers select from the paged keys.
+        with latent_pass_through(model), indexer_pass_through(model):
             yield target
     finally:
         if target != current and model.config._attn_implementation == target:

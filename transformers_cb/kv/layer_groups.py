@@ -47,7 +47,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
-# DeepSeek sparse attention's layer type (an indexer picks each query's keys): known, not run.
+# DeepSeek sparse attention's layer type (an indexer picks each query's keys): full attention over latent
+# pages whose rows carry the indexer's key too (`KVGroupSpec.index_dim`; attention/sparse_index.py).
 INDEXED_ATTENTION = "indexed_attention"
 # transformers' layer types (cache_utils: `DYNAMIC_LAYER_TYPE_MAPPING`) with a recurrent state, and the
 # attention kind of their KV (None: no KV at all).
@@ -93,7 +94,9 @@ class KVGroupSpec:
     `value_dim`: the V head size of a group whose V is not K's size (None: K's); a page then holds one
     stream whose rows are K's `head_dim` values followed by V's (`memory.kv_cache.layer_views` splits
     them), so nothing is padded. `kv_repeat`: the times its layers tile their K/V heads over the query
-    heads before attending (JetMoE); the pages hold the heads before the repeat."""
+    heads before attending (JetMoE); the pages hold the heads before the repeat. `index_dim`: a latent
+    group of DeepSeek sparse attention layers: each row's latent is followed by the indexer's key of the token
+    (`index_head_dim` values), which selects each query's keys (attention/sparse_index.py)."""
 
     kind: str
     layer_indices: tuple[int, ...]
@@ -104,6 +107,8 @@ class KVGroupSpec:
     latent: tuple[int, int] | None = None
     value_dim: int | None = None
     kv_repeat: int = 1
+    # DeepSeek sparse attention: the indexer's key size (`index_head_dim`), stored after each latent row.
+    index_dim: int | None = None
 
     @property
     def span(self) -> int | None:
@@ -119,7 +124,8 @@ class KVGroupSpec:
         elif self.attention_chunk_size is not None:
             name = f"{self.kind}(chunk={self.attention_chunk_size})"
         if self.latent is not None:
-            return f"{name}[latent={self.latent[0]}+{self.latent[1]}]"
+            index = "" if self.index_dim is None else f", indexer key={self.index_dim}"
+            return f"{name}[latent={self.latent[0]}+{self.latent[1]}{index}]"
         if self.head_shape is not None:
             value = "" if self.value_dim is None else f", value dim={self.value_dim}"
             repeat = "" if self.kv_repeat == 1 else f", repeated x{self.kv_repeat}"
@@ -161,6 +167,8 @@ def kv_kind_of(layer_type: str) -> str | None:
         return STATE_LAYER_TYPES[layer_type]
     if layer_type in STATELESS_LAYER_TYPES:
         return None
+    if layer_type == INDEXED_ATTENTION:
+        return FULL_ATTENTION  # every earlier key is a candidate; the indexer's selection is a mask
     return layer_type
 
 
@@ -196,7 +204,11 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
     Args:
         observed: what the model's forward showed (`ObservedLayers`); None: the config alone."""
     text_config = config.get_text_config()
-    layer_types = [kv_kind_of(t) for t in layer_types_of(text_config)]
+    raw_types = layer_types_of(text_config)
+    layer_types = [kv_kind_of(t) for t in raw_types]
+    if INDEXED_ATTENTION in raw_types and latent_shape_of(text_config) is None:
+        # Without a latent there is no page row to carry the indexer's keys: refused as an unknown kind.
+        layer_types = [INDEXED_ATTENTION if r == INDEXED_ATTENTION else kv_kind_of(r) for r in raw_types]
     unknown = sorted({t for t in layer_types if t is not None} - set(KNOWN_LAYER_TYPES))
     if unknown:
         model_type = getattr(text_config, "model_type", "?")
@@ -222,19 +234,23 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
     value_dims = list(observed.value_dims) if observed is not None and observed.value_dims else None
     repeats = list(observed.kv_repeats) if observed is not None and observed.kv_repeats else None
 
-    def key_of(i: int) -> tuple[tuple[int, int] | None, int | None, int]:
-        """What a group's layers share: K's head shape, V's head size (None: K's), the K/V repeat."""
+    index_dim = getattr(text_config, "index_head_dim", None) if latent is not None else None
+
+    def key_of(i: int) -> tuple[tuple[int, int] | None, int | None, int, int | None]:
+        """What a group's layers share: K's head shape, V's head size (None: K's), the K/V repeat, the
+        indexer's key size (DeepSeek sparse attention's layers)."""
         shape = None if shapes is None else shapes[i]
         value = None if value_dims is None or shape is None or value_dims[i] == shape[1] else value_dims[i]
-        return shape, value, 1 if repeats is None else repeats[i]
+        index = int(index_dim) if index_dim and raw_types[i] == INDEXED_ATTENTION else None
+        return shape, value, 1 if repeats is None else repeats[i], index
 
     groups = []
     for kind in KNOWN_LAYER_TYPES:
         layers = [i for i, t in enumerate(layer_types) if t == kind]
         # Why per shape: a group's pages are one tensor, whose layers share one (KV heads, head dim), V's
         # head size and K/V repeat.
-        for shape, value, repeat in dict.fromkeys(key_of(i) for i in layers):
-            members = tuple(i for i in layers if key_of(i) == (shape, value, repeat))
+        for shape, value, repeat, index in dict.fromkeys(key_of(i) for i in layers):
+            members = tuple(i for i in layers if key_of(i) == (shape, value, repeat, index))
             groups.append(
                 KVGroupSpec(
                     kind,
@@ -245,6 +261,7 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
                     latent,
                     value,
                     repeat,
+                    index,
                 )
             )
     return groups

@@ -43,10 +43,11 @@ class CacheLayout:
 
     def row_shape(self, group: int) -> tuple[int, int]:
         """(heads, values per head) of one token's row in one stream of group `group`'s tensor: K's head
-        shape, or K's and V's head sizes side by side when V's is not K's (`KVGroupSpec.value_dim`)."""
+        shape, or K's and V's head sizes side by side when V's is not K's (`KVGroupSpec.value_dim`), or a
+        latent row and the indexer's key after it (`KVGroupSpec.index_dim`)."""
         heads, dim = self.head_shape(group)
-        value_dim = self.groups[group].value_dim
-        return heads, dim + (value_dim or 0)
+        spec = self.groups[group]
+        return heads, dim + (spec.value_dim or 0) + (spec.index_dim or 0)
 
     def group_page_bytes(self, group: int) -> int:
         """Bytes of one page of group `group`: K and V of each of its layers (a latent group: its latent
@@ -186,8 +187,11 @@ class PagedKVCache:
         )
 
     def key_dim(self, group: int) -> int | None:
-        """K's head size where group `group`'s rows hold K and V side by side (`layer_views`); else None."""
-        return self.layout.head_shape(group)[1] if self.groups[group].value_dim is not None else None
+        """K's head size where group `group`'s rows hold K and V side by side, or a latent row and its
+        indexer key (`layer_views`: the layer's value cache is then V, or the indexer keys); else None."""
+        spec = self.groups[group]
+        split = spec.value_dim is not None or spec.index_dim is not None
+        return self.layout.head_shape(group)[1] if split else None
 
     @property
     def pages_per_group(self) -> tuple[int, ...]:
@@ -217,10 +221,14 @@ class PagedKVCache:
             device = self.keys[0].device
             src = (torch.tensor(sources, device=device)[:, None] * self.page_size + offsets).reshape(-1)
             dst = (torch.tensor(destinations, device=device)[:, None] * self.page_size + offsets).reshape(-1)
-            for layer in self.groups[group].layer_indices:
+            storage = self.group_tensors[group]
+            for index, layer in enumerate(self.groups[group].layer_indices):
+                if storage.shape[0] == 1:  # one stream: whole rows (K and V, or a latent and its indexer key)
+                    rows = storage[0, index].view(-1, *storage.shape[-2:])
+                    rows.index_copy_(0, dst, rows.index_select(0, src))
+                    continue
                 self.keys[layer].index_copy_(0, dst, self.keys[layer].index_select(0, src))
-                if self.groups[group].latent is None:  # a latent group's values are its keys
-                    self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
+                self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]

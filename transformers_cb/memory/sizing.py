@@ -28,11 +28,13 @@ import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..kv.layer_groups import (
+    INDEXED_ATTENTION,
     KVGroupSpec,
     ObservedLayers,
     kv_layer_indices,
     latent_shape_of,
     layer_head_shapes,
+    layer_types_of,
 )
 from ..kv.page_policies import num_pages_for
 
@@ -67,6 +69,8 @@ class ModelShape:
     # vector per token (one head of their summed width, no V), not decompressed K/V.
     latent: tuple[int, int] | None = None
     layer_value_dims: tuple[int, ...] = ()
+    # DeepSeek sparse attention: the indexer's key size cached beside the latent, per layer (0: none).
+    layer_index_dims: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config, observed: ObservedLayers | None = None) -> ModelShape:
@@ -82,9 +86,12 @@ class ModelShape:
         kv_layers = kv_layer_indices(config)
         latent = latent_shape_of(config)
         value_dims = observed.value_dims if observed is not None else ()
+        index_dims: tuple[int, ...] = ()
         if latent is not None:
             per_layer = [(1, sum(latent))] * config.num_hidden_layers
             value_dims = ()
+            index_dim = int(getattr(config, "index_head_dim", None) or 0)
+            index_dims = tuple(index_dim if t == INDEXED_ATTENTION else 0 for t in layer_types_of(config))
         if per_layer:
             num_kv_heads, head_dim = per_layer[0]
         else:
@@ -102,6 +109,7 @@ class ModelShape:
             kv_layers=None if len(kv_layers) == config.num_hidden_layers else tuple(kv_layers),
             latent=latent,
             layer_value_dims=tuple(value_dims),
+            layer_index_dims=index_dims if any(index_dims) else (),
         )
 
     def layer_head_shape(self, layer_idx: int) -> tuple[int, int]:
@@ -122,7 +130,8 @@ class ModelShape:
         per layer)."""
         layers = range(self.num_layers) if self.kv_layers is None else self.kv_layers
         if self.latent is not None:
-            return sum(h * d for h, d in map(self.layer_head_shape, layers)) * element_size
+            indexer = sum(self.layer_index_dims[i] for i in layers) if self.layer_index_dims else 0
+            return (sum(h * d for h, d in map(self.layer_head_shape, layers)) + indexer) * element_size
         elements = 0
         for layer in layers:
             heads, dim = self.layer_head_shape(layer)

@@ -406,9 +406,10 @@ def dispatch_problems(
         # The engine's call passes a plain mask: a bias there was made by the layer itself (Doge's dynamic
         # mask: a per-key term from every cached key's value states, then a top-k of the keys).
         problems.append(
-            f"layers {layer_bias} add a bias of their own to the attention mask (computed in the layer from "
-            "its keys' states, e.g. Doge's dynamic mask): the paged kernels add no bias to the logits, and a "
-            "layer sees only the step's new keys, not the cached ones the bias is over"
+            f"layers {layer_bias} add a bias of their own to the attention mask, computed from each key's "
+            "states (Doge's dynamic mask: exp(A x softplus(dt_proj(V))) per KV head and key, then the top "
+            "keep_window_size keys): missing a per-(KV head, key) term from every cached key's states added to "
+            "the logits by each paged kernel, and that top-k selection (a layer sees only the step's new keys)"
         )
     elif result.mask_bias or any(c.mask_bias for c in calls):
         problems.append("its attention mask carries a bias (e.g. ALiBi), which the paged kernels do not add")
@@ -441,10 +442,11 @@ def dispatch_problems(
                 # Its mask is causal, yet generate()'s DynamicCache (built from the config) keeps only the
                 # window: generate() attends fully while prefilling, within the window while decoding.
                 problems.append(
-                    f"layer {c.layer_idx} applies no window (no sliding_window, a plain causal mask) while the "
-                    f"config sets sliding_window={window!r}, with which the DynamicCache of generate() keeps only "
-                    f"a {window}-token window: generate() attends to every key while prefilling and to the window while decoding, a mix "
-                    "no paged KV group kind reproduces"
+                    f"layer {c.layer_idx} applies no window (a plain causal mask) while generate()'s DynamicCache "
+                    f"keeps a {window}-token window (sliding_window={window!r}): generate() attends to every key "
+                    "while prefilling, to the window while decoding; missing: a KV group kind whose queries "
+                    "inside the prompt attend every earlier key and later ones the window, keeping the prompt's "
+                    "pages until it is prefilled (each request's prompt length in the masks and kernels)"
                 )
                 break
             problems.append(
