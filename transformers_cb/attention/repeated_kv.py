@@ -20,15 +20,13 @@ from ..invariants import check
 
 
 @lru_cache(maxsize=64)
-def _order(query_heads: int, kv_heads: int, repeat: int) -> tuple[int, ...]:
-    """The query heads, stably sorted by the KV head (before the repeat) each reads."""
-    group = query_heads // (kv_heads * repeat)
-    return tuple(sorted(range(query_heads), key=lambda h: h // group % kv_heads))
-
-
 def head_order(query_heads: int, kv_heads: int, repeat: int, device: torch.device) -> torch.Tensor:
-    """`[query_heads]` int64: the query heads in the order grouped-query attention over `kv_heads` reads."""
-    return torch.tensor(_order(query_heads, kv_heads, repeat), device=device)
+    """`[query_heads]` int64: the query heads stably sorted by the KV head (before the repeat) each reads,
+    the order grouped-query attention over `kv_heads` reads them in. Kept per device: made once, before a
+    CUDA graph captures a step (no host-to-device copy inside a capture)."""
+    group = query_heads // (kv_heads * repeat)
+    order = sorted(range(query_heads), key=lambda h: h // group % kv_heads)
+    return torch.tensor(order, device=device)
 
 
 def untiled(
