@@ -3,14 +3,15 @@
 
 Processors cannot be built offline here (their resizing needs Pillow or torchvision), so the inputs are
 shaped the way the families' processors shape them, tried in order until the class's own
-`get_image_features` takes one: flattened patches with a `[1, h, w]` grid (the Qwen-VL family), a batch of
-images, images with their `image_sizes`, tiles with `image_sizes` (LLaVA-NeXT), one prompt's images with
+`get_image_features` takes one: flattened patches with a `[1, h, w]` grid (the Qwen-VL family), patches with
+their `image_position_ids` (Gemma 4, pooled k x k), a batch of images, images with their `image_sizes`, tiles with `image_sizes` (LLaVA-NeXT), one prompt's images with
 their `pixel_attention_mask` (Idefics). Each image's placeholder count is what the encoder returns for it.
-The model is rebuilt from the entry's tiny config with its vision tower's images shrunk to a few patches.
+The model is rebuilt from the entry's tiny config with its vision tower's images shrunk to a few patches (a
+config whose vision tower is optional and unset, Gemma 4's, gets its class's default vision config, shrunk).
 
 Three prompts in one `generate_batch` (4-token pages, a 5-token step budget so chunks cut the images): one
 image, text only, two images. States: exact (tokens equal, logprobs within the matrix's tolerance), refused
-(the engine refuses the images up front with the reason), mismatch, crash, not judged (no input shape fits
+(the engine, or the support check, refuses the images up front with the reason), mismatch, crash, not judged (no input shape fits
 the class, or `generate()` itself fails on them; with the reason).
 """
 
