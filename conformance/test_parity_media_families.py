@@ -135,3 +135,29 @@ def test_gemma3_under_preemption_and_prefix_sharing() -> None:
         output = results[f"req_{i}"]
         assert output.status == RequestStatus.FINISHED, (i, output.error)
         assert (output.generated_tokens, output.logprobs) == (tokens, pytest.approx(logprobs, abs=1e-4)), i
+
+
+def test_gemma4_images_equal_generate_and_vision_blocks_are_refused(monkeypatch) -> None:
+    """Gemma 4 (patches with `image_position_ids`, per-layer embeddings computed from the ids with its
+    placeholders as pad, as its forward does): one image, text only, two images in 5-token chunks equal
+    `generate()`. With `use_bidirectional_attention="vision"` generate() lets each run of vision tokens attend
+    both ways on the sliding layers (from `mm_token_type_ids`): refused with the reason, never run causally."""
+    import conformance.coverage.media as media
+    from conformance.coverage.catalog import all_entries, select
+    from transformers_cb.engine.media_inputs import MediaIntake
+
+    entry = select(all_entries(), ["gemma4"])[0]
+    outcome = media.run_media(entry)
+    assert (outcome.state, outcome.notes) == ("exact", "inputs: patches + image_position_ids"), outcome
+    real = media.entry_config
+
+    def vision_blocks(e):
+        config = real(e)
+        config.get_text_config().use_bidirectional_attention = "vision"
+        return config
+
+    monkeypatch.setattr(media, "entry_config", vision_blocks)
+    refusal = MediaIntake.of(media.media_model(entry)).refusal
+    assert refusal is not None and "mm_token_type_ids" in refusal
+    outcome = media.run_media(entry)
+    assert outcome.state == "refused" and "bidirectional" in outcome.reason, outcome
