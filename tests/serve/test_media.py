@@ -349,7 +349,7 @@ def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
 
 @requires_serve
 def test_responses_input_images_take_the_same_path(vlm_checkpoint) -> None:
-    """`/v1/responses` with `input_image` parts (serve/responses_api.py): the chat path's processor and
+    """`/v1/responses` with `input_image` parts (serve/response_input.py): the chat path's processor and
     engine, so the answer equals `generate()` on the processor's outputs; a bad image names its input field."""
     import httpx
 
