@@ -21,7 +21,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
+from conformance.common import (
+    ReferenceCache,
+    check_parity,
+    check_parity_under_eviction,
+    greedy_config,
+    run_batch,
+    tight_num_blocks,
+)
 from conformance.test_parity_offload import engines_checked
 from conformance.test_parity_sliding import integrity_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
@@ -123,18 +130,8 @@ def test_probed_shapes_parity(subject, backend: str, page_size: int, budget: int
 
 def test_probed_shapes_parity_under_eviction(subject) -> None:
     name, model, prompts, references = subject
-    num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, 4)
     with integrity_checked():
-        outputs, preemptions = run_batch(
-            model,
-            prompts,
-            greedy_config(MAX_NEW_TOKENS),
-            page_size=4,
-            max_batch_tokens=16,
-            num_blocks=num_blocks,
-        )
-    assert preemptions, f"{name}: no request was evicted; the test does not exercise eviction"
-    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{name} under eviction")
+        check_parity_under_eviction(model, prompts, references, f"{name} under eviction")
 
 
 def test_probed_shapes_share_prefixes_and_match_generate(subject) -> None:
