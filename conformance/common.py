@@ -12,6 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 import transformers_cb  # noqa: F401  (installs the plugin)
 from tests.support.preemptions import count_preemptions
+from transformers_cb.config import ContinuousBatchingConfig
 from transformers_cb.conformance_check import (
     Mismatch,
     compare_tokens,
@@ -162,6 +163,71 @@ def run_batch(
 def tight_num_blocks(prompts: Sequence[Sequence[int]], max_new_tokens: int, page_size: int) -> int:
     """Just enough pages for the largest single request, plus one."""
     return math.ceil((max(map(len, prompts)) + max_new_tokens) / page_size) + 1
+
+
+def check_parity_under_eviction(
+    model: PreTrainedModel,
+    prompts: Sequence[Sequence[int]],
+    references: ReferenceCache,
+    context: str,
+    page_size: int = 4,
+    max_batch_tokens: int = 16,
+    **cb_kwargs,
+) -> dict[str, GenerationOutput]:
+    """Run `prompts` greedily (`references.max_new_tokens` each) with pages for only the largest request
+    (`tight_num_blocks`), so requests are preempted and resumed, and fail when none was (the run would not
+    exercise eviction) or on a real difference with `generate()` (`check_parity`). `cb_kwargs`: the rest of
+    the config (`cpu_offload_space`, `return_logprobs`); returns the outputs for a caller's further checks."""
+    max_new_tokens = references.max_new_tokens
+    num_blocks = tight_num_blocks(prompts, max_new_tokens, page_size)
+    context = (
+        f"{context} / page_size={page_size}, max_batch_tokens={max_batch_tokens}, num_blocks={num_blocks}"
+    )
+    outputs, preemptions = run_batch(
+        model,
+        prompts,
+        greedy_config(max_new_tokens),
+        page_size=page_size,
+        max_batch_tokens=max_batch_tokens,
+        num_blocks=num_blocks,
+        **cb_kwargs,
+    )
+    assert preemptions, f"{context}: no request was preempted; the run does not exercise eviction"
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], context)
+    return outputs
+
+
+# -- media ----------------------------------------------------------------------------------------
+def run_media_batch(
+    model: PreTrainedModel,
+    inputs: Sequence,
+    max_new_tokens: int,
+    cb_config: ContinuousBatchingConfig | None = None,
+    **kwargs,
+) -> list[GenerationOutput]:
+    """`generate_batch` greedy with each token's logprob (`top_logprobs=1`) on processor-shaped `inputs`
+    (or token lists with `kwargs` such as `pixel_values`): the outputs in request order."""
+    results = model.generate_batch(
+        inputs,
+        GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False),
+        continuous_batching_config=cb_config,
+        progress_bar=False,
+        top_logprobs=1,
+        **kwargs,
+    )
+    return [results[f"req_{i}"] for i in range(len(inputs))]
+
+
+def check_media_outputs(
+    outputs: Sequence[GenerationOutput], references: Sequence[tuple[list[int], list]], *label
+) -> None:
+    """Each output finished with the tokens of its `generate()` reference `(tokens, logprobs)` and its
+    logprobs within 1e-4 (a media run's judgement: its tiny models have no near-ties to excuse); `label`
+    names the run in a failure."""
+    for i, (output, (tokens, logprobs)) in enumerate(zip(outputs, references, strict=True)):
+        assert output.status == RequestStatus.FINISHED, (*label, i, output.error)
+        assert output.generated_tokens == tokens, (*label, i)
+        assert output.logprobs == pytest.approx(logprobs, abs=1e-4), (*label, i)
 
 
 # -- tensors ----------------------------------------------------------------------------------------

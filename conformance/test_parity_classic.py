@@ -21,7 +21,13 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, BlipTextLMHeadModel, PreTrainedModel
 
-from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
+from conformance.common import (
+    ReferenceCache,
+    check_parity,
+    check_parity_under_eviction,
+    greedy_config,
+    run_batch,
+)
 from conformance.test_parity_sliding import integrity_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
@@ -157,18 +163,8 @@ def test_classic_parity(subject, implementation: str, kernel: str, monkeypatch) 
 
 def test_classic_parity_under_eviction(subject) -> None:
     name, model, prompts, references = subject
-    num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, 4)
     with integrity_checked():
-        outputs, preemptions = run_batch(
-            model,
-            prompts,
-            greedy_config(MAX_NEW_TOKENS),
-            page_size=4,
-            max_batch_tokens=16,
-            num_blocks=num_blocks,
-        )
-    assert preemptions, f"{name}: no request was evicted; the test does not exercise eviction"
-    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{name} under eviction")
+        check_parity_under_eviction(model, prompts, references, f"{name} under eviction")
 
 
 def test_classic_share_prefixes_and_match_generate(subject) -> None:

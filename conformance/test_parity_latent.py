@@ -26,9 +26,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from conformance.common import (
     ReferenceCache,
     check_parity,
+    check_parity_under_eviction,
     count_preemptions,
     greedy_config,
-    run_batch,
     tight_num_blocks,
 )
 from conformance.test_parity_offload import engines_checked
@@ -179,44 +179,25 @@ def _request_slots(engine, request) -> torch.Tensor:
 @pytest.mark.parametrize("budget", [5, 16], ids=lambda b: f"budget{b}")
 def test_latent_parity_chunked_and_preempted(subject, kernel: str, budget: int) -> None:
     name, model, prompts, references = subject
-    num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, 4)
-    context = f"{name} / native={kernel} / page_size=4, max_batch_tokens={budget}, num_blocks={num_blocks}"
+    context = f"{name} / native={kernel}"
     with engines_checked():
-        outputs, preemptions = run_batch(
-            model,
-            prompts,
-            greedy_config(MAX_NEW_TOKENS),
-            page_size=4,
-            max_batch_tokens=budget,
-            num_blocks=num_blocks,
-            return_logprobs=True,
+        outputs = check_parity_under_eviction(
+            model, prompts, references, context, max_batch_tokens=budget, return_logprobs=True
         )
-    assert preemptions, f"{context}: nothing was preempted"
-    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], context)
     check_logprobs(model, prompts, outputs, references, context)
 
 
 def test_latent_parity_with_offload(subject, kernel: str) -> None:
     """Preempted requests swap their latent pages to the host tier and back: nothing is recomputed."""
     name, model, prompts, references = subject
-    num_blocks = tight_num_blocks(prompts, MAX_NEW_TOKENS, 4)
-    context = f"{name} / native={kernel} / offload, num_blocks={num_blocks}"
+    context = f"{name} / native={kernel} / offload"
     with engines_checked() as engines:
-        outputs, preemptions = run_batch(
-            model,
-            prompts,
-            greedy_config(MAX_NEW_TOKENS),
-            page_size=4,
-            max_batch_tokens=16,
-            num_blocks=num_blocks,
-            cpu_offload_space=None,
-            return_logprobs=True,
+        outputs = check_parity_under_eviction(
+            model, prompts, references, context, cpu_offload_space=None, return_logprobs=True
         )
     (engine,) = engines
-    assert preemptions, f"{context}: nothing was preempted"
     assert engine.offload is not None and engine.offload.swap_out_pages > 0, context
     assert engine.scheduler.recomputed.total == 0, context
-    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], context)
     check_logprobs(model, prompts, outputs, references, context)
 
 

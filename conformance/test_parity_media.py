@@ -15,6 +15,7 @@ import pytest
 from transformers import GenerationConfig
 
 import transformers_cb  # noqa: F401  (installs the plugin)
+from conformance.common import check_media_outputs, run_media_batch
 from tests.support.preemptions import count_preemptions
 from tests.support.vision_models import build_tiny_llava, llava_image, media_reference, with_images
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
@@ -44,30 +45,14 @@ def references(llava):
 
 
 def run(model, cb_config=None, prompts=PROMPTS, images=IMAGES, **kwargs):
-    results = model.generate_batch(
-        prompts,
-        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
-        continuous_batching_config=cb_config,
-        progress_bar=False,
-        pixel_values=images,
-        top_logprobs=1,
-        **kwargs,
-    )
-    return [results[f"req_{i}"] for i in range(len(prompts))]
-
-
-def check(outputs, references) -> None:
-    for i, (output, (tokens, logprobs)) in enumerate(zip(outputs, references, strict=True)):
-        assert output.status == RequestStatus.FINISHED, (i, output.error)
-        assert output.generated_tokens == tokens, i
-        assert output.logprobs == pytest.approx(logprobs, abs=1e-4), i
+    return run_media_batch(model, prompts, MAX_NEW_TOKENS, cb_config, pixel_values=images, **kwargs)
 
 
 @pytest.mark.parametrize("max_batch_tokens", [None, 5, 3])
 def test_images_in_a_mixed_batch_equal_generate(llava, references, max_batch_tokens) -> None:
     """Budgets of 5 and 3 tokens cut every image's 4 placeholders across prefill chunks."""
     config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens) if max_batch_tokens else None
-    check(run(llava, config), references)
+    check_media_outputs(run(llava, config), references)
 
 
 def test_processor_outputs_as_inputs_equal_generate(llava, references) -> None:
@@ -91,7 +76,7 @@ def test_preemption_recomputes_the_images(llava, references) -> None:
     with count_preemptions() as preemptions:
         outputs = run(llava, config)
     assert preemptions
-    check(outputs, references)
+    check_media_outputs(outputs, references)
 
 
 def test_a_shared_image_hits_the_prefix_cache_and_another_image_does_not(llava) -> None:
@@ -193,14 +178,7 @@ def test_qwen2_vl_m_rope_positions_equal_generate(qwen2_vl, max_batch_tokens) ->
     ]
     inputs = [{"input_ids": torch.tensor([prompt]), **m} for prompt, m in zip(prompts, media, strict=True)]
     config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens) if max_batch_tokens else None
-    results = qwen2_vl.generate_batch(
-        inputs,
-        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
-        continuous_batching_config=config,
-        progress_bar=False,
-        top_logprobs=1,
-    )
-    check([results[f"req_{i}"] for i in range(len(prompts))], references)
+    check_media_outputs(run_media_batch(qwen2_vl, inputs, MAX_NEW_TOKENS, config), references)
 
 
 def test_cpu_offload_swaps_requests_mid_image(llava, references) -> None:
@@ -263,11 +241,6 @@ def test_qwen2_vl_video_equals_generate(qwen2_vl) -> None:
         media_reference(qwen2_vl, prompts[1], {**media[1], "mm_token_type_ids": types[1]}, MAX_NEW_TOKENS),
         media_reference(qwen2_vl, prompts[2], {}, MAX_NEW_TOKENS),
     ]
-    results = qwen2_vl.generate_batch(
-        [{"input_ids": torch.tensor([p]), **m} for p, m in zip(prompts, media, strict=True)],
-        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
-        continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=5),
-        progress_bar=False,
-        top_logprobs=1,
-    )
-    check([results[f"req_{i}"] for i in range(3)], references)
+    inputs = [{"input_ids": torch.tensor([p]), **m} for p, m in zip(prompts, media, strict=True)]
+    config = ContinuousBatchingConfig(max_batch_tokens=5)
+    check_media_outputs(run_media_batch(qwen2_vl, inputs, MAX_NEW_TOKENS, config), references)

@@ -5,11 +5,11 @@ clips' placeholders), against `generate()` on each prompt alone: tokens equal, l
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import GenerationConfig
 
 import transformers_cb  # noqa: F401  (installs the plugin)
+from conformance.common import check_media_outputs, run_media_batch
 from tests.support.vision_models import (
     VOXTRAL_AUDIO_TOKEN,
     VOXTRAL_ROWS_PER_CLIP,
@@ -35,18 +35,8 @@ def test_voxtral_audio_equals_generate() -> None:
     references = [media_reference(model, p, m, MAX_NEW_TOKENS) for p, m in zip(prompts, media, strict=True)]
     inputs = [{"input_ids": torch.tensor([p]), **m} for p, m in zip(prompts, media, strict=True)]
     for budget in (None, 3):
-        results = model.generate_batch(
-            inputs,
-            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
-            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=budget) if budget else None,
-            progress_bar=False,
-            top_logprobs=1,
-        )
-        for i, (tokens, logprobs) in enumerate(references):
-            output = results[f"req_{i}"]
-            assert output.status == RequestStatus.FINISHED, (budget, i, output.error)
-            assert output.generated_tokens == tokens, (budget, i)
-            assert output.logprobs == pytest.approx(logprobs, abs=1e-4), (budget, i)
+        config = ContinuousBatchingConfig(max_batch_tokens=budget) if budget else None
+        check_media_outputs(run_media_batch(model, inputs, MAX_NEW_TOKENS, config), references, budget)
 
 
 def test_audio_that_does_not_match_its_placeholders_fails_that_request_alone() -> None:

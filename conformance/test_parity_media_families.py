@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 import transformers_cb  # noqa: F401  (installs the plugin)
+from conformance.common import check_media_outputs, run_media_batch
 from tests.support.vision_models import (
     JUDGED_FAMILIES,
     build_family_vlm,
@@ -21,7 +22,7 @@ from tests.support.vision_models import (
     family_reference,
     image_token_of,
 )
-from transformers_cb import ContinuousBatchingConfig, RequestStatus
+from transformers_cb import ContinuousBatchingConfig
 
 MAX_NEW_TOKENS = 8
 TEXT = [[23, 24, 32, 33, 34], [25, 26, 27, 28, 29, 30, 31], [24, 25, 32, 33, 34]]
@@ -49,18 +50,10 @@ def test_family_with_images_equals_generate(family) -> None:
         for prompt, images in zip(prompts, media, strict=True)
     ]
     for budget in (None, 5):
-        results = model.generate_batch(
-            inputs,
-            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
-            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=budget) if budget else None,
-            progress_bar=False,
-            top_logprobs=1,
+        config = ContinuousBatchingConfig(max_batch_tokens=budget) if budget else None
+        check_media_outputs(
+            run_media_batch(model, inputs, MAX_NEW_TOKENS, config), references, family, budget
         )
-        for i, (tokens, logprobs) in enumerate(references):
-            output = results[f"req_{i}"]
-            assert output.status == RequestStatus.FINISHED, (family, budget, i, output.error)
-            assert output.generated_tokens == tokens, (family, budget, i)
-            assert output.logprobs == pytest.approx(logprobs, abs=1e-4), (family, budget, i)
 
 
 def test_gemma3_blocks_attend_both_ways_as_generate_does(monkeypatch) -> None:
@@ -123,15 +116,32 @@ def test_gemma3_under_preemption_and_prefix_sharing() -> None:
         num_blocks=pages, page_size=4, max_batch_tokens=5, allow_block_sharing=True
     )
     with count_preemptions() as preemptions:
-        results = model.generate_batch(
-            inputs,
-            GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
-            continuous_batching_config=config,
-            progress_bar=False,
-            top_logprobs=1,
-        )
+        outputs = run_media_batch(model, inputs, MAX_NEW_TOKENS, config)
     assert preemptions
-    for i, (tokens, logprobs) in enumerate(references):
-        output = results[f"req_{i}"]
-        assert output.status == RequestStatus.FINISHED, (i, output.error)
-        assert (output.generated_tokens, output.logprobs) == (tokens, pytest.approx(logprobs, abs=1e-4)), i
+    check_media_outputs(outputs, references)
+
+
+def test_gemma4_images_equal_generate_and_vision_blocks_are_refused(monkeypatch) -> None:
+    """Gemma 4 (patches with `image_position_ids`, per-layer embeddings computed from the ids with its
+    placeholders as pad, as its forward does): one image, text only, two images in 5-token chunks equal
+    `generate()`. With `use_bidirectional_attention="vision"` generate() lets each run of vision tokens attend
+    both ways on the sliding layers (from `mm_token_type_ids`): refused with the reason, never run causally."""
+    import conformance.coverage.media as media
+    from conformance.coverage.catalog import all_entries, select
+    from transformers_cb.engine.media_inputs import MediaIntake
+
+    entry = select(all_entries(), ["gemma4"])[0]
+    outcome = media.run_media(entry)
+    assert (outcome.state, outcome.notes) == ("exact", "inputs: patches + image_position_ids"), outcome
+    real = media.entry_config
+
+    def vision_blocks(e):
+        config = real(e)
+        config.get_text_config().use_bidirectional_attention = "vision"
+        return config
+
+    monkeypatch.setattr(media, "entry_config", vision_blocks)
+    refusal = MediaIntake.of(media.media_model(entry)).refusal
+    assert refusal is not None and "mm_token_type_ids" in refusal
+    outcome = media.run_media(entry)
+    assert outcome.state == "refused" and "bidirectional" in outcome.reason, outcome

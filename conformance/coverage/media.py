@@ -3,14 +3,15 @@
 
 Processors cannot be built offline here (their resizing needs Pillow or torchvision), so the inputs are
 shaped the way the families' processors shape them, tried in order until the class's own
-`get_image_features` takes one: flattened patches with a `[1, h, w]` grid (the Qwen-VL family), a batch of
-images, images with their `image_sizes`, tiles with `image_sizes` (LLaVA-NeXT), one prompt's images with
+`get_image_features` takes one: flattened patches with a `[1, h, w]` grid (the Qwen-VL family), patches with
+their `image_position_ids` (Gemma 4, pooled k x k), a batch of images, images with their `image_sizes`, tiles with `image_sizes` (LLaVA-NeXT), one prompt's images with
 their `pixel_attention_mask` (Idefics). Each image's placeholder count is what the encoder returns for it.
-The model is rebuilt from the entry's tiny config with its vision tower's images shrunk to a few patches.
+The model is rebuilt from the entry's tiny config with its vision tower's images shrunk to a few patches (a
+config whose vision tower is optional and unset, Gemma 4's, gets its class's default vision config, shrunk).
 
 Three prompts in one `generate_batch` (4-token pages, a 5-token step budget so chunks cut the images): one
 image, text only, two images. States: exact (tokens equal, logprobs within the matrix's tolerance), refused
-(the engine refuses the images up front with the reason), mismatch, crash, not judged (no input shape fits
+(the engine, or the support check, refuses the images up front with the reason), mismatch, crash, not judged (no input shape fits
 the class, or `generate()` itself fails on them; with the reason).
 """
 
@@ -29,6 +30,7 @@ from .build import SEED, entry_config
 from .catalog import Entry
 from .judge import LOGPROB_TOLERANCE, first_difference
 from .outcome import CRASH, EXACT, MISMATCH, REFUSED, Outcome, one_line
+from .shrink import shrink_dict
 
 NOT_JUDGED = "not judged"
 MEDIA_STATES = (EXACT, REFUSED, MISMATCH, CRASH, NOT_JUDGED)
@@ -48,6 +50,9 @@ def media_model(entry: Entry) -> PreTrainedModel:
     """The entry's class from its tiny config with images of a few patches (4x4, or the merge's multiple)."""
     config = entry_config(entry)
     vision = getattr(config, "vision_config", None)
+    vision_class = (getattr(config, "sub_configs", None) or {}).get("vision_config")
+    if vision is None and isinstance(vision_class, type):  # Gemma 4: no vision tower unless configured
+        vision = config.vision_config = vision_class.from_dict(shrink_dict(vision_class().to_dict()))
     patch = _ints(getattr(vision, "patch_size", None))
     if vision is not None and patch is not None and _ints(getattr(vision, "image_size", None)) is not None:
         size = [4 * patch[0], 4 * patch[1]]
@@ -84,6 +89,21 @@ def _candidates(model: PreTrainedModel) -> list[tuple[str, Callable[[int, int], 
             lambda seed, n: {
                 "pixel_values": randn(seed, side * side * n, channels * temporal * patch[0] * patch[1]),
                 "image_grid_thw": torch.tensor([[1, side, side]] * n),
+            },
+        ))  # fmt: skip
+    pooling = getattr(vision, "pooling_kernel_size", None)
+    if isinstance(pooling, int):  # Gemma 4: each image its patches with (x, y) positions, pooled k x k
+        side = 2 * pooling
+        grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).reshape(
+            -1, 2
+        )
+        shapes.append((
+            "patches + image_position_ids",
+            lambda seed, n: {
+                "pixel_values": torch.rand(
+                    n, side * side, channels * patch[0] * patch[1], generator=torch.Generator().manual_seed(seed)
+                ),
+                "image_position_ids": grid.expand(n, -1, -1).clone(),
             },
         ))  # fmt: skip
     shapes += [
@@ -246,7 +266,7 @@ def _judge_ours(model, prompts, media, references, shape: str) -> Outcome:
             inputs, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False),
             continuous_batching_config=config, progress_bar=False,
         )  # fmt: skip
-    except ValueError as exc:  # refused up front, with the reason
+    except (ValueError, NotImplementedError) as exc:  # refused up front (the support check), with the reason
         return Outcome(REFUSED, one_line(str(exc)))
     except Exception as exc:  # noqa: BLE001
         return Outcome(CRASH, one_line(f"{type(exc).__name__}: {exc}"))

@@ -73,6 +73,9 @@ EXACT_TARGETS: dict[str, int] = {
     "v_head_dim": HEAD_DIM,
     "index_head_dim": HEAD_DIM,
     "index_n_heads": HEADS,
+    # DeepSeek sparse attention: fewer selected keys than the prompts hold, so the selection matters
+    "index_topk": WINDOW,
+    "index_kpool": 4,  # GLM-5-next pools keys in blocks; the selected count stays a multiple of the block
     # MoE routing: kept, smaller
     "num_experts": EXPERTS,
     "num_local_experts": EXPERTS,
@@ -306,6 +309,18 @@ def _fix_consistency(d: dict, out: dict) -> None:
     # `qk_rope_head_dim` (DeepSeek V3, Youtu, AXK1, LongCat): it stays the shrunk rotary width.
     if d.get("kv_lora_rank") is not None and d.get("head_dim") == d.get("qk_rope_head_dim"):
         out["head_dim"] = out.get("qk_rope_head_dim")
+    # A V head size the class sets apart from K's (MiMo-V2-Flash: 128 for 192) stays apart, in proportion:
+    # a tiny model whose V has K's size would not show whether V is cached at its own size.
+    head_dim, v_head_dim = d.get("head_dim"), d.get("v_head_dim")
+    if (
+        d.get("kv_lora_rank") is None
+        and isinstance(head_dim, int)
+        and isinstance(v_head_dim, int)
+        and head_dim > 0
+        and v_head_dim != head_dim
+        and isinstance(out.get("head_dim"), int)
+    ):
+        out["v_head_dim"] = max(1, round(out["head_dim"] * v_head_dim / head_dim))
     # A window or chunk at least as long as the model's context would never apply.
     for key in ("sliding_window", "attention_chunk_size"):
         value = out.get(key)

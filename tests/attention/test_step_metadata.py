@@ -10,6 +10,7 @@ import torch
 
 from transformers_cb.attention.metadata import AttentionMetadata
 from transformers_cb.attention.paged import METADATA_KWARG, current_step_metadata, make_forward, step_metadata
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 
 
 class _Group:
@@ -20,6 +21,9 @@ class _Group:
 class FakeMetadata:
     def group_of(self, layer_idx: int) -> _Group:
         return _Group()
+
+    def kv_group_of(self, layer_idx: int) -> KVGroupSpec:
+        return KVGroupSpec(FULL_ATTENTION, (layer_idx,))
 
 
 def recording_forward() -> tuple[Any, list]:

@@ -274,9 +274,16 @@ REFUSED_CONFIGS = {
         lambda: AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True),
         "bidirectional",
     ),
+    # DeepSeek V4: compressed entries from a compressor with per-request state, picked by a Lightning Indexer.
+    "deepseek_v4": (
+        lambda: AutoConfig.for_model("deepseek_v4"),
+        "DeepSeek V4's compressed attention .* no page group of compressed entries, no per-request compressor "
+        "state, and no top-k over compressed entries",
+    ),
+    # DeepSeek sparse attention with no indexer key size: its keys cannot be stored beside the latent.
     "deepseek_v32": (
-        lambda: AutoConfig.for_model("deepseek_v32", num_hidden_layers=1),
-        "DeepSeek sparse attention \\(indexed_attention layers",
+        lambda: AutoConfig.for_model("deepseek_v32", num_hidden_layers=1, index_head_dim=0),
+        "DeepSeek sparse attention \\(indexed_attention layers\\) with index_head_dim=0",
     ),
 }
 
@@ -292,10 +299,10 @@ def test_unsupported_models_are_refused_naming_type_and_reason(name: str) -> Non
 
 def test_unknown_layer_type_is_refused() -> None:
     config = build_tiny_model("qwen2_sliding").config
-    config.layer_types = ["full_attention", "compressed_sparse_attention"]
+    config.layer_types = ["full_attention", "reference_sliding_attention"]
     with pytest.raises(
         NotImplementedError,
-        match=r"model_type='qwen2' has layers of attention type \['compressed_sparse_attention'\]",
+        match=r"model_type='qwen2' has layers of attention type \['reference_sliding_attention'\]",
     ):
         check_model_supported(config)
 

@@ -76,3 +76,40 @@ def test_host_tier_mirrors_each_groups_shape() -> None:
     cache = PagedKVCache(4, [3, 5], 4, 99, 99, torch.float32, torch.device("cpu"), GROUPS)
     host = HostKVCache(cache, 2)
     assert [t.shape for t in host.tensors] == [(2, 2, 2, 4, 1, 16), (2, 2, 2, 4, 2, 8)]
+
+
+# MiMo-V2-Flash's shape: K heads 8 wide, V heads 6 wide (the real model: 192 and 128), one row of both.
+VALUE_GROUPS = [
+    KVGroupSpec(FULL_ATTENTION, (0,), None, (2, 8), value_dim=6),
+    KVGroupSpec(SLIDING_ATTENTION, (1,), 8, (4, 8), value_dim=6),
+]
+
+
+def test_a_value_head_size_other_than_the_keys_is_stored_at_its_own_size() -> None:
+    cache = PagedKVCache(2, [3, 5], 4, 99, 99, torch.float32, torch.device("cpu"), VALUE_GROUPS)
+    assert cache.group_tensors[0].shape == (1, 1, 3, 4, 2, 14)
+    assert cache.group_tensors[1].shape == (1, 1, 5, 4, 4, 14)
+    keys, values = cache.layer(1)
+    assert keys.shape == (20, 4, 8) and values.shape == (20, 4, 6)
+    assert cache.layout.group_page_bytes(0) == 4 * 2 * (8 + 6) * 4  # nothing padded to K's size
+    assert cache.layout.bytes_per_token() == (2 + 4) * (8 + 6) * 4
+    assert cache.nbytes() == cache.layout.nbytes()
+    key, value = torch.randn(2, 4, 8), torch.randn(2, 4, 6)
+    cache.write(1, torch.tensor([0, 5]), key, value)
+    row = cache.group_tensors[1][0, 0].reshape(-1, 4, 14)[5]
+    assert torch.equal(row[:, :8], key[1]) and torch.equal(row[:, 8:], value[1])
+    cache.copy_pages([(1, 1, 3)])  # slot 5 is page 1's second slot
+    assert torch.equal(cache.keys[1][13], key[1]) and torch.equal(cache.values[1][13], value[1])
+
+
+def test_a_value_head_size_swaps_with_its_rows() -> None:
+    cache = PagedKVCache(2, [3, 5], 4, 99, 99, torch.float32, torch.device("cpu"), VALUE_GROUPS)
+    host = HostKVCache(cache, 2)
+    assert [t.shape for t in host.tensors] == [(1, 1, 2, 4, 2, 14), (1, 1, 2, 4, 4, 14)]
+    assert host.nbytes() == 2 * cache.layout.page_bytes()
+
+
+def test_sizing_counts_each_layers_value_head_size() -> None:
+    shape = ModelShape(2, 2, 8, 64, 128, 300, 512, ((2, 8), (4, 8)), layer_value_dims=(6, 6))
+    assert shape.kv_bytes_per_token(4) == (2 + 4) * (8 + 6) * 4
+    assert shape.layer_value_dim(1) == 6

@@ -1,7 +1,9 @@
 """The support check on multi-latent attention models: accepted when every KV layer's module decompresses
 its latent the way attention/latent.py absorbs it; refused, naming the layer and what is missing, when a
-layer has no such module or decompresses otherwise; DeepSeek sparse attention refused by name; flash
-backends refused (their kernels do not read latent pages)."""
+layer has no such module or decompresses otherwise; DeepSeek sparse attention accepted where its indexer
+can be handed one request at a time, refused by name where not (GLM-5-next's pooled indexer) or where its
+latent rows differ per layer (Mistral Large 4's layers without rotary keys); flash backends refused (their
+kernels do not read latent pages)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.support import flash_double
 from transformers_cb.attention.selection import check_flash_backend, paged_implementation_for
+from transformers_cb.attention.sparse_index import indexer_problem
+from transformers_cb.kv.layer_groups import kv_groups_from_config
 from transformers_cb.model_check.model_support import check_model_supported
 
 SHAPE = {
@@ -75,10 +79,32 @@ def test_a_module_decompressing_otherwise_is_refused() -> None:
         check_model_supported(model)
 
 
-def test_deepseek_sparse_attention_is_refused_by_name() -> None:
+def test_deepseek_sparse_attention_is_accepted_with_its_indexer_keys_in_the_pages() -> None:
     config = AutoConfig.for_model("glm_moe_dsa", num_hidden_layers=1)
-    with pytest.raises(NotImplementedError, match=r"model_type='glm_moe_dsa': DeepSeek sparse attention"):
-        check_model_supported(config)
+    check_model_supported(config)
+    (group,) = kv_groups_from_config(config)
+    assert group.latent is not None and group.index_dim == config.index_head_dim
+
+
+def test_an_indexer_without_the_arguments_the_pass_through_hands_is_refused() -> None:
+    class Pooled(torch.nn.Module):
+        index_topk = 4
+        layer_idx = 0
+        index_kpool = 4
+
+        def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, past_key_values=None):
+            raise AssertionError("never called")
+
+    assert "selects pools of index_kpool keys" in str(indexer_problem(Pooled()))
+
+    class Positional(torch.nn.Module):
+        index_topk = 4
+        layer_idx = 0
+
+        def forward(self, hidden_states, q_resid, mask, cache=None):
+            raise AssertionError("never called")
+
+    assert "takes no ['attention_mask', 'past_key_values']" in str(indexer_problem(Positional()))
 
 
 def test_flash_backends_are_refused_and_never_switched_to() -> None:

@@ -85,24 +85,6 @@ MODEL_RULES = {
         "diffllama",
         "call attention 2 times per forward",
     ),
-    # MiMo-V2-Flash's value heads are 16 wide for 8-wide keys: one KV group holds one head shape.
-    "a value head size other than the key's": (
-        lambda: tiny(
-            "mimo_v2_flash",
-            **{**SMALL, "num_hidden_layers": 2},
-            intermediate_size=64,
-            moe_intermediate_size=16,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            num_key_value_heads=2,
-            head_dim=8,
-            v_head_dim=16,
-            sliding_window=8,
-            layer_types=["full_attention", "sliding_attention"],
-        ),
-        "mimo_v2_flash",
-        "layer 0 attends with V of (heads, dim) (2, 16) but K (2, 8): a value head size other than the key's",
-    ),
     # BERT as a causal LM without is_decoder: every token attends to every other.
     "bidirectional layers": (
         lambda: tiny("bert", **SMALL, intermediate_size=64),
@@ -181,7 +163,7 @@ def llama_with_a_window_it_does_not_apply() -> PreTrainedModel:
 MODEL_RULES["a window the layers do not apply"] = (
     llama_with_a_window_it_does_not_apply,
     "llama",
-    "layer 0 applies no window (no sliding_window, a plain causal mask) while the config sets sliding_window=8",
+    "layer 0 applies no window (a plain causal mask) while generate()'s DynamicCache keeps a 8-token window",
 )
 
 CONFIG_RULES = {

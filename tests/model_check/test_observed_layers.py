@@ -1,6 +1,7 @@
 """What the probe saw each layer attend with overrides the config (`ObservedLayers`): K/V head shapes size the
-cache and the KV groups; a window applied through the mask alone is the config's; a layer that applies
-none, a V head size other than K's, or a bias the layer builds into its mask are refused by name."""
+cache and the KV groups (V's own head size, K/V a layer tiles over its query heads before the call: cached
+once); a window applied through the mask alone is the config's; a layer that applies none, V with other
+heads than K's, or a bias the layer builds into its mask are refused by name."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers_cb.model_check.attention_probe import (
     ProbeResult,
     _Call,
     _is_windowed,
+    _tiling,
     dispatch_problems,
     observed_layers,
 )
@@ -23,7 +25,7 @@ from transformers_cb.model_check.model_support import check_model_supported, obs
 MIN = torch.finfo(torch.float32).min
 
 
-def _call(layer: int, key=(2, 8), value=None, window=None, bias=False) -> _Call:
+def _call(layer: int, key=(2, 8), value=None, window=None, bias=False, repeat=1) -> _Call:
     return _Call(
         layer_idx=layer,
         key_shape=key,
@@ -34,6 +36,7 @@ def _call(layer: int, key=(2, 8), value=None, window=None, bias=False) -> _Call:
         causal=True,
         mask_bias=bias,
         unsupported=(),
+        kv_repeat=repeat,
     )
 
 
@@ -67,8 +70,9 @@ def test_a_window_is_read_from_the_mask_when_the_layer_passes_none() -> None:
 
 def test_a_layer_applying_no_window_is_refused_naming_generates_mix() -> None:
     (problem,) = _problems([_call(0), _call(1)], [8, 8], windowed=frozenset())
-    assert problem.startswith("layer 0 applies no window (no sliding_window, a plain causal mask)")
+    assert problem.startswith("layer 0 applies no window (a plain causal mask)")
     assert "sliding_window=8" in problem and "while prefilling" in problem
+    assert "missing: a KV group kind whose queries inside the prompt attend every earlier key" in problem
 
 
 def test_without_forward_c_a_missing_window_is_refused_as_before() -> None:
@@ -81,9 +85,48 @@ def test_a_window_other_than_the_configs_is_refused() -> None:
     assert "applies sliding_window=4" in problem
 
 
-def test_a_value_head_size_other_than_the_keys_is_refused() -> None:
-    (problem,) = _problems([_call(0, key=(2, 8), value=(2, 16))], [None])
-    assert "attends with V of (heads, dim) (2, 16) but K (2, 8)" in problem
+def test_a_value_head_size_other_than_the_keys_is_observed_not_refused() -> None:
+    """V's own head size is cached beside K (`KVGroupSpec.value_dim`); V with other heads than K's is not."""
+    assert _problems([_call(0, key=(2, 8), value=(2, 16))], [None]) == []
+    result = ProbeResult([_call(0, key=(2, 8), value=(2, 16)), _call(1)], True, True)
+    assert observed_layers(result, [(2, 8), (2, 8)]) == ObservedLayers(((2, 8), (2, 8)), (16, 8))
+    (problem,) = _problems([_call(0, key=(2, 8), value=(4, 8))], [None])
+    assert "attends with V of (heads, dim) (4, 8) but K (2, 8)" in problem
+
+
+def test_kv_tiled_over_the_query_heads_is_observed_before_the_repeat() -> None:
+    result = ProbeResult([_call(0, key=(4, 8), repeat=2), _call(1, key=(4, 8), repeat=2)], True, True)
+    assert observed_layers(result, [(2, 8), (2, 8)]) == ObservedLayers(((2, 8), (2, 8)), (), (2, 2))
+
+
+@pytest.mark.parametrize(
+    ("key", "repeat"),
+    [
+        (torch.arange(16.0).view(1, 2, 1, 8).repeat(1, 3, 1, 1), 3),  # JetMoE's `repeat`: tiled
+        (torch.arange(16.0).view(1, 2, 1, 8).repeat_interleave(3, dim=1), 1),  # interleaved: not tiled
+        (torch.arange(48.0).view(1, 6, 1, 8), 1),
+        (torch.ones(1, 4, 1, 8), 4),
+    ],
+)
+def test_tiling_is_told_from_the_tensors(key: torch.Tensor, repeat: int) -> None:
+    assert _tiling(key, key.clone()) == repeat
+
+
+def test_value_dims_size_the_groups_and_shape() -> None:
+    config = AutoConfig.for_model(
+        "mistral",
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    observed = ObservedLayers(((2, 8), (4, 8)), (6, 6))
+    groups = kv_groups_from_config(config, observed)
+    assert [(g.head_shape, g.value_dim, g.kv_streams) for g in groups] == [((2, 8), 6, 1), ((4, 8), 6, 1)]
+    assert ModelShape.from_config(config, observed).kv_bytes_per_token(4) == (2 * 14 + 4 * 14) * 4
+    repeated = kv_groups_from_config(config, ObservedLayers(((2, 8), (2, 8)), (), (2, 2)))
+    assert [(g.head_shape, g.kv_repeat, g.kv_streams) for g in repeated] == [((2, 8), 2, 2)]
 
 
 def test_biases_are_told_apart_by_who_made_them() -> None:
@@ -91,6 +134,7 @@ def test_biases_are_told_apart_by_who_made_them() -> None:
     the model's own mask carries is the model's (ALiBi through the mask)."""
     (own,) = _problems([_call(0, bias=True)], [None])
     assert own.startswith("layers [0] add a bias of their own to the attention mask")
+    assert "missing a per-(KV head, key) term from every cached key's states added to the logits" in own
     (model_bias,) = _problems([_call(0)], [None], plain_bias=True)
     assert model_bias.startswith("its attention mask carries a bias")
 
@@ -132,15 +176,18 @@ def test_the_groups_and_shape_take_the_observed_head_shapes() -> None:
     assert ModelShape.from_config(config).kv_bytes_per_token(4) == 2 * 2 * 16 * 4
 
 
-def test_jetmoe_is_accepted_and_sized_for_its_repeated_kv() -> None:
-    """JetMoE repeats its 2 KV heads once per routed expert (2) before attending: the cache holds 4."""
+def test_jetmoe_is_accepted_and_sized_before_its_repeat() -> None:
+    """JetMoE repeats its 2 KV heads once per routed expert (2) before attending: the cache holds the 2."""
     model = _jetmoe()
     check_model_supported(model)
     observed = observed_layers_of(model)
-    assert observed is not None and observed.head_shapes == ((4, 8), (4, 8))
+    assert observed is not None and observed.head_shapes == ((2, 8), (2, 8))
+    assert observed.kv_repeats == (2, 2)
     plan, _ = resolve_plan(model, GenerationConfig(max_new_tokens=4, do_sample=False), None, [8])
-    assert plan.shape.layer_head_shape(0) == (4, 8)
-    assert [g.head_shape for g in plan.cache.kv_groups] == [(4, 8)]
+    assert plan.shape.layer_head_shape(0) == (2, 8)
+    assert [(g.head_shape, g.kv_repeat) for g in plan.cache.kv_groups] == [((2, 8), 2)]
+    # K and V of 2 heads of 8 in 2 layers, float32: half of what the repeated heads took.
+    assert plan.shape.kv_bytes_per_token(4) == 2 * 2 * 2 * 8 * 4
 
 
 def test_a_draft_model_is_sized_from_its_own_probe() -> None:
@@ -149,7 +196,7 @@ def test_a_draft_model_is_sized_from_its_own_probe() -> None:
         model, GenerationConfig(max_new_tokens=4, do_sample=False), None, [8], assistant_model=model
     )
     assert plan.assistant is not None
-    assert [g.head_shape for g in plan.assistant.kv_groups] == [(4, 8)]
+    assert [(g.head_shape, g.kv_repeat) for g in plan.assistant.kv_groups] == [((2, 8), 2)]
 
 
 def test_forward_c_leaves_the_window_as_it_found_it() -> None:

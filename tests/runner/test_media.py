@@ -14,7 +14,7 @@ from tests.support.vision_models import (
 )
 from transformers_cb.engine.media_inputs import MediaIntake
 from transformers_cb.requests import Request
-from transformers_cb.runner.media import MediaRunner
+from transformers_cb.runner.media import MediaRunner, MediaStepInputs
 from transformers_cb.scheduler.plan import ScheduledRequest
 
 
@@ -88,3 +88,43 @@ def test_submission_checks_name_the_problem(llava) -> None:
     with pytest.raises(ValueError, match="'pixel_attention_mask' is not an input"):
         intake.build(prompt, {"pixel_values": llava_image(0), "pixel_attention_mask": torch.ones(1)}, "r")
     assert intake.build([1, 2, 3], {}, "r") is None
+
+
+class _PerLayerText(torch.nn.Module):
+    """A language model with per-layer token embeddings (Gemma 4's `get_per_layer_inputs`): ids x 10."""
+
+    def get_per_layer_inputs(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return input_ids[..., None].float() * 10
+
+
+class _PerLayerModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.language_model = _PerLayerText()
+        self.seen: dict = {}
+        text = type("Text", (), {"hidden_size_per_layer_input": 2, "pad_token_id": 0})()
+        self.config = type("Config", (), {"get_text_config": lambda self: text})()
+
+    def forward(self, per_layer_inputs=None) -> None:
+        self.seen["per_layer_inputs"] = per_layer_inputs
+
+
+def test_per_layer_inputs_come_from_the_ids_with_placeholders_as_pad() -> None:
+    model = _PerLayerModel()
+    runner = MediaRunner(model=model)  # type: ignore[arg-type]
+    ids = torch.tensor([[5, 7, 7, 6]])
+    fills = [(torch.tensor([1, 2]), torch.zeros(2, 3), [])]
+    per_layer = runner._per_layer_inputs(ids, torch.zeros(1, 4, 3), fills)
+    assert per_layer is not None and per_layer[0, :, 0].tolist() == [50.0, 0.0, 0.0, 60.0]
+    with runner.carried(MediaStepInputs(inputs_embeds=torch.zeros(1, 4, 3), per_layer_inputs=per_layer)):
+        model(per_layer_inputs=None)
+    assert model.seen["per_layer_inputs"] is per_layer
+    model(per_layer_inputs=None)  # the hook is gone after the step
+    assert model.seen["per_layer_inputs"] is None
+
+
+def test_no_per_layer_inputs_for_a_model_without_them(llava) -> None:
+    fills = [(torch.tensor([0]), torch.zeros(1, 3), [])]
+    assert (
+        MediaRunner(model=llava)._per_layer_inputs(torch.tensor([[1]]), torch.zeros(1, 1, 3), fills) is None
+    )

@@ -16,7 +16,8 @@ from transformers.cache_utils import LinearAttentionLayer
 from tests.support.requests import make_request
 from transformers_cb.memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
 from transformers_cb.runner.packing import state_table
-from transformers_cb.runner.state_layers import SlotStateView, StateLayers, StateRecorder, StateTable
+from transformers_cb.runner.slot_state_view import SlotStateView, StateRecorder
+from transformers_cb.runner.state_layers import StateLayers, StateTable
 from transformers_cb.scheduler.plan import ScheduledRequest
 
 KERNEL = 4

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import threading
 import wave
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,10 +27,11 @@ from tests.support.serve import (
     live_server,
     openai_client,
     requires_serve,
+    serving,
     tiny_model_and_tokenizer,
 )
 from tests.support.threads import TIMEOUT
-from tests.support.vision_models import media_reference, save_tiny_llava_checkpoint
+from tests.support.vision_models import build_tiny_llava, media_reference, save_tiny_llava_checkpoint
 from transformers_cb.serve import media
 from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest
 
@@ -132,25 +132,9 @@ class PlaceholderProcessor:
 
 
 def tiny_llava_for(tokenizer: Any):
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
+    model = build_tiny_llava(
+        seed=0, image_token=IMAGE_TOKEN, vocab_size=len(tokenizer), max_position_embeddings=512
     )
-    text = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=len(tokenizer), max_position_embeddings=512,
-    )  # fmt: skip
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, vision_feature_layer=-1
-    )
-    model = LlavaForConditionalGeneration(config).eval()
     model.generation_config = greedy_config(tokenizer)
     return model
 
@@ -232,23 +216,11 @@ def serve_args(folder: Path) -> argparse.Namespace:
 @contextmanager
 def served_folder(folder: Path) -> Iterator[LiveServer]:
     """`transformers-cb serve --model folder` in this process: `build_state` as the command runs it."""
-    from transformers_cb.serve.app import build_app
-    from transformers_cb.serve.server import bind_socket, build_state, drain, make_uvicorn_server
+    from transformers_cb.serve.server import build_state, drain
 
     state = build_state(serve_args(folder))
-    sock = bind_socket("127.0.0.1", 0)
-    server = make_uvicorn_server(build_app(state), log_level="warning", shutdown_timeout=5.0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        if not server.started_event.wait(60):
-            raise AssertionError("the test server did not start")
-        yield LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", state, server)
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        sock.close()
-        drain(state.manager, TIMEOUT)
+    with serving(state, lambda: drain(state.manager, TIMEOUT)) as live:
+        yield live
 
 
 def processor_reference(model: Any, processor: Any, content: list[dict[str, Any]], max_new_tokens: int):
@@ -377,7 +349,7 @@ def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
 
 @requires_serve
 def test_responses_input_images_take_the_same_path(vlm_checkpoint) -> None:
-    """`/v1/responses` with `input_image` parts (serve/responses_api.py): the chat path's processor and
+    """`/v1/responses` with `input_image` parts (serve/response_input.py): the chat path's processor and
     engine, so the answer equals `generate()` on the processor's outputs; a bad image names its input field."""
     import httpx
 

@@ -87,8 +87,8 @@ def live_server(
     """A started manager on `model` (with `assistant_model`, `--assistant-model`), set up as
     `transformers-cb serve` sets it up, and the real app served by uvicorn on 127.0.0.1:<free port>."""
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.serve.app import ServeState, build_app
-    from transformers_cb.serve.server import bind_socket, make_uvicorn_server, start_serving_manager
+    from transformers_cb.serve.app import ServeState
+    from transformers_cb.serve.server import start_serving_manager
 
     cb_config = ContinuousBatchingConfig(**{"page_size": 16, "num_blocks": 64, **config})
     manager = start_serving_manager(model, tokenizer, cb_config, assistant_model)
@@ -99,10 +99,26 @@ def live_server(
         model.config.get_text_config().max_position_embeddings,
         has_assistant=assistant_model is not None,
     )
+
+    def stop() -> None:
+        manager.stop(block=True, timeout=TIMEOUT)
+        manager.destroy()
+
+    with serving(state, stop, os.environ.get("TCB_LOG", "warning"), shutdown_timeout) as live:
+        yield live
+
+
+@contextmanager
+def serving(
+    state: Any, stop: Callable[[], None], log_level: str = "warning", shutdown_timeout: float = 5.0
+) -> Iterator[LiveServer]:
+    """`state`'s app served by uvicorn on 127.0.0.1:<free port> in a thread; on exit the server shuts
+    down, then `stop()` ends `state`'s manager."""
+    from transformers_cb.serve.app import build_app
+    from transformers_cb.serve.server import bind_socket, make_uvicorn_server
+
     sock = bind_socket("127.0.0.1", 0)
-    server = make_uvicorn_server(
-        build_app(state), log_level=os.environ.get("TCB_LOG", "warning"), shutdown_timeout=shutdown_timeout
-    )
+    server = make_uvicorn_server(build_app(state), log_level=log_level, shutdown_timeout=shutdown_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -113,5 +129,4 @@ def live_server(
         server.should_exit = True
         thread.join(TIMEOUT)
         sock.close()
-        manager.stop(block=True, timeout=TIMEOUT)
-        manager.destroy()
+        stop()

@@ -20,7 +20,14 @@ LLAVA_TOKENS_PER_IMAGE = 4
 LLAVA_VOCAB = 128
 
 
-def build_tiny_llava(seed: int = 0) -> PreTrainedModel:
+def build_tiny_llava(
+    seed: int = 0,
+    image_token: int = LLAVA_IMAGE_TOKEN,
+    vocab_size: int = LLAVA_VOCAB,
+    max_position_embeddings: int = 256,
+) -> PreTrainedModel:
+    """A tiny Llava (one CLIP layer over 28x28 images, two Llama layers); the server's tests give their
+    tokenizer's vocabulary and image token."""
     torch.manual_seed(seed)
     vision = CLIPVisionConfig(
         hidden_size=32,
@@ -37,11 +44,11 @@ def build_tiny_llava(seed: int = 0) -> PreTrainedModel:
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        vocab_size=LLAVA_VOCAB,
-        max_position_embeddings=256,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=LLAVA_IMAGE_TOKEN, vision_feature_layer=-1
+        vision_config=vision, text_config=text, image_token_index=image_token, vision_feature_layer=-1
     )
     return LlavaForConditionalGeneration(config).eval()
 

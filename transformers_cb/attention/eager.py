@@ -57,8 +57,8 @@ def eager_attend(
     probs = _softmax_with_sinks(scores, head_sinks).to(value.dtype)
     out = torch.matmul(
         probs.view(batch, num_kv_heads, group * q_len, kv_len), value
-    )  # [B, Hkv, group * Q, D]
-    return out.view(batch, num_heads, q_len, head_dim)
+    )  # [B, Hkv, group * Q, D_v]
+    return out.view(batch, num_heads, q_len, value.shape[-1])  # V's head size may not be K's
 
 
 def _repeat_kv(states: torch.Tensor, group: int) -> torch.Tensor:

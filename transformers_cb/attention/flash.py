@@ -59,6 +59,11 @@ def flash_paged_attention(
 ) -> torch.Tensor:
     """Args as `paged.paged_attention`: query `[1, H, T, D]`, key/value `[1, Hkv, T, D]`. Returns `[1, T, H, D]`."""
     group = metadata.group_of(layer_idx)
+    if metadata.cache.key_dim(metadata.cache.layer_group[layer_idx]) is not None:
+        raise NotImplementedError(
+            f"layer {layer_idx} attends with a V head size other than K's, whose pages (K and V side by side "
+            "in one row) the flash kernels do not read; use 'paged|eager' or 'paged|sdpa' for this model"
+        )
     q = query[0].transpose(0, 1)  # [T, H, D]
     new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_values = value[0].transpose(0, 1)

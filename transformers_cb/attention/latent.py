@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from ..invariants import present
 from .metadata import STEP_METADATA, AttentionMetadata
 from .native import native_paged_attention
+from .sparse_index import segments, selected_mask
 
 # What an MLA module must have for the absorbed attention (the same names in every family).
 LATENT_ATTRIBUTES = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -170,6 +171,50 @@ def _decompressed(module: Any, rows: torch.Tensor, rank: int, dtype: torch.dtype
     return type(module).expand_kv(module, rows[None, None, :, :rank], rows[None, None, :, rank:])
 
 
+def _with_sinks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention `[1, H, Q, v]` whose softmax each head's sink logit joins without a value (GPT-OSS style)."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [1, H, Q, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value)
+
+
+def _selected_attention(
+    module: Any,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    rank: int,
+    indices: torch.Tensor,
+    metadata: AttentionMetadata,
+    layer_idx: int,
+    scale: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """DeepSeek sparse attention: every request's queries over its decompressed keys, masked to the causal
+    keys its indexer selected (as `generate()` masks its eager / SDPA attention), with the layer's sinks.
+    Returns `[1, T, H, v]`."""
+    out = q.new_empty(q.shape[0], q.shape[1], module.v_head_dim)
+    for segment in segments(metadata, metadata.group_of(layer_idx)):
+        rows = slice(segment.start, segment.end)
+        key, value = _decompressed(module, _gather(key_cache, segment.key_slots), rank, q.dtype)
+        mask = selected_mask(indices, rows, segment.first, segment.key_slots.shape[0])
+        query = q[rows].transpose(0, 1).unsqueeze(0)
+        if sinks is None:
+            o = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+        else:
+            o = _with_sinks(query, key, value, mask, scale, sinks)
+        out[rows] = o[0].transpose(0, 1)
+    return out.unsqueeze(0)
+
+
 @torch.compiler.disable
 def latent_attention(
     module: Any,
@@ -179,11 +224,16 @@ def latent_attention(
     layer_idx: int,
     metadata: AttentionMetadata,
     scale: float,
+    indices: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One MLA layer of a packed step over its latent pages.
 
     Args: query `[1, H, T, qk_nope_head_dim + qk_rope_head_dim]`, latent `[1, 1, T, kv_lora_rank]`, rope_key
-    `[1, 1, T, qk_rope_head_dim]` (what the module passes with its `expand_kv` handed through).
+    `[1, 1, T, qk_rope_head_dim]` (what the module passes with its `expand_kv` handed through); indices: a
+    DeepSeek sparse attention layer's selected keys `[1, T, index_topk]` (positions, -1: none;
+    attention/sparse_index.py), each query then attending its request's decompressed keys it selected;
+    sinks: such a layer's attention-sink logits `[H]` (HY-V4).
     Returns `[1, T, H, v_head_dim]`, the layout transformers' attention functions return."""
     cache = metadata.cache
     group = metadata.group_of(layer_idx)
@@ -198,6 +248,13 @@ def latent_attention(
     key_cache, _ = cache.layer(layer_idx)
     key_cache.index_copy_(0, group.slot_mapping, rows.to(key_cache.dtype))
     q = query[0].transpose(0, 1)  # [T, H, nope + rope]
+    if group.latent is not None and metadata.cache.key_dim(metadata.cache.layer_group[layer_idx]) is not None:
+        if indices is None:
+            raise ValueError(
+                f"layer {layer_idx} caches an indexer's keys but its attention was given no selected keys "
+                "(`indices`: the indexer is not handed through, which the paged backend's session does)"
+            )
+        return _selected_attention(module, q, key_cache, rank, indices, metadata, layer_idx, scale, sinks)
     w_uk, w_uv = absorbed_weights(module)
     nope = module.qk_nope_head_dim
     out = q.new_empty(q.shape[0], q.shape[1], module.v_head_dim)

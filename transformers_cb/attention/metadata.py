@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from ..kv.layer_groups import KVGroupSpec
     from ..memory.kv_cache import PagedKVCache
 
 # The metadata of the step whose forward is running in this thread (None outside one), set by the runner
@@ -143,3 +144,7 @@ class AttentionMetadata:
 
     def group_of(self, layer_idx: int) -> GroupMetadata:
         return self.groups[self.cache.layer_group[layer_idx]]
+
+    def kv_group_of(self, layer_idx: int) -> KVGroupSpec:
+        """The KV group (its spec) whose pages hold layer `layer_idx`."""
+        return self.cache.groups[self.cache.layer_group[layer_idx]]

@@ -22,12 +22,13 @@ from typing import cast
 
 import torch
 
-from ..invariants import check
+from ..invariants import check, present
 from ..memory.kv_cache import layer_views, write_slots
 from .alibi import RELATIVE, AlibiForm
 from .latent import latent_attention
-from .metadata import STEP_METADATA, AttentionMetadata
+from .metadata import STEP_METADATA, AttentionMetadata, GroupMetadata, first_visible_key
 from .native import native_paged_attention
+from .repeated_kv import retiled, untiled
 from .temperature import retuned_query, tunes_temperature
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
@@ -143,7 +144,13 @@ def paged_attention(
     `mixed_paged_attention`, whose Python follows the step's groups (the runner runs such steps' forward
     eagerly: see runner/compile_plan.py).
     """
-    if not metadata.all_native or (slopes is not None and not alibi_form.native):
+    if (
+        not metadata.all_native
+        or (slopes is not None and not alibi_form.native)
+        or metadata.cache.key_dim(metadata.cache.layer_group[layer_idx]) is not None
+    ):
+        # A form of ALiBi the native kernel does not add, or a V head size other than K's (the kernel reads
+        # V with K's size): the torch paths run them.
         return mixed_paged_attention(
             query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes, alibi_form
         )
@@ -192,7 +199,7 @@ def mixed_paged_attention(
     new_values = value[0].transpose(0, 1)
     metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, H, D], contiguous
+    out = q.new_empty(*q.shape[:2], new_values.shape[-1])  # [T, H, D_v], contiguous
     if metadata.native_tokens and slopes is not None and not alibi_form.native:
         _attend_native_rows(
             q,
@@ -207,6 +214,13 @@ def mixed_paged_attention(
             slopes,
             alibi_form,
             out,
+        )
+    elif metadata.native_tokens and not value_cache.is_contiguous():
+        # K and V side by side in one row (V's head size is not K's), which the native kernel does not read.
+        check(slopes is None, "ALiBi slopes on a layer whose V head size is not K's: no family has both")
+        n = metadata.native_tokens
+        out[:n] = _native_tokens_by_torch(
+            q[:n], key_cache, value_cache, metadata, group_metadata, attend, scale, softcap, sinks
         )
     elif metadata.native_tokens:
         n = metadata.native_tokens
@@ -306,6 +320,38 @@ def _attend_native_rows(
     check(start == n, f"layer {layer_idx}: the native rows cover {start} of {n} tokens")
 
 
+def _native_tokens_by_torch(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    group: GroupMetadata,
+    attend: Attend,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """The native run's tokens `q` `[n, H, D]` attended through `attend` from the pages (each token's row,
+    position and the group's window or chunk, as the kernel reads them), as one padded batch: for a layer
+    the kernel cannot read. Returns `[n, H, D_v]`."""
+    rows = present(metadata.token_row, "native tokens without their rows")
+    positions = present(metadata.token_pos, "native tokens without their positions")
+    first = torch.tensor(
+        [first_visible_key(int(p), group.sliding_window, group.chunk_size) for p in positions.tolist()],
+        device=positions.device,
+    )
+    span = int((positions - first).max()) + 1
+    keys = first[:, None] + torch.arange(span, device=positions.device)  # [n, L] logical positions
+    visible = keys <= positions[:, None]
+    keys = torch.minimum(keys, positions[:, None])  # masked columns read a valid slot
+    pages = torch.gather(group.block_table[rows].long(), 1, keys // metadata.cache.page_size)
+    slots = pages * metadata.cache.page_size + keys % metadata.cache.page_size
+    k = _gather(key_cache, slots).transpose(1, 2)  # [n, Hkv, L, D]
+    v = _gather(value_cache, slots).transpose(1, 2)
+    out = attend(q.unsqueeze(2), k, v, visible[:, None, None, :], False, scale, softcap, sinks)
+    return out.squeeze(2)
+
+
 # A paged kernel as the forwards below call it: (query, key, value, layer_idx, metadata, scale, softcap, sinks),
 # and `slopes=` for an ALiBi layer (a kernel without ALiBi refuses it: `ALIBI_KWARG`).
 PagedRun = Callable[..., torch.Tensor]
@@ -358,6 +404,8 @@ def make_forward(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
         sliding_window = kwargs.pop("sliding_window", None)
+        # DeepSeek sparse attention's selected keys (attention/sparse_index.py); None for any other layer.
+        indices = kwargs.pop("indices", None)
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
         slopes = kwargs.pop(ALIBI_KWARG, None)
@@ -384,12 +432,17 @@ def make_forward(
             return out, None
         if group_metadata.latent is not None:
             # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
-            if softcap is not None or sinks is not None:
+            if softcap is not None or (sinks is not None and indices is None):
                 raise NotImplementedError(
-                    f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented"
+                    f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented "
+                    "(sinks are, on DeepSeek sparse attention layers)"
                 )
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return latent_attention(module, query, key, value, layer_idx, metadata, scale), None
+            return latent_attention(
+                module, query, key, value, layer_idx, metadata, scale, indices, sinks
+            ), None
+        if indices is not None:
+            raise NotImplementedError(f"layer {layer_idx}: selected keys (indices) outside a latent layer")
         if tunes_temperature(module):
             # Llama 4's NoPE layers scale their queries by a position they number by step index.
             if metadata.position_ids is None:
@@ -399,6 +452,14 @@ def make_forward(
                 )
             query = retuned_query(module, query, metadata.position_ids)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        spec = metadata.kv_group_of(layer_idx)
+        if spec.kv_repeat > 1:
+            # K/V the layer tiled over its query heads (JetMoE): cached once (attention/repeated_kv.py).
+            heads = present(spec.head_shape, "a repeated K/V group without its head shape")[0]
+            query, key, value, order = untiled(query, key, value, heads, spec.kv_repeat)
+            sinks = None if sinks is None else sinks.index_select(0, order)
+            out = run(query, key, value, layer_idx, metadata, scale, softcap, sinks)
+            return retiled(out, order), None
         return run(query, key, value, layer_idx, metadata, scale, softcap, sinks), None
 
     forward.__name__ = forward.__qualname__ = name

@@ -29,6 +29,7 @@ from . import PAGED_BACKENDS
 from .classic import classic_attention, has_classic_attention
 from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 from .latent import latent_pass_through
+from .sparse_index import indexer_pass_through
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,11 @@ def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterat
     if switch:
         model.set_attn_implementation(target)
     try:
+        # Multi-latent modules hand their latent to the paged forward; indexers select from the paged keys;
+        # the classic families' modules call the paged forward through their adapters.
         with (
-            latent_pass_through(model),  # multi-latent modules hand their latent to the paged forward
+            latent_pass_through(model),
+            indexer_pass_through(model),
             classic_attention(model, ALL_ATTENTION_FUNCTIONS[target]),
         ):
             yield target

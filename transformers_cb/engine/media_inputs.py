@@ -74,6 +74,17 @@ class MediaIntake:
                     "token_type_ids, lets the whole prompt prefix (PaliGemma) or the media tokens see each "
                     "other both ways, which the paged kernels (causal) do not express; its text path runs"
                 )
+        # Gemma 4 with `use_bidirectional_attention == "vision"` builds its blocks from `mm_token_type_ids`
+        # (image and video runs) and widens only its sliding layers' masks: not the rule above (every layer,
+        # `token_type_ids`), so its media are refused rather than run causally (the support check refuses such
+        # a model whole today; this holds should it run).
+        vision_blocks = getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+        if params and refusal is None and not blockwise and vision_blocks:
+            refusal = (
+                f"{model_type}'s vision tokens attend to their run both ways on its sliding layers "
+                "(use_bidirectional_attention='vision', runs from mm_token_type_ids), which the engine's block "
+                "rule (token_type_ids, every layer) does not express"
+            )
         rope_index = getattr(base, "get_rope_index", None)
         return cls(
             model_type, params, token_ids, rope_index if callable(rope_index) else None, refusal, blockwise

@@ -30,7 +30,10 @@ separate V (attention/latent.py decompresses or absorbs it); its page policy is 
 
 What the model's forward shows overrides the config (`ObservedLayers`, learned by model_check's probe):
 the (KV heads, head dim) each layer's attention call really passes (MiMo-V2-Flash's sliding layers have
-twice the config's KV heads; JetMoE repeats its K/V once per expert before attending).
+twice the config's KV heads), a V head size other than K's (MiMo-V2-Flash: 128 against 192; the group's
+pages then hold K and V of a token side by side in one row, `KVGroupSpec.value_dim`), and K/V a layer tiles
+over its query heads before attending (JetMoE repeats its K/V once per routed expert: the group caches
+them once, `KVGroupSpec.kv_repeat`, and attention/repeated_kv.py maps the query heads onto them).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
-# DeepSeek sparse attention's layer type (an indexer picks each query's keys): known, not run.
+# DeepSeek sparse attention's layer type (an indexer picks each query's keys): full attention over latent
+# pages whose rows carry the indexer's key too (`KVGroupSpec.index_dim`; attention/sparse_index.py).
 INDEXED_ATTENTION = "indexed_attention"
 # transformers' layer types (cache_utils: `DYNAMIC_LAYER_TYPE_MAPPING`) with a recurrent state, and the
 # attention kind of their KV (None: no KV at all).
@@ -67,10 +71,15 @@ HEAD_SHAPE_ATTRIBUTES = frozenset({"head_dim", "num_key_value_heads"})
 class ObservedLayers:
     """What a model's forward showed of its layers, where that overrides its config (model_check's probe).
 
-    `head_shapes`: (KV heads, head dim) of each layer's attention call (empty: the config's); why: the
-    cache must hold what the kernels are given, and some models state other shapes than they attend with."""
+    `head_shapes`: (KV heads, head dim) of each layer's K as the cache holds it (empty: the config's); why:
+    the cache must hold what the kernels are given, and some models state other shapes than they attend
+    with. `value_dims`: each layer's V head size where some layer's differs from its K's (empty: V has K's
+    size). `kv_repeats`: how many times each layer tiles its K/V heads before the attention call (JetMoE:
+    once per routed expert; `head_shapes` then counts the heads before the repeat; empty: none)."""
 
     head_shapes: tuple[tuple[int, int], ...] = ()
+    value_dims: tuple[int, ...] = ()
+    kv_repeats: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,13 @@ class KVGroupSpec:
     for the other kinds. `head_shape`: (KV heads, head dim) of the group's layers when the model's layers
     differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`). `latent`: a latent
     group's (kv_lora_rank, qk_rope_head_dim): its pages hold one latent row per token and layer (one head
-    of their summed width, no V), attended by attention/latent.py; its page policy is its kind's."""
+    of their summed width, no V), attended by attention/latent.py; its page policy is its kind's.
+    `value_dim`: the V head size of a group whose V is not K's size (None: K's); a page then holds one
+    stream whose rows are K's `head_dim` values followed by V's (`memory.kv_cache.layer_views` splits
+    them), so nothing is padded. `kv_repeat`: the times its layers tile their K/V heads over the query
+    heads before attending (JetMoE); the pages hold the heads before the repeat. `index_dim`: a latent
+    group of DeepSeek sparse attention layers: each row's latent is followed by the indexer's key of the token
+    (`index_head_dim` values), which selects each query's keys (attention/sparse_index.py)."""
 
     kind: str
     layer_indices: tuple[int, ...]
@@ -90,6 +105,10 @@ class KVGroupSpec:
     attention_chunk_size: int | None = None
     # (kv_lora_rank, qk_rope_head_dim) of a latent group (multi-latent attention); None: K/V pages.
     latent: tuple[int, int] | None = None
+    value_dim: int | None = None
+    kv_repeat: int = 1
+    # DeepSeek sparse attention: the indexer's key size (`index_head_dim`), stored after each latent row.
+    index_dim: int | None = None
 
     @property
     def span(self) -> int | None:
@@ -105,17 +124,19 @@ class KVGroupSpec:
         elif self.attention_chunk_size is not None:
             name = f"{self.kind}(chunk={self.attention_chunk_size})"
         if self.latent is not None:
-            return f"{name}[latent={self.latent[0]}+{self.latent[1]}]"
-        return (
-            name
-            if self.head_shape is None
-            else f"{name}[heads={self.head_shape[0]}, dim={self.head_shape[1]}]"
-        )
+            index = "" if self.index_dim is None else f", indexer key={self.index_dim}"
+            return f"{name}[latent={self.latent[0]}+{self.latent[1]}{index}]"
+        if self.head_shape is not None:
+            value = "" if self.value_dim is None else f", value dim={self.value_dim}"
+            repeat = "" if self.kv_repeat == 1 else f", repeated x{self.kv_repeat}"
+            name = f"{name}[heads={self.head_shape[0]}, dim={self.head_shape[1]}{value}{repeat}]"
+        return name
 
     @property
     def kv_streams(self) -> int:
-        """Tensors a page holds per layer: K and V (2), or the latent alone (1)."""
-        return 1 if self.latent is not None else 2
+        """Tensors a page holds per layer: K and V (2), or one row per token: the latent alone, or K and V
+        side by side when V's head size is not K's (1)."""
+        return 1 if self.latent is not None or self.value_dim is not None else 2
 
 
 def latent_shape_of(text_config: Any) -> tuple[int, int] | None:
@@ -157,6 +178,8 @@ def kv_kind_of(layer_type: str) -> str | None:
         return STATE_LAYER_TYPES[layer_type]
     if layer_type in STATELESS_LAYER_TYPES:
         return None
+    if layer_type == INDEXED_ATTENTION:
+        return FULL_ATTENTION  # every earlier key is a candidate; the indexer's selection is a mask
     return layer_type
 
 
@@ -192,7 +215,11 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
     Args:
         observed: what the model's forward showed (`ObservedLayers`); None: the config alone."""
     text_config = config.get_text_config()
-    layer_types = [kv_kind_of(t) for t in layer_types_of(text_config)]
+    raw_types = layer_types_of(text_config)
+    layer_types = [kv_kind_of(t) for t in raw_types]
+    if INDEXED_ATTENTION in raw_types and latent_shape_of(text_config) is None:
+        # Without a latent there is no page row to carry the indexer's keys: refused as an unknown kind.
+        layer_types = [INDEXED_ATTENTION if r == INDEXED_ATTENTION else kv_kind_of(r) for r in raw_types]
     unknown = sorted({t for t in layer_types if t is not None} - set(KNOWN_LAYER_TYPES))
     if unknown:
         model_type = getattr(text_config, "model_type", "?")
@@ -214,24 +241,40 @@ def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -
         # Why one head of the summed width: the latent and the rotary key of a token are one row, the
         # absorbed decode's single KV head (attention/latent.py).
         shapes = [(1, sum(latent))] * len(layer_types)
+        observed = None
+    value_dims = list(observed.value_dims) if observed is not None and observed.value_dims else None
+    repeats = list(observed.kv_repeats) if observed is not None and observed.kv_repeats else None
+
+    index_dim = getattr(text_config, "index_head_dim", None) if latent is not None else None
+
+    def key_of(i: int) -> tuple[tuple[int, int] | None, int | None, int, int | None]:
+        """What a group's layers share: K's head shape, V's head size (None: K's), the K/V repeat, the
+        indexer's key size (DeepSeek sparse attention's layers)."""
+        shape = None if shapes is None else shapes[i]
+        value = None if value_dims is None or shape is None or value_dims[i] == shape[1] else value_dims[i]
+        index = int(index_dim) if index_dim and raw_types[i] == INDEXED_ATTENTION else None
+        return shape, value, 1 if repeats is None else repeats[i], index
+
     groups = []
     for kind in KNOWN_LAYER_TYPES:
         layers = [i for i, t in enumerate(layer_types) if t == kind]
-        # Why per shape: a group's pages are one tensor, whose layers share one (KV heads, head dim).
-        kind_shapes = [None] if shapes is None else list(dict.fromkeys(shapes[i] for i in layers))
-        for shape in kind_shapes:
-            members = tuple(i for i in layers if shapes is None or shapes[i] == shape)
-            if members:
-                groups.append(
-                    KVGroupSpec(
-                        kind,
-                        members,
-                        window if kind == SLIDING_ATTENTION else None,
-                        shape,
-                        chunk if kind == CHUNKED_ATTENTION else None,
-                        latent,
-                    )
+        # Why per shape: a group's pages are one tensor, whose layers share one (KV heads, head dim), V's
+        # head size and K/V repeat.
+        for shape, value, repeat, index in dict.fromkeys(key_of(i) for i in layers):
+            members = tuple(i for i in layers if key_of(i) == (shape, value, repeat, index))
+            groups.append(
+                KVGroupSpec(
+                    kind,
+                    members,
+                    window if kind == SLIDING_ATTENTION else None,
+                    shape,
+                    chunk if kind == CHUNKED_ATTENTION else None,
+                    latent,
+                    value,
+                    repeat,
+                    index,
                 )
+            )
     return groups
 
 

@@ -38,15 +38,23 @@ class CacheLayout:
     scratch_page: bool = False
 
     def head_shape(self, group: int) -> tuple[int, int]:
-        """(KV heads, head dim) of group `group`'s layers."""
+        """(KV heads, head dim) of group `group`'s layers (K's, as cached: before a layer's K/V repeat)."""
         return self.groups[group].head_shape or (self.num_kv_heads, self.head_dim)
+
+    def row_shape(self, group: int) -> tuple[int, int]:
+        """(heads, values per head) of one token's row in one stream of group `group`'s tensor: K's head
+        shape, or K's and V's head sizes side by side when V's is not K's (`KVGroupSpec.value_dim`), or a
+        latent row and the indexer's key after it (`KVGroupSpec.index_dim`)."""
+        heads, dim = self.head_shape(group)
+        spec = self.groups[group]
+        return heads, dim + (spec.value_dim or 0) + (spec.index_dim or 0)
 
     def group_page_bytes(self, group: int) -> int:
         """Bytes of one page of group `group`: K and V of each of its layers (a latent group: its latent
-        vectors alone, `KVGroupSpec.kv_streams`)."""
+        vectors alone, `KVGroupSpec.kv_streams`; V of its own size beside K: one row of both)."""
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         layers = len(self.groups[group].layer_indices)
-        heads, dim = self.head_shape(group)
+        heads, dim = self.row_shape(group)
         return self.groups[group].kv_streams * layers * self.page_size * heads * dim * element_size
 
     def page_bytes(self) -> int:
@@ -63,11 +71,19 @@ class CacheLayout:
         return sum((n + scratch) * self.group_page_bytes(g) for g, n in enumerate(self.pages))
 
 
-def layer_views(storage: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_views(
+    storage: torch.Tensor, index: int, key_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `index` of a KV group's tensor `[2, layers, pages, page_size, Hkv, D]` as its key and value
     caches `[slots, Hkv, D]` (views: writes land in the group's tensor). A latent group's tensor has one
-    stream (`[1, ...]`): its value cache is its key cache, so nothing decompressed is ever stored."""
+    stream (`[1, ...]`): its value cache is its key cache, so nothing decompressed is ever stored.
+
+    `key_dim`: K's head size in a one-stream tensor whose rows are K then V (a V head size other than K's:
+    `KVGroupSpec.value_dim`); the two caches are then strided views of one row `[slots, Hkv, D_k + D_v]`."""
     heads, dim = storage.shape[-2:]
+    if key_dim is not None and key_dim < dim:
+        rows = storage[0, index].view(-1, heads, dim)
+        return rows[..., :key_dim], rows[..., key_dim:]
     return storage[0, index].view(-1, heads, dim), storage[-1, index].view(-1, heads, dim)
 
 
@@ -131,8 +147,8 @@ class PagedKVCache:
             scratch_page,
         )
         self.has_scratch_page = scratch_page
-        # One tensor per group, `[2 (K, V; 1 for a latent group), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
-        # head_dim]` (the group's head shape: `CacheLayout.head_shape`), so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
+        # One tensor per group, `[2 (K, V; 1 for a latent group or one whose V is not K's size), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
+        # head_dim]` (the group's row shape: `CacheLayout.row_shape`), so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
         # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
         # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
         self.group_tensors = [
@@ -141,7 +157,7 @@ class PagedKVCache:
                 len(spec.layer_indices),
                 n + int(scratch_page),
                 page_size,
-                *self.layout.head_shape(g),
+                *self.layout.row_shape(g),
                 dtype=dtype,
                 device=device,
             )
@@ -154,7 +170,7 @@ class PagedKVCache:
             storage = self.group_tensors[g]
             for i, layer in enumerate(spec.layer_indices):
                 self._index_in_group[layer] = i
-                self.keys[layer], self.values[layer] = layer_views(storage, i)
+                self.keys[layer], self.values[layer] = layer_views(storage, i, self.key_dim(g))
 
     @classmethod
     def from_layout(cls, layout: CacheLayout) -> PagedKVCache:
@@ -169,6 +185,13 @@ class PagedKVCache:
             list(layout.groups),
             scratch_page=layout.scratch_page,
         )
+
+    def key_dim(self, group: int) -> int | None:
+        """K's head size where group `group`'s rows hold K and V side by side, or a latent row and its
+        indexer key (`layer_views`: the layer's value cache is then V, or the indexer keys); else None."""
+        spec = self.groups[group]
+        split = spec.value_dim is not None or spec.index_dim is not None
+        return self.layout.head_shape(group)[1] if split else None
 
     @property
     def pages_per_group(self) -> tuple[int, ...]:
@@ -198,10 +221,14 @@ class PagedKVCache:
             device = self.keys[0].device
             src = (torch.tensor(sources, device=device)[:, None] * self.page_size + offsets).reshape(-1)
             dst = (torch.tensor(destinations, device=device)[:, None] * self.page_size + offsets).reshape(-1)
-            for layer in self.groups[group].layer_indices:
+            storage = self.group_tensors[group]
+            for index, layer in enumerate(self.groups[group].layer_indices):
+                if storage.shape[0] == 1:  # one stream: whole rows (K and V, or a latent and its indexer key)
+                    rows = storage[0, index].view(-1, *storage.shape[-2:])
+                    rows.index_copy_(0, dst, rows.index_select(0, src))
+                    continue
                 self.keys[layer].index_copy_(0, dst, self.keys[layer].index_select(0, src))
-                if self.groups[group].latent is None:  # a latent group's values are its keys
-                    self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
+                self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]

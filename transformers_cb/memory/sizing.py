@@ -28,11 +28,13 @@ import torch
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..kv.layer_groups import (
+    INDEXED_ATTENTION,
     KVGroupSpec,
     ObservedLayers,
     kv_layer_indices,
     latent_shape_of,
     layer_head_shapes,
+    layer_types_of,
 )
 from ..kv.page_policies import num_pages_for
 
@@ -49,7 +51,9 @@ class ModelShape:
 
     `layer_head_shapes`: (KV heads, head dim) of each layer when they differ per layer (`per_layer_config`,
     read per layer: reading them globally raises transformers' `AmbiguousGlobalPerLayerAttributeError`);
-    empty when every layer has `num_kv_heads` x `head_dim` (then those of layer 0 otherwise)."""
+    empty when every layer has `num_kv_heads` x `head_dim` (then those of layer 0 otherwise), or the K head
+    shapes the model's forward showed (`ObservedLayers`). `layer_value_dims`: each layer's V head size when
+    some layer's is not its K's (MiMo-V2-Flash: 128 against 192; empty: V has K's size)."""
 
     num_layers: int
     num_kv_heads: int
@@ -64,6 +68,9 @@ class ModelShape:
     # (kv_lora_rank, qk_rope_head_dim) of a multi-latent attention model: each layer caches one latent
     # vector per token (one head of their summed width, no V), not decompressed K/V.
     latent: tuple[int, int] | None = None
+    layer_value_dims: tuple[int, ...] = ()
+    # DeepSeek sparse attention: the indexer's key size cached beside the latent, per layer (0: none).
+    layer_index_dims: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config, observed: ObservedLayers | None = None) -> ModelShape:
@@ -78,8 +85,13 @@ class ModelShape:
         ) or layer_head_shapes(config)
         kv_layers = kv_layer_indices(config)
         latent = latent_shape_of(config)
+        value_dims = observed.value_dims if observed is not None else ()
+        index_dims: tuple[int, ...] = ()
         if latent is not None:
             per_layer = [(1, sum(latent))] * config.num_hidden_layers
+            value_dims = ()
+            index_dim = int(getattr(config, "index_head_dim", None) or 0)
+            index_dims = tuple(index_dim if t == INDEXED_ATTENTION else 0 for t in layer_types_of(config))
         if per_layer:
             num_kv_heads, head_dim = per_layer[0]
         else:
@@ -96,6 +108,8 @@ class ModelShape:
             layer_head_shapes=tuple(per_layer or ()),
             kv_layers=None if len(kv_layers) == config.num_hidden_layers else tuple(kv_layers),
             latent=latent,
+            layer_value_dims=tuple(value_dims),
+            layer_index_dims=index_dims if any(index_dims) else (),
         )
 
     def layer_head_shape(self, layer_idx: int) -> tuple[int, int]:
@@ -104,12 +118,25 @@ class ModelShape:
             return self.layer_head_shapes[layer_idx]
         return self.num_kv_heads, self.head_dim
 
+    def layer_value_dim(self, layer_idx: int) -> int:
+        """V's head size in layer `layer_idx` (its K's unless the forward showed otherwise)."""
+        if self.layer_value_dims:
+            return self.layer_value_dims[layer_idx]
+        return self.layer_head_shape(layer_idx)[1]
+
     def kv_bytes_per_token(self, element_size: int) -> int:
-        """K and V of one token in every layer that caches them (each layer with its own head shape); a
-        multi-latent model's latent vector alone (`kv_lora_rank + qk_rope_head_dim` per layer)."""
+        """K and V of one token in every layer that caches them (each layer with its own head shape, V with
+        its own head size); a multi-latent model's latent vector alone (`kv_lora_rank + qk_rope_head_dim`
+        per layer)."""
         layers = range(self.num_layers) if self.kv_layers is None else self.kv_layers
-        elements = sum(h * d for h, d in map(self.layer_head_shape, layers))
-        return (1 if self.latent is not None else 2) * elements * element_size
+        if self.latent is not None:
+            indexer = sum(self.layer_index_dims[i] for i in layers) if self.layer_index_dims else 0
+            return (sum(h * d for h, d in map(self.layer_head_shape, layers)) + indexer) * element_size
+        elements = 0
+        for layer in layers:
+            heads, dim = self.layer_head_shape(layer)
+            elements += heads * (dim + self.layer_value_dim(layer))
+        return elements * element_size
 
     def activation_bytes_per_token(self, element_size: int) -> int:
         # hidden + residual + q/k/v/o + MLP intermediates (gate, up, act), a rough upper bound.

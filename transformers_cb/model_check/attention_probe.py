@@ -26,7 +26,8 @@ runner selects the rows itself when it does not (`ProbeResult.keeps_rows`).
   `dispatch_problems`).
 
 The K/V head shapes the probe saw (`observed_layers`) override the config's where they differ: the cache
-is sized for the K/V each layer really passes (`kv/layer_groups.py: ObservedLayers`).
+is sized for the K/V each layer really passes (`kv/layer_groups.py: ObservedLayers`): V's own head size,
+and K/V heads a layer tiles before the call (JetMoE's repeat per routed expert, `_tiling`) cached once.
 
 Each broken clause is one phrase of `dispatch_problems`; the support check refuses the model with them.
 The forwards run through `model.forward` in eval mode under `inference_mode`, and the attention
@@ -43,7 +44,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
@@ -80,6 +80,7 @@ class _Call:
     unsupported: tuple[str, ...]
     mask_windowed: bool = False  # the mask hides some earlier key from some query (a window)
     alibi: bool = False  # ALiBi slopes passed: the layer's positions are its keys' (attention/alibi.py)
+    kv_repeat: int = 1  # K and V are their first key_shape[0] // kv_repeat heads tiled this many times
 
 
 @dataclass
@@ -131,6 +132,7 @@ def _recording_attention(
                 unsupported=tuple(n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None),
                 mask_windowed=_is_windowed(attention_mask),
                 alibi=kwargs.get(ALIBI_KWARG) is not None,
+                kv_repeat=_tiling(key, value),
             )
         )
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
@@ -140,16 +142,33 @@ def _recording_attention(
         # A shape the paged kernels cannot run anyway (recorded above): keep the forward going.
         return query.new_zeros(batch, q_len, heads, value.shape[-1]), None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if value.shape[-1] != query.shape[-1]:
-        # Multi-latent attention's decompressed V (`v_head_dim`): attended, so that positions still
-        # change the logits (a V of another size is refused for any other model by `dispatch_problems`).
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-    slopes, form = kwargs.get(ALIBI_KWARG), kwargs.get(ALIBI_FORM_KWARG) or RELATIVE
     out = eager_attend(
-        query, key, value, None, True, scale, kwargs.get("softcap"), kwargs.get("s_aux"), slopes, form
+        query,
+        key,
+        value,
+        None,
+        True,
+        scale,
+        kwargs.get("softcap"),
+        kwargs.get("s_aux"),
+        kwargs.get(ALIBI_KWARG),
+        kwargs.get(ALIBI_FORM_KWARG) or RELATIVE,
     )
     return out.transpose(1, 2).contiguous(), None  # [B, T, H, D], as transformers' functions return
+
+
+def _tiling(key: torch.Tensor, value: torch.Tensor) -> int:
+    """How many times `key` and `value` `[B, Hkv, T, D]` repeat their first heads along the head axis
+    (`x.repeat(1, n, 1, 1)`: JetMoE, once per routed expert), bitwise; 1 when they do not."""
+    if key.dim() != 4 or value.dim() != 4 or key.shape[1] != value.shape[1]:
+        return 1
+    heads = key.shape[1]
+    for period in range(1, heads):
+        if heads % period == 0 and all(
+            torch.equal(t, t[:, :period].repeat(1, heads // period, 1, 1)) for t in (key, value)
+        ):
+            return heads // period
+    return 1
 
 
 def _is_bias(mask: torch.Tensor | None) -> bool:
@@ -316,16 +335,34 @@ def _masks_window(result: ProbeResult, call: _Call, window: int | None) -> bool:
 
 
 def observed_layers(result: ProbeResult, kv_shapes: list[tuple[int, int]]) -> ObservedLayers:
-    """What the probe saw that overrides the config: each layer's K head shape where any layer's differs
-    from `kv_shapes` (the config's; layers without a call keep theirs). Read only when
-    `dispatch_problems` found nothing (then every layer's V has its K's shape)."""
+    """What the probe saw that overrides the config: each layer's K head shape as the cache holds it (the
+    heads before a repeat the layer tiles them by) where any layer's differs from `kv_shapes` (the config's;
+    layers without a call keep theirs), V's head sizes where some differs from K's, and the repeats where
+    some layer repeats. Read only when `dispatch_problems` found nothing (then V has K's heads)."""
     seen = {
         c.layer_idx: c
         for c in result.calls
         if isinstance(c.layer_idx, int) and 0 <= c.layer_idx < len(kv_shapes)
     }
-    shapes = [seen[i].key_shape if i in seen else shape for i, shape in enumerate(kv_shapes)]
-    return ObservedLayers(tuple(shapes) if shapes != list(kv_shapes) else ())
+    shapes, values, repeats = [], [], []
+    for i, shape in enumerate(kv_shapes):
+        call = seen.get(i)
+        if call is None:
+            shapes.append(shape)
+            values.append(shape[1])
+            repeats.append(1)
+            continue
+        shapes.append((call.key_shape[0] // call.kv_repeat, call.key_shape[1]))
+        values.append(call.value_shape[1])
+        repeats.append(call.kv_repeat)
+    differs = shapes != list(kv_shapes) or values != [d for _, d in shapes] or set(repeats) != {1}
+    if not differs:
+        return ObservedLayers()
+    return ObservedLayers(
+        tuple(shapes),
+        tuple(values) if values != [d for _, d in shapes] else (),
+        tuple(repeats) if set(repeats) != {1} else (),
+    )
 
 
 def dispatch_problems(
@@ -388,22 +425,22 @@ def dispatch_problems(
         # The engine's call passes a plain mask: a bias there was made by the layer itself (Doge's dynamic
         # mask: a per-key term from every cached key's value states, then a top-k of the keys).
         problems.append(
-            f"layers {layer_bias} add a bias of their own to the attention mask (computed in the layer from "
-            "its keys' states, e.g. Doge's dynamic mask): the paged kernels add no bias to the logits, and a "
-            "layer sees only the step's new keys, not the cached ones the bias is over"
+            f"layers {layer_bias} add a bias of their own to the attention mask, computed from each key's "
+            "states (Doge's dynamic mask: exp(A x softplus(dt_proj(V))) per KV head and key, then the top "
+            "keep_window_size keys): missing a per-(KV head, key) term from every cached key's states added to "
+            "the logits by each paged kernel, and that top-k selection (a layer sees only the step's new keys)"
         )
     elif result.mask_bias or any(c.mask_bias for c in calls):
         problems.append("its attention mask carries a bias (e.g. ALiBi), which the paged kernels do not add")
     if any(not c.causal for c in calls):
         problems.append("its attention is bidirectional (is_causal=False), not causal generation")
-    # K/V shapes other than the config's are sized from the probe (`observed_layers`); what the cache
-    # cannot hold is a V of another shape than its K (one head shape per KV group).
+    # K/V shapes other than the config's are sized from the probe (`observed_layers`), V's head size too
+    # (a row holds K then V); what the cache cannot hold is V with other heads than K's.
     for c in calls:
-        if kv_shapes is not None and c.key_shape != c.value_shape:
+        if kv_shapes is not None and c.key_shape[0] != c.value_shape[0]:
             problems.append(
-                f"layer {c.layer_idx} attends with V of (heads, dim) {c.value_shape} but K {c.key_shape}: a "
-                "value head size other than the key's is not supported yet (the paged cache and kernels hold "
-                "K and V of one head shape per KV group)"
+                f"layer {c.layer_idx} attends with V of (heads, dim) {c.value_shape} but K {c.key_shape}: V "
+                "with another head count than K is not supported (a page row holds K and V of the same heads)"
             )
             break
     for c in calls:
@@ -424,10 +461,11 @@ def dispatch_problems(
                 # Its mask is causal, yet generate()'s DynamicCache (built from the config) keeps only the
                 # window: generate() attends fully while prefilling, within the window while decoding.
                 problems.append(
-                    f"layer {c.layer_idx} applies no window (no sliding_window, a plain causal mask) while the "
-                    f"config sets sliding_window={window!r}, with which the DynamicCache of generate() keeps only "
-                    f"a {window}-token window: generate() attends to every key while prefilling and to the window while decoding, a mix "
-                    "no paged KV group kind reproduces"
+                    f"layer {c.layer_idx} applies no window (a plain causal mask) while generate()'s DynamicCache "
+                    f"keeps a {window}-token window (sliding_window={window!r}): generate() attends to every key "
+                    "while prefilling, to the window while decoding; missing: a KV group kind whose queries "
+                    "inside the prompt attend every earlier key and later ones the window, keeping the prompt's "
+                    "pages until it is prefilled (each request's prompt length in the masks and kernels)"
                 )
                 break
             problems.append(

@@ -14,12 +14,12 @@ Refused, with the model type and what is missing. From the config alone:
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
   MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
-- attention the kernels do not implement: bidirectional attention, DeepSeek sparse attention
-  (`indexed_attention` layers of a multi-latent model), ALiBi of a family without an adapter (Bloom's, MPT's
-  and Falcon's bfloat16-rounded form run: attention/classic.py), cross-attention, or any unknown
-  `layer_types` entry (`kv/layer_groups.py`).
+- attention the kernels do not implement: bidirectional attention, ALiBi of a family without an adapter
+  (Bloom's, MPT's and Falcon's bfloat16-rounded form run: attention/classic.py), cross-attention, or any
+  unknown `layer_types` entry (`kv/layer_groups.py`; `indexed_attention` without a latent among them).
 Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
-an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`).
+an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`);
+DeepSeek sparse attention's indexers select from their keys in those pages (attention/sparse_index.py).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
 - state layers whose modules do not keep their state through the cache API, or that do not take
   (hidden_states, cache, attention_mask); state layers under tensor parallelism;
@@ -28,11 +28,11 @@ From what the model's forward does (when the model is given; `attention_probe.py
   the others are refused naming what they miss: an encoder's `is_decoder=False`, XLM's `causal=False`,
   XLNet's `attn_type='bi'`, CPM-Ant's relative-position buckets, or else no adapter);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
-  step's metadata is out of reach: its layers count as missing), two attention calls per layer, a V
-  head shape other than K's, a window other than the config's, bidirectional layers, an attention bias in
+  step's metadata is out of reach: its layers count as missing), two attention calls per layer, V with
+  other heads than K's, a window other than the config's, bidirectional layers, an attention bias in
   the mask (ALiBi), positions numbered another way than 0..n-1.
 K/V head shapes other than the config's are taken from the forward instead (`observed_layers_of`: the
-engine sizes its cache from them), and so is a window applied through the mask alone (no kwarg).
+engine sizes its cache from them; V's own head size, K/V a layer tiles before the call), and so is a window applied through the mask alone (no kwarg).
 Two clauses are adapted instead of refused (runner/model_call.py): layers that drop the attention kwargs
 (StableLM, Nemotron) reach the step's metadata through a context variable, and a forward that ignores
 `logits_to_keep` has its rows selected by the runner (`ignores_logits_to_keep`).
@@ -50,6 +50,7 @@ from transformers import PreTrainedModel
 
 from ..attention.classic import has_classic_attention
 from ..attention.latent import latent_module_problem, latent_modules
+from ..attention.sparse_index import indexer_modules, indexer_problem
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import (
     HEAD_SHAPE_ATTRIBUTES,
@@ -75,6 +76,8 @@ OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # its own form of the bias, `alibi.AlibiForm`).
 ALIBI_FLAGS = ("alibi", "use_alibi")
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
+# DeepSeek V4's layer types: attention over compressed entries of the past (a compressor's, not a page's).
+COMPRESSED_LAYER_TYPES = frozenset({"compressed_sparse_attention", "heavily_compressed_attention"})
 
 
 @dataclass(frozen=True)
@@ -187,12 +190,27 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
     if getattr(text_config, "use_bidirectional_attention", False):
         _refuse(model_type, "bidirectional attention is not causal generation")
     if latent_shape_of(text_config) is not None and INDEXED_ATTENTION in layer_types_of(text_config):
-        # Why: DeepSeek sparse attention's indexer keeps keys of its own per token and picks each query's
-        # top-k cached keys; the latent pages hold no indexer keys and the kernels attend to every key.
+        # Why: the indexer's keys are stored after each latent row (`KVGroupSpec.index_dim`), sized by it.
+        index_dim = getattr(text_config, "index_head_dim", None)
+        if not isinstance(index_dim, int) or index_dim < 1:
+            _refuse(
+                model_type,
+                f"DeepSeek sparse attention (indexed_attention layers) with index_head_dim={index_dim!r}: the "
+                "latent pages store each token's indexer key of that size",
+            )
+    compressed = sorted(set(layer_types_of(text_config)) & COMPRESSED_LAYER_TYPES)
+    if compressed:
+        # DeepSeek V4: beside its sliding-window K=V, a layer attends compressed entries that a compressor emits
+        # once per `compress_rates[type]` tokens, from a window of source tokens it buffers across calls.
         _refuse(
             model_type,
-            "DeepSeek sparse attention (indexed_attention layers: an indexer with a key cache of its own picks "
-            "each query's top-k keys) is not implemented: the latent pages hold no indexer keys",
+            f"DeepSeek V4's compressed attention ({compressed} layers) is not implemented: besides its "
+            "sliding-window K=V pages, each layer attends compressed KV entries, one per "
+            f"compress_rates={getattr(text_config, 'compress_rates', None)!r} source tokens, made by a compressor "
+            "that buffers the unclosed window (and, for compressed_sparse_attention, the previous window's "
+            "overlapping half) across calls, and a Lightning Indexer picks each query's top-k compressed entries: "
+            "the paged cache has no page group of compressed entries, no per-request compressor state, and no "
+            "top-k over compressed entries",
         )
     # Why: an ALiBi bias is added to the logits inside the model's own attention; the paged kernels
     # compute softmax(QK^T) without it.
@@ -271,13 +289,35 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
 
 def latent_problems(model: PreTrainedModel, kv_layers: list[int]) -> list[str]:
     """What keeps a multi-latent model's KV layers from the latent pages: a layer without an MLA module
-    (`attention/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read."""
+    (`attention/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read; a
+    DeepSeek sparse attention model's indexer the pass-through cannot hand one request at a time
+    (`attention/sparse_index.py: indexer_problem`), or an indexer on a layer whose pages hold no indexer keys."""
+    indexed = {
+        i for i, t in enumerate(layer_types_of(model.config.get_text_config())) if t == INDEXED_ATTENTION
+    }
+    for indexer in indexer_modules(model):
+        problem = indexer_problem(indexer)
+        if problem is None and indexer.layer_idx not in indexed:
+            problem = (
+                f"it scores the keys of layer {indexer.layer_idx}, which is not an indexed_attention layer"
+            )
+        if problem is not None:
+            return [f"DeepSeek sparse attention's indexer: {problem}"]
     by_layer = {getattr(m, "layer_idx", None): m for m in latent_modules(model)}
     missing = [i for i in kv_layers if i not in by_layer]
     if missing:
         return [
             f"layers {missing} have no multi-latent attention module (kv_b_proj, expand_kv) although the "
             "config sets kv_lora_rank, so their KV is not one latent per token"
+        ]
+    rope = (latent_shape_of(model.config.get_text_config()) or (0, 0))[1]
+    narrower = [i for i in kv_layers if getattr(by_layer[i], "qk_rope_head_dim", rope) != rope]
+    if narrower:
+        # Mistral Large 4's `no_rope_layers`: those layers cache no rotary key.
+        return [
+            f"layers {narrower} cache a latent of kv_lora_rank + {by_layer[narrower[0]].qk_rope_head_dim} values "
+            f"per token (layers without rotary keys), others of kv_lora_rank + {rope}: latent rows of "
+            "another width per layer are not supported (one latent group holds one row width)"
         ]
     for i in kv_layers:
         problem = latent_module_problem(by_layer[i])

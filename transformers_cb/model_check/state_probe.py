@@ -24,15 +24,8 @@ from ..invariants import InvariantError
 from ..kv.layer_groups import state_layer_indices
 from ..memory.state_cache import StateCache, StateSpec, state_bytes_per_slot
 from ..runner.own_state import state_calls
-from ..runner.state_layers import (
-    Rows,
-    SlotStateView,
-    StateCall,
-    StateLayers,
-    StateRecorder,
-    StateTable,
-    run_span,
-)
+from ..runner.slot_state_view import SlotStateView, StateRecorder
+from ..runner.state_layers import Rows, StateCall, StateLayers, StatePiece, StateTable, run_span
 
 PROBE_TOKENS = 3
 # The continuation check (`stepwise_layers`): a chunk that continues a state must give the module's
@@ -78,7 +71,9 @@ def run_with_recorder(
 ) -> None:
     """Run `module`'s own forward once on `hidden` `[1, tokens, hidden]` against `recorder`."""
     rows = Rows(0, hidden.shape[1])
-    out = call.run(module.forward, recorder, rows, hidden, (), probe_kwargs(hidden.shape[1], hidden.device))
+    out = call.run(
+        StatePiece(module.forward, recorder, rows, hidden, (), probe_kwargs(hidden.shape[1], hidden.device))
+    )
     if not isinstance(out, torch.Tensor) or out.shape[:2] != hidden.shape[:2]:
         raise InvariantError(
             f"{type(module).__name__} returns {type(out).__name__} {getattr(out, 'shape', '')}, not one "
@@ -96,16 +91,17 @@ def continuation_gap(
     kwargs = probe_kwargs(tokens, hidden.device)
     slots = torch.zeros(1, dtype=torch.int64, device=hidden.device)
     whole_view = SlotStateView(StateCache(specs, 1, hidden.device), slots, True)
-    whole = call.run(module.forward, whole_view, Rows(0, tokens), hidden, (), kwargs)
+    whole = call.run(StatePiece(module.forward, whole_view, Rows(0, tokens), hidden, (), kwargs))
     cache = StateCache(specs, 1, hidden.device)
     half = tokens // 2
     first_view = SlotStateView(cache, slots, fresh=True)
-    first = run_span(module.forward, call, first_view, Rows(0, half), hidden, (), kwargs, stepwise)
+    first = run_span(
+        call, StatePiece(module.forward, first_view, Rows(0, half), hidden, (), kwargs), stepwise
+    )
     first_view.write_back()
     second_view = SlotStateView(cache, slots, fresh=False)
-    second = run_span(
-        module.forward, call, second_view, Rows(half, tokens - half), hidden, (), kwargs, stepwise
-    )
+    second_piece = StatePiece(module.forward, second_view, Rows(half, tokens - half), hidden, (), kwargs)
+    second = run_span(call, second_piece, stepwise)
     split = torch.cat([first, second], dim=1).float()
     whole = whole.float()
     return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)

@@ -15,6 +15,7 @@ generated tokens, the position plus the rope delta on all three axes, as `genera
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 from bisect import bisect_left
@@ -39,6 +40,7 @@ class MediaStepInputs:
     inputs_embeds: torch.Tensor | None = None  # [1, T, hidden]
     position_ids: torch.Tensor | None = None  # [3, 1, T] (M-RoPE)
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    per_layer_inputs: torch.Tensor | None = None  # [1, T, layers, width] (Gemma 4's per-layer embeddings)
 
 
 @dataclass
@@ -162,11 +164,32 @@ class MediaRunner:
             for index, rows, _ in fills:
                 embeds[0, index.to(embeds.device)] = rows.to(embeds.dtype)
             inputs.inputs_embeds = embeds
+            inputs.per_layer_inputs = self._per_layer_inputs(input_ids, embeds, fills)
             if any(layers for _, _, layers in fills):
                 inputs.deepstack = _deepstack(fills, input_ids.shape[1], embeds.device)
         if self.mrope and any(isinstance(e.request.media, RequestMedia) for e in entries):
             inputs.position_ids = _mrope_positions(entries, input_ids.device)
         return inputs
+
+    def _per_layer_inputs(
+        self,
+        input_ids: torch.Tensor,
+        embeds: torch.Tensor,
+        fills: list[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]],
+    ) -> torch.Tensor | None:
+        """A model with per-layer token embeddings (Gemma 4) computes them from the token ids with its
+        placeholders as the pad token, as its forward does given ids; given embeddings it would have to
+        invert them, which media rows make impossible."""
+        language_model = getattr(getattr(self.model, "base_model", self.model), "language_model", None)
+        text_config = self.model.config.get_text_config()
+        method = getattr(language_model, "get_per_layer_inputs", None)
+        if not callable(method) or not getattr(text_config, "hidden_size_per_layer_input", None):
+            return None
+        ids = input_ids.clone()
+        ids[0, torch.cat([index for index, _, _ in fills]).to(ids.device)] = int(
+            text_config.pad_token_id or 0
+        )
+        return method(ids, embeds)
 
     def deepstack_target(self) -> torch.nn.Module | None:
         """The language model that takes `deepstack_visual_embeds` (Qwen3-VL), if the model has one."""
@@ -181,6 +204,22 @@ class MediaRunner:
     def carried(self, inputs: MediaStepInputs) -> Iterator[None]:
         """The step's deepstack rows handed to the language model's forward (the composite forward only
         computes them from pixels or pre-encoded outputs, which a packed step cannot give it)."""
+        if inputs.per_layer_inputs is not None:
+            per_layer = inputs.per_layer_inputs
+            base = getattr(self.model, "base_model", self.model)
+
+            def give(
+                _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]
+            ) -> tuple[tuple, dict[str, Any]]:
+                return args, {**kwargs, "per_layer_inputs": per_layer}
+
+            handle = base.register_forward_pre_hook(give, with_kwargs=True)
+            try:
+                with self.carried(dataclasses.replace(inputs, per_layer_inputs=None)):
+                    yield
+            finally:
+                handle.remove()
+            return
         target = self.deepstack_target() if inputs.deepstack is not None else None
         if target is None or inputs.deepstack is None:
             yield

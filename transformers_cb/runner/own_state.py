@@ -37,7 +37,8 @@ from torch import nn
 
 from ..invariants import InvariantError
 from ..memory.state_cache import CONV, RECURRENT
-from .state_layers import CacheApiCall, Rows, SlotStateView, StateCall, cache_parameter, state_modules
+from .slot_state_view import SlotStateView
+from .state_layers import CacheApiCall, StateCall, StatePiece, cache_parameter, state_modules
 
 # RWKV's state list: the attention's and the feed-forward's token shifts (the model's dtype), the WKV
 # numerator, denominator and maximum (float32), in the order of `RwkvModel`'s `state`.
@@ -66,20 +67,12 @@ class MiniMaxCall(StateCall):
 
     layer: int
 
-    def run(
-        self,
-        original: Callable[..., Any],
-        view: SlotStateView,
-        rows: Rows,
-        hidden_states: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        output, _ = original(
-            rows.take(hidden_states),
+    def run(self, piece: StatePiece) -> torch.Tensor:
+        output, _ = piece.original(
+            piece.hidden(),
             position_embeddings=None,
             attention_mask=None,
-            past_key_values=LinearCacheView(view),
+            past_key_values=LinearCacheView(piece.view),
         )
         return output
 
@@ -114,19 +107,11 @@ class RecurrentGemmaCall(StateCall):
     layer: int
     module: Any = field(compare=False, repr=False)  # transformers' RecurrentGemmaRecurrentBlock
 
-    def run(
-        self,
-        original: Callable[..., Any],
-        view: SlotStateView,
-        rows: Rows,
-        hidden_states: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        hidden = rows.take(hidden_states)
+    def run(self, piece: StatePiece) -> torch.Tensor:
+        hidden, view = piece.hidden(), piece.view
         # The block `original` is the forward of (the probe's float32 copy, or the model's own); a
         # wrapper of it: the block this call was made for.
-        block = getattr(original, "__self__", None)
+        block = getattr(piece.original, "__self__", None)
         if not isinstance(block, type(self.module)):
             block = self.module
         batch = hidden.shape[0]
@@ -136,13 +121,13 @@ class RecurrentGemmaCall(StateCall):
             width = block.conv1d_width - 1
             conv = hidden.new_zeros(batch, block.hidden_size, width)
             recurrent = torch.zeros(batch, block.lru_width, dtype=torch.float32, device=hidden.device)
-        positions = kwargs.get("position_ids", args[0] if args else None)
+        positions = piece.kwargs.get("position_ids", piece.args[0] if piece.args else None)
         if not isinstance(positions, torch.Tensor):
             raise InvariantError("RecurrentGemma's recurrent block was called without its position_ids")
         own = _with_own_state(block)
         own.conv1d_state, own.rg_lru.recurrent_states = conv, recurrent
         output, _ = type(block).forward(
-            own, hidden, position_ids=rows.take(positions), attention_mask=None, use_cache=True
+            own, hidden, position_ids=piece.rows.take(positions), attention_mask=None, use_cache=True
         )
         view.keep(self.layer, CONV, 0, own.conv1d_state)
         view.keep(self.layer, RECURRENT, 0, own.rg_lru.recurrent_states)
@@ -175,21 +160,13 @@ class RwkvCall(StateCall):
     layer: int
     hidden_size: int
 
-    def run(
-        self,
-        original: Callable[..., Any],
-        view: SlotStateView,
-        rows: Rows,
-        hidden_states: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        hidden = rows.take(hidden_states)
-        states = [self._state(view, i, hidden) for i in range(RWKV_STATES)]
-        pieces = range(hidden.shape[0]) if rows.decode else [None]
-        outputs = [self._one(original, hidden, states, piece) for piece in pieces]
+    def run(self, piece: StatePiece) -> torch.Tensor:
+        hidden = piece.hidden()
+        states = [self._state(piece.view, i, hidden) for i in range(RWKV_STATES)]
+        requests = range(hidden.shape[0]) if piece.rows.decode else [None]
+        outputs = [self._one(piece.original, hidden, states, row) for row in requests]
         for i, state in enumerate(states):
-            view.keep(self.layer, RECURRENT, i, state)
+            piece.view.keep(self.layer, RECURRENT, i, state)
         return torch.cat(outputs, dim=0)
 
     def _state(self, view: SlotStateView, i: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -230,23 +207,15 @@ class XlstmCall(StateCall):
     def max_step_tokens(self) -> int | None:
         return self.chunk_limit
 
-    def run(
-        self,
-        original: Callable[..., Any],
-        view: SlotStateView,
-        rows: Rows,
-        hidden_states: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        hidden = rows.take(hidden_states)
+    def run(self, piece: StatePiece) -> torch.Tensor:
+        hidden = piece.hidden()
         state = []
         for i, shape in enumerate(self.shapes):
-            held = view.read(self.layer, RECURRENT, i)
+            held = piece.view.read(self.layer, RECURRENT, i)
             state.append(held if held is not None else hidden.new_zeros(hidden.shape[0], *shape))
-        output, new_state = original(hidden, tuple(state))
+        output, new_state = piece.original(hidden, tuple(state))
         for i, value in enumerate(new_state):
-            view.keep(self.layer, RECURRENT, i, value.to(hidden.dtype))
+            piece.view.keep(self.layer, RECURRENT, i, value.to(hidden.dtype))
         return output
 
     def packed(self, output: torch.Tensor) -> Any:

@@ -14,8 +14,8 @@ the step by the step's `StateTable`:
 - every other row span (a prefill chunk: fresh, or continuing the request's state across a chunk
   boundary) runs as a batch of one with its slot's state.
 
-The module's own code runs unchanged against `SlotStateView`, a view of the slots in transformers' cache
-API, so each family's arithmetic is transformers' own (the same code `generate()` runs). How one piece
+The module's own code runs unchanged against `SlotStateView` (runner/slot_state_view.py), a view of the
+slots in transformers' cache API, so each family's arithmetic is transformers' own (the same code `generate()` runs). How one piece
 calls its module is the module's `StateCall`: `CacheApiCall` for the cache API's modules here; the
 families that keep their recurrence in a cache of their own (MiniMax, RecurrentGemma, RWKV, xLSTM) have
 theirs in runner/own_state.py, each reading and keeping its states through the same view
@@ -36,14 +36,15 @@ import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, cast
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..invariants import InvariantError
-from ..memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
+from ..memory.state_cache import StateCache
+from .slot_state_view import SlotStateView
 
 # The cache API names a state module's forward calls (any of them marks a state module).
 STATE_API = ("get_conv_state", "update_conv_state", "get_recurrent_state", "update_recurrent_state")
@@ -90,142 +91,6 @@ def step_states(states: StepStates | None) -> Iterator[None]:
         yield
     finally:
         _step_states.reset(token)
-
-
-def padded_to(conv_states: torch.Tensor, width: int) -> torch.Tensor:
-    """A first chunk's convolution window: left-padded with zeros to `width` columns when shorter (as
-    transformers' `LinearAttentionLayer.update_conv_state` on a cache with no previous state)."""
-    if conv_states.shape[-1] >= width:
-        return conv_states
-    return torch.nn.functional.pad(conv_states, (width - conv_states.shape[-1], 0), value=0)
-
-
-class SlotStateView:
-    """transformers' linear-attention cache API over slots `slots` of `cache`, for one call of one layer.
-
-    What the layer reads is gathered from the slots' rows and what it leaves (the states it updated in
-    place or through `update_*`) is written back by `write_back()` after the call. `fresh`: the rows
-    start a request (no previous state, as transformers' cache before its first update)."""
-
-    def __init__(self, cache: StateCache, slots: torch.Tensor, fresh: bool) -> None:
-        self.cache = cache
-        self.slots = slots
-        self.fresh = fresh
-        self._held: dict[tuple[int, str, int], torch.Tensor] = {}
-
-    def _rows(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
-        key = (layer_idx, kind, state_idx)
-        if key not in self._held:
-            storage = self.cache.tensor(*key)
-            if storage is None:
-                return None
-            self._held[key] = storage.index_select(0, self.slots)
-        return self._held[key]
-
-    def read(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
-        """The rows' state `(layer_idx, kind, state_idx)` (None: the rows start a request, or no such
-        state): a model-owned recurrence's way in (runner/own_state.py)."""
-        return None if self.fresh else self._rows(layer_idx, kind, state_idx)
-
-    def keep(self, layer_idx: int, kind: str, state_idx: int, value: torch.Tensor) -> None:
-        """What the rows' state `(layer_idx, kind, state_idx)` is after the call (`[rows, *shape]`),
-        stored by `write_back()`."""
-        storage = self.cache.tensor(layer_idx, kind, state_idx)
-        if storage is None:
-            raise InvariantError(f"layer {layer_idx} keeps a {kind} state {state_idx} its probe never saw")
-        self._held[(layer_idx, kind, state_idx)] = value.to(storage.dtype, copy=True)
-
-    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self._rows(layer_idx, CONV, state_idx)
-
-    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return None if self.fresh else self._rows(layer_idx, RECURRENT, state_idx)
-
-    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
-        return not self.fresh
-
-    def is_recording_past(self, layer_idx: int | None = None) -> bool:
-        return False
-
-    def update_conv_state(
-        self,
-        conv_states: torch.Tensor,
-        layer_idx: int,
-        state_idx: int = 0,
-        conv_kernel_size: int | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        """As transformers' `LinearAttentionLayer.update_conv_state`: the window the convolution sees
-        (the previous state then the new inputs; a first chunk left-padded with zeros to the kernel),
-        of which the last kernel-size columns are the new state."""
-        key = (layer_idx, CONV, state_idx)
-        storage = self.cache.tensor(*key)
-        if storage is None:
-            raise InvariantError(f"layer {layer_idx} updates a conv state {state_idx} its probe never saw")
-        width = storage.shape[-1]
-        previous = None if self.fresh else self._rows(*key)
-        if previous is None:
-            full = padded_to(conv_states, width)
-        else:
-            full = torch.cat([previous, conv_states], dim=-1)
-        self._held[key] = full[..., -width:].to(storage.dtype)
-        return full
-
-    def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
-    ) -> torch.Tensor:
-        key = (layer_idx, RECURRENT, state_idx)
-        storage = self.cache.tensor(*key)
-        if storage is None:
-            raise InvariantError(
-                f"layer {layer_idx} updates a recurrent state {state_idx} its probe never saw"
-            )
-        # A copy, as transformers' cache copies into its own tensor.
-        self._held[key] = recurrent_states.to(storage.dtype, copy=True)
-        return self._held[key]
-
-    def write_back(self) -> None:
-        """Store what the layer left in its slots' rows."""
-        for key, rows in self._held.items():
-            self.cache.tensors[key].index_copy_(0, self.slots, rows)
-
-
-class StateRecorder(SlotStateView):
-    """The same API during the probe: one fresh request of batch 1 (so nothing is ever read), whose
-    states' shapes and dtypes it records (`specs`) instead of storing them."""
-
-    def __init__(self) -> None:
-        super().__init__(cast(StateCache, None), torch.zeros(1, dtype=torch.int64), fresh=True)
-        self.specs: dict[tuple[int, str, int], StateSpec] = {}
-
-    def keep(self, layer_idx: int, kind: str, state_idx: int, value: torch.Tensor) -> None:
-        self.specs[(layer_idx, kind, state_idx)] = StateSpec(
-            layer_idx, kind, state_idx, tuple(value.shape[1:]), value.dtype
-        )
-
-    def update_conv_state(
-        self,
-        conv_states: torch.Tensor,
-        layer_idx: int,
-        state_idx: int = 0,
-        conv_kernel_size: int | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor:
-        width = conv_kernel_size if conv_kernel_size is not None else conv_states.shape[-1]
-        shape = (*conv_states.shape[1:-1], width)
-        self.specs[(layer_idx, CONV, state_idx)] = StateSpec(
-            layer_idx, CONV, state_idx, shape, conv_states.dtype
-        )
-        return padded_to(conv_states, width)
-
-    def update_recurrent_state(
-        self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs: Any
-    ) -> torch.Tensor:
-        shape = tuple(recurrent_states.shape[1:])
-        self.specs[(layer_idx, RECURRENT, state_idx)] = StateSpec(
-            layer_idx, RECURRENT, state_idx, shape, recurrent_states.dtype
-        )
-        return recurrent_states
 
 
 def is_state_module(module: nn.Module) -> bool:
@@ -279,22 +144,35 @@ class Rows:
         return Rows(self.first + i, 1)
 
 
-class StateCall:
-    """How a state module's forward runs one piece of the step (`rows`) against `view`, the slots'
-    states of those rows: `run` returns its output hidden states `[batch, tokens, hidden]` (`rows.take`'s
-    shape); `packed` gives the whole step's output in the module's own return structure. `args` /
-    `kwargs`: what the model called the module with for the whole step (per-row tensors in them, such as
-    `position_ids`, are sliced by `rows`)."""
+@dataclass(frozen=True)
+class StatePiece:
+    """One call of a state module on a piece of the step: its forward as it stands (`original`), the
+    piece's `rows` and `view` (the slots' states of those rows), and what the model called the module
+    with for the whole step (`hidden_states` `[1, T, hidden]`, `args`, `kwargs`: per-row tensors in
+    them, such as `position_ids`, are sliced by `rows`)."""
 
-    def run(
-        self,
-        original: Callable[..., Any],
-        view: SlotStateView,
-        rows: Rows,
-        hidden_states: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
+    original: Callable[..., Any]
+    view: SlotStateView
+    rows: Rows
+    hidden_states: torch.Tensor
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def hidden(self) -> torch.Tensor:
+        """The piece's hidden states, in `rows.take`'s shape."""
+        return self.rows.take(self.hidden_states)
+
+    def at(self, rows: Rows) -> StatePiece:
+        """The same call on other rows (a span's single token)."""
+        return replace(self, rows=rows)
+
+
+class StateCall:
+    """How a state module's forward runs one `StatePiece` of the step: `run` returns its output hidden
+    states `[batch, tokens, hidden]` (`rows.take`'s shape); `packed` gives the whole step's output in the
+    module's own return structure."""
+
+    def run(self, piece: StatePiece) -> torch.Tensor:
         raise NotImplementedError
 
     def packed(self, output: torch.Tensor) -> Any:
@@ -319,40 +197,21 @@ class CacheApiCall(StateCall):
 
     name: str
 
-    def run(
-        self,
-        original: Callable[..., Any],
-        view: SlotStateView,
-        rows: Rows,
-        hidden_states: torch.Tensor,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> torch.Tensor:
-        return original(rows.take(hidden_states), **{self.name: view, "attention_mask": None})
+    def run(self, piece: StatePiece) -> torch.Tensor:
+        return piece.original(piece.hidden(), **{self.name: piece.view, "attention_mask": None})
 
 
-def run_span(
-    original: Callable[..., Any],
-    call: StateCall,
-    view: SlotStateView,
-    rows: Rows,
-    hidden_states: torch.Tensor,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    stepwise: bool,
-) -> torch.Tensor:
-    """One request's rows through the module against `view`, `[1, n, hidden]`.
+def run_span(call: StateCall, piece: StatePiece, stepwise: bool) -> torch.Tensor:
+    """One request's rows (`piece`) through the module against its view, `[1, n, hidden]`.
 
     `stepwise`: the module's multi-token path starts from a zero state whatever the cache holds (Mamba's
     and Jamba's full-sequence scan, RecurrentGemma's convolution: transformers' `generate()` never
     continues a state with more than one token), so a continued chunk runs one token at a time through
     its one-token path, which reads and updates the state; a fresh chunk runs whole."""
-    if not stepwise or view.fresh or rows.count == 1:
-        return call.run(original, view, rows, hidden_states, args, kwargs)
-    return torch.cat(
-        [call.run(original, view, rows.token(i), hidden_states, args, kwargs) for i in range(rows.count)],
-        dim=1,
-    )
+    rows = piece.rows
+    if not stepwise or piece.view.fresh or rows.count == 1:
+        return call.run(piece)
+    return torch.cat([call.run(piece.at(rows.token(i))) for i in range(rows.count)], dim=1)
 
 
 def _split_forward(original: Callable[..., Any], call: StateCall, layer: int) -> Callable[..., Any]:
@@ -371,13 +230,16 @@ def _split_forward(original: Callable[..., Any], call: StateCall, layer: int) ->
         rows = table.num_decode_rows
         if rows:
             view = SlotStateView(cache, table.decode_slots, fresh=False)  # type: ignore[arg-type]
-            out = call.run(original, view, Rows(0, rows, decode=True), hidden_states, args, kwargs)
+            out = call.run(
+                StatePiece(original, view, Rows(0, rows, decode=True), hidden_states, args, kwargs)
+            )
             view.write_back()
             pieces.append((0, out[:, 0]))
         for first, count, slot, fresh in table.spans:
             slots = torch.tensor([slot], dtype=torch.int64, device=hidden_states.device)
             view = SlotStateView(cache, slots, fresh=fresh)
-            out = run_span(original, call, view, Rows(first, count), hidden_states, args, kwargs, stepwise)
+            piece = StatePiece(original, view, Rows(first, count), hidden_states, args, kwargs)
+            out = run_span(call, piece, stepwise)
             view.write_back()
             pieces.append((first, out[0]))
         pieces.sort(key=lambda piece: piece[0])

@@ -31,18 +31,11 @@ from .media import has_media, media_prompt
 from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .reasoning import template_kwargs, thinks
+from .response_input import MAX_INPUT_ITEMS, input_messages
+from .response_output import OutputItems
 from .response_stream import collect_output, response_stream
 from .responses import ChoiceTotals, ResponseShape, sse
-from .responses_api import (
-    MAX_INPUT_ITEMS,
-    OutputItems,
-    ResponseObject,
-    ResponsesRequest,
-    ResponseStore,
-    input_messages,
-    new_response_id,
-    rename_param,
-)
+from .responses_api import ResponseObject, ResponsesRequest, ResponseStore, new_response_id, rename_param
 from .tools import ToolMode, tool_mode
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The Responses API's output from one choice's events: gathered whole (`collect_output`) or as the stream's
-numbered server-sent events (`response_stream`); the items themselves are responses_api.py's `OutputItems`."""
+numbered server-sent events (`response_stream`); the items themselves are response_output.py's `OutputItems`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .choices import ChoiceEvent, aclose
-from .responses_api import OutputItems, ResponseObject, sse_event
+from .response_output import OutputItems
+from .responses_api import ResponseObject, sse_event
 
 
 async def collect_output(events: AsyncIterator[ChoiceEvent]) -> OutputItems:

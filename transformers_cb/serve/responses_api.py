@@ -1,14 +1,14 @@
 """OpenAI's Responses API (`POST /v1/responses`) as a chat turn: the request becomes a chat request, the answer
 becomes output items.
 
-A request's `instructions` (a system message) and `input` items (messages, with `input_image` data URLs as
-chat's `image_url` parts (serve/media.py); `function_call`,
-`function_call_output`, `reasoning`) are translated into chat messages, and its `tools`
+A request's `instructions` (a system message) and `input` items (serve/response_input.py: messages, with
+`input_image` data URLs as chat's `image_url` parts; `function_call`, `function_call_output`,
+`reasoning`) are translated into chat messages, and its `tools`
 (`{"type": "function", "name", "parameters"}`), `tool_choice`, `reasoning` (its `effort`), `text` (its
 `format`) and sampling fields into the chat request's: the prompt, tool calling and reasoning are the chat path's (serve/app.py,
 serve/tools.py, serve/assistant.py). The choice's events become output items (`reasoning`, `message`,
-`function_call`) through one `OutputItems`, which also gives the stream's events, so a streamed response and
-a whole one hold the same items. Finished responses' conversations (without their `instructions`, as OpenAI
+`function_call`) through one `OutputItems` (serve/response_output.py), which also gives the stream's events,
+so a streamed response and a whole one hold the same items. Finished responses' conversations (without their `instructions`, as OpenAI
 keeps them) stay in a bounded in-memory LRU, `ResponseStore`, for `previous_response_id`.
 """
 
@@ -22,17 +22,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from .choices import ChoiceEvent
-from .media import decode_data_url, load_image
 from .protocol import ApiError, ChatCompletionRequest, _Body, _Part
-from .tools import ToolCall
+from .response_input import field_path
+from .response_output import OutputItems
 
 MAX_STORED_RESPONSES = 256  # finished conversations kept for `previous_response_id`; the oldest goes first
-MAX_INPUT_ITEMS = 4096  # input items per request (and in a conversation continued by `previous_response_id`)
 RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")  # the ids this server gives
-UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})  # pydantic's names of union branches
 # A chat field an error names -> the Responses field it came from.
 RENAMED_PARAMS = {
     "messages": "input",
@@ -106,13 +103,8 @@ class ResponsesRequest(_Body):
             return ChatCompletionRequest.model_validate(chat)
         except ValidationError as error:
             first = error.errors()[0]
-            where = rename_param(".".join(_field_path(first["loc"])))
+            where = rename_param(".".join(field_path(first["loc"])))
             raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
-
-
-def _field_path(loc: tuple[Any, ...]) -> list[str]:
-    """A validation error's location without pydantic's union tags (`content.str` -> `content`)."""
-    return [str(part) for part in loc if not (isinstance(part, str) and (part in UNION_TAGS or "[" in part))]
 
 
 def rename_param(param: str | None) -> str | None:
@@ -158,149 +150,6 @@ def _response_format(text_format: TextFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": text_format.name, "schema": text_format.schema_}}
 
 
-# -- input items -> chat messages ------------------------------------------------------
-
-
-class ContentPart(_Part):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class ImageInputPart(_Part):
-    """An `input_image` part: its `image_url` a data URL (serve/media.py reads no other); `file_id` (the
-    Files API) is refused by name."""
-
-    type: Literal["input_image"]
-    image_url: str | None = None
-    file_id: str | None = None
-    detail: str | None = None  # accepted, not used: the model's processor decides the resolution
-
-
-class MessageItem(_Part):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart | ImageInputPart]
-
-
-class FunctionCallItem(_Part):
-    type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str
-    arguments: str
-
-
-class FunctionCallOutputItem(_Part):
-    type: Literal["function_call_output"]
-    call_id: str = Field(min_length=1)
-    output: str | list[ContentPart]
-
-
-class ReasoningText(_Part):
-    type: Literal["reasoning_text", "summary_text"]
-    text: str
-
-
-class ReasoningItem(_Part):
-    type: Literal["reasoning"]
-    summary: list[ReasoningText] = Field(default_factory=list)
-    content: list[ReasoningText] | None = None
-
-
-ITEM_MODELS: dict[str, type[BaseModel]] = {
-    "message": MessageItem,
-    "function_call": FunctionCallItem,
-    "function_call_output": FunctionCallOutputItem,
-    "reasoning": ReasoningItem,
-}
-
-
-def _text(content: str | list[ContentPart] | list[ContentPart | ImageInputPart]) -> str:
-    return content if isinstance(content, str) else "".join(getattr(part, "text", "") for part in content)
-
-
-def _message_content(index: int, item: MessageItem) -> str | list[dict[str, Any]]:
-    """A message's chat content: its text, or with images chat's content parts (`text`, `image_url`), each
-    image checked here so that a bad one is a 400 naming its input field (`input.0.content.1.image_url`)."""
-    if isinstance(item.content, str) or not any(isinstance(p, ImageInputPart) for p in item.content):
-        return _text(item.content)
-    parts: list[dict[str, Any]] = []
-    for j, part in enumerate(item.content):
-        where = f"input.{index}.content.{j}"
-        if not isinstance(part, ImageInputPart):
-            parts.append({"type": "text", "text": part.text})
-            continue
-        if part.image_url is None:
-            raise ApiError(
-                400,
-                f"{where}.image_url: give the image as a data URL (file_id is not read)",
-                param=f"{where}.image_url",
-            )
-        _, data = decode_data_url(part.image_url, f"{where}.image_url")
-        load_image(data, f"{where}.image_url")
-        parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
-    return parts
-
-
-def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
-    """The chat messages of a request's `input` (a 400 naming `input.i...` for an item it cannot read)."""
-    if isinstance(given, str):
-        return [{"role": "user", "content": given}]
-    if len(given) > MAX_INPUT_ITEMS:
-        raise ApiError(400, f"input: at most {MAX_INPUT_ITEMS} items, got {len(given)}", param="input")
-    messages: list[dict[str, Any]] = []
-    reasoning: str | None = None  # a reasoning item waits for the assistant turn it belongs to
-    for i, raw in enumerate(given):
-        item = _item(i, raw)
-        if isinstance(item, ReasoningItem):
-            reasoning = "".join(part.text for part in item.content or item.summary)
-        elif isinstance(item, MessageItem):
-            message: dict[str, Any] = {"role": item.role, "content": _message_content(i, item)}
-            if item.role == "assistant" and reasoning is not None:
-                message["reasoning_content"], reasoning = reasoning, None
-            messages.append(message)
-        elif isinstance(item, FunctionCallItem):
-            try:
-                json.loads(item.arguments)
-            except (ValueError, RecursionError):
-                where = f"input.{i}.arguments"
-                raise ApiError(400, f"{where}: not JSON text", param=where) from None
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }
-            last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant":
-                last = {"role": "assistant", "content": None, "tool_calls": []}
-                messages.append(last)
-            if reasoning is not None:
-                last["reasoning_content"], reasoning = reasoning, None
-            last.setdefault("tool_calls", []).append(call)
-        elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
-    return messages
-
-
-def _item(index: int, raw: Any) -> BaseModel:
-    where = f"input.{index}"
-    if not isinstance(raw, dict):
-        raise ApiError(400, f"{where}: an input item is a JSON object", param=where)
-    kind = raw.get("type", "message")
-    model = ITEM_MODELS.get(kind) if isinstance(kind, str) else None
-    if model is None:
-        raise ApiError(
-            400,
-            f"{where}.type: {kind!r} is not one of {', '.join(ITEM_MODELS)}",
-            param=f"{where}.type",
-        )
-    try:
-        return model.model_validate(raw)
-    except ValidationError as error:
-        first = error.errors()[0]
-        place = ".".join([where, *_field_path(first["loc"])])
-        raise ApiError(400, f"{place}: {first['msg']}", param=place) from None
-
-
 # -- previous_response_id ---------------------------------------------------------------
 
 
@@ -339,153 +188,11 @@ class ResponseStore:
             self.conversations.popitem(last=False)
 
 
-# -- choice events -> output items and stream events ------------------------------------------
+# -- the response object and its stream's framing -------------------------------------------------
 
 
 def new_response_id() -> str:
     return "resp_" + uuid.uuid4().hex
-
-
-@dataclass
-class OutputItems:
-    """One choice's output as Responses items, built from its events; `add` and `finish` return the stream
-    events each step makes (without `sequence_number`, which the stream numbers)."""
-
-    items: list[dict[str, Any]] = field(default_factory=list)
-    open_kind: str | None = None  # "reasoning" or "message": the item text is being added to
-    reasoning_text: str = ""
-    message_text: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None
-    num_generated: int = 0
-
-    @property
-    def status(self) -> str:
-        return "incomplete" if self.finish_reason == "length" else "completed"
-
-    def add(self, event: ChoiceEvent) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        self.num_generated += event.num_generated
-        if event.reasoning:
-            out += self._text("reasoning", event.reasoning)
-        if event.text:
-            out += self._text("message", event.text)
-        for call in event.tool_calls:
-            out += self._close()
-            out += self._call(call)
-        if event.is_last:
-            self.finish_reason = event.finish_reason
-        return out
-
-    def finish(self) -> list[dict[str, Any]]:
-        out = self._close()
-        if not self.items:  # nothing at all: still one (empty) message, as a chat turn has content
-            out += self._open("message") + self._close()
-        return out
-
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        out = self._close() if self.open_kind not in (None, kind) else []
-        if self.open_kind is None:
-            out += self._open(kind)
-        item = self.items[-1]
-        if kind == "reasoning":
-            self.reasoning_text += text
-            delta: dict[str, Any] = {"type": "response.reasoning_text.delta", "delta": text}
-        else:
-            self.message_text += text
-            delta = {"type": "response.output_text.delta", "delta": text, "logprobs": []}
-        return [
-            *out,
-            {**delta, "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0},
-        ]
-
-    def _open(self, kind: str) -> list[dict[str, Any]]:
-        self.open_kind = kind
-        if kind == "reasoning":
-            self.reasoning_text = ""
-            item = {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [], "content": []}
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
-        else:
-            self.message_text = ""
-            item = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item["status"] = "in_progress"
-        self.items.append(item)
-        where = {"output_index": len(self.items) - 1}
-        return [
-            {"type": "response.output_item.added", "item": dict(item), **where},
-            {
-                "type": "response.content_part.added",
-                "item_id": item["id"],
-                "content_index": 0,
-                "part": part,
-                **where,
-            },
-        ]
-
-    def _close(self) -> list[dict[str, Any]]:
-        kind, self.open_kind = self.open_kind, None
-        if kind is None:
-            return []
-        item, where = self.items[-1], {"output_index": len(self.items) - 1}
-        if kind == "reasoning":
-            part: dict[str, Any] = {"type": "reasoning_text", "text": self.reasoning_text}
-            done: dict[str, Any] = {"type": "response.reasoning_text.done", "text": self.reasoning_text}
-        else:
-            part = {"type": "output_text", "text": self.message_text, "annotations": [], "logprobs": []}
-            done = {"type": "response.output_text.done", "text": self.message_text, "logprobs": []}
-        item["content"], item["status"] = [part], "completed"
-        ids = {"item_id": item["id"], "content_index": 0, **where}
-        return [
-            {**done, **ids},
-            {"type": "response.content_part.done", "part": part, **ids},
-            {"type": "response.output_item.done", "item": item, **where},
-        ]
-
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
-        self.calls.append(call)
-        item = {
-            "id": "fc_" + uuid.uuid4().hex,
-            "type": "function_call",
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": call.arguments,
-            "status": "completed",
-        }
-        self.items.append(item)
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        return [
-            {
-                "type": "response.output_item.added",
-                "item": {**item, "arguments": "", "status": "in_progress"},
-                "output_index": where["output_index"],
-            },
-            {"type": "response.function_call_arguments.delta", "delta": call.arguments, **where},
-            {
-                "type": "response.function_call_arguments.done",
-                "arguments": call.arguments,
-                "name": call.name,
-                **where,
-            },
-            {"type": "response.output_item.done", "item": item, "output_index": where["output_index"]},
-        ]
-
-    def message(self) -> dict[str, Any]:
-        """The assistant turn these items are, as a chat message (what `previous_response_id` continues)."""
-        text = "".join(
-            part["text"] for item in self.items if item["type"] == "message" for part in item["content"]
-        )
-        reasoning = "".join(
-            part["text"] for item in self.items if item["type"] == "reasoning" for part in item["content"]
-        )
-        message: dict[str, Any] = {"role": "assistant", "content": text or None}
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if self.calls:
-            message["tool_calls"] = [call.wire() for call in self.calls]
-        elif message["content"] is None:
-            message["content"] = ""
-        return message
 
 
 @dataclass
