@@ -31,7 +31,7 @@ from conformance.common import (
 from conformance.test_parity_sliding import integrity_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
-from transformers_cb.attention import paged
+from transformers_cb.attention import mixed_paged, paged
 from transformers_cb.attention.classic import classic_modules
 from transformers_cb.attention.native import ENV_SWITCH, ensure_native_module
 
@@ -174,13 +174,13 @@ def test_classic_share_prefixes_and_match_generate(subject) -> None:
 
 def test_falcon_form_runs_the_native_kernel_s_rows_through_torch(monkeypatch) -> None:
     """The native kernel adds only the relative ALiBi form: with it on, Falcon's layers attend the tokens it
-    was planned for through the torch kernel (attention/paged.py), never through it, and stay exact."""
+    was planned for through the torch kernel (attention/mixed_paged.py), never through it, and stay exact."""
     if ensure_native_module(timeout=600) is None:
         pytest.skip("the native kernel cannot be built here")
     model = _tiny("falcon_alibi")
     prompts = random_prompts(4, VOCAB, 1, 30, seed=2)
     used: list[int] = []
-    torch_rows = paged._attend_native_rows
+    torch_rows = mixed_paged._attend_native_rows
 
     def counted(*args):
         used.append(1)
@@ -189,7 +189,8 @@ def test_falcon_form_runs_the_native_kernel_s_rows_through_torch(monkeypatch) ->
     def refused(*args, **kwargs):
         raise AssertionError("the native kernel ran a layer of Falcon's ALiBi form")
 
-    monkeypatch.setattr(paged, "_attend_native_rows", counted)
+    monkeypatch.setattr(mixed_paged, "_attend_native_rows", counted)
+    monkeypatch.setattr(mixed_paged, "native_paged_attention", refused)
     monkeypatch.setattr(paged, "native_paged_attention", refused)
     monkeypatch.setattr(paged, "native_paged_attention_op", refused)
     with backend(model, "paged|sdpa"):

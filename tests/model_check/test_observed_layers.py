@@ -12,21 +12,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from transformers_cb.engine.plan import resolve_plan
 from transformers_cb.kv.layer_groups import ObservedLayers, kv_groups_from_config
 from transformers_cb.memory.sizing import ModelShape
-from transformers_cb.model_check.attention_probe import (
-    ProbeResult,
-    _Call,
-    _is_windowed,
-    _tiling,
-    dispatch_problems,
-    observed_layers,
-)
+from transformers_cb.model_check.attention_probe import ProbeResult, dispatch_problems, observed_layers
+from transformers_cb.model_check.attention_recorder import AttentionCall, is_windowed, kv_tiling
 from transformers_cb.model_check.model_support import check_model_supported, observed_layers_of
 
 MIN = torch.finfo(torch.float32).min
 
 
-def _call(layer: int, key=(2, 8), value=None, window=None, bias=False, repeat=1) -> _Call:
-    return _Call(
+def _call(layer: int, key=(2, 8), value=None, window=None, bias=False, repeat=1) -> AttentionCall:
+    return AttentionCall(
         layer_idx=layer,
         key_shape=key,
         value_shape=value or key,
@@ -40,7 +34,7 @@ def _call(layer: int, key=(2, 8), value=None, window=None, bias=False, repeat=1)
     )
 
 
-def _problems(calls: list[_Call], windows, windowed=None, plain_bias=False) -> list[str]:
+def _problems(calls: list[AttentionCall], windows, windowed=None, plain_bias=False) -> list[str]:
     result = ProbeResult(calls, True, True, mask_bias=plain_bias, windowed_layers=windowed)
     return dispatch_problems(result, len(calls), [(2, 8)] * len(calls), windows)
 
@@ -109,7 +103,7 @@ def test_kv_tiled_over_the_query_heads_is_observed_before_the_repeat() -> None:
     ],
 )
 def test_tiling_is_told_from_the_tensors(key: torch.Tensor, repeat: int) -> None:
-    assert _tiling(key, key.clone()) == repeat
+    assert kv_tiling(key, key.clone()) == repeat
 
 
 def test_value_dims_size_the_groups_and_shape() -> None:
@@ -157,7 +151,7 @@ def test_observed_shapes_only_where_they_differ_from_the_config() -> None:
     ],
 )
 def test_a_window_in_a_mask(mask, windowed: bool) -> None:
-    assert _is_windowed(mask) is windowed
+    assert is_windowed(mask) is windowed
 
 
 def test_the_groups_and_shape_take_the_observed_head_shapes() -> None:

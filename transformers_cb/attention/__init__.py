@@ -20,7 +20,7 @@ def _compile_boundary(forward: Callable) -> Callable:
     """Keep a flash backend's paged attention out of `torch.compile` graphs: its Python control flow follows
     each step's layout, which would recompile every step; the rest of the model compiles around it. The
     torch backends need no boundary: their native-only steps are one custom op per layer, and the rest of
-    their work is a boundary of its own (`paged.mixed_paged_attention`)."""
+    their work is a boundary of its own (`mixed_paged.mixed_paged_attention`)."""
     wrapped = torch.compiler.disable(forward)
     wrapped.__name__ = wrapped.__qualname__ = forward.__name__
     return wrapped

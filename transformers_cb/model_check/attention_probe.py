@@ -11,8 +11,9 @@ check runs this probe up front. Whether the forward honours `logits_to_keep` is 
 runner selects the rows itself when it does not (`ProbeResult.keeps_rows`).
 
 - forward A is the engine's call (`position_ids`, the 4D no-mask, a `logits_to_keep` index tensor, the
-  metadata kwarg and context variable) with the model switched to a recording attention function that computes plain causal
-  attention (so the forward continues with real values) and records each call;
+  metadata kwarg and context variable) with the model switched to a recording attention function
+  (attention_recorder.py) that computes plain causal attention (so the forward continues with real
+  values) and records each call;
 - forward A' is A with positions spread apart (0, 2, 4, ...): identical logits mean the model ignores
   `position_ids` and numbers the packed row itself (BART's decoder: `arange(row length)`), which is
   wrong for every sequence of a packed step but the first;
@@ -27,7 +28,8 @@ runner selects the rows itself when it does not (`ProbeResult.keeps_rows`).
 
 The K/V head shapes the probe saw (`observed_layers`) override the config's where they differ: the cache
 is sized for the K/V each layer really passes (`kv/layer_groups.py: ObservedLayers`): V's own head size,
-and K/V heads a layer tiles before the call (JetMoE's repeat per routed expert, `_tiling`) cached once.
+and K/V heads a layer tiles before the call (JetMoE's repeat per routed expert,
+`attention_recorder.kv_tiling`) cached once.
 
 Each broken clause is one phrase of `dispatch_problems`; the support check refuses the model with them.
 The forwards run through `model.forward` in eval mode under `inference_mode`, and the attention
@@ -36,184 +38,20 @@ implementation and training mode are restored afterwards.
 
 from __future__ import annotations
 
-import contextvars
-import threading
 from collections.abc import Callable
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_utils import AttentionInterface
 
-from ..attention.alibi import RELATIVE
-from ..attention.classic import classic_attention, has_classic_attention
-from ..attention.eager import eager_attend
-from ..attention.paged import ALIBI_FORM_KWARG, ALIBI_KWARG, METADATA_KWARG, step_metadata
+from ..attention.paged import METADATA_KWARG, step_metadata
 from ..kv.layer_groups import ObservedLayers
+from .attention_recorder import ACTIVE_RECORD, PROBE_TOKENS, AttentionCall, ProbeRecord, recording
 
-PROBE_NAME = "cb_dispatch_probe"
-# Five tokens: a count no head count or head size is likely to equal, so a model that swaps the token and
-# head axes (BART's decoder given position_ids builds 5D states) cannot look right by accident.
-PROBE_TOKENS = 5
 KEEP_ROWS = (1, PROBE_TOKENS - 1)  # like the runner: an index tensor, not "the last n"
 # Forward C's window: below PROBE_TOKENS under any off-by-one convention, so a windowed mask shows.
 PROBE_WINDOW = 2
-# Kwargs the paged forwards refuse (`attention/paged.py: unsupported_kwargs`).
-UNSUPPORTED_KWARGS = ("sinks", "attention_chunk_size")
-
-_register_lock = threading.Lock()
-
-
-@dataclass
-class _Call:
-    layer_idx: int | None
-    key_shape: tuple[int, int]  # (KV heads, head dim)
-    value_shape: tuple[int, int]
-    query_heads: int
-    layout_ok: bool  # query/key/value are [1, heads, PROBE_TOKENS, head_dim]
-    sliding_window: int | None
-    causal: bool
-    mask_bias: bool  # the mask carries finite nonzero values: an attention bias (ALiBi), not just masking
-    unsupported: tuple[str, ...]
-    mask_windowed: bool = False  # the mask hides some earlier key from some query (a window)
-    alibi: bool = False  # ALiBi slopes passed: the layer's positions are its keys' (attention/alibi.py)
-    kv_repeat: int = 1  # K and V are their first key_shape[0] // kv_repeat heads tiled this many times
-
-
-@dataclass
-class _Record:
-    calls: list[_Call] = field(default_factory=list)  # forward A's (the engine's call)
-    plain_calls: list[_Call] = field(default_factory=list)  # forward B's (generate()'s call)
-    window_calls: list[_Call] = field(default_factory=list)  # forward C's (B under a shrunk window)
-    in_plain: bool = False
-    in_window: bool = False
-
-
-# The record of the probe running in this thread (its attention function is global to transformers).
-_active: contextvars.ContextVar[_Record | None] = contextvars.ContextVar("cb_dispatch_probe", default=None)
-
-
-def _recording_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """The probe's attention function: records the call, returns plain causal attention over `key`/`value`."""
-    record = _active.get()
-    if record is not None:
-        target = (
-            record.window_calls
-            if record.in_window
-            else record.plain_calls
-            if record.in_plain
-            else record.calls
-        )
-        target.append(
-            _Call(
-                layer_idx=getattr(module, "layer_idx", None),
-                key_shape=(key.shape[1], key.shape[-1]),
-                value_shape=(value.shape[1], value.shape[-1]),
-                query_heads=query.shape[1],
-                layout_ok=all(
-                    t.dim() == 4 and t.shape[0] == 1 and t.shape[2] == PROBE_TOKENS
-                    for t in (query, key, value)
-                ),
-                sliding_window=kwargs.get("sliding_window"),
-                causal=kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False,
-                mask_bias=_is_bias(attention_mask),
-                unsupported=tuple(n for n in UNSUPPORTED_KWARGS if kwargs.get(n) is not None),
-                mask_windowed=_is_windowed(attention_mask),
-                alibi=kwargs.get(ALIBI_KWARG) is not None,
-                kv_repeat=_tiling(key, value),
-            )
-        )
-    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-        return query.new_zeros(*query.shape[:-3], query.shape[-2], query.shape[-3], value.shape[-1]), None
-    batch, heads, q_len, _ = query.shape
-    if heads % key.shape[1] or key.shape[-1] != query.shape[-1]:
-        # A shape the paged kernels cannot run anyway (recorded above): keep the forward going.
-        return query.new_zeros(batch, q_len, heads, value.shape[-1]), None
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = eager_attend(
-        query,
-        key,
-        value,
-        None,
-        True,
-        scale,
-        kwargs.get("softcap"),
-        kwargs.get("s_aux"),
-        kwargs.get(ALIBI_KWARG),
-        kwargs.get(ALIBI_FORM_KWARG) or RELATIVE,
-    )
-    return out.transpose(1, 2).contiguous(), None  # [B, T, H, D], as transformers' functions return
-
-
-def _tiling(key: torch.Tensor, value: torch.Tensor) -> int:
-    """How many times `key` and `value` `[B, Hkv, T, D]` repeat their first heads along the head axis
-    (`x.repeat(1, n, 1, 1)`: JetMoE, once per routed expert), bitwise; 1 when they do not."""
-    if key.dim() != 4 or value.dim() != 4 or key.shape[1] != value.shape[1]:
-        return 1
-    heads = key.shape[1]
-    for period in range(1, heads):
-        if heads % period == 0 and all(
-            torch.equal(t, t[:, :period].repeat(1, heads // period, 1, 1)) for t in (key, value)
-        ):
-            return heads // period
-    return 1
-
-
-def _is_bias(mask: torch.Tensor | None) -> bool:
-    """A float mask whose kept entries are not all 0: it adds a bias to the logits (the paged kernels
-    mask by construction and add nothing)."""
-    if mask is None or not torch.is_floating_point(mask):
-        return False
-    kept = mask[mask > torch.finfo(mask.dtype).min / 2]
-    return bool((kept != 0).any())
-
-
-def _is_windowed(mask: torch.Tensor | None) -> bool:
-    """A mask that hides some key at or before its query (a window: causal masking hides only later keys)."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2]:
-        return False
-    earlier = torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-    hidden = ~mask if mask.dtype == torch.bool else mask < torch.finfo(mask.dtype).min / 2
-    return bool((hidden & earlier).any())
-
-
-def _register() -> None:
-    with _register_lock:
-        if AttentionInterface._global_mapping.get(PROBE_NAME) is not _recording_attention:
-            AttentionInterface.register(PROBE_NAME, cast(Callable[..., Any], _recording_attention))
-            AttentionMaskInterface.register(
-                PROBE_NAME, cast(Callable[..., Any], AttentionMaskInterface._global_mapping["sdpa"])
-            )
-
-
-@contextmanager
-def _probing(model: PreTrainedModel):
-    """The model on the recording attention, in eval mode (dropout would make A and B differ)."""
-    _register()
-    saved_impl, was_training = model.config._attn_implementation, model.training
-    switch = not has_classic_attention(model)  # their classes cannot switch (attention/classic.py)
-    if switch:
-        model.set_attn_implementation(PROBE_NAME)
-    model.eval()
-    try:
-        with classic_attention(model, _recording_attention):  # the classic families, as the run adapts them
-            yield
-    finally:
-        if switch:
-            model.set_attn_implementation(saved_impl if saved_impl is not None else "sdpa")
-        model.train(was_training)
 
 
 def probe_token_ids(model: PreTrainedModel) -> list[int]:
@@ -235,7 +73,7 @@ def probe_token_ids(model: PreTrainedModel) -> list[int]:
 class ProbeResult:
     """What the probe saw: forward A's attention calls, and how A compares with A' and B."""
 
-    calls: list[_Call]
+    calls: list[AttentionCall]
     keeps_rows: bool  # logits_to_keep honoured
     positions_agree: bool  # position_ids 0..n-1 give the model's own logits
     positions_used: bool = True  # other position_ids give other logits
@@ -255,10 +93,10 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
     # hooks (counters, profilers) do not see it; wrappers that replace `forward` (accelerate's device
     # hooks) still run.
     forward = model.forward
-    record = _Record()
-    token = _active.set(record)
+    record = ProbeRecord()
+    token = ACTIVE_RECORD.set(record)
     try:
-        with _probing(model):
+        with recording(model):
             with step_metadata(cast(Any, record)):  # as the runner sets it (runner/model_call.py)
                 engine_call = forward(
                     input_ids=ids,
@@ -281,7 +119,7 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
     except Exception as error:  # noqa: BLE001  (any failure of the model's own forward is the reason)
         return ProbeResult(record.calls, True, True, error=f"{type(error).__name__}: {error}")
     finally:
-        _active.reset(token)
+        ACTIVE_RECORD.reset(token)
     keeps = engine_call.shape[1] == len(KEEP_ROWS)
     agree = engine_call.shape == plain_call.shape and torch.allclose(
         engine_call.float(),
@@ -301,7 +139,7 @@ def _windowed_layers(
     forward: Callable[..., Any],
     ids: torch.Tensor,
     keep: torch.Tensor,
-    record: _Record,
+    record: ProbeRecord,
 ) -> frozenset[int] | None:
     """Forward C: the layers whose own mask applies the config's window (shrunk to `PROBE_WINDOW` for the
     call, so five tokens show it). None when the config states no window or the forward fails."""
@@ -323,7 +161,7 @@ def _windowed_layers(
     )
 
 
-def _masks_window(result: ProbeResult, call: _Call, window: int | None) -> bool:
+def _masks_window(result: ProbeResult, call: AttentionCall, window: int | None) -> bool:
     """The config gives the call's layer a window that the layer applies through its mask alone (no
     `sliding_window` kwarg, a mask that follows the config's window: forward C)."""
     return (
@@ -389,7 +227,7 @@ def dispatch_problems(
     if not calls and expected:
         return ["its attention does not go through transformers' attention interface"]
     problems = []
-    per_layer: dict[int | None, list[_Call]] = {}
+    per_layer: dict[int | None, list[AttentionCall]] = {}
     for call in calls:
         per_layer.setdefault(call.layer_idx, []).append(call)
     bad_layout = [c.layer_idx for c in calls if not c.layout_ok]

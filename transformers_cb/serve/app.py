@@ -9,23 +9,21 @@ the endpoints ask of the manager goes through the state's one `ManagerChoices` (
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from .assistant import TurnFormat, split_events
-from .choices import ChoiceEvent, ChoiceOptions, ManagerChoices, Submitted, aclose, merge_events
+from .chat_template import chat_text
+from .choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
+from .delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
 from .guided import guided_of
 from .media import has_media, media_prompt
 from .metrics import ServerMetrics
@@ -34,9 +32,9 @@ from .reasoning import template_kwargs, thinks
 from .response_input import MAX_INPUT_ITEMS, input_messages
 from .response_output import OutputItems
 from .response_stream import collect_output, response_stream
-from .responses import ChoiceTotals, ResponseShape, sse
+from .responses import ResponseShape
 from .responses_api import ResponseObject, ResponsesRequest, ResponseStore, new_response_id, rename_param
-from .tools import ToolMode, tool_mode
+from .tools import tool_mode
 
 if TYPE_CHECKING:
     from ..manager.manager import ContinuousBatchingManager
@@ -65,21 +63,6 @@ class ServeState:
 
     def __post_init__(self) -> None:
         self.choices = ManagerChoices(self.manager)
-
-
-class _CancellingStreamingResponse(StreamingResponse):
-    """A streaming response that cancels its manager requests however it ends (even if Starlette
-    cancels it before the body iterator ever started)."""
-
-    def __init__(self, content: AsyncIterator[bytes], state: ServeState, submitted: list[Submitted]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._state, self._submitted = state, submitted
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._state.choices.cancel_unfinished(self._submitted)
 
 
 def build_app(state: ServeState) -> FastAPI:
@@ -178,7 +161,7 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
         )
         prompt_text = state.tokenizer.decode(prompt)
     else:
-        prompt_text = _chat_text(state, body, tools)
+        prompt_text = chat_text(state.tokenizer, state.model_name, state.reasoning, body, tools)
         prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
     # An answer under a response format (JSON, a schema) is that JSON itself: never split off as reasoning, or a
     # schema-valid answer would come back as a reasoning item with no content. (guided_* constraints may
@@ -209,63 +192,6 @@ def _encode_prompt(state: ServeState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         return list(state.tokenizer.encode(prompt))
     return list(prompt)  # token ids: the manager checks them against the vocabulary
-
-
-def _chat_text(state: ServeState, body: ChatCompletionRequest, tools: ToolMode) -> str:
-    """The rendered prompt: the messages (tool turns and earlier tool calls included), the tools, and the
-    template keywords (`--reasoning`, `reasoning_effort`, the request's `chat_template_kwargs`)."""
-    tokenizer = state.tokenizer
-    if not getattr(tokenizer, "chat_template", None):
-        raise ApiError(
-            400,
-            f"the model {state.model_name!r} has no chat template: use /v1/completions, or start the "
-            "server with --chat-template FILE",
-            param="messages",
-        )
-    messages = [_template_message(m) for m in body.messages]
-    kwargs = template_kwargs(state.reasoning, body.reasoning_effort, body.chat_template_kwargs)
-    if tools.tools:
-        kwargs["tools"] = list(tools.tools)
-    try:
-        return str(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-        )
-    except Exception as error:  # noqa: BLE001 - a template's own check (e.g. role order) is bad input
-        raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-
-
-def _template_message(message: Any) -> dict[str, Any]:
-    # OpenAI's "developer" role is the newer name of "system", which is what templates know.
-    rendered: dict[str, Any] = {
-        "role": "system" if message.role == "developer" else message.role,
-        "content": message.text(),
-    }
-    if message.name is not None:
-        rendered["name"] = message.name
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.reasoning_content is not None:
-        rendered["reasoning_content"] = message.reasoning_content
-    if message.tool_calls:
-        # Templates iterate the arguments as a mapping (transformers serve does the same).
-        rendered["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    return rendered
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise ApiError(
-            400, "messages: a tool call's function.arguments is not JSON text", param="messages"
-        ) from None
 
 
 def _options(
@@ -348,9 +274,9 @@ async def _generate(
         indices = [c.index for c in submitted]
         if body.stream:
             state.metrics.count_response(request.url.path, 200)
-            content = _stream_body(shape, events, indices, include_usage)
-            return _CancellingStreamingResponse(content, state, submitted)
-        totals = await _until_disconnect(request, _collect(events, indices))
+            content = stream_body(shape, events, indices, include_usage)
+            return CancellingStreamingResponse(content, state.choices, submitted)
+        totals = await until_disconnect(request, collect_totals(events, indices))
         if totals is None:
             return Response(status_code=499)  # nobody is listening; the requests are cancelled below
         state.metrics.count_response(request.url.path, 200)
@@ -418,8 +344,8 @@ async def _respond(
             content = response_stream(
                 shape, events, lambda output: _store(state, shape, conversation, output)
             )
-            return _CancellingStreamingResponse(content, state, submitted)
-        output = await _until_disconnect(request, collect_output(events))
+            return CancellingStreamingResponse(content, state.choices, submitted)
+        output = await until_disconnect(request, collect_output(events))
         if output is None:
             return Response(status_code=499)
         _store(state, shape, conversation, output)
@@ -438,72 +364,3 @@ def _store(
 ) -> None:
     if shape.body.store:
         state.stored.keep(shape.response_id, [*conversation, output.message()])
-
-
-async def _collect(events: AsyncIterator[ChoiceEvent], indices: list[int]) -> dict[int, ChoiceTotals]:
-    totals = {index: ChoiceTotals() for index in indices}
-    try:
-        async for event in events:
-            if event.error is not None:
-                raise event.error
-            totals[event.index].add(event)
-    finally:
-        await aclose(events)
-    return totals
-
-
-async def _until_disconnect(request: Request, work: Any) -> Any:
-    """Run `work`; if the client disconnects first, cancel it and return None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    gone = True
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        gone = not task.done()
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(watcher, task, return_exceptions=True)
-    return None if gone else task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body was read already, so the next ASGI message is the disconnect (or nothing at all).
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _stream_body(
-    shape: ResponseShape, events: AsyncIterator[ChoiceEvent], indices: list[int], include_usage: bool
-) -> AsyncIterator[bytes]:
-    totals = {index: ChoiceTotals() for index in indices}
-    try:
-        if shape.kind == "chat":
-            for index in indices:
-                chunk = shape.chunk(ChoiceEvent(index), include_usage, role=True)
-                if shape.continuous_usage:
-                    chunk["usage"] = shape.usage(totals)
-                yield sse(chunk)
-        async for event in events:
-            if event.error is not None:
-                yield sse(event.error.body())
-                break
-            offset, calls = totals[event.index].text_length, len(totals[event.index].tool_calls)
-            totals[event.index].add(event)
-            # A token still held back (a partial character, a possible marker) makes no chunk.
-            if event.text or event.reasoning or event.tool_calls or event.is_last or shape.want_logprobs:
-                chunk = shape.chunk(event, include_usage, text_offset=offset, tool_offset=calls)
-                if shape.continuous_usage:
-                    chunk["usage"] = shape.usage(totals)
-                yield sse(chunk)
-        else:
-            if include_usage:
-                final = shape.chunk(None, include_usage)
-                final["usage"] = shape.usage(totals)
-                yield sse(final)
-        yield sse("[DONE]")
-    finally:
-        await aclose(events)
