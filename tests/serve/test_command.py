@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.paths import REPO_ROOT
-from tests.support.serve import CHAT_TEMPLATE, greedy_config, requires_serve
+from tests.support.serve import CHAT_TEMPLATE, greedy_config, openai_client, requires_serve
 from tests.support.threads import TIMEOUT
 from tests.support.timeouts import hang_guard
 from transformers_cb.cli.main import EXIT_BAD_INPUT, main
@@ -119,9 +119,7 @@ def reference(model_dir: Path) -> Any:
 
 
 def _client(live: ServerProcess) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    return openai_client(live)
 
 
 def _finish(tokens: list[int], tokenizer: Any, max_tokens: int) -> str:

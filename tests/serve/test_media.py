@@ -334,9 +334,7 @@ def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
     _, tokens, _ = processor_reference(model, processor, content, 6)
     live = start_server(["--model", str(folder), "--served-model-name", "tiny-llava"])
     try:
-        import openai
-
-        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+        client = openai_client(live)
         answer = client.chat.completions.create(
             model="tiny-llava", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
         )

@@ -22,6 +22,8 @@ from tests.support.serve import (
     MODEL_NAME,
     LiveServer,
     live_server,
+    openai_client,
+    prompt_tokens,
     requires_serve,
     tiny_model_and_tokenizer,
 )
@@ -76,13 +78,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-
-def _prompt_tokens(server: LiveServer, messages: list[dict], **kwargs: Any) -> int:
-    tokenizer = server.state.tokenizer
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    return openai_client(server)
 
 
 def _texts(response: Any) -> tuple[str, str]:
@@ -100,7 +96,7 @@ def test_a_response_is_the_chat_turn_of_its_conversation(server: LiveServer, cli
     messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Hello there"}]
     chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=12, temperature=0)
     assert response.object == "response" and response.id.startswith("resp_")
-    assert response.usage.input_tokens == chat.usage.prompt_tokens == _prompt_tokens(server, messages)
+    assert response.usage.input_tokens == chat.usage.prompt_tokens == prompt_tokens(server, messages)
     assert response.usage.output_tokens == chat.usage.completion_tokens
     message = chat.choices[0].message
     assert _texts(response) == (getattr(message, "reasoning_content", None) or "", message.content or "")
@@ -172,7 +168,7 @@ def test_function_calls_and_their_outputs_round_trip(server: LiveServer, client:
         assistant,
         {"role": "tool", "tool_call_id": call.call_id, "content": "21C"},
     ]
-    assert second.usage.input_tokens == _prompt_tokens(server, rendered, tools=CHAT_TOOLS)
+    assert second.usage.input_tokens == prompt_tokens(server, rendered, tools=CHAT_TOOLS)
     assert second.previous_response_id == first.id
 
 
@@ -218,7 +214,7 @@ def test_previous_response_id_continues_the_conversation_without_its_instruction
     if not text:
         assistant["content"] = ""
     rendered = [{"role": "user", "content": "One"}, assistant, {"role": "user", "content": "Two"}]
-    assert second.usage.input_tokens == _prompt_tokens(server, rendered)
+    assert second.usage.input_tokens == prompt_tokens(server, rendered)
 
 
 def _error(client: Any, status: int, **kwargs: Any) -> Any:

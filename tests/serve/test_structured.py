@@ -15,10 +15,10 @@ from tests.support.serve import (
     MODEL_NAME,
     LiveServer,
     live_server,
+    openai_client,
     requires_serve,
     tiny_model_and_tokenizer,
 )
-from tests.support.threads import TIMEOUT
 
 if MISSING:
     pytest.skip(requires_serve.kwargs["reason"], allow_module_level=True)
@@ -52,7 +52,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+    return openai_client(server)
 
 
 def _chat(client: Any, stream: bool, **kwargs: Any) -> tuple[str, str]:

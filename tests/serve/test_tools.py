@@ -18,10 +18,11 @@ from tests.support.serve import (
     MODEL_NAME,
     LiveServer,
     live_server,
+    openai_client,
+    prompt_tokens,
     requires_serve,
     tiny_model_and_tokenizer,
 )
-from tests.support.threads import TIMEOUT
 
 if MISSING:
     pytest.skip(requires_serve.kwargs["reason"], allow_module_level=True)
@@ -75,13 +76,7 @@ def server() -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def client(server: LiveServer) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
-
-
-def _prompt_tokens(server: LiveServer, messages: list[dict], **kwargs: Any) -> int:
-    tokenizer = server.state.tokenizer
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    return openai_client(server)
 
 
 def test_the_openai_clients_tool_loop_runs_unchanged(server: LiveServer, client: Any) -> None:
@@ -97,7 +92,7 @@ def test_the_openai_clients_tool_loop_runs_unchanged(server: LiveServer, client:
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     arguments = json.loads(call.function.arguments)
     jsonschema.validate(arguments, WEATHER_PARAMETERS)
-    assert first.usage.prompt_tokens == _prompt_tokens(server, messages, tools=TOOLS)
+    assert first.usage.prompt_tokens == prompt_tokens(server, messages, tools=TOOLS)
 
     # The loop as the client's docs write it: the assistant message as returned, then the tool's answer.
     messages.append(choice.message)
@@ -129,7 +124,7 @@ def test_the_openai_clients_tool_loop_runs_unchanged(server: LiveServer, client:
         },
         messages[-1],
     ]
-    assert second.usage.prompt_tokens == _prompt_tokens(server, rendered, tools=TOOLS, enable_thinking=False)
+    assert second.usage.prompt_tokens == prompt_tokens(server, rendered, tools=TOOLS, enable_thinking=False)
 
 
 def test_required_streams_tool_call_deltas(client: Any) -> None:

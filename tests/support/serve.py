@@ -72,6 +72,13 @@ def openai_client(live: LiveServer) -> Any:
     return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
+def prompt_tokens(live: LiveServer, messages: list[dict], **kwargs: Any) -> int:
+    """How many tokens `messages` take as the served tokenizer's chat template renders them (a prompt's usage)."""
+    tokenizer = live.state.tokenizer
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
 @contextmanager
 def shared_server() -> Iterator[LiveServer]:
     """A live server on the built-in tiny model with the tests' chat template (one per test module)."""
