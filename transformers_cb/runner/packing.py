@@ -32,6 +32,7 @@ from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 from ..scheduler.plan import ScheduledRequest, StepPlan
+from .image_blocks import blocks_in, widened_mask
 from .state_layers import StateTable
 
 # A float32 decode group may do at most this much more attention work than its real KV lengths need.
@@ -118,41 +119,6 @@ def _prompt_positions(
         return
     indices.extend(q_start + target - 1 - entry.start for target in range(first, last + 1))
     spans.append((request, first, last - first + 1))
-
-
-def blocks_in(entry: ScheduledRequest) -> list[tuple[int, int]]:
-    """The blocks of `entry`'s media (spans attending both ways, `RequestMedia.blocks`) its chunk holds."""
-    media = entry.request.media
-    if media is None:
-        return []
-    return [(first, last) for first, last in media.blocks if first < entry.end and last > entry.start]
-
-
-def widened_mask(
-    mask: torch.Tensor | None,
-    entry: ScheduledRequest,
-    first_key: int,
-    blocks: list[tuple[int, int]],
-    window: int | None,
-    chunk: int | None,
-    device: torch.device,
-) -> torch.Tensor:
-    """A prefill chunk's mask `[1, 1, Q, K]` (None: causal over its own keys) with each block's queries also
-    seeing the block's later keys, as generate()'s prefill mask has them (causal OR same block, ANDed with
-    the window: a later key is always inside it). Keys run from position `first_key` to the chunk's end;
-    the scheduler never ends a chunk inside a block (`block_cut`), so a block's keys are all there."""
-    q_positions = torch.arange(entry.start, entry.end, device=device)
-    kv_positions = torch.arange(first_key, entry.end, device=device)
-    if mask is None:
-        base = visible_keys(q_positions, kv_positions, window, chunk)
-    else:
-        base = mask.view(entry.num_tokens, -1)
-    block_of = torch.full((entry.end,), -1, dtype=torch.int64, device=device)
-    for index, (first, last) in enumerate(blocks):
-        block_of[first:last] = index
-    q_block, k_block = block_of[q_positions][:, None], block_of[kv_positions][None, :]
-    later_in_block = (kv_positions[None, :] > q_positions[:, None]) & (q_block == k_block) & (q_block >= 0)
-    return (base | later_in_block).view(1, 1, entry.num_tokens, -1)
 
 
 class BatchPacker:
