@@ -290,3 +290,25 @@ def test_guided_decoding_under_tensor_parallelism(model_dir, tmp_path) -> None:
     tokenizer = build_tiny_tokenizer()
     for i in (0, 3):
         json.loads(tokenizer.decode(records[0][f"req_{i}"]["tokens"], skip_special_tokens=True))
+
+
+def test_the_process_groups_are_destroyed_at_exit(tmp_path) -> None:
+    """The guide's torchrun script never calls `destroy_process_group()`; rank 0 sometimes aborted at exit
+    (gloo threads outliving the interpreter, CI's `test_tensor_parallel_block`). The first CPU group
+    registers `destroy_groups_at_exit`, which runs before the hooks registered earlier (atexit runs the last
+    registered first) and leaves nothing initialized: here a world of one, in a fresh process that exits
+    without destroying anything itself."""
+    script = tmp_path / "one_rank.py"
+    script.write_text(
+        "import atexit, torch.distributed as dist\n"
+        "from transformers_cb.distributed import cpu_group\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "atexit.register(lambda: print('at exit:', dist.is_initialized(), cpu_group._GROUPS))\n"
+        "group = cpu_group.CpuGroup([0], timeout=30.0)\n"
+        "assert group.exchange({'step': 1}) == {'step': 1}\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=RANK_TIMEOUT_S, cwd=REPO_ROOT
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at exit: False {}" in done.stdout, done.stdout

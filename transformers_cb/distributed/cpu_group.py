@@ -11,6 +11,7 @@ so a rank that hangs inside a forward is detected too, not after transformers' 2
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 from datetime import timedelta
@@ -54,6 +55,8 @@ class CpuGroup:
         self.rank = dist.get_rank()
         self.root = ranks[0]
         key = (tuple(ranks), timeout)
+        if not _GROUPS:
+            atexit.register(destroy_groups_at_exit)
         if key not in _GROUPS:
             _GROUPS[key] = dist.new_group(
                 ranks=ranks,
@@ -114,3 +117,23 @@ def bound_model_group(group: Any, timeout: float | None) -> None:
         logger.warning("this torch cannot change the model group's timeout; a hung forward waits for it")
         return
     _set_pg_timeout(as_timedelta(timeout), group)
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy every process group while the interpreter is still whole (registered with `atexit` when the
+    first CPU group is made).
+
+    Why: a script under `torchrun` (the guide's tensor-parallel block) ends without
+    `destroy_process_group()`; gloo's worker threads then outlive the interpreter's teardown, and rank 0
+    sometimes aborted at exit ("terminate called without an active exception", SIGABRT) after every output
+    was right. torch does not do this itself (pytorch/pytorch#179291 proposed it). Destroying is local to
+    the process under gloo (no collective), so it cannot wait on a rank that is gone. A script that
+    destroyed the groups itself leaves nothing to do here.
+    """
+    _GROUPS.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as error:  # noqa: BLE001 - at exit, a failure to clean up is only worth a line
+        logger.warning("destroying the process groups at exit failed: %s: %s", type(error).__name__, error)
