@@ -421,6 +421,38 @@ def test_decode_first_started_prompts_keep_their_pages() -> None:
     assert generated(requests) == huge_cache_reference(specs)
 
 
+@pytest.mark.parametrize("policy", ["fifo", "prefill_first", "decode_first"])
+@pytest.mark.parametrize("big_arrives", [0, 21])
+def test_a_prompt_that_fills_the_cache_is_not_starved_by_a_steady_stream(
+    policy: str, big_arrives: int
+) -> None:
+    """Found by the hour's soak (benchmarks/soak.py): under `decode_first` a prompt whose KV fills the cache
+    exactly waited as long as requests kept arriving (300 s timeouts): newer decodes, which run first, took
+    its pages and preempted it, and arrivals admitted behind it took the pages freed. Now only newer
+    requests are victims, a prompt with nobody newer to preempt waits with its pages, and while the rest of a
+    started prompt does not fit, nobody is admitted behind it."""
+    chosen: str | SchedulingPolicy = SmallDecodeFirst() if policy == "decode_first" else policy
+    scheduler = make_scheduler(num_pages=16, page_size=4, max_batch_tokens=16, policy=chosen)
+    big = make_request("big", 16 * 4 - 3, 4)  # prompt + max_new_tokens - 1 = 64 tokens: the whole cache
+    stream = {step: [make_request(f"s{step}", 6, 8)] for step in range(0, 400, 2)}
+    stream.setdefault(big_arrives, []).insert(0, big)
+    run = run_to_completion(scheduler, [], arrivals=stream)
+    requests = [r for arriving in stream.values() for r in arriving]
+    assert_finished_once(run, requests)
+    last_prompt_step = next(
+        i
+        for i, step in enumerate(run.steps)
+        if ("big", 61 - step_tokens(step, "big"), step_tokens(step, "big")) in step
+    )
+    # Without the fix it finished only after the stream stopped (step 400 and later).
+    assert last_prompt_step < big_arrives + 40, last_prompt_step
+    assert big.generated_ids == huge_cache_reference([("big", 61, 4)])["big"]
+
+
+def step_tokens(step: list[tuple[str, int, int]], request_id: str) -> int:
+    return next((n for rid, _, n in step if rid == request_id), 0)
+
+
 def test_eos_stop_includes_eos() -> None:
     scheduler = make_scheduler(num_pages=16)
     stops, runs = (

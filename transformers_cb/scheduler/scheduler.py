@@ -132,7 +132,10 @@ class Scheduler:
         for request in self.policy.candidates(self.running, self.waiting):
             if budget == 0 or len(scheduled) == self.max_requests_per_batch:
                 break
-            if request.is_finished or request in plan.preempted:
+            if request.is_finished:
+                continue
+            if request in plan.preempted:
+                gate.close()  # it waits at the head of the queue: nobody overtakes it this step
                 continue
             draft: list[int] = []
             prefills = request.status != RequestStatus.DECODING
@@ -154,6 +157,8 @@ class Scheduler:
                     # The budget counts draft tokens.
                     draft = fit_draft(request, budget, (drafts or {}).get(request.request_id, []))
                 num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
+            if prefills and self._reserves(request, num_tokens or 0):
+                gate.close()
             if num_tokens is None:
                 continue
             request.set_status(
@@ -179,6 +184,21 @@ class Scheduler:
             plan.swaps = self.offload.take_plan()
         plan.released, self.ended = self.ended, []
         return plan
+
+    def _reserves(self, request: Request, num_tokens: int) -> bool:
+        """Whether a started prompt (one that runs `num_tokens` now, or waits holding its pages) keeps the
+        waiting requests behind it out: the rest of its prompt does not fit in its pages plus the free ones.
+
+        Why: admitted behind it, they would take the pages as they free up, step after step, and a prompt
+        that needs most of the cache would wait (or be preempted and start again) for as long as requests
+        keep arriving; kept out, the running ones finish and give it their pages."""
+        if request not in self.running:
+            return False
+        rest = request.num_remaining_tokens - num_tokens
+        return (
+            rest > 0
+            and self.pages.num_fitting_tokens(request, request.num_remaining_tokens) < rest + num_tokens
+        )
 
     def _take_back_rows(self) -> list[TakeBack]:
         """The rollbacks since the last plan, for the runner: those of requests still live (an ended
@@ -288,15 +308,24 @@ class Scheduler:
         scheduled: dict[int, ScheduledRequest],
         plan: StepPlan,
     ) -> bool:
-        """Allocate for a running request, preempting the newest unscheduled ones as needed.
+        """Allocate for a running request, preempting the newest unscheduled ones newer than it as needed.
 
-        Returns False if `request` itself had to be preempted or failed.
+        Returns False if `request` runs nothing this step: preempted, failed, or (a prompt) waiting with
+        its pages while others run. Only newer requests are victims, whatever order the policy hands out
+        the budget in: under `decode_first` the decodes go first, and a newer decode taking an older
+        prompt's pages would, while requests keep arriving, restart that prompt again and again. A prompt
+        that finds nobody newer to preempt keeps its pages and waits for a later step while others run
+        (they finish and free pages; `_reserves` keeps new arrivals from taking them); a decode preempts
+        itself, so that the older ones keep going.
         """
+        position = self.running.index(request)
         while not self.pages.allocate(request, num_tokens):
-            victims = [r for r in self.running if id(r) not in scheduled and r is not request]
+            victims = [r for r in self.running[position + 1 :] if id(r) not in scheduled]
             if victims:
                 self.preempt(victims[-1], plan)
-            elif scheduled:
+            elif scheduled and request.status != RequestStatus.DECODING:
+                return False
+            elif len(self.running) > 1:
                 self.preempt(request, plan)
                 return False
             else:
