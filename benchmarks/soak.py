@@ -450,10 +450,21 @@ def judge(books: Books, exit_code: int | None, args: argparse.Namespace) -> tupl
             "after_warmup_peak": round(late_peak / 2**20, 1) if late_peak else None,
             "last": round(books.rss[-1][1] / 2**20, 1) if books.rss else None,
             "growth": round(late_peak / peak - 1, 4) if peak and late_peak else None,
+            # The curve, a point per half minute (the largest sample of each), to see a leak from a plateau.
+            "series": rss_series(books.rss, 30.0),
         },
         "exit_code": exit_code,
     }
     return problems, figures
+
+
+def rss_series(samples: list[tuple[float, int]], every: float) -> list[tuple[float, float]]:
+    """(seconds, MiB) per `every` seconds: the largest sample in each interval."""
+    buckets: dict[int, int] = {}
+    for at, value in samples:
+        bucket = int(at // every)
+        buckets[bucket] = max(buckets.get(bucket, 0), value)
+    return [(bucket * every, round(value / 2**20, 1)) for bucket, value in sorted(buckets.items())]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -307,3 +307,18 @@ def test_bad_generation_config_values_are_refused(model, values) -> None:
     config = GenerationConfig(max_new_tokens=2, do_sample=True, eos_token_id=None, **values)
     with pytest.raises(ValueError, match="GenerationConfig: invalid"):
         _run(model, [[5, 6, 7]], config)
+
+
+def test_stop_string_criteria_kept_for_the_sets_used_last(text_model) -> None:
+    """A server's clients may send any stop strings: the criteria built for them (vocabulary-sized tables)
+    are kept for the `CACHE_SIZE` sets used last, not for every set ever seen (the soak's memory)."""
+    from transformers_cb.sampling import stop_strings
+
+    _, tokenizer = text_model
+    kept = stop_strings.StopStrings(tokenizer)
+    first = kept.criteria(("first",))
+    for i in range(stop_strings.CACHE_SIZE + 5):
+        kept.criteria((f"s{i}",))
+        assert kept.criteria(("first",)) is first  # used again: kept
+    assert len(kept._criteria) == stop_strings.CACHE_SIZE
+    assert ("s0",) not in kept._criteria  # the least recently used went first

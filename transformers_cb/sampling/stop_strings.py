@@ -2,11 +2,14 @@
 
 transformers' `StopStringCriteria` does the matching (a stop string may span tokens and overhang
 the last one); it is built once per distinct set of strings, since building it walks the whole
-vocabulary, and is called with the request's own tokens (prompt + generated, as in `generate()`).
+vocabulary, and is called with the request's own tokens (prompt + generated, as in `generate()`). The
+built ones are kept for the `CACHE_SIZE` sets used last: a server's clients may send any strings, and each
+criteria holds tables the size of the vocabulary.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,13 +18,15 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..invariants import present
 
+CACHE_SIZE = 32
+
 
 class StopStrings:
     """Args: tokenizer: the model's tokenizer, or None (then stop strings are refused)."""
 
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
-        self._criteria: dict[tuple[str, ...], StopStringCriteria] = {}
+        self._criteria: OrderedDict[tuple[str, ...], StopStringCriteria] = OrderedDict()
 
     def check_available(self, strings: Sequence[str], label: str) -> None:
         if strings and self.tokenizer is None:
@@ -32,11 +37,15 @@ class StopStrings:
 
     def criteria(self, strings: tuple[str, ...]) -> StopStringCriteria:
         found = self._criteria.get(strings)
-        if found is None:
-            found = self._criteria[strings] = StopStringCriteria(
-                present(self.tokenizer, "stop strings without a tokenizer (check_available refuses them)"),
-                list(strings),
-            )
+        if found is not None:
+            self._criteria.move_to_end(strings)
+            return found
+        found = self._criteria[strings] = StopStringCriteria(
+            present(self.tokenizer, "stop strings without a tokenizer (check_available refuses them)"),
+            list(strings),
+        )
+        if len(self._criteria) > CACHE_SIZE:
+            self._criteria.popitem(last=False)
         return found
 
 

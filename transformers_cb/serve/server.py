@@ -258,8 +258,11 @@ def run_serve(args: argparse.Namespace) -> int:
         require_serve_extra()
     except ImportError as error:
         raise InputError(str(error)) from None
+    from transformers_cb.runner.onednn_caches import bound_shape_caches
+
     from .app import build_app
 
+    bound_shape_caches()  # before the model's first product: a long-lived process sees every row count
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
