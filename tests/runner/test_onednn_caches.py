@@ -19,7 +19,7 @@ def clean_env(monkeypatch):
 
 
 def test_both_caches_get_the_capacity(clean_env) -> None:
-    assert onednn_caches.bound_shape_caches(64) == {name: "64" for name in onednn_caches.CAPACITY_ENVS}
+    assert onednn_caches.bound_shape_caches(64) == dict.fromkeys(onednn_caches.CAPACITY_ENVS, "64")
 
 
 def test_a_capacity_the_user_set_is_kept(clean_env) -> None:
