@@ -42,15 +42,16 @@ def test_check_model_command_passes(tiny_checkpoint: Path) -> None:
 
 
 def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys) -> None:
-    """A broken engine (eviction that forgets generated tokens) makes the check fail with exit 1 and
-    print both token sequences."""
+    """A broken engine (eviction that garbles the last token it will recompute: a generated one, or the
+    prompt's own when the victim was still in its prompt, which is what the tight cache's one preemption
+    is now) makes the check fail with exit 1 and print both token sequences."""
     original = Scheduler.preempt
 
     def broken_preempt(self, request, batch):
         original(self, request, batch)
+        request.all_token_ids[-1] = (request.all_token_ids[-1] + 1) % 100 + 3
         if request.generated_ids:
-            request.generated_ids[-1] = (request.generated_ids[-1] + 1) % 100 + 3
-            request.all_token_ids[-1] = request.generated_ids[-1]
+            request.generated_ids[-1] = request.all_token_ids[-1]
 
     monkeypatch.setattr(Scheduler, "preempt", broken_preempt)
     argv = ["--model", str(tiny_checkpoint), "--prompts", "6", "--max-new-tokens", "8", "--attn", "sdpa"]
