@@ -3,7 +3,7 @@
 The scheduler works on plain data (requests, page ids) and never touches a
 tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
-plan.py), the runner executes it, and `update()` (step_results.py, the half that runs after the forward)
+plan.py; admission of waiting requests in admission.py), the runner executes it, and `update()` (step_results.py, the half that runs after the forward)
 applies the sampled tokens. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
 finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
 plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
@@ -22,6 +22,7 @@ from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..requests import FINISH_REASONS, Request, RequestStatus
+from .admission import Admission
 from .back_off import speculation_of
 from .drafts import fit_draft
 from .forks import Forks
@@ -33,7 +34,7 @@ from .speculation_stats import SpeculationStats
 from .step_results import StepResults
 
 
-class Scheduler(StepResults):
+class Scheduler(Admission, StepResults):
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
@@ -194,11 +195,8 @@ class Scheduler(StepResults):
         keep arriving; kept out, the running ones finish and give it their pages."""
         if request not in self.running:
             return False
-        rest = request.num_remaining_tokens - num_tokens
-        return (
-            rest > 0
-            and self.pages.num_fitting_tokens(request, request.num_remaining_tokens) < rest + num_tokens
-        )
+        remaining = request.num_remaining_tokens  # this step's tokens and the rest
+        return remaining > num_tokens and self.pages.num_fitting_tokens(request, remaining) < remaining
 
     def _take_back_rows(self) -> list[TakeBack]:
         """The rollbacks since the last plan, for the runner: those of requests still live (an ended
@@ -229,77 +227,10 @@ class Scheduler(StepResults):
             return wanted
         return None
 
-    def _admit(self, request: Request, budget: int, gate: AdmissionGate, plan: StepPlan) -> int | None:
-        """A waiting request's first tokens if it starts this step (moved to the running list, pages
-        allocated), else None: it keeps waiting (holding nothing), or failed because it can never fit."""
-        swapped_in = False
-        if self.offload is not None and self.offload.is_swapped(request):
-            swapped_in = self._swap_in(self.offload, request, gate.is_open)
-            if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
-                gate.close()
-                return None
-        # A swapped-in request has its own KV back: no prefix lookup, no waiting for pages.
-        looks_up = gate.is_open and not swapped_in
-        hit = looks_up and self._attach_prefix(request)
-        if looks_up and self._waits_for_pages(request, hit):
-            return None
-        num_tokens = block_cut(request, self.pages.num_fitting_tokens(request, self._wanted(request, budget)))
-        # A swapped-in request holds its pages (and slot) again: it is admitted (at least one token fits).
-        # Without a free state slot nothing fits (`PageManager.num_fitting_tokens`).
-        # A request with placeholders still to compute waits for room in the embedding store; one swapped
-        # back in mid-image is already admitted and takes its rows past the capacity (they go soon).
-        if not (
-            swapped_in or (gate.is_open and num_tokens > 0 and self._admits() and self._media_fits(request))
-        ):
-            gate.close()
-            if hit:  # waiting requests hold no pages: the hit goes back to the cache
-                self.pages.detach_prefix(request)
-                num_tokens = block_cut(
-                    request, self.pages.num_fitting_tokens(request, self._wanted(request, budget))
-                )
-            if not self.running and num_tokens == 0:
-                self._fail_unfittable(request, plan)
-                gate.open()  # it blocked nobody: the next waiting request may start
-            return None
-        self._allocate(request, num_tokens)
-        self.waiting.remove(request)
-        self.running.append(request)
-        self.pages.promise(request)
-        if self.media is not None and self.media.needs(request):
-            self.media.hold(request)
-            plan.encode.append(request)
-        # A request swapped back in before an image block this step's budget cannot hold runs in a later step.
-        return num_tokens if num_tokens > 0 else None
-
-    def _media_fits(self, request: Request) -> bool:
-        return self.media is None or not self.media.needs(request) or self.media.fits(request)
-
-    def _attach_prefix(self, request: Request) -> bool:
-        """Take the cached pages of the request's prefix (prefix sharing on). True if any hit.
-
-        Requests asking for prompt logprobs compute every prompt position, so they take none."""
-        if request.wants_prompt_logprobs:
-            return False
-        return self.pages.attach_prefix(request) > 0
-
-    def _waits_for_pages(self, request: Request, hit: bool) -> bool:
-        """Leave `request` waiting (holding nothing) while a running request computes the next page
-        of its prefix: it will hit that page in a later step instead of computing it again."""
-        if request.wants_prompt_logprobs or not self.pages.waits_for_pages(request):
-            return False
-        if hit:
-            self.pages.detach_prefix(request)
-        return True
-
     def _allocate(self, request: Request, num_tokens: int) -> None:
         """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
         allocated = self.pages.allocate(request, num_tokens)
         check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
-
-    def _admits(self) -> bool:
-        if not self.running:
-            return True
-        return self.pages.free_fraction >= self.safety_margin
 
     def _allocate_or_preempt(
         self,
@@ -332,17 +263,6 @@ class Scheduler(StepResults):
                 self._fail_unfittable(request, plan)
                 return False
         return True
-
-    def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool) -> bool:
-        """Take a swapped-out request back from the host tier if it may start now. With nothing running
-        and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
-        if admitting and self._admits() and offload.can_swap_in(request):
-            offload.swap_in(request)
-            return True
-        if not self.running:
-            offload.discard(request)
-            self._drop_kv(request)
-        return False
 
     def preempt(self, request: Request, plan: StepPlan) -> None:
         """Take the pages (and state slot) of `request` away: swapped out to the host tier when there is one

@@ -8,34 +8,17 @@ owns the state both read.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 
-from ..kv.page_manager import PageManager
 from ..requests import Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .drafts import append_verified
-from .forks import Forks
-from .media_budget import MediaBudget
 from .plan import ScheduledRequest, StepPlan, TakeBack
-from .recompute import RecomputeCounter
-from .speculation_stats import SpeculationStats
+from .scheduler_state import SchedulerState
 
 
-class StepResults:
-    """Mixed into `Scheduler`, which sets the state below in its `__init__` and defines `finish`."""
-
-    pages: PageManager
-    media: MediaBudget | None
-    forks: Forks
-    running: list[Request]
-    waiting: deque[Request]
-    recomputed: RecomputeCounter
-    speculation: SpeculationStats
-    taken_back: list[TakeBack]
-
-    def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        raise NotImplementedError  # Scheduler.finish
+class StepResults(SchedulerState):
+    """Mixed into `Scheduler`."""
 
     def update(
         self,
