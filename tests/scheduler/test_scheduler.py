@@ -442,15 +442,11 @@ def test_a_prompt_that_fills_the_cache_is_not_starved_by_a_steady_stream(
     last_prompt_step = next(
         i
         for i, step in enumerate(run.steps)
-        if ("big", 61 - step_tokens(step, "big"), step_tokens(step, "big")) in step
+        if any(rid == "big" and start + n == 61 for rid, start, n in step)
     )
     # Without the fix it finished only after the stream stopped (step 400 and later).
     assert last_prompt_step < big_arrives + 40, last_prompt_step
     assert big.generated_ids == huge_cache_reference([("big", 61, 4)])["big"]
-
-
-def step_tokens(step: list[tuple[str, int, int]], request_id: str) -> int:
-    return next((n for rid, _, n in step if rid == request_id), 0)
 
 
 def test_eos_stop_includes_eos() -> None:
