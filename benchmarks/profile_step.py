@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     import transformers_cb
-    from transformers_cb.attention.selection import paged_attention
     from transformers_cb.engine.build import build_engine
-    from transformers_cb.runner.packed_model import packed_linears
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,10 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return wrapper
 
     with (
-        paged_attention(model, engine.plan.step_options.attn_implementation),
-        packed_linears(model, engine.plan.step_options.packed_linear),
-        torch.inference_mode(),
-    ):
+        engine.session()
+    ):  # the model as the engine runs it: paged attention, packed products, native layer ops
         engine.warmup()
         for i in range(args.rows):
             ids = torch.randint(3, vocab, (args.kv,), generator=gen).tolist()
@@ -150,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with (
-        paged_attention(model, engine.plan.step_options.attn_implementation),
-        packed_linears(model, engine.plan.step_options.packed_linear),
-        torch.inference_mode(),
-    ):
+    with engine.session():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.step()
         print("\n== one decode step")

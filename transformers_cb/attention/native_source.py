@@ -1,4 +1,5 @@
-"""C++ source of the native CPU paged-attention kernel (built by `native.py` with `torch.utils.cpp_extension`).
+"""C++ source of the native CPU library (built by `native.py` with `torch.utils.cpp_extension`): the paged-attention
+kernel here, the decoder-layer ops in native_layer_source.py.
 
 One call attends every query token of a step that the kernel takes (decodes and short prefill
 chunks) over the paged cache in place: no gathered K/V copies, no padding, one op per layer
@@ -8,7 +9,9 @@ causal by construction, windowed when `window > 0`, chunked (`lo` = the start of
 chunk of `-window` tokens) when `window < 0`.
 """
 
-SOURCE = r"""
+from .native_layer_source import BINDINGS, LAYER_SOURCE
+
+ATTENTION_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -335,7 +338,16 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   }
 }
 
+"""
+
+# The library's one source: the attention kernel, the decoder-layer ops (native_layer_source.py), the bindings.
+SOURCE = (
+    ATTENTION_SOURCE
+    + LAYER_SOURCE
+    + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
-}
 """
+    + BINDINGS
+    + "}\n"
+)

@@ -33,6 +33,7 @@ from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
+from ..runner.native_layers import native_layers
 from ..runner.packed_model import model_pack_bytes, packed_linears
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
@@ -253,12 +254,13 @@ class Engine:
     @contextmanager
     def session(self) -> Iterator[None]:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
-        warm-up): its paged attention backend, its packed products, the draft model's backend, the state
+        warm-up): its paged attention backend, its packed products, its native layer ops, the draft model's backend, the state
         layers' split forwards (runner/state_layers.py), inference mode; all restored on exit. Every caller
         that steps the engine enters it, and only it."""
         with (
             paged_attention(self.model, self.plan.step_options.attn_implementation),
             packed_linears(self.model, self.plan.step_options.packed_linear),
+            native_layers(self.model, self.plan.step_options.native_layers),
             self.assistant_session(),
             self.runner.session(),
             torch.inference_mode(),

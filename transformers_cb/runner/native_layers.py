@@ -1,0 +1,571 @@
+"""Native decoder-layer ops for the run: RMSNorm, the residual add folded into the next norm, SiLU·mul and
+rotary, each one call of the native library (attention/native_layer_source.py) instead of transformers'
+chain of eager ops.
+
+`native_layers(model, enabled)` is entered by `Engine.session()` beside the packed products. Inside, the
+modules whose class the table below recognises get an instance `forward` (the packed products' way: no
+module replaced, deleted on exit) and the modeling files whose `apply_rotary_pos_emb` is Llama's get the
+native one in their globals, for the run only:
+
+| what | recognised by | replaced by |
+|---|---|---|
+| RMSNorm, Llama's form (`weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`) | `forward`'s code equal to `LlamaRMSNorm.forward`'s | `rms_norm` |
+| RMSNorm, Gemma's form (`(x * rsqrt(...)) * (1 + weight)` in float32) | `forward` and `_norm` equal to `GemmaRMSNorm`'s | `rms_norm(gemma=True)` |
+| a gated MLP with SiLU (`down(silu(gate(x)) * up(x))`) | `forward` equal to `LlamaMLP.forward`, `act_fn` SiLU | `silu_mul` between the products |
+| a pre-norm decoder layer (`LlamaDecoderLayer`'s forward) | `forward` equal to it, its second norm recognised | the residual add and that norm as one `add_rms_norm` |
+| `apply_rotary_pos_emb` of a modeling file | code equal to Llama's (and its `rotate_half`) | `rotary` for q and k |
+
+Code equality (the compiled bytecode, its constants and names) recognises every family that copies
+Llama's code (Mistral, Qwen2, Qwen3's q/k norms, SmolLM2's Llama, ...) without naming them; anything
+else keeps transformers' forward. Each op rounds where the module rounds, and each recognised class is
+checked bitwise against its own forward on a random input the first time it is seen per dtype: a class
+that differs (another torch's reduction order, say) keeps its forward, with one warning. Each replaced
+forward still takes the module's own path where the native one does not apply: autograd recording, a
+compiled forward, another device or dtype, a hook on a module the fused call would skip.
+
+Installs are counted per module (and per modeling file for rotary): two sessions on one model (two
+managers) share them, and the last to leave restores. `TRANSFORMERS_CB_NATIVE_LAYERS=0` turns them off;
+without the native library (not built, no compiler) nothing is replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from types import CodeType, FunctionType, ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention.native import native_module
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "TRANSFORMERS_CB_NATIVE_LAYERS"
+LAYER_DTYPES = (torch.float32, torch.bfloat16)
+
+Forward = Callable[..., Any]
+
+
+def _same_code(a: CodeType, b: CodeType) -> bool:
+    """Whether two code objects compile the same source (positions and file names aside)."""
+    if a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames:
+        return False
+    if len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts, strict=True):
+        if isinstance(x, CodeType) and isinstance(y, CodeType):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _same_function(a: object, b: object) -> bool:
+    return isinstance(a, FunctionType) and isinstance(b, FunctionType) and _same_code(a.__code__, b.__code__)
+
+
+@dataclass(frozen=True)
+class References:
+    """Transformers' own functions the table recognises others by (imported once, lazily)."""
+
+    llama_norm: Forward
+    gemma_norm: Forward
+    gemma_norm_inner: Forward
+    llama_mlp: Forward
+    llama_layer: Forward
+    llama_rotary: Forward
+    llama_rotate_half: Forward
+
+
+_references: list[References] = []
+
+
+def references() -> References:
+    if not _references:
+        from transformers.models.gemma import modeling_gemma
+        from transformers.models.llama import modeling_llama
+
+        _references.append(
+            References(
+                llama_norm=modeling_llama.LlamaRMSNorm.forward,
+                gemma_norm=modeling_gemma.GemmaRMSNorm.forward,
+                gemma_norm_inner=modeling_gemma.GemmaRMSNorm._norm,
+                llama_mlp=modeling_llama.LlamaMLP.forward,
+                llama_layer=modeling_llama.LlamaDecoderLayer.forward,
+                llama_rotary=modeling_llama.apply_rotary_pos_emb,
+                llama_rotate_half=modeling_llama.rotate_half,
+            )
+        )
+    return _references[0]
+
+
+# -- which form a module has ------------------------------------------------------------
+
+
+def norm_form(module: nn.Module) -> str | None:
+    """ "llama" or "gemma" for an RMSNorm the native op computes exactly as its forward does, else None."""
+    cls = type(module)
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or "forward" in module.__dict__:
+        return None
+    ref = references()
+    if _same_function(cls.forward, ref.llama_norm) and isinstance(
+        getattr(module, "variance_epsilon", None), float
+    ):
+        return "llama"
+    if (
+        _same_function(cls.forward, ref.gemma_norm)
+        and _same_function(getattr(cls, "_norm", None), ref.gemma_norm_inner)
+        and isinstance(getattr(module, "eps", None), float)
+    ):
+        return "gemma"
+    return None
+
+
+def _norm_eps(module: nn.Module) -> float:
+    eps = getattr(module, "variance_epsilon", None)
+    return float(eps if eps is not None else getattr(module, "eps"))  # noqa: B009 - typed as Any
+
+
+def _child(module: nn.Module, name: str) -> nn.Module:
+    """A submodule by attribute (`gate_proj`, `post_attention_layernorm`, ...), typed."""
+    child = getattr(module, name)
+    if not isinstance(child, nn.Module):
+        raise TypeError(f"{type(module).__name__}.{name} is not a module")
+    return child
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    weight = getattr(module, "weight")  # noqa: B009 - read at each call: a weight may be reassigned
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is not a tensor")
+    return weight
+
+
+def is_silu_mlp(module: nn.Module) -> bool:
+    """A gated MLP whose forward is Llama's and whose activation is SiLU."""
+    from transformers.activations import SiLUActivation
+
+    if "forward" in module.__dict__ or not _same_function(type(module).forward, references().llama_mlp):
+        return False
+    act = getattr(module, "act_fn", None)
+    return type(act) in (SiLUActivation, nn.SiLU) and not _has_hooks(act)
+
+
+def is_pre_norm_layer(module: nn.Module) -> bool:
+    """A decoder layer whose forward is Llama's (norm, attention, add, norm, MLP, add) with a recognised
+    second norm."""
+    if "forward" in module.__dict__ or not _same_function(type(module).forward, references().llama_layer):
+        return False
+    norm = getattr(module, "post_attention_layernorm", None)
+    return isinstance(norm, nn.Module) and norm_form(norm) is not None
+
+
+def _has_hooks(module: nn.Module | None) -> bool:
+    return module is not None and bool(
+        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None
+    )
+
+
+# -- when the native path applies to a call ----------------------------------------------
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    return type(t) is torch.Tensor or type(t) is nn.Parameter
+
+
+def _native_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether this call may take the native op: no autograd, not traced, CPU, a layer dtype, one dtype,
+    last dimension contiguous."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    if x.device.type != "cpu" or x.dtype not in LAYER_DTYPES or x.dim() == 0 or x.stride(-1) != 1:
+        return False
+    return all(
+        _plain_tensor(o) and o.device.type == "cpu" and o.dtype == x.dtype and o.stride(-1) == 1
+        for o in others
+    ) and _plain_tensor(x)
+
+
+# -- the replaced forwards --------------------------------------------------------------
+
+
+def _norm_forward(module: nn.Module, ops: ModuleType, gemma: bool) -> Forward:
+    original = type(module).forward.__get__(module)
+    eps = _norm_eps(module)
+
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = _weight(module)
+        if not _native_call(hidden_states, weight) or not weight.is_contiguous():
+            return original(hidden_states)
+        out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
+        ops.rms_norm(hidden_states, weight, eps, gemma, out)
+        return out
+
+    return forward
+
+
+def _mlp_forward(module: nn.Module, ops: ModuleType) -> Forward:
+    original = type(module).forward.__get__(module)
+    gate_proj, up_proj, down_proj = (_child(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    act_fn = _child(module, "act_fn")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if not _native_call(x):
+            return original(x)
+        gate = gate_proj(x)  # gate before up, as the module calls them (a fused pair computes on the first)
+        up = up_proj(x)
+        if not _native_call(gate, up) or gate.shape != up.shape:
+            return down_proj(act_fn(gate) * up)
+        hidden = torch.empty(gate.shape, dtype=gate.dtype)
+        ops.silu_mul(gate, up, hidden)
+        return down_proj(hidden)
+
+    return forward
+
+
+def _layer_forward(layer: nn.Module, ops: ModuleType) -> Forward:
+    original = type(layer).forward.__get__(layer)
+    input_norm, attention, norm, mlp = (
+        _child(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    )
+    gemma = norm_form(norm) == "gemma"
+    eps = _norm_eps(norm)
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if not _native_call(hidden_states, _weight(norm)) or _has_hooks(norm):
+            return original(
+                hidden_states,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                position_embeddings=position_embeddings,
+                **kwargs,
+            )
+        residual = hidden_states
+        hidden_states = input_norm(hidden_states)
+        hidden_states, _ = attention(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        if not _native_call(hidden_states, residual) or hidden_states.shape != residual.shape:
+            hidden_states = residual + hidden_states
+            residual = hidden_states
+            hidden_states = norm(hidden_states)
+        else:
+            summed = torch.empty(residual.shape, dtype=residual.dtype)
+            normed = torch.empty(residual.shape, dtype=residual.dtype)
+            ops.add_rms_norm(residual, hidden_states, _weight(norm), eps, gemma, summed, normed)
+            residual, hidden_states = summed, normed
+        hidden_states = mlp(hidden_states)
+        return residual + hidden_states
+
+    return forward
+
+
+def _rotary(ops: ModuleType, original: Forward) -> Forward:
+    def apply_rotary_pos_emb(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (
+            unsqueeze_dim != 1
+            or q.dim() != 4
+            or k.dim() != 4
+            or cos.dim() != 3
+            or sin.dim() != 3
+            or not _native_call(q, k, cos, sin)
+            or cos.shape != sin.shape
+            or cos.shape[1:] != (q.shape[2], q.shape[3])
+            or k.shape[2:] != q.shape[2:]
+            or cos.shape[0] not in (1, q.shape[0])
+            or k.shape[0] != q.shape[0]
+        ):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        batch, seq, dim = q.shape[0], q.shape[2], q.shape[3]
+        cos = cos.expand(batch, seq, dim)
+        sin = sin.expand(batch, seq, dim)
+        # torch's `q * cos` keeps q's layout: tokens outer, heads inner (the projections' own order)
+        q_out = torch.empty(batch, seq, q.shape[1], dim, dtype=q.dtype).transpose(1, 2)
+        k_out = torch.empty(batch, seq, k.shape[1], dim, dtype=k.dtype).transpose(1, 2)
+        ops.rotary(q, cos, sin, q_out)
+        ops.rotary(k, cos, sin, k_out)
+        return q_out, k_out
+
+    apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
+    return apply_rotary_pos_emb
+
+
+# -- the check at first sight -----------------------------------------------------------
+
+
+@dataclass
+class Verdicts:
+    """Whether each recognised (kind, class or modeling file, dtype) computed bitwise what its own forward computes."""
+
+    results: dict[tuple[str, str, torch.dtype], bool] = field(default_factory=dict)
+    warned: set[tuple[str, str]] = field(default_factory=set)
+
+    def check(self, kind: str, name: str, dtype: torch.dtype, trial: Callable[[], bool]) -> bool:
+        """`trial()`'s verdict for (kind, name, dtype), tried once; a False one warns once per (kind, name)."""
+        key = (kind, name, dtype)
+        if key not in self.results:
+            try:
+                self.results[key] = bool(trial())
+            except Exception as error:  # noqa: BLE001 - a failing trial only keeps the module's forward
+                logger.debug("native %s check of %s failed: %s", kind, name, error)
+                self.results[key] = False
+            if not self.results[key] and (kind, name) not in self.warned:
+                self.warned.add((kind, name))
+                logger.warning(
+                    "transformers_cb: the native %s op differs from %s's own forward in %s; that module "
+                    "keeps transformers' forward (slower, outputs unchanged)",
+                    kind,
+                    name,
+                    dtype,
+                )
+        return self.results[key]
+
+
+VERDICTS = Verdicts()
+
+
+def _trial_input(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=generator) * 2).to(dtype)
+
+
+def _norm_agrees(module: nn.Module, ops: ModuleType, dtype: torch.dtype) -> bool:
+    width = _weight(module).shape[0]
+    x = _trial_input(5, width, dtype=dtype, seed=0)
+    residual = _trial_input(5, width, dtype=dtype, seed=1)
+    weight = _weight(module).detach().contiguous()
+    original = type(module).forward.__get__(module)
+    gemma = norm_form(module) == "gemma"
+    out = torch.empty_like(x)
+    ops.rms_norm(x, weight, _norm_eps(module), gemma, out)
+    summed, normed = torch.empty_like(x), torch.empty_like(x)
+    ops.add_rms_norm(residual, x, weight, _norm_eps(module), gemma, summed, normed)
+    expected_sum = residual + x
+    return (
+        torch.equal(out, original(x))
+        and torch.equal(summed, expected_sum)
+        and torch.equal(normed, original(expected_sum))
+    )
+
+
+def _silu_agrees(module: nn.Module, ops: ModuleType, dtype: torch.dtype) -> bool:
+    for shape in ((3, 37), (2, 4, 64)):
+        gate = _trial_input(*shape, dtype=dtype, seed=2)
+        up = _trial_input(*shape, dtype=dtype, seed=3)
+        out = torch.empty_like(gate)
+        ops.silu_mul(gate, up, out)
+        if not torch.equal(out, _child(module, "act_fn")(gate) * up):
+            return False
+    return True
+
+
+def _rotary_agrees(original: Forward, ops: ModuleType, dtype: torch.dtype) -> bool:
+    q = _trial_input(1, 3, 5, 8, dtype=dtype, seed=4)
+    k = _trial_input(1, 1, 5, 8, dtype=dtype, seed=5)
+    cos = _trial_input(1, 5, 8, dtype=dtype, seed=6)
+    sin = _trial_input(1, 5, 8, dtype=dtype, seed=7)
+    expected_q, expected_k = original(q, k, cos, sin)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    ops.rotary(q, cos, sin, q_out)
+    ops.rotary(k, cos, sin, k_out)
+    return torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
+
+
+# -- installs, counted ------------------------------------------------------------------
+
+
+@dataclass
+class Install:
+    """One replaced attribute (a module's `forward`, a modeling file's function) and its sessions."""
+
+    owner: Any
+    name: str
+    value: Any
+    previous: Any
+    sessions: int = 1
+
+
+_lock = threading.Lock()
+# (id(owner), name) -> the install in force
+_installs: dict[tuple[int, str], Install] = {}
+
+
+def _installed(owner: Any, name: str) -> bool:
+    install = _installs.get((id(owner), name))
+    return install is not None and install.owner is owner
+
+
+def _never() -> Any:
+    raise AssertionError("an install in force is counted, never made again")
+
+
+def _install(owner: Any, name: str, make: Callable[[], Any]) -> tuple[int, str]:
+    key = (id(owner), name)
+    install = _installs.get(key)
+    if install is not None and install.owner is owner:
+        install.sessions += 1
+        return key
+    if isinstance(owner, nn.Module):
+        owner.__dict__[name] = value = make()
+        previous = None
+    else:
+        previous = getattr(owner, name)
+        value = make()
+        setattr(owner, name, value)
+    _installs[key] = Install(owner, name, value, previous)
+    return key
+
+
+def _uninstall(key: tuple[int, str], force: bool = False) -> None:
+    install = _installs.get(key)
+    if install is None:
+        return
+    install.sessions -= 1
+    if install.sessions > 0 and not force:
+        return
+    del _installs[key]
+    if isinstance(install.owner, nn.Module):
+        if install.owner.__dict__.get(install.name) is install.value:
+            del install.owner.__dict__[install.name]
+    elif getattr(install.owner, install.name) is install.value:
+        setattr(install.owner, install.name, install.previous)
+
+
+def restore_all() -> None:
+    """Every install still in force undone (`uninstall()`); a run still going finishes on the modules'
+    own forwards."""
+    with _lock:
+        for key in list(_installs):
+            _uninstall(key, force=True)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _modeling_file(module: nn.Module) -> ModuleType | None:
+    return sys.modules.get(type(module).__module__)
+
+
+def _module_replacement(module: nn.Module, ops: ModuleType) -> Callable[[], Forward] | None:
+    """The maker of `module`'s native forward, if the table recognises it and its check passes."""
+    params = list(module.parameters(recurse=False))
+    if any(not _plain_tensor(p) or p.device.type != "cpu" for p in params):
+        return None
+    form = norm_form(module)
+    if form is not None:
+        dtype = _weight(module).dtype
+        if dtype in LAYER_DTYPES and VERDICTS.check(
+            "RMSNorm", _name(type(module)), dtype, partial(_norm_agrees, module, ops, dtype)
+        ):
+            return partial(_norm_forward, module, ops, form == "gemma")
+        return None
+    if is_silu_mlp(module):
+        dtype = _weight(_child(module, "gate_proj")).dtype
+        if dtype in LAYER_DTYPES and VERDICTS.check(
+            "SiLU·mul", _name(type(module)), dtype, partial(_silu_agrees, module, ops, dtype)
+        ):
+            return partial(_mlp_forward, module, ops)
+        return None
+    if is_pre_norm_layer(module):
+        norm = _child(module, "post_attention_layernorm")
+        dtype = _weight(norm).dtype
+        if dtype in LAYER_DTYPES and VERDICTS.check(
+            "RMSNorm", _name(type(norm)), dtype, partial(_norm_agrees, norm, ops, dtype)
+        ):
+            return partial(_layer_forward, module, ops)
+    return None
+
+
+def _rotary_replacement(file: ModuleType, ops: ModuleType) -> Callable[[], Forward] | None:
+    """The maker of a modeling file's native `apply_rotary_pos_emb`, if it is Llama's and its check passes."""
+    ref = references()
+    rotary = getattr(file, "apply_rotary_pos_emb", None)
+    if (
+        rotary is None
+        or not _same_function(rotary, ref.llama_rotary)
+        or not _same_function(getattr(file, "rotate_half", None), ref.llama_rotate_half)
+    ):
+        return None
+    checks = (
+        VERDICTS.check("rotary", file.__name__, dtype, partial(_rotary_agrees, rotary, ops, dtype))
+        for dtype in LAYER_DTYPES
+    )
+    return partial(_rotary, ops, rotary) if all(checks) else None
+
+
+Plan = list[tuple[Any, str, Callable[[], Any]]]
+
+
+def _plan(model: nn.Module, ops: ModuleType) -> Plan:
+    """What this model's run replaces: (owner, attribute, maker of the replacement)."""
+    plan: Plan = []
+    files: dict[int, ModuleType] = {}
+    for module in model.modules():
+        file = _modeling_file(module)
+        if file is not None:
+            files.setdefault(id(file), file)
+        if _installed(module, "forward"):  # another session's: counted again, not recognised again
+            plan.append((module, "forward", _never))
+        elif not _has_hooks(module):
+            make = _module_replacement(module, ops)
+            if make is not None:
+                plan.append((module, "forward", make))
+    for file in files.values():
+        if _installed(file, "apply_rotary_pos_emb"):
+            plan.append((file, "apply_rotary_pos_emb", _never))
+        else:
+            make_rotary = _rotary_replacement(file, ops)
+            if make_rotary is not None:
+                plan.append((file, "apply_rotary_pos_emb", make_rotary))
+    return plan
+
+
+@contextmanager
+def native_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
+    """Inside (with `enabled`, the switch on and the native library loaded): the recognised modules of
+    `model` and the rotary of their modeling files on the native ops. Yields how many were replaced."""
+    ops = native_module() if enabled and enabled_by_env() else None
+    if ops is None or not hasattr(ops, "rms_norm"):
+        yield 0
+        return
+    with _lock, torch.no_grad():
+        keys = [_install(owner, name, make) for owner, name, make in _plan(model, ops)]
+    try:
+        yield len(keys)
+    finally:
+        with _lock:
+            for key in keys:
+                _uninstall(key)
