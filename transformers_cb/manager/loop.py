@@ -80,6 +80,26 @@ class ManagerLoop:
     def is_loop_thread(self) -> bool:
         return self.thread is threading.current_thread()
 
+    def apply_weight_check(self) -> None:
+        """Apply the weight check owed by the end of a pause (or `weights_updated()`) once no pause holds
+        the loop (loop thread between two steps, or a manager not running): a change is a new weight
+        version (`Engine.check_weights`); the requests it aborts get their final results here."""
+        state = self._state
+        with state.lock:
+            owed = state.weight_check
+            if owed is None or state.pause_requests:
+                return
+            state.weight_check = None
+            engine = state.engine
+        try:
+            ended = engine.check_weights(owed.mode, owed.changed) if engine is not None else None
+            for request in ended or ():
+                self._publish_final(request)
+        finally:
+            with state.lock:
+                state.weight_checked = max(state.weight_checked, owed.ticket)
+                state.lock.notify_all()
+
     def apply_submissions(self) -> None:
         """Move new requests into the engine and apply cancellations (loop thread, or idle engine)."""
         state = self._state
@@ -89,7 +109,7 @@ class ManagerLoop:
         if engine is None:
             return
         if incoming and not engine.is_follower and not engine.has_work():
-            engine.drop_stale_prefix_cache()  # the weights may have changed while it idled (a weight sync)
+            engine.check_weights()  # the weights may have changed while it idled (a weight sync)
         for request in incoming:
             engine.add(request)
         for request_id in cancels:
@@ -147,6 +167,7 @@ class ManagerLoop:
     def _loop(self, engine: Engine) -> None:
         state = self._state
         while True:
+            self.apply_weight_check()  # before any step after a pause that changed the weights
             self.apply_submissions()
             if state.pause_requests or not engine.has_work():
                 engine.heartbeat()  # tensor-parallel followers wait in a collective bounded by a timeout
@@ -160,6 +181,8 @@ class ManagerLoop:
                     state.lock.wait(timeout=IDLE_WAIT_S)
                     continue
                 state.paused = False
+                if state.weight_check is not None:
+                    continue  # a pause ended since the top of the loop: its check comes before any step
                 if not engine.has_work():
                     if state.stop_requested and not state.incoming:
                         return
