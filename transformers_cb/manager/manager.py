@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
-from ..scheduler.weight_updates import check_update_mode
+from ..scheduler.weight_updates import UpdateMode, check_update_mode
 from .adaptive_threads import AdaptiveThreads
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
@@ -253,8 +253,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
             delattr(self.model, CACHED_MANAGER_ATTR)
 
-    @contextmanager
-    def pause(self, mode: str = "keep") -> Iterator[None]:
+    def pause(self, mode: str = "keep") -> AbstractContextManager[None]:
         """Hold the loop between two steps (pages and in-flight requests kept), e.g. to update weights.
 
         When the block ends (the last one, if several threads pause), the loop checks the weights before
@@ -266,8 +265,11 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         `ABORTED`, with the tokens they had). The block's exit returns once that is done, so a request
         submitted afterwards runs wholly on the new weights. See docs/manager.md, "Weight updates".
 
-        Raises `ValueError` for an unknown `mode`, before pausing anything."""
-        update_mode = check_update_mode(mode)
+        Raises `ValueError` for an unknown `mode` at the call, before pausing anything."""
+        return self._paused(check_update_mode(mode))
+
+    @contextmanager
+    def _paused(self, update_mode: UpdateMode) -> Iterator[None]:
         state = self._state
         with state.lock:
             state.pause_requests += 1
@@ -301,7 +303,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             with self._state.lock:  # applied when the last pause ends
                 self._state.owe_weight_check(update_mode, True)
             return
-        with self.pause(mode), self._state.lock:
+        with self._paused(update_mode), self._state.lock:
             self._state.owe_weight_check(update_mode, True)
 
     @property
