@@ -9,6 +9,7 @@ import pytest
 
 from tests.support.requests import sampling_entries
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
@@ -210,3 +211,77 @@ def test_modes() -> None:
     for bad in ("", "Keep", None, 1):
         with pytest.raises(ValueError, match="'keep', 'recompute', 'abort'"):
             check_update_mode(bad)
+
+
+# -- the host tier (CPU offload) and forks ----------------------------------------------------------------
+
+
+def offload_scheduler(host_pages: int = 32) -> Scheduler:
+    pools = [PagePool(64)]
+    policies = [FullAttentionPolicy(pools[0], PS)]
+    return Scheduler(
+        PageManager(policies, [KVGroupSpec(FULL_ATTENTION, (0,))], sharing=True),
+        256,
+        64,
+        0.0,
+        make_policy("fifo"),
+        CpuOffload(policies, host_pages),
+    )
+
+
+def swapped_out(mode: str, max_staleness: int | None = None) -> tuple[Scheduler, Request]:
+    scheduler = offload_scheduler()
+    offload = scheduler.offload
+    assert offload is not None
+    a, b = request("a", 1, 12, max_staleness), request("b", 2, 12)
+    decoding(scheduler, a, b)
+    scheduler.preempt(b, StepPlan(entries=[]))
+    assert offload.is_swapped(b) and b.num_computed_tokens > 0
+    scheduler.check_integrity()
+    scheduler.preempt(a, StepPlan(entries=[]))  # both swapped out, at the head of the queue
+    assert offload.is_swapped(a)
+    scheduler.weights_changed(check_update_mode(mode))
+    scheduler.check_integrity()
+    return scheduler, a
+
+
+@pytest.mark.parametrize(
+    ("mode", "max_staleness", "kept"),
+    [("keep", None, True), ("keep", 0, False), ("recompute", None, False), ("abort", None, False)],
+)
+def test_a_request_swapped_out_to_the_host_tier(mode: str, max_staleness: int | None, kept: bool) -> None:
+    """Its KV in the host tier is in flight too: kept (swapped back in, never keyed), dropped (it recomputes
+    from its prompt and tokens) or aborted, by the mode."""
+    scheduler, a = swapped_out(mode, max_staleness)
+    offload = scheduler.offload
+    assert offload is not None
+    if mode == "abort":
+        assert a.status == RequestStatus.ABORTED and not offload.is_swapped(a)
+        assert offload.host.num_used_pages == 0
+        return
+    assert offload.is_swapped(a) == kept and (a.num_computed_tokens > 0) == kept
+    tokens = len(a.generated_ids)
+    while scheduler.has_work():
+        step(scheduler)
+    assert a.status == RequestStatus.FINISHED
+    assert a.kv_version == (0 if kept else 1)
+    assert a.weight_version_runs == [(0, 0), (tokens, 1)]
+
+
+def test_forked_siblings_inherit_their_parents_kv_version() -> None:
+    """Siblings forked after a `keep` update share pages the parent computed before it: stale, so they key
+    nothing either."""
+    scheduler = scheduler_of(max_batch_tokens=8)  # the parent's prompt takes 3 chunks
+    parent = request("p", 1, 3)
+    parent.siblings = [request(f"p__child#{i}", 1, 3) for i in range(2)]
+    for child in parent.siblings:
+        child.fork_parent = parent
+    parent.fork_children = list(parent.siblings)
+    scheduler.add(parent)
+    step(scheduler)
+    scheduler.weights_changed("keep")
+    while scheduler.has_work():
+        step(scheduler)
+    assert all(r.status == RequestStatus.FINISHED for r in parent.family)
+    assert [r.kv_version for r in parent.family] == [0, 0, 0]
+    assert pool(scheduler).num_keyed_pages == 0

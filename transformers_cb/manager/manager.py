@@ -282,13 +282,15 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         finally:
             self._pause_holders.count -= 1
             with state.lock:
-                ticket = state.owe_weight_check(update_mode, False)
+                # A tensor-parallel follower decides nothing: rank 0's engine applies weight changes.
+                checks = state.engine is not None and not state.engine.is_follower
+                ticket = state.owe_weight_check(update_mode, False) if checks else 0
                 state.pause_requests -= 1
                 last = state.pause_requests == 0
                 if last:
                     state.paused = False  # the next pause() waits until the loop holds again
                 state.lock.notify_all()
-            if last:
+            if last and checks:
                 self._wait_for_weight_check(ticket)
 
     def weights_updated(self, mode: str = "keep") -> None:
