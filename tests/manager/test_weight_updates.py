@@ -252,3 +252,24 @@ def test_a_pause_on_a_manager_not_running_applies_its_update_at_once(model, new_
     assert out.generated_tokens == greedy_reference(new_model, LONG, 5)
     assert out.weight_version_runs == ((0, 1),) and time.monotonic() - started_at < TIMEOUT
     finish(manager)
+
+
+def test_a_failing_weight_check_fails_the_running_requests_and_the_thread_lives(model, monkeypatch):
+    manager = new_manager(model, num_blocks=128)
+    manager.start()
+    rid = manager.add_request(SYSTEM, max_new_tokens=200)
+    started(manager, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("fingerprint exploded")
+
+    monkeypatch.setattr(manager.engine, "check_weights", broken)
+    with manager.pause():
+        pass
+    output = manager.get_result(rid, timeout=TIMEOUT)
+    assert output.status == RequestStatus.FAILED and "fingerprint exploded" in output.error
+    monkeypatch.undo()
+    assert manager.is_running() and manager.background_thread_status.fatal_error is None
+    rid = manager.add_request(SYSTEM, max_new_tokens=3)
+    assert manager.get_result(rid, timeout=TIMEOUT).status == RequestStatus.FINISHED
+    finish(manager)

@@ -95,6 +95,10 @@ class ManagerLoop:
             ended = engine.check_weights(owed.mode, owed.changed) if engine is not None else None
             for request in ended or ():
                 self._publish_final(request)
+        except Exception as error:  # noqa: BLE001 - the thread lives on; no request may run on unknown KV
+            logger.exception("continuous batching weight check failed; failing the running requests")
+            if engine is not None:
+                self._fail_running(engine, f"weight check failed: {type(error).__name__}: {error}")
         finally:
             with state.lock:
                 state.weight_checked = max(state.weight_checked, owed.ticket)
@@ -202,10 +206,7 @@ class ManagerLoop:
             raise  # the group is broken: the thread ends and every request gets its failure
         except Exception as error:  # noqa: BLE001 - a scheduler bug fails the involved requests only
             logger.exception("continuous batching step raised outside the model forward")
-            message = f"step failed: {type(error).__name__}: {error}"
-            for request in engine.running_requests():
-                engine.finish(request, RequestStatus.FAILED, message)
-                self._publish_final(request)
+            self._fail_running(engine, f"step failed: {type(error).__name__}: {error}")
             return
         delivered = 0
         for request in result.progressed:
@@ -218,6 +219,12 @@ class ManagerLoop:
                 delivered += 1 if request.streaming else len(request.generated_ids)
             self._publish_final(request)
         self._throughput.add(delivered)
+
+    def _fail_running(self, engine: Engine, message: str) -> None:
+        """Fail every running request with `message` (an error outside the model forward)."""
+        for request in engine.running_requests():
+            engine.finish(request, RequestStatus.FAILED, message)
+            self._publish_final(request)
 
     def _publish_final(self, request: Request) -> None:
         """The one exit of every request: count its final status, then route its final output."""
