@@ -268,6 +268,8 @@ def test_a_failing_weight_check_fails_the_running_requests_and_the_thread_lives(
         pass
     output = manager.get_result(rid, timeout=TIMEOUT)
     assert output.status == RequestStatus.FAILED and "fingerprint exploded" in output.error
+    with manager.pause():
+        assert manager.stats().prefix_cache_pages == 0  # none of its pages is kept for later hits
     monkeypatch.undo()
     assert manager.is_running() and manager.background_thread_status.fatal_error is None
     rid = manager.add_request(SYSTEM, max_new_tokens=3)

@@ -262,6 +262,11 @@ class Engine:
         logger.info("model weights changed: weight version %d (%s)", self.weight_version, mode)
         return ended
 
+    def forget_prefix_pages(self) -> None:
+        """Every page loses its prefix key, cached or in use, and the running requests' promises are
+        withdrawn (a weight check that failed: no page computed so far is trusted for later hits)."""
+        self.pages.weights_changed(self.weight_version, self.scheduler.running)
+
     def drop_stale_prefix_cache(self) -> bool:
         """Forget the prefix pages if the model's weights changed since they were computed (`check_weights`
         on an idle engine: a persistent `generate_batch` engine reused, an idle manager taking new

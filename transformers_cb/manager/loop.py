@@ -99,6 +99,7 @@ class ManagerLoop:
             logger.exception("continuous batching weight check failed; failing the running requests")
             if engine is not None:
                 self._fail_running(engine, f"weight check failed: {type(error).__name__}: {error}")
+                engine.forget_prefix_pages()
         finally:
             with state.lock:
                 state.weight_checked = max(state.weight_checked, owed.ticket)
