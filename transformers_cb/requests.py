@@ -98,8 +98,10 @@ class RequestStatus(enum.IntEnum):
     The members transformers' own `RequestStatus` has carry its values (PENDING=0 ... FAILED=4), so
     the documents' `output.status == RequestStatus.FINISHED` with transformers' enum works and
     `status >= FINISHED` means "over" for both enums. CANCELLED (5) is over too and equals no member
-    of theirs. EVICTED is internal: it sorts below PENDING (never "over") and users never see it, a
-    preempted request reads as PENDING again (see `user_visible`).
+    of theirs. ABORTED (6) is over too: a request in flight across a weight update of a
+    `pause(mode="abort")` (docs/manager.md), ended with the tokens it had. EVICTED is internal: it sorts below
+    PENDING (never "over") and users never see it, a preempted request reads as PENDING again (see
+    `user_visible`).
     """
 
     EVICTED = -1
@@ -109,6 +111,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED = 3
     FAILED = 4
     CANCELLED = 5
+    ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -121,20 +124,26 @@ class RequestStatus(enum.IntEnum):
 
 
 _ACTIVE = {RequestStatus.PREFILLING, RequestStatus.DECODING}
-_ENDS = {RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED}
+_ENDS = {RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.ABORTED}
+_ENDS_UNRUN = {RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.ABORTED}
 ALLOWED_TRANSITIONS: dict[RequestStatus, set[RequestStatus]] = {
-    RequestStatus.PENDING: _ACTIVE | {RequestStatus.FAILED, RequestStatus.CANCELLED},
+    RequestStatus.PENDING: _ACTIVE | _ENDS_UNRUN,
     RequestStatus.PREFILLING: _ACTIVE | {RequestStatus.EVICTED} | _ENDS,
     RequestStatus.DECODING: _ACTIVE | {RequestStatus.EVICTED} | _ENDS,
-    RequestStatus.EVICTED: _ACTIVE | {RequestStatus.FAILED, RequestStatus.CANCELLED},
+    RequestStatus.EVICTED: _ACTIVE | _ENDS_UNRUN,
     RequestStatus.FINISHED: set(),
     RequestStatus.FAILED: set(),
     RequestStatus.CANCELLED: set(),
+    RequestStatus.ABORTED: set(),
 }
 
 
 # `finish_reason` of requests that did not finish normally.
-FINISH_REASONS = {RequestStatus.FAILED: "error", RequestStatus.CANCELLED: "cancelled"}
+FINISH_REASONS = {
+    RequestStatus.FAILED: "error",
+    RequestStatus.CANCELLED: "cancelled",
+    RequestStatus.ABORTED: "aborted",
+}
 
 
 @dataclass
@@ -246,6 +255,16 @@ class GenerationOutput:
     # (docs/speculative_decoding.md); set by `Request.to_output`.
     draft_tokens = 0
     accepted_draft_tokens = 0
+    # Not fields either: which weights produced the tokens (docs/manager.md, "Weight versions"), set by
+    # `Request.to_output`. `weight_version_runs`: `(index, version)` for each run of generated tokens that
+    # one weight version produced, in order (the run goes on to the next one's index); `weight_version_first`
+    # / `weight_version_last`: the version of the first / last generated token (None before any);
+    # `weight_version_changed_at`: the index of the first token a later version produced (None: one version
+    # produced them all); `kv_weight_version`: the version the oldest KV the last token attended to was
+    # computed under (below `weight_version_last` when `pause(mode="keep")` carried the request's KV across
+    # an update; None before the request ran).
+    weight_version_runs = cast("tuple[tuple[int, int], ...]", ())
+    kv_weight_version = cast("int | None", None)
     # Not a field: where `new_tokens` starts in `generated_tokens` (0 for an output built by hand).
     _new_from = 0
 
@@ -272,6 +291,28 @@ class GenerationOutput:
     def acceptance_rate(self) -> float:
         """Accepted / verified draft tokens (0.0 without speculation)."""
         return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def weight_version_first(self) -> int | None:
+        """The weight version that produced the first generated token (None before any)."""
+        return self.weight_version_runs[0][1] if self.weight_version_runs else None
+
+    @property
+    def weight_version_last(self) -> int | None:
+        """The weight version that produced the last generated token (None before any)."""
+        return self.weight_version_runs[-1][1] if self.weight_version_runs else None
+
+    @property
+    def weight_version_changed_at(self) -> int | None:
+        """The index in `generated_tokens` of the first token a later weight version produced (None: one
+        version produced them all)."""
+        return self.weight_version_runs[1][0] if len(self.weight_version_runs) > 1 else None
+
+    def weight_version_of(self, index: int) -> int:
+        """The weight version that produced `generated_tokens[index]`."""
+        if not 0 <= index < len(self.generated_tokens):
+            raise IndexError(f"no generated token {index}")
+        return next(version for start, version in reversed(self.weight_version_runs) if start <= index)
 
     @property
     def tokens_per_step(self) -> float:
@@ -348,6 +389,13 @@ class Request:
     speculation: SpeculationCounts | None = field(default=None, repr=False)
     # Images / videos / audio of the prompt (docs/multimodal.md); None: a text-only request.
     media: MediaSpans | None = field(default=None, repr=False)
+    # Weight versions (docs/manager.md): the version the request's oldest KV was computed under (set when it
+    # starts computing from nothing; None before), the most versions it may lag behind the current one
+    # before its KV is recomputed (None: any), and `(index, version)` for each run of generated tokens one
+    # version produced (`record_weight_version`).
+    kv_version: int | None = None
+    max_staleness: int | None = None
+    weight_version_runs: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)
@@ -400,6 +448,14 @@ class Request:
         if status not in ALLOWED_TRANSITIONS[self.status]:
             raise InvariantError(f"{self.request_id}: {self.status.name} -> {status.name}")
         self.status = status
+
+    def record_weight_version(self, version: int) -> None:
+        """The tokens appended next are produced by weight version `version` (a new run if it changed)."""
+        runs = self.weight_version_runs
+        if not runs or runs[-1][1] != version:
+            if runs and runs[-1][0] == len(self.generated_ids):  # an empty run: replaced
+                runs.pop()
+            runs.append((len(self.generated_ids), version))
 
     def append_token(
         self, token_id: int, logprob: float | None = None, top_logprobs: dict[int, float] | None = None
@@ -461,6 +517,11 @@ class Request:
             finish_time=self.finish_time,
             timestamps=None if self.timestamps is None else shared(self.timestamps),
         )
+        if self.weight_version_runs:
+            runs = self.weight_version_runs
+            last = len(runs) if runs[-1][0] < num_tokens else len(runs) - 1  # a run not begun yet: left out
+            output.weight_version_runs = tuple(runs[:last])
+        output.kv_weight_version = self.kv_version
         if self.speculation is not None:
             output.draft_tokens = self.speculation.stats.drafted
             output.accepted_draft_tokens = self.speculation.stats.accepted

@@ -3,6 +3,7 @@ the Prometheus rendering. No HTTP here (see test_http.py and test_command.py).""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -158,7 +159,9 @@ def test_metrics_render_is_prometheus_text() -> None:
     for value in (0.0005, 0.02, 0.02, 7.0, 100.0):
         metrics.ttft.observe(value)
     metrics.count_response("/v1/completions", 200)
-    stats = ManagerStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0.0, 12.5)
+    stats = dataclasses.replace(
+        ManagerStats(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0.0, 12.5), weight_version=3, aborted=2
+    )
     text = metrics.render(stats)
     families = {}
     for line in text.splitlines():
@@ -173,6 +176,10 @@ def test_metrics_render_is_prometheus_text() -> None:
     assert families["transformers_cb_time_to_first_token_seconds"] == "histogram"
     assert "transformers_cb_queue_depth 1\n" in text
     assert "transformers_cb_kv_pages_in_use 7\n" in text
+    assert (
+        "transformers_cb_weight_version 3\n" in text and families["transformers_cb_weight_version"] == "gauge"
+    )
+    assert "transformers_cb_requests_aborted_total 2\n" in text
     assert 'transformers_cb_time_to_first_token_seconds_bucket{le="0.001"} 1\n' in text
     assert 'transformers_cb_time_to_first_token_seconds_bucket{le="0.025"} 3\n' in text
     assert 'transformers_cb_time_to_first_token_seconds_bucket{le="+Inf"} 5\n' in text

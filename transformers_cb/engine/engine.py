@@ -34,13 +34,14 @@ from ..requests import Request, RequestStatus
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.native_layers import native_layers
-from ..runner.packed_model import model_pack_bytes, packed_linears
+from ..runner.packed_model import model_pack_bytes, packed_linears, release_packs
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.draft_source import Drafts
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.shadow_planner import ShadowPlanner
 from ..scheduler.speculation_stats import SpeculationStats
+from ..scheduler.weight_updates import UpdateMode
 from .draft_setup import EngineSpeculation
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
@@ -233,17 +234,45 @@ class Engine:
         self.warmed_up = True
         return True
 
-    def drop_stale_prefix_cache(self) -> bool:
-        """Forget the cached prefix pages if the model's weights changed since they were computed (an
-        optimizer step, TRL's weight sync, `load_state_dict`: in-place writes bump a parameter's version
-        counter; a new tensor changes its address). Returns whether it dropped them. Call it between runs,
-        never while requests hold pages."""
+    # -- weight updates ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """The version of the model's weights: 0 at creation, one more at each change `check_weights` saw."""
+        return self.scheduler.weight_version
+
+    def check_weights(self, mode: UpdateMode = "keep", changed: bool = False) -> list[Request] | None:
+        """Apply a change of the model's weights, if there was one: `changed` (the caller knows: a write
+        through `.data`, `load_state_dict(assign=True)`, an optimizer writing through views, none of which
+        bumps a version counter) or the weights' fingerprint differs from the last one seen (in-place
+        writes bump a parameter's version counter; a new tensor changes its address).
+
+        A change is a new weight version: no page computed before may be hit again, and the requests in
+        flight are kept, recomputed or aborted by `mode` (scheduler/weight_updates.py); the packed copies
+        of the weights are dropped when the change bumped no counter. Returns the requests it ended
+        (`abort`; already finished: give each its final result), or None when nothing changed. Call it
+        between two steps."""
         weights = weights_fingerprint(self.model)
-        if weights == self._weights:
-            return False
+        if not changed and weights == self._weights:
+            return None
         self._weights = weights
-        self.pages.clear_prefix_cache()
-        return True
+        if changed:
+            release_packs(self.model)  # a pack is rebuilt only when its weight's key changed
+        ended = self.scheduler.weights_changed(mode)
+        if ended:
+            self.publisher.requests_finished(ended)
+        logger.info("model weights changed: weight version %d (%s)", self.weight_version, mode)
+        return ended
+
+    def forget_prefix_pages(self) -> None:
+        """Every page loses its prefix key, cached or in use, and the running requests' promises are
+        withdrawn (a weight check that failed: no page computed so far is trusted for later hits)."""
+        self.pages.weights_changed(self.weight_version, self.scheduler.running)
+
+    def drop_stale_prefix_cache(self) -> bool:
+        """Forget the prefix pages if the model's weights changed since they were computed (`check_weights`
+        on an idle engine: a persistent `generate_batch` engine reused, an idle manager taking new
+        requests). Returns whether they changed."""
+        return self.check_weights() is not None
 
     def reset_counters(self) -> None:
         """Start the work counters (`counters`, `snapshot().counters`, `snapshot().speculation`) from zero."""
@@ -371,6 +400,7 @@ class Engine:
             state_slots_total=slots.num_slots if slots is not None else 0,
             state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
             kv_bytes_per_token=self.plan.cache.layout.bytes_per_token(),
+            weight_version=self.weight_version,
             packed_weight_bytes=model_pack_bytes(self.model) if self.plan.step_options.packed_linear else 0,
             media_items_encoded=media.items_encoded if media is not None else 0,
             media_encode_seconds=media.encode_seconds if media is not None else 0.0,

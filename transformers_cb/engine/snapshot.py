@@ -40,6 +40,7 @@ class EngineSnapshot:
     state_slots_total: int = 0
     state_bytes_per_slot: int = 0
     kv_bytes_per_token: int = 0  # one token's KV in every group (a latent group: its latent vector)
+    weight_version: int = 0  # the model's weight version (`Engine.weight_version`)
     packed_weight_bytes: int = 0  # packed copies of the model's Linear weights held now (docs/design.md)
     media_items_encoded: int = 0  # images / videos / audio clips encoded (docs/multimodal.md)
     media_encode_seconds: float = 0.0  # time the encoder took, off the decoder's forwards

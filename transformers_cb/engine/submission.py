@@ -24,7 +24,7 @@ from ..scheduler.media_budget import MediaBudget
 from .draft_setup import EngineSpeculation
 from .media_inputs import MediaIntake
 from .siblings import add_siblings, num_return_sequences_of
-from .validation import as_eos_token_ids, as_max_new_tokens, as_token_ids
+from .validation import as_eos_token_ids, as_max_new_tokens, as_max_staleness, as_token_ids
 
 
 @dataclass
@@ -53,6 +53,7 @@ class RequestBuilder:
         record_timestamps: bool = False,
         sampling_kwargs: dict[str, Any] | None = None,
         num_return_sequences: int | None = None,
+        max_staleness: int | None = None,
     ) -> Request:
         """Validate one submission into a `Request`. Raises `ValueError` naming `label` on bad input.
 
@@ -60,9 +61,12 @@ class RequestBuilder:
         `top_logprobs`, ...; see sampling/params.py), None values meaning "not given".
         `num_return_sequences` (default: the generation config's): with n > 1 the request carries
         n - 1 siblings (`siblings`, forked from `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all.
+        `max_staleness`: the most weight versions the request's KV may lag behind the model's before it is
+        recomputed (None: any; docs/manager.md, "Weight updates").
         Media (`pixel_values`, `image_sizes`, `image_grid_thw`, `pixel_values_videos`, `input_features`,
         ... whatever the model's processor returns for this prompt) come in `sampling_kwargs` too."""
         label = label or f"request {request_id!r}"
+        staleness = as_max_staleness(max_staleness, label)
         prompt = as_token_ids(input_ids, label, self.shape.vocab_size)
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(self.generation_config, len(prompt))
@@ -104,4 +108,6 @@ class RequestBuilder:
         add_siblings(request, count, self.sampling, sampling_kwargs, label)
         for sibling in request.siblings:  # each with its own draft length and counts
             self.speculation.attach(sibling, speculation_kwargs, label)
+        for member in request.family:
+            member.max_staleness = staleness
         return request

@@ -58,6 +58,17 @@ def as_max_new_tokens(value: Any, label: str) -> int:
     return value
 
 
+def as_max_staleness(value: Any, label: str) -> int | None:
+    """`max_staleness` (weight versions a request's KV may lag behind; docs/manager.md): None or an int >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{label}: max_staleness must be None or an int >= 0, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{label}: max_staleness must be >= 0 (weight versions), got {value}")
+    return value
+
+
 def as_eos_token_ids(value: Any, label: str) -> frozenset[int]:
     if value is None:
         return frozenset()

@@ -164,6 +164,12 @@ class PageManager:
         if self.prefix is not None:
             self.prefix.register(request)
 
+    def weights_changed(self, version: int, running: list[Request]) -> None:
+        """The model's weights are now version `version`: no page computed before may be hit (sharing on:
+        every key dropped, the running requests' promises withdrawn; prefix_cache.py)."""
+        if self.prefix is not None:
+            self.prefix.weights_changed(version, running)
+
     def fork(self, parent: Request, child: Request) -> list[PageCopy] | None:
         """`child` shares `parent`'s prompt pages (sharing on); the copies to run, or None (no room)."""
         if self.prefix is None:

@@ -145,6 +145,17 @@ class PagePool:
             self._forget(page_id)
             self._free.append(page_id)
 
+    def forget_keys(self) -> int:
+        """Forget every key (the weights changed: no page's KV is what its key promises any more): cached
+        pages become free, pages in use lose their key (freed, not cached, when released). Returns how
+        many keys were dropped."""
+        dropped = len(self._key_of)
+        self.clear_cached()
+        self._key_of.clear()
+        self._page_of.clear()
+        self._content.clear()
+        return dropped
+
     def _forget(self, page_id: int) -> None:
         key = self._key_of.pop(page_id)
         del self._page_of[key]

@@ -20,6 +20,12 @@ parent key and tokens, and a hit is verified against them before use.
 
 A request only ever writes KV at positions >= its `num_computed_tokens`, and
 shared pages all lie before that, so shared pages are read-only.
+
+A key also stands for the weights the page was computed with: when they change (`weights_changed`, a
+new weight version) every page loses its key, cached or in use, and the promises of pages still being
+computed are withdrawn. A request whose KV dates from an older version (`Request.kv_version`: kept
+across the update by `pause(mode="keep")`) keys and promises nothing any more: its later pages attend
+to stale KV, so they are not what a fresh computation of their tokens would give.
 """
 
 from __future__ import annotations
@@ -84,14 +90,32 @@ class PrefixCache:
         self.page_size = policies[0].page_size
         self.stats = PrefixStats()
         self._in_flight: dict[bytes, int] = {}  # key -> running requests about to compute that page
+        self.weight_version = 0  # the weights the keyed pages were computed with (`weights_changed`)
+        self.dropped_keys = 0  # pages that lost their key to a weight update, since creation
 
     # -- keys ------------------------------------------------------------------------------------
     def _content(self, request: Request, keys: list[bytes], i: int) -> tuple[bytes, bytes, tuple[int, ...]]:
         ps = self.page_size
         return keys[i], keys[i - 1] if i else ROOT_KEY, tuple(request.all_token_ids[i * ps : (i + 1) * ps])
 
+    def current(self, request: Request) -> bool:
+        """Whether the request's KV was computed with the current weights (else its pages are never keyed)."""
+        return request.kv_version is None or request.kv_version == self.weight_version
+
+    def weights_changed(self, version: int, running: list[Request]) -> None:
+        """The weights are now version `version`: every page loses its key (cached ones are freed), and
+        the running requests' promises of pages being computed are withdrawn: no later request may hit a
+        page computed before."""
+        self.weight_version = version
+        for request in running:
+            self.withdraw(request)
+        self.dropped_keys += sum(policy.pool.forget_keys() for policy in self.policies)
+
     def register(self, request: Request) -> None:
-        """Key the pages that became full since the last call (before a sliding group drops them)."""
+        """Key the pages that became full since the last call (before a sliding group drops them). Those
+        of a request whose KV is older than the weights are not keyed."""
+        if not self.current(request):
+            return
         num_full = request.num_computed_tokens // self.page_size
         if num_full <= request.num_registered_pages:
             return
@@ -108,7 +132,10 @@ class PrefixCache:
 
     # -- pages being computed ---------------------------------------------------------------------
     def promise(self, request: Request) -> None:
-        """An admitted request will compute its full pages from `num_registered_pages` on."""
+        """An admitted request will compute its full pages from `num_registered_pages` on (none when its
+        KV is older than the weights: they will not be keyed)."""
+        if not self.current(request):
+            return
         num_full = request.num_tokens // self.page_size
         for key in request_keys(request, num_full, self.page_size)[request.num_registered_pages :]:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1

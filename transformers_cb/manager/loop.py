@@ -80,6 +80,31 @@ class ManagerLoop:
     def is_loop_thread(self) -> bool:
         return self.thread is threading.current_thread()
 
+    def apply_weight_check(self) -> None:
+        """Apply the weight check owed by the end of a pause (or `weights_updated()`) once no pause holds
+        the loop (loop thread between two steps, or a manager not running): a change is a new weight
+        version (`Engine.check_weights`); the requests it aborts get their final results here."""
+        state = self._state
+        with state.lock:
+            owed = state.weight_check
+            if owed is None or state.pause_requests:
+                return
+            state.weight_check = None
+            engine = state.engine
+        try:
+            ended = engine.check_weights(owed.mode, owed.changed) if engine is not None else None
+            for request in ended or ():
+                self._publish_final(request)
+        except Exception as error:  # noqa: BLE001 - the thread lives on; no request may run on unknown KV
+            logger.exception("continuous batching weight check failed; failing the running requests")
+            if engine is not None:
+                self._fail_running(engine, f"weight check failed: {type(error).__name__}: {error}")
+                engine.forget_prefix_pages()
+        finally:
+            with state.lock:
+                state.weight_checked = max(state.weight_checked, owed.ticket)
+                state.lock.notify_all()
+
     def apply_submissions(self) -> None:
         """Move new requests into the engine and apply cancellations (loop thread, or idle engine)."""
         state = self._state
@@ -89,7 +114,7 @@ class ManagerLoop:
         if engine is None:
             return
         if incoming and not engine.is_follower and not engine.has_work():
-            engine.drop_stale_prefix_cache()  # the weights may have changed while it idled (a weight sync)
+            engine.check_weights()  # the weights may have changed while it idled (a weight sync)
         for request in incoming:
             engine.add(request)
         for request_id in cancels:
@@ -147,6 +172,7 @@ class ManagerLoop:
     def _loop(self, engine: Engine) -> None:
         state = self._state
         while True:
+            self.apply_weight_check()  # before any step after a pause that changed the weights
             self.apply_submissions()
             if state.pause_requests or not engine.has_work():
                 engine.heartbeat()  # tensor-parallel followers wait in a collective bounded by a timeout
@@ -160,6 +186,8 @@ class ManagerLoop:
                     state.lock.wait(timeout=IDLE_WAIT_S)
                     continue
                 state.paused = False
+                if state.weight_check is not None:
+                    continue  # a pause ended since the top of the loop: its check comes before any step
                 if not engine.has_work():
                     if state.stop_requested and not state.incoming:
                         return
@@ -179,10 +207,7 @@ class ManagerLoop:
             raise  # the group is broken: the thread ends and every request gets its failure
         except Exception as error:  # noqa: BLE001 - a scheduler bug fails the involved requests only
             logger.exception("continuous batching step raised outside the model forward")
-            message = f"step failed: {type(error).__name__}: {error}"
-            for request in engine.running_requests():
-                engine.finish(request, RequestStatus.FAILED, message)
-                self._publish_final(request)
+            self._fail_running(engine, f"step failed: {type(error).__name__}: {error}")
             return
         delivered = 0
         for request in result.progressed:
@@ -195,6 +220,12 @@ class ManagerLoop:
                 delivered += 1 if request.streaming else len(request.generated_ids)
             self._publish_final(request)
         self._throughput.add(delivered)
+
+    def _fail_running(self, engine: Engine, message: str) -> None:
+        """Fail every running request with `message` (an error outside the model forward)."""
+        for request in engine.running_requests():
+            engine.finish(request, RequestStatus.FAILED, message)
+            self._publish_final(request)
 
     def _publish_final(self, request: Request) -> None:
         """The one exit of every request: count its final status, then route its final output."""

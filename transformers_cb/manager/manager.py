@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
+from ..scheduler.weight_updates import UpdateMode, check_update_mode
 from .adaptive_threads import AdaptiveThreads
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
@@ -252,9 +253,23 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
             delattr(self.model, CACHED_MANAGER_ATTR)
 
+    def pause(self, mode: str = "keep") -> AbstractContextManager[None]:
+        """Hold the loop between two steps (pages and in-flight requests kept), e.g. to update weights.
+
+        When the block ends (the last one, if several threads pause), the loop checks the weights before
+        its next step: if they changed (a parameter's version counter or address moved, or
+        `weights_updated()` was called inside), the weight version goes up, no KV page computed before is
+        reused by a later request, and the requests in flight are treated by `mode`: `"keep"` (they go on
+        on their KV; tokens from now on come from the new weights), `"recompute"` (their KV is dropped and
+        they run prompt + tokens so far again under the new weights) or `"abort"` (they end at once, status
+        `ABORTED`, with the tokens they had). The block's exit returns once that is done, so a request
+        submitted afterwards runs wholly on the new weights. See docs/manager.md, "Weight updates".
+
+        Raises `ValueError` for an unknown `mode` at the call, before pausing anything."""
+        return self._paused(check_update_mode(mode))
+
     @contextmanager
-    def pause(self) -> Iterator[None]:
-        """Hold the loop between two steps (pages and in-flight requests kept), e.g. to update weights."""
+    def _paused(self, update_mode: UpdateMode) -> Iterator[None]:
         state = self._state
         with state.lock:
             state.pause_requests += 1
@@ -267,8 +282,51 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         finally:
             self._pause_holders.count -= 1
             with state.lock:
+                # A tensor-parallel follower decides nothing: rank 0's engine applies weight changes.
+                checks = state.engine is not None and not state.engine.is_follower
+                ticket = state.owe_weight_check(update_mode, False) if checks else 0
                 state.pause_requests -= 1
+                last = state.pause_requests == 0
+                if last:
+                    state.paused = False  # the next pause() waits until the loop holds again
                 state.lock.notify_all()
+            if last and checks:
+                self._wait_for_weight_check(ticket)
+
+    def weights_updated(self, mode: str = "keep") -> None:
+        """Say that the model's weights changed in a way no version counter shows (`param.data = ...`,
+        `load_state_dict(assign=True)`, an optimizer writing through views or `.data`): the change is
+        applied as a pause's would be (a new weight version; no KV page computed before is reused; the
+        requests in flight treated by `mode`, see `pause`). Inside a `pause()` block it is applied when the
+        block ends (the stricter of the two modes); outside, at once (a pause of its own). Raises
+        `ValueError` for an unknown `mode`."""
+        update_mode = check_update_mode(mode)
+        if getattr(self._pause_holders, "count", 0) > 0:
+            with self._state.lock:  # applied when the last pause ends
+                self._state.owe_weight_check(update_mode, True)
+            return
+        with self._paused(update_mode), self._state.lock:
+            self._state.owe_weight_check(update_mode, True)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the model's weights: 0 at creation, one more at each change (`stats().weight_version`
+        too; each output says which versions produced its tokens)."""
+        engine = self.engine
+        return engine.weight_version if engine is not None else 0
+
+    def _wait_for_weight_check(self, ticket: int) -> None:
+        """The end of the last pause: wait until the loop applied the weight check with `ticket` (at once
+        on a manager whose thread does not run: nobody else touches the engine then)."""
+        state = self._state
+        if self._loop.is_loop_thread():
+            return  # a result handler pausing: the loop applies it before its next step
+        with state.lock:
+            while state.weight_checked < ticket and self.is_running():
+                state.lock.wait(timeout=0.1)
+            done = state.weight_checked >= ticket
+        if not done:
+            self._loop.apply_weight_check()
 
     def _num_incoming(self) -> int:
         with self._state.lock:
@@ -284,6 +342,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
         guided: GuidedDecoding | dict[str, Any] | type | None = None,
+        max_staleness: int | None = None,
         **logit_processor_kwargs: Any,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
@@ -297,16 +356,18 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         `guided`: the output must match a JSON schema, regex, choice list or grammar (a `GuidedDecoding`,
         a dict such as `{"json": schema}`, or a pydantic model class; needs the `structured` extra and
         the manager's tokenizer; docs/structured_outputs.md). One that does not compile is a `ValueError`
-        with the grammar library's message.
+        with the grammar library's message. `max_staleness`: the most weight versions the request's KV may
+        lag behind the model's: past it, a weight update recomputes its KV (aborts it under
+        `pause(mode="abort")`); None: any (docs/manager.md, "Weight updates").
 
         Raises:
             ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
-                too long for the model or the whole cache, a bad per-request parameter) or a
-                duplicate live `request_id`.
+                too long for the model or the whole cache, a bad per-request parameter, a negative
+                `max_staleness`) or a duplicate live `request_id`.
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        kwargs = {**logit_processor_kwargs, "guided": guided}
+        kwargs = {**logit_processor_kwargs, "guided": guided, "max_staleness": max_staleness}
         options = SubmissionOptions.of(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs)
         ids = self._submissions.submit([(input_ids, request_id)], options, False, self.max_queue_size)
         return None if ids is None else ids[0]
@@ -319,6 +380,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
         guided: GuidedDecoding | dict[str, Any] | type | Sequence[Any] | None = None,
+        max_staleness: int | None = None,
         **logit_processor_kwargs: Any,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
@@ -330,7 +392,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         ids are still given in input order. `guided`: one constraint for all inputs, or a list with one
         per input (None: unconstrained)."""
         items = [(input_ids, None) for input_ids in inputs]
-        kwargs = {**logit_processor_kwargs, "guided": guided}
+        kwargs = {**logit_processor_kwargs, "guided": guided, "max_staleness": max_staleness}
         options = SubmissionOptions.of(
             max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, num_items=len(items)
         )

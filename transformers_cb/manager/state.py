@@ -13,9 +13,29 @@ from dataclasses import dataclass, field
 
 from ..engine.engine import Engine
 from ..requests import Request, RequestStatus
+from ..scheduler.weight_updates import UpdateMode, stronger
 
 # The final statuses `ManagerStats` counts.
-COUNTED_STATUSES = (RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED)
+COUNTED_STATUSES = (
+    RequestStatus.FINISHED,
+    RequestStatus.FAILED,
+    RequestStatus.CANCELLED,
+    RequestStatus.ABORTED,
+)
+
+
+@dataclass(frozen=True)
+class WeightCheck:
+    """A weight check the loop owes (`ManagerState.weight_check`): at the end of the last `pause()`, or of
+    `weights_updated()`. `changed`: the weights changed for sure (else the fingerprint tells); `mode`: what
+    becomes of the requests in flight (scheduler/weight_updates.py); `ticket`: the last request merged in."""
+
+    mode: UpdateMode
+    changed: bool
+    ticket: int
+
+    def merged(self, mode: UpdateMode, changed: bool, ticket: int) -> WeightCheck:
+        return WeightCheck(stronger(self.mode, mode), self.changed or changed, ticket)
 
 
 @dataclass
@@ -42,6 +62,11 @@ class ManagerState:
     hard_stop: bool = False  # the loop ends at the next step boundary, failing what is left
     pause_requests: int = 0  # callers inside `pause()`
     paused: bool = False  # the loop holds between two steps
+    # Weight updates: the check the loop owes (applied once no `pause()` holds it, before the next step),
+    # the tickets handed out and the last one applied (a pause's end waits for its own).
+    weight_check: WeightCheck | None = None
+    weight_tickets: int = 0
+    weight_checked: int = 0
     destroyed: bool = False
     release_on_exit: bool = False  # a non-blocking destroy(): the thread releases the engine
     thread_status: BackgroundThreadStatus = field(default_factory=BackgroundThreadStatus)
@@ -52,6 +77,17 @@ class ManagerState:
         incoming, self.incoming = list(self.incoming), deque()
         cancels, self.cancels = self.cancels, set()
         return incoming, cancels
+
+    def owe_weight_check(self, mode: UpdateMode, changed: bool) -> int:
+        """Record a weight check for the loop (merged into one already owed); returns its ticket (lock
+        held by the caller)."""
+        self.weight_tickets += 1
+        ticket = self.weight_tickets
+        owed = self.weight_check
+        self.weight_check = (
+            WeightCheck(mode, changed, ticket) if owed is None else owed.merged(mode, changed, ticket)
+        )
+        return ticket
 
     def num_waiting(self) -> int:
         """Requests not scheduled yet: queued here or waiting in the engine (lock held by the caller)."""

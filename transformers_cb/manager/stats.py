@@ -76,6 +76,10 @@ class ManagerStats:
     accepted_draft_tokens: int = 0
     speculation_steps: int = 0
     speculation_tokens: int = 0
+    # Weight updates (docs/manager.md): the model's weight version now (0 at creation, one more per change),
+    # and the requests ended ABORTED by a `pause(mode="abort")` since creation.
+    weight_version: int = 0
+    aborted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -128,6 +132,8 @@ def snapshot(state: ManagerState, throughput: ThroughputWindow) -> ManagerStats:
         accepted_draft_tokens=engine.speculation.accepted,
         speculation_steps=engine.speculation.steps,
         speculation_tokens=engine.speculation.emitted,
+        weight_version=engine.weight_version,
+        aborted=state.counts[RequestStatus.ABORTED],
     )
 
 

@@ -33,6 +33,7 @@ class SubmissionOptions:
     record_timestamps: bool = False
     sampling_kwargs: dict[str, Any] = field(default_factory=dict)
     num_return_sequences: int | None = None  # None: the generation config's
+    max_staleness: int | None = None  # weight versions a request's KV may lag behind (None: any)
     # Per-item sampling kwargs over `sampling_kwargs` (add_requests' per-input `guided`), one per item.
     item_kwargs: tuple[dict[str, Any], ...] = ()
 
@@ -46,18 +47,29 @@ class SubmissionOptions:
         kwargs: dict[str, Any],
         num_items: int | None = None,
     ) -> SubmissionOptions:
-        """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` are sampling ones.
+        """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` and `max_staleness`
+        are sampling ones.
         With `num_items` (add_requests), `kwargs["guided"]` may be a list or tuple of one constraint per
         item (None: unconstrained) instead of one for all (split by `per_item`, as generate_batch's)."""
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
+        max_staleness = kwargs.pop("max_staleness", None)
         item_kwargs: tuple[dict[str, Any], ...] = ()
         if num_items is not None and "guided" in kwargs:
             item_kwargs = tuple(
                 {"guided": value} for value in per_item(kwargs["guided"], num_items, "guided")
             )
             kwargs["guided"] = None  # each item's value replaces it in place (checks keep the caller's order)
-        return cls(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, forks, item_kwargs)
+        return cls(
+            max_new_tokens,
+            streaming,
+            eos_token_id,
+            record_timestamps,
+            kwargs,
+            forks,
+            max_staleness,
+            item_kwargs,
+        )
 
 
 class Submissions:
@@ -166,6 +178,7 @@ class Submissions:
                         else options.sampling_kwargs
                     ),
                     num_return_sequences=options.num_return_sequences,
+                    max_staleness=options.max_staleness,
                 )
             )
             for member in requests[-1].family:

@@ -29,6 +29,8 @@ class Admission(SchedulerState):
             if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
                 gate.close()
                 return None
+        if not swapped_in:  # it starts from nothing: its KV is computed with the weights of now
+            request.kv_version = self.weight_version
         # A swapped-in request has its own KV back: no prefix lookup, no waiting for pages.
         looks_up = gate.is_open and not swapped_in
         hit = looks_up and self._attach_prefix(request)

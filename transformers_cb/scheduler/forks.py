@@ -61,6 +61,7 @@ class Forks:
                 unforked.append(child)
                 continue
             self._copies.extend(copies)
+            child.kv_version = parent.kv_version  # it shares (or copies) the parent's KV
             child.set_status(RequestStatus.PREFILLING)
             running.insert(position, child)
             position += 1

@@ -4,7 +4,9 @@ The scheduler works on plain data (requests, page ids) and never touches a
 tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
 plan.py; admission of waiting requests in admission.py), the runner executes it, and `update()` (step_results.py, the half that runs after the forward)
-applies the sampled tokens. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
+applies the sampled tokens. A change of the model's weights is applied between two steps by
+`weights_changed` (weight_updates.py: a new weight version, the prefix keys dropped, the requests in flight
+kept, recomputed or aborted). Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
 finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
 plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
 the one place. Policies (`fifo`, `prefill_first`, `decode_first`,
@@ -32,9 +34,10 @@ from .policies import AdmissionGate, SchedulingPolicy
 from .recompute import RecomputeCounter
 from .speculation_stats import SpeculationStats
 from .step_results import StepResults
+from .weight_updates import WeightUpdates
 
 
-class Scheduler(Admission, StepResults):
+class Scheduler(Admission, StepResults, WeightUpdates):
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
@@ -77,6 +80,7 @@ class Scheduler(Admission, StepResults):
         self.running: list[Request] = []
         self.offload = offload
         self.num_preemptions = 0
+        self.weight_version = 0  # bumped by each change of the model's weights (`weights_changed`)
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
         self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)

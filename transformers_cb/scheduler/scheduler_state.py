@@ -27,6 +27,7 @@ class SchedulerState:
     recomputed: RecomputeCounter
     speculation: SpeculationStats
     taken_back: list[TakeBack]
+    weight_version: int
 
     # Defined by `Scheduler`.
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
@@ -42,4 +43,10 @@ class SchedulerState:
         raise NotImplementedError
 
     def _drop_kv(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _free_pages(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _stopped(self, request: Request) -> None:
         raise NotImplementedError

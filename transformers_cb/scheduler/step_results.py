@@ -63,6 +63,7 @@ class StepResults(SchedulerState):
             if not entry.samples:
                 continue
             (token,) = next(samples)
+            request.record_weight_version(self.weight_version)
             request.append_token(token.token_id, token.logprob, token.top_logprobs)
             reason = request.stop_reason()
             if reason is not None:
@@ -77,6 +78,7 @@ class StepResults(SchedulerState):
         """A speculating request's verified run (drafts.py `append_verified`), its KV kept for the
         accepted tokens only (the pages past them go back). Returns whether it finished."""
         request = entry.request
+        request.record_weight_version(self.weight_version)
         reason = append_verified(request, len(entry.draft), run, self.speculation)
         # The KV of every appended token but the last is in the cache (the draft's, verified this step).
         request.num_computed_tokens = request.num_tokens - 1

@@ -344,6 +344,8 @@ def _finish(
         event.finish_reason = "stop" if stopped_here else "length"
     elif output.status == RequestStatus.CANCELLED:
         event.error = ApiError(503, f"the request was cancelled by the server: {output.error}")
+    elif output.status == RequestStatus.ABORTED:
+        event.error = ApiError(503, f"the request was aborted by a weight update: {output.error}")
     else:
         event.error = ApiError(500, f"generation failed: {output.error}", code="engine_error")
 

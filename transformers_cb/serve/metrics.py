@@ -90,6 +90,10 @@ class ServerMetrics:
                 stats.packed_weight_bytes,
                 "Bytes of the packed copies of the model's Linear weights (packed products).",
             ),
+            "weight_version": (
+                stats.weight_version,
+                "The model's weight version: 0 at start, one more per weight update (docs/manager.md).",
+            ),
             "speculation_acceptance_rate": (stats.acceptance_rate, "Share of draft tokens accepted."),
             "speculation_tokens_per_step": (
                 stats.tokens_per_speculation_step,
@@ -109,6 +113,7 @@ class ServerMetrics:
                 stats.cancelled,
                 "Requests cancelled (client gone, stop string, shutdown).",
             ),
+            "requests_aborted": (stats.aborted, "Requests aborted by a weight update (pause mode abort)."),
             "preemptions": (stats.preemptions, "Requests evicted from the cache to make room."),
             "prefill_tokens": (stats.prefill_tokens, "Prompt tokens computed."),
             "decode_tokens": (stats.decode_tokens, "Decode tokens computed."),
