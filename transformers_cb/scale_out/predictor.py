@@ -179,7 +179,7 @@ class CBPredictor:
 
     def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         try:
-            return chat_ids(self.tokenizer, messages, self.prompt_format.add_generation_prompt)
+            return chat_ids(self.tokenizer, messages)  # a chat the model answers: with the generation prompt
         except NoChatTemplate:
             raise ValueError(NO_TEMPLATE) from None
 
