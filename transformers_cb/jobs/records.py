@@ -81,6 +81,28 @@ def generate_rows(
         return [rejected[i] if i in rejected else by_position[i] for i in range(len(token_lists))]
 
 
+#: `transformers-cb generate`'s cache options, `ContinuousBatchingConfig` fields of the same names.
+CB_OPTIONS = ("max_batch_tokens", "page_size", "num_blocks")
+
+
+def cb_overrides(args: Any) -> dict[str, Any]:
+    """The `ContinuousBatchingConfig` fields a `generate` command line sets (`CB_OPTIONS` given), for the
+    local run and each Ray replica alike."""
+    return {name: getattr(args, name) for name in CB_OPTIONS if getattr(args, name) is not None}
+
+
+def greedy_generation_config(
+    eos_token_id: Any, pad_token_id: Any, fields: Mapping[str, Any] | None = None
+) -> Any:
+    """The jobs' `GenerationConfig`: greedy, with the model's eos and pad ids (models/loading.py
+    `special_ids`), then `fields` over them (`prompt_lookup_num_tokens`; a `CBPredictor`'s
+    `generation_config`). The local `generate` and its Ray replicas build theirs here."""
+    from transformers import GenerationConfig
+
+    base = {"do_sample": False, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    return GenerationConfig(**{**base, **(fields or {})})
+
+
 def generate_all(
     model: Any,
     token_lists: Sequence[list[int]],
@@ -94,13 +116,8 @@ def generate_all(
 ) -> list[Any]:
     """The CLI's run: greedy, per-request ``max_new_tokens``, speculating with a draft model
     (``assistant_model``) or by prompt lookup where given; see :func:`generate_rows`."""
-    from transformers import GenerationConfig
-
-    generation_config = GenerationConfig(
-        do_sample=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        prompt_lookup_num_tokens=prompt_lookup_num_tokens,
+    generation_config = greedy_generation_config(
+        eos_token_id, pad_token_id, {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
     )
     extra = {} if assistant_model is None else {"assistant_model": assistant_model}
     return generate_rows(

@@ -66,6 +66,16 @@ def registry_model(name: str) -> RegistryModel | None:
     return REGISTRY.get(name)
 
 
+def wants_chat(chat: bool | None, model: str | None) -> bool:
+    """Whether `generate` puts its prompts through the chat template: `--chat` / `--no-chat` as given
+    (`chat`), else on for a registry instruct model (the seed documents' example) and off for a folder or
+    `tiny`. The local run (cli/main.py) and the Ray job's replicas (scale_out/batch_job.py) both ask here."""
+    if chat is not None:
+        return chat
+    known = registry_model(model) if model is not None else None
+    return known is not None and known.chat
+
+
 def models_cache_root() -> Path:
     """`$TRANSFORMERS_CB_MODEL_DIR`, else `$XDG_CACHE_HOME/transformers_cb/models` (`~/.cache/...`), as the
     native kernel's folders (attention/native_build.py)."""

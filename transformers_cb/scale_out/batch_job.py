@@ -24,7 +24,8 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from ..jobs.inputs import CliRequest, InputError, parse_requests, read_requests
-from ..jobs.records import format_summary, open_output
+from ..jobs.records import cb_overrides, format_summary, open_output
+from ..models.registry_model import wants_chat
 from . import require_ray_extra
 from .predictor import CBPredictor
 
@@ -111,6 +112,15 @@ def ray_session(address: str | None) -> Iterator[None]:
         ray.shutdown()
 
 
+def job_rows(requests: Sequence[CliRequest], default_max_new_tokens: int) -> list[dict[str, Any]]:
+    """The dataset's rows: each request's index, text and `max_new_tokens` (the command's default where the
+    line gives none, as locally). The text is rendered on the actors (`CBPredictor`, jobs/prompts.py)."""
+    return [
+        {INDEX_COLUMN: i, "prompt": r.prompt, "max_new_tokens": r.max_new_tokens or default_max_new_tokens}
+        for i, r in enumerate(requests)
+    ]
+
+
 def generate_on_ray(
     requests: Sequence[CliRequest],
     default_max_new_tokens: int,
@@ -126,11 +136,7 @@ def generate_on_ray(
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False  # ours counts rows; Ray's would count blocks per operator
-    items = [
-        {INDEX_COLUMN: i, "prompt": r.prompt, "max_new_tokens": r.max_new_tokens or default_max_new_tokens}
-        for i, r in enumerate(requests)
-    ]
-    dataset = ray.data.from_items(items).map_batches(
+    dataset = ray.data.from_items(job_rows(requests, default_max_new_tokens)).map_batches(
         predictor_class,
         fn_constructor_kwargs=options.predictor_kwargs,
         batch_size=options.batch_size,
@@ -181,12 +187,18 @@ def record_from_row(request: CliRequest, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def job_options(args: argparse.Namespace) -> RayJobOptions:
-    """The Ray job of `transformers-cb generate`'s arguments."""
-    cb_config = {
-        name: getattr(args, name)
-        for name in ("max_batch_tokens", "page_size", "num_blocks")
-        if getattr(args, name) is not None
-    }
+    """The Ray job of `transformers-cb generate`'s arguments: each replica runs what the local command runs
+    (cli/main.py `run_generate`): the same model, backend, dtype, device and seed, the same cache options,
+    prompts rendered the same way (`--chat` / `--no-chat`, else the model's default: models/registry_model.py
+    `wants_chat`; jobs/prompts.py renders them on the actors), the same greedy generation config
+    (jobs/records.py `greedy_generation_config`) and the same speculation (`--prompt-lookup-num-tokens`,
+    `--assistant-model`). `--threads` is the local process's: an actor's torch threads are its
+    `--replica-cpus` (Ray sets `OMP_NUM_THREADS`)."""
+    generation_config = (
+        {}
+        if args.prompt_lookup_num_tokens is None
+        else {"prompt_lookup_num_tokens": args.prompt_lookup_num_tokens}
+    )
     predictor_kwargs = {
         "model": args.model,
         "attn_implementation": args.attn_implementation,
@@ -194,7 +206,10 @@ def job_options(args: argparse.Namespace) -> RayJobOptions:
         "device": args.device,
         "seed": args.seed,
         "max_new_tokens": args.max_new_tokens,
-        "continuous_batching_config": cb_config,
+        "apply_chat_template": wants_chat(args.chat, args.model),
+        "generation_config": generation_config,
+        "assistant_model": args.assistant_model,
+        "continuous_batching_config": cb_overrides(args),
     }
     return RayJobOptions(
         address=args.ray or None,

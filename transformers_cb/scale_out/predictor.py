@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..jobs.records import eos_set, finish_reason, generate_rows, status_name
+from ..jobs.prompts import NoChatTemplate, PromptFormat, chat_ids, prompt_ids
+from ..jobs.records import eos_set, finish_reason, generate_rows, greedy_generation_config, status_name
 from ..models.loading import load_model_and_tokenizer, resolve_device, special_ids
 from ..sampling.params import PER_REQUEST_KWARGS, VECTOR_PARAMS
 
@@ -46,6 +47,7 @@ OUTPUT_COLUMNS = (
     "ttft_s",
     "latency_s",
 )
+NO_TEMPLATE = "the tokenizer has no chat template: pass chat_template=... to CBPredictor"
 LOGPROBS_COLUMN = "logprobs"  # with return_logprobs=True: one log-probability per generated token
 
 
@@ -58,13 +60,18 @@ class CBPredictor:
         attn_implementation, dtype, device, seed: as `transformers-cb generate` takes them.
         prompt_column: the text column (default `prompt`).
         apply_chat_template: wrap each text prompt as one user message of the tokenizer's chat template
-            (a `messages` column always goes through the template).
+            (a `messages` column always goes through the template); rendered by `jobs/prompts.py`, as the
+            local `transformers-cb generate --chat` renders it.
+        system_prompt: with `apply_chat_template`, a system message before each text prompt.
         chat_template: a Jinja template for a tokenizer that has none.
         max_new_tokens: the default of rows without a `max_new_tokens` value.
         return_logprobs: add a `logprobs` column.
         detokenize: decode the generated tokens into `generated_text` (False: None there, for jobs
             that only want token ids).
-        generation_config: `GenerationConfig` fields (default greedy; `do_sample=True` to sample).
+        generation_config: `GenerationConfig` fields (default greedy; `do_sample=True` to sample;
+            `prompt_lookup_num_tokens` to speculate by prompt lookup).
+        assistant_model: a draft model for speculative decoding (a directory or a registry name, as
+            `model`), loaded with the model's backend, dtype, device and seed.
         continuous_batching_config: `ContinuousBatchingConfig` fields (`num_blocks`, `max_batch_tokens`,
             `per_request_processors=True` for per-row temperature / top-p / ..., ...).
     """
@@ -79,32 +86,35 @@ class CBPredictor:
         seed: int = 0,
         prompt_column: str = TEXT_COLUMN,
         apply_chat_template: bool = False,
+        system_prompt: str | None = None,
         chat_template: str | None = None,
         max_new_tokens: int = 32,
         return_logprobs: bool = False,
         detokenize: bool = True,
         generation_config: Mapping[str, Any] | None = None,
         continuous_batching_config: Mapping[str, Any] | None = None,
+        assistant_model: str | None = None,
     ) -> None:
         import torch
-        from transformers import GenerationConfig
 
         started = time.perf_counter()
         torch.manual_seed(seed)
-        self.model, self.tokenizer = load_model_and_tokenizer(
-            model, attn_implementation, getattr(torch, dtype), resolve_device(device), seed
+        loaded = (attn_implementation, getattr(torch, dtype), resolve_device(device), seed)
+        self.model, self.tokenizer = load_model_and_tokenizer(model, *loaded)
+        # The draft model loads as `generate --assistant-model` loads it (models/loading.py).
+        self.assistant_model = (
+            None if assistant_model is None else load_model_and_tokenizer(assistant_model, *loaded)[0]
         )
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         eos_token_id, pad_token_id = special_ids(self.model, self.tokenizer)
-        fields = {"do_sample": False, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
-        self.generation_config = GenerationConfig(**{**fields, **(generation_config or {})})
+        self.generation_config = greedy_generation_config(eos_token_id, pad_token_id, generation_config)
         self.cb_config = ContinuousBatchingConfig(
             **{"return_logprobs": return_logprobs, **(continuous_batching_config or {})}
         )
         self.eos_ids = eos_set(self.generation_config.eos_token_id)
         self.prompt_column = prompt_column
-        self.apply_chat_template = apply_chat_template
+        self.prompt_format = PromptFormat(chat=apply_chat_template, system_prompt=system_prompt)
         self.max_new_tokens = max_new_tokens
         self.return_logprobs = return_logprobs
         self.detokenize = detokenize
@@ -118,6 +128,7 @@ class CBPredictor:
             return {**batch, **{name: _column([]) for name in OUTPUT_COLUMNS}}
         per_input = self._sampling_columns(columns, num_rows)
         token_lists = [self._prompt_ids(columns, row) for row in range(num_rows)]
+        extra = {} if self.assistant_model is None else {"assistant_model": self.assistant_model}
         outputs = generate_rows(
             self.model,
             token_lists,
@@ -126,6 +137,7 @@ class CBPredictor:
             False,
             per_input=per_input,
             persistent_manager=True,  # one engine per actor: its cache is built once, reused per batch
+            **extra,
         )
         limits = per_input["max_new_tokens"]
         result = dict(batch)  # the input columns pass through as Ray Data gave them
@@ -160,15 +172,16 @@ class CBPredictor:
                 f"{TOKEN_IDS_COLUMN!r}, got {sorted(columns)}"
             )
         text = str(columns[self.prompt_column][row])
-        if self.apply_chat_template:
-            return self._chat_ids([{"role": "user", "content": text}])
-        return list(self.tokenizer.encode(text))
+        try:
+            return prompt_ids(self.tokenizer, text, self.prompt_format)
+        except NoChatTemplate:
+            raise ValueError(NO_TEMPLATE) from None
 
     def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: pass chat_template=... to CBPredictor")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return chat_ids(self.tokenizer, messages)  # a chat the model answers: with the generation prompt
+        except NoChatTemplate:
+            raise ValueError(NO_TEMPLATE) from None
 
     def _output_columns(self, outputs: Sequence[Any], limits: Sequence[int]) -> dict[str, np.ndarray]:
         rows = []

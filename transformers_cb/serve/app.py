@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..jobs.prompts import rendered_ids, text_ids
 from .assistant import TurnFormat, split_events
 from .chat_template import chat_text
 from .choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
@@ -162,7 +163,7 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
         prompt_text = state.tokenizer.decode(prompt)
     else:
         prompt_text = chat_text(state.tokenizer, state.model_name, state.reasoning, body, tools)
-        prompt = list(state.tokenizer.encode(prompt_text, add_special_tokens=False))
+        prompt = rendered_ids(state.tokenizer, prompt_text)
     # An answer under a response format (JSON, a schema) is that JSON itself: never split off as reasoning, or a
     # schema-valid answer would come back as a reasoning item with no content. (guided_* constraints may
     # write the reasoning region themselves, so they keep the split.)
@@ -190,7 +191,7 @@ def _check_model(state: ServeState, model: str) -> None:
 
 def _encode_prompt(state: ServeState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return list(state.tokenizer.encode(prompt))
+        return text_ids(state.tokenizer, prompt)
     return list(prompt)  # token ids: the manager checks them against the vocabulary
 
 

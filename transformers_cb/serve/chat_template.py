@@ -2,7 +2,9 @@
 know it (OpenAI's "developer" role as "system", tool calls with their arguments as a mapping), the tools and
 the template keywords; a template that rejects the messages is the client's 400, naming `messages`.
 
-Apart from serve/app.py's request flow: the rendering needs the tokenizer and the request only.
+Apart from serve/app.py's request flow: the rendering needs the tokenizer and the request only. The template
+itself runs in `jobs/prompts.py` `render_chat`, the rendering `transformers-cb generate --chat` and its Ray
+replicas use.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..jobs.prompts import render_chat
 from .protocol import ApiError, ChatCompletionRequest
 from .reasoning import template_kwargs
 from .tools import ToolMode
@@ -32,9 +35,7 @@ def chat_text(
     if tools.tools:
         kwargs["tools"] = list(tools.tools)
     try:
-        return str(
-            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
-        )
+        return render_chat(tokenizer, messages, True, **kwargs)
     except Exception as error:  # noqa: BLE001 - a template's own check (e.g. role order) is bad input
         raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
