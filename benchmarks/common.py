@@ -692,27 +692,36 @@ class OursTorchKernelsEngine(OursEngine):
     paged kernels, which is what ran in bf16 / fp16 before the kernel took those dtypes."""
 
     name = "ours-torch-kernels"
+    env = ("TRANSFORMERS_CB_NATIVE_KERNEL", "0")
 
     def warmup(self, model: LlamaForCausalLM, workload: Workload) -> None:
-        with _native_kernel_off():
+        with _env_set(*self.env):
             super().warmup(model, workload)
 
     def run(self, model: LlamaForCausalLM, workload: Workload) -> RunResult:
-        with _native_kernel_off():
+        with _env_set(*self.env):
             return super().run(model, workload)
 
 
+class OursEagerLayersEngine(OursTorchKernelsEngine):
+    """`OursEngine` with the native decoder-layer ops off (`TRANSFORMERS_CB_NATIVE_LAYERS=0`): transformers'
+    eager RMSNorm, rotary and SiLU·mul between the products, as before issue 46."""
+
+    name = "ours-eager-layers"
+    env = ("TRANSFORMERS_CB_NATIVE_LAYERS", "0")
+
+
 @contextlib.contextmanager
-def _native_kernel_off() -> Iterator[None]:
-    saved = os.environ.get("TRANSFORMERS_CB_NATIVE_KERNEL")
-    os.environ["TRANSFORMERS_CB_NATIVE_KERNEL"] = "0"
+def _env_set(name: str, value: str) -> Iterator[None]:
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            del os.environ["TRANSFORMERS_CB_NATIVE_KERNEL"]
+            del os.environ[name]
         else:
-            os.environ["TRANSFORMERS_CB_NATIVE_KERNEL"] = saved
+            os.environ[name] = saved
 
 
 class OursTransformersConfigEngine(OursEngine):

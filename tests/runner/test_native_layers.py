@@ -18,7 +18,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from tests.support.models import build_model, tiny_llama, tiny_qwen3
+from tests.support.models import build_model, build_tiny_model, tiny_llama, tiny_qwen3
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
@@ -151,6 +151,11 @@ def test_a_module_of_other_code_is_not_recognised() -> None:
     norm = LlamaRMSNorm(8)
     norm.forward = lambda x: x  # a forward of the instance's own (accelerate's hooks set one)
     assert norm_form(norm) is None
+    # Gemma 2's layer (a norm after attention, two around the MLP): its forward is wrapped for gradient
+    # checkpointing by the same wrapper as Llama's, so the wrapped code is what must differ
+    gemma2 = build_tiny_model("gemma2", seed=0)
+    assert not is_pre_norm_layer(gemma2.model.layers[0])
+    assert norm_form(gemma2.model.layers[0].pre_feedforward_layernorm) == "gemma"
 
 
 # -- installs -------------------------------------------------------------------------------------

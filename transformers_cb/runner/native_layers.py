@@ -69,8 +69,22 @@ def _same_code(a: CodeType, b: CodeType) -> bool:
     return True
 
 
+def _unwrapped(function: object) -> list[object]:
+    """`function` and every function it wraps (`__wrapped__`: transformers wraps decoder layers' forwards for
+    gradient checkpointing, one wrapper's code for every class)."""
+    chain = [function]
+    while hasattr(chain[-1], "__wrapped__") and len(chain) < 8:
+        chain.append(chain[-1].__wrapped__)  # type: ignore[attr-defined]
+    return chain
+
+
 def _same_function(a: object, b: object) -> bool:
-    return isinstance(a, FunctionType) and isinstance(b, FunctionType) and _same_code(a.__code__, b.__code__)
+    """Whether `a` and `b` compile the same source, wrappers and wrapped alike."""
+    chain_a, chain_b = _unwrapped(a), _unwrapped(b)
+    return len(chain_a) == len(chain_b) and all(
+        isinstance(x, FunctionType) and isinstance(y, FunctionType) and _same_code(x.__code__, y.__code__)
+        for x, y in zip(chain_a, chain_b, strict=True)
+    )
 
 
 @dataclass(frozen=True)
