@@ -151,6 +151,7 @@ inline void softmax_rows(const Step<T>& s, float* sc, int64_t n, int64_t g, int6
 // Scratch space of one lane: scores, the widened queries, one widened K/V row, the float output.
 struct Scratch {
   std::vector<float> scores, query, row, out;
+  std::vector<int64_t> slots;
 };
 
 // One (token, kv head): the `group` query heads that share this kv head.
@@ -372,6 +373,9 @@ inline void softmax_rows_vec(const Step<T>& s, float* sc, int64_t n, int64_t g, 
   }
 }
 
+// Keys whose rows are fetched ahead of the one being read.
+constexpr int64_t kAheadKeys = 12;
+
 template <typename T, int G, int D>
 void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   const int64_t pos = s.token_pos[t];
@@ -386,17 +390,26 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   const T* k_base = s.k + g * s.kv_head_stride;
   const T* v_base = s.v + g * s.kv_head_stride;
   constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
+  // the keys' slots first: rows are then fetched ahead across page boundaries too (pages are anywhere)
+  scratch.slots.resize(static_cast<size_t>(n));
+  int64_t* slots = scratch.slots.data();
+  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) { slots[j] = slot; });
+  const auto fetch = [&](const T* base, int64_t j) {
+    if (j < n) {
+      const char* row = reinterpret_cast<const char*>(base + slots[j] * s.slot_stride);
+      for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(row + b);
+    }
+  };
   alignas(64) float part[G][16][16];
-  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const T* kr = k_base + slot * s.slot_stride;
-    const char* ahead = reinterpret_cast<const char*>(kr + kPrefetchRows * s.slot_stride);
-    for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(ahead + b);
+  for (int64_t j = 0; j < n; ++j) {
+    fetch(k_base, j + kAheadKeys);
+    const T* kr = k_base + slots[j] * s.slot_stride;
     const int lane = static_cast<int>(j & 15);
     for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], q[h].dot(kr));
     if (lane == 15) {
       for (int h = 0; h < G; ++h) _mm512_storeu_ps(sc + h * n + (j - 15), sum_lanes_of_16(part[h]));
     }
-  });
+  }
   const int64_t done = n / 16 * 16;
   for (int h = 0; h < G; ++h)
     for (int64_t j = done; j < n; ++j) sc[h * n + j] = _mm512_reduce_add_ps(_mm512_load_ps(part[h][j - done]));
@@ -408,17 +421,17 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   __m512 o[G][D / 16];
   for (int h = 0; h < G; ++h)
     for (int c = 0; c < D / 16; ++c) o[h][c] = _mm512_setzero_ps();
-  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const T* vr = v_base + slot * s.slot_stride;
-    const char* ahead = reinterpret_cast<const char*>(vr + kPrefetchRows * s.slot_stride);
-    for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(ahead + b);
+  for (int64_t k = 0; k < kAheadKeys; ++k) fetch(v_base, k);
+  for (int64_t j = 0; j < n; ++j) {
+    fetch(v_base, j + kAheadKeys);
+    const T* vr = v_base + slots[j] * s.slot_stride;
     __m512 v[D / 16];
     for (int c = 0; c < D / 16; ++c) v[c] = widen16(vr + 16 * c);
     for (int h = 0; h < G; ++h) {
       const __m512 p = _mm512_set1_ps(sc[h * n + j]);
       for (int c = 0; c < D / 16; ++c) o[h][c] = _mm512_fmadd_ps(p, v[c], o[h][c]);
     }
-  });
+  }
   T* out = s.out + (t * s.heads + g * G) * D;
   for (int h = 0; h < G; ++h) {
     alignas(64) float row[D];
