@@ -25,7 +25,7 @@ from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.attention.paged import ALIBI_KWARG, METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
-from transformers_cb.runner.packing import NATIVE_PREFILL_MAX_WORK
+from transformers_cb.runner.packing import native_prefill_max_work
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
 # "native": the native CPU kernel for decodes and short chunks, sdpa for the long chunks.
@@ -213,9 +213,10 @@ CASES = {
         (4, 1),
         (31, 1),
     ],
-    # Chunks with more than NATIVE_PREFILL_MAX_WORK (query, key) pairs stay on sdpa / eager after the
-    # native run.
-    "long_chunks_after_short_ones": [(3, 1), (0, 70), (10, 5), (P, 80), (50, 1), (0, 2)],
+    # Short chunks join the native run (float32: up to 512 x 512 (query, key) pairs)...
+    "short_chunks_joined": [(3, 1), (0, 70), (10, 5), (P, 80), (50, 1), (0, 2)],
+    # ...chunks with more than `native_prefill_max_work` pairs stay on sdpa / eager after the native run.
+    "long_chunks_after_short_ones": [(3, 1), (0, 520), (10, 5), (P, 530), (50, 1), (0, 2)],
 }
 
 
@@ -249,7 +250,8 @@ def test_kernel_low_precision(page_size: int, dtype: torch.dtype, attend_name: s
     step = kernel_step(seqs, page_size, 8, 2, 32, dtype=dtype, seed=7, kernel=attend_name)
     check_kernel(step, attend_name)
     if attend_name == NATIVE:  # the decodes and the short chunks ran in the kernel, in this dtype
-        native = sum(q for past, q in seqs if q == 1 or q * (past + q) <= NATIVE_PREFILL_MAX_WORK)
+        bound = native_prefill_max_work(dtype)
+        native = sum(q for past, q in seqs if q == 1 or q * (past + q) <= bound)
         assert step.metadata.native_tokens == native == sum(q for _, q in seqs)
 
 

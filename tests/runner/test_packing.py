@@ -10,26 +10,37 @@ from hypothesis import strategies as st
 
 from tests.support.packed_steps import build_kernel_step
 from transformers_cb.attention.native import ensure_native_module
-from transformers_cb.runner.packing import DECODE_PADDING_BOUND, NATIVE_PREFILL_MAX_WORK, group_decodes
+from transformers_cb.runner.packing import DECODE_PADDING_BOUND, group_decodes, native_prefill_max_work
 
 P = 8  # page size of the hand-written step
 
 
-def test_native_run_covers_decodes_and_short_chunks_only() -> None:
-    """The native run is the decodes plus the chunks up to NATIVE_PREFILL_MAX_WORK pairs; the long chunks
-    after it keep their own groups, and no decode group is built."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_run_covers_decodes_and_short_chunks_only(dtype) -> None:
+    """The native run is the decodes plus the chunks up to `native_prefill_max_work(dtype)` pairs; the long
+    chunks after it keep their own groups, and no decode group is built."""
     if ensure_native_module() is None:
         pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
-    seqs = [(3, 1), (0, 70), (10, 5), (P, 80), (50, 1), (0, 2)]  # two chunks over the native work bound
-    step = build_kernel_step(seqs, P, 8, 2, 16, native=True)
+    bound = native_prefill_max_work(dtype)
+    long = 520 if dtype == torch.float32 else 130  # over the bound from an empty cache
+    seqs = [(3, 1), (0, long), (10, 5), (P, long + 10), (50, 1), (0, 2)]  # two chunks over the bound
+    step = build_kernel_step(seqs, P, 8, 2, 16, dtype=dtype, native=True)
     metadata = step.metadata
-    assert 5 * 15 < NATIVE_PREFILL_MAX_WORK < 70 * 70
+    assert 5 * 15 < bound < long * long
     assert metadata.native_tokens == 1 + 5 + 1 + 2
     assert not metadata.groups[0].decode_groups
-    assert [(g.q_start, g.q_end) for g in metadata.groups[0].prefill_groups] == [(9, 79), (79, 159)]
+    first, second = (9, 9 + long), (9 + long, 9 + 2 * long + 10)
+    assert [(g.q_start, g.q_end) for g in metadata.groups[0].prefill_groups] == [first, second]
     rows = [step.packed_order[r] for r in metadata.token_row.tolist()]
     assert [step.seqs[i] for i in rows] == [(50, 1), (3, 1)] + [(10, 5)] * 5 + [(0, 2)] * 2
     assert metadata.token_pos.tolist() == [50, 3, 10, 11, 12, 13, 14, 0, 1]
+
+
+def test_the_native_bound_is_wider_in_float32() -> None:
+    """float32 chunks up to 512 tokens join the native call (the AVX-512 kernel beats SDPA there); lower
+    precision keeps SDPA's blocked kernel from 128."""
+    assert native_prefill_max_work(torch.float32) == 512 * 512
+    assert native_prefill_max_work(torch.bfloat16) == native_prefill_max_work(torch.float16) == 128 * 128
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

@@ -7,7 +7,7 @@ prefill chunk. `PackedStep.sampling_entries` names the scheduled entry of each
 sampled row. Slots, gathers and masks are built once per KV layer
 group (full attention, sliding window, chunked attention) and shared by that group's layers.
 
-With the native CPU kernel, short prefill chunks (queries x keys at most `NATIVE_PREFILL_MAX_WORK`)
+With the native CPU kernel, short prefill chunks (queries x keys at most `native_prefill_max_work(dtype)`)
 follow the decodes, and all of those tokens are one native call per layer; longer chunks come
 last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long chunks).
 """
@@ -39,8 +39,16 @@ from .state_layers import StateTable
 DECODE_PADDING_BOUND = 1.25
 # Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
 # kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
-# chunks (see docs/design.md, "The native CPU kernel").
-NATIVE_PREFILL_MAX_WORK = 64 * 64
+# chunks (see docs/design.md, "The native CPU kernel"). bfloat16 / float16: SDPA's blocked kernel wins from
+# ~128 tokens on one chunk, but a step of many short prompts pays a call per chunk and layer. float32: the
+# AVX-512 kernel is 1.4x SDPA up to 512 tokens (issue 46).
+NATIVE_PREFILL_MAX_WORK = 128 * 128
+NATIVE_PREFILL_MAX_WORK_FP32 = 512 * 512
+
+
+def native_prefill_max_work(dtype: torch.dtype) -> int:
+    """The (query, key) pairs up to which a prefill chunk of a `dtype` cache joins the native call."""
+    return NATIVE_PREFILL_MAX_WORK_FP32 if dtype == torch.float32 else NATIVE_PREFILL_MAX_WORK
 # The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
 MIN_COMPILED_TABLE_COLUMNS = 2
 
@@ -144,6 +152,7 @@ class BatchPacker:
         dtype = cache.layout.dtype
         self.native = native is not False and native_supported(device, dtype)
         self.decode_padding_bound = decode_padding_bound(dtype)
+        self.native_prefill_max_work = native_prefill_max_work(dtype)
         if native and not self.native:
             raise ValueError(f"the native paged-attention kernel cannot run on {device} with {dtype} KV")
         self.page_size = cache.page_size
@@ -186,7 +195,7 @@ class BatchPacker:
             short = [
                 e
                 for e in prefills
-                if (e.draft or e.num_tokens * e.end <= NATIVE_PREFILL_MAX_WORK) and not blocks_in(e)
+                if (e.draft or e.num_tokens * e.end <= self.native_prefill_max_work) and not blocks_in(e)
             ]
             prefills = short + [e for e in prefills if not any(e is s for s in short)]
             num_native_rows = len(decodes) + len(short)
