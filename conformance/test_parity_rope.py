@@ -6,7 +6,8 @@ kv/rope_rule.py). The tiny models (`tests.support.models.ROPE_MODELS`) switch at
 sharpened attention, so a wrong frequency set changes tokens. The prompts straddle the switch (20 to 44
 tokens, 12 new tokens each: some cross it while decoding). Runs: the paged backends with and without the
 native kernel, x token budgets (5, 16, default); under eviction (recompute); with forks
-(`num_return_sequences=2`); and with prefix sharing across and within the sets. References: a fresh
+(`num_return_sequences=2`); with prefix sharing across and within the sets; and with prompt lookup
+speculation (Phi-3's drafts stop before its switch). References: a fresh
 model's `generate()` per prompt (dynamic NTK's rotary embedding is stateful); tie-aware (`check_parity`).
 """
 
@@ -102,3 +103,21 @@ def test_rope_prefix_sharing_across_the_switch(rope_family) -> None:
     prompts = [base[:n] for n in (22, 24, 30, 36, 40, 44)] * 2
     outputs, _ = run_batch(model, prompts, greedy_config(MAX_NEW_TOKENS), page_size=4, max_batch_tokens=16)
     check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{family} sharing")
+
+
+def test_rope_prompt_lookup_speculation(rope_family) -> None:
+    """Prompt lookup drafts verified in one step across the switch: Phi-3's drafts stop before it (its
+    `generate()` recomputes there), every output `generate()`'s."""
+    family, model, _, references = rope_family
+    pattern = random_prompts(1, 300, 3, 3, seed=18)[0]  # the seed whose outputs repeat it: drafts accepted
+    prompts = [(pattern * 12)[:n] for n in (22, 27, 30, 34)]
+    outputs = model.generate_batch(
+        prompts,
+        greedy_config(MAX_NEW_TOKENS),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, speculation_max_batch_size=10**6),
+        prompt_lookup_num_tokens=4,
+        progress_bar=False,
+    )
+    check_parity(model, prompts, outputs, [references.get(p) for p in prompts], f"{family} lookup")
+    accepted = sum(output.accepted_draft_tokens for output in outputs.values())
+    assert accepted > 0, "no draft token was accepted: the test would pass vacuously"

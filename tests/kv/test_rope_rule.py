@@ -121,3 +121,13 @@ def test_rule_read_from_the_config() -> None:
         rope_parameters={"full_attention": {"rope_type": "dynamic"}}, max_position_embeddings=8
     )
     assert rope_rule_of(per_layer) is None
+
+
+def test_phi3_switch_rule_and_draft_room() -> None:
+    assert PHI3.must_recompute(30, 32, 33) and PHI3.must_recompute(30, 31, 35)  # a verify step jumped past
+    assert not PHI3.must_recompute(40, 32, 41)  # a long prompt's KV is long already
+    assert not PHI3.must_recompute(30, 31, 32) and not PHI3.must_recompute(30, 0, 33)
+    assert not LONG.must_recompute(30, 32, 33) and not NTK.must_recompute(30, 32, 33)
+    # Drafts verified before the switch only: position q sees q + 1 <= 32 tokens.
+    assert PHI3.draft_room(20, 30) == 2 and PHI3.draft_room(20, 32) == 0
+    assert PHI3.draft_room(40, 40) is None and LONG.draft_room(20, 30) is None

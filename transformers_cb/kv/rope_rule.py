@@ -84,16 +84,24 @@ class RopeRule:
         return f"rope:{self.kind}:{key}".encode()
 
     def must_recompute(self, prompt_tokens: int, num_computed_tokens: int, num_tokens: int) -> bool:
-        """Whether a request whose KV was computed within the threshold (its prompt was, and it was not
-        recomputed at the switch yet: the caller's to know) must drop its KV and compute it again:
-        `generate()` does so when the sequence reaches `threshold + 1` tokens with `threshold` in its cache
+        """Whether a running request whose KV was computed within the threshold (its prompt was, and it
+        was not recomputed at the switch yet: the caller's to know) must drop its KV and compute it again:
+        `generate()` does so when the sequence passes `threshold` tokens with KV in its cache
         (`recomputes_at_switch`)."""
         return (
             self.recomputes_at_switch
             and prompt_tokens <= self.threshold
-            and num_tokens == self.threshold + 1
-            and num_computed_tokens == self.threshold
+            and num_tokens > self.threshold
+            and num_computed_tokens > 0
         )
+
+    def draft_room(self, prompt_tokens: int, num_tokens: int) -> int | None:
+        """The most draft tokens a request may verify in one step before its KV's switch (None: no
+        bound): each verified position `q` must see at most `threshold` tokens (`q + 1`), as the
+        `generate()` call that computes it before its recompute does."""
+        if not self.recomputes_at_switch or prompt_tokens > self.threshold or num_tokens > self.threshold:
+            return None
+        return max(0, self.threshold - num_tokens)
 
     @property
     def extends_positions(self) -> bool:

@@ -164,6 +164,7 @@ class Scheduler(Admission, StepResults, WeightUpdates):
                 ):
                     # The budget counts draft tokens.
                     draft = fit_draft(request, budget, (drafts or {}).get(request.request_id, []))
+                    draft = self._draft_before_rope_switch(request, draft)
                 num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
             if prefills and self._reserves(request, num_tokens or 0):
                 gate.close()
@@ -219,6 +220,15 @@ class Scheduler(Admission, StepResults, WeightUpdates):
             self.waiting.appendleft(request)
             plan.preempted.append(request)
             self._stopped(request)
+
+    def _draft_before_rope_switch(self, request: Request, draft: list[int]) -> list[int]:
+        """`draft` cut so that its verification stays before the request's LongRoPE switch (Phi-3's
+        `generate()` recomputes there: `RopeRule.draft_room`)."""
+        rope = self.pages.rope
+        if rope is None or request.request_id in self.rope_switched:
+            return draft
+        room = rope.draft_room(request.num_prompt_tokens, request.num_tokens)
+        return draft if room is None else draft[:room]
 
     def _reserves(self, request: Request, num_tokens: int) -> bool:
         """Whether a started prompt (one that runs `num_tokens` now, or waits holding its pages) keeps the
