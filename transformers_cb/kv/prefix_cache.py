@@ -72,8 +72,12 @@ def request_keys(request: Request, num_pages: int, page_size: int, salt: bytes =
     while len(keys) < num_pages:
         i = len(keys)
         parent = keys[-1] if keys else root_key(salt)
-        salt = media.page_salt(i * page_size, (i + 1) * page_size) if media is not None else b""
-        keys.append(page_key(parent + salt if salt else parent, tokens[i * page_size : (i + 1) * page_size]))
+        media_salt = media.page_salt(i * page_size, (i + 1) * page_size) if media is not None else b""
+        keys.append(
+            page_key(
+                parent + media_salt if media_salt else parent, tokens[i * page_size : (i + 1) * page_size]
+            )
+        )
     return keys
 
 
