@@ -48,7 +48,7 @@ class FreshReferences(ReferenceCache):
 
 
 def straddling_prompts(seed: int = 11) -> list[list[int]]:
-    lengths = [20, 26, 31, 33, 38, 44]
+    lengths = [20, 26, 31, 32, 33, 38, 44]
     pool = random_prompts(len(lengths), 300, 44, 44, seed=seed)
     return [p[:n] for p, n in zip(pool, lengths, strict=True)]
 

@@ -35,6 +35,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention.metadata import STEP_METADATA
+from ..invariants import InvariantError
 from ..kv.rope_rule import LONGROPE, RopeRule
 
 # Dynamic NTK's frequency sets kept per module (one per effective length seen), at most this many.
@@ -122,12 +123,19 @@ def _per_request_forward(
             sin_all: torch.Tensor | None = None
             for key, rows in groups:
                 cos, sin = raw(sets.get(key, x.device), x, position_ids.index_select(1, rows))
+                # The tokens are the second-to-last dimension of cos / sin (`[batch, tokens, dim]`).
+                token_dim = cos.dim() - 2
+                if token_dim < 0 or cos.shape[token_dim] != rows.numel():
+                    raise InvariantError(
+                        f"a rotary embedding returned cos of shape {tuple(cos.shape)} for {rows.numel()} positions"
+                    )
                 if cos_all is None or sin_all is None:
-                    shape = (*cos.shape[:1], position_ids.shape[1], *cos.shape[2:])
+                    shape = list(cos.shape)
+                    shape[token_dim] = position_ids.shape[1]
                     cos_all = cos.new_empty(shape)
                     sin_all = sin.new_empty(shape)
-                cos_all.index_copy_(1, rows, cos)
-                sin_all.index_copy_(1, rows, sin)
+                cos_all.index_copy_(token_dim, rows, cos)
+                sin_all.index_copy_(token_dim, rows, sin)
             return cos_all, sin_all
 
     return forward
