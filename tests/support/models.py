@@ -105,6 +105,78 @@ def tiny_phi3(attn_implementation: str | None = "sdpa", seed: int = 0, **overrid
     return build_model("phi3", seed, attn_implementation, **{**TINY_SHAPE, **overrides})
 
 
+# -- dynamic rotary embeddings (issue 48): LongRoPE and dynamic NTK, attention sharpened -------------------
+ROPE_THRESHOLD = 32  # LongRoPE's original_max_position_embeddings; dynamic NTK's max_position_embeddings
+LONGROPE_PARAMETERS = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0] * 8,  # head_dim 16: 8 frequencies
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+    "original_max_position_embeddings": ROPE_THRESHOLD,
+}
+
+
+def sharpen_attention(model: PreTrainedModel, qk: float = 40.0, vo: float = 10.0) -> PreTrainedModel:
+    """Scale every layer's query and key projections by `qk` (sharp attention: another rotation moves the
+    argmax key) and its value and output projections by `vo` (attention outweighs the residual), so that
+    a wrong rotary frequency set changes the tokens. Phi-3's fused `qkv_proj` rows: Q, then K, then V."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attention = layer.self_attn
+            if hasattr(attention, "qkv_proj"):
+                head_dim = attention.head_dim
+                q_rows = model.config.num_attention_heads * head_dim
+                k_rows = model.config.num_key_value_heads * head_dim
+                attention.qkv_proj.weight[: q_rows + k_rows] *= qk
+                attention.qkv_proj.weight[q_rows + k_rows :] *= vo
+            else:
+                attention.q_proj.weight *= qk
+                attention.k_proj.weight *= qk
+                attention.v_proj.weight *= vo
+            attention.o_proj.weight *= vo
+    model.generation_config.eos_token_id = None  # every request runs to its token limit
+    return model
+
+
+def tiny_phi3_longrope(attn_implementation: str | None = "sdpa", seed: int = 0) -> PreTrainedModel:
+    """Phi-3 with LongRoPE switching at 32 tokens (its `generate()` recomputes the cache there)."""
+    model = tiny_phi3(
+        attn_implementation,
+        seed,
+        max_position_embeddings=64,
+        original_max_position_embeddings=ROPE_THRESHOLD,
+        rope_parameters=dict(LONGROPE_PARAMETERS),
+    )
+    return sharpen_attention(model)
+
+
+def tiny_llama_longrope(attn_implementation: str | None = "sdpa", seed: int = 0) -> PreTrainedModel:
+    """Llama with LongRoPE switching at 32 tokens (no recompute: each call picks its set)."""
+    model = tiny_llama(
+        attn_implementation, seed, max_position_embeddings=64, rope_parameters=dict(LONGROPE_PARAMETERS)
+    )
+    return sharpen_attention(model)
+
+
+def tiny_llama_dynamic(attn_implementation: str | None = "sdpa", seed: int = 0) -> PreTrainedModel:
+    """Llama with dynamic NTK scaling past its 32 native positions. Its rotary embedding is stateful:
+    a reference is a fresh model's `generate()`."""
+    model = tiny_llama(
+        attn_implementation,
+        seed,
+        max_position_embeddings=ROPE_THRESHOLD,
+        rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0},
+    )
+    return sharpen_attention(model)
+
+
+ROPE_MODELS = {
+    "phi3_longrope": tiny_phi3_longrope,
+    "llama_longrope": tiny_llama_longrope,
+    "llama_dynamic": tiny_llama_dynamic,
+}
+
+
 TINY_MODELS = {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "phi3": tiny_phi3}
 
 

@@ -24,6 +24,7 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig
 from ..distributed import TensorParallelCoordinator
 from ..kv.offload import CpuOffload
+from ..kv.rope_rule import recomputes_at_switch_of, rope_rule_of
 from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache
 from ..memory.state_cache import StateCache
@@ -104,6 +105,7 @@ def wire(
         plan.cache.sharing,
         plan.cache.initial_pages,
         slots,
+        rope_rule_of(model.config, recomputes_at_switch_of(model)),
     )
     policies, pages, cache, packer = kv.policies, kv.pages, kv.cache, kv.packer
     # CPU offload: the scheduler plans with the host tier's page ids (`offload`; state slots with as many

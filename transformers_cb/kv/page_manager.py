@@ -29,6 +29,7 @@ from .layer_groups import KVGroupSpec
 from .page_policies import PagePolicy
 from .pool import PagePool
 from .prefix_cache import PageCopy, PrefixCache, PrefixStats
+from .rope_rule import RopeRule
 from .state_slots import StateSlotPolicy
 
 
@@ -47,6 +48,7 @@ class PageManager:
         sharing: bool = False,
         page_size: int | None = None,
         slots: StateSlotPolicy | None = None,
+        rope: RopeRule | None = None,
     ) -> None:
         check(len(policies) == len(specs), f"{len(policies)} policies, {len(specs)} groups")
         check(bool(policies) or page_size is not None, "a page manager without groups needs its page size")
@@ -58,7 +60,10 @@ class PageManager:
         # Only sliding and chunked groups ever drop pages at a step boundary; full-attention-only models
         # skip the trim.
         self._trimming = [a for a in policies if a.trims]
-        self.prefix = PrefixCache(policies) if sharing else None
+        self.prefix = PrefixCache(policies, rope) if sharing else None
+        # A dynamic rotary embedding's rule (kv/rope_rule.py): the scheduler drops a request's KV where
+        # the model's `generate()` recomputes it (`RopeRule.must_recompute`).
+        self.rope = rope
         self.slots = slots
         # The slot group's index in copies and swaps: right after the KV groups.
         self.slot_group = len(policies)

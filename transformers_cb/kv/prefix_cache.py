@@ -39,6 +39,7 @@ from typing import cast
 from ..invariants import InvariantError
 from ..requests import Request
 from .page_policies import PagePolicy
+from .rope_rule import RopeRule
 
 ROOT_KEY = bytes(16)
 
@@ -52,20 +53,31 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def request_keys(request: Request, num_pages: int, page_size: int) -> list[bytes]:
+def root_key(salt: bytes = b"") -> bytes:
+    """The parent of a request's page 0: `ROOT_KEY`, or a key of its own for a salted request (the chain
+    carries it to every page)."""
+    return hashlib.blake2b(ROOT_KEY + salt, digest_size=16).digest() if salt else ROOT_KEY
+
+
+def request_keys(request: Request, num_pages: int, page_size: int, salt: bytes = b"") -> list[bytes]:
     """Keys of the request's first `num_pages` pages (all full), extended lazily and kept on it.
 
     A request with media salts the key of each page from its first placeholder on with the media's
     content digest (`MediaSpans.page_salt`): the same image shares pages, another image at the same
-    placeholder tokens never does (docs/multimodal.md)."""
+    placeholder tokens never does (docs/multimodal.md). `salt`: the request's whole chain's (a dynamic
+    rotary embedding's frequency set, `RopeRule.prefix_salt`), always the same for one request."""
     keys = request.page_keys
     tokens = request.all_token_ids
     media = request.media
     while len(keys) < num_pages:
         i = len(keys)
-        parent = keys[-1] if keys else ROOT_KEY
-        salt = media.page_salt(i * page_size, (i + 1) * page_size) if media is not None else b""
-        keys.append(page_key(parent + salt if salt else parent, tokens[i * page_size : (i + 1) * page_size]))
+        parent = keys[-1] if keys else root_key(salt)
+        media_salt = media.page_salt(i * page_size, (i + 1) * page_size) if media is not None else b""
+        keys.append(
+            page_key(
+                parent + media_salt if media_salt else parent, tokens[i * page_size : (i + 1) * page_size]
+            )
+        )
     return keys
 
 
@@ -85,8 +97,10 @@ class PrefixStats:
 class PrefixCache:
     """Prefix sharing over the page policies of every KV layer group (one pool each)."""
 
-    def __init__(self, policies: list[PagePolicy]) -> None:
+    def __init__(self, policies: list[PagePolicy], rope: RopeRule | None = None) -> None:
         self.policies = policies
+        # A dynamic rotary embedding's rule (kv/rope_rule.py): it salts each request's keys.
+        self.rope = rope
         self.page_size = policies[0].page_size
         self.stats = PrefixStats()
         self._in_flight: dict[bytes, int] = {}  # key -> running requests about to compute that page
@@ -94,9 +108,22 @@ class PrefixCache:
         self.dropped_keys = 0  # pages that lost their key to a weight update, since creation
 
     # -- keys ------------------------------------------------------------------------------------
+    def _salt(self, request: Request) -> bytes:
+        if self.rope is None:
+            return b""
+        return self.rope.prefix_salt(request.num_prompt_tokens, request.num_tokens)
+
+    def _keys(self, request: Request, num_pages: int) -> list[bytes]:
+        salt = self._salt(request)
+        return request_keys(request, num_pages, self.page_size, salt)
+
     def _content(self, request: Request, keys: list[bytes], i: int) -> tuple[bytes, bytes, tuple[int, ...]]:
         ps = self.page_size
-        return keys[i], keys[i - 1] if i else ROOT_KEY, tuple(request.all_token_ids[i * ps : (i + 1) * ps])
+        return (
+            keys[i],
+            keys[i - 1] if i else root_key(self._salt(request)),
+            tuple(request.all_token_ids[i * ps : (i + 1) * ps]),
+        )
 
     def current(self, request: Request) -> bool:
         """Whether the request's KV was computed with the current weights (else its pages are never keyed)."""
@@ -119,7 +146,7 @@ class PrefixCache:
         num_full = request.num_computed_tokens // self.page_size
         if num_full <= request.num_registered_pages:
             return
-        keys = request_keys(request, num_full, self.page_size)
+        keys = self._keys(request, num_full)
         for i in range(request.num_registered_pages, num_full):
             key, parent, tokens = self._content(request, keys, i)
             if i < request.num_promised_pages:
@@ -137,7 +164,7 @@ class PrefixCache:
         if not self.current(request):
             return
         num_full = request.num_tokens // self.page_size
-        for key in request_keys(request, num_full, self.page_size)[request.num_registered_pages :]:
+        for key in self._keys(request, num_full)[request.num_registered_pages :]:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
         request.num_promised_pages = num_full
 
@@ -152,7 +179,7 @@ class PrefixCache:
         next_page = request.num_computed_tokens // self.page_size
         if next_page >= (request.num_tokens - 1) // self.page_size:
             return False
-        keys = request_keys(request, next_page + 1, self.page_size)
+        keys = self._keys(request, next_page + 1)
         return keys[next_page] in self._in_flight
 
     def check_integrity(self, running: list[Request]) -> None:
@@ -188,7 +215,7 @@ class PrefixCache:
         max_pages = (request.num_tokens - 1) // self.page_size
         if max_pages == 0:
             return 0
-        keys = request_keys(request, max_pages, self.page_size)
+        keys = self._keys(request, max_pages)
         found: list[dict[int, int | None]] = [{} for _ in self.policies]
 
         def find(g: int, i: int) -> int | None:

@@ -37,12 +37,23 @@ from ..kv.layer_groups import (
     layer_types_of,
 )
 from ..kv.page_policies import num_pages_for
+from ..kv.rope_rule import rope_rule_of
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 MIN_MAX_BATCH_TOKENS = 256
 FALLBACK_MAX_REQUESTS = 1024
 CPU_CACHE_CAP_BYTES = 512 * 2**20
 BATCH_SHARE = 0.2
+
+
+def native_positions(config) -> int:
+    """The longest sequence a request may reach: the config's `max_position_embeddings`, unbounded
+    without one or when the rotary embedding extends past it the way `generate()` runs it (LongRoPE,
+    dynamic NTK: kv/rope_rule.py)."""
+    rule = rope_rule_of(config)
+    if rule is not None and rule.extends_positions:
+        return 2**31 - 1
+    return getattr(config, "max_position_embeddings", None) or 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -104,7 +115,7 @@ class ModelShape:
             hidden_size=hidden,
             intermediate_size=getattr(config, "intermediate_size", None) or 4 * hidden,
             vocab_size=config.vocab_size,
-            max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2**31 - 1,
+            max_position_embeddings=native_positions(config),
             layer_head_shapes=tuple(per_layer or ()),
             kv_layers=None if len(kv_layers) == config.num_hidden_layers else tuple(kv_layers),
             latent=latent,

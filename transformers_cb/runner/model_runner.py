@@ -36,6 +36,7 @@ from .cuda_graphs import make_graph_steps
 from .media import MediaRunner, MediaStepInputs
 from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
+from .request_rotary import RequestRotary
 from .state_layers import StateLayers
 from .verified_step import verified_tokens
 
@@ -75,6 +76,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.states = states
+        # A dynamic rotary embedding (LongRoPE, dynamic NTK): each request's own frequencies.
+        self.rotary = RequestRotary.of(model, packer.rope_rule)
         self.media = media
         self.packer = packer
         self.sampler = sampler
@@ -91,10 +94,19 @@ class ModelRunner:
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
 
-    def session(self) -> AbstractContextManager[Any]:
-        """The runner's part of the run session (`Engine.session`): the state layers' split forwards,
-        installed once for the run (nothing without state layers)."""
-        return self.states.session() if self.states is not None else nullcontext()
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """The runner's part of the run session (`Engine.session`): the state layers' split forwards and
+        the per-request rotary forwards (runner/request_rotary.py), installed once for the run (nothing
+        without either)."""
+        with (
+            self.states.session() if self.states is not None else nullcontext(),
+            self.rotary.session() if self.rotary is not None else nullcontext(),
+        ):
+            yield
+
+    def _rotary_step(self) -> AbstractContextManager[Any]:
+        return self.rotary.step() if self.rotary is not None else nullcontext()
 
     # -- the sampler: replaced only through these two ---------------------------------------------
     def replace_stages(self, stages: list[Stage]) -> None:
@@ -223,6 +235,7 @@ class ModelRunner:
             # compiled paths and graphs take token ids and 1-D positions.
             with (
                 self.states.step(step.states) if self.states is not None else nullcontext(),
+                self._rotary_step(),
                 present(self.media, "media inputs without a media runner").carried(media),
             ):
                 logits = call_model(
@@ -242,7 +255,7 @@ class ModelRunner:
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
         traceable = step.metadata.all_native or (self.options is not None and self.options.is_flash)
-        with self.states.step(step.states) if self.states is not None else nullcontext():
+        with self.states.step(step.states) if self.states is not None else nullcontext(), self._rotary_step():
             logits = call_model(
                 self.forwards(path, step.input_ids.shape[1], traceable),
                 step.input_ids,

@@ -28,6 +28,8 @@ from ..attention.metadata import (
     visible_keys,
 )
 from ..attention.native import native_supported
+from ..invariants import present
+from ..kv.rope_rule import RopeRule
 from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
@@ -170,6 +172,9 @@ class BatchPacker:
         self._page_offsets = torch.arange(self.page_size, device=device)
         # The model has state layers: each step carries its `StateTable` (set by the engine's builder).
         self.state_layers = False
+        # A dynamic rotary embedding's rule (kv/rope_rule.py): each step carries its tokens' frequency
+        # sets (`AttentionMetadata.rope_groups`, runner/request_rotary.py); set by the engine's builder.
+        self.rope_rule: RopeRule | None = None
         # Narrowest block table handed to the native kernel: the runner sets MIN_COMPILED_TABLE_COLUMNS
         # when the torch backends' forward is compiled.
         self.min_table_columns = 1
@@ -242,6 +247,7 @@ class BatchPacker:
             token_pos=position_ids[:native_tokens] if native_tokens else None,
             all_native=num_native_rows == len(ordered),
             position_ids=position_ids,
+            rope_groups=self._rope_groups(ordered) if self.rope_rule is not None else None,
         )
         return PackedStep(
             input_ids=torch.tensor([input_ids], dtype=torch.int64, device=self.device),
@@ -254,6 +260,22 @@ class BatchPacker:
             states=state_table(ordered, self.device) if self.state_layers else None,
             ordered=ordered,
         )
+
+    def _rope_groups(self, ordered: list[ScheduledRequest]) -> list[tuple[int, torch.Tensor | None]]:
+        """Each frequency set of the step's tokens (`RopeRule.frequency_key` from the request's own prompt
+        length and the token's position) with the packed indices of its tokens; one set: no indices."""
+        rule = present(self.rope_rule, "rope groups without a rope rule")
+        keys: list[int] = []
+        for entry in ordered:
+            prompt, length = entry.request.num_prompt_tokens, entry.request.num_tokens
+            keys.extend(rule.frequency_key(prompt, length, p) for p in range(entry.start, entry.end))
+        distinct = sorted(set(keys))
+        if len(distinct) == 1:
+            return [(distinct[0], None)]
+        by_key: dict[int, list[int]] = {k: [] for k in distinct}
+        for i, key in enumerate(keys):
+            by_key[key].append(i)
+        return [(k, torch.tensor(rows, dtype=torch.int64, device=self.device)) for k, rows in by_key.items()]
 
     def _group_metadata(
         self,

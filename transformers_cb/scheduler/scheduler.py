@@ -82,6 +82,8 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         self.num_preemptions = 0
         self.weight_version = 0  # bumped by each change of the model's weights (`weights_changed`)
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
+        # Requests whose KV was recomputed at a LongRoPE switch (`_recompute_at_rope_switch`): never again.
+        self.rope_switched: set[str] = set()
         self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
         # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
@@ -132,6 +134,7 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         prefill_left = limits.budget
         scheduled: dict[int, ScheduledRequest] = {}
         plan = StepPlan(entries=[], taken_back=self._take_back_rows())
+        self._recompute_at_rope_switch(plan)
         gate = AdmissionGate()
         speculating = self.speculates_now()
         for request in self.policy.candidates(self.running, self.waiting):
@@ -161,6 +164,7 @@ class Scheduler(Admission, StepResults, WeightUpdates):
                 ):
                     # The budget counts draft tokens.
                     draft = fit_draft(request, budget, (drafts or {}).get(request.request_id, []))
+                    draft = self._draft_before_rope_switch(request, draft)
                 num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
             if prefills and self._reserves(request, num_tokens or 0):
                 gate.close()
@@ -189,6 +193,42 @@ class Scheduler(Admission, StepResults, WeightUpdates):
             plan.swaps = self.offload.take_plan()
         plan.released, self.ended = self.ended, []
         return plan
+
+    def _recompute_at_rope_switch(self, plan: StepPlan) -> None:
+        """Drop the KV of the running requests the model's `generate()` computes again from scratch at this
+        length (Phi-3's LongRoPE switch, kv/rope_rule.py `RopeRule.must_recompute`): they go back to the
+        head of the queue and recompute prompt + generated tokens with the long factors. Not a preemption
+        (no page shortage): not counted as one, and never swapped to the host tier."""
+        rope = self.pages.rope
+        if rope is None or not rope.recomputes_at_switch:
+            return
+        for request in list(self.running):
+            if request.is_finished or request.request_id in self.rope_switched:
+                continue
+            if not rope.must_recompute(
+                request.num_prompt_tokens, request.num_computed_tokens, request.num_tokens
+            ):
+                continue
+            self.rope_switched.add(request.request_id)
+            self._drop_kv(request)
+            self._free_pages(request)
+            # Its keys were salted with the short factors' (empty) salt: they are keyed again.
+            request.num_registered_pages = 0
+            request.page_keys.clear()
+            request.set_status(RequestStatus.EVICTED)
+            self.running.remove(request)
+            self.waiting.appendleft(request)
+            plan.preempted.append(request)
+            self._stopped(request)
+
+    def _draft_before_rope_switch(self, request: Request, draft: list[int]) -> list[int]:
+        """`draft` cut so that its verification stays before the request's LongRoPE switch (Phi-3's
+        `generate()` recomputes there: `RopeRule.draft_room`)."""
+        rope = self.pages.rope
+        if rope is None or request.request_id in self.rope_switched:
+            return draft
+        room = rope.draft_room(request.num_prompt_tokens, request.num_tokens)
+        return draft if room is None else draft[:room]
 
     def _reserves(self, request: Request, num_tokens: int) -> bool:
         """Whether a started prompt (one that runs `num_tokens` now, or waits holding its pages) keeps the
@@ -326,6 +366,7 @@ class Scheduler(Admission, StepResults, WeightUpdates):
             request.fork_children = []
         self._free_pages(request)
         self.recomputed.forget(request.request_id)
+        self.rope_switched.discard(request.request_id)
         if self.offload is not None:
             self.offload.discard(request)
         request.error = error
