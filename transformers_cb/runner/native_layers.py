@@ -74,7 +74,7 @@ def _unwrapped(function: object) -> list[object]:
     gradient checkpointing, one wrapper's code for every class)."""
     chain = [function]
     while hasattr(chain[-1], "__wrapped__") and len(chain) < 8:
-        chain.append(chain[-1].__wrapped__)  # type: ignore[attr-defined]
+        chain.append(chain[-1].__wrapped__)
     return chain
 
 

@@ -51,6 +51,8 @@ NATIVE_PREFILL_MAX_WORK_FP32 = 512 * 512
 def native_prefill_max_work(dtype: torch.dtype) -> int:
     """The (query, key) pairs up to which a prefill chunk of a `dtype` cache joins the native call."""
     return NATIVE_PREFILL_MAX_WORK_FP32 if dtype == torch.float32 else NATIVE_PREFILL_MAX_WORK
+
+
 # The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
 MIN_COMPILED_TABLE_COLUMNS = 2
 
