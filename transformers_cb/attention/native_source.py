@@ -8,9 +8,9 @@ row `token_row[t]` and sees its row's keys `[lo, token_pos[t]]` (`lo` = 0, or th
 causal by construction, windowed when `window > 0`, chunked (`lo` = the start of the query's attention
 chunk of `-window` tokens) when `window < 0`.
 
-On AVX-512 CPUs (float32; bfloat16 with AVX512-BF16) head sizes 64 and 128 with up to 8 query heads per KV
-head run `attend_vec`: scores 16 keys at a time with their lane sums done together, bfloat16 keys
-multiplied in pairs as stored (`vdpbf16ps`), a vectorized softmax, values accumulated in registers.
+On AVX-512 CPUs (float32, bfloat16) head sizes 64 and 128 with up to 8 query heads per KV head run
+`attend_vec`: scores 16 keys at a time with their lane sums done together, a vectorized softmax, values
+accumulated in registers, every row widened to float32 as it is read.
 Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
 """
 
@@ -253,12 +253,13 @@ template <typename T>
 using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
 
 #if defined(__AVX512F__)
-// ---- the AVX-512 kernel (float32, and bfloat16 with AVX512-BF16): no horizontal sum per key ----------
+// ---- the AVX-512 kernel (float32, bfloat16): no horizontal sum per key -------------------------------
 // Scores are computed 16 keys at a time: each (head, key) dot product is left as a 16-lane vector, and the
 // 16 vectors of a block are summed across lanes together (a transpose-and-add tree: ~3 instructions a
-// score instead of ~10 for a reduction per key). bfloat16 rows are multiplied in pairs (`vdpbf16ps`: 32
-// products an instruction, the cache read as it is stored); values are widened to float32 and
-// accumulated in registers.
+// score instead of ~10 for a reduction per key); values are accumulated in registers. bfloat16 rows are
+// widened to float32 and multiplied with FMAs: `vdpbf16ps` (pairs as stored) was no faster on Zen 4 and
+// its other order of additions moved the real model's bf16 outputs off `generate()`'s
+// (conformance/test_real_model.py).
 
 // lane l of the result: the sum of the 16 lanes of v[l]
 inline __m512 sum_lanes_of_16(const float (*v)[16]) {
@@ -276,7 +277,7 @@ inline __m512 sum_lanes_of_16(const float (*v)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
 }
 
-// A query head held for the dot products: float32 vectors, or bfloat16 pairs.
+// A query head held for the dot products, as float32 vectors.
 template <typename T, int D>
 struct QueryRegs;
 
@@ -291,27 +292,24 @@ struct QueryRegs<float, D> {
   }
 };
 
-#if defined(__AVX512BF16__)
-template <int D>
-struct QueryRegs<c10::BFloat16, D> {
-  __m512bh v[D / 32];
-  void load(const c10::BFloat16* q) {
-    for (int c = 0; c < D / 32; ++c) v[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
-  }
-  __m512 dot(const c10::BFloat16* k) const {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, v[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
-    return acc;
-  }
-};
-#endif
-
 // 16 values of a row as float32
 inline __m512 widen16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 widen16(const c10::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+template <int D>
+struct QueryRegs<c10::BFloat16, D> {
+  __m512 v[D / 16];
+  void load(const c10::BFloat16* q) { for (int c = 0; c < D / 16; ++c) v[c] = widen16(q + 16 * c); }
+  __m512 dot(const c10::BFloat16* k) const {
+    __m512 acc = _mm512_mul_ps(v[0], widen16(k));
+    for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(v[c], widen16(k + 16 * c), acc);
+    return acc;
+  }
+};
+
 
 // exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -443,11 +441,7 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
 // The vector kernel for this dtype, group and head size, or nullptr where it does not apply.
 template <typename T, int D>
 Attend<T> vec_for_group(int64_t group) {
-  constexpr bool takes = std::is_same_v<T, float>
-#if defined(__AVX512BF16__)
-                         || std::is_same_v<T, c10::BFloat16>
-#endif
-      ;
+  constexpr bool takes = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
   if constexpr (takes) {
     switch (group) {
       case 1: return attend_vec<T, 1, D>;
