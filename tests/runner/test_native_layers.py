@@ -25,11 +25,8 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.engine import engine as engine_module
 from transformers_cb.runner import native_layers
-from transformers_cb.runner.native_layers import (
-    is_pre_norm_layer,
-    is_silu_mlp,
-    norm_form,
-)
+from transformers_cb.runner.layer_checks import Verdicts
+from transformers_cb.runner.layer_forms import is_pre_norm_layer, is_silu_mlp, norm_form, references
 
 OPS = ensure_native_module()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the native library cannot be built here")
@@ -169,12 +166,12 @@ def test_installs_are_counted_and_restored() -> None:
     model = tiny_llama()
     with native_layers.native_layers(model) as first:
         assert first == len(installed(model)) + 1  # the modeling file's rotary too
-        assert modeling_llama.apply_rotary_pos_emb is not native_layers.references().llama_rotary
+        assert modeling_llama.apply_rotary_pos_emb is not references().llama_rotary
         with native_layers.native_layers(model) as second:  # a second session on the same model
             assert second == first
         assert len(installed(model)) == first - 1  # the second session's exit leaves the first's
     assert installed(model) == []
-    assert modeling_llama.apply_rotary_pos_emb is native_layers.references().llama_rotary
+    assert modeling_llama.apply_rotary_pos_emb is references().llama_rotary
 
 
 def test_the_switch_turns_them_off(monkeypatch) -> None:
@@ -189,7 +186,7 @@ def test_uninstall_restores_a_session_still_open() -> None:
     with native_layers.native_layers(model):
         native_layers.restore_all()
         assert installed(model) == []
-        assert modeling_llama.apply_rotary_pos_emb is native_layers.references().llama_rotary
+        assert modeling_llama.apply_rotary_pos_emb is references().llama_rotary
     assert installed(model) == []
 
 
@@ -214,7 +211,7 @@ def test_a_class_that_fails_its_check_keeps_its_forward(monkeypatch, caplog) -> 
             out.copy_(torch.nextafter(out, torch.full_like(out, float("inf"))))
 
     monkeypatch.setattr(native_layers, "native_module", lambda: WrongOps())
-    monkeypatch.setattr(native_layers, "VERDICTS", native_layers.Verdicts())
+    monkeypatch.setattr(native_layers, "VERDICTS", Verdicts())
     model = tiny_llama()
     with caplog.at_level(logging.WARNING), native_layers.native_layers(model):
         kinds = {type(m).__name__ for m in installed(model)}

@@ -30,196 +30,48 @@ without the native library (not built, no compiler) nothing is replaced.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from types import CodeType, FunctionType, ModuleType
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..attention.native import native_module
-
-logger = logging.getLogger(__name__)
+from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees
+from .layer_forms import (
+    LAYER_DTYPES,
+    Forward,
+    child,
+    has_hooks,
+    is_pre_norm_layer,
+    is_silu_mlp,
+    native_call,
+    norm_eps,
+    norm_form,
+    plain_tensor,
+    references,
+    same_function,
+    weight_of,
+)
 
 ENV_SWITCH = "TRANSFORMERS_CB_NATIVE_LAYERS"
-LAYER_DTYPES = (torch.float32, torch.bfloat16)
-
-Forward = Callable[..., Any]
-
-
-def _same_code(a: CodeType, b: CodeType) -> bool:
-    """Whether two code objects compile the same source (positions and file names aside)."""
-    if a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames:
-        return False
-    if len(a.co_consts) != len(b.co_consts):
-        return False
-    for x, y in zip(a.co_consts, b.co_consts, strict=True):
-        if isinstance(x, CodeType) and isinstance(y, CodeType):
-            if not _same_code(x, y):
-                return False
-        elif type(x) is not type(y) or x != y:
-            return False
-    return True
-
-
-def _unwrapped(function: object) -> list[object]:
-    """`function` and every function it wraps (`__wrapped__`: transformers wraps decoder layers' forwards for
-    gradient checkpointing, one wrapper's code for every class)."""
-    chain = [function]
-    while hasattr(chain[-1], "__wrapped__") and len(chain) < 8:
-        chain.append(chain[-1].__wrapped__)
-    return chain
-
-
-def _same_function(a: object, b: object) -> bool:
-    """Whether `a` and `b` compile the same source, wrappers and wrapped alike."""
-    chain_a, chain_b = _unwrapped(a), _unwrapped(b)
-    return len(chain_a) == len(chain_b) and all(
-        isinstance(x, FunctionType) and isinstance(y, FunctionType) and _same_code(x.__code__, y.__code__)
-        for x, y in zip(chain_a, chain_b, strict=True)
-    )
-
-
-@dataclass(frozen=True)
-class References:
-    """Transformers' own functions the table recognises others by (imported once, lazily)."""
-
-    llama_norm: Forward
-    gemma_norm: Forward
-    gemma_norm_inner: Forward
-    llama_mlp: Forward
-    llama_layer: Forward
-    llama_rotary: Forward
-    llama_rotate_half: Forward
-
-
-_references: list[References] = []
-
-
-def references() -> References:
-    if not _references:
-        from transformers.models.gemma import modeling_gemma
-        from transformers.models.llama import modeling_llama
-
-        _references.append(
-            References(
-                llama_norm=modeling_llama.LlamaRMSNorm.forward,
-                gemma_norm=modeling_gemma.GemmaRMSNorm.forward,
-                gemma_norm_inner=modeling_gemma.GemmaRMSNorm._norm,
-                llama_mlp=modeling_llama.LlamaMLP.forward,
-                llama_layer=modeling_llama.LlamaDecoderLayer.forward,
-                llama_rotary=modeling_llama.apply_rotary_pos_emb,
-                llama_rotate_half=modeling_llama.rotate_half,
-            )
-        )
-    return _references[0]
-
-
-# -- which form a module has ------------------------------------------------------------
-
-
-def norm_form(module: nn.Module) -> str | None:
-    """ "llama" or "gemma" for an RMSNorm the native op computes exactly as its forward does, else None."""
-    cls = type(module)
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or "forward" in module.__dict__:
-        return None
-    ref = references()
-    if _same_function(cls.forward, ref.llama_norm) and isinstance(
-        getattr(module, "variance_epsilon", None), float
-    ):
-        return "llama"
-    if (
-        _same_function(cls.forward, ref.gemma_norm)
-        and _same_function(getattr(cls, "_norm", None), ref.gemma_norm_inner)
-        and isinstance(getattr(module, "eps", None), float)
-    ):
-        return "gemma"
-    return None
-
-
-def _norm_eps(module: nn.Module) -> float:
-    eps = getattr(module, "variance_epsilon", None)
-    return float(eps if eps is not None else getattr(module, "eps"))  # noqa: B009 - typed as Any
-
-
-def _child(module: nn.Module, name: str) -> nn.Module:
-    """A submodule by attribute (`gate_proj`, `post_attention_layernorm`, ...), typed."""
-    child = getattr(module, name)
-    if not isinstance(child, nn.Module):
-        raise TypeError(f"{type(module).__name__}.{name} is not a module")
-    return child
-
-
-def _weight(module: nn.Module) -> torch.Tensor:
-    weight = getattr(module, "weight")  # noqa: B009 - read at each call: a weight may be reassigned
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{type(module).__name__}.weight is not a tensor")
-    return weight
-
-
-def is_silu_mlp(module: nn.Module) -> bool:
-    """A gated MLP whose forward is Llama's and whose activation is SiLU."""
-    from transformers.activations import SiLUActivation
-
-    if "forward" in module.__dict__ or not _same_function(type(module).forward, references().llama_mlp):
-        return False
-    act = getattr(module, "act_fn", None)
-    return type(act) in (SiLUActivation, nn.SiLU) and not _has_hooks(act)
-
-
-def is_pre_norm_layer(module: nn.Module) -> bool:
-    """A decoder layer whose forward is Llama's (norm, attention, add, norm, MLP, add) with a recognised
-    second norm."""
-    if "forward" in module.__dict__ or not _same_function(type(module).forward, references().llama_layer):
-        return False
-    norm = getattr(module, "post_attention_layernorm", None)
-    return isinstance(norm, nn.Module) and norm_form(norm) is not None
-
-
-def _has_hooks(module: nn.Module | None) -> bool:
-    return module is not None and bool(
-        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None
-    )
-
-
-# -- when the native path applies to a call ----------------------------------------------
-
-
-def _plain_tensor(t: torch.Tensor) -> bool:
-    return type(t) is torch.Tensor or type(t) is nn.Parameter
-
-
-def _native_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether this call may take the native op: no autograd, not traced, CPU, a layer dtype, one dtype,
-    last dimension contiguous."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return False
-    if x.device.type != "cpu" or x.dtype not in LAYER_DTYPES or x.dim() == 0 or x.stride(-1) != 1:
-        return False
-    return all(
-        _plain_tensor(o) and o.device.type == "cpu" and o.dtype == x.dtype and o.stride(-1) == 1
-        for o in others
-    ) and _plain_tensor(x)
-
-
 # -- the replaced forwards --------------------------------------------------------------
 
 
 def _norm_forward(module: nn.Module, ops: ModuleType, gemma: bool) -> Forward:
     original = type(module).forward.__get__(module)
-    eps = _norm_eps(module)
+    eps = norm_eps(module)
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        weight = _weight(module)
-        if not _native_call(hidden_states, weight) or not weight.is_contiguous():
+        weight = weight_of(module)
+        if not native_call(hidden_states, weight) or not weight.is_contiguous():
             return original(hidden_states)
         out = torch.empty(hidden_states.shape, dtype=hidden_states.dtype)
         ops.rms_norm(hidden_states, weight, eps, gemma, out)
@@ -230,15 +82,15 @@ def _norm_forward(module: nn.Module, ops: ModuleType, gemma: bool) -> Forward:
 
 def _mlp_forward(module: nn.Module, ops: ModuleType) -> Forward:
     original = type(module).forward.__get__(module)
-    gate_proj, up_proj, down_proj = (_child(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
-    act_fn = _child(module, "act_fn")
+    gate_proj, up_proj, down_proj = (child(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
+    act_fn = child(module, "act_fn")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _native_call(x):
+        if not native_call(x):
             return original(x)
         gate = gate_proj(x)  # gate before up, as the module calls them (a fused pair computes on the first)
         up = up_proj(x)
-        if not _native_call(gate, up) or gate.shape != up.shape:
+        if not native_call(gate, up) or gate.shape != up.shape:
             return down_proj(act_fn(gate) * up)
         hidden = torch.empty(gate.shape, dtype=gate.dtype)
         ops.silu_mul(gate, up, hidden)
@@ -250,10 +102,10 @@ def _mlp_forward(module: nn.Module, ops: ModuleType) -> Forward:
 def _layer_forward(layer: nn.Module, ops: ModuleType) -> Forward:
     original = type(layer).forward.__get__(layer)
     input_norm, attention, norm, mlp = (
-        _child(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        child(layer, name) for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
     )
     gemma = norm_form(norm) == "gemma"
-    eps = _norm_eps(norm)
+    eps = norm_eps(norm)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -264,7 +116,7 @@ def _layer_forward(layer: nn.Module, ops: ModuleType) -> Forward:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
-        if not _native_call(hidden_states, _weight(norm)) or _has_hooks(norm):
+        if not native_call(hidden_states, weight_of(norm)) or has_hooks(norm):
             return original(
                 hidden_states,
                 attention_mask=attention_mask,
@@ -285,14 +137,14 @@ def _layer_forward(layer: nn.Module, ops: ModuleType) -> Forward:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        if not _native_call(hidden_states, residual) or hidden_states.shape != residual.shape:
+        if not native_call(hidden_states, residual) or hidden_states.shape != residual.shape:
             hidden_states = residual + hidden_states
             residual = hidden_states
             hidden_states = norm(hidden_states)
         else:
             summed = torch.empty(residual.shape, dtype=residual.dtype)
             normed = torch.empty(residual.shape, dtype=residual.dtype)
-            ops.add_rms_norm(residual, hidden_states, _weight(norm), eps, gemma, summed, normed)
+            ops.add_rms_norm(residual, hidden_states, weight_of(norm), eps, gemma, summed, normed)
             residual, hidden_states = summed, normed
         hidden_states = mlp(hidden_states)
         return residual + hidden_states
@@ -310,7 +162,7 @@ def _rotary(ops: ModuleType, original: Forward) -> Forward:
             or k.dim() != 4
             or cos.dim() != 3
             or sin.dim() != 3
-            or not _native_call(q, k, cos, sin)
+            or not native_call(q, k, cos, sin)
             or cos.shape != sin.shape
             or cos.shape[1:] != (q.shape[2], q.shape[3])
             or k.shape[2:] != q.shape[2:]
@@ -330,87 +182,6 @@ def _rotary(ops: ModuleType, original: Forward) -> Forward:
 
     apply_rotary_pos_emb.__wrapped__ = original  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
-
-
-# -- the check at first sight -----------------------------------------------------------
-
-
-@dataclass
-class Verdicts:
-    """Whether each recognised (kind, class or modeling file, dtype) computed bitwise what its own forward computes."""
-
-    results: dict[tuple[str, str, torch.dtype], bool] = field(default_factory=dict)
-    warned: set[tuple[str, str]] = field(default_factory=set)
-
-    def check(self, kind: str, name: str, dtype: torch.dtype, trial: Callable[[], bool]) -> bool:
-        """`trial()`'s verdict for (kind, name, dtype), tried once; a False one warns once per (kind, name)."""
-        key = (kind, name, dtype)
-        if key not in self.results:
-            try:
-                self.results[key] = bool(trial())
-            except Exception as error:  # noqa: BLE001 - a failing trial only keeps the module's forward
-                logger.debug("native %s check of %s failed: %s", kind, name, error)
-                self.results[key] = False
-            if not self.results[key] and (kind, name) not in self.warned:
-                self.warned.add((kind, name))
-                logger.warning(
-                    "transformers_cb: the native %s op differs from %s's own forward in %s; that module "
-                    "keeps transformers' forward (slower, outputs unchanged)",
-                    kind,
-                    name,
-                    dtype,
-                )
-        return self.results[key]
-
-
-VERDICTS = Verdicts()
-
-
-def _trial_input(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=generator) * 2).to(dtype)
-
-
-def _norm_agrees(module: nn.Module, ops: ModuleType, dtype: torch.dtype) -> bool:
-    width = _weight(module).shape[0]
-    x = _trial_input(5, width, dtype=dtype, seed=0)
-    residual = _trial_input(5, width, dtype=dtype, seed=1)
-    weight = _weight(module).detach().contiguous()
-    original = type(module).forward.__get__(module)
-    gemma = norm_form(module) == "gemma"
-    out = torch.empty_like(x)
-    ops.rms_norm(x, weight, _norm_eps(module), gemma, out)
-    summed, normed = torch.empty_like(x), torch.empty_like(x)
-    ops.add_rms_norm(residual, x, weight, _norm_eps(module), gemma, summed, normed)
-    expected_sum = residual + x
-    return (
-        torch.equal(out, original(x))
-        and torch.equal(summed, expected_sum)
-        and torch.equal(normed, original(expected_sum))
-    )
-
-
-def _silu_agrees(module: nn.Module, ops: ModuleType, dtype: torch.dtype) -> bool:
-    for shape in ((3, 37), (2, 4, 64)):
-        gate = _trial_input(*shape, dtype=dtype, seed=2)
-        up = _trial_input(*shape, dtype=dtype, seed=3)
-        out = torch.empty_like(gate)
-        ops.silu_mul(gate, up, out)
-        if not torch.equal(out, _child(module, "act_fn")(gate) * up):
-            return False
-    return True
-
-
-def _rotary_agrees(original: Forward, ops: ModuleType, dtype: torch.dtype) -> bool:
-    q = _trial_input(1, 3, 5, 8, dtype=dtype, seed=4)
-    k = _trial_input(1, 1, 5, 8, dtype=dtype, seed=5)
-    cos = _trial_input(1, 5, 8, dtype=dtype, seed=6)
-    sin = _trial_input(1, 5, 8, dtype=dtype, seed=7)
-    expected_q, expected_k = original(q, k, cos, sin)
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    ops.rotary(q, cos, sin, q_out)
-    ops.rotary(k, cos, sin, k_out)
-    return torch.equal(q_out, expected_q) and torch.equal(k_out, expected_k)
 
 
 # -- installs, counted ------------------------------------------------------------------
@@ -496,28 +267,28 @@ def _modeling_file(module: nn.Module) -> ModuleType | None:
 def _module_replacement(module: nn.Module, ops: ModuleType) -> Callable[[], Forward] | None:
     """The maker of `module`'s native forward, if the table recognises it and its check passes."""
     params = list(module.parameters(recurse=False))
-    if any(not _plain_tensor(p) or p.device.type != "cpu" for p in params):
+    if any(not plain_tensor(p) or p.device.type != "cpu" for p in params):
         return None
     form = norm_form(module)
     if form is not None:
-        dtype = _weight(module).dtype
+        dtype = weight_of(module).dtype
         if dtype in LAYER_DTYPES and VERDICTS.check(
-            "RMSNorm", _name(type(module)), dtype, partial(_norm_agrees, module, ops, dtype)
+            "RMSNorm", _name(type(module)), dtype, partial(norm_agrees, module, ops, dtype)
         ):
             return partial(_norm_forward, module, ops, form == "gemma")
         return None
     if is_silu_mlp(module):
-        dtype = _weight(_child(module, "gate_proj")).dtype
+        dtype = weight_of(child(module, "gate_proj")).dtype
         if dtype in LAYER_DTYPES and VERDICTS.check(
-            "SiLU·mul", _name(type(module)), dtype, partial(_silu_agrees, module, ops, dtype)
+            "SiLU·mul", _name(type(module)), dtype, partial(silu_agrees, module, ops, dtype)
         ):
             return partial(_mlp_forward, module, ops)
         return None
     if is_pre_norm_layer(module):
-        norm = _child(module, "post_attention_layernorm")
-        dtype = _weight(norm).dtype
+        norm = child(module, "post_attention_layernorm")
+        dtype = weight_of(norm).dtype
         if dtype in LAYER_DTYPES and VERDICTS.check(
-            "RMSNorm", _name(type(norm)), dtype, partial(_norm_agrees, norm, ops, dtype)
+            "RMSNorm", _name(type(norm)), dtype, partial(norm_agrees, norm, ops, dtype)
         ):
             return partial(_layer_forward, module, ops)
     return None
@@ -529,12 +300,12 @@ def _rotary_replacement(file: ModuleType, ops: ModuleType) -> Callable[[], Forwa
     rotary = getattr(file, "apply_rotary_pos_emb", None)
     if (
         rotary is None
-        or not _same_function(rotary, ref.llama_rotary)
-        or not _same_function(getattr(file, "rotate_half", None), ref.llama_rotate_half)
+        or not same_function(rotary, ref.llama_rotary)
+        or not same_function(getattr(file, "rotate_half", None), ref.llama_rotate_half)
     ):
         return None
     checks = (
-        VERDICTS.check("rotary", file.__name__, dtype, partial(_rotary_agrees, rotary, ops, dtype))
+        VERDICTS.check("rotary", file.__name__, dtype, partial(rotary_agrees, rotary, ops, dtype))
         for dtype in LAYER_DTYPES
     )
     return partial(_rotary, ops, rotary) if all(checks) else None
@@ -553,7 +324,7 @@ def _plan(model: nn.Module, ops: ModuleType) -> Plan:
             files.setdefault(id(file), file)
         if _installed(module, "forward"):  # another session's: counted again, not recognised again
             plan.append((module, "forward", _never))
-        elif not _has_hooks(module):
+        elif not has_hooks(module):
             make = _module_replacement(module, ops)
             if make is not None:
                 plan.append((module, "forward", make))
