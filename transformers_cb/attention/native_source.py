@@ -15,6 +15,7 @@ Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
 """
 
 from .native_layer_source import BINDINGS, LAYER_SOURCE
+from .native_vec_source import VEC_SOURCE
 
 ATTENTION_SOURCE = r"""
 #include <torch/extension.h>
@@ -252,213 +253,10 @@ void attend_fixed(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
 template <typename T>
 using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
 
-#if defined(__AVX512F__)
-// ---- the AVX-512 kernel (float32, bfloat16): no horizontal sum per key -------------------------------
-// Scores are computed 16 keys at a time: each (head, key) dot product is left as a 16-lane vector, and the
-// 16 vectors of a block are summed across lanes together (a transpose-and-add tree: ~3 instructions a
-// score instead of ~10 for a reduction per key); values are accumulated in registers. bfloat16 rows are
-// widened to float32 and multiplied with FMAs: `vdpbf16ps` (pairs as stored) was no faster on Zen 4 and
-// its other order of additions moved the real model's bf16 outputs off `generate()`'s
-// (conformance/test_real_model.py).
+"""
 
-// lane l of the result: the sum of the 16 lanes of v[l]
-inline __m512 sum_lanes_of_16(const float (*v)[16]) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = _mm512_load_ps(v[2 * i]), y = _mm512_load_ps(v[2 * i + 1]);
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
-}
-
-// A query head held for the dot products, as float32 vectors.
-template <typename T, int D>
-struct QueryRegs;
-
-template <int D>
-struct QueryRegs<float, D> {
-  __m512 v[D / 16];
-  void load(const float* q) { for (int c = 0; c < D / 16; ++c) v[c] = _mm512_loadu_ps(q + 16 * c); }
-  __m512 dot(const float* k) const {
-    __m512 acc = _mm512_mul_ps(v[0], _mm512_loadu_ps(k));
-    for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(v[c], _mm512_loadu_ps(k + 16 * c), acc);
-    return acc;
-  }
-};
-
-// 16 values of a row as float32
-inline __m512 widen16(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 widen16(const c10::BFloat16* x) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-template <int D>
-struct QueryRegs<c10::BFloat16, D> {
-  __m512 v[D / 16];
-  void load(const c10::BFloat16* q) { for (int c = 0; c < D / 16; ++c) v[c] = widen16(q + 16 * c); }
-  __m512 dot(const c10::BFloat16* k) const {
-    __m512 acc = _mm512_mul_ps(v[0], widen16(k));
-    for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(v[c], widen16(k + 16 * c), acc);
-    return acc;
-  }
-};
-
-
-// exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial.
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-// softmax_rows, 16 scores at a time (a masked last block), for layers without softcap or ALiBi.
-template <typename T>
-inline void softmax_rows_vec(const Step<T>& s, float* sc, int64_t n, int64_t g, int64_t G) {
-  const __m512 scale = _mm512_set1_ps(s.scale);
-  const int64_t full = n / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1u);
-  for (int64_t h = 0; h < G; ++h) {
-    float* row = sc + h * n;
-    const bool sink = s.sinks != nullptr;
-    const float sink_logit = sink ? s.sinks[g * G + h] : 0.f;
-    __m512 m = _mm512_set1_ps(sink ? sink_logit : -std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < full; j += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(row + j), scale);
-      _mm512_storeu_ps(row + j, x);
-      m = _mm512_max_ps(m, x);
-    }
-    if (tail) {
-      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), scale);
-      _mm512_mask_storeu_ps(row + full, tail, x);
-      m = _mm512_mask_max_ps(m, tail, m, x);
-    }
-    const float mx = _mm512_reduce_max_ps(m);
-    const __m512 vm = _mm512_set1_ps(mx);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < full; j += 16) {
-      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
-      _mm512_storeu_ps(row + j, e);
-      total = _mm512_add_ps(total, e);
-    }
-    if (tail) {
-      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + full), vm));
-      _mm512_mask_storeu_ps(row + full, tail, e);
-      total = _mm512_mask_add_ps(total, tail, total, e);
-    }
-    float sum = _mm512_reduce_add_ps(total);
-    if (sink) sum += exp_nonpositive(sink_logit - mx);
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    for (int64_t j = 0; j < full; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), inv));
-    if (tail) _mm512_mask_storeu_ps(row + full, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + full), inv));
-  }
-}
-
-// Keys whose rows are fetched ahead of the one being read.
-constexpr int64_t kAheadKeys = 12;
-
-template <typename T, int G, int D>
-void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
-  const int64_t pos = s.token_pos[t];
-  const int64_t lo = first_key(s.window, pos);
-  const int64_t n = pos - lo + 1;
-  scratch.scores.resize(static_cast<size_t>(G * n));
-  float* sc = scratch.scores.data();
-  const int32_t* pages = s.block_table + s.token_row[t] * s.table_stride;
-  const T* q_in = s.q + t * s.q_stride_t + g * G * s.q_stride_h;
-  QueryRegs<T, D> q[G];
-  for (int h = 0; h < G; ++h) q[h].load(q_in + h * s.q_stride_h);
-  const T* k_base = s.k + g * s.kv_head_stride;
-  const T* v_base = s.v + g * s.kv_head_stride;
-  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
-  // the keys' slots first: rows are then fetched ahead across page boundaries too (pages are anywhere)
-  scratch.slots.resize(static_cast<size_t>(n));
-  int64_t* slots = scratch.slots.data();
-  for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) { slots[j] = slot; });
-  const auto fetch = [&](const T* base, int64_t j) {
-    if (j < n) {
-      const char* row = reinterpret_cast<const char*>(base + slots[j] * s.slot_stride);
-      for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(row + b);
-    }
-  };
-  alignas(64) float part[G][16][16];
-  for (int64_t j = 0; j < n; ++j) {
-    fetch(k_base, j + kAheadKeys);
-    const T* kr = k_base + slots[j] * s.slot_stride;
-    const int lane = static_cast<int>(j & 15);
-    for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], q[h].dot(kr));
-    if (lane == 15) {
-      for (int h = 0; h < G; ++h) _mm512_storeu_ps(sc + h * n + (j - 15), sum_lanes_of_16(part[h]));
-    }
-  }
-  const int64_t done = n / 16 * 16;
-  for (int h = 0; h < G; ++h)
-    for (int64_t j = done; j < n; ++j) sc[h * n + j] = _mm512_reduce_add_ps(_mm512_load_ps(part[h][j - done]));
-  if (s.softcap > 0.f || s.slopes != nullptr) {
-    softmax_rows(s, sc, n, g, G, lo, pos);
-  } else {
-    softmax_rows_vec(s, sc, n, g, G);
-  }
-  __m512 o[G][D / 16];
-  for (int h = 0; h < G; ++h)
-    for (int c = 0; c < D / 16; ++c) o[h][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kAheadKeys; ++k) fetch(v_base, k);
-  for (int64_t j = 0; j < n; ++j) {
-    fetch(v_base, j + kAheadKeys);
-    const T* vr = v_base + slots[j] * s.slot_stride;
-    __m512 v[D / 16];
-    for (int c = 0; c < D / 16; ++c) v[c] = widen16(vr + 16 * c);
-    for (int h = 0; h < G; ++h) {
-      const __m512 p = _mm512_set1_ps(sc[h * n + j]);
-      for (int c = 0; c < D / 16; ++c) o[h][c] = _mm512_fmadd_ps(p, v[c], o[h][c]);
-    }
-  }
-  T* out = s.out + (t * s.heads + g * G) * D;
-  for (int h = 0; h < G; ++h) {
-    alignas(64) float row[D];
-    for (int c = 0; c < D / 16; ++c) _mm512_store_ps(row + 16 * c, o[h][c]);
-    for (int i = 0; i < D; ++i) out[h * D + i] = static_cast<T>(row[i]);
-  }
-}
-
-// The vector kernel for this dtype, group and head size, or nullptr where it does not apply.
-template <typename T, int D>
-Attend<T> vec_for_group(int64_t group) {
-  constexpr bool takes = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-  if constexpr (takes) {
-    switch (group) {
-      case 1: return attend_vec<T, 1, D>;
-      case 2: return attend_vec<T, 2, D>;
-      case 3: return attend_vec<T, 3, D>;
-      case 4: return attend_vec<T, 4, D>;
-      case 5: return attend_vec<T, 5, D>;
-      case 6: return attend_vec<T, 6, D>;
-      case 7: return attend_vec<T, 7, D>;
-      case 8: return attend_vec<T, 8, D>;
-      default: return nullptr;
-    }
-  }
-  return nullptr;
-}
-#endif
-
+# The AVX-512 kernel (native_vec_source.py) between the portable kernels and the dispatch that picks it.
+DISPATCH_SOURCE = r"""
 template <typename T, int D>
 Attend<T> fixed_for_group(int64_t group) {
 #if defined(__AVX512F__)
@@ -563,6 +361,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 # The library's one source: the attention kernel, the decoder-layer ops (native_layer_source.py), the bindings.
 SOURCE = (
     ATTENTION_SOURCE
+    + VEC_SOURCE
+    + DISPATCH_SOURCE
     + LAYER_SOURCE
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
