@@ -34,8 +34,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from types import ModuleType
 from typing import Any
@@ -44,6 +43,7 @@ import torch
 from torch import nn
 
 from ..attention.native import native_module
+from . import counted_patches
 from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees
 from .layer_forms import (
     LAYER_DTYPES,
@@ -187,69 +187,19 @@ def _rotary(ops: ModuleType, original: Forward) -> Forward:
 # -- installs, counted ------------------------------------------------------------------
 
 
-@dataclass
-class Install:
-    """One replaced attribute (a module's `forward`, a modeling file's function) and its sessions."""
-
-    owner: Any
-    name: str
-    value: Any
-    previous: Any
-    sessions: int = 1
-
-
+KIND = "native_layers"
+# Plans are made and taken under it: a plan's "in force" answer holds until its patches are taken.
 _lock = threading.Lock()
-# (id(owner), name) -> the install in force
-_installs: dict[tuple[int, str], Install] = {}
-
-
-def _installed(owner: Any, name: str) -> bool:
-    install = _installs.get((id(owner), name))
-    return install is not None and install.owner is owner
 
 
 def _never() -> Any:
-    raise AssertionError("an install in force is counted, never made again")
-
-
-def _install(owner: Any, name: str, make: Callable[[], Any]) -> tuple[int, str]:
-    key = (id(owner), name)
-    install = _installs.get(key)
-    if install is not None and install.owner is owner:
-        install.sessions += 1
-        return key
-    if isinstance(owner, nn.Module):
-        owner.__dict__[name] = value = make()
-        previous = None
-    else:
-        previous = getattr(owner, name)
-        value = make()
-        setattr(owner, name, value)
-    _installs[key] = Install(owner, name, value, previous)
-    return key
-
-
-def _uninstall(key: tuple[int, str], force: bool = False) -> None:
-    install = _installs.get(key)
-    if install is None:
-        return
-    install.sessions -= 1
-    if install.sessions > 0 and not force:
-        return
-    del _installs[key]
-    if isinstance(install.owner, nn.Module):
-        if install.owner.__dict__.get(install.name) is install.value:
-            del install.owner.__dict__[install.name]
-    elif getattr(install.owner, install.name) is install.value:
-        setattr(install.owner, install.name, install.previous)
+    raise AssertionError("a patch in force is counted, never made again")
 
 
 def restore_all() -> None:
-    """Every install still in force undone (`uninstall()`); a run still going finishes on the modules'
-    own forwards."""
-    with _lock:
-        for key in list(_installs):
-            _uninstall(key, force=True)
+    """Every native layer op still in force undone (`uninstall()`); a run still going finishes on the
+    modules' own forwards."""
+    counted_patches.restore_all(KIND)
 
 
 def enabled_by_env() -> bool:
@@ -322,14 +272,16 @@ def _plan(model: nn.Module, ops: ModuleType) -> Plan:
         file = _modeling_file(module)
         if file is not None:
             files.setdefault(id(file), file)
-        if _installed(module, "forward"):  # another session's: counted again, not recognised again
+        if counted_patches.in_force(
+            KIND, module, "forward"
+        ):  # another session's: counted again, not recognised again
             plan.append((module, "forward", _never))
         elif not has_hooks(module):
             make = _module_replacement(module, ops)
             if make is not None:
                 plan.append((module, "forward", make))
     for file in files.values():
-        if _installed(file, "apply_rotary_pos_emb"):
+        if counted_patches.in_force(KIND, file, "apply_rotary_pos_emb"):
             plan.append((file, "apply_rotary_pos_emb", _never))
         else:
             make_rotary = _rotary_replacement(file, ops)
@@ -346,11 +298,11 @@ def native_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
     if ops is None or not hasattr(ops, "rms_norm"):
         yield 0
         return
-    with _lock, torch.no_grad():
-        keys = [_install(owner, name, make) for owner, name, make in _plan(model, ops)]
-    try:
-        yield len(keys)
-    finally:
-        with _lock:
-            for key in keys:
-                _uninstall(key)
+    with ExitStack() as stack:
+        with _lock, torch.no_grad():
+            count = stack.enter_context(counted_patches.patched(KIND, _plan(model, ops)))
+        try:
+            yield count
+        finally:
+            with _lock:
+                stack.close()

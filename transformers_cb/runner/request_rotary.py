@@ -24,10 +24,10 @@ calls fall through to the previous forward).
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from ..attention.metadata import STEP_METADATA
 from ..invariants import InvariantError
 from ..kv.rope_rule import LONGROPE, RopeRule
+from . import counted_patches
 
 # Dynamic NTK's frequency sets kept per module (one per effective length seen), at most this many.
 MAX_CACHED_SETS = 4096
@@ -141,44 +142,26 @@ def _per_request_forward(
     return forward
 
 
-@dataclass
-class _Installed:
-    previous: Any  # the instance's own `forward` before (None: the class's)
-    users: int = 1
-
-
-_lock = threading.Lock()
-_installed: dict[int, _Installed] = {}
-
-
 @contextmanager
 def per_request_rotary(modules: list[nn.Module], rule: RopeRule) -> Iterator[None]:
     """Inside: each module of `modules` gives each token of a step the frequencies of its request's
     set (see the module docstring). Installed once however many runs overlap on a module; its forward
     is restored when the last one ends."""
-    with _lock:
-        for module in modules:
-            installed = _installed.get(id(module))
-            if installed is not None:
-                installed.users += 1
-                continue
-            _installed[id(module)] = _Installed(module.__dict__.get("forward"))
-            raw = inspect.unwrap(type(module).forward)
-            module.forward = _per_request_forward(module.forward, raw, _ModuleSets(module, rule))
-    try:
+    patches = [
+        (
+            module,
+            "forward",
+            partial(
+                lambda m: _per_request_forward(
+                    m.forward, inspect.unwrap(type(m).forward), _ModuleSets(m, rule)
+                ),
+                module,
+            ),
+        )
+        for module in modules
+    ]
+    with counted_patches.patched("request_rotary", patches):
         yield
-    finally:
-        with _lock:
-            for module in modules:
-                installed = _installed[id(module)]
-                installed.users -= 1
-                if installed.users:
-                    continue
-                del _installed[id(module)]
-                if installed.previous is None:
-                    del module.forward
-                else:
-                    module.forward = installed.previous
 
 
 @dataclass

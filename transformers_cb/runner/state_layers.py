@@ -33,10 +33,10 @@ from __future__ import annotations
 import contextvars
 import copy
 import inspect
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from torch import nn
 
 from ..invariants import InvariantError
 from ..memory.state_cache import StateCache
+from . import counted_patches
 from .slot_state_view import SlotStateView
 
 # The cache API names a state module's forward calls (any of them marks a state module).
@@ -259,19 +260,6 @@ def cache_api_calls(modules: dict[int, nn.Module]) -> dict[int, StateCall]:
     return calls
 
 
-@dataclass
-class _Installed:
-    """A split forward in force on a module: what it replaced (None: the class's own) and how many
-    `split_state_layers` blocks use it."""
-
-    previous: Any
-    users: int = 1
-
-
-_lock = threading.Lock()
-_installed: dict[int, _Installed] = {}  # id(module) -> its split forward in force
-
-
 @contextmanager
 def split_state_layers(
     modules: dict[int, nn.Module], calls: dict[int, StateCall] | None = None
@@ -281,30 +269,17 @@ def split_state_layers(
     module; its forward is restored when the last one ends. `calls`: how each module runs a piece
     (`cache_api_calls(modules)` when not given)."""
     calls = calls if calls is not None else cache_api_calls(modules)
-    with _lock:
-        for layer, module in modules.items():
-            installed = _installed.get(id(module))
-            if installed is not None:
-                installed.users += 1
-                continue
-            # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each
-            # piece calls.
-            _installed[id(module)] = _Installed(module.__dict__.get("forward"))
-            module.forward = _split_forward(module.forward, calls[layer], layer)
-    try:
+    # Whatever runs as its forward now (a wrapper of accelerate's hooks included) is what each piece calls.
+    patches = [
+        (
+            module,
+            "forward",
+            partial(lambda m, layer: _split_forward(m.forward, calls[layer], layer), module, layer),
+        )
+        for layer, module in modules.items()
+    ]
+    with counted_patches.patched("state_layers", patches):
         yield
-    finally:
-        with _lock:
-            for module in modules.values():
-                installed = _installed[id(module)]
-                installed.users -= 1
-                if installed.users:
-                    continue
-                del _installed[id(module)]
-                if installed.previous is None:
-                    del module.forward
-                else:
-                    module.forward = installed.previous
 
 
 @dataclass
