@@ -158,3 +158,52 @@ def test_native_required_where_it_cannot_run_is_an_error() -> None:
         ValueError, match="native paged-attention kernel cannot run on cpu with torch.float64"
     ):
         BatchPacker(cache, 2, torch.device("cpu"), native=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sharp_rows_whose_probabilities_are_subnormal_attend_like_the_reference(dtype: torch.dtype) -> None:
+    # Logits ~100 apart put most probabilities below 2^-126: the kernel flushes them (a 2-4x slowdown
+    # otherwise, docs/design.md) and must still agree with the reference, and leave the caller's
+    # floating-point mode as it was.
+    from transformers_cb.attention.reference import reference_paged_attention
+
+    if native.ensure_native_module() is None:
+        pytest.skip("the native kernel cannot be built here")
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, kv_heads, dim, page, kv_len = 4, 8, 2, 64, 16, 40
+    query = (torch.randn(tokens, heads, dim, generator=gen) * 40).to(dtype)
+    keys = torch.randn(4 * page, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(4 * page, kv_heads, dim, generator=gen).to(dtype)
+    block_table = torch.tensor([[2, 0, 3, 1]], dtype=torch.int32)
+    positions = torch.arange(kv_len - tokens, kv_len)
+    out = torch.empty_like(query)
+    native.native_paged_attention(
+        query,
+        keys,
+        values,
+        torch.zeros(tokens, dtype=torch.long),
+        positions,
+        block_table,
+        page,
+        0.125,
+        None,
+        None,
+        None,
+        out,
+    )
+    expected = reference_paged_attention(
+        query.float(),
+        keys.float(),
+        values.float(),
+        torch.tensor([0, tokens]),
+        torch.tensor([kv_len]),
+        block_table,
+        page,
+        0.125,
+    )
+    scores = torch.einsum("thd,khd->thk", query.float()[:, :2], keys.float()[:kv_len, :1]) * 0.125
+    assert (scores.max(-1).values - scores.min(-1).values).min() > 100  # the test's rows are that sharp
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # logits of ~500: their own ulp is ~3e-5
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+    subnormal = torch.tensor([1e-39], dtype=torch.float32)
+    assert (subnormal * 1.0).item() != 0.0  # this thread still computes subnormals
