@@ -206,6 +206,37 @@ def test_streamed_text_never_splits_a_multibyte_character(fresh: Any, monkeypatc
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_max_tokens_inside_a_character_leaves_no_replacement_char(
+    fresh: Any, monkeypatch: Any, stream: bool
+) -> None:
+    # The emoji's 4 bytes are 4 tokens; max_tokens stops after 2 of them.
+    with fresh() as live:
+        tokenizer = live.state.tokenizer
+        script = tokenizer.encode("ab🙂", add_special_tokens=False)
+        sampler = live.manager.engine.runner.sampler
+        emitted: list[int] = []
+
+        def scripted(logits: Any, requests: Any) -> Any:
+            tokens = [script[min(len(emitted) + i, len(script) - 1)] for i in range(logits.shape[0])]
+            emitted.extend(tokens)
+            return Samples(tokens, None)
+
+        monkeypatch.setattr(sampler, "sample", scripted)
+        client = _client(live)
+        if stream:
+            chunks = list(
+                client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, stream=True)
+            )
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            answer = client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4)
+            text, finish = answer.choices[0].text, answer.choices[0].finish_reason
+        assert text == "ab"
+        assert finish == "length"
+
+
 # -- point 4: cancellation and load ----------------------------------------------------------------
 def test_stream_disconnect_cancels_the_request_and_frees_its_pages(server: LiveServer) -> None:
     manager = server.manager

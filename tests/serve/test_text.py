@@ -52,8 +52,18 @@ def test_detokenizer_skips_special_tokens_like_decode() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=len(TOKENIZER) - 1), max_size=40))
 def test_detokenizer_pieces_concatenate_to_decode(ids: list[int]) -> None:
-    # Arbitrary ids, including invalid UTF-8 byte sequences and special tokens.
-    assert "".join(_pieces(ids)) == TOKENIZER.decode(ids, skip_special_tokens=True)
+    # Arbitrary ids, including invalid UTF-8 byte sequences and special tokens; the bytes of a character
+    # the last tokens leave incomplete are dropped.
+    expected = TOKENIZER.decode(ids, skip_special_tokens=True).rstrip(REPLACEMENT_CHAR)
+    assert "".join(_pieces(ids)) == expected
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_a_cut_inside_a_character_drops_its_bytes(cut: int) -> None:
+    # max_tokens ending inside an emoji (4 bytes, one token each): no stray U+FFFD at the end.
+    ids = TOKENIZER.encode("ok 🙂", add_special_tokens=False)
+    pieces = _pieces(ids[: len(ids) - 4 + cut])
+    assert "".join(pieces) == "ok "
 
 
 def _scan(stops: list[str], chunks: list[str]) -> tuple[str, bool]:

@@ -9,7 +9,9 @@ step decodes only a short window of recent tokens, not the whole output:
                  (already emitted: context)           (to emit)
 
 The concatenation of the pieces plus `flush()` equals
-`tokenizer.decode(all_ids, skip_special_tokens=True)`.
+`tokenizer.decode(all_ids, skip_special_tokens=True)`, less the U+FFFD of a character that the last tokens
+left incomplete (a `max_tokens` cut inside an emoji): those bytes are dropped, as transformers serve and
+vLLM drop them, streamed or not.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """The held-back text at the end of the request (a character left incomplete stays U+FFFD)."""
+        """The held-back text at the end of the request; the bytes of a character left incomplete (decoded
+        as trailing U+FFFD) are dropped."""
         before = self._decode(self.ids[self.prefix_offset : self.read_offset])
         after = self._decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return after[len(before) :]
+        return after[len(before) :].rstrip(REPLACEMENT_CHAR)
 
 
 @dataclass
