@@ -70,7 +70,8 @@ $(VENV)/.installed-test: pyproject.toml | $(VENV)/.installed-torch
 	$(BIN)/transformers-cb build-kernels
 	$(BIN)/transformers-cb models fetch smollm2 --no-progress || \
 		echo "make install-test: warning: the real model was not fetched; the real_model tests will skip" >&2
-	touch $@
+	# [test,serve] holds [models] and [serve,models,structured]: one install serves run and serve too
+	touch $@ $(VENV)/.installed-run $(VENV)/.installed-serve
 
 # Again by hand (e.g. after clearing the cache folder, or to retry a failed build: ARGS=--retry).
 build-kernels: $(VENV)/.installed-run

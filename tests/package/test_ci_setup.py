@@ -93,3 +93,40 @@ def test_lint_and_ci_type_check_the_package():
     assert re.search(r'"\$VENV_BIN/mypy" \|\| failed\+=\("mypy"\)', run), (
         ".ci/run has no mypy step of its own"
     )
+
+
+def test_one_install_serves_run_and_serve_after_install_test(tmp_path):
+    # `make run` right after `make install-test` must not install again: the test install is a superset.
+    import shlex
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        import pytest
+
+        pytest.skip("no make")
+    extras = PROJECT["optional-dependencies"]
+    test_install = set(extras["test"]) | set(extras["serve"])
+    assert set(extras["models"]) <= test_install
+    assert set(extras["serve"]) | set(extras["models"]) | set(extras["structured"]) <= test_install
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").touch()
+    (venv / ".installed-torch").touch()
+
+    def plan(target: str) -> list[str]:
+        command = ["make", "-n", "-C", str(REPO_ROOT), f"VENV={venv}", target]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+
+    for line in plan("install-test"):  # the install's stamps, as its recipe leaves them
+        if line.startswith("touch "):
+            subprocess.run(shlex.split(line), check=True)
+    for target in ("run", "serve"):
+        steps = plan(target)
+        assert not any("pip install" in s for s in steps), f"make {target} reinstalls: {steps}"
+
+
+def test_the_lowest_torch_step_takes_its_index_from_pip_args():
+    run = (REPO_ROOT / ".ci" / "run").read_text()
+    step = run.split("CB_CI_LOWEST_TORCH", 1)[1]
+    assert "download.pytorch.org" not in step and "${PIP_ARGS:-}" in step
