@@ -150,7 +150,21 @@ def test_an_output_reads_like_a_plain_dataclass_of_lists():
         ("status", "RequestStatus"),
     ]
     assert GenerationOutput.logprobs is None and GenerationOutput.timestamps is None
-    assert len(dataclasses.fields(GenerationOutput)) == 14
+    # transformers' 14 fields first; ours after them, fields too, so replace() and asdict() keep them
+    names = [f.name for f in dataclasses.fields(GenerationOutput)]
+    assert names[14:] == [
+        "draft_tokens",
+        "accepted_draft_tokens",
+        "weight_version_runs",
+        "kv_weight_version",
+        "new_from",
+    ]
+    counted = dataclasses.replace(
+        by_hand, draft_tokens=4, accepted_draft_tokens=3, weight_version_runs=((0, 2),)
+    )
+    copied = dataclasses.replace(counted)
+    assert (copied.draft_tokens, copied.accepted_draft_tokens, copied.weight_version_first) == (4, 3, 2)
+    assert dataclasses.asdict(counted)["accepted_draft_tokens"] == 3
 
 
 def test_streaming_claimed_after_the_request_finished_replays_everything(manager, ref):

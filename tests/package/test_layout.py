@@ -12,7 +12,7 @@ import transformers_cb
 
 PACKAGE = Path(transformers_cb.__file__).parent
 # The public entry points and the data every room shares (docs/structure.md).
-ROOT_MODULES = {"__init__", "plugin", "requests", "invariants", "conformance_check"}
+ROOT_MODULES = {"__init__", "plugin", "requests", "status", "outputs", "invariants", "conformance_check"}
 
 
 def module_name(path: Path) -> str:
@@ -151,6 +151,8 @@ def test_no_private_name_imported_from_another_room():
 # own room or from rooms before it. Rooms on one rung are peers that never import each other.
 IMPORT_ORDER: list[set[str]] = [
     {"invariants"},
+    {"status"},
+    {"outputs"},
     {"requests"},
     {"config"},
     {"kv"},

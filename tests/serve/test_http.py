@@ -225,9 +225,7 @@ def test_max_tokens_inside_a_character_leaves_no_replacement_char(
         monkeypatch.setattr(sampler, "sample", scripted)
         client = _client(live)
         if stream:
-            chunks = list(
-                client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, stream=True)
-            )
+            chunks = list(client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=4, stream=True))
             text = "".join(c.choices[0].text for c in chunks)
             finish = chunks[-1].choices[0].finish_reason
         else:
