@@ -31,6 +31,7 @@ from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
 from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
+from ..runner.batch_invariant import batch_invariant_modules
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.native_layers import native_layers
@@ -292,6 +293,7 @@ class Engine:
             native_layers(self.model, self.plan.step_options.native_layers),
             self.assistant_session(),
             self.runner.session(),
+            batch_invariant_modules(self.model, self.plan.step_options.batch_invariant),
             torch.inference_mode(),
         ):
             yield
