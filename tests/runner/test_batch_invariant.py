@@ -10,6 +10,7 @@ mode the same request's logprobs change with its neighbours and its chunking (me
 
 from __future__ import annotations
 
+import random
 import sys
 
 import pytest
@@ -17,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from transformers import CompileConfig, GenerationConfig
 
+from tests.support.manager import collect
 from tests.support.models import sharpen_attention, tiny_llama
 from tests.support.prompts import prompts_of_lengths, random_prompts
+from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.engine.build import build_engine
@@ -178,3 +181,39 @@ def test_compile_level_is_refused_by_the_engine() -> None:
     config = ContinuousBatchingConfig(page_size=16, batch_invariant=True, default_compile_level=1)
     with pytest.raises(ValueError, match="batch_invariant=True: a compiled forward"):
         model.generate_batch([[5, 6, 7]], GREEDY, config, progress_bar=False)
+
+
+def test_the_manager_thread_keeps_a_request_invariant_while_others_come_and_go() -> None:
+    """The manager's thread runs the same session: a request added beside a stream of others (arriving
+    while it decodes, so its steps mix prefill chunks and decodes) equals its run alone."""
+    model = sharp_model(torch.float32)
+    target = prompts_of_lengths([150], seed=7)[0]
+    alone = run_target(model, [], None, target)
+    config = ContinuousBatchingConfig(
+        return_logprobs=True, page_size=16, max_batch_tokens=48, batch_invariant=True
+    )
+    manager = model.init_continuous_batching(continuous_batching_config=config, generation_config=GREEDY)
+    manager.start()
+    try:
+        others = random_prompts(12, model.config.vocab_size, 1, 60, seed=9)
+        first = manager.add_requests(others[:4]) or []
+        manager.add_request(target, request_id="target")
+        later = manager.add_requests(others[4:]) or []
+        results = collect(manager, ["target", *first, *later])
+    finally:
+        manager.stop(block=True, timeout=TIMEOUT)
+    assert (results["target"].generated_tokens, results["target"].logprobs) == alone
+
+
+def test_speculating_requests_keep_their_logprobs() -> None:
+    """Prompt lookup verifies draft tokens as extra rows of the request's step: the same kernels, the same
+    bits as decoding them one by one."""
+    model = sharp_model(torch.float32)
+    target = list(range(3, model.config.vocab_size))  # every token once: 1-grams always find a draft
+    random.Random(7).shuffle(target)
+    alone = run_target(model, [], None, target)
+    config = ContinuousBatchingConfig(return_logprobs=True, page_size=16, batch_invariant=True)
+    lookup = {"prompt_lookup_num_tokens": 4, "max_matching_ngram_size": 1}
+    out = model.generate_batch([target], GREEDY, config, progress_bar=False, **lookup)["req_0"]
+    assert out.draft_tokens > 0, "nothing was drafted: the test does not exercise verification"
+    assert (out.generated_tokens, out.logprobs) == alone
