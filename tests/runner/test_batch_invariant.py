@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import CompileConfig, GenerationConfig
+from transformers.pytorch_utils import Conv1D
 
 from tests.support.manager import collect
 from tests.support.models import sharpen_attention, tiny_llama
@@ -82,6 +83,24 @@ def test_logprobs_are_bitwise_the_same_alone_batched_and_chunked(dtype: torch.dt
     )
 
 
+def test_the_thread_count_does_not_change_the_bits() -> None:
+    """A manager's threads may change between steps (the server's adaptive threads): a request run alone on
+    one thread equals it batched on two (fixed-shape products split their columns, never a reduction; the
+    native kernel's threads split (token, head) items)."""
+    model = sharp_model(torch.float32)
+    target = prompts_of_lengths([150], seed=7)[0]
+    others = random_prompts(7, model.config.vocab_size, 1, 60, seed=3)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run_target(model, [], None, target)
+        torch.set_num_threads(2)
+        batched = run_target(model, others, 37, target)
+    finally:
+        torch.set_num_threads(saved)
+    assert batched == alone
+
+
 def test_every_request_of_a_batch_matches_its_own_run_alone() -> None:
     """Each of 8 requests of mixed lengths, batched under a small budget, equals its own run alone."""
     model = sharp_model(torch.float32)
@@ -120,6 +139,21 @@ def test_invariant_linear_rows_do_not_depend_on_the_other_rows(dtype: torch.dtyp
             assert torch.equal(invariant_linear(batch, weight, bias)[place], alone[0]), (count, place)
     # Any leading dimensions: [1, T, K] as the model's hidden states come.
     assert torch.equal(invariant_linear(rows[None, :5], weight, bias)[0, 0], alone[0])
+
+
+def test_conv1d_products_are_invariant_too() -> None:
+    """transformers' `Conv1D` (GPT-2's products, weight stored `[in, out]`) takes the same fixed-shape calls."""
+    torch.manual_seed(0)
+    module = Conv1D(300, 200).eval()
+    torch.nn.init.normal_(module.bias)
+    rows = torch.randn(40, 200)
+    with batch_invariant_modules(module, True) as count, torch.inference_mode():
+        assert count == 1
+        alone = module(rows[:1])
+        torch.testing.assert_close(alone, torch.addmm(module.bias, rows[:1], module.weight))
+        for count in (3, 17, 40):
+            assert torch.equal(module(rows[:count])[0], alone[0]), count
+    assert "forward" not in module.__dict__
 
 
 @pytest.mark.parametrize("function", [F.silu, F.gelu], ids=["silu", "gelu"])

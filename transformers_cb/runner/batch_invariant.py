@@ -5,7 +5,7 @@ step's attention already meets that on the native kernel (attention/native_sourc
 are reduced in an order fixed by its own position, whatever the step holds), where the packer sends every
 token in this mode (`BatchPacker.every_chunk_native`). Two parts of a plain forward do not:
 
-- a Linear's product picks its kernel and blocking by the row count M (MKL's sgemv at M = 1, its sgemm
+- a Linear's (or transformers' `Conv1D`'s) product picks its kernel and blocking by the row count M (MKL's sgemv at M = 1, its sgemm
   panels, oneDNN's bf16 kernels: measured, a row's fp32 output changes with M), so here every product runs
   as calls of exactly `INVARIANT_ROWS` rows (the rows copied into a fresh zero-padded buffer, so each call
   sees the same shape and alignment); the kernel, its blocking and a row's reduction order are then the
@@ -17,7 +17,7 @@ token in this mode (`BatchPacker.every_chunk_native`). Two parts of a plain forw
   elements, in blocks under torch's parallel grain: every element takes the vector loop on one thread.
 
 Installed for the run through counted patches (runner/counted_patches.py, kind `batch_invariant`), on
-every plain `nn.Linear` and every parameter-free activation module of torch's or transformers'; the
+every plain `nn.Linear` and `Conv1D` and every parameter-free activation module of torch's or transformers'; the
 rest of a decoder layer is per row already (RMSNorm's row sum is torch's fixed per-row cascade; rotary and
 residual adds are exact products and sums). docs/config.md, "Batch-invariant mode", says what is covered.
 """
@@ -30,6 +30,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from .counted_patches import in_force, patched
 from .counted_patches import restore_all as restore_patches
@@ -99,6 +100,11 @@ def is_invariant_linear(module: nn.Module) -> bool:
     )
 
 
+def is_invariant_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2 and kin: a Linear with its weight stored `[in, out]`), not a subclass."""
+    return type(module) is Conv1D and _free(module) and type(module.weight.data) is torch.Tensor
+
+
 def is_activation(module: nn.Module) -> bool:
     """A parameter-free activation module of torch's or transformers' (elementwise by definition)."""
     return (
@@ -114,6 +120,17 @@ def _linear_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
         if torch.is_grad_enabled() or x.dtype != module.weight.dtype or x.device.type != "cpu":
             return F.linear(x, module.weight, module.bias)  # training, or a cast the module would fail
         return invariant_linear(x, module.weight, module.bias)
+
+    return forward
+
+
+def _conv1d_forward(module: Conv1D) -> Callable[[torch.Tensor], torch.Tensor]:
+    plain = type(module).forward.__get__(module)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or x.dtype != module.weight.dtype or x.device.type != "cpu":
+            return plain(x)
+        return invariant_linear(x, module.weight.t(), module.bias)
 
     return forward
 
@@ -140,6 +157,8 @@ def batch_invariant_modules(model: nn.Module, enabled: bool) -> Iterator[int]:
     for module in model.modules():
         if is_invariant_linear(module):
             patches.append((module, "forward", lambda m=module: _linear_forward(m)))
+        elif is_invariant_conv1d(module):
+            patches.append((module, "forward", lambda m=module: _conv1d_forward(m)))
         elif is_activation(module):
             patches.append((module, "forward", lambda m=module: _activation_forward(m)))
     with patched(PATCH_KIND, patches) as count:
