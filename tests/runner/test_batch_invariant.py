@@ -210,6 +210,33 @@ def test_unsupported_setups_are_refused_at_start(device: str, plan: CompilePlan,
         check_batch_invariant(device, None, plan)
 
 
+def test_the_native_kernel_switched_off_is_refused(monkeypatch) -> None:
+    monkeypatch.setenv("TRANSFORMERS_CB_NATIVE_KERNEL", "0")
+    with pytest.raises(ValueError, match="batch_invariant=True: .*TRANSFORMERS_CB_NATIVE_KERNEL=0"):
+        check_batch_invariant("cpu", None, CompilePlan())
+
+
+def test_a_prefix_computed_by_another_request_gives_the_same_bits() -> None:
+    """With prefix sharing, the target's first pages come from a request that ran before it in a batch of
+    other shapes: each token's K/V is the same bits whoever computed it."""
+    model = sharp_model(torch.float32)
+    target = prompts_of_lengths([150], seed=7)[0]
+    alone = run_target(model, [], None, target)
+    sibling = target[:96] + prompts_of_lengths([30], seed=8)[0]
+    config = ContinuousBatchingConfig(
+        return_logprobs=True, page_size=16, max_batch_tokens=40, batch_invariant=True
+    )
+    engine = build_engine(model, GREEDY, config)
+    with engine.session():
+        for prompt_ids, request_id in ((sibling, "sibling"), (target, "target")):
+            request = engine.build_request(prompt_ids, request_id)
+            engine.add(request)
+            while engine.has_work():
+                engine.step()
+    assert engine.snapshot().prefix.hit_tokens >= 96, "no prefix hit: the test does not exercise sharing"
+    assert (list(request.generated_ids), request.logprobs) == alone
+
+
 def test_compile_level_is_refused_by_the_engine() -> None:
     model = sharp_model(torch.float32)
     config = ContinuousBatchingConfig(page_size=16, batch_invariant=True, default_compile_level=1)

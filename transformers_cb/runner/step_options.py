@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..attention.fast_path import resolve_max_blocks_per_request
 from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
+from ..attention.native import ENV_SWITCH as NATIVE_SWITCH
 from ..attention.native import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
@@ -145,6 +147,8 @@ def check_batch_invariant(device_type: str, kernel: FlashKernel | None, compile_
         problem = (
             "a compiled forward may fuse a row's operations differently by step shape: set no compile level"
         )
+    elif os.environ.get(NATIVE_SWITCH, "1") == "0":
+        problem = f"it needs the native CPU attention kernel, which {NATIVE_SWITCH}=0 turns off"
     elif ensure_native_module(NATIVE_BUILD_TIMEOUT) is None:
         problem = "the native CPU attention kernel cannot be built or loaded here (see the warning above)"
     if problem is not None:
