@@ -142,7 +142,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_other_rows(dtype: torch.dtyp
 
 
 def test_conv1d_products_are_invariant_too() -> None:
-    """transformers' `Conv1D` (GPT-2's products, weight stored `[in, out]`) takes the same fixed-shape calls."""
+    """transformers' `Conv1D` (GPT-2's products, its weight `[in, out]`) takes the same fixed-shape calls."""
     torch.manual_seed(0)
     module = Conv1D(300, 200).eval()
     torch.nn.init.normal_(module.bias)

@@ -5,8 +5,9 @@ step's attention already meets that on the native kernel (attention/native_sourc
 are reduced in an order fixed by its own position, whatever the step holds), where the packer sends every
 token in this mode (`BatchPacker.every_chunk_native`). Two parts of a plain forward do not:
 
-- a Linear's (or transformers' `Conv1D`'s) product picks its kernel and blocking by the row count M (MKL's sgemv at M = 1, its sgemm
-  panels, oneDNN's bf16 kernels: measured, a row's fp32 output changes with M), so here every product runs
+- a Linear's (or transformers' `Conv1D`'s) product picks its kernel and blocking by the row count M (MKL's
+  sgemv at M = 1, its sgemm panels, oneDNN's bf16 kernels: measured, a row's fp32 output changes with M),
+  so here every product runs
   as calls of exactly `INVARIANT_ROWS` rows (the rows copied into a fresh zero-padded buffer, so each call
   sees the same shape and alignment); the kernel, its blocking and a row's reduction order are then the
   same in every step;
@@ -17,9 +18,10 @@ token in this mode (`BatchPacker.every_chunk_native`). Two parts of a plain forw
   elements, in blocks under torch's parallel grain: every element takes the vector loop on one thread.
 
 Installed for the run through counted patches (runner/counted_patches.py, kind `batch_invariant`), on
-every plain `nn.Linear` and `Conv1D` and every parameter-free activation module of torch's or transformers'; the
-rest of a decoder layer is per row already (RMSNorm's row sum is torch's fixed per-row cascade; rotary and
-residual adds are exact products and sums). docs/config.md, "Batch-invariant mode", says what is covered.
+every plain `nn.Linear` and `Conv1D` and every parameter-free activation module of torch's or
+transformers'; the rest of a decoder layer is per row already (RMSNorm's row sum is torch's fixed per-row
+cascade; rotary and residual adds are exact products and sums). docs/config.md, "Batch-invariant mode",
+says what is covered.
 """
 
 from __future__ import annotations
