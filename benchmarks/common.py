@@ -799,6 +799,18 @@ class OursPackedEngine(OursEngine):
         return dataclasses.replace(cfg, packed_linear=True), settings, ignored
 
 
+class OursBatchInvariantEngine(OursEngine):
+    """`OursEngine` with `batch_invariant=True`: every request's tokens and logprobs the same bits whatever
+    shares its steps (every attention token on the native kernel, products in fixed 16-row calls, the
+    activations on padded rows; packed products and native layer ops off). Its row is that mode's cost."""
+
+    name = "ours-batch-invariant"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, batch_invariant=True), settings, ignored
+
+
 @contextlib.contextmanager
 def _capture_ours_counters():
     """Record the token counters of every `transformers_cb` engine created inside the block.

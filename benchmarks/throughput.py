@@ -28,7 +28,8 @@ from typing import Any
 
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
-    "ours-packed", "ours-plain", "ours-torch-kernels", "ours-eager-layers", "limit", "vllm", "vllm-gomp",
+    "ours-packed", "ours-plain", "ours-torch-kernels", "ours-eager-layers", "ours-batch-invariant", "limit",
+    "vllm", "vllm-gomp",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -73,11 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "ours-plain",
                 "ours-torch-kernels",
                 "ours-eager-layers",
+                "ours-batch-invariant",
                 "vllm",
                 "vllm-gomp",
             )
         ],  # opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), ours-eager-layers (the native decoder-layer ops off: transformers' eager norms, rotary, SiLU·mul), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), ours-eager-layers (the native decoder-layer ops off: transformers' eager norms, rotary, SiLU·mul), ours-batch-invariant (batch_invariant=True: each request's tokens and logprobs independent of the batch; the mode's cost), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -249,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursTorchKernelsEngine(settings_fn)
         if name == "ours-eager-layers":
             return common.OursEagerLayersEngine(settings_fn)
+        if name == "ours-batch-invariant":
+            return common.OursBatchInvariantEngine(settings_fn)
         if name in ("vllm", "vllm-gomp"):
             import vllm_engine
 

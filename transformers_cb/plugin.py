@@ -27,7 +27,7 @@ from .api.generate_batch import generate_batch
 from .attention import PAGED_BACKENDS, PLAIN_COUNTERPART, mask_counterpart, register_flash_name
 from .attention.flash_kernels import is_flash_backend
 from .attention.selection import check_flash_backend
-from .runner import native_layers, packed_model
+from .runner import batch_invariant, native_layers, packed_model
 
 _MISSING = object()
 _lock = threading.Lock()
@@ -116,6 +116,7 @@ def uninstall() -> None:
     """Restore everything `install()` changed (idempotent)."""
     packed_model.restore_all()
     native_layers.restore_all()
+    batch_invariant.restore_all()
     with _lock:
         while _saved:
             owner, name, original = _saved.pop()

@@ -125,6 +125,8 @@ def test_resolved_safety_margin(kwargs: dict, expected: float) -> None:
         ("per_request_processors", None),
         ("use_async_batching", "no"),
         ("auto_switch_to_flash", 0),
+        ("batch_invariant", None),
+        ("batch_invariant", 1),
         ("use_cuda_graph", "auto"),
     ],
 )

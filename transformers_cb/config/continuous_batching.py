@@ -89,6 +89,11 @@ class ContinuousBatchingConfig:
     # `disable_by_batch_size`); None: 8 on CPU, where a larger batch's step is compute-bound and checked
     # draft tokens cost what decoded ones do (docs/speculative_decoding.md), no limit on CUDA.
     speculation_max_batch_size: int | None = None
+    # Ours: a request's tokens and logprobs the same bits whatever else runs in its steps and however its
+    # prompt is chunked (CPU only: every attention token on the native kernel, products in fixed-shape
+    # calls, activations on the vector path; packed products and native layer ops off). docs/config.md,
+    # "Batch-invariant mode": what it covers and what it costs.
+    batch_invariant: bool = False
     # Deprecated aliases, as in transformers: each warns and maps onto its replacement.
     use_default_compile_configs: bool | None = field(default=None, repr=False)
     max_cached_graphs: int | None = field(default=None, repr=False)
@@ -221,6 +226,7 @@ class ContinuousBatchingConfig:
             "auto_switch_to_flash",
             "drop_unsupported_processors",
             "disable_nccl_graph_mixing",
+            "batch_invariant",
         ):
             value = getattr(self, name)
             _check_range(name, value, "a bool", isinstance(value, bool))

@@ -108,6 +108,8 @@ def wire(
         rope_rule_of(model.config, recomputes_at_switch_of(model)),
     )
     policies, pages, cache, packer = kv.policies, kv.pages, kv.cache, kv.packer
+    if plan.step_options.batch_invariant:
+        packer.every_chunk_native()
     # CPU offload: the scheduler plans with the host tier's page ids (`offload`; state slots with as many
     # host slots as device ones: every running request may be swapped out with its slot), the runner
     # copies into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.

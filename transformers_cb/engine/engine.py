@@ -31,6 +31,7 @@ from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
 from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
+from ..runner.batch_invariant import batch_invariant_modules
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.native_layers import native_layers
@@ -284,7 +285,8 @@ class Engine:
     def session(self) -> Iterator[None]:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
         warm-up): its paged attention backend, its packed products, its native layer ops, the draft model's backend, the state
-        layers' split forwards (runner/state_layers.py), inference mode; all restored on exit. Every caller
+        layers' split forwards (runner/state_layers.py), batch-invariant mode's fixed-shape products and
+        activations (runner/batch_invariant.py), inference mode; all restored on exit. Every caller
         that steps the engine enters it, and only it."""
         with (
             paged_attention(self.model, self.plan.step_options.attn_implementation),
@@ -292,6 +294,7 @@ class Engine:
             native_layers(self.model, self.plan.step_options.native_layers),
             self.assistant_session(),
             self.runner.session(),
+            batch_invariant_modules(self.model, self.plan.step_options.batch_invariant),
             torch.inference_mode(),
         ):
             yield

@@ -14,6 +14,7 @@ last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long ch
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -180,6 +181,16 @@ class BatchPacker:
         # Narrowest block table handed to the native kernel: the runner sets MIN_COMPILED_TABLE_COLUMNS
         # when the torch backends' forward is compiled.
         self.min_table_columns = 1
+
+    def every_chunk_native(self) -> None:
+        """Batch-invariant mode (`ContinuousBatchingConfig.batch_invariant`): every token of every step on
+        the native kernel, whose reduction over a token's keys is fixed by its own position, so a token's
+        attention is the same bits whether its prompt came in one chunk or several and whatever shares the
+        step (SDPA's blocked kernel reduces a long chunk's keys in blocks of the chunk's shape). A chunk
+        holding a block that attends both ways (Gemma 3's images) still takes its widened mask."""
+        if not self.native:
+            raise ValueError("batch_invariant=True needs the native paged-attention kernel for this cache")
+        self.native_prefill_max_work = sys.maxsize
 
     def release_request(self, request) -> None:
         """Give `request`'s rows back in every group (the runner, for each request whose pages were freed)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..attention.fast_path import resolve_max_blocks_per_request
 from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
+from ..attention.native import ENV_SWITCH as NATIVE_SWITCH
+from ..attention.native import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
@@ -50,6 +53,9 @@ class StepOptions:
     # The native decoder-layer ops (`runner/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
+    # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and
+    # activations in fixed shapes (runner/batch_invariant.py); packed products and native layer ops off.
+    batch_invariant: bool = False
 
     @property
     def is_flash(self) -> bool:
@@ -123,6 +129,32 @@ def resolve_packed_linear(
     return True
 
 
+# How long an engine built with `batch_invariant=True` waits for the native kernel's build when this
+# environment has none yet (at start, never on a request's path; `transformers-cb build-kernels` builds it
+# ahead).
+NATIVE_BUILD_TIMEOUT = 600.0
+
+
+def check_batch_invariant(device_type: str, kernel: FlashKernel | None, compile_plan: CompilePlan) -> None:
+    """`batch_invariant=True` runs on the CPU's native attention kernel and eager forwards only: refuse the
+    rest at start, naming it, rather than run steps whose rows would depend on each other."""
+    problem = None
+    if device_type != "cpu":
+        problem = f"it runs on the CPU only (the model is on {device_type})"
+    elif kernel is not None:
+        problem = f"it needs the paged torch backends' native kernel, not {kernel.name!r}"
+    elif compile_plan != CompilePlan():
+        problem = (
+            "a compiled forward may fuse a row's operations differently by step shape: set no compile level"
+        )
+    elif os.environ.get(NATIVE_SWITCH, "1") == "0":
+        problem = f"it needs the native CPU attention kernel, which {NATIVE_SWITCH}=0 turns off"
+    elif ensure_native_module(NATIVE_BUILD_TIMEOUT) is None:
+        problem = "the native CPU attention kernel cannot be built or loaded here (see the warning above)"
+    if problem is not None:
+        raise ValueError(f"ContinuousBatchingConfig.batch_invariant=True: {problem}")
+
+
 def resolve_step_options(
     model: PreTrainedModel,
     config: ContinuousBatchingConfig,
@@ -142,6 +174,10 @@ def resolve_step_options(
         _check_page_size(kernel, page_size)
         _check_sinks(kernel, model)
     graphs = _resolve_graphs(device_options, kernel)
+    compile_plan = resolve_compile_plan(config, generation_config, kernel is not None)
+    invariant = config.batch_invariant
+    if invariant:
+        check_batch_invariant(device_type, kernel, compile_plan)
     return StepOptions(
         attn_implementation=name,
         kernel=kernel,
@@ -153,17 +189,19 @@ def resolve_step_options(
             page_size,
             workload,
         ),
-        compile_plan=resolve_compile_plan(config, generation_config, kernel is not None),
+        compile_plan=compile_plan,
         cuda_graphs=graphs,
         async_batching=device_options.async_batching and any(graphs),
         q_padding_interval_size=config.q_padding_interval_size,
         kv_padding_interval_size=config.kv_padding_interval_size,
         max_cached_graphs=config.graph_cache_size,
         select_logit_rows=select_logit_rows,
-        packed_linear=resolve_packed_linear(
-            model, config.packed_linear, device_type, config.max_memory_percent
-        ),
-        native_layers=device_type == "cpu" and native_layers_enabled(),
+        # Batch-invariant: packed products pick their kernel by row count, and the native SiLU·mul splits
+        # a step's flat range between threads (a row's tail may take the scalar exp): both off.
+        packed_linear=not invariant
+        and resolve_packed_linear(model, config.packed_linear, device_type, config.max_memory_percent),
+        native_layers=not invariant and device_type == "cpu" and native_layers_enabled(),
+        batch_invariant=invariant,
     )
 
 
