@@ -184,11 +184,12 @@ class ModelRunner:
         if self.media is not None:
             self.media.after_step(step.ordered)
         if any(entry.draft for entry in step.sampling_entries):
-            output = StepOutput(sampled=verified_tokens(self.sampler, logits, step.sampling_entries, batch))
+            verified = verified_tokens(self.sampler, logits.float(), step.sampling_entries, batch)
+            output = StepOutput(sampled=verified)
         else:
             output = self._sample(logits, step, batch)
         if prompt_logits is not None:
-            output.prompt_logprobs, output.prompt_top_logprobs = _prompt_logprobs(step, prompt_logits)
+            output.prompt_logprobs, output.prompt_top_logprobs = _prompt_logprobs(step, prompt_logits.float())
         return output
 
     def _sample(self, logits: torch.Tensor, step: PackedStep, batch: StepPlan) -> StepOutput:
@@ -212,8 +213,11 @@ class ModelRunner:
             self._forward(self.packer.pack(batch))
 
     def _forward(self, step: PackedStep) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Returns float32 logits `[S, vocab]` for the sampled positions, and `[P, vocab]` for the
-        prompt-logprob positions (None when no request asks for them)."""
+        """Returns the logits `[S, vocab]` of the sampled positions, and `[P, vocab]` of the prompt-logprob
+        positions (None when no request asks for them), in the model's dtype: a greedy step's argmax reads
+        them as they are (widening bf16 to float32 is exact, so the argmax and its ties are float32's), the
+        other consumers widen them first (`Sampler.sample`, verification, prompt logprobs). Widening every
+        step's rows cost a float32 copy of them each step (32 rows x 49,152: 6 MB written and read again)."""
         num_sampled = step.logits_indices.numel()
         keep = step.logits_indices
         if step.prompt_indices:
@@ -247,7 +251,7 @@ class ModelRunner:
                     step.metadata,
                     self.options is not None and self.options.select_logit_rows,
                     inputs_embeds=media.inputs_embeds,
-                ).float()
+                )
             return logits[:num_sampled], (logits[num_sampled:] if step.prompt_indices else None)
         if self.graphs is not None and not step.prompt_indices:
             # Graphs follow transformers' split: the decode graph is the fast path's, the rest is varlen.
@@ -264,7 +268,7 @@ class ModelRunner:
                 keep,
                 step.metadata,
                 self.options is not None and self.options.select_logit_rows,
-            ).float()  # [S (+ P), vocab]
+            )  # [S (+ P), vocab]
         if not step.prompt_indices:
             return logits[:num_sampled], None
         return logits[:num_sampled], logits[num_sampled:]

@@ -64,12 +64,14 @@ class Sampler:
         self._row_index = {id(stage): i for i, stage in enumerate(s for s in stages if s.kind == "row")}
 
     def sample(self, logits: torch.Tensor, requests: Sequence[SampledRow]) -> Samples:
-        """Args: logits `[S, vocab]` float32; `requests[i]` owns row i (`.sampling`, `.all_token_ids`)."""
+        """Args: logits `[S, vocab]` of any float dtype (the model's: widened to float32 here where needed);
+        `requests[i]` owns row i (`.sampling`, `.all_token_ids`)."""
         states: list[RequestSampling | None] = [sampling_state(request) for request in requests]
         if all(state is None for state in states):
-            # Greedy without processors or outputs: the hot path, one argmax.
+            # Greedy without processors or outputs: the hot path, one argmax, on the logits as they are
+            # (bf16 -> float32 is exact: the same best index and ties as on the widened copy).
             return Samples(tokens=best_tokens(logits).tolist())
-        scores = self.scores(logits, requests)
+        scores = self.scores(logits.float(), requests)
         sampled = [
             (i, state) for i, state in enumerate(states) if state is not None and state.params.do_sample
         ]
