@@ -9,6 +9,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from .deferred import deferred_table
 from .outcome import STATES, Row
 
 MARKDOWN_HEADER = """# Model coverage: every causal-LM type of transformers {version}
@@ -151,9 +152,14 @@ def markdown(rows: list[Row], args: str, when: str, wall_s: float) -> str:
             "random images against `generate()` (conformance/coverage/media.py, docs/multimodal.md).\n\n"
             f"{media_table(rows)}\n\n"
         )
+    deferred = (
+        "## The last refused decoders\n\nEach refused (or not instantiable) with the one piece missing, kept "
+        "refused where that piece is larger than the type's use warrants (coverage/deferred.py):\n\n"
+        f"{deferred_table()}\n\n"
+    )
     return (
         f"{header}## Counts\n\n{summary_table(rows)}\n\n## Refusals by reason\n\n{refusals_table(rows)}\n\n"
-        f"{media}## Per type\n\n{rows_table(rows)}\n"
+        f"{deferred}{media}## Per type\n\n{rows_table(rows)}\n"
     )
 
 
