@@ -5,6 +5,7 @@ column (coverage/sharp.py) on a few types at both factors the issue named (x5, x
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -85,3 +86,32 @@ def test_the_sharp_column_keeps_a_refusal_and_counts_in_the_report() -> None:
     assert "| state | ours | ours sharp | built-in |" in text
     assert "| mismatch | 0 | 1 | - |" in text
     assert Row.from_dict(rows[1].as_dict()) == rows[1]
+
+
+def test_models_json_is_in_step_with_models_md() -> None:
+    """docs/models.json holds what docs/models.md shows: each column's counts, and every row's states."""
+    docs = REPO_ROOT / "docs"
+    data = json.loads((docs / "models.json").read_text())
+    text = (docs / "models.md").read_text()
+    counts = text.split("## Counts", 1)[1].split("##", 1)[0]
+    shown: dict[str, dict[str, int]] = {"ours": {}, "sharp": {}, "builtin": {}}
+    for line in counts.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[1].isdigit():
+            for column, cell in zip(("ours", "sharp", "builtin"), cells[1:], strict=True):
+                if cell.isdigit() and int(cell):
+                    shown[column][cells[0]] = int(cell)
+    assert shown["sharp"], "docs/models.md has no sharp column"
+    for column, states in shown.items():
+        assert data["counts"][column] == states, (column, data["counts"][column], states)
+    rows = {row["name"]: row for row in data["rows"]}
+    for line in text.split("## Per type", 1)[1].splitlines()[2:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) > 6:
+            name, state, sharp = cells[0], cells[3], cells[6].split(":")[0]
+            assert rows[name]["ours"]["state"] == state and rows[name]["sharp"]["state"] == sharp, name
+    media = dict(data["counts"]["media"])
+    if media:
+        table = text.split("## With images", 1)[1].split("##", 1)[0]
+        for state, n in media.items():
+            assert f"| {state} | {n} |" in table, (state, n)
