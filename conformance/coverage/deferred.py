@@ -27,7 +27,7 @@ DEFERRED: dict[str, tuple[str, str]] = {
     "dots3_note": (
         "latent rows of another width per layer (one latent KV group per width)",
         "not instantiable at the matrix's tiny size (its per-layer SWA config ties head_dim to the latent "
-        "heads); refused by the latent check where it builds",
+        "heads), so not judged here; its per-layer widths fall under the rule that refuses Mistral Large 4",
     ),
     "inkling_text": (
         "its short convolution's state as a state slot (the module takes no (hidden_states, cache, mask))",
