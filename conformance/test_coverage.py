@@ -61,10 +61,10 @@ def test_subset_is_exact_or_refused(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("factor", [5.0, 20.0])
-@pytest.mark.parametrize("name", ["longcat_flash", "deepseek_v3", "llama", "gpt2", "phi3"])
+@pytest.mark.parametrize("name", ["longcat_flash", "deepseek_v3", "deepseek_v32", "llama", "gpt2", "phi3"])
 def test_the_sharp_column_is_exact(name: str, factor: float) -> None:
     """Ours on the entry's model with its query / key projections scaled by `factor` (the sharp column):
-    multi-latent attention with LongCat's own latent scales and DeepSeek V3's, separate and fused
+    multi-latent attention with LongCat's own latent scales and DeepSeek V3's (V3.2: its indexer too), separate and fused
     projections (GPT-2's `c_attn`, Phi-3's `qkv_proj`) all equal generate() with sharp attention."""
     entry = select(all_entries(), [name])[0]
     plain = Outcome(EXACT)

@@ -10,7 +10,8 @@ transformers 5.23 (`QK_NAMES`, found by listing every causal-LM type's attention
 (`q_proj`, `k_proj`, `query`, `key`, ...), fused ones (`qkv_proj`, `query_key_value`, `c_attn`, `Wqkv`,
 `kv_proj`: their value rows are scaled with them, which keeps attention sharp) and multi-latent ones
 (`q_a_proj` / `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`: the latent's norm cancels `q_a_proj`'s and
-the compressed KV's scale, so the query's and key's up-projections and the rotary key carry it). Weight
+the compressed KV's scale, so the query's and key's up-projections and the rotary key carry it), and
+DeepSeek sparse attention's indexer (`wq_b`, `wk`: its selection is sharpened too). Weight
 and bias are scaled alike (the whole output). The conformance matrix's sharp column
 (conformance/coverage/build.py) and the parity suite use it; docs/models.md names the factor.
 """
@@ -38,7 +39,8 @@ QK_NAMES = frozenset(
         "Wq",
         "Wk",
         "wq",
-        "wk",
+        "wk",  # also DeepSeek sparse attention's indexer key
+        "wq_b",  # its indexer's query (the selection sharpened with the attention)
         # fused projections (their value rows too)
         "qkv_proj",
         "query_key_value",
