@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list of: mixed, shared-prefix, long-decode, many-short (1000 prompts of 8-40 tokens, 1 new "
         "token), many-short-8 (the same, 8 new tokens), memory-pressure (recompute vs CPU offload, "
         "benchmarks/memory_pressure.py), structured (JSON-schema guided decoding vs none, benchmarks/structured.py), lookup (speculative decoding by "
-        "prompt lookup on input-grounded and random prompts, benchmarks/lookup.py)",
+        "prompt lookup on input-grounded and random prompts, benchmarks/lookup.py), long-prompts (8k-32k-token "
+        "prompts on a LongRoPE model: wall, peak KV, agreement with generate(), beside vLLM: benchmarks/long_prompts.py)",
     )
     p.add_argument(
         "--engines",
@@ -188,6 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         side_rows = memory_pressure.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
             _write_side_rows(args, "memory-pressure", side_rows)
+            return 0
+
+    if "long-prompts" in args.workloads:  # long prompts past a LongRoPE model's native length: its own table
+        import long_prompts
+
+        args.workloads.remove("long-prompts")
+        side_rows = long_prompts.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not args.workloads:
+            _write_side_rows(args, "long-prompts", side_rows)
             return 0
 
     if "lookup" in args.workloads:  # speculative decoding by prompt lookup: its own engines and table

@@ -65,6 +65,7 @@ class VllmEngine(common.Engine):
         log_stats: bool = False,
         kv_cache_gb: int = 4,
         iomp: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         self.python = python
         self.dtype = dtype
@@ -75,6 +76,7 @@ class VllmEngine(common.Engine):
         # vLLM's CPU docs ask for libiomp5 in LD_PRELOAD (and warn at start-up without it): 16-18 % faster
         # here. `iomp=False` runs vLLM on the runtime its torch loads (libgomp).
         self.iomp = iomp
+        self.max_model_len = max_model_len  # None: the model's positions, at most 2048
         self.openmp: list[str] = []  # the OpenMP runtimes its processes loaded, from the ready line
         self.paused = False
         self.startup_s: float | None = None
@@ -110,7 +112,7 @@ class VllmEngine(common.Engine):
         # vLLM refuses a max_model_len above the model's positions (the lookup workload's copy model has 512).
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2048
         command = [self.python, str(WORKER), str(folder), "--dtype", self.dtype]
-        command += ["--max-model-len", str(min(2048, positions))]
+        command += ["--max-model-len", str(self.max_model_len or min(2048, positions))]
         if self.speculative_config is not None:
             command += ["--speculative-config", json.dumps(self.speculative_config)]
         if self.log_stats:

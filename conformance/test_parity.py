@@ -25,6 +25,7 @@ from conformance.common import (
 )
 from tests.support.models import BACKENDS, FAMILIES, build_tiny_model, using_backend, vocab_size
 from tests.support.prompts import prompts_of_lengths, random_prompts
+from tests.support.sharp import SHARP_FACTOR, sharpen
 from transformers_cb import GenerationOutput, RequestStatus
 from transformers_cb.attention import native
 from transformers_cb.conformance_check import next_token_logits
@@ -32,11 +33,15 @@ from transformers_cb.conformance_check import next_token_logits
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16, 256)
 BUDGETS = (16, None)  # 16 forces chunked prefill; None is the library default
+# Every family twice: as built, and sharp (query / key projections scaled by SHARP_FACTOR after init:
+# attention far from uniform, so a wrong position, mask or cached key changes tokens).
+SHARP = ":sharp"
+VARIANTS = (*FAMILIES, *(f + SHARP for f in FAMILIES))
 
 
 @dataclass
 class Family:
-    name: str
+    name: str  # the family (`<family>:sharp` for its sharp variant)
     model: PreTrainedModel
     references: ReferenceCache
     prompts: list[list[int]]  # 8 prompts of 1..40 tokens
@@ -47,7 +52,7 @@ class Family:
         return self.prompts if page_size < 64 else self.long_prompts
 
     def backend(self, attn_implementation: str) -> AbstractContextManager[PreTrainedModel]:
-        return using_backend(self.model, self.name, attn_implementation)
+        return using_backend(self.model, self.name.removesuffix(SHARP), attn_implementation)
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +60,15 @@ def _families() -> dict[str, Family]:
     return {}
 
 
-@pytest.fixture(params=FAMILIES)
+@pytest.fixture(params=VARIANTS)
 def family(request, _families: dict[str, Family]) -> Family:
-    """The family's model and its generate() references, built once per module."""
+    """The family's model (or its sharp variant) and its generate() references, built once per module."""
     name = request.param
     if name not in _families:
-        model = build_tiny_model(name, seed=0)
+        model = build_tiny_model(name.removesuffix(SHARP), seed=0)
+        if name.endswith(SHARP):
+            scaled = sharpen(model, SHARP_FACTOR)  # not inside an assert: it must run under python -O
+            assert scaled > 0, f"{name}: no query / key projection to scale"
         vocab = vocab_size(model)
         # Three requests fit in 3 pages of 256; the first crosses a page while the third is still
         # running, so the third is evicted.

@@ -29,6 +29,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--builtin-timeout", type=float, default=60.0, help="seconds per type for the built-in (default 60)"
     )
     parser.add_argument("--no-builtin", action="store_true", help="skip the built-in peer column")
+    parser.add_argument("--no-sharp", action="store_true", help="skip the sharp column (coverage/sharp.py)")
+    parser.add_argument(
+        "--sharp-factor",
+        type=float,
+        default=None,
+        help="the sharp column's query / key scale (default tests/support/sharp.py's SHARP_FACTOR, 20)",
+    )
     parser.add_argument(
         "--media",
         action="store_true",
@@ -48,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers_cb  # noqa: F401  (installs the plugin)
 
     from .catalog import SUBSET, all_entries, select
-    from .outcome import FAILING
+    from .outcome import failing
     from .pool import run_all
     from .report import markdown, summary_table, write_json
+    from .sharp import SHARP_FACTOR
 
     transformers.logging.set_verbosity_error()
     # Everything imported so far is permanent: the workers' garbage collections (the built-in runs a full
@@ -62,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(done: int, total: int, row) -> None:
         theirs = "" if row.builtin is None else f"  [built-in: {row.builtin.state}]"
         theirs += "" if row.media is None else f"  [media: {row.media.state}]"
+        theirs += "" if row.sharp is None else f"  [sharp: {row.sharp.state}]"
         reason = f"  {row.ours.reason[:160]}" if row.ours.reason else ""
         print(f"[{done}/{total}] {row.name}: {row.ours.state} {row.seconds:.1f}s{theirs}{reason}", flush=True)
 
@@ -75,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet=not args.verbose,
         progress=progress,
         media=args.media,
+        sharp=None if args.no_sharp else (args.sharp_factor or SHARP_FACTOR),
     )
     wall = time.time() - start
     print(f"\n{summary_table(rows)}\n\nwall: {wall:.0f} s")
@@ -90,10 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         write_json(
             args.json, rows, {"transformers": transformers.__version__, "date": when, "wall_s": round(wall)}
         )
-    failing = [r for r in rows if r.ours.state in FAILING]
-    for r in failing:
-        print(f"FAIL {r.name}: {r.ours.state}: {r.ours.reason}", file=sys.stderr)
-    return 1 if failing else 0
+    failed = [(r, column, o) for r in rows for column, o in failing(r)]
+    for r, column, o in failed:
+        print(f"FAIL {r.name} ({column}): {o.state}: {o.reason}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

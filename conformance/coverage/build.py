@@ -10,6 +10,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from tests.support.hybrids import HYBRIDS, hybrid_config
+from tests.support.sharp import sharpen
 
 from .catalog import CAUSAL_LM, Entry
 from .shrink import SPECIAL_ID_SUFFIXES, tiny_config
@@ -58,8 +59,9 @@ def entry_config(entry: Entry) -> Any:
     return tiny_config(entry.model_type)
 
 
-def build_model(entry: Entry) -> PreTrainedModel:
-    """The entry's class from its tiny config: seeded random weights, float32, CPU, eval mode."""
+def build_model(entry: Entry, sharp: float | None = None) -> PreTrainedModel:
+    """The entry's class from its tiny config: seeded random weights, float32, CPU, eval mode; `sharp`: its
+    query / key projections scaled by that factor after init (tests/support/sharp.py)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     try:
@@ -73,6 +75,8 @@ def build_model(entry: Entry) -> PreTrainedModel:
     except Exception as exc:  # noqa: BLE001
         raise NotBuilt(f"model: {type(exc).__name__}: {exc}") from exc
     model.eval()
+    if sharp is not None:
+        sharpen(model, sharp)
     # A neutral generation config: checkpoint-style defaults (sampling, penalties) stay out of the comparison.
     saved = getattr(model, "generation_config", None)
     if saved is None:
@@ -197,9 +201,10 @@ def layer_kinds_of(config: Any) -> str:
     return ", ".join(sorted(kinds) + features)
 
 
-def build_subject(entry: Entry) -> Subject:
-    """Build the model and its references (raises `NotBuilt` when the config or the model cannot be built)."""
-    model = build_model(entry)
+def build_subject(entry: Entry, sharp: float | None = None) -> Subject:
+    """Build the model (`sharp`: its query / key projections scaled) and its references (raises `NotBuilt`
+    when the config or the model cannot be built)."""
+    model = build_model(entry, sharp)
     try:
         prompts = make_prompts(model)
     except Exception as exc:  # noqa: BLE001

@@ -10,7 +10,7 @@ MISMATCH = "mismatch"  # ran, but some tokens differ from generate() (beyond a f
 CRASH = "crash"  # any other exception, a failed request, a hang, a dead manager thread or process
 NOT_INSTANTIABLE = "not instantiable"  # the tiny config, the model or generate() itself fails offline
 STATES = (EXACT, REFUSED, MISMATCH, CRASH, NOT_INSTANTIABLE)
-FAILING = (MISMATCH, CRASH)  # what the tool's exit status (and CI) fails on
+FAILING = (MISMATCH, CRASH)  # what the tool's exit status (and CI) fails on, in either column of ours
 
 
 @dataclass
@@ -28,7 +28,8 @@ class Outcome:
 
 @dataclass
 class Row:
-    """One model type (or image-text-to-text class) of the matrix: ours and the built-in's outcome."""
+    """One model type (or image-text-to-text class) of the matrix: ours (plain and sharp) and the built-in's
+    outcome."""
 
     name: str
     model_type: str
@@ -41,6 +42,7 @@ class Row:
     media: Outcome | None = (
         None  # `--media`: the class judged with images (coverage/media.py); None: not asked
     )
+    sharp: Outcome | None = None  # ours with query / key scaled (coverage/sharp.py); None: not asked
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -51,6 +53,7 @@ class Row:
         d["ours"] = Outcome.from_dict(d["ours"])
         d["builtin"] = Outcome.from_dict(d["builtin"]) if d.get("builtin") else None
         d["media"] = Outcome.from_dict(d["media"]) if d.get("media") else None
+        d["sharp"] = Outcome.from_dict(d["sharp"]) if d.get("sharp") else None
         return cls(**d)
 
 
@@ -59,3 +62,9 @@ def one_line(text: str, limit: int = 300) -> str:
     text = " ".join(part.strip() for part in str(text).strip().splitlines() if part.strip())
     text = text.replace("|", "\\|")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def failing(row: Row) -> list[tuple[str, Outcome]]:
+    """(column, outcome) of each of ours' columns (plain, sharp) in a failing state."""
+    columns = [("ours", row.ours), ("sharp", row.sharp)]
+    return [(name, o) for name, o in columns if o is not None and o.state in FAILING]

@@ -1,4 +1,5 @@
-"""The matrix as JSON and as docs/models.md (counts, ours beside the built-in's, then one row per type)."""
+"""The matrix as JSON and as docs/models.md (counts, ours plain and sharp beside the built-in's, then one row
+per type); the JSON holds what the Markdown shows: every column's counts (media included) and every row."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
+from .deferred import deferred_table
 from .outcome import STATES, Row
 
 MARKDOWN_HEADER = """# Model coverage: every causal-LM type of transformers {version}
@@ -21,6 +23,10 @@ vocabulary 256, windows of 8; float32, CPU, seeded) and judged against greedy `g
 - **ours**: the manager with a cache a little larger than the largest request (requests are preempted
   and recomputed), then `generate_batch`; both with 4-token pages, a 16-token step budget (chunked
   prefill) and prefix sharing (two prompts share four pages);
+- **sharp**: ours again on the same model with every query and key projection scaled by {sharp} after
+  init (tests/support/sharp.py: attention logits grow by its square, so attention is far from uniform and a
+  wrong position, rotary frequency, mask or cached key changes tokens), with new `generate()` references;
+  a type refused or not instantiable unscaled keeps that state;
 - **built-in**: transformers' own continuous batching (`generate_batch`, the same settings and a
   64-page cache); its column compares tokens only.
 
@@ -34,18 +40,30 @@ fails on the tiny config offline, with the reason). The rules behind the refusal
 """
 
 
-def counts(rows: list[Row], builtin: bool = False) -> Counter:
-    outcomes = [r.builtin for r in rows] if builtin else [r.ours for r in rows]
+COLUMNS = ("ours", "sharp", "builtin", "media")  # the Row fields holding an Outcome, in table order
+
+
+def counts(rows: list[Row], builtin: bool = False, column: str | None = None) -> Counter:
+    """The states' counts of one column (`ours` unless `builtin` or `column` says otherwise)."""
+    name = column or ("builtin" if builtin else "ours")
+    outcomes = [getattr(r, name) for r in rows]
     return Counter(o.state for o in outcomes if o is not None)
 
 
 def summary_table(rows: list[Row]) -> str:
-    ours, theirs = counts(rows), counts(rows, builtin=True)
+    ours, sharp, theirs = counts(rows), counts(rows, column="sharp"), counts(rows, builtin=True)
     has_builtin = any(r.builtin is not None for r in rows)
-    lines = ["| state | ours | built-in |", "|---|---:|---:|"]
+    has_sharp = any(r.sharp is not None for r in rows)
+    lines = ["| state | ours | ours sharp | built-in |", "|---|---:|---:|---:|"]
     for state in STATES:
-        lines.append(f"| {state} | {ours.get(state, 0)} | {theirs.get(state, 0) if has_builtin else '-'} |")
-    lines.append(f"| **total** | {len(rows)} | {sum(theirs.values()) if has_builtin else '-'} |")
+        mine = sharp.get(state, 0) if has_sharp else "-"
+        lines.append(
+            f"| {state} | {ours.get(state, 0)} | {mine} | {theirs.get(state, 0) if has_builtin else '-'} |"
+        )
+    total_sharp = sum(sharp.values()) if has_sharp else "-"
+    lines.append(
+        f"| **total** | {len(rows)} | {total_sharp} | {sum(theirs.values()) if has_builtin else '-'} |"
+    )
     return "\n".join(lines)
 
 
@@ -73,17 +91,32 @@ def refusals_table(rows: list[Row]) -> str:
 
 def rows_table(rows: list[Row]) -> str:
     with_media = any(r.media is not None for r in rows)
+    with_sharp = any(r.sharp is not None for r in rows)
     lines = [
-        "| type | family | layer kinds | state | seconds | reason | built-in |"
+        "| type | family | layer kinds | state | seconds | reason |"
+        + (" sharp |" if with_sharp else "")
+        + " built-in |"
         + (" media |" if with_media else ""),
-        "|---|---|---|---|---:|---|---|" + ("---|" if with_media else ""),
+        "|---|---|---|---|---:|---|"
+        + ("---|" if with_sharp else "")
+        + "---|"
+        + ("---|" if with_media else ""),
     ]
     for r in rows:
         reason = r.ours.reason or r.ours.notes
         theirs = "-" if r.builtin is None else r.builtin.state
         if r.builtin is not None and r.builtin.state not in ("exact",) and r.builtin.reason:
             theirs += f": {r.builtin.reason[:120]}"
-        line = f"| {r.name} | {r.family} | {r.layer_kinds} | {r.ours.state} | {r.seconds:.1f} | {reason} | {theirs} |"
+        sharp = ""
+        if with_sharp:
+            sharp = "-" if r.sharp is None else r.sharp.state
+            if r.sharp is not None and r.sharp.state != r.ours.state and r.sharp.reason:
+                sharp += f": {r.sharp.reason[:160]}"
+            sharp = f" {sharp} |"
+        line = (
+            f"| {r.name} | {r.family} | {r.layer_kinds} | {r.ours.state} | {r.seconds:.1f} | {reason} |"
+            f"{sharp} {theirs} |"
+        )
         if with_media:
             cell = "-" if r.media is None else r.media.state
             if r.media is not None and r.media.reason:
@@ -104,8 +137,14 @@ def media_table(rows: list[Row]) -> str:
 def markdown(rows: list[Row], args: str, when: str, wall_s: float) -> str:
     import transformers
 
+    from .sharp import SHARP_FACTOR
+
     machine = f"{platform.machine()}, {wall_s:.0f} s wall"
-    header = MARKDOWN_HEADER.format(version=transformers.__version__, args=args, when=when, machine=machine)
+    factors = {n.rsplit("x", 1)[-1] for r in rows if r.sharp for n in r.sharp.notes.split() if "scaled=" in n}
+    sharp = " / ".join(sorted(factors)) or f"{SHARP_FACTOR:g}"
+    header = MARKDOWN_HEADER.format(
+        version=transformers.__version__, args=args, when=when, machine=machine, sharp=sharp
+    )
     media = ""
     if any(r.media is not None for r in rows):
         media = (
@@ -113,16 +152,21 @@ def markdown(rows: list[Row], args: str, when: str, wall_s: float) -> str:
             "random images against `generate()` (conformance/coverage/media.py, docs/multimodal.md).\n\n"
             f"{media_table(rows)}\n\n"
         )
+    deferred = (
+        "## The last refused decoders\n\nEach refused (or not instantiable) with the one piece missing, kept "
+        "refused where that piece is larger than the type's use warrants (coverage/deferred.py):\n\n"
+        f"{deferred_table()}\n\n"
+    )
     return (
         f"{header}## Counts\n\n{summary_table(rows)}\n\n## Refusals by reason\n\n{refusals_table(rows)}\n\n"
-        f"{media}## Per type\n\n{rows_table(rows)}\n"
+        f"{deferred}{media}## Per type\n\n{rows_table(rows)}\n"
     )
 
 
 def write_json(path: Path, rows: list[Row], meta: dict) -> None:
     payload = {
         **meta,
-        "counts": {"ours": dict(counts(rows)), "builtin": dict(counts(rows, builtin=True))},
+        "counts": {column: dict(counts(rows, column=column)) for column in COLUMNS},
         "rows": [r.as_dict() for r in rows],
     }
     path.write_text(json.dumps(payload, indent=1) + "\n")

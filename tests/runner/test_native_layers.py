@@ -21,6 +21,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from tests.support.models import build_model, build_tiny_model, tiny_llama, tiny_qwen3
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
+from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.engine import engine as engine_module
@@ -222,16 +223,6 @@ def test_a_class_that_fails_its_check_keeps_its_forward(monkeypatch, caplog) -> 
 # -- greedy parity on sharp models ----------------------------------------------------------------
 
 
-def sharpen(model: nn.Module, factor: float = 8.0) -> nn.Module:
-    """Query/key projections scaled so that attention is far from uniform: a wrong position or rotary
-    changes tokens."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.mul_(factor)
-    return model
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_generate_batch_equals_generate_with_native_layers(family, monkeypatch) -> None:
     shape = {
@@ -245,7 +236,9 @@ def test_generate_batch_equals_generate_with_native_layers(family, monkeypatch) 
     }
     if family == "qwen3":
         shape["head_dim"] = 16
-    model = sharpen(build_model(family, seed=0, **shape))
+    model = build_model(family, seed=0, **shape)
+    scaled = sharpen(model, 8.0)  # query / key scaled: attention far from uniform
+    assert scaled > 0
     counts: list[int] = []
     real = native_layers.native_layers
 

@@ -1,6 +1,7 @@
 """Helpers shared by the unit tests (tests/) and the parity suite (conformance/); no tests here.
 
 - `models`: the one tiny-model builder (seeded random weights, fp32, eval) and the model-family tables.
+- `sharp`: query / key projections scaled after init (`sharpen`, `SHARP_FACTOR`): attention far from uniform.
 - `prompts`: seeded random prompts. `reference`: the greedy plain-`generate()` reference.
 - `requests`: `Request` objects for the page policy and scheduler tests. `fakes`: the scheduler's fake model.
 - `engine`: an `Engine` driven directly to completion. `faults`: a method that fails on its n-th call.

@@ -95,7 +95,7 @@ def live_server(
     `transformers-cb serve` sets it up, and the real app served by uvicorn on 127.0.0.1:<free port>."""
     from transformers_cb import ContinuousBatchingConfig
     from transformers_cb.serve.app import ServeState
-    from transformers_cb.serve.server import start_serving_manager
+    from transformers_cb.serve.server import serving_positions, start_serving_manager
 
     cb_config = ContinuousBatchingConfig(**{"page_size": 16, "num_blocks": 64, **config})
     manager = start_serving_manager(model, tokenizer, cb_config, assistant_model)
@@ -103,7 +103,7 @@ def live_server(
         manager,
         tokenizer,
         MODEL_NAME,
-        model.config.get_text_config().max_position_embeddings,
+        serving_positions(model),
         has_assistant=assistant_model is not None,
     )
 

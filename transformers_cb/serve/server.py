@@ -191,6 +191,15 @@ def start_serving_manager(
     return manager
 
 
+def serving_positions(model: Any) -> int:
+    """The longest sequence the server lets a request reach: the engine's own rule (memory/sizing.py's
+    `native_positions`): `max_position_embeddings`, unbounded where the rotary embedding runs past it as
+    `generate()` does (dynamic NTK, LongRoPE: kv/rope_rule.py). The engine refuses what is longer still."""
+    from ..memory.sizing import native_positions
+
+    return native_positions(model.config.get_text_config())
+
+
 def build_state(args: argparse.Namespace) -> Any:
     """Load the model, its tokenizer and (a vision-language folder's) processor, start the manager, and
     return the app's `ServeState`."""
@@ -216,12 +225,11 @@ def build_state(args: argparse.Namespace) -> Any:
     name = args.served_model_name or (
         Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME
     )
-    max_positions = model.config.get_text_config().max_position_embeddings
     return ServeState(
         manager,
         tokenizer,
         name,
-        max_positions,
+        serving_positions(model),
         default_max_tokens=args.default_max_tokens,
         logprobs=not args.no_logprobs,
         has_assistant=assistant is not None,
