@@ -18,14 +18,17 @@ from .back_off import record, speculation_of
 from .speculation_stats import SpeculationStats
 
 
-def fit_draft(request: Request, budget: int, proposed: list[int]) -> list[int]:
-    """The tokens of `proposed` (`request`'s draft) this step runs (empty: none): at most `budget - 1`
-    (the step's token budget also runs its last token), its draft length and never past `max_new_tokens`
-    (the target's own token after the draft is the last one the request may have), and, as transformers
-    does, nothing from an eos on (the request would end there). A paused request counts one step of its
-    pause down instead."""
+def fit_draft(request: Request, budget: int, proposed: list[int], speculating: bool = True) -> list[int]:
+    """The tokens of `proposed` (`request`'s draft) this step runs (empty: none): none unless the step
+    speculates (`speculating`: `Scheduler.speculates_now`) and the request decodes its next token with
+    speculation on; then at most `budget - 1` (the step's token budget also runs its last token), its
+    draft length and never past `max_new_tokens` (the target's own token after the draft is the last one
+    the request may have), and, as transformers does, nothing from an eos on (the request would end
+    there). A paused request counts one step of its pause down instead."""
     state = speculation_of(request)
-    if state is None or budget < 2:
+    if not speculating or state is None or request.num_remaining_tokens != 1 or not request.generated_ids:
+        return []
+    if budget < 2:
         return []
     if state.paused_steps:
         state.paused_steps -= 1

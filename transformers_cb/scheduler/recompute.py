@@ -1,6 +1,9 @@
-"""`RecomputeCounter`: the tokens preemption made the scheduler run a second time."""
+"""`RecomputeCounter`: the tokens preemption made the scheduler run a second time; `drop_kv`: a request's KV
+dropped (it runs prompt + generated tokens again), counted."""
 
 from __future__ import annotations
+
+from ..requests import Request
 
 
 class RecomputeCounter:
@@ -29,3 +32,9 @@ class RecomputeCounter:
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+
+
+def drop_kv(request: Request, counter: RecomputeCounter) -> None:
+    """`request` loses its KV: it computes prompt + generated tokens again from its next admission."""
+    counter.dropped(request.request_id, request.num_computed_tokens)
+    request.num_computed_tokens = 0

@@ -3,10 +3,10 @@
 The scheduler works on plain data (requests, page ids) and never touches a
 tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
-plan.py; admission of waiting requests in admission.py), the runner executes it, and `update()` (step_results.py, the half that runs after the forward)
-applies the sampled tokens. A change of the model's weights is applied between two steps by
-`weights_changed` (weight_updates.py: a new weight version, the prefix keys dropped, the requests in flight
-kept, recomputed or aborted). Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
+plan.py; whether a waiting request starts: `Admission`, admission.py), the runner executes it, and
+`update()`, the other half, applies the sampled tokens. A change of the model's weights is applied between
+two steps by `weights_changed` (a new weight version, the prefix keys dropped, the requests in flight kept,
+recomputed or aborted: weight_updates.py). Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
 finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
 plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
 the one place. Policies (`fifo`, `prefill_first`, `decode_first`,
@@ -18,26 +18,27 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..invariants import check
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..requests import FINISH_REASONS, Request, RequestStatus
+from ..sampling.sampled_token import SampledToken
 from .admission import Admission
 from .back_off import speculation_of
-from .drafts import fit_draft
+from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .media_budget import MediaBudget, block_cut
 from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy
-from .recompute import RecomputeCounter
+from .recompute import RecomputeCounter, drop_kv
+from .rope_switch import RopeSwitches
 from .speculation_stats import SpeculationStats
-from .step_results import StepResults
-from .weight_updates import WeightUpdates
+from .weight_updates import UpdateMode, aborted_error, in_flight, too_stale
 
 
-class Scheduler(Admission, StepResults, WeightUpdates):
+class Scheduler:
     """Owns the waiting queue, the running list and the request <-> page bookkeeping.
 
     Args:
@@ -74,7 +75,6 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         self.speculation_max_batch = speculation_max_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
-        self.safety_margin = safety_margin
         self.policy = policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -82,14 +82,24 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         self.num_preemptions = 0
         self.weight_version = 0  # bumped by each change of the model's weights (`weights_changed`)
         self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
-        # Requests whose KV was recomputed at a LongRoPE switch (`_recompute_at_rope_switch`): never again.
-        self.rope_switched: set[str] = set()
+        self.admission = Admission(pages, safety_margin, self.recomputed, offload, media)
+        # Requests whose KV is recomputed at a LongRoPE switch (`_recompute_at_rope_switch`), once each.
+        self.rope_switches = RopeSwitches(pages.rope)
         self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
         # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
         self.taken_back: list[TakeBack] = []
         # Requests that stopped running since the last plan (ended, preempted, failed): its `released`.
         self.ended: list[Request] = []
+
+    @property
+    def safety_margin(self) -> float:
+        """The free share of pages a new request needs to start while others run (admission's)."""
+        return self.admission.safety_margin
+
+    @safety_margin.setter
+    def safety_margin(self, value: float) -> None:
+        self.admission.safety_margin = value
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -119,15 +129,14 @@ class Scheduler(Admission, StepResults, WeightUpdates):
     def schedule(self, drafts: Mapping[str, list[int]] | None = None) -> StepPlan:
         """Pick the next step. May preempt running requests (in `preempted`) and fail
         requests that can never fit the cache (in `failed`, already finished). `drafts`: the draft
-        tokens proposed for speculating requests (`Drafts`, drafts.py), each cut to what the step fits."""
-        # The algorithm: candidates come in the policy's order (fifo: running ones, then waiting ones)
-        # while the step has token budget and request slots left. A running request keeps its place:
-        # it runs the tokens that fit, else takes the pages of the newest unscheduled running requests
-        # (preempting them), else is preempted (or, alone, failed) itself. A waiting request starts
-        # only while the FIFO gate is open: it swaps back in (CPU offload), or takes its cached prefix
-        # and the pages its first chunk needs while the free share stays above the safety margin. The
-        # first waiting request that cannot start closes the gate for those behind it; one that can
-        # never fit (nothing runs, not one token fits) fails instead and opens it again.
+        tokens proposed for speculating requests (`Drafts`, drafts.py), each cut to what the step fits.
+
+        Candidates come in the policy's order (fifo: running ones, then waiting ones) while the step has
+        token budget and request slots left. A running request keeps its place: it runs the tokens that
+        fit, else takes the pages of the newest unscheduled running requests (preempting them), else is
+        preempted (or, alone, failed) itself. A waiting request starts only while the FIFO gate is open
+        (`Admission.admit`); the first that cannot start closes the gate for those behind it; one that can
+        never fit (nothing runs, not one token fits) fails instead and opens it again."""
         budget = self.max_batch_tokens
         # The policy bounds the step's prompt tokens (decodes are not counted) and any one request's chunk.
         limits = self.policy.prefill_limits(budget, self.running, self.waiting)
@@ -156,33 +165,16 @@ class Scheduler(Admission, StepResults, WeightUpdates):
                     request, min(budget, prefill_left, limits.chunk), scheduled, plan
                 )
             else:
-                if (
-                    speculating
-                    and request.speculation is not None
-                    and request.num_remaining_tokens == 1
-                    and request.generated_ids
-                ):
-                    # The budget counts draft tokens.
-                    draft = fit_draft(request, budget, (drafts or {}).get(request.request_id, []))
-                    draft = self._draft_before_rope_switch(request, draft)
+                proposed = (drafts or {}).get(request.request_id, [])
+                draft = self.rope_switches.cut_draft(
+                    request, fit_draft(request, budget, proposed, speculating)
+                )
                 num_tokens = self._keep_running(request, budget, scheduled, plan, len(draft))
             if prefills and self._reserves(request, num_tokens or 0):
                 gate.close()
             if num_tokens is None:
                 continue
-            request.set_status(
-                RequestStatus.DECODING
-                if request.generated_ids and request.num_remaining_tokens == 1
-                else RequestStatus.PREFILLING
-            )
-            draft = draft[: max(0, num_tokens - request.num_remaining_tokens)]  # what fits of it
-            scheduled[id(request)] = ScheduledRequest(
-                request,
-                request.num_computed_tokens,
-                num_tokens,
-                draft,
-                state_slot=self.pages.state_slot(request),
-            )
+            scheduled[id(request)] = self._entry(request, num_tokens, draft)
             budget -= num_tokens
             if prefills:
                 prefill_left -= num_tokens
@@ -194,41 +186,149 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         plan.released, self.ended = self.ended, []
         return plan
 
+    def _entry(self, request: Request, num_tokens: int, draft: list[int]) -> ScheduledRequest:
+        """`request`'s entry in the plan: `num_tokens` from its computed ones, what fits of `draft`."""
+        request.set_status(
+            RequestStatus.DECODING
+            if request.generated_ids and request.num_remaining_tokens == 1
+            else RequestStatus.PREFILLING
+        )
+        draft = draft[: max(0, num_tokens - request.num_remaining_tokens)]
+        state_slot = self.pages.state_slot(request)
+        return ScheduledRequest(
+            request, request.num_computed_tokens, num_tokens, draft, state_slot=state_slot
+        )
+
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Sequence[Sequence[SampledToken]],
+        prompt_logprobs: Mapping[str, list[float]] | None = None,
+        prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None = None,
+    ) -> list[Request]:
+        """The other half of a step, after the forward: advance every scheduled request. `sampled[i]` holds
+        the tokens of the i-th sampling entry (one, or a speculating entry's verified run),
+        `prompt_logprobs` the prompt-token logprobs the step scored, by request id (the runner's
+        `StepOutput`), `prompt_top_logprobs` their best alternatives where asked for. Returns the requests
+        that finished in this step."""
+        finished: list[Request] = []
+        samples = iter(sampled)
+        for entry in plan.entries:
+            request = entry.request
+            if entry.draft:
+                if self._apply_verified(entry, list(next(samples))):
+                    finished.append(request)
+                continue
+            request.num_computed_tokens = entry.end
+            if self.media is not None:
+                self.media.computed(request)
+            record_prompt_logprobs(request, prompt_logprobs, prompt_top_logprobs)
+            if self.recomputed.pending:
+                self.recomputed.ran(request.request_id, entry.start, entry.end)
+            self.pages.register(request)  # before a sliding group drops pages
+            if request.fork_children and entry.end == self.forks.fork_point(request):
+                self.forks.fork(request, self.running, self.waiting)
+            # Step boundary: sliding-window groups return the pages that fell out of the window.
+            self.pages.trim(request)
+            if not entry.samples:
+                continue
+            (token,) = next(samples)
+            request.record_weight_version(self.weight_version)
+            request.append_token(token.token_id, token.logprob, token.top_logprobs)
+            if self._stops(request, request.stop_reason()):
+                finished.append(request)
+        return finished
+
+    def _apply_verified(self, entry: ScheduledRequest, run: list[SampledToken]) -> bool:
+        """A speculating request's verified run (drafts.py `append_verified`), its KV kept for the
+        accepted tokens only (the pages past them go back). Returns whether it finished."""
+        request = entry.request
+        request.record_weight_version(self.weight_version)
+        reason = append_verified(request, len(entry.draft), run, self.speculation)
+        # The KV of every appended token but the last is in the cache (the draft's, verified this step).
+        request.num_computed_tokens = request.num_tokens - 1
+        if self.recomputed.pending:
+            self.recomputed.ran(request.request_id, entry.start, entry.end - len(entry.draft))
+        self.pages.register(request)  # keys for full pages of accepted tokens only
+        if self.pages.release_surplus(request):  # the block-table side runs from the next plan
+            groups = range(len(self.pages.policies))
+            self.taken_back.append(TakeBack(request, tuple(request.group_pages(g).end_page for g in groups)))
+        self.pages.trim(request)
+        return self._stops(request, reason)
+
+    def _stops(self, request: Request, reason: str | None) -> bool:
+        """Finish `request` if its last token ended it (`reason`: why), else it decodes on. Returns whether
+        it finished."""
+        if reason is None:
+            request.set_status(RequestStatus.DECODING)
+            return False
+        request.finish_reason = reason
+        self.finish(request, RequestStatus.FINISHED)
+        return True
+
+    # -- weight updates ------------------------------------------------------------------------------
+    def weights_changed(self, mode: UpdateMode) -> list[Request]:
+        """The model's weights changed (call between two steps): a new version, no page from before kept
+        for later hits, the requests in flight treated by `mode` (weight_updates.py). Returns the requests
+        it ended (`abort`), already finished."""
+        self.weight_version += 1
+        version = self.weight_version
+        self.pages.weights_changed(version, self.running)
+        ended: list[Request] = []
+        # Running ones in order, then the waiting ones that hold KV in the host tier or have tokens.
+        swapped = self.offload.is_swapped if self.offload is not None else (lambda request: False)
+        started = [*self.running, *(r for r in self.waiting if in_flight(r, swapped(r)))]
+        recomputed: list[Request] = []
+        for request in started:
+            if mode == "abort":
+                self.finish(request, RequestStatus.ABORTED, aborted_error(version))
+                ended.append(request)
+            elif (mode == "recompute" or too_stale(request, version)) and self._recompute(request):
+                recomputed.append(request)
+        # Back at the head of the queue, in their order: they were running (or waiting) before the others.
+        for request in reversed(recomputed):
+            self.waiting.appendleft(request)
+        return ended
+
+    def _recompute(self, request: Request) -> bool:
+        """Drop the request's KV (device pages, host pages, state slot): it runs prompt + tokens so far
+        again from its next admission. Returns whether it was running (it left the running list)."""
+        if self.offload is not None and self.offload.is_swapped(request):
+            self.offload.discard(request)
+        drop_kv(request, self.recomputed)
+        if request not in self.running:
+            return False
+        self._leave_running(request)  # its rows go with the next plan's `released`, its draft shadow too
+        return True
+
     def _recompute_at_rope_switch(self, plan: StepPlan) -> None:
         """Drop the KV of the running requests the model's `generate()` computes again from scratch at this
-        length (Phi-3's LongRoPE switch, kv/rope_rule.py `RopeRule.must_recompute`): they go back to the
-        head of the queue and recompute prompt + generated tokens with the long factors. Not a preemption
-        (no page shortage): not counted as one, and never swapped to the host tier."""
-        rope = self.pages.rope
-        if rope is None or not rope.recomputes_at_switch:
-            return
-        for request in list(self.running):
-            if request.is_finished or request.request_id in self.rope_switched:
-                continue
-            if not rope.must_recompute(
-                request.num_prompt_tokens, request.num_computed_tokens, request.num_tokens
-            ):
-                continue
-            self.rope_switched.add(request.request_id)
-            self._drop_kv(request)
-            self._free_pages(request)
-            # Its keys were salted with the short factors' (empty) salt: they are keyed again.
-            request.num_registered_pages = 0
-            request.page_keys.clear()
-            request.set_status(RequestStatus.EVICTED)
-            self.running.remove(request)
+        length (Phi-3's LongRoPE switch, rope_switch.py): they go back to the head of the queue and recompute
+        prompt + generated tokens with the long factors. Not a preemption (no page shortage): not counted as
+        one, and never swapped to the host tier."""
+        for request in self.rope_switches.due(self.running):
+            drop_kv(request, self.recomputed)
+            request.page_keys.clear()  # keyed with the short factors' (empty) salt: keyed again
+            self._leave_running(request)
             self.waiting.appendleft(request)
             plan.preempted.append(request)
-            self._stopped(request)
 
-    def _draft_before_rope_switch(self, request: Request, draft: list[int]) -> list[int]:
-        """`draft` cut so that its verification stays before the request's LongRoPE switch (Phi-3's
-        `generate()` recomputes there: `RopeRule.draft_room`)."""
-        rope = self.pages.rope
-        if rope is None or request.request_id in self.rope_switched:
-            return draft
-        room = rope.draft_room(request.num_prompt_tokens, request.num_tokens)
-        return draft if room is None else draft[:room]
+    def _admit(self, request: Request, budget: int, gate: AdmissionGate, plan: StepPlan) -> int | None:
+        """A waiting request's first tokens if it starts this step (`Admission.admit`: pages allocated; moved
+        to the running list here), else None: it keeps waiting (holding nothing), or failed because it can
+        never fit."""
+        wanted = lambda: self._wanted(request, budget)  # noqa: E731
+        admitted = self.admission.admit(request, wanted, gate, bool(self.running), self.weight_version)
+        if admitted.never_fits:
+            self._fail_unfittable(request, plan)
+            gate.open()  # it blocked nobody: the next waiting request may start
+        if not admitted.started:
+            return None
+        self.waiting.remove(request)
+        self.running.append(request)
+        if admitted.encodes:
+            plan.encode.append(request)
+        return admitted.num_tokens or None  # swapped back in before an image block: it runs later
 
     def _reserves(self, request: Request, num_tokens: int) -> bool:
         """Whether a started prompt (one that runs `num_tokens` now, or waits holding its pages) keeps the
@@ -312,16 +412,20 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         """Take the pages (and state slot) of `request` away: swapped out to the host tier when there is one
         with room, else dropped (it recomputes prompt + generated tokens later)."""
         if self.offload is None or not self.offload.try_swap_out(request):
-            self._drop_kv(request)
-        self._free_pages(request)
-        # Its pages (fresh ones after a swap-in) are no longer the keyed ones: `register` keys them again.
-        request.num_registered_pages = 0
+            drop_kv(request, self.recomputed)
         request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._leave_running(request)
+        self.waiting.appendleft(request)
+        plan.preempted.append(request)
+
+    def _leave_running(self, request: Request) -> None:
+        """`request` stops running without ending (preempted, recomputed): its pages and state slot freed, its
+        pages keyed again when it is back (`register`), EVICTED, out of the running list, into `ended`."""
+        self._free_pages(request)
+        request.num_registered_pages = 0
         request.set_status(RequestStatus.EVICTED)
         self.running.remove(request)
-        self.waiting.appendleft(request)
-        self.num_preemptions += 1
-        plan.preempted.append(request)
         self._stopped(request)
 
     def _stopped(self, request: Request) -> None:
@@ -333,10 +437,6 @@ class Scheduler(Admission, StepResults, WeightUpdates):
         state = speculation_of(request)
         if state is not None:
             state.source.stopped(request)
-
-    def _drop_kv(self, request: Request) -> None:
-        self.recomputed.dropped(request.request_id, request.num_computed_tokens)
-        request.num_computed_tokens = 0
 
     def _free_pages(self, request: Request) -> None:
         self.pages.free(request)  # with its state slot and its promises of pages not computed yet
@@ -366,7 +466,7 @@ class Scheduler(Admission, StepResults, WeightUpdates):
             request.fork_children = []
         self._free_pages(request)
         self.recomputed.forget(request.request_id)
-        self.rope_switched.discard(request.request_id)
+        self.rope_switches.forget(request.request_id)
         if self.offload is not None:
             self.offload.discard(request)
         request.error = error
@@ -398,3 +498,20 @@ class Scheduler(Admission, StepResults, WeightUpdates):
                 swapped == (request.num_computed_tokens > 0),
                 f"waiting {request.request_id}: {request.num_computed_tokens=} but swapped out={swapped}",
             )
+
+
+def record_prompt_logprobs(
+    request: Request,
+    prompt_logprobs: Mapping[str, list[float]] | None,
+    prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None,
+) -> None:
+    """The prompt-token logprobs (and best alternatives) a step scored for `request`, appended to its own."""
+    scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
+    if not scored:
+        return
+    if request.prompt_logprobs is None:
+        request.prompt_logprobs = []
+    request.prompt_logprobs.extend(scored)
+    tops = prompt_top_logprobs.get(request.request_id) if prompt_top_logprobs else None
+    if tops:
+        request.prompt_top_logprobs = [*(request.prompt_top_logprobs or ()), *tops]

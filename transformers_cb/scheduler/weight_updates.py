@@ -1,6 +1,6 @@
 """Weight updates: the scheduler's side of a change of the model's weights (docs/manager.md).
 
-Each change is a new weight version (`Scheduler.weight_version`, from 0). `WeightUpdates.weights_changed`
+Each change is a new weight version (`Scheduler.weight_version`, from 0). `Scheduler.weights_changed`
 applies one at a step boundary, between two forwards:
 
 - no page computed before may be hit again: every page loses its prefix key, cached or held by a request,
@@ -15,15 +15,15 @@ applies one at a step boundary, between two forwards:
   - `abort`: they end at once, `ABORTED`, with the tokens they had.
 
 `UPDATE_MODES` and `check_update_mode` are the modes' one definition (the manager checks its callers'
-mode with it). Torch-free, as the whole room.
+mode with it); `in_flight` and `too_stale` say which requests an update concerns. Torch-free, as the whole
+room.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from ..requests import Request, RequestStatus
-from .scheduler_state import SchedulerState
+from ..requests import Request
 
 UpdateMode = Literal["keep", "recompute", "abort"]
 UPDATE_MODES: tuple[UpdateMode, ...] = ("keep", "recompute", "abort")
@@ -45,56 +45,15 @@ def aborted_error(version: int) -> str:
     return f"aborted: the model's weights changed (weight version {version}) while the request was in flight"
 
 
-class WeightUpdates(SchedulerState):
-    """Mixed into `Scheduler`."""
+def in_flight(request: Request, swapped: bool) -> bool:
+    """A waiting request in flight: its KV in the host tier (`swapped`), or tokens generated before a
+    preemption."""
+    return swapped or bool(request.generated_ids)
 
-    weight_version: int
 
-    def weights_changed(self, mode: UpdateMode) -> list[Request]:
-        """The model's weights changed (call between two steps): a new version, no page from before kept
-        for later hits, the requests in flight treated by `mode` (module docstring). Returns the requests
-        it ended (`abort`), already finished."""
-        self.weight_version += 1
-        version = self.weight_version
-        self.pages.weights_changed(version, self.running)
-        ended: list[Request] = []
-        # Running ones in order, then the waiting ones that hold KV in the host tier or have tokens.
-        in_flight = [*self.running, *(r for r in self.waiting if self._started(r))]
-        recomputed: list[Request] = []
-        for request in in_flight:
-            if mode == "abort":
-                self.finish(request, RequestStatus.ABORTED, aborted_error(version))
-                ended.append(request)
-            elif (mode == "recompute" or self._too_stale(request)) and self._recompute(request):
-                recomputed.append(request)
-        # Back at the head of the queue, in their order: they were running (or waiting) before the others.
-        for request in reversed(recomputed):
-            self.waiting.appendleft(request)
-        return ended
-
-    def _started(self, request: Request) -> bool:
-        """A waiting request in flight: its KV in the host tier, or tokens generated before a preemption."""
-        swapped = self.offload is not None and self.offload.is_swapped(request)
-        return swapped or bool(request.generated_ids)
-
-    def _too_stale(self, request: Request) -> bool:
-        """Its KV would lag more versions behind the weights than its `max_staleness` allows."""
-        limit, version = request.max_staleness, request.kv_version
-        if limit is None or version is None or not request.num_computed_tokens:
-            return False
-        return self.weight_version - version > limit
-
-    def _recompute(self, request: Request) -> bool:
-        """Drop the request's KV (device pages, host pages, state slot): it runs prompt + tokens so far
-        again from its next admission. Returns whether it was running (it left the running list)."""
-        if self.offload is not None and self.offload.is_swapped(request):
-            self.offload.discard(request)
-        self._drop_kv(request)
-        if request not in self.running:
-            return False
-        self._free_pages(request)
-        request.num_registered_pages = 0
-        request.set_status(RequestStatus.EVICTED)
-        self.running.remove(request)
-        self._stopped(request)  # its rows go with the next plan's `released`, its draft shadow too
-        return True
+def too_stale(request: Request, weight_version: int) -> bool:
+    """Its KV would lag more versions behind the weights (`weight_version`) than its `max_staleness` allows."""
+    limit, version = request.max_staleness, request.kv_version
+    if limit is None or version is None or not request.num_computed_tokens:
+        return False
+    return weight_version - version > limit
