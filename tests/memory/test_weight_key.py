@@ -21,7 +21,35 @@ def test_a_weight_key_changes_with_an_in_place_write_or_new_storage() -> None:
 def test_the_fingerprint_covers_every_parameter() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     before = weights_fingerprint(model)
-    assert len(before) == 4 and weights_fingerprint(model) == before
+    assert sum(isinstance(key, WeightKey) for key in before) == 4 and weights_fingerprint(model) == before
     with torch.no_grad():
         model[1].bias.mul_(2.0)
+    assert weights_fingerprint(model) != before
+
+
+class _AdapterLayer(torch.nn.Linear):
+    """What PEFT sets on a tuner layer's instance (read by duck typing: PEFT need not be installed)."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 3)
+        self._active_adapter = "default"
+        self._disable_adapters = False
+        self.merged_adapters: list[str] = []
+        self.scaling = {"default": 2.0, "other": 1.0}
+
+
+def test_the_fingerprint_sees_another_adapter_set_disabled_or_rescaled() -> None:
+    """`set_adapter` and friends write no parameter: without the adapter keys the engine would reuse KV
+    computed under another adapter (conformance/test_peft.py)."""
+    model = torch.nn.Sequential(_AdapterLayer(), torch.nn.Linear(3, 2))
+    layer = model[0]
+    before = weights_fingerprint(model)
+    layer._active_adapter = "other"
+    assert weights_fingerprint(model) != before
+    layer._active_adapter = "default"
+    assert weights_fingerprint(model) == before
+    layer._disable_adapters = True
+    assert weights_fingerprint(model) != before
+    layer._disable_adapters = False
+    layer.scaling["default"] = 0.5
     assert weights_fingerprint(model) != before

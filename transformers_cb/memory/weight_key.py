@@ -34,7 +34,51 @@ class WeightKey:
         )
 
 
-def weights_fingerprint(model: torch.nn.Module) -> tuple[WeightKey, ...]:
-    """What every parameter is now: changes when any weight is written in place or replaced (a write
-    through `.data` bumps no version counter; such callers recompute anyway: a fresh engine)."""
-    return tuple(WeightKey.of(p) for p in model.parameters())
+@dataclass(frozen=True)
+class AdapterKey:
+    """Which adapters a PEFT layer applies now: the ones active, whether they are disabled, merged, and
+    their scales. `set_adapter`, `disable_adapter()`, `set_scale` change the function the model computes
+    without writing any parameter, so the parameters' keys alone would let KV computed under one adapter
+    be reused under another."""
+
+    active: tuple[str, ...]
+    disabled: bool
+    merged: tuple[str, ...]
+    scaling: tuple[tuple[str, float], ...]
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> AdapterKey | None:
+        """`module`'s key if it is a PEFT tuner layer or auxiliary wrapper (`modules_to_save`): read by the
+        attributes PEFT sets on the instance, so that PEFT need not be installed or imported."""
+        state = module.__dict__
+        if "_active_adapter" not in state or "_disable_adapters" not in state:
+            return None
+        active = state["_active_adapter"]
+        names = (active,) if isinstance(active, str) else tuple(active or ())
+        scaling = getattr(module, "scaling", None)
+        scales = (
+            tuple(sorted((str(k), float(v)) for k, v in scaling.items())) if isinstance(scaling, dict) else ()
+        )
+        return AdapterKey(
+            names,
+            bool(state["_disable_adapters"]),
+            tuple(getattr(module, "merged_adapters", ()) or ()),
+            scales,
+        )
+
+
+def adapter_keys(model: torch.nn.Module) -> tuple[tuple[str, AdapterKey], ...]:
+    """Every PEFT layer's `AdapterKey`, by module name (empty for a model without adapters)."""
+    keys = []
+    for name, module in model.named_modules():
+        key = AdapterKey.of(module)
+        if key is not None:
+            keys.append((name, key))
+    return tuple(keys)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple[object, ...]:
+    """What every parameter is now, and which adapters the PEFT layers apply (`AdapterKey`): changes when
+    any weight is written in place or replaced, or another adapter is set, disabled or rescaled (a write
+    through `.data` bumps no version counter; such callers say so: `Engine.check_weights(changed=True)`)."""
+    return (*(WeightKey.of(p) for p in model.parameters()), adapter_keys(model))
