@@ -72,6 +72,15 @@ class WeightUpdates(SchedulerState):
             self.waiting.appendleft(request)
         return ended
 
+    def drop_all_kv(self) -> None:
+        """Every request in flight drops its KV (device pages, host pages, state slot) and runs prompt +
+        tokens so far again from its next admission, at the head of the queue in its order; the weight
+        version stays. The manager's `release_cache()`: no request may hold KV in tensors about to be freed."""
+        in_flight = [*self.running, *(r for r in self.waiting if self._started(r))]
+        recomputed = [request for request in in_flight if self._recompute(request)]
+        for request in reversed(recomputed):
+            self.waiting.appendleft(request)
+
     def _started(self, request: Request) -> bool:
         """A waiting request in flight: its KV in the host tier, or tokens generated before a preemption."""
         swapped = self.offload is not None and self.offload.is_swapped(request)
