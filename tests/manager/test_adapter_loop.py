@@ -74,3 +74,41 @@ def test_pause_update_and_versions_on_the_trained_peft_model_itself() -> None:
     assert len({str(s) for s in seen}) > 1, "training moved no token: the test could not fail"
     assert _frozen(model) == frozen  # no merge: the base weights are the same storage
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == resident
+
+
+def test_release_train_resume_on_the_peft_model_itself() -> None:
+    """docs/rl.md, "Releasing the cache while training": rollouts, `release_cache()`, a training step on the
+    same PEFT model, `resume_cache()`: one new version per step, rollouts equal to `generate()`."""
+    model = peft.get_peft_model(
+        sharpen_attention(tiny_qwen2()),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    ).eval()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    frozen = _frozen(model)
+    resident = sum(p.numel() * p.element_size() for p in model.parameters())
+    manager = model.init_continuous_batching(
+        generation_config=greedy_config(MAX_NEW_TOKENS),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4),
+    )
+    seen = []
+    manager.start()
+    try:
+        for step in range(STEPS):
+            ids = manager.add_requests(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+            outputs = _collect(manager, ids)
+            got = [outputs[rid].generated_tokens for rid in ids]
+            assert got == [reference_greedy(model, p, greedy_config(MAX_NEW_TOKENS)) for p in PROMPTS]
+            assert all(outputs[rid].weight_version_runs == ((0, step),) for rid in ids)
+            seen.append(got)
+            manager.release_cache()
+            batch = torch.tensor([PROMPTS[0]])
+            (-model(input_ids=batch, labels=batch).loss).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            manager.resume_cache()
+            assert manager.weight_version == step + 1
+    finally:
+        manager.stop(hard_stop=True)
+    assert len({str(s) for s in seen}) > 1, "training moved no token: the test could not fail"
+    assert _frozen(model) == frozen
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == resident

@@ -17,6 +17,7 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.threads import TIMEOUT, call_in_thread, wait_for
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
+from transformers_cb.runner.packed_linear import RULE_ENV
 
 MAX_NEW_TOKENS = 12
 PROMPTS = prompts_of_lengths([9, 14, 5], seed=7)
@@ -47,7 +48,8 @@ def _tokens(outputs, ids) -> list[list[int]]:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
-def test_release_gives_the_cache_memory_back_and_resume_rebuilds_it() -> None:
+def test_release_gives_the_cache_memory_back_and_resume_rebuilds_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RULE_ENV, "all")  # packed copies of every Linear: freed too
     model = _model()
     manager = _manager(model, num_blocks=1024)  # 1024 pages of 16 tokens x 512 bytes: 8 MiB of KV
     try:
@@ -57,11 +59,14 @@ def test_release_gives_the_cache_memory_back_and_resume_rebuilds_it() -> None:
         assert cache_bytes >= 8 << 20
         ids = manager.add_requests(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
         assert _tokens(collect(manager, ids), ids) == _expected(model)
+        pack_bytes = manager.stats().packed_weight_bytes
+        assert pack_bytes > 0
         before = _rss_bytes()
         manager.release_cache()
         assert manager.cache_released and engine.cache.nbytes() == 0
-        dropped = before - _rss_bytes()
-        assert dropped >= 0.9 * cache_bytes, f"RSS dropped by {dropped} bytes, the cache held {cache_bytes}"
+        assert manager.stats().packed_weight_bytes == 0
+        dropped, held = before - _rss_bytes(), cache_bytes + pack_bytes
+        assert dropped >= 0.9 * held, f"RSS dropped by {dropped} bytes, the cache and packs held {held}"
         manager.release_cache()  # a no-op
         manager.resume_cache()
         assert not manager.cache_released and engine.cache.nbytes() == cache_bytes
