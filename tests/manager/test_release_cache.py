@@ -153,3 +153,24 @@ def test_a_graceful_stop_while_released_rebuilds_and_finishes_the_queue() -> Non
     manager.stop(timeout=TIMEOUT)
     assert _tokens(collect(manager, ids), ids) == _expected(model)
     assert not manager.cache_released
+
+
+def test_a_request_stopped_mid_decode_by_the_release_ends_with_generates_tokens() -> None:
+    model = _model()
+    manager = _manager(model)
+    long_tokens = 40
+    try:
+        manager.start()
+        rid = manager.add_request(PROMPTS[1], max_new_tokens=long_tokens, streaming=True)
+        stream = manager.request_id_iter(rid)
+        first = next(stream)  # a token exists: the request holds KV
+        manager.release_cache()
+        assert manager.engine.cache.nbytes() == 0
+        manager.resume_cache()
+        outputs = [first, *stream]
+        final = outputs[-1]
+        assert final.status == RequestStatus.FINISHED
+        assert final.generated_tokens == greedy_reference(model, PROMPTS[1], long_tokens)
+        assert manager.stats().recomputed_tokens > 0  # its KV was dropped and computed again
+    finally:
+        manager.stop(hard_stop=True, timeout=TIMEOUT)
