@@ -167,3 +167,16 @@ def test_an_adapter_trained_between_calls_is_seen_by_the_next_call(kind: str) ->
 
 def _frozen_bytes(model: nn.Module) -> list[tuple[int, int]]:
     return [(p.data_ptr(), p._version) for p in model.parameters() if not p.requires_grad]
+
+
+def test_an_adapter_written_through_data_between_calls_is_seen() -> None:
+    """A trainer's wrapper may write the adapter through `.data` (no version bump: TRL's GRPO in bf16); the
+    engine kept on the model must not reuse the prefix pages, nor the packs, of the adapter before."""
+    model = _adapted("lora")
+    before = _check(model, "before the write")
+    generator = torch.Generator().manual_seed(5)
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:
+            parameter.data.add_(torch.randn(parameter.shape, generator=generator))
+    after = _check(model, "after a write through .data")
+    assert after != before, "the write moved no token: the test could not fail"

@@ -53,3 +53,14 @@ def test_the_fingerprint_sees_another_adapter_set_disabled_or_rescaled() -> None
     layer._disable_adapters = False
     layer.scaling["default"] = 0.5
     assert weights_fingerprint(model) != before
+
+
+def test_the_fingerprint_sees_a_write_through_data() -> None:
+    """`.data` has a version counter of its own: only the sampled values show such a write (a trainer's
+    optimizer wrapper writing that way between two runs of a persistent engine)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    before = weights_fingerprint(model)
+    version = model[0].weight._version
+    model[0].weight.data.mul_(2.0)
+    assert model[0].weight._version == version  # `.data` bumps a counter of its own
+    assert weights_fingerprint(model) != before

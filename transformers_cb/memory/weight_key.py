@@ -77,8 +77,30 @@ def adapter_keys(model: torch.nn.Module) -> tuple[tuple[str, AdapterKey], ...]:
     return tuple(keys)
 
 
+# Values of each parameter a fingerprint holds (evenly spaced): writes that bump no version counter (through
+# `.data`: a trainer's optimizer wrapper) move them; a write to a few values may be missed and is announced.
+SAMPLE_SIZE = 16
+
+
+def value_sample(tensor: torch.Tensor) -> bytes:
+    """The bytes of `SAMPLE_SIZE` values of `tensor` at evenly spaced flat indices (no copy of the tensor);
+    empty for a tensor whose values cannot be read here (meta, a distributed or quantized subclass)."""
+    if type(tensor.data) is not torch.Tensor or tensor.device.type == "meta" or tensor.numel() == 0:
+        return b""
+    numel = tensor.numel()
+    indices = torch.linspace(0, numel - 1, min(numel, SAMPLE_SIZE), device=tensor.device).long()
+    values = torch.take(tensor.detach(), indices).cpu().contiguous()
+    return bytes(values.view(torch.uint8).numpy())
+
+
 def weights_fingerprint(model: torch.nn.Module) -> tuple[object, ...]:
-    """What every parameter is now, and which adapters the PEFT layers apply (`AdapterKey`): changes when
-    any weight is written in place or replaced, or another adapter is set, disabled or rescaled (a write
-    through `.data` bumps no version counter; such callers say so: `Engine.check_weights(changed=True)`)."""
-    return (*(WeightKey.of(p) for p in model.parameters()), adapter_keys(model))
+    """What every parameter is now (key and a sample of its values), and which adapters the PEFT layers
+    apply (`AdapterKey`): changes when any weight is written in place or replaced, written through `.data`
+    (no version bump, but the sampled values move), or another adapter is set, disabled or rescaled. Taken
+    at step boundaries only (a pause's end, an idle engine), never per step."""
+    parameters = list(model.parameters())
+    return (
+        *(WeightKey.of(p) for p in parameters),
+        tuple(value_sample(p) for p in parameters),
+        adapter_keys(model),
+    )
