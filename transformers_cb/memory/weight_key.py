@@ -7,6 +7,7 @@ fingerprint did. Neither owns the notion, so it lives here, below both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -80,17 +81,32 @@ def adapter_keys(model: torch.nn.Module) -> tuple[tuple[str, AdapterKey], ...]:
 # Values of each parameter a fingerprint holds (evenly spaced): writes that bump no version counter (through
 # `.data`: a trainer's optimizer wrapper) move them; a write to a few values may be missed and is announced.
 SAMPLE_SIZE = 16
+_sample_indices: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def value_sample(tensor: torch.Tensor) -> bytes:
-    """The bytes of `SAMPLE_SIZE` values of `tensor` at evenly spaced flat indices (no copy of the tensor);
-    empty for a tensor whose values cannot be read here (meta, a distributed or quantized subclass)."""
-    if type(tensor.data) is not torch.Tensor or tensor.device.type == "meta" or tensor.numel() == 0:
-        return b""
-    numel = tensor.numel()
-    indices = torch.linspace(0, numel - 1, min(numel, SAMPLE_SIZE), device=tensor.device).long()
-    values = torch.take(tensor.detach(), indices).cpu().contiguous()
-    return bytes(values.view(torch.uint8).numpy())
+def _readable(tensor: torch.Tensor) -> bool:
+    """Not meta, not a distributed or quantized subclass, not empty: its values can be sampled here."""
+    return type(tensor.data) is torch.Tensor and tensor.device.type != "meta" and tensor.numel() > 0
+
+
+def _indices(numel: int, device: torch.device) -> torch.Tensor:
+    key = (numel, device)
+    indices = _sample_indices.get(key)
+    if indices is None:
+        indices = torch.linspace(0, numel - 1, min(numel, SAMPLE_SIZE), device=device).long()
+        _sample_indices[key] = indices
+    return indices
+
+
+def value_samples(tensors: Sequence[torch.Tensor]) -> bytes:
+    """The bytes of `SAMPLE_SIZE` values of each tensor at evenly spaced flat indices (no copy of a tensor;
+    one transfer per device); nothing for a tensor whose values cannot be read here (`_readable`)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if _readable(tensor):
+            sample = torch.take(tensor.detach(), _indices(tensor.numel(), tensor.device))
+            by_device.setdefault(tensor.device, []).append(sample.view(torch.uint8))
+    return b"".join(bytes(torch.cat(parts).cpu().numpy()) for parts in by_device.values())
 
 
 def weights_fingerprint(model: torch.nn.Module) -> tuple[object, ...]:
@@ -101,6 +117,6 @@ def weights_fingerprint(model: torch.nn.Module) -> tuple[object, ...]:
     parameters = list(model.parameters())
     return (
         *(WeightKey.of(p) for p in parameters),
-        tuple(value_sample(p) for p in parameters),
+        value_samples(parameters),
         adapter_keys(model),
     )
