@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from transformers_cb.memory.weight_key import WeightKey, weights_fingerprint
+from transformers_cb.memory.weight_key import WeightKey, spread_indices, weights_fingerprint
 
 
 def test_a_weight_key_changes_with_an_in_place_write_or_new_storage() -> None:
@@ -64,3 +65,11 @@ def test_the_fingerprint_sees_a_write_through_data() -> None:
     model[0].weight.data.mul_(2.0)
     assert model[0].weight._version == version  # `.data` bumps a counter of its own
     assert weights_fingerprint(model) != before
+
+
+@pytest.mark.parametrize("numel", [1, 2, 15, 16, 17, 28311552, (1 << 31) + 7])
+def test_sample_indices_are_spread_exactly_and_stay_in_range(numel: int) -> None:
+    """A float linspace rounded the last index of a 28311552-element embedding past the end (IndexError)."""
+    indices = spread_indices(numel, 16, torch.device("cpu")).tolist()
+    assert len(indices) == min(numel, 16) and indices[0] == 0 and indices[-1] == numel - 1
+    assert indices == sorted(set(indices))

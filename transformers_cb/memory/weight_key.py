@@ -89,11 +89,20 @@ def _readable(tensor: torch.Tensor) -> bool:
     return type(tensor.data) is torch.Tensor and tensor.device.type != "meta" and tensor.numel() > 0
 
 
+def spread_indices(numel: int, count: int, device: torch.device) -> torch.Tensor:
+    """`min(numel, count)` flat indices spread evenly over `[0, numel)`, first and last included, in exact
+    integer arithmetic (a float `linspace` rounds the last index past the end from 2^24 elements)."""
+    count = min(numel, count)
+    if count <= 1:
+        return torch.zeros(count, dtype=torch.long, device=device)
+    return torch.arange(count, dtype=torch.long, device=device) * (numel - 1) // (count - 1)
+
+
 def _indices(numel: int, device: torch.device) -> torch.Tensor:
     key = (numel, device)
     indices = _sample_indices.get(key)
     if indices is None:
-        indices = torch.linspace(0, numel - 1, min(numel, SAMPLE_SIZE), device=device).long()
+        indices = spread_indices(numel, SAMPLE_SIZE, device)
         _sample_indices[key] = indices
     return indices
 

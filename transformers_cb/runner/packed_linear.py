@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..memory.weight_key import WeightKey
+from ..memory.weight_key import WeightKey, spread_indices
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def content_sample(tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tens
         if tensor is None:
             continue
         numel = tensor.numel()
-        indices = torch.linspace(0, max(numel - 1, 0), min(numel, SAMPLE_SIZE), device=tensor.device).long()
+        indices = spread_indices(numel, SAMPLE_SIZE, tensor.device)
         samples.append(torch.take(tensor.detach(), indices).clone())
     return tuple(samples)
 
