@@ -174,3 +174,21 @@ def test_a_request_stopped_mid_decode_by_the_release_ends_with_generates_tokens(
         assert manager.stats().recomputed_tokens > 0  # its KV was dropped and computed again
     finally:
         manager.stop(hard_stop=True, timeout=TIMEOUT)
+
+
+def test_a_result_handler_on_the_loop_thread_releases_at_the_next_step_boundary() -> None:
+    """A handler runs on the manager's thread, maybe inside a step: the release is recorded there and applied
+    between two steps (never with a step half applied)."""
+    model = _model()
+    manager = _manager(model)
+    try:
+        manager.start()
+        first = manager.add_request(PROMPTS[0], max_new_tokens=2)
+        manager.register_result_handler(first, lambda output: manager.release_cache())
+        others = manager.add_requests(PROMPTS, max_new_tokens=MAX_NEW_TOKENS)
+        wait_for(lambda: manager.cache_released, what="the release asked by the handler")
+        assert manager.engine.cache.nbytes() == 0
+        manager.resume_cache()
+        assert _tokens(collect(manager, others), others) == _expected(model)
+    finally:
+        manager.stop(hard_stop=True, timeout=TIMEOUT)

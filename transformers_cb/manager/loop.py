@@ -66,9 +66,7 @@ class ManagerLoop:
         self.thread: threading.Thread | None = None
         self.steps_this_session = 0  # `Engine.step()` calls since the last `start()`
         # `release_cache()` / `resume_cache()`: the loop leaves its run session and holds (release.py).
-        self.cache_release = CacheRelease(
-            state, lambda: self.is_running() and not self.is_loop_thread(), self._idle_work
-        )
+        self.cache_release = CacheRelease(state, self.is_running, self.is_loop_thread, self._idle_work)
 
     # -- the caller side -------------------------------------------------------------------
     def start(self) -> None:

@@ -21,14 +21,21 @@ WAIT_S = 0.1
 
 
 class CacheRelease:
-    """Args: state: the manager's shared state; is_running: whether its loop thread runs (and is not the
-    caller); idle_work: what the loop applies while it holds (submissions, cancellations, weight checks)."""
+    """Args: state: the manager's shared state; is_running: whether its loop thread runs; is_loop_thread:
+    whether the caller is that thread (a result handler: the wish is recorded and applied at the next step
+    boundary, never in the middle of a step); idle_work: what the loop applies while it holds (submissions,
+    cancellations, weight checks)."""
 
     def __init__(
-        self, state: ManagerState, is_running: Callable[[], bool], idle_work: Callable[[], None]
+        self,
+        state: ManagerState,
+        is_running: Callable[[], bool],
+        is_loop_thread: Callable[[], bool],
+        idle_work: Callable[[], None],
     ) -> None:
         self._state = state
         self._is_running = is_running
+        self._is_loop_thread = is_loop_thread
         self._idle_work = idle_work
 
     # -- the callers ---------------------------------------------------------------------------
@@ -43,6 +50,8 @@ class CacheRelease:
                 raise ValueError(f"release_cache() does not support {problem} yet")
             state.release_requested = True
             state.lock.notify_all()
+            if self._is_loop_thread():
+                return
             if not self._is_running():
                 if state.released_cache is None:
                     state.released_cache = release_cache(engine)
@@ -56,6 +65,8 @@ class CacheRelease:
             state.release_requested = False
             state.lock.notify_all()
             engine = state.engine
+            if self._is_loop_thread():
+                return
             if not self._is_running():
                 if engine is not None and state.released_cache is not None:
                     self._rebuild(engine, state.released_cache)
