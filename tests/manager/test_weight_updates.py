@@ -200,24 +200,27 @@ def test_max_staleness_recomputes_a_request_that_would_lag(model, old_model, new
 
 
 def test_weights_updated_covers_writes_no_version_counter_sees(model, new_model):
-    """A write through `.data` bumps no version counter: the fingerprint misses it (the version stays), and
-    `weights_updated()` says it: the request after it equals `generate()` under the new weights."""
+    """A write through `.data` bumps no version counter: the fingerprint sees it by the sampled values when it
+    moves the whole tensor (memory/weight_key.py), and `weights_updated()` says it in every case: the request
+    after it equals `generate()` under the new weights."""
     manager = new_manager(model, num_blocks=128)
     manager.start()
     a = manager.add_request(LONG, max_new_tokens=40)
     started(manager, 3)
+    versions = [layer.self_attn.v_proj.weight._version for layer in model.model.layers]
     with manager.pause(), torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.v_proj.weight.data.add_(0.5)
-    assert manager.weight_version == 0  # unseen: the fingerprint did not move
+    assert [layer.self_attn.v_proj.weight._version for layer in model.model.layers] == versions
+    assert manager.weight_version == 1  # seen: the sampled values moved, no version counter did
     with manager.pause():
         manager.weights_updated()
     b = manager.add_request(LONG, max_new_tokens=10)
     results = collect(manager, [a, b])
     assert results[b].generated_tokens == greedy_reference(new_model, LONG, 10)
-    assert manager.weight_version == 1
+    assert manager.weight_version == 2
     manager.weights_updated(mode="recompute")  # outside a pause: a pause of its own
-    assert manager.weight_version == manager.stats().weight_version == 2
+    assert manager.weight_version == manager.stats().weight_version == 3
     finish(manager)
 
 

@@ -189,7 +189,9 @@ def test_packed_products_really_run(monkeypatch) -> None:
     assert not calls
 
 
-@pytest.mark.parametrize("update", ["zero_in_place", "load_state_dict", "optimizer_step"])
+@pytest.mark.parametrize(
+    "update", ["zero_in_place", "load_state_dict", "optimizer_step", "through_data", "new_tensors"]
+)
 def test_a_weight_update_between_runs_is_seen(update: str) -> None:
     """A stale pack would repeat the first run's tokens; the second run must follow the new weights as
     `generate()` does. The packs outlive the engine (one per Linear per model), so two engines see the
@@ -206,6 +208,13 @@ def test_a_weight_update_between_runs_is_seen(update: str) -> None:
             model.model.layers[0].mlp.down_proj.weight.zero_()
     elif update == "load_state_dict":
         model.load_state_dict(tiny_llama(seed=7).state_dict())
+    elif update == "through_data":  # bumps no version counter: the run's start compares a sample of values
+        generator = torch.Generator().manual_seed(3)
+        for parameter in model.parameters():
+            parameter.data.add_(torch.randn(parameter.shape, generator=generator))
+    elif update == "new_tensors":  # new storage, version 0 again (its address may be the freed one's)
+        for parameter in model.parameters():
+            parameter.data = parameter.data * -1.5
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
         model.train()

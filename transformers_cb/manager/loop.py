@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 
 from transformers import PreTrainedModel
 
@@ -21,6 +20,7 @@ from ..engine.follower import FollowerEngine
 from ..invariants import present
 from ..requests import Request, RequestStatus
 from .adaptive_threads import AdaptiveThreads
+from .release import CacheRelease
 from .results import ResultRouter
 from .state import ManagerState
 from .stats import ThroughputWindow
@@ -65,6 +65,8 @@ class ManagerLoop:
         self._release = release
         self.thread: threading.Thread | None = None
         self.steps_this_session = 0  # `Engine.step()` calls since the last `start()`
+        # `release_cache()` / `resume_cache()`: the loop leaves its run session and holds (release.py).
+        self.cache_release = CacheRelease(state, self.is_running, self.is_loop_thread, self._idle_work)
 
     # -- the caller side -------------------------------------------------------------------
     def start(self) -> None:
@@ -147,12 +149,12 @@ class ManagerLoop:
             settings.apply()
             if self._threads is not None:
                 self._threads.start()
-            with engine.session() if engine is not None else nullcontext():
-                if isinstance(engine, FollowerEngine):
+            if isinstance(engine, FollowerEngine):
+                with engine.session():
                     engine.replay_session()  # a tensor-parallel follower replays rank 0's session
-                else:
-                    # `start()` refuses a destroyed manager, whose engine is None.
-                    self._loop(present(engine, "the thread starts with an engine"))
+            else:
+                # `start()` refuses a destroyed manager, whose engine is None.
+                self._serve(present(engine, "the thread starts with an engine"))
         except BaseException as error:  # noqa: BLE001 - the thread must not die silently
             logger.exception("continuous batching manager thread died")
             with state.lock:
@@ -169,7 +171,23 @@ class ManagerLoop:
             if state.release_on_exit:
                 self._release()
 
-    def _loop(self, engine: Engine) -> None:
+    def _serve(self, engine: Engine) -> None:
+        """Run sessions until the loop ends: between two, the cache is released and held (`release_cache()`),
+        outside the engine's run session, so that the model is the user's while it is."""
+        while True:
+            self.cache_release.hold(engine)
+            with engine.session():
+                if not self._loop(engine):
+                    return
+
+    def _idle_work(self) -> None:
+        """What a held loop still applies: weight checks owed by pauses, submissions, cancellations."""
+        self.apply_weight_check()
+        self.apply_submissions()
+        self._router.drain_handed_over()
+
+    def _loop(self, engine: Engine) -> bool:
+        """Step until the loop ends (False) or a `release_cache()` asks it to leave the session (True)."""
         state = self._state
         while True:
             self.apply_weight_check()  # before any step after a pause that changed the weights
@@ -180,6 +198,8 @@ class ManagerLoop:
             with state.lock:
                 if state.hard_stop:
                     break
+                if self.cache_release.wanted():
+                    return True
                 if state.pause_requests:
                     state.paused = True
                     state.lock.notify_all()
@@ -190,7 +210,7 @@ class ManagerLoop:
                     continue  # a pause ended since the top of the loop: its check comes before any step
                 if not engine.has_work():
                     if state.stop_requested and not state.incoming:
-                        return
+                        return False
                     if not state.incoming:
                         state.lock.wait(timeout=IDLE_WAIT_S)
                     continue
@@ -198,6 +218,7 @@ class ManagerLoop:
                 self._threads.tick()
             self._step(engine)
         self.fail_everything(HARD_STOP_ERROR)
+        return False
 
     def _step(self, engine: Engine) -> None:
         self.steps_this_session += 1

@@ -308,6 +308,25 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         with self._paused(update_mode), self._state.lock:
             self._state.owe_weight_check(update_mode, True)
 
+    def release_cache(self) -> None:
+        """Give the cache's memory back while a trainer trains: the loop leaves its run session (the model
+        is plain again: attention backend, no packed forward), every request in flight drops its KV (it runs
+        prompt + tokens so far again after the resume), and the device cache, the host tier and the packed
+        copies of the weights are freed. Returns once they are. Submissions are accepted and wait; a second
+        call is a no-op. `ValueError` where it is not supported (tensor parallelism, state layers, CUDA
+        graphs, a draft model). See docs/manager.md, "Releasing the cache"."""
+        self._loop.cache_release.release()
+
+    def resume_cache(self) -> None:
+        """Allocate the cache again (the same size) and check the weights (a change while released is a new
+        weight version); returns once the loop runs its queue again. A no-op when nothing is released."""
+        self._loop.cache_release.resume()
+
+    @property
+    def cache_released(self) -> bool:
+        """Whether the cache is released now (between `release_cache()` and `resume_cache()`)."""
+        return self._loop.cache_release.released()
+
     @property
     def weight_version(self) -> int:
         """The version of the model's weights: 0 at creation, one more at each change (`stats().weight_version`

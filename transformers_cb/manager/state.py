@@ -11,6 +11,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..engine.cache_release import ReleasedCache
 from ..engine.engine import Engine
 from ..requests import Request, RequestStatus
 from ..scheduler.weight_updates import UpdateMode, stronger
@@ -67,6 +68,9 @@ class ManagerState:
     weight_check: WeightCheck | None = None
     weight_tickets: int = 0
     weight_checked: int = 0
+    # `release_cache()`: the caller's wish (until `resume_cache()`), and what the release freed while it holds.
+    release_requested: bool = False
+    released_cache: ReleasedCache | None = None
     destroyed: bool = False
     release_on_exit: bool = False  # a non-blocking destroy(): the thread releases the engine
     thread_status: BackgroundThreadStatus = field(default_factory=BackgroundThreadStatus)

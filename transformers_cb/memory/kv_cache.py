@@ -17,6 +17,7 @@ import torch
 
 from ..invariants import check
 from ..kv.layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
+from .released_tensors import TensorSpec, release_in_place, restore_in_place
 
 
 @dataclass(frozen=True)
@@ -166,11 +167,40 @@ class PagedKVCache:
         self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self._index_in_group = [0] * num_layers
+        self._set_views()
+        # What `release()` gave back (None while the tensors are held).
+        self._released: list[TensorSpec] | None = None
+
+    def _set_views(self) -> None:
         for g, spec in enumerate(self.groups):
             storage = self.group_tensors[g]
             for i, layer in enumerate(spec.layer_indices):
                 self._index_in_group[layer] = i
                 self.keys[layer], self.values[layer] = layer_views(storage, i, self.key_dim(g))
+
+    @property
+    def released(self) -> bool:
+        return self._released is not None
+
+    def release(self) -> int:
+        """Give the group tensors' memory back (in place: memory/released_tensors.py); the per-layer views
+        go with them. Returns the bytes freed (0 when already released). No page may hold KV the engine
+        still needs (`Scheduler.drop_all_kv`)."""
+        if self._released is not None:
+            return 0
+        freed = self.nbytes()
+        self.keys[:] = [torch.empty(0)] * len(self.keys)
+        self.values[:] = [torch.empty(0)] * len(self.values)
+        self._released = release_in_place(self.group_tensors)
+        return freed
+
+    def restore(self) -> None:
+        """Allocate the group tensors again (zero-filled, same shapes) and their per-layer views."""
+        if self._released is None:
+            return
+        restore_in_place(self.group_tensors, self._released, zero=True)
+        self._released = None
+        self._set_views()
 
     @classmethod
     def from_layout(cls, layout: CacheLayout) -> PagedKVCache:

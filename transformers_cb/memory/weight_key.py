@@ -7,6 +7,7 @@ fingerprint did. Neither owns the notion, so it lives here, below both.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,97 @@ class WeightKey:
         )
 
 
-def weights_fingerprint(model: torch.nn.Module) -> tuple[WeightKey, ...]:
-    """What every parameter is now: changes when any weight is written in place or replaced (a write
-    through `.data` bumps no version counter; such callers recompute anyway: a fresh engine)."""
-    return tuple(WeightKey.of(p) for p in model.parameters())
+@dataclass(frozen=True)
+class AdapterKey:
+    """Which adapters a PEFT layer applies now: the ones active, whether they are disabled, merged, and
+    their scales. `set_adapter`, `disable_adapter()`, `set_scale` change the function the model computes
+    without writing any parameter, so the parameters' keys alone would let KV computed under one adapter
+    be reused under another."""
+
+    active: tuple[str, ...]
+    disabled: bool
+    merged: tuple[str, ...]
+    scaling: tuple[tuple[str, float], ...]
+
+    @staticmethod
+    def of(module: torch.nn.Module) -> AdapterKey | None:
+        """`module`'s key if it is a PEFT tuner layer or auxiliary wrapper (`modules_to_save`): read by the
+        attributes PEFT sets on the instance, so that PEFT need not be installed or imported."""
+        state = module.__dict__
+        if "_active_adapter" not in state or "_disable_adapters" not in state:
+            return None
+        active = state["_active_adapter"]
+        names = (active,) if isinstance(active, str) else tuple(active or ())
+        scaling = getattr(module, "scaling", None)
+        scales = (
+            tuple(sorted((str(k), float(v)) for k, v in scaling.items())) if isinstance(scaling, dict) else ()
+        )
+        return AdapterKey(
+            names,
+            bool(state["_disable_adapters"]),
+            tuple(getattr(module, "merged_adapters", ()) or ()),
+            scales,
+        )
+
+
+def adapter_keys(model: torch.nn.Module) -> tuple[tuple[str, AdapterKey], ...]:
+    """Every PEFT layer's `AdapterKey`, by module name (empty for a model without adapters)."""
+    keys = []
+    for name, module in model.named_modules():
+        key = AdapterKey.of(module)
+        if key is not None:
+            keys.append((name, key))
+    return tuple(keys)
+
+
+# Values of each parameter a fingerprint holds (evenly spaced): writes that bump no version counter (through
+# `.data`: a trainer's optimizer wrapper) move them; a write to a few values may be missed and is announced.
+SAMPLE_SIZE = 16
+_sample_indices: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """Not meta, not a distributed or quantized subclass, not empty: its values can be sampled here."""
+    return type(tensor.data) is torch.Tensor and tensor.device.type != "meta" and tensor.numel() > 0
+
+
+def spread_indices(numel: int, count: int, device: torch.device) -> torch.Tensor:
+    """`min(numel, count)` flat indices spread evenly over `[0, numel)`, first and last included, in exact
+    integer arithmetic (a float `linspace` rounds the last index past the end from 2^24 elements)."""
+    count = min(numel, count)
+    if count <= 1:
+        return torch.zeros(count, dtype=torch.long, device=device)
+    return torch.arange(count, dtype=torch.long, device=device) * (numel - 1) // (count - 1)
+
+
+def _indices(numel: int, device: torch.device) -> torch.Tensor:
+    key = (numel, device)
+    indices = _sample_indices.get(key)
+    if indices is None:
+        indices = spread_indices(numel, SAMPLE_SIZE, device)
+        _sample_indices[key] = indices
+    return indices
+
+
+def value_samples(tensors: Sequence[torch.Tensor]) -> bytes:
+    """The bytes of `SAMPLE_SIZE` values of each tensor at evenly spaced flat indices (no copy of a tensor;
+    one transfer per device); nothing for a tensor whose values cannot be read here (`_readable`)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if _readable(tensor):
+            sample = torch.take(tensor.detach(), _indices(tensor.numel(), tensor.device))
+            by_device.setdefault(tensor.device, []).append(sample.view(torch.uint8))
+    return b"".join(bytes(torch.cat(parts).cpu().numpy()) for parts in by_device.values())
+
+
+def weights_fingerprint(model: torch.nn.Module) -> tuple[object, ...]:
+    """What every parameter is now (key and a sample of its values), and which adapters the PEFT layers
+    apply (`AdapterKey`): changes when any weight is written in place or replaced, written through `.data`
+    (no version bump, but the sampled values move), or another adapter is set, disabled or rescaled. Taken
+    at step boundaries only (a pause's end, an idle engine), never per step."""
+    parameters = list(model.parameters())
+    return (
+        *(WeightKey.of(p) for p in parameters),
+        value_samples(parameters),
+        adapter_keys(model),
+    )

@@ -11,8 +11,12 @@ A packed weight is an opaque oneDNN tensor that cannot be a graph input under `t
 Never stale: each call compares the weight's `WeightKey` (version counter, data pointer, dtype, shape,
 strides) with the one its pack was built from and repacks when they differ, so an optimizer step,
 `load_state_dict` or any in-place write under `no_grad` is seen before the next product. A write through
-`.data` does not bump the version counter (torch keeps it from autograd on purpose): callers that write
-weights that way drop the packs with `PackRegistry.drop` (`packed_model.release_packs`).
+`.data` does not bump the version counter (torch keeps it from autograd on purpose), and a new tensor put
+in place may get the freed one's address with the same count: at the start of each run the packs of the
+model compare a sample of their weights' values and whether their source storages still live
+(`PackRegistry.check_sources`), so such writes between runs are seen too (TRL's GRPO trainer writes the
+trained adapter that way). Within a run (a manager's session) callers that write weights that way say so
+(`weights_updated()`, which drops the packs: `packed_model.release_packs`).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..memory.weight_key import WeightKey
+from ..memory.weight_key import WeightKey, spread_indices
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +102,40 @@ class Pack:
     key: WeightKey | tuple[WeightKey, ...]
     packed: torch.Tensor
     bias: torch.Tensor | None = None  # a fused pack's concatenated bias
+    # What `PackRegistry.check_sources` compares at the start of each run (not at each product: no cost per
+    # step). Weak references to the storages it was built from: a tensor put in place of the weight
+    # (`param.data = t`, `load_state_dict(assign=True)`) may get the freed storage's address and the same
+    # version count, so the key alone would match; a freed source storage expires the pack (a weak reference
+    # keeps the storage's control block, never its data). And a sample of the values: a write through
+    # `.data` (an optimizer or a trainer's wrapper writing that way: TRL's GRPO in bf16) bumps no version.
+    sources: tuple[StorageWeakRef, ...] = ()
+    sample: tuple[torch.Tensor, ...] = ()
 
 
 def _key_of_many(tensors: tuple[torch.Tensor | None, ...]) -> tuple[WeightKey, ...]:
     return tuple(WeightKey.of(t) for t in tensors if t is not None)
+
+
+def _sources(tensors: tuple[torch.Tensor | None, ...]) -> tuple[StorageWeakRef, ...]:
+    return tuple(StorageWeakRef(t.untyped_storage()) for t in tensors if t is not None)
+
+
+# Values compared per source tensor at each run's start: spread evenly over the tensor. An optimizer step or a
+# dtype round trip moves (nearly) every value; a write to a few values through `.data` may be missed, and is
+# to be announced (`weights_updated()`, `release_packs`), as documented.
+SAMPLE_SIZE = 64
+
+
+def content_sample(tensors: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor, ...]:
+    """A copy of `SAMPLE_SIZE` values of each tensor (at evenly spaced flat indices; no copy of the tensor)."""
+    samples = []
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        numel = tensor.numel()
+        indices = spread_indices(numel, SAMPLE_SIZE, tensor.device)
+        samples.append(torch.take(tensor.detach(), indices).clone())
+    return tuple(samples)
 
 
 class PackRegistry:
@@ -129,6 +164,22 @@ class PackRegistry:
             if handle in self._packs:
                 self._packs[handle] = None
 
+    def check_sources(self, handle: int, tensors: tuple[torch.Tensor | None, ...]) -> bool:
+        """Free the handle's pack if `tensors` (what it was built from) were replaced or rewritten in a way
+        their keys do not show (`Pack.sources`, `Pack.sample`); returns whether it did. At a run's start."""
+        pack = self._packs.get(handle)
+        if pack is None:
+            return False
+        replaced = any(source.expired() for source in pack.sources)
+        sample = pack.sample
+        if replaced or len(sample) != sum(t is not None for t in tensors):
+            stale = True
+        else:
+            stale = not all(torch.equal(a, b) for a, b in zip(sample, content_sample(tensors), strict=True))
+        if stale:
+            self.invalidate(handle)
+        return stale
+
     def packed_bytes(self, handles: list[int] | None = None) -> int:
         """Bytes of the packs held (of `handles` only, when given)."""
         with self._lock:
@@ -141,7 +192,11 @@ class PackRegistry:
     def current(self, handle: int, weight: torch.Tensor) -> torch.Tensor:
         """The pack of `weight` under `handle`, rebuilt first if the weight changed since it was built."""
         key = WeightKey.of(weight)
-        return self._current(handle, key, lambda: Pack(key, reorder(weight.detach()))).packed
+        return self._current(
+            handle,
+            key,
+            lambda: Pack(key, reorder(weight.detach()), None, _sources((weight,)), content_sample((weight,))),
+        ).packed
 
     def current_fused(
         self, handle: int, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
@@ -154,7 +209,8 @@ class PackRegistry:
         def build() -> Pack:
             fused = torch.cat([w.detach() for w in weights])
             bias = None if biases[0] is None else torch.cat([b.detach() for b in biases if b is not None])
-            return Pack(key, reorder(fused), bias)
+            sources = weights + biases
+            return Pack(key, reorder(fused), bias, _sources(sources), content_sample(sources))
 
         return self._current(handle, key, build)
 

@@ -197,6 +197,7 @@ def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
     swaps = []
     with _lock:
         plan = packed_plan(model, rule)
+        _drop_rewritten_packs(plan)
         forwards = [(m, _packed_forward(m, _handle_of(m), rows)) for m, rows in plan.singles]
         for group, rows in plan.groups:
             forwards += [
@@ -212,6 +213,25 @@ def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
         for group, _rows in plan.groups:
             group.pending.clear()
         _restore(swaps)
+
+
+def _drop_rewritten_packs(plan: PackedPlan) -> None:
+    """Free the packs whose weights were replaced or rewritten since they were built without a key showing
+    it (`PackRegistry.check_sources`): packs outlive runs, and between two runs a caller such as a trainer
+    may write the weights through `.data` (no version bump) with nobody to tell the engine."""
+    for module, _ in plan.singles:
+        _check_module(module)
+    for group, _ in plan.groups:
+        weights = tuple(m.weight for m in group.members)
+        PACKS.check_sources(group.handle, weights + tuple(m.bias for m in group.members))
+        for module in group.members:
+            _check_module(module)
+
+
+def _check_module(module: nn.Linear) -> None:
+    handle = _handles.get(module)
+    if handle is not None:
+        PACKS.check_sources(handle, (module.weight,))
 
 
 def restore_all() -> None:

@@ -275,11 +275,8 @@ class Scheduler:
         version = self.weight_version
         self.pages.weights_changed(version, self.running)
         ended: list[Request] = []
-        # Running ones in order, then the waiting ones that hold KV in the host tier or have tokens.
-        swapped = self.offload.is_swapped if self.offload is not None else (lambda request: False)
-        started = [*self.running, *(r for r in self.waiting if in_flight(r, swapped(r)))]
         recomputed: list[Request] = []
-        for request in started:
+        for request in self._in_flight():
             if mode == "abort":
                 self.finish(request, RequestStatus.ABORTED, aborted_error(version))
                 ended.append(request)
@@ -289,6 +286,19 @@ class Scheduler:
         for request in reversed(recomputed):
             self.waiting.appendleft(request)
         return ended
+
+    def drop_all_kv(self) -> None:
+        """Every request in flight drops its KV (device pages, host pages, state slot) and runs prompt +
+        tokens so far again from its next admission, at the head of the queue in its order; the weight
+        version stays. The manager's `release_cache()`: no request may hold KV in tensors about to be freed."""
+        recomputed = [request for request in self._in_flight() if self._recompute(request)]
+        for request in reversed(recomputed):
+            self.waiting.appendleft(request)
+
+    def _in_flight(self) -> list[Request]:
+        """The running requests in order, then the waiting ones that hold KV in the host tier or have tokens."""
+        swapped = self.offload.is_swapped if self.offload is not None else (lambda request: False)
+        return [*self.running, *(r for r in self.waiting if in_flight(r, swapped(r)))]
 
     def _recompute(self, request: Request) -> bool:
         """Drop the request's KV (device pages, host pages, state slot): it runs prompt + tokens so far
