@@ -8,8 +8,8 @@
   (and the matching mask builders, so a paged model still runs plain `generate()`);
 - makes those names survive transformers 5.23, which strips the `paged|` prefix in
   `PreTrainedModel._check_and_adjust_attn_implementation` and `AttentionInterface.get_interface`.
-`uninstall()` restores every patched attribute and registry entry, and gives every Linear still running
-packed products (`runner/packed_model.py`) its own forward back. Both are idempotent.
+`uninstall()` restores every patched attribute and registry entry, and undoes every run-scoped patch still in
+force (patches.py: packed products, native layer ops, ...). Both are idempotent.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .api.generate_batch import generate_batch
 from .attention import PAGED_BACKENDS, PLAIN_COUNTERPART, mask_counterpart, register_flash_name
 from .attention.flash_kernels import is_flash_backend
 from .attention.selection import check_flash_backend
-from .runner import batch_invariant, native_layers, packed_model
+from .patches import restore_everything
 
 _MISSING = object()
 _lock = threading.Lock()
@@ -114,9 +114,7 @@ def _register_backend(name: str) -> None:
 
 def uninstall() -> None:
     """Restore everything `install()` changed (idempotent)."""
-    packed_model.restore_all()
-    native_layers.restore_all()
-    batch_invariant.restore_all()
+    restore_everything()  # every run-scoped patch still in force: a run still going finishes plain
     with _lock:
         while _saved:
             owner, name, original = _saved.pop()

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, cast
 
 import torch
 
+from ..patches import in_force, patched
 from .alibi import RELATIVE
 from .classic_families import FAMILIES, ClassicFamily
 
-_UNSET = object()  # an owner's attribute that only its class defined before the run
+PATCH_KIND = "classic_attention"  # its counted patches (patches.py)
 
 
 def _family_key(module: torch.nn.Module) -> str:
@@ -78,37 +80,28 @@ def _adapted_forward(
 @contextmanager
 def classic_attention(model: torch.nn.Module, attention: Callable[..., Any]) -> Iterator[None]:
     """Inside: each classic family's attention module of `model` attends through `attention` (an
-    `AttentionInterface` function), and its owners' patches are set; all removed on exit. A module already
-    adapted (a nested entry) is left to the outer one."""
-    installed: list[tuple[Any, str]] = []
-    restored: list[tuple[Any, str, Any]] = []
+    `AttentionInterface` function), and its owners' patches are set: counted patches (patches.py), shared
+    by overlapping runs and removed by the last."""
     config = cast(Any, model).config.get_text_config()
     adapted = classic_modules(model)
-    patches = {patch for _, family in adapted for patch in family.owner_patches}
-    try:
-        for index, (layer, family) in enumerate(adapted):
-            module = cast(Any, layer)
-            if getattr(module, "layer_idx", None) is None:
-                # OpenAI-GPT's modules have no index (GPT-Neo's call it `layer_id`): the paged forward reads
-                # `layer_idx`, and the adapted modules come in layer order.
-                module.layer_idx = getattr(module, "layer_id", index)
-                installed.append((module, "layer_idx"))
-            if "forward" not in module.__dict__:
-                module.forward = _adapted_forward(module, family, config, attention)
-                installed.append((module, "forward"))
-        for owner in model.modules():
-            for owner_class, attribute, replacement in patches:
-                if type(owner).__name__ == owner_class:
-                    # An instance's own value (Falcon's `use_alibi` flag) comes back on exit; a method
-                    # shadowed here (Bloom's `build_alibi_tensor`) is unshadowed.
-                    restored.append((owner, attribute, owner.__dict__.get(attribute, _UNSET)))
-                    setattr(owner, attribute, replacement)
+    owner_patches = {patch for _, family in adapted for patch in family.owner_patches}
+    planned: list[tuple[Any, str, Callable[[], Any]]] = []
+    for index, (layer, family) in enumerate(adapted):
+        module = cast(Any, layer)
+        if getattr(module, "layer_idx", None) is None or in_force(PATCH_KIND, module, "layer_idx"):
+            # OpenAI-GPT's modules have no index (GPT-Neo's call it `layer_id`): the paged forward reads
+            # `layer_idx`, and the adapted modules come in layer order.
+            planned.append((module, "layer_idx", partial(getattr, module, "layer_id", index)))
+        planned.append((module, "forward", partial(_adapted_forward, module, family, config, attention)))
+    for owner in model.modules():
+        for owner_class, attribute, replacement in owner_patches:
+            if type(owner).__name__ == owner_class:
+                # An instance's own value (Falcon's `use_alibi` flag) comes back on exit; a method
+                # shadowed here (Bloom's `build_alibi_tensor`) is unshadowed.
+                planned.append((owner, attribute, partial(_same, replacement)))
+    with patched(PATCH_KIND, planned):
         yield
-    finally:
-        for owner, attribute, previous in reversed(restored):
-            if previous is _UNSET:
-                owner.__dict__.pop(attribute, None)
-            else:
-                setattr(owner, attribute, previous)
-        for owner, attribute in reversed(installed):
-            owner.__dict__.pop(attribute, None)
+
+
+def _same(value: Any) -> Any:
+    return value

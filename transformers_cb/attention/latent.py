@@ -28,15 +28,19 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..invariants import present
+from ..patches import patched
 from .metadata import STEP_METADATA, AttentionMetadata
 from .native import native_paged_attention
 from .sparse_index import segments, selected_mask
+
+PATCH_KIND = "latent_pass_through"  # its counted patches (patches.py)
 
 # What an MLA module must have for the absorbed attention (the same names in every family).
 LATENT_ATTRIBUTES = ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -81,19 +85,10 @@ class HandedThrough:
 @contextmanager
 def latent_pass_through(model: torch.nn.Module) -> Iterator[None]:
     """Inside: every MLA module of `model` hands its latent and rotary key to the paged forward
-    undecompressed (an instance `expand_kv`, `HandedThrough`, removed on exit). Nested entries install
-    nothing more."""
-    installed = []
-    for module in latent_modules(model):
-        if "expand_kv" not in module.__dict__:
-            setattr(module, "expand_kv", HandedThrough(module))  # noqa: B010  (an instance attribute)
-            installed.append(module)
-    try:
+    undecompressed (an instance `expand_kv`, `HandedThrough`: a counted patch, patches.py, shared by
+    overlapping runs and removed by the last)."""
+    with patched(PATCH_KIND, [(m, "expand_kv", partial(HandedThrough, m)) for m in latent_modules(model)]):
         yield
-    finally:
-        for module in installed:
-            if isinstance(module.__dict__.get("expand_kv"), HandedThrough):
-                del module.expand_kv
 
 
 def absorbed_weights(module: Any) -> tuple[torch.Tensor, torch.Tensor]:

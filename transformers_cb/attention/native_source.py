@@ -324,12 +324,22 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
   work *= s.heads * s.head_dim;
   const int64_t lanes = work < (1 << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   const Attend<T> attend = attend_for<T>(s.group, s.head_dim);
+  const bool by_token = tokens >= 2 * lanes;
   auto run_lanes = [&](int64_t begin, int64_t end) {
     const FlushSubnormals flush;
     Scratch scratch;
-    // Round robin: items are sorted by length (longest decodes first), so lanes get even shares.
-    for (int64_t lane = begin; lane < end; ++lane)
-      for (int64_t i = lane; i < items; i += lanes) attend(s, i / s.kv_heads, i % s.kv_heads, scratch);
+    // Round robin: items are sorted by length (longest decodes first), so lanes get even shares. With enough
+    // tokens a lane takes whole tokens, every KV head of each: a slot holds the token's heads side by side, so
+    // one core reads (and its prefetcher streams) each slot's rows once, instead of two cores fetching the
+    // same lines for a head each (SmolLM2's decode attention: 0.90x the time in the engine).
+    for (int64_t lane = begin; lane < end; ++lane) {
+      if (by_token) {
+        for (int64_t t = lane; t < tokens; t += lanes)
+          for (int64_t g = 0; g < s.kv_heads; ++g) attend(s, t, g, scratch);
+      } else {
+        for (int64_t i = lane; i < items; i += lanes) attend(s, i / s.kv_heads, i % s.kv_heads, scratch);
+      }
+    }
   };
   if (lanes <= 1) {
     run_lanes(0, 1);

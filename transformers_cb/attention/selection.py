@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from transformers import PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kv.layer_groups import CHUNKED_ATTENTION, latent_shape_of, layer_types_of
+from ..patches import in_force, switched
 from . import PAGED_BACKENDS
 from .classic import classic_attention, has_classic_attention
 from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 _PAGED_FOR_PLAIN = {None: "paged|sdpa", "sdpa": "paged|sdpa", "eager": "paged|eager"}
 # Devices the flash kernels run on (flash-attn: CUDA; kernels-community/flash-attn2 also XPU). Tests that
 # inject the CPU test double of flash-attn (tests/support/flash_double.py) add "cpu" here.
+SWITCH_KIND = "paged_attention"  # the implementation switch, counted (patches.py)
 FLASH_DEVICES = {"cuda", "xpu"}
 AUTO_SWITCH_ORDER = (FA3, FA2)
 
@@ -137,18 +139,25 @@ def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterat
     current = model.config._attn_implementation
     if target is None:
         target = paged_implementation_for(current, model, device_type=model.device.type)
-    switch = target != current and not has_classic_attention(model)
-    if switch:
+    # A counted switch (patches.py): a run overlapping another on the same model shares its switch, and
+    # the user's choice comes back when the last one leaves, not under a run still going.
+    shared = in_force(SWITCH_KIND, model, "attn_implementation")
+    switch = shared or (target != current and not has_classic_attention(model))
+
+    def apply() -> str | None:
         model.set_attn_implementation(target)
-    try:
-        # Multi-latent modules hand their latent to the paged forward; indexers select from the paged keys;
-        # the classic families' modules call the paged forward through their adapters.
-        with (
-            latent_pass_through(model),
-            indexer_pass_through(model),
-            classic_attention(model, ALL_ATTENTION_FUNCTIONS[target]),
-        ):
-            yield target
-    finally:
-        if switch and model.config._attn_implementation == target:
-            model.set_attn_implementation(current if current is not None else "sdpa")
+        return current
+
+    def undo(previous: str | None) -> None:
+        if model.config._attn_implementation == target:
+            model.set_attn_implementation(previous if previous is not None else "sdpa")
+
+    # Multi-latent modules hand their latent to the paged forward; indexers select from the paged keys;
+    # the classic families' modules call the paged forward through their adapters.
+    with (
+        switched(SWITCH_KIND, model, "attn_implementation", apply, undo) if switch else nullcontext(),
+        latent_pass_through(model),
+        indexer_pass_through(model),
+        classic_attention(model, ALL_ATTENTION_FUNCTIONS[target]),
+    ):
+        yield target

@@ -28,12 +28,16 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..invariants import present
+from ..patches import patched
 from .metadata import STEP_METADATA, AttentionMetadata, GroupMetadata
+
+PATCH_KIND = "indexer_pass_through"  # its counted patches (patches.py)
 
 # The indexer modules of each model (found once: the session installs and removes their pass-through).
 _modules: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
@@ -179,18 +183,10 @@ class IndexerThrough:
 @contextmanager
 def indexer_pass_through(model: torch.nn.Module) -> Iterator[None]:
     """Inside: every indexer of `model` selects from the paged indexer keys in a continuous-batching forward
-    (an instance `forward`, `IndexerThrough`, removed on exit). Nested entries install nothing more."""
-    installed = []
-    for module in indexer_modules(model):
-        if "forward" not in module.__dict__:
-            setattr(module, "forward", IndexerThrough(module))  # noqa: B010  (an instance attribute)
-            installed.append(module)
-    try:
+    (an instance `forward`, `IndexerThrough`: a counted patch, patches.py, shared by overlapping runs and
+    removed by the last)."""
+    with patched(PATCH_KIND, [(m, "forward", partial(IndexerThrough, m)) for m in indexer_modules(model)]):
         yield
-    finally:
-        for module in installed:
-            if isinstance(module.__dict__.get("forward"), IndexerThrough):
-                del module.forward
 
 
 def selected_mask(indices: torch.Tensor, rows: slice, first: int, length: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ token in this mode (`BatchPacker.every_chunk_native`). Two parts of a plain forw
   rows precede it. Here an activation module runs on rows padded to a multiple of `ACTIVATION_WIDTH`
   elements, in blocks under torch's parallel grain: every element takes the vector loop on one thread.
 
-Installed for the run through counted patches (runner/counted_patches.py, kind `batch_invariant`), on
+Installed for the run through counted patches (patches.py, kind `batch_invariant`), on
 every plain `nn.Linear` and `Conv1D` and every parameter-free activation module of torch's or
 transformers'; the rest of a decoder layer is per row already (RMSNorm's row sum is torch's fixed per-row
 cascade; rotary and residual adds are exact products and sums). docs/config.md, "Batch-invariant mode",
@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from .counted_patches import in_force, patched
-from .counted_patches import restore_all as restore_patches
+from ..patches import in_force, patched
 
 PATCH_KIND = "batch_invariant"
 # Rows of every product call: measured on this project's CPU the fastest of 16 / 32 / 64 for a prefill
@@ -165,8 +164,3 @@ def batch_invariant_modules(model: nn.Module, enabled: bool) -> Iterator[int]:
             patches.append((module, "forward", lambda m=module: _activation_forward(m)))
     with patched(PATCH_KIND, patches) as count:
         yield count
-
-
-def restore_all() -> None:
-    """Every batch-invariant forward still in force undone (`uninstall()`)."""
-    restore_patches(PATCH_KIND)

@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from ..attention.native import native_module
-from . import counted_patches
+from ..patches import in_force, patched
+from ..patches import restore_all as restore_kind
 from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees
 from .layer_forms import (
     LAYER_DTYPES,
@@ -199,7 +200,7 @@ def _never() -> Any:
 def restore_all() -> None:
     """Every native layer op still in force undone (`uninstall()`); a run still going finishes on the
     modules' own forwards."""
-    counted_patches.restore_all(KIND)
+    restore_kind(KIND)
 
 
 def enabled_by_env() -> bool:
@@ -272,16 +273,14 @@ def _plan(model: nn.Module, ops: ModuleType) -> Plan:
         file = _modeling_file(module)
         if file is not None:
             files.setdefault(id(file), file)
-        if counted_patches.in_force(
-            KIND, module, "forward"
-        ):  # another session's: counted again, not recognised again
+        if in_force(KIND, module, "forward"):  # another session's: counted again, not recognised again
             plan.append((module, "forward", _never))
         elif not has_hooks(module):
             make = _module_replacement(module, ops)
             if make is not None:
                 plan.append((module, "forward", make))
     for file in files.values():
-        if counted_patches.in_force(KIND, file, "apply_rotary_pos_emb"):
+        if in_force(KIND, file, "apply_rotary_pos_emb"):
             plan.append((file, "apply_rotary_pos_emb", _never))
         else:
             make_rotary = _rotary_replacement(file, ops)
@@ -300,7 +299,7 @@ def native_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
         return
     with ExitStack() as stack:
         with _lock, torch.no_grad():
-            count = stack.enter_context(counted_patches.patched(KIND, _plan(model, ops)))
+            count = stack.enter_context(patched(KIND, _plan(model, ops)))
         try:
             yield count
         finally:

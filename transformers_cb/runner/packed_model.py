@@ -3,9 +3,10 @@
 `packed_linears(model, enabled)` is entered beside `attention.selection.paged_attention` by
 `Engine.session()`, the one run session of every caller that steps an engine (`generate_batch`, the
 manager's thread and its `warmup()`). Inside, each eligible Linear
-instance gets an instance attribute `forward` that calls `packed_linear.packed_linear`; on exit (and on
-`plugin.uninstall`, `restore_all`) the attribute is deleted, so the class's own forward
-shows again. Why an instance attribute: no module is replaced (the user's module tree, its types,
+instance gets an instance attribute `forward` that calls `packed_linear.packed_linear` (a counted patch,
+patches.py: overlapping runs share it); when the last run using it ends (and on `plugin.uninstall`) the
+attribute is deleted, so the class's own forward shows again. Why an instance attribute: no module is
+replaced (the user's module tree, its types,
 state dict and hooks stay the same objects), nothing outlives the run, and `torch.compile` traces it like
 any forward. The packed forward still takes the plain path when autograd records (`torch.is_grad_enabled`:
 training inside the block keeps its gradients) or when the input's dtype / device differs from the weight's.
@@ -20,14 +21,16 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..patches import in_force, patched
 from .fused_products import FusedGroup, find_groups
 from .packed_linear import (
     NEVER,
@@ -43,8 +46,7 @@ from .packed_linear import (
 _handles: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
 # A fused group's pack handle, kept by its first member (so consecutive runs do not repack).
 _group_handles: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
-# id(module) -> (module, the forward set on it): every swap in force, for `restore_all`.
-_active: dict[int, tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]] = {}
+PATCH_KIND = "packed_linears"  # its counted patches (patches.py)
 _lock = threading.Lock()
 
 
@@ -52,7 +54,9 @@ def is_packable(module: nn.Module) -> bool:
     """A plain dense `nn.Linear` (not a subclass: their forward may differ) whose weight is an ordinary
     CPU tensor of a packed dtype, with no forward of its own already set on the instance (accelerate's
     hooks set one: they must keep running)."""
-    if type(module) is not nn.Linear or "forward" in module.__dict__ or hasattr(module, "_hf_hook"):
+    if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
+        return False
+    if "forward" in module.__dict__ and not in_force(PATCH_KIND, module, "forward"):
         return False
     weight = module.weight
     return (
@@ -178,14 +182,6 @@ def model_pack_bytes(model: nn.Module) -> int:
     return PACKS.packed_bytes([h for h in handles if h is not None])
 
 
-def _restore(swaps: Sequence[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> None:
-    with _lock:
-        for module, forward in swaps:
-            if module.__dict__.get("forward") is forward:
-                del module.__dict__["forward"]
-            _active.pop(id(module), None)
-
-
 @contextmanager
 def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
     """Inside (with `enabled`): the packable Linears of `model` that the rule picks (`PackRule`, from
@@ -194,25 +190,23 @@ def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
     if rule is None:
         yield 0
         return
-    swaps = []
     with _lock:
         plan = packed_plan(model, rule)
         _drop_rewritten_packs(plan)
-        forwards = [(m, _packed_forward(m, _handle_of(m), rows)) for m, rows in plan.singles]
+        forwards = [
+            (m, "forward", partial(_packed_forward, m, _handle_of(m), rows)) for m, rows in plan.singles
+        ]
         for group, rows in plan.groups:
             forwards += [
-                (m, _fused_forward(group, i, _handle_of(m), rows)) for i, m in enumerate(group.members)
+                (m, "forward", partial(_fused_forward, group, i, _handle_of(m), rows))
+                for i, m in enumerate(group.members)
             ]
-        for module, forward in forwards:
-            module.__dict__["forward"] = forward
-            swaps.append((module, forward))
-            _active[id(module)] = (module, forward)
     try:
-        yield len(swaps)
+        with patched(PATCH_KIND, forwards) as count:
+            yield count
     finally:
         for group, _rows in plan.groups:
             group.pending.clear()
-        _restore(swaps)
 
 
 def _drop_rewritten_packs(plan: PackedPlan) -> None:
@@ -232,14 +226,6 @@ def _check_module(module: nn.Linear) -> None:
     handle = _handles.get(module)
     if handle is not None:
         PACKS.check_sources(handle, (module.weight,))
-
-
-def restore_all() -> None:
-    """Give every Linear swapped by a `packed_linears` block still in force its class's forward back
-    (`uninstall()`); a run still going finishes on plain products."""
-    with _lock:
-        swaps = list(_active.values())
-    _restore(swaps)
 
 
 def release_packs(model: nn.Module) -> None:

@@ -37,7 +37,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from ..attention.metadata import STEP_METADATA
 from ..invariants import InvariantError
 from ..kv.rope_rule import LONGROPE, RopeRule
-from . import counted_patches
+from ..patches import patched
 
 # Dynamic NTK's frequency sets kept per module (one per effective length seen), at most this many.
 MAX_CACHED_SETS = 4096
@@ -160,7 +160,7 @@ def per_request_rotary(modules: list[nn.Module], rule: RopeRule) -> Iterator[Non
         )
         for module in modules
     ]
-    with counted_patches.patched("request_rotary", patches):
+    with patched("request_rotary", patches):
         yield
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..invariants import InvariantError
 from ..memory.state_cache import StateCache
-from . import counted_patches
+from ..patches import patched
 from .slot_state_view import SlotStateView
 
 # The cache API names a state module's forward calls (any of them marks a state module).
@@ -278,7 +278,7 @@ def split_state_layers(
         )
         for layer, module in modules.items()
     ]
-    with counted_patches.patched("state_layers", patches):
+    with patched("state_layers", patches):
         yield
 
 

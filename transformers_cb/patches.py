@@ -1,11 +1,17 @@
-"""Run-scoped patches, counted: an attribute of a module (its instance `forward`) or of a modeling file (a
-function in its globals) set for a run and restored when the last run that uses it ends.
+"""Run-scoped patches, counted: the one way the package changes a model for a run. An attribute of a module
+(its instance `forward`, `expand_kv`, `layer_idx`, a flag) or of a modeling file (a function in its globals)
+set for a run and restored when the last run that uses it ends.
 
 Two runs on one model overlap without nesting (two managers, a warm-up beside a run): each `patched` block
 takes its patches or, where one of the same kind is in force on the same owner and name, counts itself a
 user of it; the last user to leave puts back what was there before (a module's previous instance attribute,
-or none: the class's own shows again). The state layers' split forwards, the per-request rotary and the native
-layer ops each keep only "which owners, what value"; `restore_all(kind)` is `uninstall()`'s.
+or none: the class's own shows again). A change that is no attribute of its own (the model's attention
+implementation, attention/selection.py) is counted the same way (`switched`: applied by the first run, undone
+by the last). Each feature keeps only "which owners, what value": the packed
+products (runner/packed_model.py), multi-latent attention's pass-through (attention/latent.py), the sparse
+indexers (attention/sparse_index.py), the classic families (attention/classic.py), the state layers' split
+forwards, the per-request rotary, the native layer ops and the batch-invariant products (runner/).
+`restore_all(kind)` undoes one kind, `restore_everything()` every kind (`uninstall()`).
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ class Patch:
     value: Any
     previous: Any
     users: int = 1
+    undo: Callable[[Any], None] | None = (
+        None  # a switch's (`switched`): called with `previous` by the last user
+    )
 
 
 _lock = threading.Lock()
@@ -73,6 +82,9 @@ def _release(key: tuple[str, int, str], force: bool = False) -> None:
     if patch.users > 0 and not force:
         return
     del _patches[key]
+    if patch.undo is not None:
+        patch.undo(patch.previous)
+        return
     owner, name = patch.owner, patch.name
     if isinstance(owner, nn.Module):
         if owner.__dict__.get(name) is patch.value:
@@ -98,8 +110,36 @@ def patched(kind: str, patches: Iterable[tuple[Any, str, Callable[[], Any]]]) ->
                 _release(key)
 
 
+@contextmanager
+def switched(
+    kind: str, owner: Any, name: str, apply: Callable[[], Any], undo: Callable[[Any], None]
+) -> Iterator[None]:
+    """A change that is no attribute of its own (a model's attention implementation), counted like `patched`:
+    `apply()` by the first run (it returns what to put back), `undo(that)` by the last to leave; runs entering
+    while it is in force share it."""
+    with _lock:
+        key = _key(kind, owner, name)
+        patch = _patches.get(key)
+        if patch is not None and patch.owner is owner:
+            patch.users += 1
+        else:
+            _patches[key] = Patch(owner, name, None, apply(), undo=undo)
+    try:
+        yield
+    finally:
+        with _lock:
+            _release(key)
+
+
 def restore_all(kind: str) -> None:
     """Every `kind` patch still in force undone (`uninstall()`); a run still going finishes unpatched."""
     with _lock:
         for key in [k for k in _patches if k[0] == kind]:
+            _release(key, force=True)
+
+
+def restore_everything() -> None:
+    """Every patch of every kind still in force undone (`uninstall()`)."""
+    with _lock:
+        for key in list(_patches):
             _release(key, force=True)
