@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     _with_iomp()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # as vllm_engine.py: vLLM 0.32 no longer guesses it
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams

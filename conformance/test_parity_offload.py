@@ -31,7 +31,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.engine import Engine
 from transformers_cb.kv.layer_groups import kv_groups_from_config
 from transformers_cb.memory.sizing import max_pages_held
-from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.recompute import RecomputeCounter
 
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16)
@@ -72,13 +72,13 @@ def dropped_tokens() -> Iterator[list[int]]:
     counts only the tokens run again: a returning request may find all it had in the prefix cache (a
     request preempted with whole pages only, at page_size 16) and run nothing again."""
     dropped: list[int] = []
-    original = Scheduler._drop_kv
+    original = RecomputeCounter.dropped
 
-    def drop_kv(self, request):
-        dropped.append(request.num_computed_tokens)
-        return original(self, request)
+    def count(self, request_id, num_computed_tokens):
+        dropped.append(num_computed_tokens)
+        return original(self, request_id, num_computed_tokens)
 
-    with mock.patch.object(Scheduler, "_drop_kv", drop_kv):
+    with mock.patch.object(RecomputeCounter, "dropped", count):
         yield dropped
 
 

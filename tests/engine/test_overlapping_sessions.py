@@ -4,7 +4,9 @@ still running after the other left produces `generate()`'s tokens, and the model
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +18,7 @@ from conformance.coverage.build import build_model as build_entry
 from conformance.coverage.catalog import all_entries
 from tests.support.hybrids import build_hybrid
 from tests.support.models import build_tiny_model, tiny_phi3_longrope
+from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, patches
 from transformers_cb.engine.build import build_engine
 
@@ -68,19 +71,58 @@ def test_a_session_left_first_leaves_the_other_s_patches_in_force(kind: str, mon
     first = build_engine(model, generation, config)
     second = build_engine(model, generation, config)
     before = _instance_state(model)
-    a, b = first.session(), second.session()
-    a.__enter__()
+    a, b = SessionThread(first), SessionThread(second)
+    a.enter()
     with_one = _instance_state(model)
     assert any(patches.in_force(kind, *key) for key in _owners(model, with_one, before)), f"no {kind} patch"
-    b.__enter__()
-    assert _instance_state(model) == with_one  # the second session shares the first's patches
-    a.__exit__(None, None, None)
-    assert _instance_state(model) == with_one  # still in force for the second
+    b.enter()
     try:
-        assert _generate(second, prompt, 6) == expected
+        assert _instance_state(model) == with_one  # the second session shares the first's patches
+        a.leave()
+        assert _instance_state(model) == with_one  # still in force for the second
+        assert b.run(lambda: _generate(second, prompt, 6)) == expected
     finally:
-        b.__exit__(None, None, None)
+        a.leave()
+        b.leave()
     assert _instance_state(model) == before
+
+
+class SessionThread:
+    """One engine's run session held open on a thread of its own, as a manager's loop holds it: the session's
+    thread-local modes (inference mode) stay that thread's, whatever order the sessions end in."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.work: queue.Queue = queue.Queue()
+        self.done: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._hold, daemon=True)
+
+    def _hold(self) -> None:
+        with self.engine.session():
+            self.done.put(("entered", None))
+            while (job := self.work.get()) is not None:
+                try:
+                    self.done.put(("ok", job()))
+                except Exception as error:  # noqa: BLE001  (handed to the test's thread)
+                    self.done.put(("error", error))
+        self.done.put(("left", None))
+
+    def enter(self) -> None:
+        self.thread.start()
+        assert self.done.get(timeout=TIMEOUT)[0] == "entered"
+
+    def run(self, job: Callable[[], Any]) -> Any:
+        self.work.put(job)
+        status, value = self.done.get(timeout=TIMEOUT)
+        if status == "error":
+            raise value
+        return value
+
+    def leave(self) -> None:
+        if self.thread.is_alive():
+            self.work.put(None)
+            assert self.done.get(timeout=TIMEOUT)[0] == "left"
+            self.thread.join(timeout=TIMEOUT)
 
 
 def _owners(model: PreTrainedModel, now: dict, before: dict) -> list[tuple[Any, str]]:

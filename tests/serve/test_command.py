@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support.paths import REPO_ROOT
-from tests.support.serve import CHAT_TEMPLATE, greedy_config, openai_client, requires_serve
+from tests.support.serve import CHAT_TEMPLATE, greedy_config, openai_client, requires_serve, served_text
 from tests.support.threads import TIMEOUT
 from tests.support.timeouts import hang_guard
 from transformers_cb.cli.main import EXIT_BAD_INPUT, main
@@ -147,7 +147,7 @@ def test_completions_equal_generate_batch(server: ServerProcess, reference: Any)
             model="tiny-chat", prompt=prompt, max_tokens=max_tokens, logprobs=0, temperature=0
         )
         choice = completion.choices[0]
-        assert choice.text == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert choice.text == served_text(tokenizer, tokens)
         assert choice.finish_reason == _finish(tokens, tokenizer, max_tokens)
         assert completion.usage.prompt_tokens == len(tokenizer.encode(prompt))
         assert completion.usage.completion_tokens == len(tokens)
@@ -176,7 +176,7 @@ def test_prompt_as_token_ids(server: ServerProcess, reference: Any) -> None:
     completion = _client(server).completions.create(
         model="tiny-chat", prompt=ids, max_tokens=10, temperature=0
     )
-    assert completion.choices[0].text == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert completion.choices[0].text == served_text(tokenizer, tokens)
     assert completion.usage.completion_tokens == len(tokens)
 
 
@@ -193,7 +193,7 @@ def test_chat_completions_equal_generate_batch(server: ServerProcess, reference:
         model="tiny-chat", messages=messages, max_tokens=20, logprobs=True, temperature=0
     )
     assert chat.choices[0].message.role == "assistant"
-    assert chat.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert chat.choices[0].message.content == served_text(tokenizer, tokens)
     assert [t.logprob for t in chat.choices[0].logprobs.content] == pytest.approx(logprobs, abs=1e-4)
     assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (len(prompt), len(tokens))
     stream = client.chat.completions.create(
@@ -215,7 +215,7 @@ def test_n_choices(server: ServerProcess, reference: Any) -> None:
         model="tiny-chat", prompt=PROMPTS[0], max_tokens=8, n=2, temperature=0
     )
     assert [c.index for c in completion.choices] == [0, 1]
-    expected = tokenizer.decode(tokens, skip_special_tokens=True)
+    expected = served_text(tokenizer, tokens)
     assert [c.text for c in completion.choices] == [expected, expected]  # greedy: identical choices
     assert completion.usage.completion_tokens == 2 * len(tokens)
     texts = {0: "", 1: ""}
@@ -232,7 +232,7 @@ def test_n_choices(server: ServerProcess, reference: Any) -> None:
 def test_stop_string_cuts_the_text_and_counts_tokens_exactly(server: ServerProcess, reference: Any) -> None:
     generate, tokenizer = reference
     [(tokens, _)] = generate([tokenizer.encode(PROMPTS[1])], 32)
-    full = tokenizer.decode(tokens, skip_special_tokens=True)
+    full = served_text(tokenizer, tokens)
     start = next(
         i for i in range(2, len(full) - 1) if full[i : i + 2].isascii() and full[i : i + 2].isprintable()
     )

@@ -27,6 +27,7 @@ from tests.support.serve import (
     live_server,
     openai_client,
     requires_serve,
+    served_text,
     serving,
     tiny_model_and_tokenizer,
 )
@@ -140,6 +141,10 @@ def tiny_llava_for(tokenizer: Any):
 
 
 def test_an_image_chat_equals_generate_on_the_processors_inputs(monkeypatch) -> None:
+    # Imported before the patch below: it binds `load_image` when first imported, and would keep the test's
+    # raw-pixel loader for every later test of this process (the Responses test then failed in file order).
+    import transformers_cb.serve.response_input  # noqa: F401
+
     _, tokenizer = tiny_model_and_tokenizer()
     model = tiny_llava_for(tokenizer)
     monkeypatch.setattr(
@@ -165,7 +170,7 @@ def test_an_image_chat_equals_generate_on_the_processors_inputs(monkeypatch) -> 
         answer = client.chat.completions.create(
             model="tiny-test", messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
         )
-        assert answer.choices[0].message.content == tokenizer.decode(tokens, skip_special_tokens=True)
+        assert answer.choices[0].message.content == served_text(tokenizer, tokens)
         with pytest.raises(Exception, match="only data URLs are read"):
             client.chat.completions.create(
                 model="tiny-test",
@@ -271,9 +276,7 @@ def test_the_served_folder_answers_png_and_jpeg_images_as_generate_does(vlm_chec
                 temperature=0,
                 logprobs=True,
             )
-            assert answer.choices[0].message.content == processor.tokenizer.decode(
-                tokens, skip_special_tokens=True
-            )
+            assert answer.choices[0].message.content == served_text(processor.tokenizer, tokens)
             assert [t.logprob for t in answer.choices[0].logprobs.content] == pytest.approx(
                 logprobs, abs=1e-4
             )
@@ -317,9 +320,7 @@ def test_a_corrupt_image_is_a_400_naming_the_field_and_the_server_goes_on(vlm_ch
             max_tokens=4,
             temperature=0,
         )
-        assert answer.choices[0].message.content == processor.tokenizer.decode(
-            tokens, skip_special_tokens=True
-        )
+        assert answer.choices[0].message.content == served_text(processor.tokenizer, tokens)
 
 
 @requires_serve
@@ -338,9 +339,7 @@ def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
         answer = client.chat.completions.create(
             model="tiny-llava", messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0
         )
-        assert answer.choices[0].message.content == processor.tokenizer.decode(
-            tokens, skip_special_tokens=True
-        )
+        assert answer.choices[0].message.content == served_text(processor.tokenizer, tokens)
     finally:
         assert live.stop() == 0
 
@@ -366,7 +365,7 @@ def test_responses_input_images_take_the_same_path(vlm_checkpoint) -> None:
             max_output_tokens=6,
             temperature=0,
         )
-        assert response.output_text == processor.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert response.output_text == served_text(processor.tokenizer, tokens)
         for part, param, reason in (
             (
                 {"type": "input_image", "image_url": image_url(b"not an image")},

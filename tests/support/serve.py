@@ -28,6 +28,12 @@ CHAT_TEMPLATE = (
 MODEL_NAME = "tiny-test"
 
 
+def served_text(tokenizer: Any, tokens: list[int]) -> str:
+    """The text the server sends for `tokens`: their decoding, less the U+FFFD of a character the last tokens
+    leave incomplete (serve/text.py drops those bytes)."""
+    return tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+
+
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
     """Wait for an event that must happen (a liveness bound, not a timing assertion)."""
     deadline = time.monotonic() + timeout
