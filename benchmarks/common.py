@@ -1272,3 +1272,45 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, 
     ]
     lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |" for row in cells]
     return "\n".join(lines)
+
+
+def generate_batch_on_paged_sdpa(
+    model,
+    workload: Workload,
+    cb_kwargs: dict[str, Any],
+    after_step: Callable[[Any, bool], None] | None = None,
+) -> tuple[list[list[int]], float, Any]:
+    """`generate_batch` over `workload` on `paged|sdpa` under `ContinuousBatchingConfig(**cb_kwargs)`, the engine
+    it ran on watched: `after_step(engine, first)` after each step (`first`: the engine's first step seen).
+    Returns each request's tokens in order, the wall seconds and that engine (its counters, cache, offload)."""
+    from unittest import mock
+
+    from transformers_cb import ContinuousBatchingConfig
+    from transformers_cb.engine.engine import Engine
+
+    engines: list[Engine] = []
+    original = Engine.step
+
+    def step(self):
+        first = not engines or engines[-1] is not self
+        if first:
+            engines.append(self)
+        result = original(self)
+        if after_step is not None:
+            after_step(self, first)
+        return result
+
+    model.set_attn_implementation("paged|sdpa")
+    generation_config = greedy_generation_config(max(workload.max_new_tokens))
+    with mock.patch.object(Engine, "step", step):
+        t0 = time.perf_counter()
+        outputs = model.generate_batch(
+            workload.inputs,
+            generation_config=generation_config,
+            continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
+            progress_bar=False,
+        )
+        wall = time.perf_counter() - t0
+    restore_attn_implementation(model)
+    ordered = [outputs[f"req_{i}"].generated_tokens for i in range(len(workload.requests))]
+    return ordered, wall, engines[-1]

@@ -22,10 +22,8 @@ from __future__ import annotations
 import argparse
 import random
 import sys
-import time
 import traceback
 from typing import Any
-from unittest import mock
 
 import common
 
@@ -80,39 +78,16 @@ def make_workload(vocab_size: int, scale: float = 1.0, seed: int = 0) -> common.
 
 def run_ours(model, workload: common.Workload, cb_kwargs: dict[str, Any]) -> tuple[common.RunResult, dict]:
     """`generate_batch`; the result and the cache's peak (pages held after any step, page bytes, allocated)."""
-    from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.engine.engine import Engine
-
-    engines: list[Engine] = []
     peak = [0]
-    original = Engine.step
 
-    def held_bytes(engine: Engine) -> int:
+    def held_bytes(engine) -> int:
         layout = engine.cache.layout
         return sum(p.num_used_pages * layout.group_page_bytes(g) for g, p in enumerate(engine.pages.pools))
 
-    def step(self):
-        if not engines or engines[-1] is not self:
-            engines.append(self)
-            peak[0] = 0
-        result = original(self)
-        peak[0] = max(peak[0], held_bytes(self))
-        return result
+    def after_step(engine, first: bool) -> None:
+        peak[0] = max(0 if first else peak[0], held_bytes(engine))
 
-    model.set_attn_implementation("paged|sdpa")
-    generation_config = common.greedy_generation_config(max(workload.max_new_tokens))
-    with mock.patch.object(Engine, "step", step):
-        t0 = time.perf_counter()
-        outputs = model.generate_batch(
-            workload.inputs,
-            generation_config=generation_config,
-            continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
-            progress_bar=False,
-        )
-        wall = time.perf_counter() - t0
-    common.restore_attn_implementation(model)
-    engine = engines[-1]
-    ordered = [outputs[f"req_{i}"].generated_tokens for i in range(len(workload.requests))]
+    ordered, wall, engine = common.generate_batch_on_paged_sdpa(model, workload, cb_kwargs, after_step)
     layout = engine.cache.layout
     allocated = sum(p.num_pages * layout.group_page_bytes(g) for g, p in enumerate(engine.pages.pools))
     memory = {"peak_kv_bytes": peak[0], "allocated_kv_bytes": allocated}

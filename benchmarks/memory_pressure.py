@@ -20,10 +20,8 @@ import argparse
 import math
 import random
 import sys
-import time
 import traceback
 from typing import Any
-from unittest import mock
 
 import common
 
@@ -51,32 +49,9 @@ def pressure_num_blocks(workload: common.Workload, page_size: int) -> int:
 
 def run_ours(model, workload: common.Workload, cb_kwargs: dict[str, Any]) -> tuple[common.RunResult, dict]:
     """`generate_batch` under `cb_kwargs`; returns the result and the engine's preemption / swap counters."""
-    from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.engine.engine import Engine
     from transformers_cb.memory.host_cache import host_page_bytes
 
-    engines: list[Engine] = []
-    original = Engine.step
-
-    def step(self):
-        if not engines or engines[-1] is not self:
-            engines.append(self)
-        return original(self)
-
-    model.set_attn_implementation("paged|sdpa")
-    generation_config = common.greedy_generation_config(max(workload.max_new_tokens))
-    with mock.patch.object(Engine, "step", step):
-        t0 = time.perf_counter()
-        outputs = model.generate_batch(
-            workload.inputs,
-            generation_config=generation_config,
-            continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
-            progress_bar=False,
-        )
-        wall = time.perf_counter() - t0
-    common.restore_attn_implementation(model)
-    engine = engines[-1]
-    ordered = [outputs[f"req_{i}"].generated_tokens for i in range(len(workload.requests))]
+    ordered, wall, engine = common.generate_batch_on_paged_sdpa(model, workload, cb_kwargs)
     offload = engine.offload
     page_bytes = host_page_bytes(engine.cache)  # one page in every KV group, as the host tier stores it
     counters = {
