@@ -35,7 +35,6 @@ from ..runner.state_layers import StateLayers
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
 from ..scheduler.media_budget import MediaBudget
-from ..scheduler.policies import make_policy
 from ..scheduler.scheduler import Scheduler
 from .assistant import build_drafter
 from .draft_setup import EngineSpeculation
@@ -126,14 +125,12 @@ def wire(
         )
     runs_media = media_model.takes_media and media_model.refusal is None
     media = _media_budget(model, plan, kv) if runs_media else None
-    scheduler = Scheduler(
+    scheduler = Scheduler.from_plan(
         pages,
-        max_batch_tokens=plan.sizing.max_batch_tokens,
-        max_requests_per_batch=plan.sizing.max_requests_per_batch,
-        safety_margin=plan.scheduler.safety_margin,
-        policy=make_policy(plan.scheduler.scheduler_type),
+        plan.scheduler,
+        plan.sizing.max_batch_tokens,
+        plan.sizing.max_requests_per_batch,
         offload=offload,
-        speculation_max_batch=plan.scheduler.speculation_max_batch,
         media=media,
     )
     packer.state_layers = states is not None

@@ -31,9 +31,10 @@ from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .media_budget import MediaBudget, block_cut
 from .plan import ScheduledRequest, StepPlan, TakeBack
-from .policies import AdmissionGate, SchedulingPolicy
+from .policies import AdmissionGate, SchedulingPolicy, make_policy
 from .recompute import RecomputeCounter, drop_kv
 from .rope_switch import RopeSwitches
+from .scheduler_plan import SchedulerPlan
 from .speculation_stats import SpeculationStats
 from .weight_updates import UpdateMode, aborted_error, in_flight, too_stale
 
@@ -91,6 +92,29 @@ class Scheduler:
         self.taken_back: list[TakeBack] = []
         # Requests that stopped running since the last plan (ended, preempted, failed): its `released`.
         self.ended: list[Request] = []
+
+    @classmethod
+    def from_plan(
+        cls,
+        pages: PageManager,
+        plan: SchedulerPlan,
+        max_batch_tokens: int,
+        max_requests_per_batch: int,
+        offload: CpuOffload | None = None,
+        media: MediaBudget | None = None,
+    ) -> Scheduler:
+        """The engine's scheduler from its resolved settings (`SchedulerPlan`, scheduler_plan.py) and the step
+        sizes the engine agreed (`Sizing`)."""
+        return cls(
+            pages,
+            max_batch_tokens=max_batch_tokens,
+            max_requests_per_batch=max_requests_per_batch,
+            safety_margin=plan.safety_margin,
+            policy=make_policy(plan.scheduler_type),
+            offload=offload,
+            speculation_max_batch=plan.speculation_max_batch,
+            media=media,
+        )
 
     @property
     def safety_margin(self) -> float:
