@@ -24,7 +24,7 @@ from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.requests import PageList, Request
 from transformers_cb.runner.packing import BatchPacker
-from transformers_cb.scheduler.plan import ScheduledRequest, StepPlan
+from transformers_cb.scheduler.step_plan import ScheduledRequest, StepPlan
 
 RANK, ROPE, NOPE, V_DIM, HEADS = 16, 4, 8, 6, 4
 

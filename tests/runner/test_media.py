@@ -15,7 +15,7 @@ from tests.support.vision_models import (
 from transformers_cb.engine.media_inputs import MediaIntake
 from transformers_cb.requests import Request
 from transformers_cb.runner.media import MediaRunner, MediaStepInputs
-from transformers_cb.scheduler.plan import ScheduledRequest
+from transformers_cb.scheduler.step_plan import ScheduledRequest
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from transformers_cb.memory.state_cache import CONV, RECURRENT, StateCache, Stat
 from transformers_cb.runner.packing import state_table
 from transformers_cb.runner.slot_state_view import SlotStateView, StateRecorder
 from transformers_cb.runner.state_layers import StateLayers, StateTable
-from transformers_cb.scheduler.plan import ScheduledRequest
+from transformers_cb.scheduler.step_plan import ScheduledRequest
 
 KERNEL = 4
 CHANNELS = 3

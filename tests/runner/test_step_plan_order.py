@@ -1,5 +1,5 @@
 """The runner executes a step's whole plan in order: fork copies, then swaps, then released rows, then the
-forward (scheduler/plan.py). A fork copy reads the last forward's KV, which a swap may move."""
+forward (scheduler/step_plan.py). A fork copy reads the last forward's KV, which a swap may move."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.build import build_engine
 from transformers_cb.kv.swap_plan import SwapPlan
-from transformers_cb.scheduler.plan import StepPlan
+from transformers_cb.scheduler.step_plan import StepPlan
 
 
 def test_apply_runs_copies_then_swaps_then_releases() -> None:

@@ -15,9 +15,9 @@ from transformers_cb.memory.media_store import RequestMedia, media_digest
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
 from transformers_cb.scheduler.media_budget import MediaBudget
-from transformers_cb.scheduler.plan import StepPlan
 from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.step_plan import StepPlan
 
 PS = 4
 

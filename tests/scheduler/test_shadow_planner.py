@@ -14,8 +14,8 @@ from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request
 from transformers_cb.scheduler.assisted import AssistantSchedule
 from transformers_cb.scheduler.back_off import SpeculationState
-from transformers_cb.scheduler.plan import ScheduledRequest
 from transformers_cb.scheduler.shadow_planner import ShadowPlanner
+from transformers_cb.scheduler.step_plan import ScheduledRequest
 
 DRAFT = 3
 

@@ -194,7 +194,7 @@ def test_a_rollback_is_one_decision_the_next_plan_carries() -> None:
     """The pages of rejected draft tokens go back in `update`; the block-table side of that rollback (the
     columns the rows forget, with each group's end page right after the release) rides in the next plan's
     `taken_back`, once, for the runner to execute before it packs."""
-    from transformers_cb.scheduler.plan import TakeBack
+    from transformers_cb.scheduler.step_plan import TakeBack
 
     scheduler, request = _speculating_scheduler()
     plan = lookup_schedule(scheduler)

@@ -15,9 +15,9 @@ from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.plan import StepPlan
 from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.step_plan import StepPlan
 from transformers_cb.scheduler.weight_updates import check_update_mode, stronger
 
 PS = 4

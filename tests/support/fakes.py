@@ -8,7 +8,7 @@ import zlib
 from tests.support.requests import FIRST_NORMAL_TOKEN
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.plan import StepPlan
+from transformers_cb.scheduler.step_plan import StepPlan
 
 EOS = 2
 

@@ -17,9 +17,9 @@ from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.plan import StepPlan
 from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.step_plan import StepPlan
 
 
 class Rig:

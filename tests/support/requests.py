@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.plan import ScheduledRequest, StepPlan
+from transformers_cb.scheduler.step_plan import ScheduledRequest, StepPlan
 
 FIRST_NORMAL_TOKEN = 10  # prompt ids start here: clear of the fake model's eos (2)
 

@@ -34,7 +34,7 @@ from ..kv.swap_plan import SwapPlan
 from ..memory.sizing import Sizing
 from ..requests import PageList, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
-from ..scheduler.plan import ScheduledRequest, StepPlan
+from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .cpu_group import CpuGroup, TensorParallelError
 from .sharding import is_distributed, tp_process_group, tp_size_of
 

@@ -49,7 +49,7 @@ from .snapshot import EngineCounters, EngineSnapshot
 from .submission import RequestBuilder
 
 if TYPE_CHECKING:
-    from ..scheduler.plan import StepPlan
+    from ..scheduler.step_plan import StepPlan
     from .plan import EnginePlan
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..distributed import TensorParallelCoordinator
     from ..requests import Request
     from ..sampling.sampled_token import SampledToken
-    from ..scheduler.plan import StepPlan
+    from ..scheduler.step_plan import StepPlan
 
 
 class StepPublisher:

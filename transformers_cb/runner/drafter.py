@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from ..attention.selection import paged_attention
 from ..requests import Request
-from ..scheduler.plan import ScheduledRequest, StepPlan
+from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .model_call import call_model
 from .packing import BatchPacker
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..attention.metadata import visible_keys
-from ..scheduler.plan import ScheduledRequest
+from ..scheduler.step_plan import ScheduledRequest
 
 
 def blocks_in(entry: ScheduledRequest) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 
 from ..memory.media_store import MODALITIES, EncodedMedia, MediaStore, RequestMedia
 from ..requests import Request
-from ..scheduler.plan import ScheduledRequest
+from ..scheduler.step_plan import ScheduledRequest
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The runner: everything that touches the device for one step.
 
-It executes the step's plan (`StepPlan`, scheduler/plan.py) in order: the forks' copies, the host-tier
+It executes the step's plan (`StepPlan`, scheduler/step_plan.py) in order: the forks' copies, the host-tier
 swaps (it owns the `SwapCopier`), the block-table rows to release, each copy and swap dispatched by
 group (the KV groups' pages to the paged cache and the copier, a model's state-slot group, after the KV
 groups, to its `StateCache`); then it
@@ -30,7 +30,7 @@ from ..memory.swap import SwapCopier
 from ..requests import Request
 from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
-from ..scheduler.plan import StepPlan
+from ..scheduler.step_plan import StepPlan
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
 from .media import MediaRunner, MediaStepInputs

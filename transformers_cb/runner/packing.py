@@ -34,7 +34,7 @@ from ..kv.rope_rule import RopeRule
 from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
-from ..scheduler.plan import ScheduledRequest, StepPlan
+from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .image_blocks import blocks_in, widened_mask
 from .state_layers import StateTable
 

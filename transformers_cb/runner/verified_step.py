@@ -8,7 +8,7 @@ import torch
 from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..sampling.verification import verify
-from ..scheduler.plan import ScheduledRequest, StepPlan
+from ..scheduler.step_plan import ScheduledRequest, StepPlan
 
 
 def verified_tokens(

@@ -30,12 +30,12 @@ from .back_off import speculation_of
 from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .media_budget import MediaBudget, block_cut
-from .plan import ScheduledRequest, StepPlan, TakeBack
 from .policies import AdmissionGate, SchedulingPolicy, make_policy
 from .recompute import RecomputeCounter, drop_kv
 from .rope_switch import RopeSwitches
 from .scheduler_plan import SchedulerPlan
 from .speculation_stats import SpeculationStats
+from .step_plan import ScheduledRequest, StepPlan, TakeBack
 from .weight_updates import UpdateMode, aborted_error, in_flight, too_stale
 
 

@@ -36,7 +36,7 @@ from ..requests import Request
 from .assisted import after_verify
 from .back_off import draft_room, follow_schedule, speculation_of
 from .draft_source import Drafts
-from .plan import ScheduledRequest
+from .step_plan import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

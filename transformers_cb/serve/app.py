@@ -21,21 +21,21 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..jobs.prompts import rendered_ids, text_ids
-from .assistant import TurnFormat, split_events
+from .chat_media import has_media, media_prompt
 from .chat_template import chat_text
 from .choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
 from .delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
-from .guided import guided_of
-from .media import has_media, media_prompt
 from .metrics import ServerMetrics
 from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from .reasoning import template_kwargs, thinks
+from .response_format import guided_of
 from .response_input import MAX_INPUT_ITEMS, input_messages
 from .response_output import OutputItems
 from .response_stream import collect_output, response_stream
 from .responses import ResponseShape
 from .responses_api import ResponseObject, ResponsesRequest, ResponseStore, new_response_id, rename_param
 from .tools import tool_mode
+from .turn import TurnFormat, split_events
 
 if TYPE_CHECKING:
     from ..manager.manager import ContinuousBatchingManager
@@ -56,7 +56,7 @@ class ServeState:
     logprobs: bool = True  # False: `--no-logprobs`, requests asking for them get a 400
     has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
     reasoning: str = "auto"  # `--reasoning`: on, off, auto (serve/reasoning.py)
-    processor: Any = None  # the model's processor: chat messages with images / audio (serve/media.py)
+    processor: Any = None  # the model's processor: chat messages with images / audio (serve/chat_media.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
@@ -155,7 +155,7 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
     """A chat request's prompt, what its choices are submitted with, and how its answer is read."""
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     media: dict[str, Any] = {}
-    if has_media(body):  # the processor renders the template and prepares the images (serve/media.py)
+    if has_media(body):  # the processor renders the template and prepares the images (serve/chat_media.py)
         kwargs = template_kwargs(state.reasoning, body.reasoning_effort, body.chat_template_kwargs)
         prompt, media = media_prompt(
             state.processor, body, {**kwargs, **({"tools": list(tools.tools)} if tools.tools else {})}

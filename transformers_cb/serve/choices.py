@@ -63,7 +63,7 @@ class ChoiceEvent:
     echoed: int = 0  # how many leading `token_ids` are the echoed prompt (echo=true)
     finish_reason: str | None = None
     error: ApiError | None = None
-    # Chat only, once the text is split (serve/assistant.py): `text` is then the content.
+    # Chat only, once the text is split (serve/turn.py): `text` is then the content.
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 

@@ -9,7 +9,7 @@ silently different meaning.
 Per-request sampling fields reach the engine through one table, `ENGINE_FIELDS` (body field ->
 `add_request` keyword; a field at the keyword's neutral value, from sampling/neutral.py, is left out): a
 new field is one declaration plus one row there. The output constraints (`response_format`, `guided_*`)
-become one `guided=` value in serve/guided.py.
+become one `guided=` value in serve/response_format.py.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Structured outputs (serve/guided.py): OpenAI's response_format, vLLM's guided_* extensions.
+    # Structured outputs (serve/response_format.py): OpenAI's response_format, vLLM's guided_* extensions.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -253,7 +253,7 @@ class TextPart(_Part):
 
 
 class ImageUrl(_Part):
-    url: str  # only `data:image/...;base64,...` URLs are read (serve/media.py)
+    url: str  # only `data:image/...;base64,...` URLs are read (serve/chat_media.py)
     detail: str | None = None  # accepted, not used: the model's processor decides the resolution
 
 
@@ -264,7 +264,7 @@ class ImagePart(_Part):
 
 class InputAudio(_Part):
     data: str  # base64
-    format: str  # "wav" is decoded (serve/media.py)
+    format: str  # "wav" is decoded (serve/chat_media.py)
 
 
 class AudioPart(_Part):

@@ -212,7 +212,9 @@ def build_state(args: argparse.Namespace) -> Any:
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)
-    processor = load_processor(args.model)  # chat messages with images render through it (serve/media.py)
+    processor = load_processor(
+        args.model
+    )  # chat messages with images render through it (serve/chat_media.py)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         if processor is not None:

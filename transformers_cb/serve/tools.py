@@ -1,8 +1,8 @@
 """Tool calling on the server: the request's `tools` and `tool_choice` checked and resolved into one `ToolMode`.
 
-`auto`: the model may call a tool; its output is parsed (serve/assistant.py). `none`: nothing is parsed.
+`auto`: the model may call a tool; its output is parsed (serve/turn.py). `none`: nothing is parsed.
 `required` and a named function are *guaranteed*: the output is generated under a JSON schema by the
-structured-outputs engine (serve/guided.py's engine, llguidance) and wrapped into tool calls here, instead of
+structured-outputs engine (serve/response_format.py's engine, llguidance) and wrapped into tool calls here, instead of
 asking the model for its own tool-call markup. A named function's output is its arguments object (the
 function's `parameters` schema); `required`'s is a JSON array of `{"name": ..., "arguments": {...}}` objects,
 one `anyOf` branch per tool, one item at most without `parallel_tool_calls`. Either parses by construction.
