@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from transformers_cb.attention import native
 from transformers_cb.sampling.sampler import best_tokens
 
 
@@ -30,3 +32,37 @@ def test_greedy_on_bf16_logits_picks_what_float32_picks() -> None:
     sampler = Sampler([], do_sample=False, device=torch.device("cpu"))
     tokens = sampler.sample(logits, requests).tokens
     assert tokens == logits.float().argmax(dim=-1).tolist()
+
+
+@pytest.mark.skipif(native.ensure_native_module() is None, reason="native library unavailable here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_best_rows_is_torch_max_indices(dtype: torch.dtype) -> None:
+    # The native argmax against torch's `max(-1).indices`: ties, NaNs in the vector part and in the tail,
+    # -inf rows, signed zeros, rows narrower than a vector, and rows that are slices of wider ones.
+    module = native.ensure_native_module()
+    generator = torch.Generator().manual_seed(0)
+    for width in (1, 7, 15, 16, 17, 31, 32, 33, 47, 64, 100, 4099, 32000):
+        wide = torch.randint(-3, 3, (12, width + 5), generator=generator).to(dtype)
+        scores = wide[:, 2 : width + 2]  # row stride width + 5
+        scores[1] = float("-inf")
+        scores[2] = 0.0
+        scores[2, width // 2] = -0.0
+        scores[2, -1] = -0.0
+        scores[3, width // 3] = float("nan")
+        scores[4, -1] = float("nan")
+        scores[5, width // 2] = float("nan")
+        scores[5, width // 4] = float("nan")
+        scores[6, -1] = 100.0
+        scores[7] = -1.0
+        scores[7, -1] = float("-inf")
+        out = torch.empty(12, dtype=torch.long)
+        module.best_rows(scores, out)
+        assert torch.equal(out, scores.max(dim=-1).indices), width
+        assert torch.equal(best_tokens(scores), scores.argmax(dim=-1)), width
+
+
+def test_best_tokens_without_the_native_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("transformers_cb.sampling.sampler.native_module", lambda: None)
+    scores = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 1.0, float("nan")]])
+    assert best_tokens(scores).tolist() == [1, 0]
+    assert best_tokens(scores.half()).tolist() == [1, 0]  # not a native dtype: torch's max

@@ -14,6 +14,7 @@ accumulated in registers, every row widened to float32 as it is read.
 Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
 """
 
+from .native_argmax_source import ARGMAX_BINDINGS, ARGMAX_SOURCE
 from .native_layer_source import BINDINGS, LAYER_SOURCE
 from .native_vec_source import VEC_SOURCE
 
@@ -385,16 +386,19 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 
 """
 
-# The library's one source: the attention kernel, the decoder-layer ops (native_layer_source.py), the bindings.
+# The library's one source: the attention kernel, the decoder-layer ops (native_layer_source.py), the greedy
+# argmax (native_argmax_source.py), the bindings.
 SOURCE = (
     ATTENTION_SOURCE
     + VEC_SOURCE
     + DISPATCH_SOURCE
     + LAYER_SOURCE
+    + ARGMAX_SOURCE
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
 """
     + BINDINGS
+    + ARGMAX_BINDINGS
     + "}\n"
 )
