@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from transformers_cb.engine.submission import Submission
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.warmup()
         for i in range(args.rows):
             ids = torch.randint(3, vocab, (args.kv,), generator=gen).tolist()
-            engine.add(engine.build_request(ids, f"r{i}", max_new, None))
+            engine.add(
+                engine.build_request(Submission(ids, f"r{i}", max_new_tokens=max_new, eos_token_id=None))
+            )
         while any(not r.generated_ids for r in engine.running_requests()) or engine.num_waiting:
             engine.step()
         for _ in range(args.steps):  # warm (and compile) the decode path
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== one decode step")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
         ids = torch.randint(3, vocab, (args.prefill,), generator=gen).tolist()
-        engine.add(engine.build_request(ids, "prefill", 1, None))
+        engine.add(engine.build_request(Submission(ids, "prefill", max_new_tokens=1, eos_token_id=None)))
         for request in list(engine.running_requests()):
             if request.request_id != "prefill":
                 engine.finish(request, transformers_cb.RequestStatus.FINISHED)

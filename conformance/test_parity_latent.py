@@ -37,6 +37,7 @@ from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ENV_SWITCH, native_module
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 
 MAX_NEW_TOKENS = 10
 VOCAB = 300
@@ -155,7 +156,7 @@ def test_the_pages_hold_the_latent_not_decompressed_kv(subject) -> None:
             model(input_ids=torch.tensor([prompt]), use_cache=False)
         latents_seen = dict(latents)
         latents.clear()
-        request = engine.build_request(prompt, "req_0", max_new_tokens=3)
+        request = engine.build_request(Submission(prompt, "req_0", max_new_tokens=3))
         with engine.session():
             engine.add(request)
             engine.step()

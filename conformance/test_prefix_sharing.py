@@ -29,6 +29,7 @@ from tests.support.requests import page_ids
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 
 MAX_NEW_TOKENS = 8
 VOCAB = 300
@@ -102,7 +103,7 @@ def test_hits_skip_prefill_tokens(llama) -> None:
         for _ in range(2):
             before = engine.counters.prefill_tokens
             for i, prompt in enumerate(prompts):
-                engine.add(engine.build_request(prompt, f"r{len(counts)}_{i}"))
+                engine.add(engine.build_request(Submission(prompt, f"r{len(counts)}_{i}")))
             while engine.has_work():
                 engine.step()
                 engine.check_integrity()
@@ -122,7 +123,7 @@ def check_shared_prefix_parity(model, references: ReferenceCache, label: str, ma
     engine = build_engine(
         model, greedy_config(max_new_tokens), ContinuousBatchingConfig(page_size=4, max_batch_tokens=16)
     )
-    requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+    requests = [engine.build_request(Submission(p, f"req_{i}")) for i, p in enumerate(prompts)]
     with engine.session():
         for request in engine.admission_order(requests):
             engine.add(request)
@@ -176,7 +177,10 @@ def test_random_shared_prefixes_property(llama, references, workload) -> None:
     )
     engine = build_engine(llama, greedy_config(MAX_NEW_TOKENS), config)
     prompts, max_new = workload["prompts"], workload["max_new"]
-    requests = [engine.build_request(p, f"req_{i}", max_new[i]) for i, p in enumerate(prompts)]
+    requests = [
+        engine.build_request(Submission(p, f"req_{i}", max_new_tokens=max_new[i]))
+        for i, p in enumerate(prompts)
+    ]
     finished: list[str] = []
     with paged_attention(llama), torch.inference_mode():
         for request in engine.admission_order(requests):
@@ -235,7 +239,7 @@ def test_sampled_forks_are_reproducible_and_differ(llama) -> None:
 
 def test_forks_share_pages_while_they_run(llama) -> None:
     engine = build_engine(llama, greedy_config(4), ContinuousBatchingConfig(page_size=4))
-    parent = engine.build_request(list(range(3, 21)), "p", num_return_sequences=3)  # 18 tokens
+    parent = engine.build_request(Submission(list(range(3, 21)), "p", num_return_sequences=3))  # 18 tokens
     assert [r.request_id for r in parent.family] == ["p", "p__child#0", "p__child#1"]
     with paged_attention(llama), torch.inference_mode():
         engine.add(parent)

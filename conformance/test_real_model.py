@@ -26,6 +26,7 @@ from conformance.common import (
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.models.fetch import FetchError, fetch_model
 from transformers_cb.models.registry_model import SMOLLM2
 
@@ -76,7 +77,7 @@ def run_engine(model, prompts, **cb_kwargs):
     engine = build_engine(
         model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=PAGE_SIZE, **cb_kwargs)
     )
-    requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+    requests = [engine.build_request(Submission(p, f"req_{i}")) for i, p in enumerate(prompts)]
     with paged_attention(model), torch.inference_mode(), count_preemptions() as preempted:
         for request in engine.admission_order(requests):
             engine.add(request)

@@ -16,6 +16,7 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -137,7 +138,7 @@ def test_a_job_that_fits_is_admitted_at_once(model) -> None:
     # One page of 256 per request: exactly 16 pages would admit only 14 under a 0.15 margin.
     engine = build_engine(model, GREEDY, ContinuousBatchingConfig(), workload=workload)
     for i, prompt in enumerate(prompts):
-        engine.add(engine.build_request(prompt, f"req_{i}", max_new_tokens=64))
+        engine.add(engine.build_request(Submission(prompt, f"req_{i}", max_new_tokens=64)))
     with torch.inference_mode():
         engine.step()
     assert not engine.scheduler.waiting

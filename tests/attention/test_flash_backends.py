@@ -29,6 +29,7 @@ from transformers_cb.attention.flash_kernels import (
     load_flash_kernel,
 )
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.sampling.sampled_token import SampledToken
 
 GREEDY = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -189,7 +190,7 @@ def test_varlen_call_arguments_follow_the_kernels_signature() -> None:
     """A kernel that takes `seqused_k` and `s_aux` (vLLM's API) gets them instead of cu_seqlens_k."""
     model = tiny_llama()
     engine = build_engine(model, GREEDY, _config())
-    request = engine.build_request([5, 6, 7, 8, 9], "r", max_new_tokens=2)
+    request = engine.build_request(Submission([5, 6, 7, 8, 9], "r", max_new_tokens=2))
     engine.add(request)
     step = engine.packer.pack(engine.scheduler.schedule())
     prepare_flash_step(step.metadata, 0)
@@ -212,7 +213,7 @@ def test_sinks_on_a_kernel_without_them_are_refused() -> None:
         kernel = load_flash_kernel(FA2)
         model = tiny_llama()
         engine = build_engine(model, GREEDY, _config())
-        engine.add(engine.build_request([5, 6, 7], "r", max_new_tokens=2))
+        engine.add(engine.build_request(Submission([5, 6, 7], "r", max_new_tokens=2)))
         step = engine.packer.pack(engine.scheduler.schedule())
         prepare_flash_step(step.metadata, 0)
         q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
@@ -250,7 +251,7 @@ def test_fast_path_only_for_decode_steps_that_fit_the_table() -> None:
     model = tiny_llama()
     engine = build_engine(model, GREEDY, _config(page_size=16, num_blocks=64))
     for i, n in enumerate([20, 5]):
-        engine.add(engine.build_request(list(range(3, 3 + n)), f"r{i}", max_new_tokens=30))
+        engine.add(engine.build_request(Submission(list(range(3, 3 + n)), f"r{i}", max_new_tokens=30)))
     batch = engine.scheduler.schedule()
     mixed = engine.packer.pack(batch)
     prepare_flash_step(mixed.metadata, 4)

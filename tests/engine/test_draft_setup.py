@@ -11,6 +11,7 @@ from tests.support.hybrids import build_hybrid
 from tests.support.models import tiny_llama
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.draft_setup import speculation_refusal
+from transformers_cb.engine.submission import Submission, make_submission
 from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP
 
 
@@ -25,13 +26,13 @@ def test_an_engine_that_cannot_speculate_refuses_speculating_requests() -> None:
     model = tiny_llama()
     engine = build_engine(model, GenerationConfig(max_new_tokens=4), None)
     assert engine.speculation.refusal is None
-    request = engine.build_request([5, 6, 7], "a", sampling_kwargs={"prompt_lookup_num_tokens": 3})
+    request = engine.build_request(make_submission([5, 6, 7], "a", {"prompt_lookup_num_tokens": 3}))
     assert request.speculation is not None and request.speculation.max_tokens == 3
     engine.speculation.refusal = "state layers cannot roll back"
     assert engine.speculation.refusal is not None
     with pytest.raises(ValueError, match="request 'b'.*state layers cannot roll back"):
-        engine.build_request([5, 6, 7], "b", sampling_kwargs={"prompt_lookup_num_tokens": 3})
-    assert engine.build_request([5, 6, 7], "c").speculation is None
+        engine.build_request(make_submission([5, 6, 7], "b", {"prompt_lookup_num_tokens": 3}))
+    assert engine.build_request(Submission([5, 6, 7], "c")).speculation is None
 
 
 def test_a_generation_config_with_prompt_lookup_is_every_requests_default(monkeypatch) -> None:
@@ -39,10 +40,10 @@ def test_a_generation_config_with_prompt_lookup_is_every_requests_default(monkey
     engine = build_engine(
         model, GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=5, max_matching_ngram_size=3), None
     )
-    request = engine.build_request([5, 6, 7], "a")
+    request = engine.build_request(Submission([5, 6, 7], "a"))
     assert request.speculation is not None
     assert (request.speculation.max_tokens, request.speculation.max_ngram) == (5, 3)
-    off = engine.build_request([5, 6, 7], "b", sampling_kwargs={"prompt_lookup_num_tokens": 0})
+    off = engine.build_request(make_submission([5, 6, 7], "b", {"prompt_lookup_num_tokens": 0}))
     assert off.speculation is None
     monkeypatch.setattr(
         "transformers_cb.engine.plan.speculation_refusal",
@@ -60,10 +61,10 @@ def test_models_with_state_layers_refuse_speculation(name: str) -> None:
     engine = build_engine(model, GenerationConfig(max_new_tokens=4), None)
     assert engine.speculation.refusal is not None
     with pytest.raises(ValueError, match="request 'a'.*state layers"):
-        engine.build_request([5, 6, 7], "a", sampling_kwargs={"prompt_lookup_num_tokens": 3})
+        engine.build_request(make_submission([5, 6, 7], "a", {"prompt_lookup_num_tokens": 3}))
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens.*state layers"):
         build_engine(model, GenerationConfig(max_new_tokens=4, prompt_lookup_num_tokens=3), None)
-    assert engine.build_request([5, 6, 7], "b").speculation is None
+    assert engine.build_request(Submission([5, 6, 7], "b")).speculation is None
 
 
 # -- a draft model (assistant_model) -------------------------------------------------------------------
@@ -100,28 +101,30 @@ def test_assistant_settings_per_request_and_their_refusals() -> None:
     model, assistant = tiny_llama(), tiny_llama(num_hidden_layers=1)
     plain = build_engine(model, GenerationConfig(max_new_tokens=4), None)
     with pytest.raises(ValueError, match=r"request 'a'.*\['num_assistant_tokens'\] need an assistant_model"):
-        plain.build_request([5, 6, 7], "a", sampling_kwargs={"num_assistant_tokens": 3})
+        plain.build_request(make_submission([5, 6, 7], "a", {"num_assistant_tokens": 3}))
     assistant.generation_config.num_assistant_tokens = 7  # where transformers reads it
     engine = build_engine(model, GenerationConfig(max_new_tokens=4), None, assistant_model=assistant)
-    request = engine.build_request([5, 6, 7], "a")
+    request = engine.build_request(Submission([5, 6, 7], "a"))
     state = request.speculation
     assert state is not None and state.max_tokens == 7
     assert state.source is engine.drafter  # the draft model's source; its settings per request:
     assert (state.assistant.schedule, state.assistant.confidence) == ("constant", 0.4)
     own = engine.build_request(
-        [5, 6, 7],
-        "b",
-        sampling_kwargs={
-            "num_assistant_tokens": 3,
-            "num_assistant_tokens_schedule": "heuristic",
-            "assistant_confidence_threshold": 0.0,
-        },
+        make_submission(
+            [5, 6, 7],
+            "b",
+            {
+                "num_assistant_tokens": 3,
+                "num_assistant_tokens_schedule": "heuristic",
+                "assistant_confidence_threshold": 0.0,
+            },
+        )
     )
     assert own.speculation.max_tokens == 3 and own.speculation.assistant.schedule == "heuristic"
     assert (
-        engine.build_request([5, 6, 7], "c", sampling_kwargs={"num_assistant_tokens": 0}).speculation is None
+        engine.build_request(make_submission([5, 6, 7], "c", {"num_assistant_tokens": 0})).speculation is None
     )
-    lookup = engine.build_request([5, 6, 7], "d", sampling_kwargs={"prompt_lookup_num_tokens": 2})
+    lookup = engine.build_request(make_submission([5, 6, 7], "d", {"prompt_lookup_num_tokens": 2}))
     assert lookup.speculation.source is PROMPT_LOOKUP  # prompt lookup wins, as in generate()
     for bad in (
         {"num_assistant_tokens": -1},
@@ -129,13 +132,13 @@ def test_assistant_settings_per_request_and_their_refusals() -> None:
         {"assistant_confidence_threshold": 2.0},
     ):
         with pytest.raises(ValueError, match="request 'e'"):
-            engine.build_request([5, 6, 7], "e", sampling_kwargs=bad)
+            engine.build_request(make_submission([5, 6, 7], "e", bad))
     # The engine's GenerationConfig, where set, over the assistant's; forks draft each on their own.
     config = GenerationConfig(
         max_new_tokens=4, num_assistant_tokens=5, num_assistant_tokens_schedule="heuristic"
     )
     engine = build_engine(model, config, None, assistant_model=assistant)
-    parent = engine.build_request([5, 6, 7], "f", num_return_sequences=2)
+    parent = engine.build_request(Submission([5, 6, 7], "f", num_return_sequences=2))
     (child,) = parent.siblings
     assert parent.speculation.max_tokens == child.speculation.max_tokens == 5
     assert parent.speculation is not child.speculation

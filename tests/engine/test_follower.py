@@ -18,6 +18,7 @@ from transformers_cb.distributed import TensorParallelError
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.follower import FollowerEngine
 from transformers_cb.engine.publisher import TensorParallelPublisher
+from transformers_cb.engine.submission import Submission
 
 
 @pytest.fixture
@@ -41,8 +42,8 @@ def test_the_follower_replays_rank_0_step_by_step(pair) -> None:
     model, driver, follower, channel = pair
     prompts = prompts_of_lengths([13, 6, 9, 11], seed=5)  # 10 pages of 4 tokens: preemptions on rank 0
     with paged_attention(model, driver.plan.step_options.attn_implementation), torch.inference_mode():
-        requests = [driver.build_request(p, f"r{i}") for i, p in enumerate(prompts)]
-        mirrors = [follower.build_request(p, f"r{i}") for i, p in enumerate(prompts)]
+        requests = [driver.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts)]
+        mirrors = [follower.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts)]
         for request, mirror in zip(requests, mirrors, strict=True):
             driver.add(request)
             follower.add(mirror)
@@ -67,7 +68,7 @@ def test_a_failed_forward_on_rank_0_breaks_the_group(pair, monkeypatch) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(driver.runner, "run", broken)
-    request = driver.build_request([3, 4, 5], "r0")
+    request = driver.build_request(Submission([3, 4, 5], "r0"))
     driver.add(request)
     with (
         paged_attention(model, driver.plan.step_options.attn_implementation),

@@ -21,6 +21,7 @@ from tests.support.models import build_tiny_model, tiny_phi3_longrope
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, patches
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 
 
 def _catalog(model_type: str) -> PreTrainedModel:
@@ -52,7 +53,7 @@ def _instance_state(model: PreTrainedModel) -> dict[tuple[int, str], int]:
 
 
 def _generate(engine: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    request = engine.build_request(prompt, "r", max_new_tokens, None)
+    request = engine.build_request(Submission(prompt, "r", max_new_tokens=max_new_tokens, eos_token_id=None))
     engine.add(request)
     while not request.is_finished:
         engine.step()

@@ -13,7 +13,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.config.continuous_batching import resolve_speculation_max_batch
 from transformers_cb.engine.build import wire
 from transformers_cb.engine.plan import resolve_plan
-from transformers_cb.engine.submission import RequestBuilder
+from transformers_cb.engine.submission import RequestBuilder, Submission
 from transformers_cb.memory.cache_plan import CachePlan
 from transformers_cb.memory.host_cache import HostPlan
 from transformers_cb.sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
@@ -59,7 +59,9 @@ def test_build_request_is_a_part_wired_from_the_plan() -> None:
     assert builder.shape is plan.shape and builder.generation_config is plan.sampling.generation_config
     assert builder.sampling is engine.sampling and builder.speculation is engine.speculation
     assert builder.pages is engine.pages
-    request = engine.build_request([3, 4, 5], "r0")
+    request = engine.build_request(Submission([3, 4, 5], "r0"))
     assert request.max_new_tokens == 6 and request.sampling is None
     with pytest.raises(ValueError, match="request 'long'.*raise num_blocks"):
-        engine.build_request([3] * 40, "long", max_new_tokens=4)  # more pages than the cache holds
+        engine.build_request(
+            Submission([3] * 40, "long", max_new_tokens=4)
+        )  # more pages than the cache holds

@@ -10,6 +10,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.snapshot import EngineSnapshot
+from transformers_cb.engine.submission import Submission
 
 
 def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
@@ -24,7 +25,7 @@ def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
     assert engine.snapshot() == idle
     prefix = prompts_of_lengths([12], seed=3)[0]
     for i, suffix in enumerate(prompts_of_lengths([6, 9, 4, 7], seed=4)):
-        engine.add(engine.build_request(prefix + suffix, f"r{i}", max_new_tokens=8))
+        engine.add(engine.build_request(Submission(prefix + suffix, f"r{i}", max_new_tokens=8)))
     seen_running = False
     with paged_attention(model, "paged|sdpa"):
         while engine.has_work():

@@ -15,6 +15,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.publisher import StepPublisher
+from transformers_cb.engine.submission import Submission
 from transformers_cb.requests import RequestStatus
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False)
@@ -30,7 +31,9 @@ def test_page_counts_and_sharing() -> None:
     assert len(plan.cache.kv_groups) == 2 and plan.cache.page_size == 4 and engine.num_total_pages == 24
     assert engine.num_used_pages == 0 and set(engine.snapshot().pages_in_use_by_group.values()) == {0}
     assert plan.cache.sharing and engine.pages.sharing and plan.scheduler.max_queue_size == 7
-    requests = [engine.build_request(p, f"r{i}") for i, p in enumerate(prompts_of_lengths([9, 5], seed=1))]
+    requests = [
+        engine.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts_of_lengths([9, 5], seed=1))
+    ]
     seen = 0
     with paged_attention(model, plan.step_options.attn_implementation), torch.inference_mode():
         for request in requests:
@@ -137,7 +140,7 @@ def test_every_step_reaches_the_publisher() -> None:
     assert [call[2] for call in ended].count(False) == 1 and ended[-1][2] is False
     # Outside a step: a cancellation, the idle heartbeat, a warmup that cannot run, the session's end.
     publisher.calls.clear()
-    extra = engine.build_request(prompts[0], "cancelled")
+    extra = engine.build_request(Submission(prompts[0], "cancelled"))
     engine.add(extra)
     assert not engine.warmup()  # not idle
     engine.finish(extra, RequestStatus.CANCELLED)
@@ -157,7 +160,7 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine.runner, "run", broken)
-    request = engine.build_request([3, 4, 5], "r0")
+    request = engine.build_request(Submission([3, 4, 5], "r0"))
     engine.add(request)
     with paged_attention(model, engine.plan.step_options.attn_implementation):
         result = engine.step()
@@ -169,7 +172,7 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
             raise ValueError("group broken") from error
 
     engine.publisher = Raising()
-    request = engine.build_request([3, 4, 5], "r1")
+    request = engine.build_request(Submission([3, 4, 5], "r1"))
     engine.add(request)
     with (
         paged_attention(model, engine.plan.step_options.attn_implementation),
@@ -184,7 +187,7 @@ def test_a_cancelled_request_gives_its_rows_back_with_the_next_plan() -> None:
     the next plan's `released`, and the engine's integrity holds in between."""
     engine = build_engine(tiny_llama(), GenerationConfig(max_new_tokens=8, do_sample=False), None)
     with engine.session():
-        request = engine.build_request([5, 6, 7, 8], request_id="r")
+        request = engine.build_request(Submission([5, 6, 7, 8], "r"))
         engine.add(request)
         engine.step()
         tables = engine.packer.block_tables[0]

@@ -17,6 +17,7 @@ from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager
 from transformers_cb.attention.selection import paged_attention
 from transformers_cb.engine.follower import FollowerEngine
 from transformers_cb.engine.publisher import StepPublisher
+from transformers_cb.engine.submission import Submission
 from transformers_cb.manager import manager as manager_module
 
 
@@ -55,7 +56,7 @@ def test_a_follower_manager_replays_rank_0_until_its_session_ends(model) -> None
     # Rank 0's whole session first (the channel keeps its messages), then the follower's manager replays it.
     with paged_attention(model, driver.plan.step_options.attn_implementation), torch.inference_mode():
         for i, prompt in enumerate(PROMPTS[:3]):
-            driver.add(driver.build_request(prompt, f"r{i}", max_new_tokens=5))
+            driver.add(driver.build_request(Submission(prompt, f"r{i}", max_new_tokens=5)))
         while driver.has_work():
             driver.step()
     driver.end_session()  # STOP: the follower's session ends with rank 0's

@@ -26,6 +26,7 @@ from tests.support.manager import (
 from tests.support.threads import TIMEOUT, run_with_timeout, wait_for
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.invariants import InvariantError
 from transformers_cb.manager.loop import NOT_RUN_ERROR
 
@@ -296,7 +297,9 @@ def test_block_table_rows_never_outlive_their_request():
     engine = build_engine(
         model, GenerationConfig(do_sample=False), ContinuousBatchingConfig(page_size=16, num_blocks=32)
     )
-    requests = [engine.build_request(p, f"r{i}", 5) for i, p in enumerate(PROMPTS[:3])]
+    requests = [
+        engine.build_request(Submission(p, f"r{i}", max_new_tokens=5)) for i, p in enumerate(PROMPTS[:3])
+    ]
     for request in requests:
         engine.add(request)
     engine.step()

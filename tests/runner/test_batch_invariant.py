@@ -26,6 +26,7 @@ from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.runner.batch_invariant import (
     INVARIANT_ROWS,
     batch_invariant_modules,
@@ -229,7 +230,7 @@ def test_a_prefix_computed_by_another_request_gives_the_same_bits() -> None:
     engine = build_engine(model, GREEDY, config)
     with engine.session():
         for prompt_ids, request_id in ((sibling, "sibling"), (target, "target")):
-            request = engine.build_request(prompt_ids, request_id)
+            request = engine.build_request(Submission(prompt_ids, request_id))
             engine.add(request)
             while engine.has_work():
                 engine.step()

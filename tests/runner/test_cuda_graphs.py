@@ -26,6 +26,7 @@ from transformers_cb.config.continuous_batching import DeviceOptions, resolve_de
 from transformers_cb.engine import plan as plan_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.runner.async_batching import BufferTurns
 from transformers_cb.runner.compile_plan import DECODE, VARLEN
 from transformers_cb.runner.cuda_graphs import GraphKey, LRUCache, padded_length
@@ -87,7 +88,7 @@ def test_steps_are_keyed_by_padded_query_and_kv_lengths(graphs_on_cpu) -> None:
     model.set_attn_implementation(FA2)
     engine = build_engine(model, GREEDY, _config(q_padding_interval_size=8, kv_padding_interval_size=300))
     graphs = engine.runner.graphs
-    engine.add(engine.build_request(list(range(3, 23)), "a"))
+    engine.add(engine.build_request(Submission(list(range(3, 23)), "a")))
     step = engine.packer.pack(engine.scheduler.schedule())
     prepare_flash_step(step.metadata, engine.plan.step_options.max_blocks_per_request)
     # 20 tokens -> 24; KV 20 -> 300 -> 512 (whole pages of 256: the block table is page-granular)
@@ -133,7 +134,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
     model.set_attn_implementation(FA2)
     engine = build_engine(model, GREEDY, _config(q_padding_interval_size=16))
     for i, n in enumerate([9, 4, 6]):
-        engine.add(engine.build_request(list(range(5, 5 + n)), f"r{i}", max_new_tokens=4))
+        engine.add(engine.build_request(Submission(list(range(5, 5 + n)), f"r{i}", max_new_tokens=4)))
     batch = engine.scheduler.schedule()
     if decode:  # prefill eagerly, then take a decode-only step
         with paged_attention(model, FA2), torch.inference_mode():

@@ -18,6 +18,7 @@ from tests.support.prompts import random_prompts
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.runner.request_rotary import dynamic_rotary_modules
 
 
@@ -88,7 +89,7 @@ def test_prefix_across_the_switch_is_not_reused() -> None:
     stats = present_stats(engine)
 
     def serve(prompt: list[int], request_id: str) -> list[int]:
-        request = engine.build_request(prompt, request_id)
+        request = engine.build_request(Submission(prompt, request_id))
         with engine.session():
             engine.add(request)
             while engine.has_work():

@@ -8,6 +8,7 @@ from transformers import GenerationConfig
 from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.submission import Submission
 from transformers_cb.kv.swap_plan import SwapPlan
 from transformers_cb.scheduler.step_plan import StepPlan
 
@@ -21,7 +22,7 @@ def test_apply_runs_copies_then_swaps_then_releases() -> None:
     runner.packer.cache.copy_pages = lambda copies: calls.append(("copies", copies))
     runner.swapper.run = lambda plan: calls.append(("swaps", plan.out_src))
     runner.packer.release_request = lambda request: calls.append(("release", request))
-    request = engine.build_request([5, 6, 7], "r0")
+    request = engine.build_request(Submission([5, 6, 7], "r0"))
     batch = StepPlan(
         entries=[], copies=[(0, 1, 2)], swaps=SwapPlan(1, out_src=[[3]], out_dst=[[0]]), released=[request]
     )

@@ -27,6 +27,7 @@ from ..config.interop import take_cb_config
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.media_inputs import MediaIntake
+from ..engine.submission import make_submission
 from ..engine.validation import per_item
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
@@ -134,14 +135,17 @@ def generate_batch(
     engine = _engine_for(self, resolved, cb_config, workload, persistent_manager, extras)
     requests = [
         engine.build_request(
-            ids,
-            f"req_{i}",
-            max_new[i],
-            eos_ids[i],
-            label=f"inputs[{i}]",
-            record_timestamps=record_timestamps,
-            sampling_kwargs={**{name: values[i] for name, values in per_request.items()}, **media[i]},
-            num_return_sequences=forks[i],
+            make_submission(
+                ids,
+                f"req_{i}",
+                {name: values[i] for name, values in per_request.items()},
+                media[i],
+                max_new_tokens=max_new[i],
+                eos_token_id=eos_ids[i],
+                label=f"inputs[{i}]",
+                record_timestamps=record_timestamps,
+                num_return_sequences=forks[i],
+            )
         )
         for i, ids in enumerate(inputs)
     ]

@@ -8,6 +8,7 @@ without it they run as requests of their own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import GenerationConfig
@@ -29,12 +30,13 @@ def num_return_sequences_of(value: int | None, config: GenerationConfig, label: 
 
 
 def add_siblings(
-    parent: Request, count: int, sampling: SamplingSetup, sampling_kwargs: dict[str, Any] | None, label: str
+    parent: Request, count: int, sampling: SamplingSetup, params: Mapping[str, Any], label: str
 ) -> None:
-    """Give `parent` its `count - 1` siblings, each with its own id and random stream."""
+    """Give `parent` its `count - 1` siblings, each with its own id and random stream (`params`: the
+    submission's sampling parameters, a seed derived per sibling)."""
     for index in range(count - 1):
         request_id = f"{parent.request_id}__child#{index}"
-        kwargs = dict(sampling_kwargs or {})
+        kwargs = dict(params)
         if kwargs.get("seed") is not None:  # reproducible, and not the parent's draws again
             kwargs["seed"] = derive_seed(kwargs["seed"], request_id)
         child = Request(

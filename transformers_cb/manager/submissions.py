@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine.engine import Engine
+from ..engine.submission import make_submission
 from ..engine.validation import per_item
 from ..requests import Request
 from .loop import ManagerLoop
@@ -31,10 +32,11 @@ class SubmissionOptions:
     streaming: bool = False
     eos_token_id: int | list[int] | None = None
     record_timestamps: bool = False
-    sampling_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The per-request keyword arguments (sampling, speculation, media), sorted at `_build_requests`.
+    per_request: dict[str, Any] = field(default_factory=dict)
     num_return_sequences: int | None = None  # None: the generation config's
     max_staleness: int | None = None  # weight versions a request's KV may lag behind (None: any)
-    # Per-item sampling kwargs over `sampling_kwargs` (add_requests' per-input `guided`), one per item.
+    # Per-item kwargs over `per_request` (add_requests' per-input `guided`), one per item.
     item_kwargs: tuple[dict[str, Any], ...] = ()
 
     @classmethod
@@ -48,7 +50,7 @@ class SubmissionOptions:
         num_items: int | None = None,
     ) -> SubmissionOptions:
         """`kwargs`: the per-request keyword arguments; all but `num_return_sequences` and `max_staleness`
-        are sampling ones.
+        are sampling, speculation or media ones (a typed `Submission` each, made in `_build_requests`).
         With `num_items` (add_requests), `kwargs["guided"]` may be a list or tuple of one constraint per
         item (None: unconstrained) instead of one for all (split by `per_item`, as generate_batch's)."""
         kwargs = dict(kwargs)
@@ -163,24 +165,26 @@ class Submissions:
                     f"request_id {request_id!r} is already in use by a request whose outputs are not "
                     "all delivered yet"
                 )
-            requests.append(
-                engine.build_request(
-                    input_ids,
-                    request_id,
-                    options.max_new_tokens,
-                    options.eos_token_id,
-                    options.streaming,
-                    label=label,
-                    record_timestamps=options.record_timestamps,
-                    sampling_kwargs=(
-                        {**options.sampling_kwargs, **options.item_kwargs[index]}
-                        if options.item_kwargs
-                        else options.sampling_kwargs
-                    ),
-                    num_return_sequences=options.num_return_sequences,
-                    max_staleness=options.max_staleness,
-                )
+            given = (
+                {**options.per_request, **options.item_kwargs[index]}
+                if options.item_kwargs
+                else options.per_request
             )
+            media, per_request = engine.build_request.split_media(given)
+            submission = make_submission(
+                input_ids,
+                request_id,
+                per_request,
+                media,
+                max_new_tokens=options.max_new_tokens,
+                eos_token_id=options.eos_token_id,
+                streaming=options.streaming,
+                record_timestamps=options.record_timestamps,
+                label=label,
+                num_return_sequences=options.num_return_sequences,
+                max_staleness=options.max_staleness,
+            )
+            requests.append(engine.build_request(submission))
             for member in requests[-1].family:
                 if member is not requests[-1] and member.request_id in taken:
                     raise ValueError(f"request_id {member.request_id!r} (a fork of {request_id!r}) is in use")
