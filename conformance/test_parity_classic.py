@@ -193,6 +193,7 @@ def test_falcon_form_runs_the_native_kernel_s_rows_through_torch(monkeypatch) ->
     monkeypatch.setattr(mixed_paged, "native_paged_attention", refused)
     monkeypatch.setattr(paged, "native_paged_attention", refused)
     monkeypatch.setattr(paged, "native_paged_attention_op", refused)
+    monkeypatch.setattr(paged, "native_layer_attention", refused)
     with backend(model, "paged|sdpa"):
         outputs, _ = run_batch(model, prompts, greedy_config(MAX_NEW_TOKENS), page_size=4, max_batch_tokens=5)
     assert used, "no step had tokens planned for the native kernel"

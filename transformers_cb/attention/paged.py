@@ -59,8 +59,7 @@ def current_step_metadata() -> AttentionMetadata | None:
     return STEP_METADATA.get()
 
 
-@torch.library.custom_op("transformers_cb::native_paged_attention", mutates_args=("kv_storage",))
-def native_paged_attention_op(
+def native_layer_attention(
     query: torch.Tensor,
     new_keys: torch.Tensor,
     new_values: torch.Tensor,
@@ -107,6 +106,14 @@ def native_paged_attention_op(
     return out
 
 
+# The same as one opaque torch op, for a compiled forward (inductor places it, no graph break). An eager forward
+# calls the function itself: the custom op's dispatch (schema defaults, the mutation's bookkeeping) costs
+# ~95 us of CPU a call here, against ~3 us for the call, per layer and step (30 layers: ~2.9 ms a step).
+native_paged_attention_op = torch.library.custom_op(
+    "transformers_cb::native_paged_attention", native_layer_attention, mutates_args=("kv_storage",)
+)
+
+
 @native_paged_attention_op.register_fake
 def _native_paged_attention_fake(query, new_keys, new_values, kv_storage, layer, *args) -> torch.Tensor:
     return torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -148,7 +155,8 @@ def paged_attention(
         )
     group_metadata = metadata.group_of(layer_idx)
     storage, layer = metadata.cache.storage_of(layer_idx)
-    out = native_paged_attention_op(
+    run = native_paged_attention_op if torch.compiler.is_compiling() else native_layer_attention
+    out = run(
         query[0].transpose(0, 1),  # [T, H, D]
         key[0].transpose(0, 1),  # [T, Hkv, D]
         value[0].transpose(0, 1),
