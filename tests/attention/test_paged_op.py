@@ -35,9 +35,10 @@ def decode_step(seed: int = 0):
     return query, new_k, new_v, storage, slots, token_row, token_pos, block_table
 
 
-def call(layer: int, step, scale: float = 0.5) -> torch.Tensor:
+def op_args(layer: int, step, scale: float = 0.5) -> tuple:
+    """The op's arguments for `layer` of `step` (no window, softcap or sinks)."""
     query, new_k, new_v, storage, slots, token_row, token_pos, block_table = step
-    return native_paged_attention_op(
+    return (
         query,
         new_k,
         new_v,
@@ -55,25 +56,12 @@ def call(layer: int, step, scale: float = 0.5) -> torch.Tensor:
     )
 
 
+def call(layer: int, step, scale: float = 0.5) -> torch.Tensor:
+    return native_paged_attention_op(*op_args(layer, step, scale))
+
+
 def test_op_passes_opcheck() -> None:
-    query, new_k, new_v, storage, slots, token_row, token_pos, block_table = decode_step()
-    args = (
-        query,
-        new_k,
-        new_v,
-        storage,
-        1,
-        slots,
-        token_row,
-        token_pos,
-        block_table,
-        PAGE,
-        0.5,
-        0,
-        0.0,
-        None,
-    )
-    torch.library.opcheck(native_paged_attention_op, args)
+    torch.library.opcheck(native_paged_attention_op, op_args(1, decode_step()))
 
 
 def test_op_writes_the_new_kv_and_attends_like_the_reference() -> None:
@@ -113,25 +101,8 @@ def test_eager_calls_the_function_itself_with_the_ops_results() -> None:
     # the same output, bitwise.
     via_op, direct = decode_step(), decode_step()
     out = call(1, via_op)
-    query, new_k, new_v, storage, slots, token_row, token_pos, block_table = direct
-    args = (
-        query,
-        new_k,
-        new_v,
-        storage,
-        1,
-        slots,
-        token_row,
-        token_pos,
-        block_table,
-        PAGE,
-        0.5,
-        0,
-        0.0,
-        None,
-    )
-    assert torch.equal(native_layer_attention(*args), out)
-    assert torch.equal(storage, via_op[3])
+    assert torch.equal(native_layer_attention(*op_args(1, direct)), out)
+    assert torch.equal(direct[3], via_op[3])
 
 
 def test_the_eager_glue_does_not_dispatch_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
