@@ -12,6 +12,11 @@ On AVX-512 CPUs (float32, bfloat16) head sizes 64 and 128 with up to 8 query hea
 `attend_vec`: scores 16 keys at a time with their lane sums done together, a vectorized softmax, values
 accumulated in registers, every row widened to float32 as it is read.
 Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
+
+An int8 cache (`kv_cache_dtype="int8"`, memory/kv_quant.py) is read in place by the same kernels
+instantiated for int8 rows (`KV = int8_t`): `attend_vec` widens 16 int8 values at a time and applies each
+row's float32 scale to its scores (keys) or to its probability (values); `attend_one` dequantizes a row
+into float (`kv_row`) elsewhere. The query and the output keep the model's dtype.
 """
 
 from .native_argmax_source import ARGMAX_BINDINGS, ARGMAX_SOURCE
@@ -91,6 +96,8 @@ template <typename T>
 struct Step {
   const T* q; int64_t q_stride_t, q_stride_h;
   const T* k; const T* v; int64_t slot_stride, kv_head_stride;
+  // An int8 cache: its rows (k and v unused then) and their float32 scales [slots, kv heads].
+  const int8_t* k8; const int8_t* v8; const float* k_scale; const float* v_scale; int64_t scale_slot_stride;
   const int64_t* token_row; const int64_t* token_pos;
   const int32_t* block_table; int64_t table_stride;
   const float* sinks;
@@ -128,6 +135,36 @@ inline const float* as_float(const T* row, int64_t n, float* buffer) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) buffer[i] = widen(row[i]);
     return buffer;
+  }
+}
+
+// The key (`key`) or value rows of the cache: the model's dtype (KV = T) or int8 (KV = int8_t).
+template <typename KV, typename T>
+inline const KV* kv_data(const Step<T>& s, bool key) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    return key ? s.k8 : s.v8;
+  } else {
+    return key ? s.k : s.v;
+  }
+}
+
+// The scale of an int8 row (key or value) of kv head g at `slot`.
+template <typename T>
+inline float row_scale(const Step<T>& s, bool key, int64_t slot, int64_t g) {
+  return (key ? s.k_scale : s.v_scale)[slot * s.scale_slot_stride + g];
+}
+
+// Kv head g's key or value row at `slot` as float: widened, or an int8 row dequantized (q * scale).
+template <typename KV, typename T>
+inline const float* kv_row(const Step<T>& s, bool key, int64_t slot, int64_t g, int64_t n, float* buffer) {
+  const KV* row = kv_data<KV>(s, key) + slot * s.slot_stride + g * s.kv_head_stride;
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    const float scale = row_scale(s, key, slot, g);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]) * scale;
+    return buffer;
+  } else {
+    return as_float(row, n, buffer);
   }
 }
 
@@ -173,7 +210,7 @@ struct Scratch {
 };
 
 // One (token, kv head): the `group` query heads that share this kv head.
-template <typename T>
+template <typename T, typename KV = T>
 void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   const int64_t pos = s.token_pos[t];
   const int64_t lo = first_key(s.window, pos);
@@ -194,12 +231,12 @@ void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
     for (int64_t i = 0; i < D; ++i) q0[h * D + i] = widen(q_row[i]);
   }
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const float* key = as_float(s.k + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
+    const float* key = kv_row<KV>(s, true, slot, g, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * D, key, D);
   });
   softmax_rows(s, sc, n, g, G, lo, pos);
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const float* value = as_float(s.v + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
+    const float* value = kv_row<KV>(s, false, slot, g, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) axpy(o0 + h * D, sc[h * n + j], value, D);
   });
   T* out = s.out + (t * s.heads + g * G) * D;
@@ -301,14 +338,34 @@ Attend<T> attend_for(int64_t group, int64_t head_dim) {
   return attend_one<T>;
 }
 
+// The kernel of an int8 cache's step: the vector kernel's int8 instance where it applies, else attend_one's.
+template <typename T>
+Attend<T> attend_q8_for(int64_t group, int64_t head_dim) {
+#if defined(__AVX512F__)
+  if (head_dim == 64) {
+    if (const Attend<T> vec = vec_for_group<T, 64, int8_t>(group)) return vec;
+  }
+  if (head_dim == 128) {
+    if (const Attend<T> vec = vec_for_group<T, 128, int8_t>(group)) return vec;
+  }
+#endif
+  return attend_one<T, int8_t>;
+}
+
+// `key_scales` / `value_scales` [S, Hkv] float32: an int8 cache's (undefined tensors: a float cache).
 template <typename T>
 void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
               const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
               int64_t page_size, double scale, int64_t window, double softcap, const float* sinks,
-              const float* slopes, at::Tensor& out) {
+              const float* slopes, at::Tensor& out, const at::Tensor& key_scales, const at::Tensor& value_scales) {
   Step<T> s;
   s.q = query.data_ptr<T>(); s.q_stride_t = query.stride(0); s.q_stride_h = query.stride(1);
-  s.k = key_cache.data_ptr<T>(); s.v = value_cache.data_ptr<T>();
+  const bool q8 = key_cache.scalar_type() == at::kChar;
+  s.k = q8 ? nullptr : key_cache.data_ptr<T>(); s.v = q8 ? nullptr : value_cache.data_ptr<T>();
+  s.k8 = q8 ? key_cache.data_ptr<int8_t>() : nullptr; s.v8 = q8 ? value_cache.data_ptr<int8_t>() : nullptr;
+  s.k_scale = q8 ? key_scales.data_ptr<float>() : nullptr;
+  s.v_scale = q8 ? value_scales.data_ptr<float>() : nullptr;
+  s.scale_slot_stride = q8 ? key_scales.stride(0) : 0;
   s.slot_stride = key_cache.stride(0); s.kv_head_stride = key_cache.stride(1);
   s.token_row = token_row.data_ptr<int64_t>(); s.token_pos = token_pos.data_ptr<int64_t>();
   s.block_table = block_table.data_ptr<int32_t>(); s.table_stride = block_table.stride(0);
@@ -324,7 +381,7 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
   for (int64_t t = 0; t < tokens; ++t) work += s.token_pos[t] - first_key(s.window, s.token_pos[t]) + 1;
   work *= s.heads * s.head_dim;
   const int64_t lanes = work < (1 << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
-  const Attend<T> attend = attend_for<T>(s.group, s.head_dim);
+  const Attend<T> attend = q8 ? attend_q8_for<T>(s.group, s.head_dim) : attend_for<T>(s.group, s.head_dim);
   const bool by_token = tokens >= 2 * lanes;
   auto run_lanes = [&](int64_t begin, int64_t end) {
     const FlushSubnormals flush;
@@ -352,15 +409,31 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
 }  // namespace
 
 // query [T, H, D] (last dim contiguous), key/value cache [S, Hkv, D] contiguous, out [T, H, D] contiguous,
-// all of one dtype: float32, bfloat16 or float16.
+// all of one dtype: float32, bfloat16 or float16; or int8 caches with their float32 scales [S, Hkv]
+// (contiguous), the query and out of one of those dtypes.
 void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                      const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
                      int64_t page_size, double scale, int64_t window, double softcap,
                      const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& slopes,
-                     at::Tensor& out) {
+                     at::Tensor& out, const c10::optional<at::Tensor>& key_scales,
+                     const c10::optional<at::Tensor>& value_scales) {
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "query, caches and out must share one dtype");
+  const bool q8 = key_cache.scalar_type() == at::kChar;
+  at::Tensor k_scales, v_scales;
+  if (q8) {
+    TORCH_CHECK(value_cache.scalar_type() == at::kChar && out.scalar_type() == dtype, "int8 caches, query and out");
+    TORCH_CHECK(key_scales.has_value() && value_scales.has_value(), "an int8 cache needs its scales");
+    k_scales = *key_scales;
+    v_scales = *value_scales;
+    TORCH_CHECK(k_scales.scalar_type() == at::kFloat && v_scales.scalar_type() == at::kFloat, "float32 scales");
+    TORCH_CHECK(k_scales.is_contiguous() && v_scales.is_contiguous() && k_scales.dim() == 2 &&
+                    k_scales.size(0) == key_cache.size(0) && k_scales.size(1) == key_cache.size(1) &&
+                    v_scales.sizes() == k_scales.sizes(),
+                "scales [S, Hkv] contiguous, one per cache row and head");
+  } else {
+    TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+                "query, caches and out must share one dtype");
+  }
   TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(), "layout");
   TORCH_CHECK(out.is_contiguous() && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "layout");
   TORCH_CHECK(token_row.scalar_type() == at::kLong && token_pos.scalar_type() == at::kLong, "int64 tokens");
@@ -372,13 +445,13 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
   const float* slope_data = slopes.has_value() ? slope_values.data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
     run_step<float>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window,
-                    softcap, sink_data, slope_data, out);
+                    softcap, sink_data, slope_data, out, k_scales, v_scales);
   } else if (dtype == at::kBFloat16) {
     run_step<c10::BFloat16>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
-                            window, softcap, sink_data, slope_data, out);
+                            window, softcap, sink_data, slope_data, out, k_scales, v_scales);
   } else if (dtype == at::kHalf) {
     run_step<c10::Half>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
-                        window, softcap, sink_data, slope_data, out);
+                        window, softcap, sink_data, slope_data, out, k_scales, v_scales);
   } else {
     TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", dtype);
   }

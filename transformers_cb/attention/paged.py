@@ -23,7 +23,7 @@ from typing import cast
 import torch
 
 from ..invariants import present
-from ..memory.kv_cache import layer_views, write_slots
+from ..memory.kv_cache import layer_views, scale_views, write_slots
 from .alibi import RELATIVE, AlibiForm
 from .latent import latent_attention
 from .metadata import STEP_METADATA, AttentionMetadata
@@ -59,7 +59,7 @@ def current_step_metadata() -> AttentionMetadata | None:
     return STEP_METADATA.get()
 
 
-@torch.library.custom_op("transformers_cb::native_paged_attention", mutates_args=("kv_storage",))
+@torch.library.custom_op("transformers_cb::native_paged_attention", mutates_args=("kv_storage", "kv_scales"))
 def native_paged_attention_op(
     query: torch.Tensor,
     new_keys: torch.Tensor,
@@ -76,6 +76,7 @@ def native_paged_attention_op(
     softcap: float,
     sinks: torch.Tensor | None,
     slopes: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer of a step whose every token the native kernel attends, as one opaque torch op: write the
     step's new K/V `[T, Hkv, D]` at `slot_mapping`, then attend `query` `[T, H, D]` from the pages.
@@ -83,11 +84,14 @@ def native_paged_attention_op(
     `kv_storage` is the KV group's whole tensor (`PagedKVCache.group_tensors`) and `layer` the layer's
     index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
     that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off; a negative
-    `window` is an attention chunk (`GroupMetadata.kernel_window`); `slopes` `[H]`: ALiBi (None: off).
+    `window` is an attention chunk (`GroupMetadata.kernel_window`); `slopes` `[H]`: ALiBi (None: off);
+    `kv_scales`: an int8 cache's scale tensor of the group (`PagedKVCache.scale_tensors`): the new K/V are
+    quantized into the pages, their scales written there, and the kernel reads both.
     Returns `[T, H, D]`.
     """
     key_cache, value_cache = layer_views(kv_storage, layer)
-    write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values)
+    scales = None if kv_scales is None else scale_views(kv_scales, layer)
+    write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values, scales)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     native_paged_attention(
         query.contiguous(),
@@ -103,6 +107,7 @@ def native_paged_attention_op(
         sinks,
         out,
         slopes,
+        scales,
     )
     return out
 
@@ -164,6 +169,7 @@ def paged_attention(
         softcap or 0.0,
         sinks,
         slopes,
+        metadata.cache.scales_of(layer_idx),
     )
     return out.unsqueeze(0)
 
