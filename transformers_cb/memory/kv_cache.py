@@ -230,6 +230,9 @@ class PagedKVCache:
         freed = self.nbytes()
         self.keys[:] = [torch.empty(0)] * len(self.keys)
         self.values[:] = [torch.empty(0)] * len(self.values)
+        # The scale views too: a view held would keep its released tensor's memory alive.
+        self.key_scales[:] = [torch.empty(0)] * len(self.key_scales)
+        self.value_scales[:] = [torch.empty(0)] * len(self.value_scales)
         self._released = release_in_place(self.group_tensors)
         self._released_scales = release_in_place(self.scale_tensors)
         return freed
