@@ -25,12 +25,12 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention import native
 from transformers_cb.engine.engine import Engine
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.kv.swap_plan import SwapPlan
 from transformers_cb.memory import sizing
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.kv_quant import int8_cache_problem
 from transformers_cb.memory.sizing import ModelShape, resolve_sizing
 from transformers_cb.memory.swap import SwapCopier
-from transformers_cb.kv.swap_plan import SwapPlan
 
 MAX_NEW_TOKENS = 10
 LENGTHS = [3, 41, 9, 70, 17, 2, 33, 55, 12, 26]
@@ -58,7 +58,10 @@ def agreement(outputs: dict, prompts: list[list[int]], references: ReferenceCach
     for i, prompt in enumerate(prompts):
         got, expected = outputs[f"req_{i}"].generated_tokens, references.get(prompt)
         first += got[:1] == expected[:1]
-        run = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        run = next(
+            (j for j, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
+            min(len(got), len(expected)),
+        )
         matched += run
         total += len(expected)
     return first / len(prompts), matched / total
