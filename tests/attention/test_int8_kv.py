@@ -8,6 +8,8 @@ pages as `quantize` makes it, with its scales, and nothing else changed."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -165,3 +167,26 @@ def test_native_op_writes_int8_pages_and_scales_and_passes_opcheck() -> None:
         0.125,
     )
     torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_native_write_quantizes_bit_for_bit_like_the_torch_write(dtype: torch.dtype) -> None:
+    """The library's `write_int8_rows` against `write_slots` (kv_quant.quantize): strided rows, a zero row,
+    values exactly half-way between two steps (rounded half to even by both), at scattered slots."""
+    module = native.ensure_native_module()
+    if module is None:
+        pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(2, 7, 64, generator=gen) * 3).to(dtype).transpose(0, 1)  # [T=7, Hkv=2, D], strided
+    rows[2, 1] = 0
+    rows[4, 0] = torch.cat([torch.tensor([127.0]), torch.arange(-31.5, 31.0, 1.0)]).to(dtype)  # scale 1: halves
+    slots = torch.tensor([9, 0, 4, 15, 3, 11, 6])
+    caches = [[torch.zeros(16, 2, 64, dtype=torch.int8) for _ in range(2)] for _ in range(2)]
+    scales = [[torch.zeros(16, 2) for _ in range(2)] for _ in range(2)]
+    native.write_pages(*caches[0], slots, rows, rows * 2, tuple(scales[0]))  # type: ignore[arg-type]
+    with mock.patch.object(native, "native_module", lambda: None):
+        native.write_pages(*caches[1], slots, rows, rows * 2, tuple(scales[1]))  # type: ignore[arg-type]
+    for mine, theirs in zip(caches[0] + scales[0], caches[1] + scales[1], strict=True):
+        assert torch.equal(mine, theirs)
+    assert scales[0][0][4, 1] == 1.0 and scales[0][0][3, 0] == 1.0  # the zero row; the halves' row
+    assert caches[0][0][3, 0, 1:5].tolist() == [-32, -30, -30, -28]  # -31.5, -30.5, -29.5, -28.5: to even

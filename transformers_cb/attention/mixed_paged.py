@@ -21,7 +21,7 @@ from ..invariants import check, present
 from ..memory.kv_quant import dequantize, round_trip
 from .alibi import RELATIVE, AlibiForm
 from .metadata import AttentionMetadata, GroupMetadata, first_visible_key
-from .native import native_paged_attention
+from .native import native_paged_attention, write_pages
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
 #        is_causal, scale, softcap: float | None, sinks: [H] | None, slopes: [H] | None) -> [B, H, Q, D]
@@ -72,9 +72,9 @@ def mixed_paged_attention(
     q = query[0].transpose(0, 1)  # [T, H, D]
     new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_values = value[0].transpose(0, 1)
-    metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
     scales = metadata.cache.layer_scales(layer_idx)
+    write_pages(key_cache, value_cache, group_metadata.slot_mapping, new_keys, new_values, scales)
     if scales is not None:
         # Native tokens read the int8 pages and their scales in the kernel; a first chunk attends its own
         # K/V as the pages hold them (what it would read back from them).

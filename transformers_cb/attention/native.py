@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from ..memory.kv_cache import write_slots
 from .native_build import (
     MODULE_NAME,
     KernelFolder,
@@ -189,3 +190,22 @@ def native_paged_attention(
         None if scales is None else scales[0],
         None if scales is None else scales[1],
     )
+
+
+def write_pages(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """`memory.kv_cache.write_slots`, an int8 cache's quantization by the native library where it runs (one
+    call per stream, the same bits as `memory.kv_quant.quantize`; native_kv_quant_source.py)."""
+    module = native_module() if scales is not None and key_cache.device.type == "cpu" else None
+    if scales is None or module is None or key.dtype not in NATIVE_DTYPES:
+        write_slots(key_cache, value_cache, slot_mapping, key, value, scales)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    for rows, cache, scale in ((key, key_cache, scales[0]), (value, value_cache, scales[1])):
+        module.write_int8_rows(rows if rows.stride(-1) == 1 else rows.contiguous(), slots, cache, scale)

@@ -72,11 +72,12 @@ struct QueryRegs<c10::BFloat16, D> {
 };
 
 
-// A query head's 16-lane partial dot product with an int8 key row (unscaled).
+// A query head's 16-lane partial dot product with a key row already widened into registers (an int8 row:
+// widened once for all the heads of its group, unscaled).
 template <typename T, int D>
-inline __m512 dot_int8(const QueryRegs<T, D>& q, const int8_t* k) {
-  __m512 acc = _mm512_mul_ps(q.v[0], widen16(k));
-  for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(q.v[c], widen16(k + 16 * c), acc);
+inline __m512 dot_widened(const QueryRegs<T, D>& q, const __m512* k) {
+  __m512 acc = _mm512_mul_ps(q.v[0], k[0]);
+  for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(q.v[c], k[c], acc);
   return acc;
 }
 
@@ -174,8 +175,10 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
     const KV* kr = k_base + slots[j] * s.slot_stride;
     const int lane = static_cast<int>(j & 15);
     if constexpr (q8) {
+      __m512 k[D / 16];
+      for (int c = 0; c < D / 16; ++c) k[c] = widen16(kr + 16 * c);
       const __m512 scale = _mm512_set1_ps(row_scale(s, true, slots[j], g));
-      for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], _mm512_mul_ps(dot_int8(q[h], kr), scale));
+      for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], _mm512_mul_ps(dot_widened(q[h], k), scale));
     } else {
       for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], q[h].dot(kr));
     }

@@ -23,12 +23,12 @@ from typing import cast
 import torch
 
 from ..invariants import present
-from ..memory.kv_cache import layer_views, scale_views, write_slots
+from ..memory.kv_cache import layer_views, scale_views
 from .alibi import RELATIVE, AlibiForm
 from .latent import latent_attention
 from .metadata import STEP_METADATA, AttentionMetadata
 from .mixed_paged import Attend, mixed_paged_attention
-from .native import native_paged_attention
+from .native import native_paged_attention, write_pages
 from .repeated_kv import retiled, untiled
 from .temperature import retuned_query, tunes_temperature
 
@@ -91,7 +91,7 @@ def native_paged_attention_op(
     """
     key_cache, value_cache = layer_views(kv_storage, layer)
     scales = None if kv_scales is None else scale_views(kv_scales, layer)
-    write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values, scales)
+    write_pages(key_cache, value_cache, slot_mapping, new_keys, new_values, scales)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     native_paged_attention(
         query.contiguous(),
