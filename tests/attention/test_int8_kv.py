@@ -179,7 +179,9 @@ def test_native_write_quantizes_bit_for_bit_like_the_torch_write(dtype: torch.dt
     gen = torch.Generator().manual_seed(3)
     rows = (torch.randn(2, 7, 64, generator=gen) * 3).to(dtype).transpose(0, 1)  # [T=7, Hkv=2, D], strided
     rows[2, 1] = 0
-    rows[4, 0] = torch.cat([torch.tensor([127.0]), torch.arange(-31.5, 31.0, 1.0)]).to(dtype)  # scale 1: halves
+    rows[4, 0] = torch.cat([torch.tensor([127.0]), torch.arange(-31.5, 31.0, 1.0)]).to(
+        dtype
+    )  # scale 1: halves
     slots = torch.tensor([9, 0, 4, 15, 3, 11, 6])
     caches = [[torch.zeros(16, 2, 64, dtype=torch.int8) for _ in range(2)] for _ in range(2)]
     scales = [[torch.zeros(16, 2) for _ in range(2)] for _ in range(2)]

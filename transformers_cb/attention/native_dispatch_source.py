@@ -153,4 +153,3 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 }
 
 """
-
