@@ -209,3 +209,59 @@ def test_bad_value_and_unsupported_models_are_refused_naming_the_field() -> None
     assert int8_cache_problem([plain], "paged|sdpa") is None
     assert "flash" in (int8_cache_problem([plain], "paged|flash_attention_2") or "")
     assert "V head size" in (int8_cache_problem([KVGroupSpec(FULL_ATTENTION, (0,), value_dim=8)], None) or "")
+
+
+def test_offloaded_requests_swap_their_scales_and_stay_on_the_reference() -> None:
+    """CPU offload on an int8 cache: preempted requests' pages and scales go to the host tier and back
+    (no recompute), and the outputs still equal the int8-rounded generate() up to near-ties."""
+    model = tiny_llama_without_eos(hidden_size=256, seed=3)
+    prompts = prompts_of_lengths(LENGTHS, seed=8)
+    with engines_seen() as engines:
+        outputs, preempted = run_batch(
+            model,
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=4,
+            max_batch_tokens=16,
+            num_blocks=tight_num_blocks(prompts, MAX_NEW_TOKENS, 4),
+            cpu_offload_space=0.05,
+            kv_cache_dtype="int8",
+        )
+    engine = engines[-1]
+    swapper = engine.runner.swapper
+    assert preempted and swapper is not None and swapper.pages_in > 0, "nothing swapped back in"
+    assert [t.dtype for t in swapper.host_tensors] == [torch.int8] and swapper.host_scales
+    rounded = int8_reference_model(model)
+    expected = ReferenceCache(rounded, MAX_NEW_TOKENS)
+    check_parity(rounded, prompts, outputs, [expected.get(p) for p in prompts], "int8 KV, offloaded")
+
+
+def test_release_and_resume_rebuild_the_int8_pages_and_scales() -> None:
+    """`release_cache()` frees the int8 pages, their scales and the host tier's; after `resume_cache()`
+    the same requests give the same tokens."""
+    from tests.support.manager import collect
+    from tests.support.threads import TIMEOUT
+
+    model = tiny_llama_without_eos(hidden_size=256, seed=4)
+    prompts = prompts_of_lengths([9, 14, 5], seed=7)
+    config = ContinuousBatchingConfig(page_size=16, kv_cache_dtype="int8", cpu_offload_space=0.01)
+    manager = model.init_continuous_batching(continuous_batching_config=config)
+    try:
+        manager.start()
+        engine = manager.engine
+        cache_bytes = engine.cache.nbytes()
+        ids = manager.add_requests(prompts, max_new_tokens=MAX_NEW_TOKENS)
+        outputs = collect(manager, ids)
+        first = [outputs[i].generated_tokens for i in ids]
+        manager.release_cache()
+        assert engine.cache.nbytes() == 0 and all(t.numel() == 0 for t in engine.cache.scale_tensors)
+        swapper = engine.runner.swapper
+        assert swapper is not None and all(t.numel() == 0 for t in swapper.host_scales)
+        manager.resume_cache()
+        assert engine.cache.nbytes() == cache_bytes and engine.cache.scale_tensors[0].dtype == torch.float32
+        assert swapper.host_scales[0].numel() > 0
+        ids = manager.add_requests(prompts, max_new_tokens=MAX_NEW_TOKENS)
+        outputs = collect(manager, ids)
+        assert [outputs[i].generated_tokens for i in ids] == first
+    finally:
+        manager.stop(hard_stop=True, timeout=TIMEOUT)
