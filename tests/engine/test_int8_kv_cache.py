@@ -265,3 +265,24 @@ def test_release_and_resume_rebuild_the_int8_pages_and_scales() -> None:
         assert [outputs[i].generated_tokens for i in ids] == first
     finally:
         manager.stop(hard_stop=True, timeout=TIMEOUT)
+
+
+def test_a_model_with_state_layers_keeps_its_states_in_float() -> None:
+    """Bamba (Mamba-2 layers beside attention): the attention layers' pages are int8, the state slots keep
+    the model's dtype, and the outputs equal the int8-rounded generate() up to near-ties."""
+    from tests.support.hybrids import build_hybrid
+
+    model = build_hybrid("bamba")
+    model.generation_config.eos_token_id = None
+    prompts = prompts_of_lengths([5, 30, 12], vocab=model.config.vocab_size, seed=1)
+    with engines_seen() as engines:
+        outputs, _ = run_batch(
+            model, prompts, greedy_config(6), page_size=4, max_batch_tokens=16, kv_cache_dtype="int8"
+        )
+    engine = engines[-1]
+    assert [t.dtype for t in engine.cache.group_tensors] == [torch.int8]
+    states = engine.runner.states
+    assert states is not None and {t.dtype for t in states.cache.tensors.values()} == {torch.float32}
+    rounded = int8_reference_model(model)
+    expected = ReferenceCache(rounded, 6)
+    check_parity(rounded, prompts, outputs, [expected.get(p) for p in prompts], "bamba, int8 KV")
