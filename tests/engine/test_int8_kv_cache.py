@@ -286,3 +286,42 @@ def test_a_model_with_state_layers_keeps_its_states_in_float() -> None:
     rounded = int8_reference_model(model)
     expected = ReferenceCache(rounded, 6)
     check_parity(rounded, prompts, outputs, [expected.get(p) for p in prompts], "bamba, int8 KV")
+
+
+def test_forks_and_prefix_hits_share_and_copy_the_scales() -> None:
+    """Prompts of one shared prefix with `num_return_sequences=2` under pressure: later requests hit the
+    prefix cache (pages and scales another request wrote), forks copy their partial page with its scales;
+    every fork equals its parent's reference, the int8-rounded generate() up to near-ties."""
+    model = tiny_llama_without_eos(hidden_size=256, seed=5)
+    prefix = prompts_of_lengths([13], seed=9)[0]
+    prompts = [prefix + suffix for suffix in prompts_of_lengths([3, 6, 1, 9], seed=10)]
+    copies: list = []
+    original = PagedKVCache.copy_pages
+
+    def copy_pages(self, pairs):
+        copies.extend(pairs)
+        return original(self, pairs)
+
+    config = ContinuousBatchingConfig(
+        page_size=4,
+        max_batch_tokens=16,
+        num_blocks=tight_num_blocks(prompts, MAX_NEW_TOKENS, 4) + 4,
+        cpu_offload_space=None,
+        kv_cache_dtype="int8",
+    )
+    with engines_seen() as engines, mock.patch.object(PagedKVCache, "copy_pages", copy_pages):
+        outputs = model.generate_batch(
+            prompts,
+            greedy_config(MAX_NEW_TOKENS),
+            continuous_batching_config=config,
+            num_return_sequences=2,
+            progress_bar=False,
+        )
+    assert copies, "no fork copied a page"
+    assert engines[-1].scheduler.pages.prefix.stats.hit_tokens > 0, "no prefix cache hit"
+    rounded = int8_reference_model(model)
+    expected = ReferenceCache(rounded, MAX_NEW_TOKENS)
+    parents = {f"req_{i}": outputs[f"req_{i}"] for i in range(len(prompts))}
+    check_parity(rounded, prompts, parents, [expected.get(p) for p in prompts], "int8 KV, forks")
+    for i in range(len(prompts)):
+        assert outputs[f"req_{i}__child#0"].generated_tokens == outputs[f"req_{i}"].generated_tokens
