@@ -192,3 +192,38 @@ def test_native_write_quantizes_bit_for_bit_like_the_torch_write(dtype: torch.dt
         assert torch.equal(mine, theirs)
     assert scales[0][0][4, 1] == 1.0 and scales[0][0][3, 0] == 1.0  # the zero row; the halves' row
     assert caches[0][0][3, 0, 1:5].tolist() == [-32, -30, -30, -28]  # -31.5, -30.5, -29.5, -28.5: to even
+
+
+@pytest.mark.parametrize("kernel", sorted(ATTENDS))
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_int8_pages_with_a_window_softcap_and_sinks(kernel: str, head_dim: int) -> None:
+    """A sliding layer (its pages trimmed to the window) with a logit softcap and attention sinks: the same
+    reference over the dequantized K/V."""
+    if kernel == "native" and native.ensure_native_module() is None:
+        pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
+    seqs = [(3, 1), (30, 1), (0, 13), (9, 6), (21, 1)]
+    step = build_kernel_step(
+        seqs, 4, 8, 2, head_dim, seed=11, sliding_window=8, native=kernel == "native", kv_dtype=torch.int8
+    )
+    sinks = torch.randn(8, generator=torch.Generator().manual_seed(4))
+    out = paged_attention(
+        step.query, step.key, step.value, 0, step.metadata, step.scale, ATTENDS[kernel], 30.0, sinks
+    )
+    if kernel == "native":
+        assert step.metadata.native_tokens == sum(q for _, q in seqs)
+    k_float, v_float = dequantized_layer(step)
+    metadata = step.metadata
+    expected = reference_paged_attention(
+        step.query[0].transpose(0, 1),
+        k_float,
+        v_float,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens_k,
+        metadata.groups[0].block_table,
+        step.page_size,
+        step.scale,
+        sliding_window=8,
+        softcap=30.0,
+        sinks=sinks,
+    )
+    assert_close(out[0], expected, *TOLERANCES[torch.float32], msg=f"{kernel} int8 sliding D={head_dim}")
