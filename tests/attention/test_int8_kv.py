@@ -227,3 +227,44 @@ def test_int8_pages_with_a_window_softcap_and_sinks(kernel: str, head_dim: int) 
         sinks=sinks,
     )
     assert_close(out[0], expected, *TOLERANCES[torch.float32], msg=f"{kernel} int8 sliding D={head_dim}")
+
+
+def test_int8_pages_under_an_alibi_form_the_kernel_does_not_add() -> None:
+    """Falcon's ALiBi form: the native run's tokens go through `attend` row by row (`_attend_native_rows`),
+    gathering dequantized K/V; the reference adds the same form over the dequantized K/V."""
+    from transformers_cb.attention.alibi import FALCON_FORM, bloom_slopes
+
+    if native.ensure_native_module() is None:
+        pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")
+    seqs = [(3, 1), (30, 1), (0, 13), (9, 6)]
+    step = build_kernel_step(seqs, 4, 8, 2, 32, seed=12, native=True, kv_dtype=torch.int8)
+    slopes = bloom_slopes(8)
+    out = paged_attention(
+        step.query,
+        step.key,
+        step.value,
+        0,
+        step.metadata,
+        step.scale,
+        eager_attend,
+        None,
+        None,
+        slopes,
+        FALCON_FORM,
+    )
+    assert step.metadata.native_tokens == sum(q for _, q in seqs)
+    k_float, v_float = dequantized_layer(step)
+    metadata = step.metadata
+    expected = reference_paged_attention(
+        step.query[0].transpose(0, 1),
+        k_float,
+        v_float,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens_k,
+        metadata.groups[0].block_table,
+        step.page_size,
+        step.scale,
+        slopes=slopes,
+        alibi_form=FALCON_FORM,
+    )
+    assert_close(out[0], expected, *TOLERANCES[torch.float32], msg="int8 pages, Falcon's ALiBi form")
