@@ -299,3 +299,38 @@ def test_generate_with_speculation_writes_the_same_records(tmp_path: Path, specu
     expected = [{k: r[k] for k in keys} for r in _read_jsonl(plain)]
     assert all(row["token_ids"] for row in expected)
     assert [{k: r[k] for k in keys} for r in _read_jsonl(speculating)] == expected
+
+
+def test_generate_with_an_int8_kv_cache(tmp_path: Path) -> None:
+    """`--kv-cache-dtype int8` reaches the engine (its pages are int8) and every prompt gets its record."""
+    from unittest import mock
+
+    from transformers_cb.engine.engine import Engine
+
+    input_file = tmp_path / "in.txt"
+    input_file.write_text("".join(p + "\n" for p in PROMPTS), encoding="utf-8")
+    output = tmp_path / "out.jsonl"
+    engines: list[Engine] = []
+    original = Engine.step
+
+    def step(self):
+        engines.append(self)
+        return original(self)
+
+    with mock.patch.object(Engine, "step", step):
+        code = _run_cli(["--input", str(input_file), "--output", str(output), "--kv-cache-dtype", "int8"])
+    assert code == 0
+    assert engines and engines[-1].cache.group_tensors[0].dtype == torch.int8
+    records = _read_jsonl(output)
+    assert len(records) == len(PROMPTS) and all(r["token_ids"] for r in records)
+
+
+def test_serve_takes_the_kv_cache_dtype_and_refuses_another() -> None:
+    from transformers_cb.cli.main import build_parser
+    from transformers_cb.serve.server import _config_overrides
+
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])
+    assert _config_overrides(args)["kv_cache_dtype"] == "int8"
+    assert "kv_cache_dtype" not in _config_overrides(build_parser().parse_args(["serve"]))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "fp8"])

@@ -271,6 +271,30 @@ def test_offload_swaps_on_every_rank_and_matches_generate(tmp_path) -> None:
 
 
 @pytest.mark.slow  # two rank processes
+def test_an_int8_kv_cache_under_tensor_parallelism_with_offload(tmp_path) -> None:
+    """Each rank holds its KV heads' shard in int8 pages with their scales, swaps both with the pages, and
+    every rank returns rank 0's tokens: those of `generate()` attending int8-rounded K/V, but for a
+    rounding-boundary flip (each shard's K/V come out of a product of its own shape)."""
+    from tests.support.int8_reference import int8_reference_model
+
+    model_dir = _save_llama(tmp_path / "llama4kv", 4, 4, 64)
+    records = run_ranks("offload_int8", model_dir, tmp_path)
+    assert set(records) == {0, 1} and records[1]["outputs"] == records[0]["outputs"]
+    for rank, record in records.items():
+        assert record["kv_dtype"] == "torch.int8" and record["host_scales"] == 1, (rank, record)
+        assert record["pages_in"] == record["pages_out"] == records[0]["planned_out"] > 0, (rank, record)
+    assert records[0]["preemptions"] > 0 and records[0]["recomputed"] == 0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rounded = int8_reference_model(model)
+    outputs = records[0]["outputs"]
+    same = sum(
+        outputs[f"req_{i}"]["tokens"] == greedy_reference(rounded, prompt, MAX_NEW)
+        for i, prompt in enumerate(PROMPTS)
+    )
+    assert same >= len(PROMPTS) - 1, (same, outputs)
+
+
+@pytest.mark.slow  # two rank processes
 def test_guided_decoding_under_tensor_parallelism(model_dir, tmp_path) -> None:
     """Masks are computed on rank 0, which samples; both ranks return what one process returns, preempted."""
     pytest.importorskip("llguidance")

@@ -55,12 +55,16 @@ def sharp_model(dtype: torch.dtype):
     return sharpen_attention(model).to(dtype)
 
 
-def run_target(model, others: list[list[int]], budget: int | None, target: list[int]):
+def run_target(model, others: list[list[int]], budget: int | None, target: list[int], kv_cache_dtype="auto"):
     """The target request's (tokens, logprobs), placed in the middle of `others`."""
     half = len(others) // 2
     prompts = [*others[:half], target, *others[half:]]
     config = ContinuousBatchingConfig(
-        return_logprobs=True, page_size=16, max_batch_tokens=budget, batch_invariant=True
+        return_logprobs=True,
+        page_size=16,
+        max_batch_tokens=budget,
+        batch_invariant=True,
+        kv_cache_dtype=kv_cache_dtype,
     )
     out = model.generate_batch(prompts, GREEDY, config, progress_bar=False)[f"req_{half}"]
     return out.generated_tokens, out.logprobs
@@ -81,6 +85,24 @@ def test_logprobs_are_bitwise_the_same_alone_batched_and_chunked(dtype: torch.dt
     ]
     assert not differing, (
         f"{dtype}: (neighbours, max_batch_tokens) whose tokens or logprobs differ: {differing}"
+    )
+
+
+def test_an_int8_kv_cache_is_batch_invariant_too() -> None:
+    """int8 pages (docs/quantization.md): each token's row quantized alone, every prefill token on the
+    kernel's int8 instance: the same bits alone, batched and chunked."""
+    model = sharp_model(torch.float32)
+    target = prompts_of_lengths([150], seed=7)[0]
+    others = random_prompts(7, model.config.vocab_size, 1, 60, seed=3)
+    alone = run_target(model, [], None, target, "int8")
+    differing = [
+        (n, budget)
+        for n in (0, 7)
+        for budget in (None, 16, 37)
+        if run_target(model, others[:n], budget, target, "int8") != alone
+    ]
+    assert not differing, (
+        f"int8 KV: (neighbours, max_batch_tokens) whose tokens or logprobs differ: {differing}"
     )
 
 

@@ -60,6 +60,7 @@ def build_kernel_step(
     sliding_window: int | None = None,
     native: bool = False,
     chunk_size: int | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> KernelStep:
     """Requests with (past_len, q_len) each, on shuffled non-contiguous pages, packed by `BatchPacker`.
 
@@ -69,6 +70,7 @@ def build_kernel_step(
     With `chunk_size`, the layer is in a chunked group: each request holds only the pages from its current
     attention chunk on (as `ChunkedAttentionPolicy.trim` leaves them), in a ring as wide as a window's.
     With `native`, the packer hands the decodes and short chunks to the native CPU kernel.
+    `kv_dtype`: the cache's storage dtype when not `dtype` (int8: random rows quantized, with their scales).
     """
     generator = torch.Generator().manual_seed(seed)
     num_pages_each = [math.ceil((past + q) / page_size) for past, q in seqs]
@@ -82,9 +84,17 @@ def build_kernel_step(
     if span is not None:
         max_q = max(q for _, q in seqs)
         widths = [min(max(num_pages_each), math.ceil((span - 1 + max_q) / page_size) + 1)]
-    cache = PagedKVCache(1, num_pages, page_size, num_kv_heads, head_dim, dtype, torch.device("cpu"), groups)
-    cache.keys[0].copy_(torch.randn(cache.keys[0].shape, generator=generator))
-    cache.values[0].copy_(torch.randn(cache.values[0].shape, generator=generator))
+    storage = kv_dtype or dtype
+    cache = PagedKVCache(
+        1, num_pages, page_size, num_kv_heads, head_dim, storage, torch.device("cpu"), groups
+    )
+    every_slot = torch.arange(cache.keys[0].shape[0])
+    cache.write(
+        0,
+        every_slot,
+        torch.randn(cache.keys[0].shape, generator=generator),
+        torch.randn(cache.values[0].shape, generator=generator),
+    )
     initial_keys = cache.keys[0].clone()
     permutation = torch.randperm(num_pages, generator=generator).tolist()
     requests, entries, all_page_ids, offset = [], [], [], 0

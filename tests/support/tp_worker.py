@@ -158,10 +158,11 @@ def driver_dies(model) -> dict:
     return {"error": None}
 
 
-def offload(model) -> dict:
+def offload(model, kv_cache_dtype: str = "auto") -> dict:
     """CPU offload on every rank, under a device cache of about a quarter of the work (page_size 4: 30
     pages at full length, 12 here, the largest request's 11 + 1): preempted requests swap out and back.
-    Each rank reports its outputs and what its runner copied; rank 0 also what was recomputed."""
+    Each rank reports its outputs and what its runner copied; rank 0 also what was recomputed.
+    `kv_cache_dtype="int8"`: each rank's KV shard in int8 pages with their scales (docs/quantization.md)."""
     from unittest import mock
 
     from transformers_cb.engine.engine import Engine
@@ -182,7 +183,9 @@ def offload(model) -> dict:
         return step
 
     greedy = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False)
-    config = ContinuousBatchingConfig(page_size=4, num_blocks=12, max_batch_tokens=16, cpu_offload_space=None)
+    config = ContinuousBatchingConfig(
+        page_size=4, num_blocks=12, max_batch_tokens=16, cpu_offload_space=None, kv_cache_dtype=kv_cache_dtype
+    )
     with (
         mock.patch.object(Engine, "step", recording(Engine)),
         mock.patch.object(FollowerEngine, "step", recording(FollowerEngine)),
@@ -198,6 +201,8 @@ def offload(model) -> dict:
         "recomputed": engine.scheduler.recomputed.total,
         "preemptions": engine.scheduler.num_preemptions,
         "planned_out": engine.offload.swap_out_pages,
+        "kv_dtype": str(engine.cache.group_tensors[0].dtype),
+        "host_scales": len(swapper.host_scales),
     }
 
 
@@ -250,6 +255,7 @@ SCENARIOS = {
     "kill_driver": driver_dies,
     "bad_heads": bad_heads,
     "offload": offload,
+    "offload_int8": lambda model: offload(model, "int8"),
     "guided": guided,
 }
 

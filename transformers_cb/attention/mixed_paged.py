@@ -3,6 +3,9 @@ kernel's leading tokens, then the decode and prefill groups through `attend`), a
 through `attend` where the kernel cannot take them (an ALiBi form it does not add, row by row; a layer whose V
 head size is not K's, as one padded batch).
 
+An int8 cache (memory/kv_quant.py) is dequantized as it is gathered, into the query's dtype (`_gather_kv`);
+a first prompt chunk attends its own K/V as the pages give them back (`round_trip`), as every other token does.
+
 Apart from attention/paged.py's glue because its control flow follows each step's layout: it is the graph
 break of a compiled forward by design, where the glue's all-native step is one opaque op.
 """
@@ -15,9 +18,10 @@ from typing import cast
 import torch
 
 from ..invariants import check, present
+from ..memory.kv_quant import dequantize, round_trip
 from .alibi import RELATIVE, AlibiForm
 from .metadata import AttentionMetadata, GroupMetadata, first_visible_key
-from .native import native_paged_attention
+from .native import native_paged_attention, write_pages
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
 #        is_causal, scale, softcap: float | None, sinks: [H] | None, slopes: [H] | None) -> [B, H, Q, D]
@@ -27,6 +31,24 @@ Attend = Callable[..., torch.Tensor]
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`cache[slots]` as `[*slots.shape, Hkv, D]` through one index_select."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
+def _gather_kv(
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+    slots: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V at `slots` `[...]` as `[..., Hkv, D]`: the cache's rows, or an int8 cache's rows dequantized
+    with their scales into `dtype` (the query's)."""
+    if scales is None:
+        return _gather(caches[0], slots), _gather(caches[1], slots)
+    flat = slots.reshape(-1)
+    gathered = []
+    for cache, scale in zip(caches, scales, strict=True):
+        rows = dequantize(cache.index_select(0, flat), scale.index_select(0, flat), dtype)
+        gathered.append(rows.view(*slots.shape, *cache.shape[1:]))
+    return gathered[0], gathered[1]
 
 
 @torch.compiler.disable
@@ -50,14 +72,19 @@ def mixed_paged_attention(
     q = query[0].transpose(0, 1)  # [T, H, D]
     new_keys = key[0].transpose(0, 1)  # [T, Hkv, D]
     new_values = value[0].transpose(0, 1)
-    metadata.cache.write(layer_idx, group_metadata.slot_mapping, new_keys, new_values)
     key_cache, value_cache = metadata.cache.layer(layer_idx)
+    scales = metadata.cache.layer_scales(layer_idx)
+    write_pages(key_cache, value_cache, group_metadata.slot_mapping, new_keys, new_values, scales)
+    if scales is not None:
+        # Native tokens read the int8 pages and their scales in the kernel; a first chunk attends its own
+        # K/V as the pages hold them (what it would read back from them).
+        new_keys, new_values = round_trip(new_keys), round_trip(new_values)
     out = q.new_empty(*q.shape[:2], new_values.shape[-1])  # [T, H, D_v], contiguous
     if metadata.native_tokens and slopes is not None and not alibi_form.native:
         _attend_native_rows(
             q,
-            key_cache,
-            value_cache,
+            (key_cache, value_cache),
+            scales,
             layer_idx,
             metadata,
             scale,
@@ -73,7 +100,7 @@ def mixed_paged_attention(
         check(slopes is None, "ALiBi slopes on a layer whose V head size is not K's: no family has both")
         n = metadata.native_tokens
         out[:n] = _native_tokens_by_torch(
-            q[:n], key_cache, value_cache, metadata, group_metadata, attend, scale, softcap, sinks
+            q[:n], (key_cache, value_cache), scales, metadata, group_metadata, attend, scale, softcap, sinks
         )
     elif metadata.native_tokens:
         n = metadata.native_tokens
@@ -91,11 +118,12 @@ def mixed_paged_attention(
             sinks,
             out[:n],
             slopes,
+            scales,
         )
     for group in group_metadata.decode_groups:
         q_group = q[group.q_start : group.q_end].unsqueeze(2)  # [B, H, 1, D]
-        k_group = _gather(key_cache, group.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
-        v_group = _gather(value_cache, group.kv_slots).transpose(1, 2)
+        k_group, v_group = _gather_kv((key_cache, value_cache), scales, group.kv_slots, q.dtype)
+        k_group, v_group = k_group.transpose(1, 2), v_group.transpose(1, 2)  # [B, Hkv, L, D]
         o = attend(
             q_group, k_group, v_group, group.kv_mask, False, scale, softcap, sinks, slopes, alibi_form
         )  # [B, H, 1, D]
@@ -112,8 +140,9 @@ def mixed_paged_attention(
                 q_group, k_group, v_group, chunk.mask, is_causal, scale, softcap, sinks, slopes, alibi_form
             )
         else:
-            k_group = _gather(key_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            v_group = _gather(value_cache, chunk.kv_slots).transpose(0, 1).unsqueeze(0)
+            k_rows, v_rows = _gather_kv((key_cache, value_cache), scales, chunk.kv_slots, q.dtype)
+            k_group = k_rows.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            v_group = v_rows.transpose(0, 1).unsqueeze(0)
             o = attend(
                 q_group, k_group, v_group, chunk.mask, False, scale, softcap, sinks, slopes, alibi_form
             )
@@ -123,8 +152,8 @@ def mixed_paged_attention(
 
 def _attend_native_rows(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
     layer_idx: int,
     metadata: AttentionMetadata,
     scale: float,
@@ -152,8 +181,9 @@ def _attend_native_rows(
         positions = torch.arange(kv_len, device=q.device)
         pages = group_metadata.block_table[row, positions // page_size].long()
         slots = pages * page_size + positions % page_size
-        k_row = _gather(key_cache, slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        v_row = _gather(value_cache, slots).transpose(0, 1).unsqueeze(0)
+        k_rows, v_rows = _gather_kv(caches, scales, slots, q.dtype)
+        k_row = k_rows.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v_row = v_rows.transpose(0, 1).unsqueeze(0)
         mask = torch.ones(count, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - count)
         q_row = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         o = attend(
@@ -175,8 +205,8 @@ def _attend_native_rows(
 
 def _native_tokens_by_torch(
     q: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
     metadata: AttentionMetadata,
     group: GroupMetadata,
     attend: Attend,
@@ -199,7 +229,7 @@ def _native_tokens_by_torch(
     keys = torch.minimum(keys, positions[:, None])  # masked columns read a valid slot
     pages = torch.gather(group.block_table[rows].long(), 1, keys // metadata.cache.page_size)
     slots = pages * metadata.cache.page_size + keys % metadata.cache.page_size
-    k = _gather(key_cache, slots).transpose(1, 2)  # [n, Hkv, L, D]
-    v = _gather(value_cache, slots).transpose(1, 2)
+    k_rows, v_rows = _gather_kv(caches, scales, slots, q.dtype)
+    k, v = k_rows.transpose(1, 2), v_rows.transpose(1, 2)  # [n, Hkv, L, D]
     out = attend(q.unsqueeze(2), k, v, visible[:, None, None, :], False, scale, softcap, sinks)
     return out.squeeze(2)

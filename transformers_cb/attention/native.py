@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from ..memory.kv_cache import write_slots
 from .native_build import (
     MODULE_NAME,
     KernelFolder,
@@ -137,8 +138,10 @@ def ensure_native_module(timeout: float | None = None) -> ModuleType | None:
 
 
 def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether steps on `device` with a KV cache of `dtype` can use the native kernel now."""
-    return device.type == "cpu" and dtype in NATIVE_DTYPES and native_module() is not None
+    """Whether steps on `device` with a KV cache of `dtype` can use the native kernel now (an int8 cache:
+    the kernel reads its pages and scales in place, whatever float dtype the model's queries have)."""
+    readable = dtype in NATIVE_DTYPES or dtype == torch.int8
+    return device.type == "cpu" and readable and native_module() is not None
 
 
 def native_paged_attention(
@@ -155,6 +158,7 @@ def native_paged_attention(
     sinks: torch.Tensor | None,
     out: torch.Tensor,
     slopes: torch.Tensor | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Write into `out` `[T, H, D]` the attention of `query` `[T, H, D]` over the paged cache.
 
@@ -163,7 +167,9 @@ def native_paged_attention(
     attention chunk's start `token_pos[t] // C * C` when `window` is `-C` (chunked attention);
     `block_table` `[N, P]` int32 maps logical page p of a row to its page id. Query, caches and `out`
     share one dtype (float32, bfloat16 or float16); the kernel accumulates in float32. `slopes` `[H]`: ALiBi,
-    `slope_h * (key_pos - query_pos)` added to each scaled logit (attention/alibi.py)."""
+    `slope_h * (key_pos - query_pos)` added to each scaled logit (attention/alibi.py). `scales`: an int8
+    cache's key and value scales `[S, Hkv]` float32 (memory/kv_quant.py; the caches are then int8, the
+    query and `out` float32, bfloat16 or float16)."""
     module = native_module()
     if module is None:
         raise RuntimeError("the native paged-attention kernel is not available")
@@ -181,4 +187,25 @@ def native_paged_attention(
         sinks,
         slopes,
         out,
+        None if scales is None else scales[0],
+        None if scales is None else scales[1],
     )
+
+
+def write_pages(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """`memory.kv_cache.write_slots`, an int8 cache's quantization by the native library where it runs (one
+    call per stream, the same bits as `memory.kv_quant.quantize`; native_kv_quant_source.py)."""
+    module = native_module() if scales is not None and key_cache.device.type == "cpu" else None
+    if scales is None or module is None or key.dtype not in NATIVE_DTYPES:
+        write_slots(key_cache, value_cache, slot_mapping, key, value, scales)
+        return
+    slots = slot_mapping.to(torch.int64).contiguous()
+    for rows, cache, scale in ((key, key_cache, scales[0]), (value, value_cache, scales[1])):
+        module.write_int8_rows(rows if rows.stride(-1) == 1 else rows.contiguous(), slots, cache, scale)

@@ -12,9 +12,16 @@ On AVX-512 CPUs (float32, bfloat16) head sizes 64 and 128 with up to 8 query hea
 `attend_vec`: scores 16 keys at a time with their lane sums done together, a vectorized softmax, values
 accumulated in registers, every row widened to float32 as it is read.
 Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
+
+An int8 cache (`kv_cache_dtype="int8"`, memory/kv_quant.py) is read in place by the same kernels
+instantiated for int8 rows (`KV = int8_t`): `attend_vec` widens 16 int8 values at a time and applies each
+row's float32 scale to its scores (keys) or to its probability (values); `attend_one` dequantizes a row
+into float (`kv_row`) elsewhere. The query and the output keep the model's dtype.
 """
 
 from .native_argmax_source import ARGMAX_BINDINGS, ARGMAX_SOURCE
+from .native_dispatch_source import DISPATCH_SOURCE
+from .native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
 from .native_layer_source import BINDINGS, LAYER_SOURCE
 from .native_vec_source import VEC_SOURCE
 
@@ -91,6 +98,8 @@ template <typename T>
 struct Step {
   const T* q; int64_t q_stride_t, q_stride_h;
   const T* k; const T* v; int64_t slot_stride, kv_head_stride;
+  // An int8 cache: its rows (k and v unused then) and their float32 scales [slots, kv heads].
+  const int8_t* k8; const int8_t* v8; const float* k_scale; const float* v_scale; int64_t scale_slot_stride;
   const int64_t* token_row; const int64_t* token_pos;
   const int32_t* block_table; int64_t table_stride;
   const float* sinks;
@@ -128,6 +137,36 @@ inline const float* as_float(const T* row, int64_t n, float* buffer) {
 #pragma omp simd
     for (int64_t i = 0; i < n; ++i) buffer[i] = widen(row[i]);
     return buffer;
+  }
+}
+
+// The key (`key`) or value rows of the cache: the model's dtype (KV = T) or int8 (KV = int8_t).
+template <typename KV, typename T>
+inline const KV* kv_data(const Step<T>& s, bool key) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    return key ? s.k8 : s.v8;
+  } else {
+    return key ? s.k : s.v;
+  }
+}
+
+// The scale of an int8 row (key or value) of kv head g at `slot`.
+template <typename T>
+inline float row_scale(const Step<T>& s, bool key, int64_t slot, int64_t g) {
+  return (key ? s.k_scale : s.v_scale)[slot * s.scale_slot_stride + g];
+}
+
+// Kv head g's key or value row at `slot` as float: widened, or an int8 row dequantized (q * scale).
+template <typename KV, typename T>
+inline const float* kv_row(const Step<T>& s, bool key, int64_t slot, int64_t g, int64_t n, float* buffer) {
+  const KV* row = kv_data<KV>(s, key) + slot * s.slot_stride + g * s.kv_head_stride;
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    const float scale = row_scale(s, key, slot, g);
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]) * scale;
+    return buffer;
+  } else {
+    return as_float(row, n, buffer);
   }
 }
 
@@ -173,7 +212,7 @@ struct Scratch {
 };
 
 // One (token, kv head): the `group` query heads that share this kv head.
-template <typename T>
+template <typename T, typename KV = T>
 void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   const int64_t pos = s.token_pos[t];
   const int64_t lo = first_key(s.window, pos);
@@ -194,12 +233,12 @@ void attend_one(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
     for (int64_t i = 0; i < D; ++i) q0[h * D + i] = widen(q_row[i]);
   }
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const float* key = as_float(s.k + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
+    const float* key = kv_row<KV>(s, true, slot, g, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) sc[h * n + j] = dot(q0 + h * D, key, D);
   });
   softmax_rows(s, sc, n, g, G, lo, pos);
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) {
-    const float* value = as_float(s.v + slot * s.slot_stride + g * s.kv_head_stride, D, scratch.row.data());
+    const float* value = kv_row<KV>(s, false, slot, g, D, scratch.row.data());
     for (int64_t h = 0; h < G; ++h) axpy(o0 + h * D, sc[h * n + j], value, D);
   });
   T* out = s.out + (t * s.heads + g * G) * D;
@@ -272,126 +311,14 @@ using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
 
 """
 
-# The AVX-512 kernel (native_vec_source.py) between the portable kernels and the dispatch that picks it.
-DISPATCH_SOURCE = r"""
-template <typename T, int D>
-Attend<T> fixed_for_group(int64_t group) {
-#if defined(__AVX512F__)
-  if (const Attend<T> vec = vec_for_group<T, D>(group)) return vec;
-#endif
-  switch (group) {
-    case 1: return attend_fixed<T, 1, D>;
-    case 2: return attend_fixed<T, 2, D>;
-    case 3: return attend_fixed<T, 3, D>;
-    case 4: return attend_fixed<T, 4, D>;
-    case 5: return attend_fixed<T, 5, D>;
-    case 6: return attend_fixed<T, 6, D>;
-    case 7: return attend_fixed<T, 7, D>;
-    case 8: return attend_fixed<T, 8, D>;
-    default: return attend_one<T>;
-  }
-}
-
-// The kernel of this step's shape: a fixed one for head sizes 64 / 128 and groups up to 8 (the AVX-512
-// vector kernel where the CPU has it).
-template <typename T>
-Attend<T> attend_for(int64_t group, int64_t head_dim) {
-  if (head_dim == 64) return fixed_for_group<T, 64>(group);
-  if (head_dim == 128) return fixed_for_group<T, 128>(group);
-  return attend_one<T>;
-}
-
-template <typename T>
-void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-              const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
-              int64_t page_size, double scale, int64_t window, double softcap, const float* sinks,
-              const float* slopes, at::Tensor& out) {
-  Step<T> s;
-  s.q = query.data_ptr<T>(); s.q_stride_t = query.stride(0); s.q_stride_h = query.stride(1);
-  s.k = key_cache.data_ptr<T>(); s.v = value_cache.data_ptr<T>();
-  s.slot_stride = key_cache.stride(0); s.kv_head_stride = key_cache.stride(1);
-  s.token_row = token_row.data_ptr<int64_t>(); s.token_pos = token_pos.data_ptr<int64_t>();
-  s.block_table = block_table.data_ptr<int32_t>(); s.table_stride = block_table.stride(0);
-  s.sinks = sinks;
-  s.slopes = slopes;
-  s.out = out.data_ptr<T>();
-  s.heads = query.size(1); s.kv_heads = key_cache.size(1); s.group = s.heads / s.kv_heads;
-  s.head_dim = query.size(2); s.page_size = page_size; s.window = window;
-  s.scale = static_cast<float>(scale); s.softcap = static_cast<float>(softcap);
-  const int64_t tokens = query.size(0);
-  const int64_t items = tokens * s.kv_heads;
-  int64_t work = 0;  // keys read, summed over tokens: small steps stay on one thread (no barrier to wait on)
-  for (int64_t t = 0; t < tokens; ++t) work += s.token_pos[t] - first_key(s.window, s.token_pos[t]) + 1;
-  work *= s.heads * s.head_dim;
-  const int64_t lanes = work < (1 << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
-  const Attend<T> attend = attend_for<T>(s.group, s.head_dim);
-  const bool by_token = tokens >= 2 * lanes;
-  auto run_lanes = [&](int64_t begin, int64_t end) {
-    const FlushSubnormals flush;
-    Scratch scratch;
-    // Round robin: items are sorted by length (longest decodes first), so lanes get even shares. With enough
-    // tokens a lane takes whole tokens, every KV head of each: a slot holds the token's heads side by side, so
-    // one core reads (and its prefetcher streams) each slot's rows once, instead of two cores fetching the
-    // same lines for a head each (SmolLM2's decode attention: 0.90x the time in the engine).
-    for (int64_t lane = begin; lane < end; ++lane) {
-      if (by_token) {
-        for (int64_t t = lane; t < tokens; t += lanes)
-          for (int64_t g = 0; g < s.kv_heads; ++g) attend(s, t, g, scratch);
-      } else {
-        for (int64_t i = lane; i < items; i += lanes) attend(s, i / s.kv_heads, i % s.kv_heads, scratch);
-      }
-    }
-  };
-  if (lanes <= 1) {
-    run_lanes(0, 1);
-  } else {
-    at::parallel_for(0, lanes, 1, run_lanes);
-  }
-}
-
-}  // namespace
-
-// query [T, H, D] (last dim contiguous), key/value cache [S, Hkv, D] contiguous, out [T, H, D] contiguous,
-// all of one dtype: float32, bfloat16 or float16.
-void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                     const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
-                     int64_t page_size, double scale, int64_t window, double softcap,
-                     const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& slopes,
-                     at::Tensor& out) {
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK(key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "query, caches and out must share one dtype");
-  TORCH_CHECK(query.stride(2) == 1 && key_cache.is_contiguous() && value_cache.is_contiguous(), "layout");
-  TORCH_CHECK(out.is_contiguous() && block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "layout");
-  TORCH_CHECK(token_row.scalar_type() == at::kLong && token_pos.scalar_type() == at::kLong, "int64 tokens");
-  at::Tensor sink_values;
-  if (sinks.has_value()) sink_values = sinks->to(at::kFloat).contiguous();
-  const float* sink_data = sinks.has_value() ? sink_values.data_ptr<float>() : nullptr;
-  at::Tensor slope_values;
-  if (slopes.has_value()) slope_values = slopes->to(at::kFloat).contiguous();
-  const float* slope_data = slopes.has_value() ? slope_values.data_ptr<float>() : nullptr;
-  if (dtype == at::kFloat) {
-    run_step<float>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window,
-                    softcap, sink_data, slope_data, out);
-  } else if (dtype == at::kBFloat16) {
-    run_step<c10::BFloat16>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
-                            window, softcap, sink_data, slope_data, out);
-  } else if (dtype == at::kHalf) {
-    run_step<c10::Half>(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale,
-                        window, softcap, sink_data, slope_data, out);
-  } else {
-    TORCH_CHECK(false, "float32, bfloat16 or float16 only, got ", dtype);
-  }
-}
-
-"""
-
-# The library's one source: the attention kernel, the decoder-layer ops (native_layer_source.py), the greedy
+# The library's one source: the attention kernel, its AVX-512 loops (native_vec_source.py) between the
+# portable kernels and the dispatch that picks one (native_dispatch_source.py), the decoder-layer ops (native_layer_source.py), the greedy
 # argmax (native_argmax_source.py), the bindings.
 SOURCE = (
     ATTENTION_SOURCE
     + VEC_SOURCE
     + DISPATCH_SOURCE
+    + KV_QUANT_SOURCE
     + LAYER_SOURCE
     + ARGMAX_SOURCE
     + """
@@ -400,5 +327,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 """
     + BINDINGS
     + ARGMAX_BINDINGS
+    + KV_QUANT_BINDINGS
     + "}\n"
 )

@@ -5,7 +5,8 @@ that picks it for head sizes 64 / 128 and up to 8 query heads per KV head.
 Scores are computed 16 keys at a time with their lane sums done together (no horizontal sum per key), the
 softmax is vectorized, values are accumulated in registers, every row is widened to float32 as it is read,
 and the rows 12 keys ahead are prefetched across page boundaries (docs/design.md, "The vector kernel on
-AVX-512").
+AVX-512"). Its int8 instance (`KV = int8_t`, an int8 KV cache) widens 16 int8 values at a time and multiplies
+each key's 16-lane partial dot product by the key row's scale, each value row's probability by its scale.
 """
 
 VEC_SOURCE = r"""#if defined(__AVX512F__)
@@ -54,6 +55,10 @@ inline __m512 widen16(const c10::BFloat16* x) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+// 16 int8 values of a row as float32 (an int8 cache; the row's scale applied by the caller)
+inline __m512 widen16(const int8_t* x) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))));
+}
 
 template <int D>
 struct QueryRegs<c10::BFloat16, D> {
@@ -66,6 +71,15 @@ struct QueryRegs<c10::BFloat16, D> {
   }
 };
 
+
+// A query head's 16-lane partial dot product with a key row already widened into registers (an int8 row:
+// widened once for all the heads of its group, unscaled).
+template <typename T, int D>
+inline __m512 dot_widened(const QueryRegs<T, D>& q, const __m512* k) {
+  __m512 acc = _mm512_mul_ps(q.v[0], k[0]);
+  for (int c = 1; c < D / 16; ++c) acc = _mm512_fmadd_ps(q.v[c], k[c], acc);
+  return acc;
+}
 
 // exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial.
 inline __m512 exp_nonpositive16(__m512 x) {
@@ -130,8 +144,9 @@ inline void softmax_rows_vec(const Step<T>& s, float* sc, int64_t n, int64_t g, 
 // Keys whose rows are fetched ahead of the one being read.
 constexpr int64_t kAheadKeys = 12;
 
-template <typename T, int G, int D>
+template <typename T, int G, int D, typename KV = T>
 void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
+  constexpr bool q8 = std::is_same_v<KV, int8_t>;
   const int64_t pos = s.token_pos[t];
   const int64_t lo = first_key(s.window, pos);
   const int64_t n = pos - lo + 1;
@@ -141,14 +156,14 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   const T* q_in = s.q + t * s.q_stride_t + g * G * s.q_stride_h;
   QueryRegs<T, D> q[G];
   for (int h = 0; h < G; ++h) q[h].load(q_in + h * s.q_stride_h);
-  const T* k_base = s.k + g * s.kv_head_stride;
-  const T* v_base = s.v + g * s.kv_head_stride;
-  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
+  const KV* k_base = kv_data<KV>(s, true) + g * s.kv_head_stride;
+  const KV* v_base = kv_data<KV>(s, false) + g * s.kv_head_stride;
+  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(KV));
   // the keys' slots first: rows are then fetched ahead across page boundaries too (pages are anywhere)
   scratch.slots.resize(static_cast<size_t>(n));
   int64_t* slots = scratch.slots.data();
   for_each_key(s.page_size, pages, lo, pos, [&](int64_t j, int64_t slot) { slots[j] = slot; });
-  const auto fetch = [&](const T* base, int64_t j) {
+  const auto fetch = [&](const KV* base, int64_t j) {
     if (j < n) {
       const char* row = reinterpret_cast<const char*>(base + slots[j] * s.slot_stride);
       for (int64_t b = 0; b < kRowBytes; b += 64) __builtin_prefetch(row + b);
@@ -157,9 +172,16 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   alignas(64) float part[G][16][16];
   for (int64_t j = 0; j < n; ++j) {
     fetch(k_base, j + kAheadKeys);
-    const T* kr = k_base + slots[j] * s.slot_stride;
+    const KV* kr = k_base + slots[j] * s.slot_stride;
     const int lane = static_cast<int>(j & 15);
-    for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], q[h].dot(kr));
+    if constexpr (q8) {
+      __m512 k[D / 16];
+      for (int c = 0; c < D / 16; ++c) k[c] = widen16(kr + 16 * c);
+      const __m512 scale = _mm512_set1_ps(row_scale(s, true, slots[j], g));
+      for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], _mm512_mul_ps(dot_widened(q[h], k), scale));
+    } else {
+      for (int h = 0; h < G; ++h) _mm512_store_ps(part[h][lane], q[h].dot(kr));
+    }
     if (lane == 15) {
       for (int h = 0; h < G; ++h) _mm512_storeu_ps(sc + h * n + (j - 15), sum_lanes_of_16(part[h]));
     }
@@ -178,11 +200,13 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   for (int64_t k = 0; k < kAheadKeys; ++k) fetch(v_base, k);
   for (int64_t j = 0; j < n; ++j) {
     fetch(v_base, j + kAheadKeys);
-    const T* vr = v_base + slots[j] * s.slot_stride;
+    const KV* vr = v_base + slots[j] * s.slot_stride;
     __m512 v[D / 16];
     for (int c = 0; c < D / 16; ++c) v[c] = widen16(vr + 16 * c);
+    float v_scale = 1.f;
+    if constexpr (q8) v_scale = row_scale(s, false, slots[j], g);
     for (int h = 0; h < G; ++h) {
-      const __m512 p = _mm512_set1_ps(sc[h * n + j]);
+      const __m512 p = _mm512_set1_ps(q8 ? sc[h * n + j] * v_scale : sc[h * n + j]);
       for (int c = 0; c < D / 16; ++c) o[h][c] = _mm512_fmadd_ps(p, v[c], o[h][c]);
     }
   }
@@ -194,20 +218,21 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   }
 }
 
-// The vector kernel for this dtype, group and head size, or nullptr where it does not apply.
-template <typename T, int D>
+// The vector kernel for this dtype, group and head size (and cache rows: the model's dtype or int8), or
+// nullptr where it does not apply.
+template <typename T, int D, typename KV = T>
 Attend<T> vec_for_group(int64_t group) {
   constexpr bool takes = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
   if constexpr (takes) {
     switch (group) {
-      case 1: return attend_vec<T, 1, D>;
-      case 2: return attend_vec<T, 2, D>;
-      case 3: return attend_vec<T, 3, D>;
-      case 4: return attend_vec<T, 4, D>;
-      case 5: return attend_vec<T, 5, D>;
-      case 6: return attend_vec<T, 6, D>;
-      case 7: return attend_vec<T, 7, D>;
-      case 8: return attend_vec<T, 8, D>;
+      case 1: return attend_vec<T, 1, D, KV>;
+      case 2: return attend_vec<T, 2, D, KV>;
+      case 3: return attend_vec<T, 3, D, KV>;
+      case 4: return attend_vec<T, 4, D, KV>;
+      case 5: return attend_vec<T, 5, D, KV>;
+      case 6: return attend_vec<T, 6, D, KV>;
+      case 7: return attend_vec<T, 7, D, KV>;
+      case 8: return attend_vec<T, 8, D, KV>;
       default: return nullptr;
     }
   }

@@ -23,12 +23,12 @@ from typing import cast
 import torch
 
 from ..invariants import present
-from ..memory.kv_cache import layer_views, write_slots
+from ..memory.kv_cache import layer_views, scale_views
 from .alibi import RELATIVE, AlibiForm
 from .latent import latent_attention
 from .metadata import STEP_METADATA, AttentionMetadata
 from .mixed_paged import Attend, mixed_paged_attention
-from .native import native_paged_attention
+from .native import native_paged_attention, write_pages
 from .repeated_kv import retiled, untiled
 from .temperature import retuned_query, tunes_temperature
 
@@ -75,6 +75,7 @@ def native_layer_attention(
     softcap: float,
     sinks: torch.Tensor | None,
     slopes: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One layer of a step whose every token the native kernel attends, as one opaque torch op: write the
     step's new K/V `[T, Hkv, D]` at `slot_mapping`, then attend `query` `[T, H, D]` from the pages.
@@ -82,11 +83,14 @@ def native_layer_attention(
     `kv_storage` is the KV group's whole tensor (`PagedKVCache.group_tensors`) and `layer` the layer's
     index inside it: the op mutates that one tensor, so the compiled graph never sees two mutated inputs
     that alias each other (per-layer views of one buffer). `window` / `softcap` 0: off; a negative
-    `window` is an attention chunk (`GroupMetadata.kernel_window`); `slopes` `[H]`: ALiBi (None: off).
+    `window` is an attention chunk (`GroupMetadata.kernel_window`); `slopes` `[H]`: ALiBi (None: off);
+    `kv_scales`: an int8 cache's scale tensor of the group (`PagedKVCache.scale_tensors`): the new K/V are
+    quantized into the pages, their scales written there, and the kernel reads both.
     Returns `[T, H, D]`.
     """
     key_cache, value_cache = layer_views(kv_storage, layer)
-    write_slots(key_cache, value_cache, slot_mapping, new_keys, new_values)
+    scales = None if kv_scales is None else scale_views(kv_scales, layer)
+    write_pages(key_cache, value_cache, slot_mapping, new_keys, new_values, scales)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     native_paged_attention(
         query.contiguous(),
@@ -102,6 +106,7 @@ def native_layer_attention(
         sinks,
         out,
         slopes,
+        scales,
     )
     return out
 
@@ -110,7 +115,9 @@ def native_layer_attention(
 # calls the function itself: the custom op's dispatch (schema defaults, the mutation's bookkeeping) costs
 # ~95 us of CPU a call here, against ~3 us for the call, per layer and step (30 layers: ~2.9 ms a step).
 native_paged_attention_op = torch.library.custom_op(
-    "transformers_cb::native_paged_attention", native_layer_attention, mutates_args=("kv_storage",)
+    "transformers_cb::native_paged_attention",
+    native_layer_attention,
+    mutates_args=("kv_storage", "kv_scales"),
 )
 
 
@@ -172,6 +179,7 @@ def paged_attention(
         softcap or 0.0,
         sinks,
         slopes,
+        metadata.cache.scales_of(layer_idx),
     )
     return out.unsqueeze(0)
 

@@ -92,6 +92,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--page-size", type=_positive_int, default=None, help="KV tokens per cache page")
     gen.add_argument("--num-blocks", type=_positive_int, default=None, help="number of KV cache pages")
     gen.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "int8"),
+        default=None,
+        help="KV pages in the model's dtype (auto, default) or int8 with scales (docs/quantization.md)",
+    )
+    gen.add_argument(
         "--attn-implementation",
         default="paged|sdpa",
         help="attention backend, e.g. paged|sdpa (default), paged|eager, paged|flash_attention_2",

@@ -24,6 +24,9 @@ SCHEDULER_TYPES = ("fifo", "prefill_first", "decode_first")
 DEFAULT_MAX_CACHED_GRAPHS = 32
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0, "decode_first": 0.15}
 MIN_PAGE_SIZE = 4
+# `kv_cache_dtype` (ours, named like vLLM's): "auto" stores K/V in the model's dtype; "int8" stores them as
+# int8 with a float32 scale per (token, KV head) (memory/kv_quant.py; docs/quantization.md, "int8 KV cache").
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def _check_range(name: str, value: Any, allowed: str, ok: bool) -> None:
@@ -94,6 +97,10 @@ class ContinuousBatchingConfig:
     # calls, activations on the vector path; packed products and native layer ops off). docs/config.md,
     # "Batch-invariant mode": what it covers and what it costs.
     batch_invariant: bool = False
+    # Ours (transformers has no such field; named like vLLM's): "auto", K/V pages in the model's dtype;
+    # "int8", pages of int8 with a float32 scale per (token, KV head): about 2x (bf16) / 4x (fp32) the
+    # pages in the same memory, outputs no longer bitwise generate()'s (docs/quantization.md).
+    kv_cache_dtype: str = "auto"
     # Deprecated aliases, as in transformers: each warns and maps onto its replacement.
     use_default_compile_configs: bool | None = field(default=None, repr=False)
     max_cached_graphs: int | None = field(default=None, repr=False)
@@ -241,6 +248,12 @@ class ContinuousBatchingConfig:
             self.use_async_batching,
             "None (auto) or a bool",
             self.use_async_batching is None or isinstance(self.use_async_batching, bool),
+        )
+        _check_range(
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"one of {KV_CACHE_DTYPES}",
+            isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype in KV_CACHE_DTYPES,
         )
         graphs = self.use_cuda_graph
         _check_range(

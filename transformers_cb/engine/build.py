@@ -115,7 +115,8 @@ def wire(
     offload, swapper = None, None
     if plan.host.num_pages:
         offload = CpuOffload(policies, plan.host.num_pages, slots)
-        swapper = SwapCopier(cache.group_tensors, HostKVCache(cache, plan.host.num_pages).tensors)
+        host = HostKVCache(cache, plan.host.num_pages)
+        swapper = SwapCopier(cache.group_tensors, host.tensors, cache.scale_tensors, host.scales)
     states = _wire_states(plan)
     media_model = MediaIntake.of(model).on_backend(plan.step_options.attn_implementation)
     if tp is not None and media_model.takes_media and media_model.refusal is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,10 +23,12 @@ from .publisher import TensorParallelPublisher
 
 @dataclass
 class ReleasedCache:
-    """What a release gave back: the host tier's tensors (None: no host tier) and the bytes freed."""
+    """What a release gave back: the host tier's tensors (None: no host tier) and the bytes freed;
+    `host_scales`: an int8 cache's host scale tensors (memory/kv_quant.py; empty: none)."""
 
     host: list[TensorSpec] | None
     freed_bytes: int
+    host_scales: list[TensorSpec] = field(default_factory=list)
 
 
 def release_problem(engine: Engine) -> str | None:
@@ -55,15 +57,16 @@ def release_cache(engine: Engine) -> ReleasedCache:
     freed = model_pack_bytes(engine.model)
     release_packs(engine.model)
     freed += engine.cache.release()
-    host = None
+    host, host_scales = None, []
     swapper = engine.runner.swapper
     if swapper is not None:
-        freed += sum(t.numel() * t.element_size() for t in swapper.host_tensors)
+        freed += sum(t.numel() * t.element_size() for t in [*swapper.host_tensors, *swapper.host_scales])
         host = release_in_place(swapper.host_tensors)
+        host_scales = release_in_place(swapper.host_scales)
     if torch.cuda.is_available() and engine.cache.layout.device.type == "cuda":
         torch.cuda.empty_cache()  # the caching allocator gives the freed blocks back to the device
     trim_heap()
-    return ReleasedCache(host, freed)
+    return ReleasedCache(host, freed, host_scales)
 
 
 def trim_heap() -> None:
@@ -83,3 +86,4 @@ def restore_cache(engine: Engine, released: ReleasedCache) -> None:
     swapper = engine.runner.swapper
     if swapper is not None and released.host is not None:
         restore_in_place(swapper.host_tensors, released.host, zero=False)
+        restore_in_place(swapper.host_scales, released.host_scales, zero=False)

@@ -37,9 +37,10 @@ from ..config.continuous_batching import (
 from ..config.generation_fields import ResolvedConfig
 from ..distributed import TensorParallelCoordinator
 from ..distributed.sharding import shard_shape, tp_size_of
-from ..kv.layer_groups import kv_groups_from_config
+from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
 from ..memory.cache_plan import CachePlan, resolve_cache_plan
 from ..memory.host_cache import HostPlan, resolve_host_pages
+from ..memory.kv_quant import INT8, int8_cache_problem, storage_dtype
 from ..memory.sizing import ModelShape, Sizing, resolve_sizing
 from ..model_check.model_support import (
     check_model_supported,
@@ -149,13 +150,14 @@ def resolve_plan(
     )
     if states is not None:
         step_options = without_traced_steps(step_options)
+    _check_kv_cache_dtype(config, kv_groups, step_options.attn_implementation)
     cache = resolve_cache_plan(
         sizing,
         kv_groups,
         shape,
         config,
         workload,
-        dtype,
+        storage_dtype(config.kv_cache_dtype, dtype),
         device,
         scratch_page=any(step_options.cuda_graphs),
         sharing=config.allow_block_sharing and states is None,
@@ -195,6 +197,17 @@ def resolve_plan(
         ),
     )
     return plan, tp
+
+
+def _check_kv_cache_dtype(
+    config: ContinuousBatchingConfig, kv_groups: tuple[KVGroupSpec, ...], attn_implementation: str
+) -> None:
+    """Refuse an int8 KV cache where its pages cannot be read (memory/kv_quant.py), before allocating."""
+    if config.kv_cache_dtype != INT8:
+        return
+    problem = int8_cache_problem(kv_groups, attn_implementation)
+    if problem is not None:
+        raise ValueError(f"ContinuousBatchingConfig.kv_cache_dtype='int8' does not support {problem}")
 
 
 def _within_state_step_limit(sizing: Sizing, config: ContinuousBatchingConfig, states: StateLayout) -> Sizing:

@@ -82,7 +82,7 @@ def generate_rows(
 
 
 #: `transformers-cb generate`'s cache options, `ContinuousBatchingConfig` fields of the same names.
-CB_OPTIONS = ("max_batch_tokens", "page_size", "num_blocks")
+CB_OPTIONS = ("max_batch_tokens", "page_size", "num_blocks", "kv_cache_dtype")
 
 
 def cb_overrides(args: Any) -> dict[str, Any]:

@@ -110,15 +110,15 @@ class HostKVCache:
         self.pinned = device.type == "cuda"
         # `empty`, not `zeros`: a host page is only ever read after a swap-out wrote it, and an untouched
         # allocation costs no RAM on a CPU host until used.
-        self.tensors = [
-            torch.empty(
-                (t.shape[0], t.shape[1], num_pages, *t.shape[3:]),
-                dtype=t.dtype,
-                device="cpu",
-                pin_memory=self.pinned,
-            )
-            for t in device_cache.group_tensors
-        ]
+        self.tensors = [_host_pages(t, num_pages, self.pinned) for t in device_cache.group_tensors]
+        # An int8 device cache's scales (memory/kv_quant.py), paged alike: a page swaps with its scales.
+        self.scales = [_host_pages(t, num_pages, self.pinned) for t in device_cache.scale_tensors]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.numel() * t.element_size() for t in [*self.tensors, *self.scales])
+
+
+def _host_pages(device_tensor: torch.Tensor, num_pages: int, pinned: bool) -> torch.Tensor:
+    """A host tensor shaped like `device_tensor` `[streams, layers, pages, ...]` with `num_pages` pages."""
+    shape = (device_tensor.shape[0], device_tensor.shape[1], num_pages, *device_tensor.shape[3:])
+    return torch.empty(shape, dtype=device_tensor.dtype, device="cpu", pin_memory=pinned)

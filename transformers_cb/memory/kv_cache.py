@@ -7,6 +7,11 @@ split into KV groups (`layer_groups.py`); a layer's tensors have as many pages a
 group's `PagePool`. The pools (who owns which page) are kv/'s, created beside the page
 policies by the engine's builder (engine/build.py): the cache holds bytes only, and is told
 how many pages each group has (`CacheLayout`, resolved before anything is allocated).
+
+An int8 cache (`CacheLayout.dtype` int8: `kv_cache_dtype="int8"`) stores each token's K and V rows
+quantized per KV head (memory/kv_quant.py) with their float32 scales in side tensors shaped like the pages
+less the head dim (`scale_tensors`, per-layer views `key_scales` / `value_scales`): whatever moves a page
+(forks' copies, swaps, release) moves its scales.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 
 from ..invariants import check
 from ..kv.layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
+from .kv_quant import SCALE_BYTES, SCALE_DTYPE, quantize
 from .released_tensors import TensorSpec, release_in_place, restore_in_place
 
 
@@ -26,7 +32,8 @@ class CacheLayout:
 
     `pages[g]`: pages of group `g` (its pool's size); `scratch_page`: one more page per group, outside
     its pool, for CUDA graphs' padded rows. `num_kv_heads` x `head_dim`: the head shape of every group
-    whose spec has none (`KVGroupSpec.head_shape`: per-layer head shapes)."""
+    whose spec has none (`KVGroupSpec.head_shape`: per-layer head shapes). `dtype`: the pages' storage
+    dtype (int8: quantized pages with a float32 scale per token, head and stream: `quantized`)."""
 
     num_layers: int
     groups: tuple[KVGroupSpec, ...]
@@ -37,6 +44,11 @@ class CacheLayout:
     dtype: torch.dtype
     device: torch.device
     scratch_page: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        """Pages of int8 with float32 scales beside them (memory/kv_quant.py)."""
+        return self.dtype == torch.int8
 
     def head_shape(self, group: int) -> tuple[int, int]:
         """(KV heads, head dim) of group `group`'s layers (K's, as cached: before a layer's K/V repeat)."""
@@ -52,11 +64,13 @@ class CacheLayout:
 
     def group_page_bytes(self, group: int) -> int:
         """Bytes of one page of group `group`: K and V of each of its layers (a latent group: its latent
-        vectors alone, `KVGroupSpec.kv_streams`; V of its own size beside K: one row of both)."""
+        vectors alone, `KVGroupSpec.kv_streams`; V of its own size beside K: one row of both; an int8
+        cache: its rows' scales too)."""
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         layers = len(self.groups[group].layer_indices)
         heads, dim = self.row_shape(group)
-        return self.groups[group].kv_streams * layers * self.page_size * heads * dim * element_size
+        row_bytes = dim * element_size + (SCALE_BYTES if self.quantized else 0)
+        return self.groups[group].kv_streams * layers * self.page_size * heads * row_bytes
 
     def page_bytes(self) -> int:
         """Bytes of one page in every group (a host page id exists in each group's pool)."""
@@ -88,16 +102,31 @@ def layer_views(
     return storage[0, index].view(-1, heads, dim), storage[-1, index].view(-1, heads, dim)
 
 
+def scale_views(scales: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index` of a group's scale tensor `[2, layers, pages, page_size, Hkv]` as its key and value
+    scales `[slots, Hkv]` (views)."""
+    heads = scales.shape[-1]
+    return scales[0, index].view(-1, heads), scales[-1, index].view(-1, heads)
+
+
 def write_slots(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store `key`/`value` `[num_tokens, Hkv, D]` at `slot_mapping` of one layer's caches, in their dtype."""
-    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    """Store `key`/`value` `[num_tokens, Hkv, D]` at `slot_mapping` of one layer's caches, in their dtype;
+    an int8 cache quantized per (token, head), its `scales` (key's, value's `[slots, Hkv]`) written beside."""
+    if scales is None:
+        key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+        value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+        return
+    for cache, scale_cache, rows in ((key_cache, scales[0], key), (value_cache, scales[1], value)):
+        q, scale = quantize(rows)
+        cache.index_copy_(0, slot_mapping, q)
+        scale_cache.index_copy_(0, slot_mapping, scale)
 
 
 class PagedKVCache:
@@ -164,12 +193,20 @@ class PagedKVCache:
             )
             for g, (spec, n) in enumerate(zip(self.groups, pages_per_group, strict=True))
         ]
+        # An int8 cache: one float32 scale per (stream, layer, slot, KV head), zero-filled (a zero page reads 0).
+        self.scale_tensors = [
+            torch.zeros(*t.shape[:-1], dtype=SCALE_DTYPE, device=device)
+            for t in (self.group_tensors if self.layout.quantized else [])
+        ]
+        self.key_scales: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        self.value_scales: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.keys: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.values: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self._index_in_group = [0] * num_layers
         self._set_views()
-        # What `release()` gave back (None while the tensors are held).
+        # What `release()` gave back (None while the tensors are held): the group tensors, then the scales.
         self._released: list[TensorSpec] | None = None
+        self._released_scales: list[TensorSpec] = []
 
     def _set_views(self) -> None:
         for g, spec in enumerate(self.groups):
@@ -177,6 +214,8 @@ class PagedKVCache:
             for i, layer in enumerate(spec.layer_indices):
                 self._index_in_group[layer] = i
                 self.keys[layer], self.values[layer] = layer_views(storage, i, self.key_dim(g))
+                if self.scale_tensors:
+                    self.key_scales[layer], self.value_scales[layer] = scale_views(self.scale_tensors[g], i)
 
     @property
     def released(self) -> bool:
@@ -191,7 +230,11 @@ class PagedKVCache:
         freed = self.nbytes()
         self.keys[:] = [torch.empty(0)] * len(self.keys)
         self.values[:] = [torch.empty(0)] * len(self.values)
+        # The scale views too: a view held would keep its released tensor's memory alive.
+        self.key_scales[:] = [torch.empty(0)] * len(self.key_scales)
+        self.value_scales[:] = [torch.empty(0)] * len(self.value_scales)
         self._released = release_in_place(self.group_tensors)
+        self._released_scales = release_in_place(self.scale_tensors)
         return freed
 
     def restore(self) -> None:
@@ -199,6 +242,7 @@ class PagedKVCache:
         if self._released is None:
             return
         restore_in_place(self.group_tensors, self._released, zero=True)
+        restore_in_place(self.scale_tensors, self._released_scales, zero=True)
         self._released = None
         self._set_views()
 
@@ -236,8 +280,26 @@ class PagedKVCache:
     def write(
         self, layer_idx: int, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ) -> None:
-        """Store `key`/`value` `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` `[num_tokens]`."""
-        write_slots(self.keys[layer_idx], self.values[layer_idx], slot_mapping, key, value)
+        """Store `key`/`value` `[num_tokens, num_kv_heads, head_dim]` at `slot_mapping` `[num_tokens]`
+        (quantized, with their scales, in an int8 cache)."""
+        write_slots(
+            self.keys[layer_idx],
+            self.values[layer_idx],
+            slot_mapping,
+            key,
+            value,
+            self.layer_scales(layer_idx),
+        )
+
+    @property
+    def quantized(self) -> bool:
+        return self.layout.quantized
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `layer_idx`'s key and value scales `[slots, Hkv]` in an int8 cache; None otherwise."""
+        if not self.scale_tensors:
+            return None
+        return self.key_scales[layer_idx], self.value_scales[layer_idx]
 
     def copy_pages(self, copies: list[tuple[int, int, int]]) -> None:
         """Run page copies `(group, source page, destination page)`: one batched copy per layer."""
@@ -259,6 +321,10 @@ class PagedKVCache:
                     continue
                 self.keys[layer].index_copy_(0, dst, self.keys[layer].index_select(0, src))
                 self.values[layer].index_copy_(0, dst, self.values[layer].index_select(0, src))
+            if self.scale_tensors:  # an int8 cache: the pages' scales with them, every layer at once
+                scales = self.scale_tensors[group]
+                rows = scales.view(scales.shape[0], scales.shape[1], -1, scales.shape[-1])
+                rows.index_copy_(2, dst, rows.index_select(2, src))
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer_idx], self.values[layer_idx]
@@ -267,5 +333,9 @@ class PagedKVCache:
         """The group tensor holding layer `layer_idx`'s K/V, and the layer's index inside it."""
         return self.group_tensors[self.layer_group[layer_idx]], self._index_in_group[layer_idx]
 
+    def scales_of(self, layer_idx: int) -> torch.Tensor | None:
+        """The scale tensor of layer `layer_idx`'s group in an int8 cache (indexed like `storage_of`)."""
+        return self.scale_tensors[self.layer_group[layer_idx]] if self.scale_tensors else None
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.group_tensors)
+        return sum(t.numel() * t.element_size() for t in [*self.group_tensors, *self.scale_tensors])

@@ -14,6 +14,8 @@ Rules (SPEC section 4):
 - a model with state layers (docs/state_layers.md) gets one state slot per request that may run at
   once (`max_requests_per_batch`), within half of the cache's budget, before the pages take the rest;
 - a draft model (`assistant_model`) gets as many pages as the model, from the same budget;
+- an int8 KV cache (`kv_cache_dtype="int8"`) counts a token's K/V as one byte a value plus a float32 scale
+  per KV head and stream (memory/kv_quant.py): about 2x (bf16) / 4x (fp32) the pages in the same budget;
 - per KV layer group (`resolve_group_pages`): full-attention groups get `num_blocks`
   pages; a sliding-window group, whose requests hold only their window, gets what
   the known workload needs at most (capped by `num_blocks`).
@@ -38,6 +40,7 @@ from ..kv.layer_groups import (
 )
 from ..kv.page_policies import num_pages_for
 from ..kv.rope_rule import rope_rule_of
+from .kv_quant import INT8, SCALE_BYTES
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 MIN_MAX_BATCH_TOKENS = 256
@@ -135,19 +138,20 @@ class ModelShape:
             return self.layer_value_dims[layer_idx]
         return self.layer_head_shape(layer_idx)[1]
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
+    def kv_bytes_per_token(self, element_size: int, scale_bytes: int = 0) -> int:
         """K and V of one token in every layer that caches them (each layer with its own head shape, V with
         its own head size); a multi-latent model's latent vector alone (`kv_lora_rank + qk_rope_head_dim`
-        per layer)."""
+        per layer). `scale_bytes`: an int8 cache's scale per KV head of K and of V (memory/kv_quant.py)."""
         layers = range(self.num_layers) if self.kv_layers is None else self.kv_layers
         if self.latent is not None:
             indexer = sum(self.layer_index_dims[i] for i in layers) if self.layer_index_dims else 0
             return (sum(h * d for h, d in map(self.layer_head_shape, layers)) + indexer) * element_size
-        elements = 0
+        elements = scales = 0
         for layer in layers:
             heads, dim = self.layer_head_shape(layer)
             elements += heads * (dim + self.layer_value_dim(layer))
-        return elements * element_size
+            scales += 2 * heads
+        return elements * element_size + scales * scale_bytes
 
     def activation_bytes_per_token(self, element_size: int) -> int:
         # hidden + residual + q/k/v/o + MLP intermediates (gate, up, act), a rough upper bound.
@@ -221,7 +225,7 @@ def resolve_sizing(
         num_slots = max(1, min(max_requests, affordable))
         cache_budget -= num_slots * state_bytes_per_slot
     if num_pages is None:
-        token_bytes = shape.kv_bytes_per_token(element_size) + extra_kv_bytes_per_token
+        token_bytes = kv_token_bytes(shape, config, element_size) + extra_kv_bytes_per_token
         num_pages = cache_budget // max(1, token_bytes * page_size)
         if workload:
             needed = sum(num_pages_for(n, page_size) for n in workload)
@@ -243,6 +247,14 @@ def resolve_sizing(
         max_pages_per_request=max_pages_per_request,
         num_state_slots=num_slots,
     )
+
+
+def kv_token_bytes(shape: ModelShape, config: ContinuousBatchingConfig, element_size: int) -> int:
+    """One token's KV bytes in the cache `config` asks for: the model's dtype (`element_size`), or int8 values
+    with their float32 scales (`kv_cache_dtype="int8"`)."""
+    if config.kv_cache_dtype == INT8:
+        return shape.kv_bytes_per_token(1, SCALE_BYTES)
+    return shape.kv_bytes_per_token(element_size)
 
 
 def max_pages_held(spec: KVGroupSpec, num_tokens: int, page_size: int, max_batch_tokens: int) -> int:

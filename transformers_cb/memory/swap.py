@@ -11,6 +11,9 @@ Ordering inside a step: a page freed by a swap-out may be handed to a swap-in (o
 writes it in this forward) in the same step, and a host page freed by a swap-in may receive a swap-out.
 So both gathers run before both scatters, and everything runs before the forward writes the cache.
 
+An int8 cache's scales (memory/kv_quant.py) are a second pair of tier tensors, paged alike: each of its
+pages moves with its scales in the same gathers and scatters' order.
+
 On CUDA the copies run on a side stream. The forward waits (an event) only for what it must: the
 device-side gather of swapped-out pages (their pages may be reused) and swapped-in pages landing.
 The device-to-host transfer overlaps the forward; its host scatter happens at the next plan (or
@@ -34,17 +37,32 @@ class _PendingOut:
 
     done: torch.cuda.Event
     staging: torch.Tensor
+    tier: int  # which pair of tier tensors: 0 the pages, 1 an int8 cache's scales
     group: int
     host_ids: torch.Tensor
 
 
 class SwapCopier:
-    """Args: device_tensors / host_tensors: the group tensors of the two tiers (same shapes but pages)."""
+    """Args: device_tensors / host_tensors: the group tensors of the two tiers (same shapes but pages);
+    device_scales / host_scales: an int8 cache's scale tensors of the two tiers (empty: none)."""
 
-    def __init__(self, device_tensors: list[torch.Tensor], host_tensors: list[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        device_tensors: list[torch.Tensor],
+        host_tensors: list[torch.Tensor],
+        device_scales: list[torch.Tensor] | None = None,
+        host_scales: list[torch.Tensor] | None = None,
+    ) -> None:
         check(len(device_tensors) == len(host_tensors), "one host tensor per device group tensor")
         self.device_tensors = device_tensors
         self.host_tensors = host_tensors
+        self.device_scales = device_scales if device_scales is not None else []
+        self.host_scales = host_scales if host_scales is not None else []
+        check(len(self.device_scales) == len(self.host_scales), "one host scale tensor per device one")
+        # The lists themselves (release_cache() refills them in place), pages first, then scales.
+        self.tiers = [(self.device_tensors, self.host_tensors)]
+        if self.device_scales:
+            self.tiers.append((self.device_scales, self.host_scales))
         self.device = device_tensors[0].device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -73,16 +91,17 @@ class SwapCopier:
     # -- CPU device: plain synchronous copies ------------------------------------------------------
     def _run_sync(self, plan: SwapPlan) -> None:
         out, into = [], []
-        for g in range(plan.num_groups):  # both gathers first: see the module docstring
-            if plan.out_src[g]:
-                out.append((g, self.device_tensors[g].index_select(2, _ids(plan.out_src[g], self.device))))
-            if plan.in_src[g]:
-                into.append((g, self.host_tensors[g].index_select(2, _ids(plan.in_src[g], "cpu"))))
-        for g, pages in into:
-            self.device_tensors[g].index_copy_(2, _ids(plan.in_dst[g], self.device), pages.to(self.device))
-        for g, pages in out:
-            self.host_tensors[g].index_copy_(2, _ids(plan.out_dst[g], "cpu"), pages.to("cpu"))
-        self.num_copies += len(out) + len(into)
+        for tier, (device, host) in enumerate(self.tiers):  # every gather first: see the module docstring
+            for g in range(plan.num_groups):
+                if plan.out_src[g]:
+                    out.append((tier, g, device[g].index_select(2, _ids(plan.out_src[g], self.device))))
+                if plan.in_src[g]:
+                    into.append((tier, g, host[g].index_select(2, _ids(plan.in_src[g], "cpu"))))
+        for tier, g, pages in into:
+            self.tiers[tier][0][g].index_copy_(2, _ids(plan.in_dst[g], self.device), pages.to(self.device))
+        for tier, g, pages in out:
+            self.tiers[tier][1][g].index_copy_(2, _ids(plan.out_dst[g], "cpu"), pages.to("cpu"))
+        self.num_copies += sum(1 for tier, *_ in [*out, *into] if tier == 0)
 
     # -- CUDA: a side stream ordered with events ---------------------------------------------------
     def _run_cuda(self, plan: SwapPlan) -> None:
@@ -94,42 +113,44 @@ class SwapCopier:
         side.wait_stream(main)
         gathered = []
         with torch.cuda.stream(side):
-            for g in range(plan.num_groups):
-                if plan.out_src[g]:
-                    ids = _ids(plan.out_src[g], "cpu").to(self.device, non_blocking=True)
-                    gathered.append((g, self.device_tensors[g].index_select(2, ids)))
-            for g in range(plan.num_groups):
-                if not plan.in_src[g]:
-                    continue
-                host = self.host_tensors[g]
-                shape = (host.shape[0], host.shape[1], len(plan.in_src[g]), *host.shape[3:])
-                staging = torch.empty(shape, dtype=host.dtype, pin_memory=True)
-                torch.index_select(host, 2, _ids(plan.in_src[g], "cpu"), out=staging)
-                pages = staging.to(self.device, non_blocking=True)
-                ids = _ids(plan.in_dst[g], "cpu").to(self.device, non_blocking=True)
-                self.device_tensors[g].index_copy_(2, ids, pages)
-                landed = torch.cuda.Event()
-                landed.record(side)
-                self._in_flight.append((landed, staging))
+            for tier, (device, _) in enumerate(self.tiers):
+                for g in range(plan.num_groups):
+                    if plan.out_src[g]:
+                        ids = _ids(plan.out_src[g], "cpu").to(self.device, non_blocking=True)
+                        gathered.append((tier, g, device[g].index_select(2, ids)))
+            for device, hosts in self.tiers:
+                for g in range(plan.num_groups):
+                    if not plan.in_src[g]:
+                        continue
+                    host = hosts[g]
+                    shape = (host.shape[0], host.shape[1], len(plan.in_src[g]), *host.shape[3:])
+                    staging = torch.empty(shape, dtype=host.dtype, pin_memory=True)
+                    torch.index_select(host, 2, _ids(plan.in_src[g], "cpu"), out=staging)
+                    pages = staging.to(self.device, non_blocking=True)
+                    ids = _ids(plan.in_dst[g], "cpu").to(self.device, non_blocking=True)
+                    device[g].index_copy_(2, ids, pages)
+                    landed = torch.cuda.Event()
+                    landed.record(side)
+                    self._in_flight.append((landed, staging))
             ready = torch.cuda.Event()
             ready.record(side)
-            for g, pages in gathered:
+            for tier, g, pages in gathered:
                 staging = torch.empty(pages.shape, dtype=pages.dtype, pin_memory=True)
                 staging.copy_(pages, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(side)
-                self._pending.append(_PendingOut(done, staging, g, _ids(plan.out_dst[g], "cpu")))
+                self._pending.append(_PendingOut(done, staging, tier, g, _ids(plan.out_dst[g], "cpu")))
         main.wait_event(
             ready
         )  # the forward waits for the gathers and the swap-ins, not for the transfers out
-        self.num_copies += len(gathered) + sum(1 for ids in plan.in_src if ids)
+        self.num_copies += sum(1 for tier, *_ in gathered if tier == 0) + sum(1 for ids in plan.in_src if ids)
 
     def _collect(self, wait: bool) -> None:
         """Scatter finished swap-outs into the host pool (all of them, waiting, when `wait`), in order."""
         while self._pending and (wait or self._pending[0].done.query()):
             pending = self._pending.pop(0)
             pending.done.synchronize()
-            self.host_tensors[pending.group].index_copy_(2, pending.host_ids, pending.staging)
+            self.tiers[pending.tier][1][pending.group].index_copy_(2, pending.host_ids, pending.staging)
         self._in_flight = [(event, staging) for event, staging in self._in_flight if not event.query()]
 
 

@@ -74,6 +74,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
             flag, type=int, default=None, help="ContinuousBatchingConfig." + flag[2:].replace("-", "_")
         )
     serve.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "int8"),
+        default=None,
+        help="KV pages in the model's dtype (auto, default) or int8 with scales (docs/quantization.md)",
+    )
+    serve.add_argument(
         "--scheduler-type",
         default=SERVE_SCHEDULER_TYPE,
         help=f"fifo, prefill_first or decode_first (default: {SERVE_SCHEDULER_TYPE}, docs/config.md)",
@@ -152,7 +158,7 @@ def make_uvicorn_server(app: Any, log_level: str = "info", shutdown_timeout: flo
 
 
 def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("page_size", "num_blocks", "max_batch_tokens", "scheduler_type")
+    names = ("page_size", "num_blocks", "max_batch_tokens", "scheduler_type", "kv_cache_dtype")
     overrides = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     overrides["max_queue_size"] = args.max_queue_size
     return overrides
