@@ -16,6 +16,7 @@ Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
 
 from .native_argmax_source import ARGMAX_BINDINGS, ARGMAX_SOURCE
 from .native_layer_source import BINDINGS, LAYER_SOURCE
+from .native_quant_source import QUANT_BINDINGS, QUANT_SOURCE
 from .native_vec_source import VEC_SOURCE
 
 ATTENTION_SOURCE = r"""
@@ -387,18 +388,20 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 """
 
 # The library's one source: the attention kernel, the decoder-layer ops (native_layer_source.py), the greedy
-# argmax (native_argmax_source.py), the bindings.
+# argmax (native_argmax_source.py), the quantized products (native_quant_source.py), the bindings.
 SOURCE = (
     ATTENTION_SOURCE
     + VEC_SOURCE
     + DISPATCH_SOURCE
     + LAYER_SOURCE
     + ARGMAX_SOURCE
+    + QUANT_SOURCE
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
 """
     + BINDINGS
     + ARGMAX_BINDINGS
+    + QUANT_BINDINGS
     + "}\n"
 )
