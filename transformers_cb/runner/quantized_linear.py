@@ -29,9 +29,9 @@ BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 QUANT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 # Up to this many rows the native product reads the blocks directly; beyond, tiles of the dequantized weight
-# go through torch's product (measured, docs/quantization.md: float32 x: 1.5-2.5x F.linear up to 8-16 rows,
-# slower from 32; bfloat16 x: on par with bf16 F.linear at 1 row, slower from 4, the tiles faster from ~8).
-DIRECT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+# go through torch's product (measured against those tiles, docs/quantization.md: the direct product is
+# faster up to 16 rows in float32, up to ~8 in bfloat16, where oneDNN's AMX product of the tiles catches up).
+DIRECT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 # Weights dequantized per tile on the prefill path: a few MB, never the whole weight at once.
 TILE_ELEMENTS = 1 << 20
 
