@@ -27,6 +27,8 @@ from transformers_cb.models.gguf_weights import (
 )
 from transformers_cb.models.loading import load_model_and_tokenizer, quantized_source
 from transformers_cb.parity.compare import compare_tokens
+from transformers_cb.runner.packed_linear import PackRule
+from transformers_cb.runner.packed_model import pack_bytes, packed_plan
 from transformers_cb.runner.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF files")
@@ -64,6 +66,9 @@ def test_every_linear_and_the_tied_embedding_are_kept_in_blocks(gguf_path: Path)
     left = sum(p.numel() * p.element_size() for p in model.parameters())  # the norms only
     assert left + report.float_bytes_dropped == float_bytes
     assert report.quantized_bytes < report.float_bytes_dropped / 3
+    # Packing (oneDNN copies of float weights) finds nothing to pack, and its memory check counts nothing.
+    rule = PackRule(every_weight=True)
+    assert packed_plan(model, rule).pack_sizes() == [] and pack_bytes(model, rule) == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
