@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -785,6 +786,53 @@ class OursPlainEngine(OursEngine):
     def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
         cfg, settings, ignored = super()._config(workload)
         return dataclasses.replace(cfg, packed_linear=False), settings, ignored
+
+
+class OursQuantizedEngine(OursEngine):
+    """`OursEngine` on a copy of the model whose GGUF weights are kept in their blocks
+    (`transformers_cb/models/gguf_weights.py`, docs/quantization.md): the real model's Q4_1 Linears and Q8_0
+    embedding / LM head read by the native quantized product. The model's folder must keep its GGUF (a
+    registry model's is fetched into it if missing); random models have none and are skipped. The copy
+    is made once per model, at the first warmup or run."""
+
+    name = "ours-quantized"
+
+    def __init__(self, settings_fn: Callable[[Workload], dict[str, Any]]):
+        super().__init__(settings_fn)
+        self._copies: dict[int, torch.nn.Module] = {}
+
+    def unsupported(self, model: torch.nn.Module) -> str | None:
+        return (
+            None if self._gguf(model) is not None else "the model's folder keeps no GGUF (real models only)"
+        )
+
+    @staticmethod
+    def _gguf(model: torch.nn.Module) -> Path | None:
+        from transformers_cb.models.fetch import fetch_gguf
+        from transformers_cb.models.gguf_weights import gguf_of_folder
+        from transformers_cb.models.registry_model import REGISTRY
+
+        folder = getattr(model, "benchmark_folder", None)
+        if folder is None:
+            return None
+        found = gguf_of_folder(folder)
+        known = [m for m in REGISTRY.values() if Path(folder).name == m.folder_name]
+        return found if found is not None or not known else fetch_gguf(known[0], progress=False)
+
+    def quantized(self, model: torch.nn.Module) -> torch.nn.Module:
+        from transformers_cb.models.gguf_weights import keep_gguf_quantized
+
+        if id(model) not in self._copies:
+            kept = copy.deepcopy(model)
+            keep_gguf_quantized(kept, self._gguf(model))
+            self._copies[id(model)] = kept
+        return self._copies[id(model)]
+
+    def warmup(self, model: LlamaForCausalLM, workload: Workload) -> None:
+        super().warmup(self.quantized(model), workload)
+
+    def run(self, model: LlamaForCausalLM, workload: Workload) -> RunResult:
+        return super().run(self.quantized(model), workload)
 
 
 class OursPackedEngine(OursEngine):

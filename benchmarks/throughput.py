@@ -28,7 +28,8 @@ from typing import Any
 
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
-    "ours-packed", "ours-plain", "ours-torch-kernels", "ours-eager-layers", "ours-batch-invariant", "limit",
+    "ours-packed", "ours-plain", "ours-torch-kernels", "ours-eager-layers", "ours-batch-invariant",
+    "ours-quantized", "limit",
     "vllm", "vllm-gomp", "llama.cpp",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,6 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "ours-torch-kernels",
                 "ours-eager-layers",
                 "ours-batch-invariant",
+                "ours-quantized",
                 "vllm",
                 "vllm-gomp",
                 "llama.cpp",
@@ -285,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursEagerLayersEngine(settings_fn)
         if name == "ours-batch-invariant":
             return common.OursBatchInvariantEngine(settings_fn)
+        if name == "ours-quantized":
+            return common.OursQuantizedEngine(settings_fn)
         if name in ("vllm", "vllm-gomp"):
             import vllm_engine
 

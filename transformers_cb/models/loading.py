@@ -16,6 +16,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .cpu_threads import cpu_threads
+from .gguf_weights import gguf_of_folder, keep_gguf_quantized
 from .tiny import build_tiny_model, build_tiny_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,10 @@ logger = logging.getLogger(__name__)
 # The files that say a checkpoint folder has a processor (an image processor or feature extractor beside
 # its tokenizer): what `save_pretrained` writes for a processor and for its image processor.
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+# `quantized_weights=None` (no --quantized-weights / --no-quantized-weights): keep a folder's GGUF in its
+# blocks? Off until the quiet sitting of benchmarks/throughput.py measures the real model both ways
+# (docs/quantization.md).
+QUANTIZED_BY_DEFAULT = False
 
 
 def resolve_device(device: str | None) -> str:
@@ -54,15 +59,21 @@ def load_model_and_tokenizer(
     device: str | torch.device = "cpu",
     seed: int = 0,
     progress: bool = True,
+    quantized_weights: bool | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a local checkpoint directory, a registry model by name (`smollm2`: fetched and converted on
     first use, models/fetch.py), or build the tiny default model when ``path`` is None or `tiny`.
-    Raises `OSError` for an unreadable checkpoint (`FetchError`, one line, for a failed fetch)."""
+    `quantized_weights` (docs/quantization.md): True keeps the Linears of the folder's GGUF in their blocks
+    (a registry model's GGUF fetched if its folder lacks it; a `ValueError` where there is none or the device
+    is not the CPU), False loads float weights, None does what `QUANTIZED_BY_DEFAULT` says where a GGUF is at
+    hand. Raises `OSError` for an unreadable checkpoint (`FetchError`, one line, for a failed fetch)."""
     import transformers_cb  # noqa: F401  (registers the ``paged|...`` attention names)
 
     from .fetch import resolve_model
 
+    name = path
     path = resolve_model(path, progress=progress)
+    gguf = quantized_source(name, path, quantized_weights, str(device), progress)
 
     # The models are cast to the `torch.nn.Module`s they are: `PreTrainedModel.to` is wrapped
     # (`functools.wraps`), which type checkers read as a plain function that takes `self` again.
@@ -79,8 +90,45 @@ def load_model_and_tokenizer(
             path, attn_implementation=attn_implementation, dtype=dtype
         )
         model = cast(torch.nn.Module, loaded)
+        if gguf is not None:
+            report = keep_gguf_quantized(model, gguf)
+            logger.info(
+                "%s: %d modules kept in GGUF blocks (%.0f MB; %.0f MB of float weights dropped)",
+                gguf,
+                len(report.quantized),
+                report.quantized_bytes / 1e6,
+                report.float_bytes_dropped / 1e6,
+            )
     # Moved and switched to eval mode, it is still the `PreTrainedModel` it was loaded as.
     return cast(PreTrainedModel, model.to(device).eval()), tokenizer
+
+
+def quantized_source(
+    name: str | None, folder: str | None, quantized_weights: bool | None, device: str, progress: bool = True
+) -> Path | None:
+    """The GGUF whose blocks the model loaded from `folder` keeps (`load_model_and_tokenizer`), or None for
+    float weights."""
+    from .fetch import fetch_gguf
+    from .registry_model import registry_model
+
+    if quantized_weights is False or folder is None:
+        if quantized_weights and folder is None:
+            raise ValueError("quantized weights need a GGUF model, not the built-in tiny model")
+        return None
+    if quantized_weights is None and not QUANTIZED_BY_DEFAULT:
+        return None
+    on_cpu = torch.device(device).type == "cpu"
+    if not on_cpu:
+        if quantized_weights:
+            raise ValueError(f"quantized weights run on the CPU only, not on {device}")
+        return None
+    gguf = gguf_of_folder(folder)
+    known = registry_model(name) if name is not None else None
+    if gguf is None and quantized_weights and known is not None:
+        gguf = fetch_gguf(known, progress=progress)
+    if gguf is None and quantized_weights:
+        raise ValueError(f"quantized weights: {folder} keeps no GGUF file (docs/quantization.md)")
+    return gguf
 
 
 def auto_model_class(path: str) -> Any:
@@ -139,6 +187,7 @@ def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
         device=device,
         seed=args.seed,
         progress=not getattr(args, "no_progress", False),
+        quantized_weights=getattr(args, "quantized_weights", None),
     )
 
 

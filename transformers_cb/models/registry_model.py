@@ -17,6 +17,11 @@ TINY = "tiny"
 DEFAULT_MODEL = "smollm2"
 #: Overrides the folder the converted models live in.
 MODEL_DIR_ENV = "TRANSFORMERS_CB_MODEL_DIR"
+#: `--quantized-weights` of `generate` and `serve` (models/loading.py, `quantized_source`).
+QUANTIZED_WEIGHTS_HELP = (
+    "keep a GGUF model's Q4_0/Q4_1/Q8_0 weights in their blocks (the real model: its GGUF, fetched if "
+    "needed; CPU only), or --no-quantized-weights for float weights (default: float; docs/quantization.md)"
+)
 
 
 @dataclass(frozen=True)

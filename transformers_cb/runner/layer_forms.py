@@ -134,6 +134,18 @@ def weight_of(module: nn.Module) -> torch.Tensor:
     return weight
 
 
+def linear_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a projection computes in: its weight's, or a Linear kept in GGUF blocks' `compute_dtype`
+    (runner/quantized_linear.py), which has no float weight."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.dtype
+    dtype = getattr(module, "compute_dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    raise TypeError(f"{type(module).__name__} has no weight and no compute dtype")
+
+
 def is_silu_mlp(module: nn.Module) -> bool:
     """A gated MLP whose forward is Llama's and whose activation is SiLU."""
     from transformers.activations import SiLUActivation

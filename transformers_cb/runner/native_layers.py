@@ -53,6 +53,7 @@ from .layer_forms import (
     has_hooks,
     is_pre_norm_layer,
     is_silu_mlp,
+    linear_dtype,
     native_call,
     norm_eps,
     norm_form,
@@ -229,7 +230,7 @@ def _module_replacement(module: nn.Module, ops: ModuleType) -> Callable[[], Forw
             return partial(_norm_forward, module, ops, form == "gemma")
         return None
     if is_silu_mlp(module):
-        dtype = weight_of(child(module, "gate_proj")).dtype
+        dtype = linear_dtype(child(module, "gate_proj"))
         if dtype in LAYER_DTYPES and VERDICTS.check(
             "SiLU·mul", _name(type(module)), dtype, partial(silu_agrees, module, ops, dtype)
         ):

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..models.registry_model import DEFAULT_MODEL, TINY
+from ..models.registry_model import DEFAULT_MODEL, QUANTIZED_WEIGHTS_HELP, TINY
 from . import require_serve_extra
 
 logger = logging.getLogger(__name__)
@@ -54,6 +54,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--attn-implementation", default="paged|sdpa", help="attention backend (default: paged|sdpa)"
     )
     serve.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    serve.add_argument(
+        "--quantized-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=QUANTIZED_WEIGHTS_HELP,
+    )
     serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     serve.add_argument(
         "--threads",

@@ -1,0 +1,123 @@
+"""The quantized products (`runner/quantized_linear.py`, attention/native_quant_source.py) against
+`x @ gguf.quants.dequantize(W).T`: random blocks of Q8_0, Q4_0 and Q4_1, float32 and bfloat16 inputs, odd
+shapes, row counts on both sides of `DIRECT_MAX_ROWS` (the native product and the dequantized tiles); the
+dequantization itself bitwise equal to gguf's, natively and by the torch fallback; the modules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.runner import quantized_linear
+from transformers_cb.runner.quantized_linear import (
+    DIRECT_MAX_ROWS,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize_blocks,
+    quantized_bytes,
+    quantized_product,
+    row_bytes,
+)
+
+gguf = pytest.importorskip("gguf", reason="the gguf package writes the reference blocks")
+QTYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+OPS = ensure_native_module()
+native = pytest.mark.skipif(OPS is None, reason="the native library cannot be built here")
+# (output columns, inputs): odd column counts, one block, several, not a multiple of the column grain.
+SHAPES = [(1, 32), (33, 96), (70, 160), (17, 576)]
+ROWS = [1, 3, 8, 9, 17, 40]
+
+
+def random_blocks(out_features: int, in_features: int, qtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks uint8 [N, row bytes], their float32 weight as gguf dequantizes it)."""
+    values = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    values[0, :5] = 0.0  # a block with zeros (Q8_0's zero scale, Q4_1's min)
+    blocks = gguf.quants.quantize(values, qtype)
+    weight = gguf.quants.dequantize(blocks, qtype)
+    return torch.from_numpy(np.array(blocks)), torch.from_numpy(np.array(weight, dtype=np.float32))
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W.T in float64 (the exact sums), W as the model of x's dtype holds it."""
+    return (x.double() @ weight.to(x.dtype).double().T).float()
+
+
+def assert_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    want = reference(x, weight)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    if x.dtype == torch.float32:
+        # float32 sums in another order: within a few ulps of the sum of magnitudes.
+        scale = (x.abs().double() @ weight.abs().double().T).float()
+        assert ((got - want).abs() <= scale * 2e-6 + 1e-6).all(), (got - want).abs().max()
+    else:  # float32 sums rounded to bfloat16 once: within one bfloat16 rounding (and a float32 ulp or two)
+        assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-5).all(), (
+            (got.float() - want).abs().max()
+        )
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_dequantization_is_gguf_s_bit_for_bit(qtype) -> None:
+    blocks, weight = random_blocks(37, 160, qtype, seed=1)
+    assert torch.equal(quantized_linear._dequantize_torch(blocks, int(qtype)), weight)
+    if OPS is not None:
+        assert torch.equal(dequantize_blocks(blocks, int(qtype)), weight)
+        assert torch.equal(dequantize_blocks(blocks, int(qtype), torch.bfloat16), weight.bfloat16())
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_native_product_equals_the_dequantized_product(qtype, dtype: torch.dtype) -> None:
+    for i, (out_features, in_features) in enumerate(SHAPES):
+        blocks, weight = random_blocks(out_features, in_features, qtype, seed=10 + i)
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            assert_close(OPS.quant_matmul(x, blocks, int(qtype)), x, weight)  # the direct product at any rows
+            assert_close(quantized_product(x, blocks, int(qtype)), x, weight)  # direct or tiles by the rows
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_the_tiled_path_and_the_fallback(qtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond `DIRECT_MAX_ROWS` the weight is dequantized a tile of columns at a time (here 64 weights a
+    tile: many tiles, the last one short); without the native library torch ops dequantize it."""
+    blocks, weight = random_blocks(45, 64, qtype, seed=3)
+    x = torch.randn(DIRECT_MAX_ROWS[torch.float32] + 5, 64, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(quantized_linear, "TILE_ELEMENTS", 64 * 4)
+    assert_close(quantized_product(x, blocks, int(qtype)), x, weight)
+    monkeypatch.setattr(quantized_linear, "native_module", lambda: None)
+    assert_close(quantized_product(x[:2], blocks, int(qtype)), x[:2], weight)
+    assert torch.equal(dequantize_blocks(blocks, int(qtype)), weight)
+
+
+def test_the_native_product_refuses_what_it_cannot_read() -> None:
+    if OPS is None:
+        pytest.skip("the native library cannot be built here")
+    blocks, _ = random_blocks(4, 64, gguf.GGMLQuantizationType.Q8_0, seed=0)
+    with pytest.raises(RuntimeError, match="Q4_0 \\(2\\), Q4_1 \\(3\\) and Q8_0 \\(8\\) only"):
+        OPS.quant_matmul(torch.randn(1, 64), blocks, 12)
+    with pytest.raises(RuntimeError, match="x \\[R, 64\\] expected"):
+        OPS.quant_matmul(torch.randn(1, 32), blocks, 8)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        OPS.quant_matmul(torch.randn(1, 64).half(), blocks, 8)
+
+
+def test_the_modules() -> None:
+    qtype = int(gguf.GGMLQuantizationType.Q4_1)
+    blocks, weight = random_blocks(48, 64, gguf.GGMLQuantizationType.Q4_1, seed=5)
+    bias = torch.randn(48)
+    linear = QuantizedLinear(blocks, qtype, 64, bias)
+    x = torch.randn(2, 3, 64)
+    got = linear(x)
+    assert got.shape == (2, 3, 48)
+    assert torch.allclose(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert list(dict(linear.named_parameters())) == ["bias"]  # the blocks are a buffer: no gradient
+    embedding = QuantizedEmbedding(blocks, qtype, 64, torch.bfloat16)
+    ids = torch.tensor([[3, 0, 47]])
+    assert torch.equal(embedding(ids), F.embedding(ids, weight.bfloat16()))
+    tied = torch.nn.Sequential(linear, embedding)
+    assert quantized_bytes(tied) == 48 * row_bytes(qtype, 64)  # one tensor shared: counted once
+    with pytest.raises(ValueError, match="do not hold 96 inputs"):
+        QuantizedLinear(blocks, qtype, 96)
