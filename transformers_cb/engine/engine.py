@@ -43,6 +43,7 @@ from ..scheduler.scheduler import Scheduler
 from ..scheduler.shadow_planner import ShadowPlanner
 from ..scheduler.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
+from .adapter_registry import AdapterRegistry
 from .draft_setup import EngineSpeculation
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
@@ -237,6 +238,11 @@ class Engine:
 
     # -- weight updates ----------------------------------------------------------------------
     @property
+    def adapters(self) -> AdapterRegistry | None:
+        """The model's PEFT adapters by name (docs/adapters.md)."""
+        return self.build_request.adapters
+
+    @property
     def weight_version(self) -> int:
         """The version of the model's weights: 0 at creation, one more at each change `check_weights` saw."""
         return self.scheduler.weight_version
@@ -256,6 +262,8 @@ class Engine:
         if not changed and weights == self._weights:
             return None
         self._weights = weights
+        if self.adapters is not None:
+            self.adapters.refresh()  # adapters added, deleted or loaded since: scanned again
         if changed:
             release_packs(self.model)  # a pack is rebuilt only when its weight's key changed
         ended = self.scheduler.weights_changed(mode)

@@ -21,6 +21,7 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
+from ..engine.adapter_registry import UNSET
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
@@ -362,6 +363,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         eos_token_id: int | list[int] | None = None,
         guided: GuidedDecoding | dict[str, Any] | type | None = None,
         max_staleness: int | None = None,
+        adapter: Any = UNSET,
         **logit_processor_kwargs: Any,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
@@ -377,7 +379,9 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         the manager's tokenizer; docs/structured_outputs.md). One that does not compile is a `ValueError`
         with the grammar library's message. `max_staleness`: the most weight versions the request's KV may
         lag behind the model's: past it, a weight update recomputes its KV (aborts it under
-        `pause(mode="abort")`); None: any (docs/manager.md, "Weight updates").
+        `pause(mode="abort")`); None: any (docs/manager.md, "Weight updates"). `adapter`: the PEFT
+        adapter's name, None for the base model, not given for the model's active adapter(s); an unknown
+        one is a `ValueError` naming the known ones (docs/adapters.md).
 
         Raises:
             ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
@@ -386,7 +390,12 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        kwargs = {**logit_processor_kwargs, "guided": guided, "max_staleness": max_staleness}
+        kwargs = {
+            **logit_processor_kwargs,
+            "guided": guided,
+            "max_staleness": max_staleness,
+            "adapter": adapter,
+        }
         options = SubmissionOptions.of(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs)
         ids = self._submissions.submit([(input_ids, request_id)], options, False, self.max_queue_size)
         return None if ids is None else ids[0]
@@ -400,6 +409,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         eos_token_id: int | list[int] | None = None,
         guided: GuidedDecoding | dict[str, Any] | type | Sequence[Any] | None = None,
         max_staleness: int | None = None,
+        adapter: Any = UNSET,
         **logit_processor_kwargs: Any,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
@@ -409,9 +419,14 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         With prefix sharing on (`allow_block_sharing`), the requests reach the scheduler sorted by
         prompt, so that prompts sharing a prefix run one after the other and hit the prefix cache;
         ids are still given in input order. `guided`: one constraint for all inputs, or a list with one
-        per input (None: unconstrained)."""
+        per input (None: unconstrained); `adapter` likewise."""
         items = [(input_ids, None) for input_ids in inputs]
-        kwargs = {**logit_processor_kwargs, "guided": guided, "max_staleness": max_staleness}
+        kwargs = {
+            **logit_processor_kwargs,
+            "guided": guided,
+            "max_staleness": max_staleness,
+            "adapter": adapter,
+        }
         options = SubmissionOptions.of(
             max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, num_items=len(items)
         )
