@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 
 from conformance.common import check_parity, greedy_config, run_batch, tight_num_blocks
+from conformance.test_parity_offload import engines_checked
 from tests.support.adapters import adapted_llama, reference_on
-from tests.support.models import BACKENDS, using_backend
+from tests.support.models import BACKENDS, tiny_llama, using_backend
 from tests.support.preemptions import count_preemptions
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.runner.packed_linear import RULE_ENV
@@ -68,23 +69,39 @@ def test_mixed_adapters_in_one_batch_equal_generate_chunked_and_preempted(
     check_parity(model, PROMPTS, outputs, references, f"mixed adapters, {backend}")
 
 
-def test_mixed_adapters_with_cpu_offload_and_prompt_lookup(adapted) -> None:
-    """Swapped to the host tier and back, and speculating by prompt lookup: each request on its adapter."""
+def test_mixed_adapters_swapped_to_the_host_tier_and_back(adapted) -> None:
+    """Preempted requests swap out to the host tier and back: each stays on its adapter."""
+    model, references = adapted
+    with engines_checked() as engines:
+        outputs = model.generate_batch(
+            PROMPTS,
+            generation_config=greedy_config(MAX_NEW_TOKENS),
+            continuous_batching_config=ContinuousBatchingConfig(
+                page_size=4,
+                max_batch_tokens=6,
+                num_blocks=tight_num_blocks(PROMPTS, MAX_NEW_TOKENS, 4),
+                cpu_offload_space=None,
+            ),
+            adapter=ADAPTERS,
+            progress_bar=False,
+        )
+    (engine,) = engines
+    assert engine.offload is not None and engine.offload.swap_out_pages > 0, "nothing was swapped out"
+    check_parity(model, PROMPTS, outputs, references, "mixed adapters, CPU offload")
+
+
+def test_mixed_adapters_speculating_by_prompt_lookup(adapted) -> None:
     model, references = adapted
     outputs = model.generate_batch(
         PROMPTS,
         generation_config=greedy_config(MAX_NEW_TOKENS),
-        continuous_batching_config=ContinuousBatchingConfig(
-            page_size=4,
-            max_batch_tokens=16,
-            num_blocks=tight_num_blocks(PROMPTS, MAX_NEW_TOKENS, 4),
-            cpu_offload_space=0.001,
-        ),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4),
         adapter=ADAPTERS,
         prompt_lookup_num_tokens=3,
         progress_bar=False,
     )
-    check_parity(model, PROMPTS, outputs, references, "mixed adapters, offload + prompt lookup")
+    assert sum(output.draft_tokens for output in outputs.values()) > 0, "nothing was speculated"
+    check_parity(model, PROMPTS, outputs, references, "mixed adapters, prompt lookup")
 
 
 def test_forks_keep_their_parents_adapter(adapted) -> None:
@@ -111,3 +128,19 @@ def test_no_adapter_given_runs_the_active_adapter(adapted) -> None:
     finally:
         model.set_adapter("a")
     check_parity(model, [PROMPTS[4]], outputs, [references[4]], "no adapter= on the active adapter b")
+
+
+def test_a_draft_model_speculates_for_requests_on_adapters(adapted) -> None:
+    """The draft model (no adapter) only proposes; the target verifies each request's drafts on its own
+    adapter's rows, so the tokens are the adapter's."""
+    model, references = adapted
+    outputs = model.generate_batch(
+        PROMPTS,
+        generation_config=greedy_config(MAX_NEW_TOKENS),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4),
+        adapter=ADAPTERS,
+        assistant_model=tiny_llama(seed=1),
+        progress_bar=False,
+    )
+    assert sum(output.draft_tokens for output in outputs.values()) > 0, "nothing was speculated"
+    check_parity(model, PROMPTS, outputs, references, "mixed adapters, draft model")
