@@ -27,6 +27,7 @@ from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
 from ..scheduler.weight_updates import UpdateMode, check_update_mode
+from .adapters import ManagerAdapters
 from .adaptive_threads import AdaptiveThreads
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
@@ -95,6 +96,8 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         self._pause_holders = threading.local()  # per thread: how many `pause()` blocks it is inside
         self._batch_processor: BatchProcessorView | None = None  # compat: the started session's
         self.output_router = OutputRouterView(self._router)  # compat: `.output_queue` (compat.py)
+        # The model's PEFT adapters while requests run: in use, load, update, unload (docs/adapters.md).
+        self.adapters = ManagerAdapters(self)
 
     @property
     def engine(self) -> Engine | None:
