@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.adapters import adapted_llama, reference_on
+from tests.support.adapters import adapted_llama, logprobs_on, reference_on
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.conformance_check import greedy_config
 
@@ -41,18 +41,45 @@ def _run(manager, adapter: str | None) -> tuple[list[int], int]:
     return output.generated_tokens, manager.stats().prefix_cache_hit_tokens - before
 
 
-def test_an_adapter_loaded_while_running_serves_at_once(running) -> None:
-    model, manager = running
-    config = peft.LoraConfig(
-        r=6, lora_alpha=12, init_lora_weights=False, target_modules=["k_proj", "gate_proj"]
+def test_an_adapter_loaded_while_running_serves_at_once() -> None:
+    """Into a model that had no adapter when the run session started: the LoRA rows are split from the
+    first step with requests on adapters, and the native MLP forward installed at the start calls the LoRA
+    layers that now stand in for its projections (it called the plain Linears it saw then: the delta was
+    lost, tests/serve/test_adapters.py's logprobs showed it)."""
+    model = adapted_llama(())
+    manager = model.init_continuous_batching(
+        generation_config=greedy_config(MAX_NEW_TOKENS),
+        continuous_batching_config=ContinuousBatchingConfig(page_size=4, num_blocks=64),
     )
-    manager.adapters.load("d", config)
-    assert manager.adapters.names() == ["a", "b", "d"]
-    with pytest.raises(ValueError, match="already loaded"):
+    manager.start()
+    try:
+        _run(manager, None)  # a step before any adapter exists
+        config = peft.LoraConfig(
+            r=6, lora_alpha=12, init_lora_weights=False, target_modules=["gate_proj", "up_proj", "down_proj"]
+        )
         manager.adapters.load("d", config)
-    tokens, _ = _run(manager, "d")
-    assert tokens == reference_on(model, PROMPT, "d", MAX_NEW_TOKENS)
-    assert tokens != reference_on(model, PROMPT, None, MAX_NEW_TOKENS), "the adapter changes nothing"
+        assert manager.adapters.names() == ["d"]
+        with pytest.raises(ValueError, match="already loaded"):
+            manager.adapters.load("d", config)
+        generator = torch.Generator().manual_seed(5)  # weights that move the tokens through the MLP alone
+        saved = model.get_adapter_state_dict("d")
+        manager.adapters.update("d", {k: torch.randn(v.shape, generator=generator) for k, v in saved.items()})
+        with manager.pause():  # both in one step: the rows on d and the base model's
+            ids = manager.add_requests(
+                [PROMPT, PROMPT[:9]], adapter=["d", None], max_new_tokens=MAX_NEW_TOKENS, top_logprobs=1
+            )
+        for request_id, prompt, adapter in zip(ids, [PROMPT, PROMPT[:9]], ["d", None], strict=True):
+            output = manager.get_result(request_id=request_id, timeout=120)
+            tokens = output.generated_tokens
+            assert tokens == reference_on(model, prompt, adapter, MAX_NEW_TOKENS), adapter
+            assert output.logprobs == pytest.approx(logprobs_on(model, prompt, tokens, adapter), abs=1e-4), (
+                adapter
+            )
+        assert reference_on(model, PROMPT, "d", MAX_NEW_TOKENS) != reference_on(
+            model, PROMPT, None, MAX_NEW_TOKENS
+        )
+    finally:
+        manager.stop(hard_stop=True)
 
 
 def test_an_update_in_place_is_a_new_version_of_the_adapter(running) -> None:

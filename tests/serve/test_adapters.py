@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,25 +87,31 @@ def _check(answer: Any, expected: tuple[list[str], list[float]], context: str) -
     assert answer.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=1e-4), context
 
 
-@pytest.fixture
-def server(folders: dict[str, Path]) -> Iterator[LiveServer]:
+@contextmanager
+def _serving(folders: dict[str, Path], max_resident: int | None = None) -> Iterator[LiveServer]:
     from transformers_cb import ContinuousBatchingConfig
     from transformers_cb.serve.adapters import ServedAdapters
     from transformers_cb.serve.app import ServeState
     from transformers_cb.serve.server import serving_positions, start_serving_manager
 
     model, tokenizer = _base()
-    served = ServedAdapters(MODEL_NAME)
+    served = ServedAdapters(MODEL_NAME, max_resident=max_resident)
     for name in ("a", "b"):  # as `--adapter a=... --adapter b=...` does, before the manager starts
         served.load(model, name, str(folders[name]))
     manager = start_serving_manager(model, tokenizer, ContinuousBatchingConfig(page_size=4, num_blocks=64))
-    state = ServeState(manager, tokenizer, MODEL_NAME, serving_positions(model), adapter_paths=served.paths)
+    state = ServeState(manager, tokenizer, MODEL_NAME, serving_positions(model), served_adapters=served)
 
     def stop() -> None:
         manager.stop(block=True, timeout=TIMEOUT)
         manager.destroy()
 
     with serving(state, stop) as live:
+        yield live
+
+
+@pytest.fixture
+def server(folders: dict[str, Path]) -> Iterator[LiveServer]:
+    with _serving(folders) as live:
         yield live
 
 
@@ -151,3 +158,29 @@ def test_an_adapter_loaded_while_serving(server: LiveServer, references: dict, f
         timeout=TIMEOUT,
     )
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+
+
+def test_one_resident_adapter_at_most_reloads_the_least_recently_used(
+    folders: dict, references: dict
+) -> None:
+    with _serving(folders, max_resident=1) as live:
+        manager = live.state.manager
+        assert manager.adapters.names() == ["a"]  # b registered, loaded at its first request
+        client = openai_client(live)
+        assert [card.id for card in client.models.list().data] == [MODEL_NAME, "a", "b"]
+        for model in ("b", "a", "b", MODEL_NAME):
+            answer = client.completions.create(
+                model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=0
+            )
+            _check(answer, references[None if model == MODEL_NAME else model], f"{model}, one resident")
+        assert manager.adapters.names() == ["b"]
+        with manager.pause():  # a request on b stays live: b cannot be unloaded for a
+            request_id = manager.add_request(PROMPT, adapter="b", max_new_tokens=MAX_TOKENS)
+            response = httpx.post(
+                live.url + "/v1/completions",
+                content=json.dumps({"model": "a", "prompt": PROMPT, "max_tokens": 2}),
+                timeout=TIMEOUT,
+            )
+            assert response.status_code == 503, response.text
+            assert "resident adapters are in use" in response.json()["error"]["message"]
+        assert manager.get_result(request_id=request_id, timeout=TIMEOUT) is not None

@@ -42,6 +42,28 @@ def seed_lora_weights(model: torch.nn.Module, scale: float, seed: int, marker: s
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
+def logprobs_on(
+    model: PreTrainedModel, prompt: Sequence[int], tokens: Sequence[int], adapter: str | None
+) -> list[float]:
+    """The log-probabilities of `tokens` after `prompt` on `adapter` (None: the base model), from one plain
+    forward: a check finer than the tokens (an adapter's delta lost in one layer may move no argmax)."""
+    active = list(model.active_adapters())
+    if adapter is None:
+        model.disable_adapters()
+    else:
+        model.set_adapter(adapter)
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([[*prompt, *tokens]])).logits[0, len(prompt) - 1 : -1].float()
+    finally:
+        if adapter is None:
+            model.enable_adapters()
+        else:
+            model.set_adapter(active)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[i, t]) for i, t in enumerate(tokens)]
+
+
 def reference_on(
     model: PreTrainedModel, prompt: Sequence[int], adapter: str | None, max_new: int
 ) -> list[int]:

@@ -8,30 +8,34 @@ adapter a live request uses is never unloaded."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..engine.adapter_registry import AdapterRegistry
+from .state import ManagerState
 
-if TYPE_CHECKING:
-    from .manager import ContinuousBatchingManager
+Pause = Callable[..., AbstractContextManager[None]]  # `ContinuousBatchingManager.pause`
 
 PEFT_PREFIX = "base_model.model."  # the keys of a state dict PEFT saves (get_peft_model_state_dict)
 
 
 class ManagerAdapters:
-    """The adapter lifecycle of one manager (its model's PEFT adapters)."""
+    """The adapter lifecycle of one manager (its model's PEFT adapters): the manager's `model`, its shared
+    `state` (the live requests, the engine) and its `pause`."""
 
-    def __init__(self, manager: ContinuousBatchingManager) -> None:
-        self._manager = manager
+    def __init__(self, model: nn.Module, state: ManagerState, pause: Pause) -> None:
+        self._model = model
+        self._state = state
+        self._pause = pause
 
     def _registry(self) -> AdapterRegistry:
-        engine = self._manager.engine
+        engine = self._state.engine
         registry = engine.adapters if engine is not None else None
-        return registry if registry is not None else AdapterRegistry(self._manager.model)
+        return registry if registry is not None else AdapterRegistry(self._model)
 
     def names(self) -> list[str]:
         """Every adapter the model carries."""
@@ -39,7 +43,7 @@ class ManagerAdapters:
 
     def in_use(self) -> dict[str, int]:
         """Adapter name -> how many live requests (queued or running) run on it."""
-        with self._manager._state.lock:
+        with self._state.lock:
             return self.in_use_locked()
 
     def load(self, name: str, source: Any, mode: str = "keep") -> None:
@@ -47,8 +51,8 @@ class ManagerAdapters:
         `peft.PeftConfig` (a fresh adapter, `add_adapter`). `ValueError` if the name is taken."""
         if name in self._registry().adapters():
             raise ValueError(f"adapter {name!r} is already loaded; update it with manager.adapters.update")
-        model = self._manager.model
-        with self._manager.pause(mode):
+        model: Any = self._model
+        with self._pause(mode):
             if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
                 model.load_adapter(str(source), adapter_name=name)
             else:
@@ -63,7 +67,7 @@ class ManagerAdapters:
         registry = self._registry()
         if name not in registry.adapters():
             raise ValueError(f"unknown adapter {name!r}; the model's adapters: {sorted(registry.adapters())}")
-        targets = adapter_parameters(self._manager.model, name)
+        targets = adapter_parameters(self._model, name)
         writes = []
         for key, value in weights.items():
             parameter = targets.get(key.removeprefix(PEFT_PREFIX))
@@ -75,7 +79,7 @@ class ManagerAdapters:
                     f"the parameter {tuple(parameter.shape)}"
                 )
             writes.append((parameter, value))
-        with self._manager.pause(mode), torch.no_grad():
+        with self._pause(mode), torch.no_grad():
             for parameter, value in writes:
                 parameter.copy_(value)
             version = registry.bump(name)
@@ -86,17 +90,16 @@ class ManagerAdapters:
         registry = self._registry()
         if name not in registry.adapters():
             raise ValueError(f"unknown adapter {name!r}; the model's adapters: {sorted(registry.adapters())}")
-        manager = self._manager
-        with manager.pause(), manager._state.lock:  # no submission in between: it would resolve the name
+        with self._pause(), self._state.lock:  # no submission in between: it would resolve the name
             users = self.in_use_locked().get(name, 0)
             if users:
                 raise ValueError(f"adapter {name!r} is in use by {users} live request(s): not unloaded")
-            delete_adapter(manager.model, name)
+            delete_adapter(self._model, name)
             registry.refresh()
 
     def in_use_locked(self) -> dict[str, int]:
         """`in_use` with the manager's lock already held."""
-        requests = list(self._manager._state.live.values())
+        requests = list(self._state.live.values())
         return dict(Counter(name for r in requests if r.adapter is not None for name in r.adapter.names))
 
 

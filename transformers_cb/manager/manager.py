@@ -97,7 +97,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         self._batch_processor: BatchProcessorView | None = None  # compat: the started session's
         self.output_router = OutputRouterView(self._router)  # compat: `.output_queue` (compat.py)
         # The model's PEFT adapters while requests run: in use, load, update, unload (docs/adapters.md).
-        self.adapters = ManagerAdapters(self)
+        self.adapters = ManagerAdapters(model, self._state, self.pause)
 
     @property
     def engine(self) -> Engine | None:

@@ -2,7 +2,7 @@
 
 The runner sets the step's row groups (`StepAdapters`: which packed rows run on which `AdapterChoice`) in a
 context variable for the forward's duration (`adapter_step`); PEFT's LoRA `Linear` runs, for the run session
-(`adapter_rows`, a counted patch of its class's `forward`), a forward that reads it: the base layer's product
+(`AdapterRows`, a counted patch of its class's `forward`), a forward that reads it: the base layer's product
 once for every row (a packed product, runner/packed_model.py, takes the base layer as it takes any plain
 Linear), then each group's `scale * B(A x)` added to its rows, as PEFT's own forward adds it (the input cast to
 the adapter's dtype, `result + delta`, cast back): a request's tokens equal `generate()` after
@@ -18,7 +18,7 @@ The head (the model's output embeddings, when an adapter targets it) sees the ke
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -190,13 +190,37 @@ def _make_forward(cls: type) -> Callable[[], Callable[..., torch.Tensor]]:
     return make
 
 
-@contextmanager
-def adapter_rows(model: nn.Module) -> Iterator[None]:
-    """The run session's part: PEFT's LoRA `Linear` splits its rows by adapter inside a step (a patch of the
-    class, counted: `patches.patched`), when `model` holds such a layer; nothing otherwise."""
-    cls = lora_linear_class()
-    if cls is None or not any(type(module) is cls for module in model.modules()):
-        yield
-        return
-    with patched(PATCH_KIND, [(cls, "forward", _make_forward(cls))]):
+class AdapterRows:
+    """The runner's part: PEFT's LoRA `Linear` splits its rows by adapter inside a step (a patch of the class,
+    counted: `patches.patched`), installed at the first step of a run session that has requests on adapters
+    (`step`: an adapter may be loaded while the session runs, `manager.adapters.load`) and removed when the
+    session ends."""
+
+    def __init__(self) -> None:
+        self._stack: ExitStack | None = None
+        self._installed = False
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        with ExitStack() as stack:
+            self._stack, self._installed = stack, False
+            try:
+                yield
+            finally:
+                self._stack, self._installed = None, False
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """A step with requests on adapters: the class patch in force for the rest of the session (or, for a
+        step outside a session, for the step)."""
+        cls = lora_linear_class()
+        if cls is None:
+            raise InvariantError("a request on an adapter, without PEFT installed")
+        if self._stack is None:
+            with patched(PATCH_KIND, [(cls, "forward", _make_forward(cls))]):
+                yield
+            return
+        if not self._installed:
+            self._stack.enter_context(patched(PATCH_KIND, [(cls, "forward", _make_forward(cls))]))
+            self._installed = True
         yield

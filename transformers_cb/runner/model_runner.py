@@ -31,7 +31,7 @@ from ..requests import Request
 from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..scheduler.step_plan import StepPlan
-from .adapter_rows import adapter_rows, adapter_step, step_adapters
+from .adapter_rows import AdapterRows, adapter_step, step_adapters
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
 from .media import MediaRunner, MediaStepInputs
@@ -96,6 +96,7 @@ class ModelRunner:
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         # The head sees the kept rows only: its adapter groups are theirs (runner/adapter_rows.py).
         self._head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.adapter_rows = AdapterRows()
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -105,7 +106,7 @@ class ModelRunner:
         with (
             self.states.session() if self.states is not None else nullcontext(),
             self.rotary.session() if self.rotary is not None else nullcontext(),
-            adapter_rows(self.model),
+            self.adapter_rows.session(),
         ):
             yield
 
@@ -245,6 +246,7 @@ class ModelRunner:
             with (
                 self.states.step(step.states) if self.states is not None else nullcontext(),
                 self._rotary_step(),
+                self.adapter_rows.step(),
                 adapter_step(adapters),
             ):
                 media = (

@@ -69,13 +69,14 @@ class ServeState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
-    adapter_paths: dict[str, str] = field(default_factory=dict)  # `--adapter name=path`, loaded already
+    # `--adapter name=path` and `--max-adapters` (serve/adapters.py); None: the base model alone.
+    served_adapters: ServedAdapters | None = None
     choices: ManagerChoices = field(init=False)
-    adapters: ServedAdapters = field(init=False)  # the `model` field's names (serve/adapters.py)
+    adapters: ServedAdapters = field(init=False)  # the `model` field's names
 
     def __post_init__(self) -> None:
         self.choices = ManagerChoices(self.manager)
-        self.adapters = ServedAdapters(self.model_name, dict(self.adapter_paths))
+        self.adapters = self.served_adapters or ServedAdapters(self.model_name)
 
 
 def build_app(state: ServeState) -> FastAPI:
@@ -135,7 +136,8 @@ def build_app(state: ServeState) -> FastAPI:
         want_logprobs = body.logprobs is not None
         options = _options(state, body, body.max_tokens, want_logprobs, body.logprobs or 0, body.echo)
         options = dataclasses.replace(options, adapter=adapter)
-        return await _generate(state, request, body, "completion", prompts, options, echoes)
+        async with state.adapters.held(adapter, state.manager):  # resident until submitted
+            return await _generate(state, request, body, "completion", prompts, options, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -143,7 +145,8 @@ def build_app(state: ServeState) -> FastAPI:
         adapter = state.adapters.adapter_of(body.model)
         prompt, options, turn = _chat_turn(state, body)
         options = dataclasses.replace(options, adapter=adapter)
-        return await _generate(state, request, body, "chat", [prompt], options, turn=turn)
+        async with state.adapters.held(adapter, state.manager):
+            return await _generate(state, request, body, "chat", [prompt], options, turn=turn)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
@@ -166,7 +169,8 @@ def build_app(state: ServeState) -> FastAPI:
                 param="input",
             )
         shape = ResponseObject(new_response_id(), body.model, body, chat, len(prompt))
-        return await _respond(state, request, shape, prompt, options, turn, conversation)
+        async with state.adapters.held(adapter, state.manager):
+            return await _respond(state, request, shape, prompt, options, turn, conversation)
 
     return app
 

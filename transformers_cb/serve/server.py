@@ -124,6 +124,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "`model` field, the base model's id runs no adapter (docs/adapters.md)",
     )
     serve.add_argument(
+        "--max-adapters",
+        type=int,
+        default=None,
+        help="adapters resident in the model at most (default: all); a request for another loads it again, "
+        "unloading the least recently used one no request uses",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     serve.set_defaults(func=run_serve, adaptive_threads=True)
@@ -255,7 +262,7 @@ def build_state(args: argparse.Namespace) -> Any:
         has_assistant=assistant is not None,
         reasoning=args.reasoning,
         processor=processor,
-        adapter_paths=dict(served.paths),
+        served_adapters=served,
     )
 
 
