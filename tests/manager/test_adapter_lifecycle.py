@@ -116,3 +116,23 @@ def test_an_adapter_in_use_is_not_unloaded(running) -> None:
         manager.add_request(PROMPT, adapter="b")
     tokens, _ = _run(manager, "a")
     assert tokens == reference_on(model, PROMPT, "a", MAX_NEW_TOKENS)
+
+
+def test_an_adapter_merged_while_requests_chose_theirs_fails_them_with_the_reason(running) -> None:
+    """A merge puts adapter a in every row's base weights: the requests in flight that chose an adapter fail
+    (they would run with a on top of theirs), later ones are refused at submission; none runs silently."""
+    from transformers_cb import RequestStatus
+    from transformers_cb.runner.adapter_rows import lora_linear_class
+
+    model, manager = running
+    with manager.pause():
+        request_id = manager.add_request(PROMPT, adapter="b", max_new_tokens=MAX_NEW_TOKENS)
+        for module in model.modules():
+            if type(module) is lora_linear_class():
+                module.merge(adapter_names=["a"])
+    output = manager.get_result(request_id=request_id, timeout=120)
+    assert output.status == RequestStatus.FAILED
+    assert "can no longer be applied per request" in output.error and "merged" in output.error
+    with pytest.raises(ValueError, match="merged into the base weights"):
+        manager.add_request(PROMPT, adapter="b")
+    assert manager.is_running()

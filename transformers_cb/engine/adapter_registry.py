@@ -147,6 +147,11 @@ class AdapterRegistry:
         """Every adapter the model carries, by name."""
         return dict(self._scan(again=True).adapters)
 
+    def mixing_problem(self) -> str | None:
+        """Why requests that chose their adapter cannot run now (scanned again: called after a weight change
+        that may have merged an adapter or made another method active), or None."""
+        return _mixing_problem(self._scan(again=True))
+
     def bump(self, name: str) -> int:
         """`name`'s weights were updated in place: its new version (its later requests never hit the pages
         of the version before)."""

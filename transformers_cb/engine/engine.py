@@ -266,11 +266,25 @@ class Engine:
             self.adapters.refresh()  # adapters added, deleted or loaded since: scanned again
         if changed:
             release_packs(self.model)  # a pack is rebuilt only when its weight's key changed
-        ended = self.scheduler.weights_changed(mode)
+        ended = self.scheduler.weights_changed(mode) + self._fail_unmixable()
         if ended:
             self.publisher.requests_finished(ended)
         logger.info("model weights changed: weight version %d (%s)", self.weight_version, mode)
         return ended
+
+    def _fail_unmixable(self) -> list[Request]:
+        """After a weight change: if adapters can no longer be applied per request (one merged, another
+        method made active: engine/adapter_registry.py), every request in flight that chose its adapter
+        fails with the reason instead of running with that change applied to its rows too."""
+        problem = self.adapters.mixing_problem() if self.adapters is not None else None
+        if problem is None:
+            return []
+        failed = [r for r in [*self.scheduler.running, *self.scheduler.waiting] if r.adapter is not None]
+        for request in failed:
+            self.scheduler.finish(
+                request, RequestStatus.FAILED, f"its adapter can no longer be applied per request: {problem}"
+            )
+        return failed
 
     def forget_prefix_pages(self) -> None:
         """Every page loses its prefix key, cached or in use, and the running requests' promises are
