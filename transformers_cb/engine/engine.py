@@ -118,6 +118,7 @@ class Engine:
         self.warmed_up = False
         self._auto_ids = itertools.count()
         self._weights = weights_fingerprint(self.model)
+        self._unmixable: str | None = None  # why adapters cannot run per request since the last change
 
     # -- tensor parallelism: what the layers above ask ----------------------------------------
     @property
@@ -275,16 +276,19 @@ class Engine:
     def _fail_unmixable(self) -> list[Request]:
         """After a weight change: if adapters can no longer be applied per request (one merged, another
         method made active: engine/adapter_registry.py), every request in flight that chose its adapter
-        fails with the reason instead of running with that change applied to its rows too."""
-        problem = self.adapters.mixing_problem() if self.adapters is not None else None
-        if problem is None:
-            return []
-        failed = [r for r in [*self.scheduler.running, *self.scheduler.waiting] if r.adapter is not None]
+        fails with the reason instead of running with that change applied to its rows too (and so do those
+        submitted before it and handed over after it: `adapter_refusal`)."""
+        self._unmixable = self.adapters.mixing_problem() if self.adapters is not None else None
+        failed = [r for r in [*self.scheduler.running, *self.scheduler.waiting] if self.adapter_refusal(r)]
         for request in failed:
-            self.scheduler.finish(
-                request, RequestStatus.FAILED, f"its adapter can no longer be applied per request: {problem}"
-            )
+            self.scheduler.finish(request, RequestStatus.FAILED, self.adapter_refusal(request))
         return failed
+
+    def adapter_refusal(self, request: Request) -> str | None:
+        """Why `request`, which chose its adapter, cannot run after the last weight change, or None."""
+        if request.adapter is None or self._unmixable is None:
+            return None
+        return f"its adapter can no longer be applied per request: {self._unmixable}"
 
     def forget_prefix_pages(self) -> None:
         """Every page loses its prefix key, cached or in use, and the running requests' promises are
