@@ -148,7 +148,8 @@ def grouped_forward(
         return add_lora(layer, x, layer.base_layer(x), choice.names)
     result = layer.base_layer(x)
     flat_x = x.reshape(-1, x.shape[-1])
-    flat = result.reshape(-1, result.shape[-1])
+    # One copy written group by group (the base product may be a view of a fused product: never written).
+    flat = result.reshape(-1, result.shape[-1]).clone()
     for group in groups:
         rows = group.rows
         if rows is None:  # invariant: several groups each name their rows
@@ -161,7 +162,7 @@ def grouped_forward(
             part = add_lora(
                 layer, flat_x.index_select(0, rows), flat.index_select(0, rows), group.choice.names
             )
-        flat = flat.index_copy(0, rows, part.to(flat.dtype))
+        flat.index_copy_(0, rows, part.to(flat.dtype))
     return flat.view(result.shape)
 
 
