@@ -8,6 +8,7 @@
     python benchmarks/throughput.py --models smollm2 --engines static,ours,limit,vllm   (the real model, real prompts)
     python benchmarks/throughput.py --workloads structured --scale 0.5   (guided decoding vs none, benchmarks/structured.py)
     python benchmarks/throughput.py --workloads lookup --models tiny,smollm2   (prompt lookup speculation, benchmarks/lookup.py)
+    python benchmarks/throughput.py --workloads adapters --models tiny   (64 requests over 8 LoRA adapters vs the base, benchmarks/adapters.py)
 
 Prints a markdown table and writes the rows plus metadata as JSON (default `benchmarks/results/throughput.json`).
 The machine may be noisy: compare engines through the ratios of one run (they are measured side by side), not
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["mixed", "shared-prefix", "long-decode"],
         help="comma list of: mixed, shared-prefix, long-decode, many-short (1000 prompts of 8-40 tokens, 1 new "
         "token), many-short-8 (the same, 8 new tokens), memory-pressure (recompute vs CPU offload, "
-        "benchmarks/memory_pressure.py), structured (JSON-schema guided decoding vs none, benchmarks/structured.py), lookup (speculative decoding by "
+        "benchmarks/memory_pressure.py), structured (JSON-schema guided decoding vs none, benchmarks/structured.py), adapters (64 requests over 8 LoRA adapters in one batch vs the base model alone, benchmarks/adapters.py), lookup (speculative decoding by "
         "prompt lookup on input-grounded and random prompts, benchmarks/lookup.py), long-prompts (8k-32k-token "
         "prompts on a LongRoPE model: wall, peak KV, agreement with generate(), beside vLLM: benchmarks/long_prompts.py)",
     )
@@ -223,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         side_rows = lookup.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
         if not args.workloads:
             _write_side_rows(args, "lookup", side_rows)
+            return 0
+
+    if "adapters" in args.workloads:  # requests over 8 LoRA adapters vs the base model: its own table
+        import adapters
+
+        args.workloads.remove("adapters")
+        side_rows = adapters.run(args, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        if not args.workloads:
+            _write_side_rows(args, "adapters", side_rows)
             return 0
 
     if "structured" in args.workloads:  # guided vs unconstrained: its own engines and table

@@ -30,7 +30,14 @@ from .invariants import InvariantError
 from .outputs import GenerationOutput, shared
 from .status import ALLOWED_TRANSITIONS, FINISH_REASONS, RequestStatus
 
-__all__ = ["ALLOWED_TRANSITIONS", "FINISH_REASONS", "GenerationOutput", "Request", "RequestStatus"]
+__all__ = [
+    "ALLOWED_TRANSITIONS",
+    "AdapterChoice",
+    "FINISH_REASONS",
+    "GenerationOutput",
+    "Request",
+    "RequestStatus",
+]
 
 
 class OutputOptions(Protocol):
@@ -110,6 +117,21 @@ class PageList:
         return self.first_page + len(self.page_ids)
 
 
+@dataclass(frozen=True)
+class AdapterChoice:
+    """The PEFT adapters a request runs with (docs/adapters.md): `names` applied in order (empty: the base
+    model alone, no adapter at all), at the adapter weights' `version` (an in-place update of an adapter
+    bumps it). Chosen at submission (`engine/adapter_registry.py`); the runner groups a step's rows by it
+    (runner/adapter_rows.py) and the prefix cache salts the request's page keys with it (`salt`)."""
+
+    names: tuple[str, ...]
+    version: int = 0
+
+    def salt(self) -> bytes:
+        """The page keys' salt: no page is shared across adapters, or across versions of one."""
+        return b"adapter\x00" + "\x00".join(self.names).encode() + b"\x00" + str(self.version).encode()
+
+
 @dataclass(eq=False)
 class Request:
     """Scheduler-side state of one sequence. Only the engine mutates it."""
@@ -157,6 +179,9 @@ class Request:
     kv_version: int | None = None
     max_staleness: int | None = None
     weight_version_runs: list[tuple[int, int]] = field(default_factory=list, repr=False)
+    # The adapters the request runs with (`AdapterChoice`); None: the model's own forwards, whatever adapter
+    # it applies (a model without adapters, or one whose active adapter cannot be split per request).
+    adapter: AdapterChoice | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_ids)

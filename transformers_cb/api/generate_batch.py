@@ -24,6 +24,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
+from ..engine.adapter_registry import UNSET
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.media_inputs import MediaIntake
@@ -48,6 +49,7 @@ def generate_batch(
     progress_bar: bool = True,
     persistent_manager: bool = False,
     warmup: bool = True,
+    adapter: Any = UNSET,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of `inputs` and block until all are finished or failed.
@@ -65,6 +67,8 @@ def generate_batch(
             `model.destroy_cached_continuous_batching_manager()` releases it.
         warmup: run a throw-away prefill and decode step first, so the first requests do not pay
             for first-call costs.
+        adapter: the PEFT adapter to run on, by name, for all inputs or a list with one per input; None:
+            the base model (no adapter); not given: the model's active adapter(s) (docs/adapters.md).
         max_new_tokens (kwarg): an int for all requests, or a list with one value per input.
         eos_token_id (kwarg): an int or list of ints overriding the generation config's for all requests.
         tokenizer (kwarg): needed for stop strings (as `generate()` takes one).
@@ -116,6 +120,7 @@ def generate_batch(
     given_max_new = per_item(kwargs.get("max_new_tokens"), len(inputs), "max_new_tokens")
     eos_ids = [kwargs.get("eos_token_id")] * len(inputs)
     forks = per_item(kwargs.get("num_return_sequences"), len(inputs), "num_return_sequences")
+    adapters = per_item(adapter, len(inputs), "adapter")
     per_request = {
         name: per_item(kwargs[name], len(inputs), name, lists_are_values=name == "stop_strings")
         for name in PER_REQUEST_KWARGS
@@ -145,6 +150,7 @@ def generate_batch(
                 label=f"inputs[{i}]",
                 record_timestamps=record_timestamps,
                 num_return_sequences=forks[i],
+                adapter=adapters[i],
             )
         )
         for i, ids in enumerate(inputs)

@@ -32,7 +32,7 @@ from transformers import PreTrainedModel
 
 from ..kv.swap_plan import SwapPlan
 from ..memory.sizing import Sizing
-from ..requests import PageList, Request, RequestStatus
+from ..requests import AdapterChoice, PageList, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .cpu_group import CpuGroup, TensorParallelError
@@ -57,6 +57,7 @@ class RequestSpec:
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     record_timestamps: bool
+    adapter: AdapterChoice | None = None  # its rows' adapters in every rank's forward (docs/adapters.md)
 
     @classmethod
     def of(cls, request: Request) -> RequestSpec:
@@ -66,6 +67,7 @@ class RequestSpec:
             request.max_new_tokens,
             tuple(sorted(request.eos_token_ids)),
             request.record_timestamps,
+            request.adapter,
         )
 
     def build(self) -> Request:
@@ -75,6 +77,7 @@ class RequestSpec:
             max_new_tokens=self.max_new_tokens,
             eos_token_ids=frozenset(self.eos_token_ids),
             record_timestamps=self.record_timestamps,
+            adapter=self.adapter,
         )
 
 

@@ -36,6 +36,7 @@ from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
 from ..scheduler.media_budget import MediaBudget
 from ..scheduler.scheduler import Scheduler
+from .adapter_registry import AdapterRegistry
 from .assistant import build_drafter
 from .draft_setup import EngineSpeculation
 from .engine import Engine, EngineParts
@@ -163,7 +164,14 @@ def wire(
         sampling=sampling,
         speculation=speculation,
         build_request=RequestBuilder(
-            plan.shape, settings.generation_config, sampling, speculation, pages, media_model, media
+            plan.shape,
+            settings.generation_config,
+            sampling,
+            speculation,
+            pages,
+            media_model,
+            media,
+            AdapterRegistry(model),
         ),
         offload=offload,
         publisher=TensorParallelPublisher(tp) if tp is not None and tp.is_driver else StepPublisher(),

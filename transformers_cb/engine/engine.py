@@ -43,6 +43,7 @@ from ..scheduler.scheduler import Scheduler
 from ..scheduler.shadow_planner import ShadowPlanner
 from ..scheduler.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
+from .adapter_registry import AdapterRegistry
 from .draft_setup import EngineSpeculation
 from .publisher import StepPublisher
 from .snapshot import EngineCounters, EngineSnapshot
@@ -117,6 +118,7 @@ class Engine:
         self.warmed_up = False
         self._auto_ids = itertools.count()
         self._weights = weights_fingerprint(self.model)
+        self._unmixable: str | None = None  # why adapters cannot run per request since the last change
 
     # -- tensor parallelism: what the layers above ask ----------------------------------------
     @property
@@ -237,6 +239,11 @@ class Engine:
 
     # -- weight updates ----------------------------------------------------------------------
     @property
+    def adapters(self) -> AdapterRegistry | None:
+        """The model's PEFT adapters by name (docs/adapters.md)."""
+        return self.build_request.adapters
+
+    @property
     def weight_version(self) -> int:
         """The version of the model's weights: 0 at creation, one more at each change `check_weights` saw."""
         return self.scheduler.weight_version
@@ -256,13 +263,32 @@ class Engine:
         if not changed and weights == self._weights:
             return None
         self._weights = weights
+        if self.adapters is not None:
+            self.adapters.refresh()  # adapters added, deleted or loaded since: scanned again
         if changed:
             release_packs(self.model)  # a pack is rebuilt only when its weight's key changed
-        ended = self.scheduler.weights_changed(mode)
+        ended = self.scheduler.weights_changed(mode) + self._fail_unmixable()
         if ended:
             self.publisher.requests_finished(ended)
         logger.info("model weights changed: weight version %d (%s)", self.weight_version, mode)
         return ended
+
+    def _fail_unmixable(self) -> list[Request]:
+        """After a weight change: if adapters can no longer be applied per request (one merged, another
+        method made active: engine/adapter_registry.py), every request in flight that chose its adapter
+        fails with the reason instead of running with that change applied to its rows too (and so do those
+        submitted before it and handed over after it: `adapter_refusal`)."""
+        self._unmixable = self.adapters.mixing_problem() if self.adapters is not None else None
+        failed = [r for r in [*self.scheduler.running, *self.scheduler.waiting] if self.adapter_refusal(r)]
+        for request in failed:
+            self.scheduler.finish(request, RequestStatus.FAILED, self.adapter_refusal(request))
+        return failed
+
+    def adapter_refusal(self, request: Request) -> str | None:
+        """Why `request`, which chose its adapter, cannot run after the last weight change, or None."""
+        if request.adapter is None or self._unmixable is None:
+            return None
+        return f"its adapter can no longer be applied per request: {self._unmixable}"
 
     def forget_prefix_pages(self) -> None:
         """Every page loses its prefix key, cached or in use, and the running requests' promises are

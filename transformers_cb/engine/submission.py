@@ -27,6 +27,7 @@ from ..memory.sizing import ModelShape
 from ..requests import Request
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.media_budget import MediaBudget
+from .adapter_registry import UNSET, AdapterRegistry
 from .draft_setup import EngineSpeculation
 from .media_inputs import MediaIntake
 from .siblings import add_siblings, num_return_sequences_of
@@ -62,6 +63,9 @@ class Submission:
     media: Mapping[str, Any] = field(default_factory=_nothing)
     num_return_sequences: int | None = None
     max_staleness: int | None = None
+    adapter: Any = (
+        UNSET  # a PEFT adapter's name, None: the base model, UNSET: the active one (docs/adapters.md)
+    )
 
 
 def make_submission(
@@ -77,6 +81,7 @@ def make_submission(
     label: str | None = None,
     num_return_sequences: int | None = None,
     max_staleness: int | None = None,
+    adapter: Any = UNSET,
 ) -> Submission:
     """The `Submission` of one input. `per_request`: the caller's per-request keyword arguments less the
     media (which each entry point takes out with the model's `MediaIntake.split`, once), sorted here into
@@ -96,6 +101,7 @@ def make_submission(
         media=MappingProxyType({name: value for name, value in (media or {}).items() if value is not None}),
         num_return_sequences=num_return_sequences,
         max_staleness=max_staleness,
+        adapter=adapter,
     )
 
 
@@ -113,6 +119,7 @@ class RequestBuilder:
     pages: PageManager
     media: MediaIntake | None = None
     media_budget: MediaBudget | None = None
+    adapters: AdapterRegistry | None = None  # the model's PEFT adapters (engine/adapter_registry.py)
 
     def split_media(self, kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(media, the rest) of one submission's per-request keyword arguments, by the model's media names
@@ -129,6 +136,7 @@ class RequestBuilder:
         `fork_children`), ids `f"{request_id}__child#{i}"`; `request.family` lists all."""
         label = submission.label or f"request {submission.request_id!r}"
         staleness = as_max_staleness(submission.max_staleness, label)
+        choice = self.adapters.resolve(submission.adapter, label) if self.adapters is not None else None
         prompt = as_token_ids(submission.input_ids, label, self.shape.vocab_size)
         max_new_tokens = submission.max_new_tokens
         if max_new_tokens is None:
@@ -173,4 +181,5 @@ class RequestBuilder:
             self.speculation.attach(sibling, speculation, label)
         for member in request.family:
             member.max_staleness = staleness
+            member.adapter = choice
         return request

@@ -109,9 +109,12 @@ class PrefixCache:
 
     # -- keys ------------------------------------------------------------------------------------
     def _salt(self, request: Request) -> bytes:
+        # A request on an adapter (docs/adapters.md) chains from a root of its adapter and version: no hit
+        # across adapters, hits within one.
+        adapter = request.adapter.salt() if request.adapter is not None else b""
         if self.rope is None:
-            return b""
-        return self.rope.prefix_salt(request.num_prompt_tokens, request.num_tokens)
+            return adapter
+        return adapter + self.rope.prefix_salt(request.num_prompt_tokens, request.num_tokens)
 
     def _keys(self, request: Request, num_pages: int) -> list[bytes]:
         salt = self._salt(request)

@@ -119,6 +119,12 @@ class ManagerLoop:
             engine.check_weights()  # the weights may have changed while it idled (a weight sync)
         for request in incoming:
             engine.add(request)
+            refusal = engine.adapter_refusal(
+                request
+            )  # a weight change since its submission (docs/adapters.md)
+            for member in request.family if refusal is not None else ():
+                engine.finish(member, RequestStatus.FAILED, refusal)
+                self._publish_final(member)
         for request_id in cancels:
             cancelled = state.live.get(request_id)
             if cancelled is not None and not cancelled.is_finished:

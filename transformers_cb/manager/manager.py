@@ -21,11 +21,13 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import as_cb_config, as_workload_hints
+from ..engine.adapter_registry import UNSET
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
 from ..scheduler.weight_updates import UpdateMode, check_update_mode
+from .adapters import ManagerAdapters
 from .adaptive_threads import AdaptiveThreads
 from .channels import async_channel, blocking_channel
 from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
@@ -94,6 +96,8 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         self._pause_holders = threading.local()  # per thread: how many `pause()` blocks it is inside
         self._batch_processor: BatchProcessorView | None = None  # compat: the started session's
         self.output_router = OutputRouterView(self._router)  # compat: `.output_queue` (compat.py)
+        # The model's PEFT adapters while requests run: in use, load, update, unload (docs/adapters.md).
+        self.adapters = ManagerAdapters(model, self._state, self.pause)
 
     @property
     def engine(self) -> Engine | None:
@@ -362,6 +366,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         eos_token_id: int | list[int] | None = None,
         guided: GuidedDecoding | dict[str, Any] | type | None = None,
         max_staleness: int | None = None,
+        adapter: Any = UNSET,
         **logit_processor_kwargs: Any,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
@@ -377,7 +382,9 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         the manager's tokenizer; docs/structured_outputs.md). One that does not compile is a `ValueError`
         with the grammar library's message. `max_staleness`: the most weight versions the request's KV may
         lag behind the model's: past it, a weight update recomputes its KV (aborts it under
-        `pause(mode="abort")`); None: any (docs/manager.md, "Weight updates").
+        `pause(mode="abort")`); None: any (docs/manager.md, "Weight updates"). `adapter`: the PEFT
+        adapter's name, None for the base model, not given for the model's active adapter(s); an unknown
+        one is a `ValueError` naming the known ones (docs/adapters.md).
 
         Raises:
             ValueError: bad input (empty prompt, token outside the vocabulary, `max_new_tokens <= 0`,
@@ -386,7 +393,12 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             queue.Full: `max_queue_size` requests are already waiting to be scheduled.
             RuntimeError: the manager was destroyed.
         """
-        kwargs = {**logit_processor_kwargs, "guided": guided, "max_staleness": max_staleness}
+        kwargs = {
+            **logit_processor_kwargs,
+            "guided": guided,
+            "max_staleness": max_staleness,
+            "adapter": adapter,
+        }
         options = SubmissionOptions.of(max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs)
         ids = self._submissions.submit([(input_ids, request_id)], options, False, self.max_queue_size)
         return None if ids is None else ids[0]
@@ -400,6 +412,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         eos_token_id: int | list[int] | None = None,
         guided: GuidedDecoding | dict[str, Any] | type | Sequence[Any] | None = None,
         max_staleness: int | None = None,
+        adapter: Any = UNSET,
         **logit_processor_kwargs: Any,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
@@ -409,9 +422,14 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         With prefix sharing on (`allow_block_sharing`), the requests reach the scheduler sorted by
         prompt, so that prompts sharing a prefix run one after the other and hit the prefix cache;
         ids are still given in input order. `guided`: one constraint for all inputs, or a list with one
-        per input (None: unconstrained)."""
+        per input (None: unconstrained); `adapter` likewise."""
         items = [(input_ids, None) for input_ids in inputs]
-        kwargs = {**logit_processor_kwargs, "guided": guided, "max_staleness": max_staleness}
+        kwargs = {
+            **logit_processor_kwargs,
+            "guided": guided,
+            "max_staleness": max_staleness,
+            "adapter": adapter,
+        }
         options = SubmissionOptions.of(
             max_new_tokens, streaming, eos_token_id, record_timestamps, kwargs, num_items=len(items)
         )

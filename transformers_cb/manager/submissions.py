@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.adapter_registry import UNSET
 from ..engine.engine import Engine
 from ..engine.submission import make_submission
 from ..engine.validation import per_item
@@ -38,6 +39,8 @@ class SubmissionOptions:
     max_staleness: int | None = None  # weight versions a request's KV may lag behind (None: any)
     # Per-item kwargs over `per_request` (add_requests' per-input `guided`), one per item.
     item_kwargs: tuple[dict[str, Any], ...] = ()
+    # The PEFT adapter (engine/adapter_registry.py; UNSET: the model's active one), or one per item (a tuple).
+    adapter: Any = UNSET
 
     @classmethod
     def of(
@@ -56,6 +59,9 @@ class SubmissionOptions:
         kwargs = dict(kwargs)
         forks = kwargs.pop("num_return_sequences", None)
         max_staleness = kwargs.pop("max_staleness", None)
+        adapter = kwargs.pop("adapter", UNSET)
+        if num_items is not None and isinstance(adapter, (list, tuple)):
+            adapter = tuple(per_item(adapter, num_items, "adapter"))
         item_kwargs: tuple[dict[str, Any], ...] = ()
         if num_items is not None and "guided" in kwargs:
             item_kwargs = tuple(
@@ -71,6 +77,7 @@ class SubmissionOptions:
             forks,
             max_staleness,
             item_kwargs,
+            adapter,
         )
 
 
@@ -183,6 +190,7 @@ class Submissions:
                 label=label,
                 num_return_sequences=options.num_return_sequences,
                 max_staleness=options.max_staleness,
+                adapter=options.adapter[index] if isinstance(options.adapter, tuple) else options.adapter,
             )
             requests.append(engine.build_request(submission))
             for member in requests[-1].family:

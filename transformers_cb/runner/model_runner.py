@@ -31,6 +31,7 @@ from ..requests import Request
 from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..scheduler.step_plan import StepPlan
+from .adapter_rows import AdapterRows, adapter_step, step_adapters
 from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
 from .cuda_graphs import make_graph_steps
 from .media import MediaRunner, MediaStepInputs
@@ -93,6 +94,9 @@ class ModelRunner:
             packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        # The head sees the kept rows only: its adapter groups are theirs (runner/adapter_rows.py).
+        self._head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.adapter_rows = AdapterRows()
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -102,6 +106,7 @@ class ModelRunner:
         with (
             self.states.session() if self.states is not None else nullcontext(),
             self.rotary.session() if self.rotary is not None else nullcontext(),
+            self.adapter_rows.session(),
         ):
             yield
 
@@ -229,6 +234,38 @@ class ModelRunner:
         if self.options is not None and self.options.is_flash:
             prepare_flash_step(step.metadata, self.options.max_blocks_per_request)
         path = DECODE if step.metadata.max_seqlen_q == 1 else VARLEN
+        adapters = step_adapters(
+            [entry.request for entry in step.ordered],
+            [entry.num_tokens for entry in step.ordered],
+            keep,
+            self._head,
+        )
+        if adapters is not None:
+            # Requests on adapters: the eager forward (runner/adapter_rows.py groups rows in Python; no graph
+            # or compiled path captures one step's groups).
+            with (
+                self.states.step(step.states) if self.states is not None else nullcontext(),
+                self._rotary_step(),
+                self.adapter_rows.step(),
+                adapter_step(adapters),
+            ):
+                media = (
+                    self.media.step_inputs(step.ordered, step.input_ids)
+                    if self.media is not None
+                    else MediaStepInputs()
+                )
+                with self.media.carried(media) if self.media is not None else nullcontext():
+                    logits = call_model(
+                        self.forwards(path, 1),
+                        step.input_ids,
+                        media.position_ids if media.position_ids is not None else step.position_ids,
+                        self._no_mask,
+                        keep,
+                        step.metadata,
+                        self.options is not None and self.options.select_logit_rows,
+                        inputs_embeds=media.inputs_embeds,
+                    )
+            return logits[:num_sampled], (logits[num_sampled:] if step.prompt_indices else None)
         media = (
             self.media.step_inputs(step.ordered, step.input_ids)
             if self.media is not None

@@ -84,12 +84,16 @@ def _norm_forward(module: nn.Module, ops: ModuleType, gemma: bool) -> Forward:
 
 def _mlp_forward(module: nn.Module, ops: ModuleType) -> Forward:
     original = type(module).forward.__get__(module)
-    gate_proj, up_proj, down_proj = (child(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
     act_fn = child(module, "act_fn")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not native_call(x):
             return original(x)
+        # Read at each call: an adapter loaded during the run (manager.adapters.load) wraps a projection
+        # in a PEFT layer, which must be the one called (the plain Linear seen at install lost its delta).
+        gate_proj, up_proj, down_proj = (
+            child(module, name) for name in ("gate_proj", "up_proj", "down_proj")
+        )
         gate = gate_proj(x)  # gate before up, as the module calls them (a fused pair computes on the first)
         up = up_proj(x)
         if not native_call(gate, up) or gate.shape != up.shape:

@@ -9,6 +9,7 @@ the endpoints ask of the manager goes through the state's one `ManagerChoices` (
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -21,12 +22,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..jobs.prompts import rendered_ids, text_ids
+from .adapters import ServedAdapters
 from .chat_media import has_media, media_prompt
 from .chat_template import chat_text
 from .choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
 from .delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
 from .metrics import ServerMetrics
-from .protocol import ASSISTANT_FIELDS, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from .protocol import (
+    ASSISTANT_FIELDS,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadAdapterRequest,
+    parse_body,
+)
 from .reasoning import template_kwargs, thinks
 from .response_format import guided_of
 from .response_input import MAX_INPUT_ITEMS, input_messages
@@ -60,10 +69,14 @@ class ServeState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
+    # `--adapter name=path` and `--max-adapters` (serve/adapters.py); None: the base model alone.
+    served_adapters: ServedAdapters | None = None
     choices: ManagerChoices = field(init=False)
+    adapters: ServedAdapters = field(init=False)  # the `model` field's names
 
     def __post_init__(self) -> None:
         self.choices = ManagerChoices(self.manager)
+        self.adapters = self.served_adapters or ServedAdapters(self.model_name)
 
 
 def build_app(state: ServeState) -> FastAPI:
@@ -90,13 +103,18 @@ def build_app(state: ServeState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {
-            "id": state.model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "transformers-cb",
-        }
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": state.adapters.cards(state.created)})
+
+    @app.post("/v1/adapters")
+    async def load_adapter(request: Request) -> Response:
+        body: LoadAdapterRequest = parse_body(await request.body(), LoadAdapterRequest)
+        try:
+            await asyncio.to_thread(
+                state.adapters.load, state.manager.model, body.name, body.path, state.manager
+            )
+        except ValueError as error:
+            raise ApiError(400, str(error), param="name") from error
+        return JSONResponse({"object": "list", "data": state.adapters.cards(state.created)})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -106,7 +124,7 @@ def build_app(state: ServeState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body: CompletionRequest = parse_body(await request.body(), CompletionRequest)
-        _check_model(state, body.model)
+        adapter = state.adapters.adapter_of(body.model)
         given = body.prompts()
         prompts = [_encode_prompt(state, p) for p in given]
         echoes = None
@@ -117,25 +135,30 @@ def build_app(state: ServeState) -> FastAPI:
             ]
         want_logprobs = body.logprobs is not None
         options = _options(state, body, body.max_tokens, want_logprobs, body.logprobs or 0, body.echo)
-        return await _generate(state, request, body, "completion", prompts, options, echoes)
+        options = dataclasses.replace(options, adapter=adapter)
+        async with state.adapters.held(adapter, state.manager):  # resident until submitted
+            return await _generate(state, request, body, "completion", prompts, options, echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body: ChatCompletionRequest = parse_body(await request.body(), ChatCompletionRequest)
-        _check_model(state, body.model)
+        adapter = state.adapters.adapter_of(body.model)
         prompt, options, turn = _chat_turn(state, body)
-        return await _generate(state, request, body, "chat", [prompt], options, turn=turn)
+        options = dataclasses.replace(options, adapter=adapter)
+        async with state.adapters.held(adapter, state.manager):
+            return await _generate(state, request, body, "chat", [prompt], options, turn=turn)
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body: ResponsesRequest = parse_body(await request.body(), ResponsesRequest)
-        _check_model(state, body.model)
+        adapter = state.adapters.adapter_of(body.model)
         conversation = state.stored.conversation(body.previous_response_id) + input_messages(body.input)
         if len(conversation) > MAX_INPUT_ITEMS:
             raise ApiError(400, f"input: the conversation exceeds {MAX_INPUT_ITEMS} messages", param="input")
         try:
             chat = body.chat_request(conversation)
             prompt, options, turn = _chat_turn(state, chat)
+            options = dataclasses.replace(options, adapter=adapter)
         except ApiError as error:
             error.param = rename_param(error.param)
             raise
@@ -145,8 +168,9 @@ def build_app(state: ServeState) -> FastAPI:
                 f"input: {len(prompt)} prompt tokens leave no room in the model's {state.max_positions} positions",
                 param="input",
             )
-        shape = ResponseObject(new_response_id(), state.model_name, body, chat, len(prompt))
-        return await _respond(state, request, shape, prompt, options, turn, conversation)
+        shape = ResponseObject(new_response_id(), body.model, body, chat, len(prompt))
+        async with state.adapters.held(adapter, state.manager):
+            return await _respond(state, request, shape, prompt, options, turn, conversation)
 
     return app
 
@@ -182,11 +206,6 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
     if media:
         options = dataclasses.replace(options, sampling={**options.sampling, **media})
     return prompt, options, turn
-
-
-def _check_model(state: ServeState, model: str) -> None:
-    if model != state.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
 
 
 def _encode_prompt(state: ServeState, prompt: str | list[int]) -> list[int]:
@@ -251,7 +270,7 @@ async def _generate(
         shape = ResponseShape(
             kind,
             prefix,
-            state.model_name,
+            body.model,
             state.tokenizer,
             options.want_logprobs,
             sum(map(len, prompts)),

@@ -88,6 +88,9 @@ class ChoiceOptions:
     want_logprobs: bool = False
     top_logprobs: int = 0
     echo: bool = False
+    adapter: str | None = (
+        None  # the PEFT adapter (the `model` field, serve/adapters.py); None: the base model
+    )
 
 
 @dataclass
@@ -193,6 +196,7 @@ class ManagerChoices:
                         max_new_tokens=max_new_tokens,
                         streaming=True,
                         eos_token_id=options.eos_token_id,
+                        adapter=options.adapter,
                         **options.sampling,
                         **seeded,
                     )

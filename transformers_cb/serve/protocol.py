@@ -388,6 +388,13 @@ def _refuse_unless(neutral: bool, name: str) -> None:
         raise ApiError(400, f"{name} is not supported by this server (only its default value)", param=name)
 
 
+class LoadAdapterRequest(_Body):
+    """`POST /v1/adapters`: load the PEFT adapter folder `path` as `name` (serve/adapters.py)."""
+
+    name: str
+    path: str
+
+
 def parse_body(raw: bytes, model_type: type[_Body]) -> Any:
     """Decode and validate a JSON body into `model_type`, or raise a 400 `ApiError` naming the problem."""
     try:

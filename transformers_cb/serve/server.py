@@ -122,6 +122,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "(docs/speculative_decoding.md)",
     )
     serve.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a PEFT adapter folder served as the model NAME (repeatable); requests pick it with their "
+        "`model` field, the base model's id runs no adapter (docs/adapters.md)",
+    )
+    serve.add_argument(
+        "--max-adapters",
+        type=int,
+        default=None,
+        help="adapters resident in the model at most (default: all); a request for another loads it again, "
+        "unloading the least recently used one no request uses",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
     serve.set_defaults(func=run_serve, adaptive_threads=True)
@@ -220,6 +235,7 @@ def build_state(args: argparse.Namespace) -> Any:
     from ..manager.adaptive_threads import AdaptiveThreads
     from ..models.cpu_threads import adapts, available_cores
     from ..models.loading import load_assistant_for_command, load_for_command, load_processor, resolve_device
+    from .adapters import ServedAdapters, parse_adapter_flag
     from .app import ServeState
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
@@ -232,23 +248,27 @@ def build_state(args: argparse.Namespace) -> Any:
         if processor is not None:
             processor.chat_template = tokenizer.chat_template
     assistant = load_assistant_for_command(args)
+    served = ServedAdapters(
+        args.served_model_name
+        or (Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME)
+    )
+    for value in getattr(args, "adapter", None) or []:
+        served.load(model, *parse_adapter_flag(value))  # before the manager: nothing runs yet
     adaptive = None
     if getattr(args, "adaptive_threads", False) and adapts(args.threads, resolve_device(args.device)):
         adaptive = AdaptiveThreads(available_cores())
     manager = start_serving_manager(model, tokenizer, cb_config, assistant, adaptive)
-    name = args.served_model_name or (
-        Path(args.model).name if args.model not in (None, TINY) else DEFAULT_MODEL_NAME
-    )
     return ServeState(
         manager,
         tokenizer,
-        name,
+        served.base_name,
         serving_positions(model),
         default_max_tokens=args.default_max_tokens,
         logprobs=not args.no_logprobs,
         has_assistant=assistant is not None,
         reasoning=args.reasoning,
         processor=processor,
+        served_adapters=served,
     )
 
 
