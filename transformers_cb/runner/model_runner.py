@@ -240,44 +240,21 @@ class ModelRunner:
             keep,
             self._head,
         )
-        if adapters is not None:
-            # Requests on adapters: the eager forward (runner/adapter_rows.py groups rows in Python; no graph
-            # or compiled path captures one step's groups).
-            with (
-                self.states.step(step.states) if self.states is not None else nullcontext(),
-                self._rotary_step(),
-                self.adapter_rows.step(),
-                adapter_step(adapters),
-            ):
-                media = (
-                    self.media.step_inputs(step.ordered, step.input_ids)
-                    if self.media is not None
-                    else MediaStepInputs()
-                )
-                with self.media.carried(media) if self.media is not None else nullcontext():
-                    logits = call_model(
-                        self.forwards(path, 1),
-                        step.input_ids,
-                        media.position_ids if media.position_ids is not None else step.position_ids,
-                        self._no_mask,
-                        keep,
-                        step.metadata,
-                        self.options is not None and self.options.select_logit_rows,
-                        inputs_embeds=media.inputs_embeds,
-                    )
-            return logits[:num_sampled], (logits[num_sampled:] if step.prompt_indices else None)
         media = (
             self.media.step_inputs(step.ordered, step.input_ids)
             if self.media is not None
             else MediaStepInputs()
         )
-        if media.inputs_embeds is not None or media.position_ids is not None:
-            # Embeddings or 3-D positions: the eager forward (one token's path is never compiled), as the
-            # compiled paths and graphs take token ids and 1-D positions.
+        if adapters is not None or media.inputs_embeds is not None or media.position_ids is not None:
+            # The eager forward: requests on adapters (runner/adapter_rows.py groups rows in Python; no graph or
+            # compiled path captures one step's groups), or embeddings / 3-D positions (the compiled paths and
+            # graphs take token ids and 1-D positions; one token's path is never compiled).
             with (
                 self.states.step(step.states) if self.states is not None else nullcontext(),
                 self._rotary_step(),
-                present(self.media, "media inputs without a media runner").carried(media),
+                self.adapter_rows.step() if adapters is not None else nullcontext(),
+                adapter_step(adapters),
+                self.media.carried(media) if self.media is not None else nullcontext(),
             ):
                 logits = call_model(
                     self.forwards(path, 1),
