@@ -27,7 +27,7 @@ from conformance.common import (
 from tests.support.models import build_tiny_model
 from tests.support.requests import page_ids
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.attention.selection import paged_attention
+from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
 
@@ -98,7 +98,7 @@ def test_hits_skip_prefill_tokens(llama) -> None:
     holding a last prompt token, everything else comes from the prefix cache."""
     prompts = shared_prompts(1.0, 4)
     engine = build_engine(llama, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
-    with paged_attention(llama), torch.inference_mode():
+    with paged_backend(llama), torch.inference_mode():
         counts = []
         for _ in range(2):
             before = engine.counters.prefill_tokens
@@ -182,7 +182,7 @@ def test_random_shared_prefixes_property(llama, references, workload) -> None:
         for i, p in enumerate(prompts)
     ]
     finished: list[str] = []
-    with paged_attention(llama), torch.inference_mode():
+    with paged_backend(llama), torch.inference_mode():
         for request in engine.admission_order(requests):
             engine.add(request)
         while engine.has_work():
@@ -241,7 +241,7 @@ def test_forks_share_pages_while_they_run(llama) -> None:
     engine = build_engine(llama, greedy_config(4), ContinuousBatchingConfig(page_size=4))
     parent = engine.build_request(Submission(list(range(3, 21)), "p", num_return_sequences=3))  # 18 tokens
     assert [r.request_id for r in parent.family] == ["p", "p__child#0", "p__child#1"]
-    with paged_attention(llama), torch.inference_mode():
+    with paged_backend(llama), torch.inference_mode():
         engine.add(parent)
         engine.step()  # the parent's prefill; the siblings fork right after it
         engine.check_integrity()

@@ -24,7 +24,7 @@ from conformance.common import (
     tight_num_blocks,
 )
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.attention.selection import paged_attention
+from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
 from transformers_cb.models.fetch import FetchError, fetch_model
@@ -78,7 +78,7 @@ def run_engine(model, prompts, **cb_kwargs):
         model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=PAGE_SIZE, **cb_kwargs)
     )
     requests = [engine.build_request(Submission(p, f"req_{i}")) for i, p in enumerate(prompts)]
-    with paged_attention(model), torch.inference_mode(), count_preemptions() as preempted:
+    with paged_backend(model), torch.inference_mode(), count_preemptions() as preempted:
         for request in engine.admission_order(requests):
             engine.add(request)
         while engine.has_work():
@@ -156,7 +156,7 @@ def test_int8_kv_cache_stays_close_to_generate(fp32) -> None:
     )
     assert [t.dtype for t in engine.cache.group_tensors] == [torch.int8]
     requests = [engine.build_request(Submission(p, f"req_{i}")) for i, p in enumerate(prompts)]
-    with paged_attention(model), torch.inference_mode(), count_preemptions() as preempted:
+    with paged_backend(model), torch.inference_mode(), count_preemptions() as preempted:
         for request in engine.admission_order(requests):
             engine.add(request)
         while engine.has_work():

@@ -7,7 +7,7 @@ from transformers import GenerationConfig
 from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.selection import paged_attention
+from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.snapshot import EngineSnapshot
 from transformers_cb.engine.submission import Submission
@@ -27,7 +27,7 @@ def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
     for i, suffix in enumerate(prompts_of_lengths([6, 9, 4, 7], seed=4)):
         engine.add(engine.build_request(Submission(prefix + suffix, f"r{i}", max_new_tokens=8)))
     seen_running = False
-    with paged_attention(model, "paged|sdpa"):
+    with paged_backend(model, "paged|sdpa"):
         while engine.has_work():
             engine.step()
             snapshot = engine.snapshot()

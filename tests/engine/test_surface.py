@@ -12,7 +12,7 @@ from tests.support.engine import run_prompts
 from tests.support.models import build_tiny_model, tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.selection import paged_attention
+from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.publisher import StepPublisher
 from transformers_cb.engine.submission import Submission
@@ -35,7 +35,7 @@ def test_page_counts_and_sharing() -> None:
         engine.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts_of_lengths([9, 5], seed=1))
     ]
     seen = 0
-    with paged_attention(model, plan.step_options.attn_implementation), torch.inference_mode():
+    with paged_backend(model, plan.step_options.attn_implementation), torch.inference_mode():
         for request in requests:
             engine.add(request)
         while engine.has_work():
@@ -162,7 +162,7 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "run", broken)
     request = engine.build_request(Submission([3, 4, 5], "r0"))
     engine.add(request)
-    with paged_attention(model, engine.plan.step_options.attn_implementation):
+    with paged_backend(model, engine.plan.step_options.attn_implementation):
         result = engine.step()
     assert result.finished == [request] and request.status == RequestStatus.FAILED
     assert [call[0] for call in publisher.calls] == ["planned", "failed", "finished"]
@@ -175,7 +175,7 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
     request = engine.build_request(Submission([3, 4, 5], "r1"))
     engine.add(request)
     with (
-        paged_attention(model, engine.plan.step_options.attn_implementation),
+        paged_backend(model, engine.plan.step_options.attn_implementation),
         pytest.raises(ValueError, match="group broken"),
     ):
         engine.step()

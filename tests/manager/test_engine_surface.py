@@ -14,7 +14,7 @@ from tests.support.manager import CB_CONFIG, PROMPTS
 from tests.support.threads import TIMEOUT, wait_for
 from tests.support.tp_pair import engine_pair
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager
-from transformers_cb.attention.selection import paged_attention
+from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.follower import FollowerEngine
 from transformers_cb.engine.publisher import StepPublisher
 from transformers_cb.engine.submission import Submission
@@ -54,7 +54,7 @@ def test_a_follower_manager_replays_rank_0_until_its_session_ends(model) -> None
     with pytest.raises(RuntimeError, match="this is rank 1"):
         manager.add_request(PROMPTS[0], max_new_tokens=5)
     # Rank 0's whole session first (the channel keeps its messages), then the follower's manager replays it.
-    with paged_attention(model, driver.plan.step_options.attn_implementation), torch.inference_mode():
+    with paged_backend(model, driver.plan.step_options.attn_implementation), torch.inference_mode():
         for i, prompt in enumerate(PROMPTS[:3]):
             driver.add(driver.build_request(Submission(prompt, f"r{i}", max_new_tokens=5)))
         while driver.has_work():

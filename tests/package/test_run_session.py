@@ -32,7 +32,7 @@ def test_packed_products_and_the_backend_switch_only_in_the_engine_session() -> 
     # The backend switch (`attention/selection.py`'s `paged_attention`, not the attention function of the
     # same name in `attention/paged.py`): the engine's session, and the drafter for the draft model (its
     # part of the session, `Engine.assistant_session`).
-    assert importers("selection import paged_attention") == {"engine/engine.py", "runner/drafter.py"}
+    assert importers("selection import paged_backend") == {"engine/engine.py", "runner/drafter.py"}
 
 
 def test_the_state_layers_forwards_are_installed_only_by_the_run_session() -> None:

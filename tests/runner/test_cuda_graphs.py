@@ -21,7 +21,7 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA2
-from transformers_cb.attention.selection import paged_attention
+from transformers_cb.attention.selection import paged_backend
 from transformers_cb.config.continuous_batching import DeviceOptions, resolve_device_options
 from transformers_cb.engine import plan as plan_module
 from transformers_cb.engine.build import build_engine
@@ -137,7 +137,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
         engine.add(engine.build_request(Submission(list(range(5, 5 + n)), f"r{i}", max_new_tokens=4)))
     batch = engine.scheduler.schedule()
     if decode:  # prefill eagerly, then take a decode-only step
-        with paged_attention(model, FA2), torch.inference_mode():
+        with paged_backend(model, FA2), torch.inference_mode():
             engine.scheduler.update(batch, engine.runner.run(batch).sampled)
         batch = engine.scheduler.schedule()
     step = engine.packer.pack(batch)
@@ -146,7 +146,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
     assert path == (DECODE if decode else VARLEN)
     cache = engine.cache
     before = [k.clone() for k in cache.keys]
-    with paged_attention(model, FA2), torch.inference_mode():
+    with paged_backend(model, FA2), torch.inference_mode():
         logits = engine.runner.graphs.run(step, path)
         eager = engine.runner.forwards(path)(
             input_ids=step.input_ids,

@@ -9,7 +9,7 @@
 A flash name whose kernel does not import raises `FlashKernelUnavailable` naming what to install.
 Flash kernels have no chunked-attention rule (Llama 4's `attention_chunk_size`): a model with chunked
 layers never switches to flash, and a flash name for it raises a `ValueError` naming the reason; so does a
-multi-latent attention model (its latent pages are read by attention/latent.py). Inside `paged_attention`,
+multi-latent attention model (its latent pages are read by attention/latent.py). Inside `paged_backend`,
 a multi-latent model's modules hand their latent to the paged forward (`latent.latent_pass_through`), and
 the classic families' attention modules (Bloom, MPT, ...) attend through it (`classic.classic_attention`:
 their classes cannot switch attention implementation, so they are not switched, only adapted).
@@ -133,7 +133,7 @@ def paged_implementation_for(
 
 
 @contextmanager
-def paged_attention(model: PreTrainedModel, target: str | None = None) -> Iterator[str]:
+def paged_backend(model: PreTrainedModel, target: str | None = None) -> Iterator[str]:
     """Switch `model` to `target` (default: its paged backend, without auto-switching) for the block,
     then restore what the user chose."""
     current = model.config._attn_implementation

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from ..attention.selection import paged_attention
+from ..attention.selection import paged_backend
 from ..kv.offload import CpuOffload
 from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
@@ -315,7 +315,7 @@ class Engine:
         activations (runner/batch_invariant.py), inference mode; all restored on exit. Every caller
         that steps the engine enters it, and only it."""
         with (
-            paged_attention(self.model, self.plan.step_options.attn_implementation),
+            paged_backend(self.model, self.plan.step_options.attn_implementation),
             packed_linears(self.model, self.plan.step_options.packed_linear),
             native_layers(self.model, self.plan.step_options.native_layers),
             self.assistant_session(),
@@ -327,7 +327,7 @@ class Engine:
 
     # -- the draft model ----------------------------------------------------------------
     def assistant_session(self) -> AbstractContextManager[Any]:
-        """The draft model under its paged backend for a run (beside the model's `paged_attention`); a
+        """The draft model under its paged backend for a run (beside the model's `paged_backend`); a
         no-op without one. Steps outside it switch the assistant per step."""
         return self.drafter.executor.session() if self.drafter is not None else nullcontext()
 

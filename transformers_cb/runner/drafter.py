@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from transformers import PreTrainedModel
 
-from ..attention.selection import paged_attention
+from ..attention.selection import paged_backend
 from ..requests import Request
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .model_call import call_model
@@ -46,7 +46,7 @@ class Drafter:
     @contextmanager
     def session(self) -> Iterator[None]:
         """The assistant under its paged backend for the block (what `attention` otherwise does per draft)."""
-        with paged_attention(self.model, self.attn_implementation):
+        with paged_backend(self.model, self.attn_implementation):
             yield
 
     @contextmanager
@@ -55,7 +55,7 @@ class Drafter:
         if self.model.config._attn_implementation == self.attn_implementation:
             yield
             return
-        with paged_attention(self.model, self.attn_implementation):
+        with paged_backend(self.model, self.attn_implementation):
             yield
 
     def release(self, shadow: Request) -> None:

@@ -1,6 +1,6 @@
 """Packed products for every dense CPU `nn.Linear` of a model (LM head included), for the run only.
 
-`packed_linears(model, enabled)` is entered beside `attention.selection.paged_attention` by
+`packed_linears(model, enabled)` is entered beside `attention.selection.paged_backend` by
 `Engine.session()`, the one run session of every caller that steps an engine (`generate_batch`, the
 manager's thread and its `warmup()`). Inside, each eligible Linear
 instance gets an instance attribute `forward` that calls `packed_linear.packed_linear` (a counted patch,
