@@ -58,6 +58,24 @@ def dequantized_layer(step: KernelStep) -> tuple[torch.Tensor, torch.Tensor]:
     return dequantize(keys, key_scales, torch.float32), dequantize(values, value_scales, torch.float32)
 
 
+def dequantized_reference(step: KernelStep, **options: object) -> torch.Tensor:
+    """The float32 reference attention of `step`'s queries over its layer's K/V as the int8 pages give them back
+    (`options`: the reference's window, softcap, sinks, ALiBi)."""
+    k_float, v_float = dequantized_layer(step)
+    metadata = step.metadata
+    return reference_paged_attention(
+        step.query[0].transpose(0, 1).float(),
+        k_float,
+        v_float,
+        metadata.cu_seqlens_q,
+        metadata.seq_lens_k,
+        metadata.groups[0].block_table,
+        step.page_size,
+        step.scale,
+        **options,
+    )
+
+
 def check_written(step: KernelStep, before: tuple[torch.Tensor, ...]) -> None:
     """Each new token's K/V at its slots, quantized as `quantize` makes it; every other slot untouched."""
     keys, values = step.cache.layer(0)
@@ -93,18 +111,7 @@ def test_int8_pages_attend_like_float_attention_over_their_dequantized_kv(
     if kernel == "native":  # the kernel read the int8 pages itself for the decodes and short chunks
         short = sum(q for _, q in step.seqs if q < 530)
         assert step.metadata.native_tokens == short
-    k_float, v_float = dequantized_layer(step)
-    metadata = step.metadata
-    expected = reference_paged_attention(
-        step.query[0].transpose(0, 1).float(),
-        k_float,
-        v_float,
-        metadata.cu_seqlens_q,
-        metadata.seq_lens_k,
-        metadata.groups[0].block_table,
-        step.page_size,
-        step.scale,
-    )
+    expected = dequantized_reference(step)
     atol, rtol = TOLERANCES[dtype]
     assert out.dtype == dtype
     assert_close(out[0].float(), expected, atol, rtol, msg=f"{kernel} int8 {case} page {page_size} {heads}")
@@ -211,21 +218,7 @@ def test_int8_pages_with_a_window_softcap_and_sinks(kernel: str, head_dim: int) 
     )
     if kernel == "native":
         assert step.metadata.native_tokens == sum(q for _, q in seqs)
-    k_float, v_float = dequantized_layer(step)
-    metadata = step.metadata
-    expected = reference_paged_attention(
-        step.query[0].transpose(0, 1),
-        k_float,
-        v_float,
-        metadata.cu_seqlens_q,
-        metadata.seq_lens_k,
-        metadata.groups[0].block_table,
-        step.page_size,
-        step.scale,
-        sliding_window=8,
-        softcap=30.0,
-        sinks=sinks,
-    )
+    expected = dequantized_reference(step, sliding_window=8, softcap=30.0, sinks=sinks)
     assert_close(out[0], expected, *TOLERANCES[torch.float32], msg=f"{kernel} int8 sliding D={head_dim}")
 
 
@@ -253,18 +246,5 @@ def test_int8_pages_under_an_alibi_form_the_kernel_does_not_add() -> None:
         FALCON_FORM,
     )
     assert step.metadata.native_tokens == sum(q for _, q in seqs)
-    k_float, v_float = dequantized_layer(step)
-    metadata = step.metadata
-    expected = reference_paged_attention(
-        step.query[0].transpose(0, 1),
-        k_float,
-        v_float,
-        metadata.cu_seqlens_q,
-        metadata.seq_lens_k,
-        metadata.groups[0].block_table,
-        step.page_size,
-        step.scale,
-        slopes=slopes,
-        alibi_form=FALCON_FORM,
-    )
+    expected = dequantized_reference(step, slopes=slopes, alibi_form=FALCON_FORM)
     assert_close(out[0], expected, *TOLERANCES[torch.float32], msg="int8 pages, Falcon's ALiBi form")
