@@ -81,6 +81,8 @@ def step_adapters(
 ) -> StepAdapters | None:
     """The row groups of a step packing `requests` (in packed order, `num_tokens[i]` contiguous rows each);
     None when every request runs the model's own forwards (nothing to split)."""
+    if all(request.adapter is None for request in requests):  # every step of a model without adapters
+        return None
     choices: list[AdapterChoice | None] = []
     index: dict[AdapterChoice | None, int] = {}
     per_entry = []
@@ -90,8 +92,6 @@ def step_adapters(
             index[choice] = len(choices)
             choices.append(choice)
         per_entry.append(index[choice])
-    if all(choice is None for choice in choices):
-        return None
     counts = torch.tensor(list(num_tokens), dtype=torch.int64)
     token_choice = torch.repeat_interleave(torch.tensor(per_entry, dtype=torch.int64), counts)
     kept_choice = token_choice.index_select(0, keep.to("cpu"))
