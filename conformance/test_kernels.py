@@ -25,7 +25,7 @@ from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.attention.paged import ALIBI_KWARG, METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend
-from transformers_cb.runner.packing import native_prefill_max_work
+from transformers_cb.runner.call_groups import native_prefill_max_work
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}
 # "native": the native CPU kernel for decodes and short chunks, sdpa for the long chunks.

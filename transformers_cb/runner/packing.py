@@ -35,24 +35,9 @@ from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
+from .call_groups import decode_padding_bound, group_decodes, native_prefill_max_work
 from .image_blocks import blocks_in, widened_mask
 from .state_layers import StateTable
-
-# A float32 decode group may do at most this much more attention work than its real KV lengths need.
-DECODE_PADDING_BOUND = 1.25
-# Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
-# kernel reads a request's keys once per query token, so it only beats a per-chunk SDPA call on short
-# chunks (see docs/design.md, "The native CPU kernel"). bfloat16 / float16: SDPA's blocked kernel wins from
-# ~128 tokens on one chunk, but a step of many short prompts pays a call per chunk and layer. float32: the
-# AVX-512 kernel is 1.4x SDPA up to 512 tokens (issue 46).
-NATIVE_PREFILL_MAX_WORK = 128 * 128
-NATIVE_PREFILL_MAX_WORK_FP32 = 512 * 512
-
-
-def native_prefill_max_work(dtype: torch.dtype) -> int:
-    """The (query, key) pairs up to which a prefill chunk of a `dtype` cache joins the native call."""
-    return NATIVE_PREFILL_MAX_WORK_FP32 if dtype == torch.float32 else NATIVE_PREFILL_MAX_WORK
-
 
 # The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
 MIN_COMPILED_TABLE_COLUMNS = 2
@@ -94,29 +79,6 @@ def state_table(ordered: list[ScheduledRequest], device: torch.device) -> StateT
         num_decode_rows=num_decodes,
         spans=spans,
     )
-
-
-def decode_padding_bound(dtype: torch.dtype) -> float:
-    """How much padding a decode group may carry with KV of `dtype`. Only float32 pads: in bf16 / fp16
-    the softmax over a key range padded with masked keys rounds differently from `generate()`'s
-    exact-length attention, which flips greedy ties; decodes of equal KV length still share a call."""
-    return DECODE_PADDING_BOUND if dtype == torch.float32 else 1.0
-
-
-def group_decodes(kv_lens: list[int], bound: float = DECODE_PADDING_BOUND) -> list[tuple[int, int]]:
-    """Split `kv_lens` into [start, end) runs with `len * max <= bound * sum` (descending lengths, except
-    in a chunked group, where a decode reads its chunk's keys only: its run's max is then not its first)."""
-    groups: list[tuple[int, int]] = []
-    start, total, longest = 0, 0, 0
-    for i, length in enumerate(kv_lens):
-        if i > start and (i - start + 1) * max(longest, length) > bound * (total + length):
-            groups.append((start, i))
-            start, total, longest = i, 0, 0
-        total += length
-        longest = max(longest, length)
-    if start < len(kv_lens):
-        groups.append((start, len(kv_lens)))
-    return groups
 
 
 def _prompt_positions(
