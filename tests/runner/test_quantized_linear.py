@@ -28,7 +28,7 @@ OPS = ensure_native_module()
 native = pytest.mark.skipif(OPS is None, reason="the native library cannot be built here")
 # (output columns, inputs): odd column counts, one block, several, not a multiple of the column grain.
 SHAPES = [(1, 32), (33, 96), (70, 160), (17, 576)]
-ROWS = [1, 3, 8, 9, 17, 40]
+ROWS = [1, 2, 3, 5, 8, 9, 16, 17, 40]  # every tile and column-group shape of the direct product
 
 
 def random_blocks(out_features: int, in_features: int, qtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

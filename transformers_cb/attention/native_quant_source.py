@@ -12,8 +12,10 @@ Each block is dequantized in registers to exactly the float32 values `gguf.quant
 exact in float32, so one fused multiply-add rounds as numpy's multiply-then-add does), then multiplied in
 float32: the product differs from `x @ dequantize(W).T` only by the order of the float32 sums. A bfloat16 x
 reads weights rounded to bfloat16 first (what a bfloat16 model loaded from the GGUF holds) and its output
-is rounded to bfloat16. Parallel over output columns; rows in tiles of up to 8, so a column's blocks are
-dequantized once per tile and stay in L1. No integer (VNNI) dot products: they would quantize x too.
+is rounded to bfloat16. Parallel over output columns, 16 at a time; rows in tiles of up to 16 (bfloat16 x
+read by `vdpbf16ps`) or 8, so a column's blocks are dequantized once per tile and stay in L1, with up to 4
+columns in flight for few rows (independent chains); the 16 columns' partial sums are lane-summed together.
+No integer (VNNI) dot products: they would quantize x too.
 
 `quant_dequantize(blocks, qtype, dtype)`: the whole [N, K] weight in float32 or bfloat16 (the prefill path
 of runner/quantized_linear.py multiplies tiles of it with torch's product, faster on many rows).
@@ -101,54 +103,98 @@ inline __m512 round_bf16_vec(__m512 v) {
   return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// Columns [n0, n1) for rows [r0, r0 + RT): each column's blocks dequantized once, every row of the tile
-// multiplied by them (two accumulators a row: independent chains of fused multiply-adds).
+// A tile's partial sums: part[i][c] holds row i's 16-lane sums for column n0 + c, lane-summed 16 columns at a
+// time (`sum_lanes_of_16`, the attention kernel's transpose-and-add tree: ~1 instruction a sum instead of ~10).
+template <int RT>
+inline void store_sums(float (*part)[16][16], float* y, int64_t N, int64_t r0, int64_t n0, int64_t n1) {
+  if (n1 - n0 == 16) {
+    for (int i = 0; i < RT; ++i) _mm512_storeu_ps(y + (r0 + i) * N + n0, sum_lanes_of_16(part[i]));
+    return;
+  }
+  for (int i = 0; i < RT; ++i)
+    for (int64_t c = 0; c < n1 - n0; ++c) y[(r0 + i) * N + n0 + c] = _mm512_reduce_add_ps(_mm512_load_ps(part[i][c]));
+}
+
+// Columns n .. n + CT - 1 for the RT rows at x: each block of a column dequantized once, multiplied into every
+// row (two accumulators a row and column: independent chains of fused multiply-adds); CT columns at a time
+// so that few rows still keep several chains in flight and each x load serves CT columns.
+template <int Q, int RT, int CT, bool BF16>
+inline void float_columns(const float* x, int64_t K, const uint8_t* W, int64_t row_bytes, int64_t n,
+                          float (*part)[16][16], int64_t c0) {
+  const int64_t nb = K / QK;
+  __m512 acc0[CT][RT], acc1[CT][RT];
+  for (int c = 0; c < CT; ++c)
+    for (int i = 0; i < RT; ++i) acc0[c][i] = acc1[c][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w0[CT], w1[CT];
+    for (int c = 0; c < CT; ++c) {
+      dequant_block_vec<Q>(W + (n + c) * row_bytes + b * block_bytes<Q>(), w0[c], w1[c]);
+      if (BF16) {
+        w0[c] = round_bf16_vec(w0[c]);
+        w1[c] = round_bf16_vec(w1[c]);
+      }
+    }
+    const float* xb = x + b * QK;
+    for (int i = 0; i < RT; ++i) {
+      const __m512 x0 = _mm512_loadu_ps(xb + i * K), x1 = _mm512_loadu_ps(xb + i * K + 16);
+      for (int c = 0; c < CT; ++c) {
+        acc0[c][i] = _mm512_fmadd_ps(w0[c], x0, acc0[c][i]);
+        acc1[c][i] = _mm512_fmadd_ps(w1[c], x1, acc1[c][i]);
+      }
+    }
+  }
+  for (int c = 0; c < CT; ++c)
+    for (int i = 0; i < RT; ++i) _mm512_store_ps(part[i][c0 + c], _mm512_add_ps(acc0[c][i], acc1[c][i]));
+}
+
+// Columns [n0, n1) (at most 16) for rows [r0, r0 + RT).
 template <int Q, int RT, bool BF16>
 void column_tile(const float* x, int64_t K, const uint8_t* W, int64_t row_bytes, float* y, int64_t N, int64_t r0,
                  int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = W + n * row_bytes;
-    __m512 acc0[RT], acc1[RT];
-    for (int i = 0; i < RT; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 w0, w1;
-      dequant_block_vec<Q>(wrow + b * block_bytes<Q>(), w0, w1);
-      if (BF16) {
-        w0 = round_bf16_vec(w0);
-        w1 = round_bf16_vec(w1);
-      }
-      const float* xb = x + r0 * K + b * QK;
-      for (int i = 0; i < RT; ++i) {
-        acc0[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + i * K), acc0[i]);
-        acc1[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + i * K + 16), acc1[i]);
-      }
-    }
-    for (int i = 0; i < RT; ++i) y[(r0 + i) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
-  }
+  constexpr int CT = RT >= 5 ? 1 : RT >= 3 ? 2 : 4;  // at most 16 accumulators
+  alignas(64) float part[RT][16][16];
+  int64_t n = n0;
+  for (; n + CT <= n1; n += CT) float_columns<Q, RT, CT, BF16>(x + r0 * K, K, W, row_bytes, n, part, n - n0);
+  for (; n < n1; ++n) float_columns<Q, RT, 1, BF16>(x + r0 * K, K, W, row_bytes, n, part, n - n0);
+  store_sums<RT>(part, y, N, r0, n0, n1);
 }
 
 #if defined(__AVX512BF16__)
 // bfloat16 x: the dequantized weights rounded to bfloat16 (one instruction for 32) and multiplied by x's
 // bfloat16 values pairwise into float32 sums (`vdpbf16ps`; each product of two bfloat16 values is exact).
+template <int Q, int RT, int CT>
+inline void bf16_columns(const c10::BFloat16* x, int64_t K, const uint8_t* W, int64_t row_bytes, int64_t n,
+                         float (*part)[16][16], int64_t c0) {
+  const int64_t nb = K / QK;
+  __m512 acc[CT][RT];
+  for (int c = 0; c < CT; ++c)
+    for (int i = 0; i < RT; ++i) acc[c][i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512bh w[CT];
+    for (int c = 0; c < CT; ++c) {
+      __m512 w0, w1;
+      dequant_block_vec<Q>(W + (n + c) * row_bytes + b * block_bytes<Q>(), w0, w1);
+      w[c] = _mm512_cvtne2ps_pbh(w1, w0);
+    }
+    const c10::BFloat16* xb = x + b * QK;
+    for (int i = 0; i < RT; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + i * K);
+      for (int c = 0; c < CT; ++c) acc[c][i] = _mm512_dpbf16_ps(acc[c][i], w[c], xv);
+    }
+  }
+  for (int c = 0; c < CT; ++c)
+    for (int i = 0; i < RT; ++i) _mm512_store_ps(part[i][c0 + c], acc[c][i]);
+}
+
 template <int Q, int RT>
 void column_tile_bf16(const c10::BFloat16* x, int64_t K, const uint8_t* W, int64_t row_bytes, float* y, int64_t N,
                       int64_t r0, int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = W + n * row_bytes;
-    __m512 acc[RT];
-    for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m512 w0, w1;
-      dequant_block_vec<Q>(wrow + b * block_bytes<Q>(), w0, w1);
-      const __m512bh w = _mm512_cvtne2ps_pbh(w1, w0);
-      const c10::BFloat16* xb = x + r0 * K + b * QK;
-      for (int i = 0; i < RT; ++i)
-        acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_loadu_si512(xb + i * K));
-    }
-    for (int i = 0; i < RT; ++i) y[(r0 + i) * N + n] = _mm512_reduce_add_ps(acc[i]);
-  }
+  constexpr int CT = RT >= 8 ? 1 : RT >= 4 ? 2 : 4;  // at most 16 accumulators
+  alignas(64) float part[RT][16][16];
+  int64_t n = n0;
+  for (; n + CT <= n1; n += CT) bf16_columns<Q, RT, CT>(x + r0 * K, K, W, row_bytes, n, part, n - n0);
+  for (; n < n1; ++n) bf16_columns<Q, RT, 1>(x + r0 * K, K, W, row_bytes, n, part, n - n0);
+  store_sums<RT>(part, y, N, r0, n0, n1);
 }
 #define TCB_QUANT_BF16_DIRECT 1
 #endif
@@ -169,21 +215,28 @@ void tile_of(const void* x, int64_t K, const uint8_t* W, int64_t row_bytes, floa
   column_tile<Q, RT, MODE != kFloatX>(static_cast<const float*>(x), K, W, row_bytes, y, N, r0, n0, n1);
 }
 
+// The last R - r (< RT) rows as one tile of their own size.
+template <int Q, int MODE, int RT>
+void rest_rows(const void* x, int64_t rest, int64_t K, const uint8_t* W, int64_t row_bytes, float* y, int64_t N,
+               int64_t r, int64_t n0, int64_t n1) {
+  if constexpr (RT > 1) {
+    if (rest == RT - 1) tile_of<Q, MODE, RT - 1>(x, K, W, row_bytes, y, N, r, n0, n1);
+    else rest_rows<Q, MODE, RT - 1>(x, rest, K, W, row_bytes, y, N, r, n0, n1);
+  }
+}
+
+// Rows in tiles of 16 (bfloat16 x read directly: one accumulator a row) or 8 (two a row), the rest in one tile.
 template <int Q, int MODE>
 void column_rows(const void* x, int64_t R, int64_t K, const uint8_t* W, int64_t row_bytes, float* y, int64_t N,
                  int64_t n0, int64_t n1) {
+#if defined(TCB_QUANT_BF16_DIRECT)
+  constexpr int kTile = MODE == kBf16X ? 16 : 8;
+#else
+  constexpr int kTile = 8;
+#endif
   int64_t r = 0;
-  for (; r + 8 <= R; r += 8) tile_of<Q, MODE, 8>(x, K, W, row_bytes, y, N, r, n0, n1);
-  switch (R - r) {
-    case 7: tile_of<Q, MODE, 7>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    case 6: tile_of<Q, MODE, 6>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    case 5: tile_of<Q, MODE, 5>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    case 4: tile_of<Q, MODE, 4>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    case 3: tile_of<Q, MODE, 3>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    case 2: tile_of<Q, MODE, 2>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    case 1: tile_of<Q, MODE, 1>(x, K, W, row_bytes, y, N, r, n0, n1); break;
-    default: break;
-  }
+  for (; r + kTile <= R; r += kTile) tile_of<Q, MODE, kTile>(x, K, W, row_bytes, y, N, r, n0, n1);
+  if (r < R) rest_rows<Q, MODE, kTile>(x, R - r, K, W, row_bytes, y, N, r, n0, n1);
 }
 #else
 // Portable path: a row's blocks dequantized into a buffer, then plain float32 sums (per row, per column).
@@ -246,6 +299,11 @@ void dequantize_typed(const uint8_t* W, int64_t N, int64_t K, int64_t row_bytes,
           _mm512_storeu_ps(o + 16, w1);
           continue;
         }
+#if defined(__AVX512BF16__)
+        // round to nearest even, as c10::BFloat16's conversion (the weights are finite)
+        _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        continue;
+#endif
         _mm512_store_ps(w, w0);
         _mm512_store_ps(w + 16, w1);
 #else
