@@ -39,10 +39,11 @@ from ..scheduler.scheduler import Scheduler
 from .adapter_registry import AdapterRegistry
 from .assistant import build_drafter
 from .draft_setup import EngineSpeculation
-from .engine import Engine, EngineParts
+from .engine import Engine
 from .follower import FollowerEngine
 from .kv_wiring import wire_kv
 from .media_inputs import MediaIntake
+from .parts import EngineParts
 from .plan import EnginePlan, resolve_plan
 from .publisher import StepPublisher, TensorParallelPublisher
 from .submission import RequestBuilder
