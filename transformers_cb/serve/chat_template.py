@@ -40,9 +40,9 @@ def chat_text(
         raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
 
-def _template_message(message: Any) -> dict[str, Any]:
+def _template_message(message: Any) -> dict[str, object]:
     # OpenAI's "developer" role is the newer name of "system", which is what templates know.
-    rendered: dict[str, Any] = {
+    rendered: dict[str, object] = {
         "role": "system" if message.role == "developer" else message.role,
         "content": message.text(),
     }

@@ -9,7 +9,7 @@ assistant message's `tool_calls`, as chat holds them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -82,12 +82,12 @@ def _text(content: str | list[ContentPart] | list[ContentPart | ImageInputPart])
     return content if isinstance(content, str) else "".join(getattr(part, "text", "") for part in content)
 
 
-def _message_content(index: int, item: MessageItem) -> str | list[dict[str, Any]]:
+def _message_content(index: int, item: MessageItem) -> str | list[dict[str, object]]:
     """A message's chat content: its text, or with images chat's content parts (`text`, `image_url`), each
     image checked here so that a bad one is a 400 naming its input field (`input.0.content.1.image_url`)."""
     if isinstance(item.content, str) or not any(isinstance(p, ImageInputPart) for p in item.content):
         return _text(item.content)
-    parts: list[dict[str, Any]] = []
+    parts: list[dict[str, object]] = []
     for j, part in enumerate(item.content):
         where = f"input.{index}.content.{j}"
         if not isinstance(part, ImageInputPart):
@@ -105,20 +105,20 @@ def _message_content(index: int, item: MessageItem) -> str | list[dict[str, Any]
     return parts
 
 
-def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
+def input_messages(given: str | list[Any]) -> list[dict[str, object]]:
     """The chat messages of a request's `input` (a 400 naming `input.i...` for an item it cannot read)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     if len(given) > MAX_INPUT_ITEMS:
         raise ApiError(400, f"input: at most {MAX_INPUT_ITEMS} items, got {len(given)}", param="input")
-    messages: list[dict[str, Any]] = []
+    messages: list[dict[str, object]] = []
     reasoning: str | None = None  # a reasoning item waits for the assistant turn it belongs to
     for i, raw in enumerate(given):
         item = _item(i, raw)
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or item.summary)
         elif isinstance(item, MessageItem):
-            message: dict[str, Any] = {"role": item.role, "content": _message_content(i, item)}
+            message: dict[str, object] = {"role": item.role, "content": _message_content(i, item)}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -139,7 +139,7 @@ def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
                 messages.append(last)
             if reasoning is not None:
                 last["reasoning_content"], reasoning = reasoning, None
-            last.setdefault("tool_calls", []).append(call)
+            cast(list[object], last.setdefault("tool_calls", [])).append(call)
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
     return messages
