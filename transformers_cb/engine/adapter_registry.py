@@ -3,7 +3,7 @@
 The adapters are read from the model's own PEFT layers (transformers' `add_adapter` / `load_adapter`, or a
 `peft.PeftModel`'s), never copied: every adapter a layer holds is known by its name, with the method that
 holds it. A LoRA adapter (DoRA included) held only by PEFT's LoRA `Linear` layers can run per request: the
-runner splits those layers' rows by adapter (runner/adapter_rows.py). Any other (IA³, `modules_to_save`,
+runner splits those layers' rows by adapter (runner/adapter_rows.py). Every other adapter (IA³, `modules_to_save`,
 LoRA on an embedding or a convolution, a quantized layer's LoRA, a LoRA variant other than DoRA) is refused
 per request by name; it still runs as the model's active adapter.
 
