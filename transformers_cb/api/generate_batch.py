@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
@@ -35,6 +35,20 @@ from ..sampling.params import PER_REQUEST_KWARGS
 
 # generate_batch kwargs handed to the Engine as they are.
 ENGINE_KWARGS = ("tokenizer", "logits_processor", "assistant_model")
+
+
+class BatchGenerating(Protocol):
+    """A model with the plugin's `generate_batch` method (every `PreTrainedModel` once the plugin is
+    installed, plugin.py), as the commands call it."""
+
+    def generate_batch(self, inputs: Sequence[object], **kwargs: object) -> dict[str, GenerationOutput]: ...
+
+
+def batch_generating(model: PreTrainedModel) -> BatchGenerating:
+    """`model` as the plugin made it: `generate_batch` is installed on `PreTrainedModel` at runtime, where
+    the type checker does not see it."""
+    return cast(BatchGenerating, model)
+
 
 # Where `generate_batch(persistent_manager=True)` keeps its engine; `model_methods` drops it on request.
 CACHED_ENGINE_ATTR = "_transformers_cb_engine"
