@@ -15,10 +15,12 @@ phases, so that what the engine uses is one object that can be read and tested:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig
@@ -67,7 +69,11 @@ def _wire_states(plan: EnginePlan) -> StateLayers | None:
     )
 
 
-def _wire_sampling(plan: EnginePlan, tokenizer: Any | None, logits_processor: Any | None) -> SamplingSetup:
+def _wire_sampling(
+    plan: EnginePlan,
+    tokenizer: PreTrainedTokenizerBase | None,
+    logits_processor: Sequence[LogitsProcessor] | None,
+) -> SamplingSetup:
     """Every request's sampling defaults and the processing stages, from the plan's sampling settings."""
     settings = plan.sampling
     return SamplingSetup(
@@ -89,8 +95,8 @@ def wire(
     model: PreTrainedModel,
     plan: EnginePlan,
     tp: TensorParallelCoordinator | None = None,
-    tokenizer: Any | None = None,
-    logits_processor: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
     assistant_model: PreTrainedModel | None = None,
 ) -> Engine:
     """Allocate and connect the parts of an engine from `plan` (see the module docstring);
@@ -201,8 +207,8 @@ def build_engine(
     model: PreTrainedModel,
     generation_config: GenerationConfig | ResolvedConfig | None,
     cb_config: ContinuousBatchingConfig | None,
-    tokenizer: Any | None = None,
-    logits_processor: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
     workload: list[int] | None = None,
     all_request_stages: bool = False,
     assistant_model: PreTrainedModel | None = None,

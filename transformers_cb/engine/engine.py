@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -91,7 +91,7 @@ class Engine:
         self.publisher.session_ended()
 
     # -- requests ------------------------------------------------------------
-    def new_request_id(self, taken: Any = ()) -> str:
+    def new_request_id(self, taken: Container[str] = ()) -> str:
         while True:
             request_id = f"req_{next(self._auto_ids)}"
             if request_id not in taken:
@@ -254,7 +254,7 @@ class Engine:
             yield
 
     # -- the draft model ----------------------------------------------------------------
-    def assistant_session(self) -> AbstractContextManager[Any]:
+    def assistant_session(self) -> AbstractContextManager[object]:
         """The draft model under its paged backend for a run (beside the model's `paged_backend`); a
         no-op without one. Steps outside it switch the assistant per step."""
         return self.drafter.executor.session() if self.drafter is not None else nullcontext()

@@ -112,15 +112,15 @@ class MediaIntake:
         )
         return dataclasses.replace(self, refusal=reason)
 
-    def refuse_text_only(self, names: Mapping[str, Any]) -> str:
+    def refuse_text_only(self, names: Mapping[str, object]) -> str:
         return (
             f"{sorted(names)}: image, video and audio inputs need a model with feature methods "
             f"(get_image_features, ...); {self.model_type} has none, so only its text path runs"
         )
 
-    def split(self, kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def split(self, kwargs: Mapping[str, object] | None) -> tuple[dict[str, object], dict[str, Any]]:
         """`kwargs` as (media, the rest); a value of None is "not given" and dropped from the media."""
-        media: dict[str, Any] = {}
+        media: dict[str, object] = {}
         rest: dict[str, Any] = {}
         for name, value in (kwargs or {}).items():
             if self.is_media(name):
@@ -130,7 +130,7 @@ class MediaIntake:
                 rest[name] = value
         return media, rest
 
-    def build(self, prompt: list[int], kwargs: dict[str, Any], label: str) -> RequestMedia | None:
+    def build(self, prompt: list[int], kwargs: dict[str, object], label: str) -> RequestMedia | None:
         """The request's media from its keyword arguments, checked (every error a `ValueError` naming
         `label` and the argument); None for a text-only prompt without media arguments."""
         placeholders = {

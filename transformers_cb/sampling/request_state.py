@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
@@ -158,7 +158,7 @@ class SamplingSetup:
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         seed: int | None = None,
-        tokenizer: Any | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         user_processors: Sequence[LogitsProcessor] = (),
         vocab_size: int | None = None,
         all_request_stages: bool = False,
