@@ -11,16 +11,16 @@ the public API. See docs/manager.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.interop import as_cb_config, as_workload_hints
-from ..engine.adapter_registry import UNSET
+from ..config.interop import WorkloadHints, as_cb_config, as_workload_hints
+from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
@@ -55,10 +55,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         self,
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
-        continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
-        workload_hints: Any | None = None,
-        tokenizer: Any | None = None,
-        logits_processor: Any | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | Mapping[str, object] | object = None,
+        workload_hints: WorkloadHints | Mapping[str, int] | object = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        logits_processor: Sequence[LogitsProcessor] | None = None,
         *,
         all_request_stages: bool = False,
         assistant_model: PreTrainedModel | None = None,
@@ -241,10 +241,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
-        guided: GuidedDecoding | dict[str, Any] | type | None = None,
+        guided: GuidedDecoding | dict[str, object] | type | None = None,
         max_staleness: int | None = None,
-        adapter: Any = UNSET,
-        **logit_processor_kwargs: Any,
+        adapter: str | Unset | None = UNSET,
+        **logit_processor_kwargs: object,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
 
@@ -287,10 +287,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
-        guided: GuidedDecoding | dict[str, Any] | type | Sequence[Any] | None = None,
+        guided: GuidedDecoding | dict[str, object] | type | Sequence[object] | None = None,
         max_staleness: int | None = None,
-        adapter: Any = UNSET,
-        **logit_processor_kwargs: Any,
+        adapter: str | Unset | Sequence[str | None] | None = UNSET,
+        **logit_processor_kwargs: object,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
         warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
