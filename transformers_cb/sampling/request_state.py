@@ -7,9 +7,9 @@ argmax, also in an engine where other requests sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
@@ -17,7 +17,7 @@ from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..invariants import present
-from ..requests import SamplingState
+from ..requests import Request, SamplingState
 from .grammars import GrammarCompiler, GrammarState
 from .neutral import NEUTRAL_VALUES
 from .params import (
@@ -194,8 +194,8 @@ class SamplingSetup:
 
     def attach(
         self,
-        request: Any,
-        kwargs: dict[str, Any] | None = None,
+        request: Request,
+        kwargs: Mapping[str, object] | None = None,
         label: str | None = None,
     ) -> None:
         """Validate `kwargs` (per-request parameters) and give `request` its sampling state.
