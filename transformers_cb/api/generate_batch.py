@@ -24,7 +24,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
-from ..engine.adapter_registry import UNSET
+from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.media_inputs import MediaIntake
@@ -63,7 +63,7 @@ def generate_batch(
     progress_bar: bool = True,
     persistent_manager: bool = False,
     warmup: bool = True,
-    adapter: Any = UNSET,
+    adapter: str | Unset | Sequence[str | None] | None = UNSET,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of `inputs` and block until all are finished or failed.
@@ -257,7 +257,7 @@ def _media_per_input(
     return ids, media
 
 
-def _num_tokens(ids: Any) -> int:
+def _num_tokens(ids: object) -> int:
     return len(ids) if hasattr(ids, "__len__") else 1  # not a list: `Engine.build_request` refuses it
 
 
