@@ -51,7 +51,7 @@ class Submission:
     None: the generation config's; `max_staleness` None: any (docs/manager.md, "Weight updates");
     `label`: how errors name the input (default `request '<id>'`)."""
 
-    input_ids: Any
+    input_ids: object  # token ids (a list or a 1D tensor), checked by the builder
     request_id: str
     max_new_tokens: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -69,7 +69,7 @@ class Submission:
 
 
 def make_submission(
-    input_ids: Any,
+    input_ids: object,
     request_id: str,
     per_request: Mapping[str, object] | None = None,
     media: Mapping[str, object] | None = None,
