@@ -53,7 +53,7 @@ def _b64decode(payload: str, field: str) -> bytes:
         raise ApiError(400, f"{field}: the data is not valid base64", param=field) from None
 
 
-def load_image(data: bytes, field: str) -> Any:
+def load_image(data: bytes, field: str) -> object:
     """A decoded image (RGB) as the processors take it."""
     try:
         from PIL import Image

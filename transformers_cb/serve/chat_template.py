@@ -65,7 +65,7 @@ def _template_message(message: Any) -> dict[str, object]:
     return rendered
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError:

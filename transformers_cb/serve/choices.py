@@ -389,7 +389,7 @@ async def merge_events(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterat
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def aclose(stream: AsyncIterator[Any]) -> None:
+async def aclose(stream: AsyncIterator[object]) -> None:
     """Close an async generator now (leaving an `async for` early does not close it)."""
     close = getattr(stream, "aclose", None)
     if close is not None:

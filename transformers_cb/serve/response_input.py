@@ -9,7 +9,7 @@ assistant message's `tool_calls`, as chat holds them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -20,7 +20,7 @@ MAX_INPUT_ITEMS = 4096  # input items per request (and in a conversation continu
 UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})  # pydantic's names of union branches
 
 
-def field_path(loc: tuple[Any, ...]) -> list[str]:
+def field_path(loc: tuple[int | str, ...]) -> list[str]:
     """A validation error's location without pydantic's union tags (`content.str` -> `content`)."""
     return [str(part) for part in loc if not (isinstance(part, str) and (part in UNION_TAGS or "[" in part))]
 
@@ -105,7 +105,7 @@ def _message_content(index: int, item: MessageItem) -> str | list[dict[str, obje
     return parts
 
 
-def input_messages(given: str | list[Any]) -> list[dict[str, object]]:
+def input_messages(given: str | list[object]) -> list[dict[str, object]]:
     """The chat messages of a request's `input` (a 400 naming `input.i...` for an item it cannot read)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
@@ -145,7 +145,7 @@ def input_messages(given: str | list[Any]) -> list[dict[str, object]]:
     return messages
 
 
-def _item(index: int, raw: Any) -> BaseModel:
+def _item(index: int, raw: object) -> BaseModel:
     where = f"input.{index}"
     if not isinstance(raw, dict):
         raise ApiError(400, f"{where}: an input item is a JSON object", param=where)

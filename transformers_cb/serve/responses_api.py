@@ -60,7 +60,7 @@ class ReasoningOptions(_Part):
 
 class ResponsesRequest(_Body):
     model: str
-    input: str | list[Any]
+    input: str | list[object]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -119,7 +119,7 @@ def rename_param(param: str | None) -> str | None:
     return param
 
 
-def _chat_tool(index: int, tool: Any) -> dict[str, object]:
+def _chat_tool(index: int, tool: object) -> dict[str, object]:
     where = f"tools.{index}"
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
