@@ -219,12 +219,12 @@ def _engine_for(
 
 
 def _media_per_input(
-    inputs: Sequence[Any], media_kwargs: dict[str, Any]
-) -> tuple[list[Any], list[dict[str, Any]]]:
+    inputs: Sequence[object], media_kwargs: dict[str, object]
+) -> tuple[list[Any], list[dict[str, object]]]:
     """Each input's token ids and media: a processor's output (a dict with `input_ids`) split into both;
     media keyword arguments given one per input (a list) joined to theirs."""
-    ids: list[Any] = []
-    media: list[dict[str, Any]] = []
+    ids: list[Any] = []  # token ids as given (a list or a 1D tensor), checked by the builder
+    media: list[dict[str, object]] = []
     for i, item in enumerate(inputs):
         if isinstance(item, Mapping):
             if "input_ids" not in item:

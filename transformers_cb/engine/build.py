@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -43,7 +42,7 @@ from .assistant import build_drafter
 from .draft_setup import EngineSpeculation
 from .engine import Engine
 from .follower import FollowerEngine
-from .kv_wiring import wire_kv
+from .kv_wiring import KVParts, wire_kv
 from .media_inputs import MediaIntake
 from .parts import EngineParts
 from .plan import EnginePlan, resolve_plan
@@ -189,7 +188,7 @@ def wire(
     return Engine(plan, parts)
 
 
-def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: Any) -> MediaBudget:
+def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: KVParts) -> MediaBudget:
     """The embedding store's rows (docs/multimodal.md, "The store's size"): as many bytes as the device KV
     cache, at least as many rows as it holds tokens; with windowed groups only, whose pages do not bound a
     prompt, the model's context."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..memory.media_store import MODALITIES, RequestMedia, media_digest
 
@@ -180,7 +180,7 @@ class MediaIntake:
         blocks = self._blocks(kwargs.get("token_type_ids"), len(prompt), label) if self.blockwise else ()
         return RequestMedia(inputs, kept, media_digest(inputs), positions, delta, blocks)
 
-    def _blocks(self, token_type_ids: Any, length: int, label: str) -> tuple[tuple[int, int], ...]:
+    def _blocks(self, token_type_ids: object, length: int, label: str) -> tuple[tuple[int, int], ...]:
         """The runs of 1s in `token_type_ids` as `[start, end)` spans, as generate()'s prefill mask reads
         them (`get_block_sequence_ids_for_mask`); none without them (generate() is then causal too)."""
         if token_type_ids is None:
@@ -231,7 +231,7 @@ class MediaIntake:
         return positions[:, 0].to(torch.long).cpu(), int(deltas.reshape(-1)[0])
 
 
-def _token_id(config: Any, modality: str) -> int | None:
+def _token_id(config: PretrainedConfig, modality: str) -> int | None:
     for name in (f"{modality}_token_id", f"{modality}_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):
