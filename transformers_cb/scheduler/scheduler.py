@@ -49,7 +49,8 @@ class Scheduler(RequestLifecycle):
         policy: candidate ordering.
         offload: the host tier's planner (CPU offload), given explicitly rather than behind the
             facade (see kv/page_manager.py): preempted requests swap out and back instead of
-            recomputing while it has room (pages and state slot together); None: always recompute.
+            recomputing while it has room (pages and state slot together); None: always recompute (the null
+            planner, `NoOffload`, stands in: no call site asks whether offload is on).
         speculation_max_batch: speculating requests draft only in steps where at most this many
             requests run (`speculates_now`; None: always).
         media: the embedding store's rows (media_budget.py): a request with media starts only while
