@@ -35,7 +35,7 @@ class SharedPrefix(Generic[T]):
         """Items `start` to `stop` of `items` (`head` not counted): O(stop - start)."""
         return list(self.items[start : self.stop])
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[list[T]], tuple[list[T]]]:
         return (list, (self.to_list(),))
 
 

@@ -20,21 +20,22 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import nn
 
 _MISSING = object()
+_T = TypeVar("_T")
 
 
 @dataclass
 class Patch:
     """One attribute in force: its owner, the value set and what it replaced, and how many runs use it."""
 
-    owner: Any
+    owner: object
     name: str
-    value: Any
-    previous: Any
+    value: object
+    previous: object
     users: int = 1
     undo: Callable[[Any], None] | None = (
         None  # a switch's (`switched`): called with `previous` by the last user
@@ -46,17 +47,17 @@ _lock = threading.Lock()
 _patches: dict[tuple[str, int, str], Patch] = {}
 
 
-def _key(kind: str, owner: Any, name: str) -> tuple[str, int, str]:
+def _key(kind: str, owner: object, name: str) -> tuple[str, int, str]:
     return (kind, id(owner), name)
 
 
-def in_force(kind: str, owner: Any, name: str) -> bool:
+def in_force(kind: str, owner: object, name: str) -> bool:
     """Whether a `kind` patch of `owner.name` is in force (another run's)."""
     patch = _patches.get(_key(kind, owner, name))
     return patch is not None and patch.owner is owner
 
 
-def _take(kind: str, owner: Any, name: str, make: Callable[[], Any]) -> tuple[str, int, str]:
+def _take(kind: str, owner: object, name: str, make: Callable[[], object]) -> tuple[str, int, str]:
     key = _key(kind, owner, name)
     patch = _patches.get(key)
     if patch is not None and patch.owner is owner:
@@ -97,7 +98,7 @@ def _release(key: tuple[str, int, str], force: bool = False) -> None:
 
 
 @contextmanager
-def patched(kind: str, patches: Iterable[tuple[Any, str, Callable[[], Any]]]) -> Iterator[int]:
+def patched(kind: str, patches: Iterable[tuple[object, str, Callable[[], object]]]) -> Iterator[int]:
     """Inside: each (owner, name, make) in force, `make()` called only where no `kind` patch of it is in force
     already (then this block shares it). Yields how many."""
     with _lock:
@@ -112,7 +113,7 @@ def patched(kind: str, patches: Iterable[tuple[Any, str, Callable[[], Any]]]) ->
 
 @contextmanager
 def switched(
-    kind: str, owner: Any, name: str, apply: Callable[[], Any], undo: Callable[[Any], None]
+    kind: str, owner: object, name: str, apply: Callable[[], _T], undo: Callable[[_T], None]
 ) -> Iterator[None]:
     """A change that is no attribute of its own (a model's attention implementation), counted like `patched`:
     `apply()` by the first run (it returns what to put back), `undo(that)` by the last to leave; runs entering

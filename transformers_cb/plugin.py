@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
@@ -31,8 +30,8 @@ from .patches import restore_everything
 
 _MISSING = object()
 _lock = threading.Lock()
-_saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original or _MISSING)
-_saved_registry: list[tuple[dict, str, Any]] = []  # (mapping, key, original or _MISSING)
+_saved: list[tuple[object, str, object]] = []  # (owner, attribute, original or _MISSING)
+_saved_registry: list[tuple[dict, str, object]] = []  # (mapping, key, original or _MISSING)
 
 MODEL_METHODS: dict[str, Callable] = {
     "generate_batch": generate_batch,
@@ -46,12 +45,12 @@ def is_installed() -> bool:
     return bool(_saved)
 
 
-def _patch(owner: Any, name: str, value: Any) -> None:
+def _patch(owner: object, name: str, value: object) -> None:
     _saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
     setattr(owner, name, value)
 
 
-def _register(mapping: dict, key: str, value: Any) -> None:
+def _register(mapping: dict, key: str, value: object) -> None:
     _saved_registry.append((mapping, key, mapping.get(key, _MISSING)))
     mapping[key] = value
 

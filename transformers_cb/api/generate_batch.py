@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
@@ -24,7 +24,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
-from ..engine.adapter_registry import UNSET
+from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.media_inputs import MediaIntake
@@ -35,6 +35,20 @@ from ..sampling.params import PER_REQUEST_KWARGS
 
 # generate_batch kwargs handed to the Engine as they are.
 ENGINE_KWARGS = ("tokenizer", "logits_processor", "assistant_model")
+
+
+class BatchGenerating(Protocol):
+    """A model with the plugin's `generate_batch` method (every `PreTrainedModel` once the plugin is
+    installed, plugin.py), as the commands call it."""
+
+    def generate_batch(self, inputs: Sequence[object], **kwargs: object) -> dict[str, GenerationOutput]: ...
+
+
+def batch_generating(model: PreTrainedModel) -> BatchGenerating:
+    """`model` as the plugin made it: `generate_batch` is installed on `PreTrainedModel` at runtime, where
+    the type checker does not see it."""
+    return cast(BatchGenerating, model)
+
 
 # Where `generate_batch(persistent_manager=True)` keeps its engine; `model_methods` drops it on request.
 CACHED_ENGINE_ATTR = "_transformers_cb_engine"
@@ -49,7 +63,7 @@ def generate_batch(
     progress_bar: bool = True,
     persistent_manager: bool = False,
     warmup: bool = True,
-    adapter: Any = UNSET,
+    adapter: str | Unset | Sequence[str | None] | None = UNSET,
     **kwargs: Any,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of `inputs` and block until all are finished or failed.
@@ -205,12 +219,12 @@ def _engine_for(
 
 
 def _media_per_input(
-    inputs: Sequence[Any], media_kwargs: dict[str, Any]
-) -> tuple[list[Any], list[dict[str, Any]]]:
+    inputs: Sequence[object], media_kwargs: dict[str, object]
+) -> tuple[list[Any], list[dict[str, object]]]:
     """Each input's token ids and media: a processor's output (a dict with `input_ids`) split into both;
     media keyword arguments given one per input (a list) joined to theirs."""
-    ids: list[Any] = []
-    media: list[dict[str, Any]] = []
+    ids: list[Any] = []  # token ids as given (a list or a 1D tensor), checked by the builder
+    media: list[dict[str, object]] = []
     for i, item in enumerate(inputs):
         if isinstance(item, Mapping):
             if "input_ids" not in item:
@@ -243,7 +257,7 @@ def _media_per_input(
     return ids, media
 
 
-def _num_tokens(ids: Any) -> int:
+def _num_tokens(ids: object) -> int:
     return len(ids) if hasattr(ids, "__len__") else 1  # not a list: `Engine.build_request` refuses it
 
 

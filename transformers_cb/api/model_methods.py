@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.interop import take_cb_config
-from ..manager.manager import CACHED_MANAGER_ATTR, ContinuousBatchingManager
+from ..config.interop import WorkloadHints, take_cb_config
+from ..manager.lifecycle import CACHED_MANAGER_ATTR
+from ..manager.manager import ContinuousBatchingManager
 from ..runner.packed_model import release_packs
 from .generate_batch import CACHED_ENGINE_ATTR
 
@@ -28,11 +29,11 @@ __all__ = [
 def init_continuous_batching(
     self: PreTrainedModel,
     generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
-    workload_hints: Any | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Mapping[str, object] | object = None,
+    workload_hints: WorkloadHints | Mapping[str, int] | object = None,
     *,
-    tokenizer: Any | None = None,
-    logits_processor: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
     assistant_model: PreTrainedModel | None = None,
 ) -> ContinuousBatchingManager:
     """A manager for this model; call `start()` on it.
@@ -73,13 +74,13 @@ def continuous_batching_context_manager(
     generation_config: GenerationConfig | None = None,
     block: bool = True,
     timeout: float | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | Mapping[str, object] | object = None,
     persistent_manager: bool = False,
     warmup: bool = True,
-    workload_hints: Any | None = None,
+    workload_hints: WorkloadHints | Mapping[str, int] | object = None,
     *,
-    tokenizer: Any | None = None,
-    logits_processor: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
     assistant_model: PreTrainedModel | None = None,
 ) -> Iterator[ContinuousBatchingManager]:
     """Start a manager, yield it, then stop it (and destroy it unless `persistent_manager`).

@@ -15,13 +15,16 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..jobs.answers import format_answer, writes_jsonl
 from ..jobs.inputs import InputError, read_requests, tokenize_requests
 from ..jobs.prompts import PromptFormat
 from ..jobs.records import build_record, cb_overrides, eos_set, format_summary, generate_all, open_output
 from ..models.registry_model import DEFAULT_MODEL, QUANTIZED_WEIGHTS_HELP, TINY, wants_chat
+
+if TYPE_CHECKING:
+    from ..config.continuous_batching import ContinuousBatchingConfig
 from ..serve.server import add_serve_parser
 from .build_kernels import add_build_kernels_parser
 from .models_command import add_models_parser
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------
 
 
-def _cb_config(args: argparse.Namespace) -> Any:
+def _cb_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     import transformers_cb
 
     return transformers_cb.ContinuousBatchingConfig(**cb_overrides(args))

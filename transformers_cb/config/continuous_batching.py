@@ -29,20 +29,20 @@ MIN_PAGE_SIZE = 4
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
-def _check_range(name: str, value: Any, allowed: str, ok: bool) -> None:
+def _check_range(name: str, value: object, allowed: str, ok: bool) -> None:
     if not ok:
         raise ValueError(f"ContinuousBatchingConfig.{name}={value!r} is invalid: allowed {allowed}")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_compile_config(value: Any) -> bool:
+def _is_compile_config(value: object) -> bool:
     return isinstance(value, (CompileConfig, dict))
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

@@ -9,8 +9,9 @@ docs/speculative_decoding.md.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 # The per-request keyword arguments of prompt lookup (add_request, generate_batch, the server).
 LOOKUP_KWARGS = ("prompt_lookup_num_tokens", "max_matching_ngram_size")
@@ -40,13 +41,13 @@ class LookupSettings:
     max_ngram: int = DEFAULT_MAX_NGRAM
 
 
-def _positive_int(name: str, value: Any, label: str, minimum: int) -> int:
+def _positive_int(name: str, value: object, label: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{label}: {name} must be an int >= {minimum}, got {value!r}")
     return value
 
 
-def lookup_settings(num_tokens: Any, max_ngram: Any, label: str) -> LookupSettings | None:
+def lookup_settings(num_tokens: object, max_ngram: object, label: str) -> LookupSettings | None:
     """The settings of these two values (None: not given, or `num_tokens` 0: no speculation)."""
     if num_tokens is None:
         if max_ngram is not None:
@@ -61,7 +62,7 @@ def lookup_settings(num_tokens: Any, max_ngram: Any, label: str) -> LookupSettin
     return LookupSettings(count, ngram) if count else None
 
 
-def lookup_from_config(config: Any) -> LookupSettings | None:
+def lookup_from_config(config: object) -> LookupSettings | None:
     """Every request's default, from a `GenerationConfig` (`prompt_lookup_num_tokens` unset: none)."""
     return lookup_settings(
         getattr(config, "prompt_lookup_num_tokens", None),
@@ -71,7 +72,7 @@ def lookup_from_config(config: Any) -> LookupSettings | None:
 
 
 def request_lookup(
-    default: LookupSettings | None, kwargs: dict[str, Any], label: str
+    default: LookupSettings | None, kwargs: Mapping[str, object], label: str
 ) -> LookupSettings | None:
     """A request's settings: its own `prompt_lookup_num_tokens` / `max_matching_ngram_size` (None values:
     not given) over `default`. `prompt_lookup_num_tokens=0` turns speculation off for the request."""
@@ -87,7 +88,9 @@ def request_lookup(
     return lookup_settings(num_tokens, max_ngram, label)
 
 
-def split_speculation_kwargs(kwargs: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def split_speculation_kwargs(
+    kwargs: Mapping[str, object] | None,
+) -> tuple[dict[str, object], dict[str, object]]:
     """(speculation kwargs, the others) of one request's per-request kwargs."""
     kwargs = kwargs or {}
     spec = {name: value for name, value in kwargs.items() if name in SPECULATION_KWARGS}
@@ -106,27 +109,29 @@ class AssistantSettings:
     confidence: float = DEFAULT_ASSISTANT_CONFIDENCE
 
 
-def _schedule(value: Any, label: str) -> str:
+def _schedule(value: object, label: str) -> str:
     if value not in ASSISTANT_SCHEDULES:
         raise ValueError(
             f"{label}: num_assistant_tokens_schedule must be one of {list(ASSISTANT_SCHEDULES)}, got {value!r}"
         )
-    return cast(str, value)
+    return value
 
 
-def _confidence(value: Any, label: str) -> float:
+def _confidence(value: object, label: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise ValueError(f"{label}: assistant_confidence_threshold must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
-def _set(config: Any, name: str, default: Any) -> Any:
+def _set(config: object, name: str, default: object) -> object:
     """`config`'s value of `name` when set and not transformers' default, else None."""
     value = getattr(config, name, None) if config is not None else None
     return None if value is None or value == default else value
 
 
-def assistant_from_configs(generation_config: Any, assistant_config: Any, label: str) -> AssistantSettings:
+def assistant_from_configs(
+    generation_config: object, assistant_config: object, label: str
+) -> AssistantSettings:
     """Every request's draft-model settings: the engine's `GenerationConfig` where a field is set to other
     than transformers' default, else the assistant model's own generation config (where transformers'
     `AssistedCandidateGenerator` reads them), else transformers' defaults (20, "constant", 0.4)."""
@@ -149,7 +154,7 @@ def assistant_from_configs(generation_config: Any, assistant_config: Any, label:
 
 
 def request_assistant(
-    default: AssistantSettings | None, kwargs: dict[str, Any], label: str
+    default: AssistantSettings | None, kwargs: Mapping[str, object], label: str
 ) -> AssistantSettings | None:
     """A request's draft-model settings: its own `num_assistant_tokens` / `num_assistant_tokens_schedule` /
     `assistant_confidence_threshold` (None values: not given) over `default` (None: the engine has no

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -121,7 +120,7 @@ def field_names() -> list[str]:
     return sorted(vars(GenerationConfig()))
 
 
-def transformers_defaults() -> dict[str, Any]:
+def transformers_defaults() -> dict[str, object]:
     defaults = getattr(GenerationConfig, "_get_default_generation_params", None)
     return defaults() if defaults is not None else {}
 

@@ -21,7 +21,7 @@ from transformers import GenerationConfig
 from .continuous_batching import ContinuousBatchingConfig
 
 # transformers' fields whose value means "pick for me" when it is one of these: not carried over.
-_AUTO_VALUES: dict[str, tuple[Any, ...]] = {
+_AUTO_VALUES: dict[str, tuple[object, ...]] = {
     "q_padding_interval_size": (0,),
     "kv_padding_interval_size": (0,),
 }
@@ -33,12 +33,12 @@ _FOLDED = ("block_size", "use_default_compile_configs", "max_cached_graphs")
 _OUR_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
 
 
-def _is_transformers_object(obj: Any, class_name: str) -> bool:
+def _is_transformers_object(obj: object, class_name: str) -> bool:
     cls = type(obj)
     return cls.__name__ == class_name and cls.__module__.startswith("transformers.")
 
 
-def _explicit_fields(obj: Any) -> dict[str, Any]:
+def _explicit_fields(obj: object) -> dict[str, object]:
     """The dataclass fields of `obj` whose value differs from its class's default."""
     if not dataclasses.is_dataclass(obj):
         return {k: v for k, v in vars(obj).items() if not k.startswith("_")}
@@ -56,7 +56,7 @@ def _explicit_fields(obj: Any) -> dict[str, Any]:
     return explicit
 
 
-def from_transformers_config(config: Any) -> ContinuousBatchingConfig:
+def from_transformers_config(config: object) -> ContinuousBatchingConfig:
     """Our `ContinuousBatchingConfig` equivalent to transformers' one.
 
     Raises:
@@ -74,14 +74,15 @@ def from_transformers_config(config: Any) -> ContinuousBatchingConfig:
             )
         carried[name] = value
     ours = ContinuousBatchingConfig(**carried)
-    if getattr(config, "max_cached_graphs", None) is not None:
-        ours.max_cached_graphs = config.max_cached_graphs
+    graphs = getattr(config, "max_cached_graphs", None)
+    if graphs is not None:
+        ours.max_cached_graphs = graphs
         ours.validate()
     return ours
 
 
 def as_cb_config(
-    config: Any, argument: str = "continuous_batching_config"
+    config: object, argument: str = "continuous_batching_config"
 ) -> ContinuousBatchingConfig | None:
     """Ours as is; transformers' converted; a dict as keyword arguments; None stays None."""
     if config is None or isinstance(config, ContinuousBatchingConfig):
@@ -97,7 +98,7 @@ def as_cb_config(
 
 
 def take_cb_config(
-    generation_config: GenerationConfig | None, continuous_batching_config: Any
+    generation_config: GenerationConfig | None, continuous_batching_config: object
 ) -> ContinuousBatchingConfig | None:
     """The config to run with: ours, or transformers' converted into ours (`as_cb_config`).
 
@@ -137,7 +138,7 @@ class WorkloadHints:
         return [length] * self.num_requests
 
 
-def as_workload_hints(hints: Any) -> WorkloadHints | None:
+def as_workload_hints(hints: object) -> WorkloadHints | None:
     if hints is None or isinstance(hints, WorkloadHints):
         return hints
     if isinstance(hints, dict):

@@ -196,7 +196,9 @@ class TensorParallelCoordinator:
     def receive(self) -> tuple[StepMessage, StepPlan, list[Request], list[Request]]:
         """Apply rank 0's next message to the mirror. Returns it, the batch to run (mirrors, with rank
         0's pages), the requests that ended and those that got a token and still run."""
-        message: StepMessage = self.cpu.exchange()
+        message = self.cpu.exchange()
+        if not isinstance(message, StepMessage):  # rank 0 sends nothing else
+            raise TensorParallelError(f"rank 0 sent a {type(message).__name__}, not a step message")
         progressed, finished = [], []
         for request_id, token in message.tokens:
             request = self.requests[request_id]

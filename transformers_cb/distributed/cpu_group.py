@@ -15,7 +15,6 @@ import atexit
 import logging
 import pickle
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,7 @@ NO_TIMEOUT = timedelta(days=365)
 
 # One group per (member ranks, timeout), shared by every engine of the process: `new_group` is a
 # collective of the whole world, so creating one per `generate_batch` call would cost a rendezvous.
-_GROUPS: dict[tuple[tuple[int, ...], float | None], Any] = {}
+_GROUPS: dict[tuple[tuple[int, ...], float | None], dist.ProcessGroup] = {}
 
 
 class TensorParallelError(RuntimeError):
@@ -49,7 +48,9 @@ class CpuGroup:
     model_group: the model's TP process group; gets the same timeout when it is gloo.
     """
 
-    def __init__(self, ranks: list[int], timeout: float | None, model_group: Any = None) -> None:
+    def __init__(
+        self, ranks: list[int], timeout: float | None, model_group: dist.ProcessGroup | None = None
+    ) -> None:
         self.ranks = ranks
         self.timeout = timeout
         self.rank = dist.get_rank()
@@ -74,8 +75,9 @@ class CpuGroup:
     def is_root(self) -> bool:
         return self.rank == self.root
 
-    def exchange(self, message: Any = None) -> Any:
-        """Root: send `message` to every rank and return it. Others: return the root's message."""
+    def exchange(self, message: object = None) -> object:
+        """Root: send `message` to every rank and return it. Others: return the root's message (unpickled:
+        the caller checks what it is)."""
         if self.broken is not None:
             raise TensorParallelError(self.broken)
         payload = pickle.dumps(message) if self.is_root else b""
@@ -109,7 +111,7 @@ class CpuGroup:
         return TensorParallelError(self.broken)
 
 
-def bound_model_group(group: Any, timeout: float | None) -> None:
+def bound_model_group(group: dist.ProcessGroup, timeout: float | None) -> None:
     """Give the model's gloo TP group the CPU group's timeout (transformers creates it with 2 hours)."""
     try:
         from torch.distributed.distributed_c10d import _set_pg_timeout

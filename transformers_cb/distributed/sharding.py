@@ -10,7 +10,6 @@ layers differ in KV head shape (`ModelShape.layer_head_shapes`) are refused unde
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch.distributed as dist
 from transformers import PreTrainedModel
@@ -30,7 +29,7 @@ def tp_size_of(model: PreTrainedModel) -> int:
     return int(getattr(model, "_tp_size", None) or 1)
 
 
-def tp_process_group(model: PreTrainedModel) -> Any:
+def tp_process_group(model: PreTrainedModel) -> dist.ProcessGroup:
     """The process group the model's own TP collectives run on (its device mesh's `tp` dimension)."""
     mesh = getattr(model, "_device_mesh", None)
     if mesh is None:

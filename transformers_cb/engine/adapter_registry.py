@@ -3,7 +3,7 @@
 The adapters are read from the model's own PEFT layers (transformers' `add_adapter` / `load_adapter`, or a
 `peft.PeftModel`'s), never copied: every adapter a layer holds is known by its name, with the method that
 holds it. A LoRA adapter (DoRA included) held only by PEFT's LoRA `Linear` layers can run per request: the
-runner splits those layers' rows by adapter (runner/adapter_rows.py). Any other (IA³, `modules_to_save`,
+runner splits those layers' rows by adapter (runner/adapter_rows.py). Every other adapter (IA³, `modules_to_save`,
 LoRA on an embedding or a convolution, a quantized layer's LoRA, a LoRA variant other than DoRA) is refused
 per request by name; it still runs as the model's active adapter.
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
@@ -31,12 +30,14 @@ from ..requests import AdapterChoice
 from ..runner.adapter_rows import lora_linear_class
 
 
-class _Unset:
+class Unset:
+    """The type of `UNSET`: no `adapter=` given (the model's active adapter runs)."""
+
     def __repr__(self) -> str:
         return "UNSET"
 
 
-UNSET: Any = _Unset()  # a submission that gives no `adapter=`
+UNSET = Unset()  # a submission that gives no `adapter=`
 
 PER_REQUEST_VARIANTS = {"DoraLinearVariant": "DoRA"}
 
@@ -104,7 +105,7 @@ def scan(model: nn.Module) -> _Layers:
         held = _held(module)
         if lora_linear is not None and type(module) is lora_linear:
             splittable.append(module)
-            variants: dict[str, Any] = getattr(module, "lora_variant", {})
+            variants: dict[str, object] = getattr(module, "lora_variant", {})
             for name in held:
                 variant = variants.get(name)
                 kind = type(variant).__name__ if variant is not None else None
@@ -158,7 +159,7 @@ class AdapterRegistry:
         self.versions[name] = self.versions.get(name, 0) + 1
         return self.versions[name]
 
-    def resolve(self, adapter: Any, label: str) -> AdapterChoice | None:
+    def resolve(self, adapter: object, label: str) -> AdapterChoice | None:
         """A submission's `adapter=` as the request's choice; `ValueError` naming `label` and the adapter."""
         layers = self._scan()
         if adapter is UNSET:

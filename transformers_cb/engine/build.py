@@ -15,10 +15,11 @@ phases, so that what the engine uses is one object that can be read and tested:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig
@@ -39,10 +40,11 @@ from ..scheduler.scheduler import Scheduler
 from .adapter_registry import AdapterRegistry
 from .assistant import build_drafter
 from .draft_setup import EngineSpeculation
-from .engine import Engine, EngineParts
+from .engine import Engine
 from .follower import FollowerEngine
-from .kv_wiring import wire_kv
+from .kv_wiring import KVParts, wire_kv
 from .media_inputs import MediaIntake
+from .parts import EngineParts
 from .plan import EnginePlan, resolve_plan
 from .publisher import StepPublisher, TensorParallelPublisher
 from .submission import RequestBuilder
@@ -66,7 +68,11 @@ def _wire_states(plan: EnginePlan) -> StateLayers | None:
     )
 
 
-def _wire_sampling(plan: EnginePlan, tokenizer: Any | None, logits_processor: Any | None) -> SamplingSetup:
+def _wire_sampling(
+    plan: EnginePlan,
+    tokenizer: PreTrainedTokenizerBase | None,
+    logits_processor: Sequence[LogitsProcessor] | None,
+) -> SamplingSetup:
     """Every request's sampling defaults and the processing stages, from the plan's sampling settings."""
     settings = plan.sampling
     return SamplingSetup(
@@ -88,8 +94,8 @@ def wire(
     model: PreTrainedModel,
     plan: EnginePlan,
     tp: TensorParallelCoordinator | None = None,
-    tokenizer: Any | None = None,
-    logits_processor: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
     assistant_model: PreTrainedModel | None = None,
 ) -> Engine:
     """Allocate and connect the parts of an engine from `plan` (see the module docstring);
@@ -182,7 +188,7 @@ def wire(
     return Engine(plan, parts)
 
 
-def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: Any) -> MediaBudget:
+def _media_budget(model: PreTrainedModel, plan: EnginePlan, kv: KVParts) -> MediaBudget:
     """The embedding store's rows (docs/multimodal.md, "The store's size"): as many bytes as the device KV
     cache, at least as many rows as it holds tokens; with windowed groups only, whose pages do not bound a
     prompt, the model's context."""
@@ -200,8 +206,8 @@ def build_engine(
     model: PreTrainedModel,
     generation_config: GenerationConfig | ResolvedConfig | None,
     cb_config: ContinuousBatchingConfig | None,
-    tokenizer: Any | None = None,
-    logits_processor: Any | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    logits_processor: Sequence[LogitsProcessor] | None = None,
     workload: list[int] | None = None,
     all_request_stages: bool = False,
     assistant_model: PreTrainedModel | None = None,

@@ -18,7 +18,6 @@ source (`attach`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -78,7 +77,7 @@ class EngineSpeculation:
         cls,
         refusal: str | None,
         generation_config: GenerationConfig,
-        assistant_model: Any | None,
+        assistant_model: PreTrainedModel | None,
         model_source: DraftSource | None = None,
     ) -> EngineSpeculation:
         """Raises `ValueError` when the GenerationConfig asks for lookup, or an `assistant_model` is
@@ -98,7 +97,7 @@ class EngineSpeculation:
             )
         return cls(refusal, lookup, assistant, model_source if assistant_model is not None else None)
 
-    def attach(self, request: Request, kwargs: dict[str, Any], label: str) -> None:
+    def attach(self, request: Request, kwargs: dict[str, object], label: str) -> None:
         """The request's speculation (its own settings over the defaults), or a `ValueError` naming
         `label` when this engine cannot speculate. Prompt lookup, when set, wins over the draft model
         (as in `generate()`, which then builds a lookup candidate generator)."""

@@ -17,37 +17,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from ..attention.selection import paged_backend
-from ..kv.offload import CpuOffload
-from ..kv.page_manager import PageManager
-from ..memory.kv_cache import PagedKVCache
-from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
 from ..runner.batch_invariant import batch_invariant_modules
-from ..runner.drafter import Drafter
-from ..runner.model_runner import ModelRunner
 from ..runner.native_layers import native_layers
-from ..runner.packed_model import model_pack_bytes, packed_linears, release_packs
-from ..runner.packing import BatchPacker
-from ..sampling.request_state import SamplingSetup
+from ..runner.packed_model import model_pack_bytes, packed_linears
 from ..scheduler.draft_source import Drafts
-from ..scheduler.scheduler import Scheduler
-from ..scheduler.shadow_planner import ShadowPlanner
 from ..scheduler.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
 from .adapter_registry import AdapterRegistry
-from .draft_setup import EngineSpeculation
-from .publisher import StepPublisher
+from .parts import EngineParts, StepResult
 from .snapshot import EngineCounters, EngineSnapshot
-from .submission import RequestBuilder
+from .weight_watch import WeightWatch
 
 if TYPE_CHECKING:
     from ..scheduler.step_plan import StepPlan
@@ -57,39 +45,6 @@ logger = logging.getLogger(__name__)
 
 WARMUP_PROMPT_TOKENS = 16
 WARMUP_REQUEST_ID = "__warmup__"
-
-
-@dataclass
-class StepResult:
-    finished: list[Request] = field(default_factory=list)  # ended this step (any final status)
-    progressed: list[Request] = field(default_factory=list)  # got a new token this step, still running
-    num_tokens: int = 0
-
-
-@dataclass
-class EngineParts:
-    """What `build.py` wires from an `EnginePlan`, each part built once.
-
-    `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
-    scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what
-    rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model as a
-    draft source: the planner of its shadows on its own pages (scheduler/shadow_planner.py) over the
-    drafter running its forwards (runner/drafter.py; None: no `assistant_model`); `speculation` whether
-    the engine can speculate, every request's defaults and the draft sources; `build_request` a submission
-    made a `Request` (submission.py)."""
-
-    model: PreTrainedModel
-    pages: PageManager
-    scheduler: Scheduler
-    cache: PagedKVCache
-    packer: BatchPacker
-    runner: ModelRunner
-    sampling: SamplingSetup
-    speculation: EngineSpeculation
-    build_request: RequestBuilder
-    offload: CpuOffload | None = None
-    publisher: StepPublisher = field(default_factory=StepPublisher)
-    drafter: ShadowPlanner[Drafter] | None = None
 
 
 class Engine:
@@ -117,8 +72,8 @@ class Engine:
         self.counters = EngineCounters()
         self.warmed_up = False
         self._auto_ids = itertools.count()
-        self._weights = weights_fingerprint(self.model)
-        self._unmixable: str | None = None  # why adapters cannot run per request since the last change
+        # The weights' changes and what they end (weight_watch.py).
+        self.weight_watch = WeightWatch(self.model, self.scheduler, self.build_request.adapters)
 
     # -- tensor parallelism: what the layers above ask ----------------------------------------
     @property
@@ -136,7 +91,7 @@ class Engine:
         self.publisher.session_ended()
 
     # -- requests ------------------------------------------------------------
-    def new_request_id(self, taken: Any = ()) -> str:
+    def new_request_id(self, taken: Container[str] = ()) -> str:
         while True:
             request_id = f"req_{next(self._auto_ids)}"
             if request_id not in taken:
@@ -249,46 +204,19 @@ class Engine:
         return self.scheduler.weight_version
 
     def check_weights(self, mode: UpdateMode = "keep", changed: bool = False) -> list[Request] | None:
-        """Apply a change of the model's weights, if there was one: `changed` (the caller knows: a write
-        through `.data`, `load_state_dict(assign=True)`, an optimizer writing through views, none of which
-        bumps a version counter) or the weights' fingerprint differs from the last one seen (in-place
-        writes bump a parameter's version counter; a new tensor changes its address).
-
-        A change is a new weight version: no page computed before may be hit again, and the requests in
-        flight are kept, recomputed or aborted by `mode` (scheduler/weight_updates.py); the packed copies
-        of the weights are dropped when the change bumped no counter. Returns the requests it ended
-        (`abort`; already finished: give each its final result), or None when nothing changed. Call it
-        between two steps."""
-        weights = weights_fingerprint(self.model)
-        if not changed and weights == self._weights:
-            return None
-        self._weights = weights
-        if self.adapters is not None:
-            self.adapters.refresh()  # adapters added, deleted or loaded since: scanned again
-        if changed:
-            release_packs(self.model)  # a pack is rebuilt only when its weight's key changed
-        ended = self.scheduler.weights_changed(mode) + self._fail_unmixable()
+        """Apply a change of the model's weights, if there was one (`changed`: the caller knows; else the
+        weights' fingerprint differs from the last one seen): a new weight version, the requests in flight
+        kept, recomputed or aborted by `mode` (weight_watch.py, `WeightWatch.check`). Returns the requests it
+        ended (`abort`; already finished: give each its final result), or None when nothing changed. Call
+        it between two steps."""
+        ended = self.weight_watch.check(mode, changed)
         if ended:
             self.publisher.requests_finished(ended)
-        logger.info("model weights changed: weight version %d (%s)", self.weight_version, mode)
         return ended
-
-    def _fail_unmixable(self) -> list[Request]:
-        """After a weight change: if adapters can no longer be applied per request (one merged, another
-        method made active: engine/adapter_registry.py), every request in flight that chose its adapter
-        fails with the reason instead of running with that change applied to its rows too (and so do those
-        submitted before it and handed over after it: `adapter_refusal`)."""
-        self._unmixable = self.adapters.mixing_problem() if self.adapters is not None else None
-        failed = [r for r in [*self.scheduler.running, *self.scheduler.waiting] if self.adapter_refusal(r)]
-        for request in failed:
-            self.scheduler.finish(request, RequestStatus.FAILED, self.adapter_refusal(request))
-        return failed
 
     def adapter_refusal(self, request: Request) -> str | None:
         """Why `request`, which chose its adapter, cannot run after the last weight change, or None."""
-        if request.adapter is None or self._unmixable is None:
-            return None
-        return f"its adapter can no longer be applied per request: {self._unmixable}"
+        return self.weight_watch.adapter_refusal(request)
 
     def forget_prefix_pages(self) -> None:
         """Every page loses its prefix key, cached or in use, and the running requests' promises are
@@ -326,7 +254,7 @@ class Engine:
             yield
 
     # -- the draft model ----------------------------------------------------------------
-    def assistant_session(self) -> AbstractContextManager[Any]:
+    def assistant_session(self) -> AbstractContextManager[object]:
         """The draft model under its paged backend for a run (beside the model's `paged_backend`); a
         no-op without one. Steps outside it switch the assistant per step."""
         return self.drafter.executor.session() if self.drafter is not None else nullcontext()

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..requests import Request
-from .engine import WARMUP_PROMPT_TOKENS, Engine, EngineParts, StepResult
+from .engine import WARMUP_PROMPT_TOKENS, Engine
+from .parts import EngineParts, StepResult
 from .snapshot import EngineCounters
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..memory.media_store import MODALITIES, RequestMedia, media_digest
 
@@ -112,15 +112,15 @@ class MediaIntake:
         )
         return dataclasses.replace(self, refusal=reason)
 
-    def refuse_text_only(self, names: Mapping[str, Any]) -> str:
+    def refuse_text_only(self, names: Mapping[str, object]) -> str:
         return (
             f"{sorted(names)}: image, video and audio inputs need a model with feature methods "
             f"(get_image_features, ...); {self.model_type} has none, so only its text path runs"
         )
 
-    def split(self, kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def split(self, kwargs: Mapping[str, object] | None) -> tuple[dict[str, object], dict[str, Any]]:
         """`kwargs` as (media, the rest); a value of None is "not given" and dropped from the media."""
-        media: dict[str, Any] = {}
+        media: dict[str, object] = {}
         rest: dict[str, Any] = {}
         for name, value in (kwargs or {}).items():
             if self.is_media(name):
@@ -130,7 +130,7 @@ class MediaIntake:
                 rest[name] = value
         return media, rest
 
-    def build(self, prompt: list[int], kwargs: dict[str, Any], label: str) -> RequestMedia | None:
+    def build(self, prompt: list[int], kwargs: dict[str, object], label: str) -> RequestMedia | None:
         """The request's media from its keyword arguments, checked (every error a `ValueError` naming
         `label` and the argument); None for a text-only prompt without media arguments."""
         placeholders = {
@@ -180,7 +180,7 @@ class MediaIntake:
         blocks = self._blocks(kwargs.get("token_type_ids"), len(prompt), label) if self.blockwise else ()
         return RequestMedia(inputs, kept, media_digest(inputs), positions, delta, blocks)
 
-    def _blocks(self, token_type_ids: Any, length: int, label: str) -> tuple[tuple[int, int], ...]:
+    def _blocks(self, token_type_ids: object, length: int, label: str) -> tuple[tuple[int, int], ...]:
         """The runs of 1s in `token_type_ids` as `[start, end)` spans, as generate()'s prefill mask reads
         them (`get_block_sequence_ids_for_mask`); none without them (generate() is then causal too)."""
         if token_type_ids is None:
@@ -231,7 +231,7 @@ class MediaIntake:
         return positions[:, 0].to(torch.long).cpu(), int(deltas.reshape(-1)[0])
 
 
-def _token_id(config: Any, modality: str) -> int | None:
+def _token_id(config: PretrainedConfig, modality: str) -> int | None:
     for name in (f"{modality}_token_id", f"{modality}_token_index"):
         value = getattr(config, name, None)
         if isinstance(value, int):

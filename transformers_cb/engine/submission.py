@@ -33,10 +33,10 @@ from .media_inputs import MediaIntake
 from .siblings import add_siblings, num_return_sequences_of
 from .validation import as_eos_token_ids, as_max_new_tokens, as_max_staleness, as_token_ids
 
-NOTHING: Mapping[str, Any] = MappingProxyType({})
+NOTHING: Mapping[str, object] = MappingProxyType({})
 
 
-def _nothing() -> Mapping[str, Any]:
+def _nothing() -> Mapping[str, object]:
     return NOTHING
 
 
@@ -51,28 +51,28 @@ class Submission:
     None: the generation config's; `max_staleness` None: any (docs/manager.md, "Weight updates");
     `label`: how errors name the input (default `request '<id>'`)."""
 
-    input_ids: Any
+    input_ids: object  # token ids (a list or a 1D tensor), checked by the builder
     request_id: str
     max_new_tokens: int | None = None
     eos_token_id: int | list[int] | None = None
     streaming: bool = False
     record_timestamps: bool = False
     label: str | None = None
-    sampling: Mapping[str, Any] = field(default_factory=_nothing)
-    speculation: Mapping[str, Any] = field(default_factory=_nothing)
-    media: Mapping[str, Any] = field(default_factory=_nothing)
+    sampling: Mapping[str, object] = field(default_factory=_nothing)
+    speculation: Mapping[str, object] = field(default_factory=_nothing)
+    media: Mapping[str, object] = field(default_factory=_nothing)
     num_return_sequences: int | None = None
     max_staleness: int | None = None
-    adapter: Any = (
+    adapter: object = (
         UNSET  # a PEFT adapter's name, None: the base model, UNSET: the active one (docs/adapters.md)
     )
 
 
 def make_submission(
-    input_ids: Any,
+    input_ids: object,
     request_id: str,
-    per_request: Mapping[str, Any] | None = None,
-    media: Mapping[str, Any] | None = None,
+    per_request: Mapping[str, object] | None = None,
+    media: Mapping[str, object] | None = None,
     *,
     max_new_tokens: int | None = None,
     eos_token_id: int | list[int] | None = None,
@@ -81,7 +81,7 @@ def make_submission(
     label: str | None = None,
     num_return_sequences: int | None = None,
     max_staleness: int | None = None,
-    adapter: Any = UNSET,
+    adapter: object = UNSET,
 ) -> Submission:
     """The `Submission` of one input. `per_request`: the caller's per-request keyword arguments less the
     media (which each entry point takes out with the model's `MediaIntake.split`, once), sorted here into
@@ -121,7 +121,7 @@ class RequestBuilder:
     media_budget: MediaBudget | None = None
     adapters: AdapterRegistry | None = None  # the model's PEFT adapters (engine/adapter_registry.py)
 
-    def split_media(self, kwargs: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def split_media(self, kwargs: Mapping[str, object] | None) -> tuple[dict[str, object], dict[str, Any]]:
         """(media, the rest) of one submission's per-request keyword arguments, by the model's media names
         (a text model: the known media prefixes, refused by name when built)."""
         return self._intake().split(kwargs)

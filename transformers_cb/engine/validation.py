@@ -23,7 +23,7 @@ def per_item(value: Any, count: int, name: str, lists_are_values: bool = False) 
     return [value] * count
 
 
-def as_token_ids(value: Any, label: str, vocab_size: int) -> list[int]:
+def as_token_ids(value: object, label: str, vocab_size: int) -> list[int]:
     """`value` as a list of token ids in [0, vocab_size), or `ValueError` naming `label`."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.is_floating_point():
@@ -50,7 +50,7 @@ def as_token_ids(value: Any, label: str, vocab_size: int) -> list[int]:
     return ids
 
 
-def as_max_new_tokens(value: Any, label: str) -> int:
+def as_max_new_tokens(value: object, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{label}: max_new_tokens must be an int, got {value!r}")
     if value <= 0:
@@ -58,7 +58,7 @@ def as_max_new_tokens(value: Any, label: str) -> int:
     return value
 
 
-def as_max_staleness(value: Any, label: str) -> int | None:
+def as_max_staleness(value: object, label: str) -> int | None:
     """`max_staleness` (weight versions a request's KV may lag behind; docs/manager.md): None or an int >= 0."""
     if value is None:
         return None
@@ -69,7 +69,7 @@ def as_max_staleness(value: Any, label: str) -> int | None:
     return value
 
 
-def as_eos_token_ids(value: Any, label: str) -> frozenset[int]:
+def as_eos_token_ids(value: object, label: str) -> frozenset[int]:
     if value is None:
         return frozenset()
     if isinstance(value, torch.Tensor):

@@ -7,9 +7,12 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from .prompts import NoChatTemplate, PromptFormat, prompt_ids
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # The seed documents' example (docs/real_model.md shows what the default model answers).
 DEMO_PROMPTS = (
@@ -27,7 +30,7 @@ class InputError(ValueError):
 class CliRequest:
     """One prompt read from the input."""
 
-    id: Any
+    id: object  # the JSON line's `id` (any JSON value), else the prompt's position
     prompt: str
     max_new_tokens: int | None = None
     line_no: int | None = None
@@ -65,7 +68,7 @@ def parse_requests(lines: Iterable[str]) -> list[CliRequest]:
     Raises :class:`InputError` naming the (1-based) line number on malformed input.
     """
     requests: list[CliRequest] = []
-    seen_ids: dict[Any, int] = {}
+    seen_ids: dict[object, int] = {}
     for line_no, raw in enumerate(lines, start=1):
         line = raw.rstrip("\r\n")
         if not line.strip():
@@ -115,7 +118,9 @@ def read_requests(input_arg: str | None, stdin: IO[str] | None = None) -> list[C
 
 
 def tokenize_requests(
-    tokenizer: Any, requests: Sequence[CliRequest], prompt_format: PromptFormat | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    requests: Sequence[CliRequest],
+    prompt_format: PromptFormat | None = None,
 ) -> list[list[int]]:
     """Each prompt's ids under `prompt_format` (default: the text as it is; with `chat`, one user message
     through the chat template): `jobs/prompts.py` `prompt_ids`, the rendering the Ray actors use too."""

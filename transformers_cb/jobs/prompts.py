@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class NoChatTemplate(ValueError):
@@ -38,14 +41,16 @@ class PromptFormat:
         if self.system_prompt is not None and not self.chat:
             raise ValueError("a system prompt needs the chat template (chat=True)")
 
-    def messages(self, text: str) -> list[dict[str, Any]]:
+    def messages(self, text: str) -> list[dict[str, str]]:
         """`text` as the chat this format sends: the system message, if any, then one user message."""
-        system = [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        system: list[dict[str, str]] = (
+            [] if self.system_prompt is None else [{"role": "system", "content": self.system_prompt}]
+        )
         return [*system, {"role": "user", "content": text}]
 
 
 def render_chat(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
@@ -65,18 +70,18 @@ def render_chat(
     )
 
 
-def rendered_ids(tokenizer: Any, rendered: str) -> list[int]:
+def rendered_ids(tokenizer: PreTrainedTokenizerBase, rendered: str) -> list[int]:
     """A rendered chat's ids: the template wrote the special tokens, the tokenizer adds none."""
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def text_ids(tokenizer: Any, text: str) -> list[int]:
+def text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Plain text's ids, with the special tokens the tokenizer adds (a BOS, where it adds one)."""
     return list(tokenizer.encode(text))
 
 
 def chat_ids(
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
@@ -85,7 +90,7 @@ def chat_ids(
     return rendered_ids(tokenizer, render_chat(tokenizer, messages, add_generation_prompt, **template_kwargs))
 
 
-def prompt_ids(tokenizer: Any, text: str, prompt_format: PromptFormat) -> list[int]:
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, prompt_format: PromptFormat) -> list[int]:
     """A text prompt's ids under `prompt_format` (see the module docstring)."""
     if prompt_format.chat:
         return chat_ids(tokenizer, prompt_format.messages(text), prompt_format.add_generation_prompt)

@@ -7,14 +7,21 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
+from ..outputs import GenerationOutput
 from .inputs import CliRequest, InputError
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from ..config.continuous_batching import ContinuousBatchingConfig
 
 
 @dataclass
@@ -32,18 +39,21 @@ class RejectedOutput:
     finish_time: float | None = None
 
 
+# What a job's request ends with: the engine's output, or the refusal at submission.
+JobOutput = GenerationOutput | RejectedOutput
+
 _INPUT_INDEX = re.compile(r"^inputs\[(\d+)\]:\s*")
 
 
 def generate_rows(
-    model: Any,
+    model: PreTrainedModel,
     token_lists: Sequence[list[int]],
-    generation_config: Any,
-    cb_config: Any,
+    generation_config: GenerationConfig,
+    cb_config: ContinuousBatchingConfig | Mapping[str, object] | None,
     progress_bar: bool,
-    per_input: Mapping[str, Sequence[Any]] | None = None,
-    **call_kwargs: Any,
-) -> list[Any]:
+    per_input: Mapping[str, Sequence[object]] | None = None,
+    **call_kwargs: object,
+) -> list[JobOutput]:
     """One ``generate_batch`` call; results in input order.
 
     `per_input` holds per-request keyword arguments of ``generate_batch`` (``max_new_tokens``,
@@ -52,6 +62,8 @@ def generate_rows(
     longer than the model's context). Such a request becomes a ``FAILED`` :class:`RejectedOutput`
     carrying that message, and the others are submitted again without it.
     """
+    from ..api.generate_batch import batch_generating  # the model's stack: imported once a job runs
+
     per_input = per_input or {}
     rejected: dict[int, RejectedOutput] = {}
     while True:
@@ -59,7 +71,7 @@ def generate_rows(
         if not live:
             return [rejected[i] for i in range(len(token_lists))]
         try:
-            outputs = model.generate_batch(
+            outputs = batch_generating(model).generate_batch(
                 inputs=[token_lists[i] for i in live],
                 generation_config=generation_config,
                 continuous_batching_config=cb_config,
@@ -77,7 +89,7 @@ def generate_rows(
             )
             continue
         # generate_batch keys results "req_<position in its inputs>".
-        by_position = {i: outputs[f"req_{k}"] for k, i in enumerate(live)}
+        by_position: dict[int, JobOutput] = {i: outputs[f"req_{k}"] for k, i in enumerate(live)}
         return [rejected[i] if i in rejected else by_position[i] for i in range(len(token_lists))]
 
 
@@ -85,15 +97,15 @@ def generate_rows(
 CB_OPTIONS = ("max_batch_tokens", "page_size", "num_blocks", "kv_cache_dtype")
 
 
-def cb_overrides(args: Any) -> dict[str, Any]:
+def cb_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The `ContinuousBatchingConfig` fields a `generate` command line sets (`CB_OPTIONS` given), for the
     local run and each Ray replica alike."""
     return {name: getattr(args, name) for name in CB_OPTIONS if getattr(args, name) is not None}
 
 
 def greedy_generation_config(
-    eos_token_id: Any, pad_token_id: Any, fields: Mapping[str, Any] | None = None
-) -> Any:
+    eos_token_id: int | list[int] | None, pad_token_id: int | None, fields: Mapping[str, object] | None = None
+) -> GenerationConfig:
     """The jobs' `GenerationConfig`: greedy, with the model's eos and pad ids (models/loading.py
     `special_ids`), then `fields` over them (`prompt_lookup_num_tokens`; a `CBPredictor`'s
     `generation_config`). The local `generate` and its Ray replicas build theirs here."""
@@ -104,16 +116,16 @@ def greedy_generation_config(
 
 
 def generate_all(
-    model: Any,
+    model: PreTrainedModel,
     token_lists: Sequence[list[int]],
     max_new_tokens: Sequence[int],
-    eos_token_id: Any,
-    pad_token_id: Any,
-    cb_config: Any,
+    eos_token_id: int | list[int] | None,
+    pad_token_id: int | None,
+    cb_config: ContinuousBatchingConfig | None,
     progress_bar: bool,
-    assistant_model: Any = None,
+    assistant_model: PreTrainedModel | None = None,
     prompt_lookup_num_tokens: int | None = None,
-) -> list[Any]:
+) -> list[JobOutput]:
     """The CLI's run: greedy, per-request ``max_new_tokens``, speculating with a draft model
     (``assistant_model``) or by prompt lookup where given; see :func:`generate_rows`."""
     generation_config = greedy_generation_config(
@@ -131,7 +143,7 @@ def generate_all(
     )
 
 
-def status_name(status: Any) -> str:
+def status_name(status: object) -> str:
     return getattr(status, "name", None) or str(status)
 
 
@@ -141,13 +153,13 @@ def elapsed(start: float | None, end: float | None) -> float | None:
     return round(end - start, 6)
 
 
-def eos_set(eos_token_id: Any) -> set[int]:
+def eos_set(eos_token_id: int | list[int] | tuple[int, ...] | set[int] | None) -> set[int]:
     if eos_token_id is None:
         return set()
     return set(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else {eos_token_id}
 
 
-def finish_reason(output: Any, max_new_tokens: int, eos_ids: set[int]) -> str | None:
+def finish_reason(output: JobOutput, max_new_tokens: int, eos_ids: set[int]) -> str | None:
     reason = getattr(output, "finish_reason", None)
     if reason is not None:
         return str(reason)
@@ -162,7 +174,11 @@ def finish_reason(output: Any, max_new_tokens: int, eos_ids: set[int]) -> str | 
 
 
 def build_record(
-    request: CliRequest, output: Any, tokenizer: Any, max_new_tokens: int, eos_ids: set[int]
+    request: CliRequest,
+    output: JobOutput,
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    eos_ids: set[int],
 ) -> dict:
     tokens = [int(t) for t in output.generated_tokens]
     created = getattr(output, "created_time", None)

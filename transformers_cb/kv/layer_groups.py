@@ -14,7 +14,7 @@ Where the type of each layer comes from:
 Layers that keep a fixed-size recurrent state instead of a growing KV (transformers' `linear_attention`
 and `conv` layer types: gated delta rule, Mamba, short convolutions) belong to no KV group: their state
 lives in per-request state slots (memory/state_cache.py). transformers' `hybrid` layers hold both a state
-and full-attention KV (`hybrid_sliding`: sliding KV); `moe` / `mlp` layers hold nothing. Any other layer
+and full-attention KV (`hybrid_sliding`: sliding KV); `moe` / `mlp` layers hold nothing. Every other layer
 type is refused before anything is allocated.
 
 Per-layer head shapes (transformers' `per_layer_config`, e.g. Gemma 4: head_dim 256 and 8 KV heads
@@ -39,9 +39,12 @@ them once, `KVGroupSpec.kv_repeat`, and attention/repeated_kv.py maps the query 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..invariants import check
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -139,7 +142,7 @@ class KVGroupSpec:
         return 1 if self.latent is not None or self.value_dim is not None else 2
 
 
-def latent_shape_of(text_config: Any) -> tuple[int, int] | None:
+def latent_shape_of(text_config: PretrainedConfig) -> tuple[int, int] | None:
     """(kv_lora_rank, qk_rope_head_dim) of a multi-latent attention model's config; None for any other."""
     rank = getattr(text_config, "kv_lora_rank", None)
     if rank is None:
@@ -147,7 +150,7 @@ def latent_shape_of(text_config: Any) -> tuple[int, int] | None:
     return int(rank), int(getattr(text_config, "qk_rope_head_dim", None) or 0)
 
 
-def layer_types_of(text_config: Any) -> list[str]:
+def layer_types_of(text_config: PretrainedConfig) -> list[str]:
     """The attention type of every decoder layer, following the model's own conventions."""
     num_layers = text_config.num_hidden_layers
     if getattr(text_config, "model_type", None) in RECURRENT_ONLY_MODEL_TYPES:
@@ -164,7 +167,7 @@ def layer_types_of(text_config: Any) -> list[str]:
     return [SLIDING_ATTENTION if sliding else FULL_ATTENTION] * num_layers
 
 
-def sliding_window_of(text_config: Any) -> int | None:
+def sliding_window_of(text_config: PretrainedConfig) -> int | None:
     """The window of the config's sliding layers: `sliding_window`, or GPT-Neo's `window_size`."""
     if getattr(text_config, "model_type", None) == "gpt_neo":
         return text_config.window_size
@@ -183,17 +186,17 @@ def kv_kind_of(layer_type: str) -> str | None:
     return layer_type
 
 
-def state_layer_indices(config: Any) -> list[int]:
+def state_layer_indices(config: PretrainedConfig) -> list[int]:
     """The decoder layers that keep a recurrent state (transformers' state-holding layer types)."""
     return [i for i, t in enumerate(layer_types_of(config.get_text_config())) if t in STATE_LAYER_TYPES]
 
 
-def kv_layer_indices(config: Any) -> list[int]:
+def kv_layer_indices(config: PretrainedConfig) -> list[int]:
     """The decoder layers that cache K/V (every layer but the state-only and feed-forward-only ones)."""
     return [i for i, t in enumerate(layer_types_of(config.get_text_config())) if kv_kind_of(t) is not None]
 
 
-def layer_head_shapes(text_config: Any) -> list[tuple[int, int]] | None:
+def layer_head_shapes(text_config: PretrainedConfig) -> list[tuple[int, int]] | None:
     """(KV heads, head dim) of every decoder layer, read through the config's per-layer accessor
     (`per_layer_config[i]`) when its head shape varies per layer; None when every layer has the global one."""
     per_layer = getattr(text_config, "per_layer_attributes", None) or set()
@@ -208,7 +211,9 @@ def layer_head_shapes(text_config: Any) -> list[tuple[int, int]] | None:
     return shapes
 
 
-def kv_groups_from_config(config: Any, observed: ObservedLayers | None = None) -> list[KVGroupSpec]:
+def kv_groups_from_config(
+    config: PretrainedConfig, observed: ObservedLayers | None = None
+) -> list[KVGroupSpec]:
     """Full-attention groups first (when present), then the sliding ones, then the chunked ones; with
     per-layer head shapes, one group per (kind, head shape), in layer order. Raises on unknown types.
 

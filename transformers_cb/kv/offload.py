@@ -256,3 +256,41 @@ class CpuOffload:
                 check(len(group.page_ids) == len(group.on_host), "a swapped group's lists disagree")
         if self.host.slots is not None:
             self.host.slots.check_integrity(set(self.swapped))
+
+
+class NoOffload:
+    """The host tier's planner where there is none (no CPU offload): nothing is ever swapped, a preempted
+    request always recomputes, a step plans no swaps (`take_plan` is None: `StepPlan.swaps`). The scheduler
+    and its admission hold one in place of None, so that no call site asks whether offload is on."""
+
+    def is_swapped(self, request: Request) -> bool:
+        return False
+
+    def try_swap_out(self, request: Request) -> bool:
+        return False  # no room: the caller frees the pages and recomputes
+
+    def can_swap_in(self, request: Request) -> bool:
+        return False
+
+    def swap_in(self, request: Request) -> None:
+        raise InvariantError(f"{request.request_id}: swapped in without a host tier")
+
+    def discard(self, request: Request) -> None:
+        return None  # nothing on a host tier to free
+
+    def take_plan(self) -> None:
+        return None
+
+    def device_tables(self) -> None:
+        return None  # no swapped-out request keeps device pages
+
+    def check_integrity(self, waiting_ids: set[str]) -> None:
+        return None
+
+
+Offload = CpuOffload | NoOffload  # the scheduler's host-tier planner, a real one or the null one
+
+
+def offload_or_none(offload: CpuOffload | None) -> Offload:
+    """`offload`, or the null planner where there is no host tier."""
+    return offload if offload is not None else NoOffload()

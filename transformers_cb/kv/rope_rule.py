@@ -36,7 +36,10 @@ are not covered (`rope_rule_of` returns None for them: transformers' whole-step 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 LONGROPE = "longrope"
 DYNAMIC = "dynamic"
@@ -109,7 +112,7 @@ class RopeRule:
         return True
 
 
-def rope_parameters_of(config: Any) -> dict[str, Any] | None:
+def rope_parameters_of(config: PretrainedConfig) -> dict[str, Any] | None:
     """The text config's rope parameters (transformers 5's `rope_parameters`, else the older
     `rope_scaling`), or None."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -117,7 +120,7 @@ def rope_parameters_of(config: Any) -> dict[str, Any] | None:
     return params if isinstance(params, dict) else None
 
 
-def rope_rule_of(config: Any, recomputes_at_switch: bool = False) -> RopeRule | None:
+def rope_rule_of(config: PretrainedConfig, recomputes_at_switch: bool = False) -> RopeRule | None:
     """The rule of a model whose one rope type is LongRoPE or dynamic NTK; None for every other model
     (position-only rope types, no rope, per-layer-type parameters). `recomputes_at_switch`: the model's
     `generate()` recomputes its cache at LongRoPE's switch (`recomputes_at_switch_of`)."""
@@ -139,7 +142,7 @@ def rope_rule_of(config: Any, recomputes_at_switch: bool = False) -> RopeRule | 
     return None
 
 
-def recomputes_at_switch_of(model: Any) -> bool:
+def recomputes_at_switch_of(model: object) -> bool:
     """Whether the model's `prepare_inputs_for_generation` drops the cache at LongRoPE's switch: its own
     code reads `original_max_position_embeddings` (Phi-3, PhiMoE, Phi-4-multimodal override it so)."""
     prepare = getattr(type(model), "prepare_inputs_for_generation", None)

@@ -1,4 +1,5 @@
-"""Iterators over one request's outputs: `request_id_iter` (blocking) and `stream` (asyncio).
+"""Iterators over one request's outputs: `request_id_iter` (blocking) and `stream` (asyncio); over the
+shared queue: `iter(manager)` (`shared_channel`).
 
 Both claim the request at the call and then *pull* from the router, so the position in the stream
 lives in the router, not in the iterator: `next(manager.request_id_iter(rid))` in a loop, a new
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from ..requests import GenerationOutput
 from .results import ResultRouter
@@ -68,3 +69,20 @@ def async_channel(router: ResultRouter, request_id: str) -> AsyncIterator[Genera
             router.remove_waker(route, wake)
 
     return outputs()
+
+
+def shared_channel(router: ResultRouter, is_running: Callable[[], bool]) -> Iterator[GenerationOutput]:
+    """The shared queue's outputs as they arrive (`iter(manager)`), until nothing unclaimed is outstanding.
+    Raises `ManagerDeadError` if the thread died, `RuntimeError` if requests are outstanding but the manager
+    is not running (`is_running()`: it would wait forever)."""
+    while True:
+        result = router.get(timeout=0.1)
+        if result is not None:
+            yield result
+            continue
+        if not router.has_unclaimed_work():
+            return
+        if not is_running():
+            router.check_alive()
+            if router.has_unclaimed_work():
+                raise RuntimeError("requests are outstanding but the manager is not running: call start()")

@@ -14,12 +14,14 @@ Nothing here is transformers' code: each view is written against our engine, man
 from __future__ import annotations
 
 import queue
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
+from .loop import ManagerLoop
 from .results import ResultRouter
+from .state import ManagerState
 
 
 class LogitProcessorView:
@@ -85,7 +87,7 @@ class KVCacheView:
 class BatchProcessorView:
     """The running session's step driver: its cache and whether requests are pending."""
 
-    def __init__(self, engine: Engine, num_incoming: Any) -> None:
+    def __init__(self, engine: Engine, num_incoming: Callable[[], int]) -> None:
         self._engine = engine
         self._num_incoming = num_incoming
         self.cache = KVCacheView(engine)
@@ -128,14 +130,20 @@ class OutputRouterView:
         self.output_queue = SharedQueueView(router)
 
 
+class SessionDriver(Protocol):
+    """Who holds the session's step driver (lifecycle.py's `Lifecycle`)."""
+
+    batch_processor: BatchProcessorView | None
+
+
 class BuiltinManagerAttributes:
     """The built-in manager's attributes above as properties of `ContinuousBatchingManager`, which keeps
-    `_state` (the engine), `_loop` (the step count) and `_batch_processor` (set at `start()`, cleared at
-    `stop()` / destroy)."""
+    `_state` (the engine), `_loop` (the step count) and `_lifecycle` (its `batch_processor`: set at
+    `start()`, cleared at `stop()` / destroy)."""
 
-    _state: Any
-    _loop: Any
-    _batch_processor: BatchProcessorView | None
+    _state: ManagerState
+    _loop: ManagerLoop
+    _lifecycle: SessionDriver
 
     @property
     def logit_processor(self) -> LogitProcessorView | None:
@@ -147,7 +155,7 @@ class BuiltinManagerAttributes:
     def batch_processor(self) -> BatchProcessorView | None:
         """The session's step driver (`.cache`, `.has_pending_requests()`): None before `start()` and
         after `stop()` (unless kept for the next session), as in the built-in manager."""
-        return self._batch_processor
+        return self._lifecycle.batch_processor
 
     @property
     def current_batch(self) -> int:

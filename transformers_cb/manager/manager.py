@@ -3,35 +3,36 @@
 The public class owns its parts and hands each the ones it works with: the shared state and its lock
 (state.py), the loop thread around `Engine.step()` (loop.py), submissions and cancellations
 (submissions.py), the results router and its channels (results.py, channels.py), the throughput window
-and the stats snapshot (stats.py); the thread settings (threads.py) travel into the loop's thread. This
-module is the lifecycle (start, stop, pause, destroy) and the public API. See docs/manager.md.
+and the stats snapshot (stats.py), starting and stopping the thread (lifecycle.py), the pauses and the weight
+check they owe (pausing.py); the thread settings (threads.py) travel into the loop's thread. This module is
+the public API. See docs/manager.md.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..config.interop import as_cb_config, as_workload_hints
-from ..engine.adapter_registry import UNSET
+from ..config.interop import WorkloadHints, as_cb_config, as_workload_hints
+from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
-from ..scheduler.weight_updates import UpdateMode, check_update_mode
+from ..scheduler.weight_updates import check_update_mode
 from .adapters import ManagerAdapters
 from .adaptive_threads import AdaptiveThreads
-from .channels import async_channel, blocking_channel
-from .compat import BatchProcessorView, BuiltinManagerAttributes, OutputRouterView
-from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
+from .channels import async_channel, blocking_channel, shared_channel
+from .compat import BuiltinManagerAttributes, OutputRouterView
+from .lifecycle import Lifecycle
+from .loop import ManagerLoop
+from .pausing import Pauses
 from .results import Deliver, ResultRouter
 from .state import BackgroundThreadStatus, ManagerState
 from .stats import ManagerStats, ThroughputWindow, snapshot
@@ -39,12 +40,8 @@ from .submissions import SubmissionOptions, Submissions
 
 logger = logging.getLogger(__name__)
 
-# Where `stop(keep_for_next_session=True)` keeps the manager; `init_continuous_batching` reuses it.
-CACHED_MANAGER_ATTR = "_transformers_cb_manager"
 # destroy() lets queued and running requests finish for this long, then hard-stops them.
 DESTROY_GRACE_S = 10.0
-# After a hard stop, the thread ends at the next step boundary; a step that takes longer is stuck.
-HARD_STOP_JOIN_S = 60.0
 
 
 class ContinuousBatchingManager(BuiltinManagerAttributes):
@@ -58,10 +55,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         self,
         model: PreTrainedModel,
         generation_config: GenerationConfig | None = None,
-        continuous_batching_config: ContinuousBatchingConfig | Any | None = None,
-        workload_hints: Any | None = None,
-        tokenizer: Any | None = None,
-        logits_processor: Any | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | Mapping[str, object] | object = None,
+        workload_hints: WorkloadHints | Mapping[str, int] | object = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        logits_processor: Sequence[LogitsProcessor] | None = None,
         *,
         all_request_stages: bool = False,
         assistant_model: PreTrainedModel | None = None,
@@ -93,8 +90,9 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             self._state, self._router, self._throughput, model, self._release_engine, adaptive_threads
         )
         self._submissions = Submissions(self._state, self._router, self._loop)
-        self._pause_holders = threading.local()  # per thread: how many `pause()` blocks it is inside
-        self._batch_processor: BatchProcessorView | None = None  # compat: the started session's
+        self._pauses = Pauses(self._state, self._loop)  # pause() blocks and the weight check they owe
+        # Start, stop, destroy; the session's step driver (compat: `batch_processor`).
+        self._lifecycle: Lifecycle = Lifecycle(self, model, self._state, self._loop, self._router)
         self.output_router = OutputRouterView(self._router)  # compat: `.output_queue` (compat.py)
         # The model's PEFT adapters while requests run: in use, load, update, unload (docs/adapters.md).
         self.adapters = ManagerAdapters(model, self._state, self.pause)
@@ -114,25 +112,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
     def start(self) -> None:
         """Start the background thread (again after `stop()`). Raises `RuntimeError` after `destroy()`,
         `ManagerDeadError` (a `RuntimeError`) if the thread died."""
-        state, thread = self._state, self._loop.thread
-        if (
-            thread is not None
-            and thread.is_alive()
-            and state.stop_requested
-            and not self._loop.is_loop_thread()
-        ):
-            thread.join()  # a `stop(block=False)` is under way: let it end, then start a new session
-        with state.lock:
-            if state.destroyed or state.release_on_exit:
-                raise RuntimeError("this ContinuousBatchingManager was destroyed and cannot be restarted")
-            if self.is_running():
-                logger.warning("ContinuousBatchingManager.start(): already running")
-                return
-            self._router.check_alive()  # a dead thread's manager cannot be restarted: ManagerDeadError
-            state.accepting, state.stop_requested, state.hard_stop = True, False, False
-            self._router.set_closed(False)
-            self._batch_processor = BatchProcessorView(state.engine, self._num_incoming)
-            self._loop.start()
+        self._lifecycle.start()
 
     def is_running(self) -> bool:
         return self._loop.is_running()
@@ -177,43 +157,17 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         reason): nothing would ever run it; with `keep_for_next_session` they wait for the next
         session instead. Raises `RuntimeError` for a blocking graceful stop from inside `pause()` (the
         paused loop could never finish the queue)."""
-        holds_pause = getattr(self._pause_holders, "count", 0) > 0
-        if holds_pause and block and not hard_stop and self.is_running():
+        if self._pauses.held_here() and block and not hard_stop and self.is_running():
             raise RuntimeError(
                 "stop() from inside pause() would wait forever: the loop is paused and cannot finish the "
                 "queue; leave the pause first, or use hard_stop=True / block=False"
             )
-        if keep_for_next_session:
-            setattr(self.model, CACHED_MANAGER_ATTR, self)
-        else:
-            self._batch_processor = None
-        state = self._state
-        with state.lock:
-            state.accepting = False
-            state.stop_requested = True
-            state.hard_stop = state.hard_stop or hard_stop
-            state.lock.notify_all()
-        if not self.is_running():
-            if hard_stop or not keep_for_next_session:
-                self._loop.fail_everything(HARD_STOP_ERROR if hard_stop else NOT_RUN_ERROR)
-            self._router.set_closed(True)
-            return
-        if block:
-            self.join(time.perf_counter(), timeout)
+        self._lifecycle.stop(block, timeout, keep_for_next_session, hard_stop)
 
     def join(self, stop_trigger_time: float, timeout: float | None = None) -> None:
         """Wait up to `timeout` seconds (None: no limit) for the thread to end after a stop requested at
         `stop_trigger_time` (`time.perf_counter()`); logs how long it took, or that it is still running."""
-        thread = self._loop.thread
-        if thread is None or thread is threading.current_thread():
-            return
-        thread.join(timeout)
-        if thread.is_alive():
-            logger.warning("the continuous batching thread did not end within the timeout (%s s)", timeout)
-        else:
-            logger.info(
-                "continuous batching thread ended %.2f s after stop", time.perf_counter() - stop_trigger_time
-            )
+        self._lifecycle.join(stop_trigger_time, timeout)
 
     def destroy(self, block: bool = True, grace_period: float | None = DESTROY_GRACE_S) -> None:
         """Stop and release the cache; the manager cannot restart afterwards. Idempotent.
@@ -221,41 +175,12 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         Queued and running requests get `grace_period` seconds to finish (None: no limit), then the
         rest is hard-stopped (each gets a FAILED final result). `block=False` returns at once: the
         thread finishes the queue gracefully and releases the cache when it ends."""
-        state = self._state
-        with state.lock:
-            if state.destroyed:
-                return
-        self.stop(block=False)
-        thread = self._loop.thread
-        if self.is_running() and not self._loop.is_loop_thread():
-            if not block:
-                with state.lock:
-                    state.release_on_exit = True
-                if self.is_running():
-                    return
-            else:
-                thread.join(grace_period)
-                if thread.is_alive():
-                    logger.warning("destroy(): requests still running after %ss; hard-stopping", grace_period)
-                    self.stop(block=True, timeout=HARD_STOP_JOIN_S, hard_stop=True)
-                if thread.is_alive():
-                    logger.error(
-                        "destroy(): the manager thread did not end; the cache is released when it does"
-                    )
-                    with state.lock:
-                        state.release_on_exit = True
-                    return
-        self._release_engine()
+        self._lifecycle.destroy(block, grace_period)
 
     def _release_engine(self) -> None:
         """The end of `destroy()` (on the loop thread after a non-blocking one): drop the engine, and the
         cache with it, and the model's reference to this manager."""
-        with self._state.lock:
-            self._state.destroyed = True
-            self._state.engine = None
-        self._batch_processor = None
-        if getattr(self.model, CACHED_MANAGER_ATTR, None) is self:
-            delattr(self.model, CACHED_MANAGER_ATTR)
+        self._lifecycle.release_engine()
 
     def pause(self, mode: str = "keep") -> AbstractContextManager[None]:
         """Hold the loop between two steps (pages and in-flight requests kept), e.g. to update weights.
@@ -270,32 +195,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         submitted afterwards runs wholly on the new weights. See docs/manager.md, "Weight updates".
 
         Raises `ValueError` for an unknown `mode` at the call, before pausing anything."""
-        return self._paused(check_update_mode(mode))
-
-    @contextmanager
-    def _paused(self, update_mode: UpdateMode) -> Iterator[None]:
-        state = self._state
-        with state.lock:
-            state.pause_requests += 1
-            state.lock.notify_all()
-            while self.is_running() and not state.paused and not self._loop.is_loop_thread():
-                state.lock.wait(timeout=0.1)
-        self._pause_holders.count = getattr(self._pause_holders, "count", 0) + 1
-        try:
-            yield
-        finally:
-            self._pause_holders.count -= 1
-            with state.lock:
-                # A tensor-parallel follower decides nothing: rank 0's engine applies weight changes.
-                checks = state.engine is not None and not state.engine.is_follower
-                ticket = state.owe_weight_check(update_mode, False) if checks else 0
-                state.pause_requests -= 1
-                last = state.pause_requests == 0
-                if last:
-                    state.paused = False  # the next pause() waits until the loop holds again
-                state.lock.notify_all()
-            if last and checks:
-                self._wait_for_weight_check(ticket)
+        return self._pauses.paused(check_update_mode(mode))
 
     def weights_updated(self, mode: str = "keep") -> None:
         """Say that the model's weights changed in a way no version counter shows (`param.data = ...`,
@@ -304,13 +204,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         requests in flight treated by `mode`, see `pause`). Inside a `pause()` block it is applied when the
         block ends (the stricter of the two modes); outside, at once (a pause of its own). Raises
         `ValueError` for an unknown `mode`."""
-        update_mode = check_update_mode(mode)
-        if getattr(self._pause_holders, "count", 0) > 0:
-            with self._state.lock:  # applied when the last pause ends
-                self._state.owe_weight_check(update_mode, True)
-            return
-        with self._paused(update_mode), self._state.lock:
-            self._state.owe_weight_check(update_mode, True)
+        self._pauses.weights_updated(check_update_mode(mode))
 
     def release_cache(self) -> None:
         """Give the cache's memory back while a trainer trains: the loop leaves its run session (the model
@@ -338,23 +232,6 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         engine = self.engine
         return engine.weight_version if engine is not None else 0
 
-    def _wait_for_weight_check(self, ticket: int) -> None:
-        """The end of the last pause: wait until the loop applied the weight check with `ticket` (at once
-        on a manager whose thread does not run: nobody else touches the engine then)."""
-        state = self._state
-        if self._loop.is_loop_thread():
-            return  # a result handler pausing: the loop applies it before its next step
-        with state.lock:
-            while state.weight_checked < ticket and self.is_running():
-                state.lock.wait(timeout=0.1)
-            done = state.weight_checked >= ticket
-        if not done:
-            self._loop.apply_weight_check()
-
-    def _num_incoming(self) -> int:
-        with self._state.lock:
-            return len(self._state.incoming)
-
     # -- submissions -------------------------------------------------------------------
     def add_request(
         self,
@@ -364,10 +241,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
-        guided: GuidedDecoding | dict[str, Any] | type | None = None,
+        guided: GuidedDecoding | dict[str, object] | type | None = None,
         max_staleness: int | None = None,
-        adapter: Any = UNSET,
-        **logit_processor_kwargs: Any,
+        adapter: str | Unset | None = UNSET,
+        **logit_processor_kwargs: object,
     ) -> str | None:
         """Submit one request and return its id, or None (with a warning) after `stop()`.
 
@@ -410,10 +287,10 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         streaming: bool = False,
         record_timestamps: bool = False,
         eos_token_id: int | list[int] | None = None,
-        guided: GuidedDecoding | dict[str, Any] | type | Sequence[Any] | None = None,
+        guided: GuidedDecoding | dict[str, object] | type | Sequence[object] | None = None,
         max_staleness: int | None = None,
-        adapter: Any = UNSET,
-        **logit_processor_kwargs: Any,
+        adapter: str | Unset | Sequence[str | None] | None = UNSET,
+        **logit_processor_kwargs: object,
     ) -> list[str] | None:
         """Submit many requests at once and return their ids in input order, or None (with a
         warning) after `stop()`. All or nothing: if any input is invalid (`ValueError` naming
@@ -459,19 +336,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         Raises `ManagerDeadError` if the thread died, `RuntimeError` if requests are outstanding
         but the manager is not running.
         """
-        while True:
-            result = self._router.get(timeout=0.1)
-            if result is not None:
-                yield result
-                continue
-            if not self._router.has_unclaimed_work():
-                return
-            if not self.is_running():
-                self._router.check_alive()
-                if self._router.has_unclaimed_work():
-                    raise RuntimeError(
-                        "requests are outstanding but the manager is not running: call start()"
-                    )
+        return shared_channel(self._router, self.is_running)
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """Yield the outputs of `request_id` not yet delivered to anyone (growing partials if streaming),

@@ -34,13 +34,13 @@ class SubmissionOptions:
     eos_token_id: int | list[int] | None = None
     record_timestamps: bool = False
     # The per-request keyword arguments (sampling, speculation, media), sorted at `_build_requests`.
-    per_request: dict[str, Any] = field(default_factory=dict)
+    per_request: dict[str, object] = field(default_factory=dict)
     num_return_sequences: int | None = None  # None: the generation config's
     max_staleness: int | None = None  # weight versions a request's KV may lag behind (None: any)
     # Per-item kwargs over `per_request` (add_requests' per-input `guided`), one per item.
-    item_kwargs: tuple[dict[str, Any], ...] = ()
+    item_kwargs: tuple[dict[str, object], ...] = ()
     # The PEFT adapter (engine/adapter_registry.py; UNSET: the model's active one), or one per item (a tuple).
-    adapter: Any = UNSET
+    adapter: object = UNSET
 
     @classmethod
     def of(
@@ -62,7 +62,7 @@ class SubmissionOptions:
         adapter = kwargs.pop("adapter", UNSET)
         if num_items is not None and isinstance(adapter, (list, tuple)):
             adapter = tuple(per_item(adapter, num_items, "adapter"))
-        item_kwargs: tuple[dict[str, Any], ...] = ()
+        item_kwargs: tuple[dict[str, object], ...] = ()
         if num_items is not None and "guided" in kwargs:
             item_kwargs = tuple(
                 {"guided": value} for value in per_item(kwargs["guided"], num_items, "guided")
@@ -97,7 +97,7 @@ class Submissions:
 
     def submit(
         self,
-        items: Sequence[tuple[Any, str | None]],
+        items: Sequence[tuple[object, str | None]],
         options: SubmissionOptions,
         indexed: bool,
         max_queue_size: int,
@@ -154,7 +154,7 @@ class Submissions:
     def _build_requests(
         self,
         engine: Engine,
-        items: Sequence[tuple[Any, str | None]],
+        items: Sequence[tuple[object, str | None]],
         options: SubmissionOptions,
         indexed: bool,
     ) -> list[Request]:
@@ -199,7 +199,7 @@ class Submissions:
                 taken.add(member.request_id)
         return requests
 
-    def _drop_early_handlers(self, items: Sequence[tuple[Any, str | None]]) -> None:
+    def _drop_early_handlers(self, items: Sequence[tuple[object, str | None]]) -> None:
         for _, request_id in items:
             if isinstance(request_id, str):
                 self._router.drop_early_handler(request_id)

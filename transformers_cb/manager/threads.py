@@ -19,7 +19,6 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -220,12 +219,12 @@ def worker_thread_context(
 
 
 def start_worker_thread(
-    target: Callable[..., Any],
-    *args: Any,
+    target: Callable[..., object],
+    *args: object,
     name: str | None = None,
     daemon: bool = True,
     inference_mode: bool | None = True,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> threading.Thread:
     """Start `target(*args, **kwargs)` in a new thread that runs at the caller's speed.
 

@@ -136,7 +136,7 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
 
 def _windowed_layers(
     model: PreTrainedModel,
-    forward: Callable[..., Any],
+    forward: Callable[..., object],
     ids: torch.Tensor,
     keep: torch.Tensor,
     record: ProbeRecord,

@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from ..attention.classic import has_classic_attention
 from ..attention.latent import latent_module_problem, latent_modules
@@ -98,7 +97,7 @@ def _refuse(model_type: str, missing: str) -> None:
     raise NotImplementedError(f"continuous batching cannot run model_type={model_type}: {missing}")
 
 
-def _named(config: Any, text_config: Any) -> str:
+def _named(config: PretrainedConfig, text_config: PretrainedConfig) -> str:
     """`'qwen2'`, or `'qwen2' (the text model of 'video_llama_3')` for a composite model."""
     text_type = getattr(text_config, "model_type", None) or getattr(config, "model_type", "?")
     outer = getattr(config, "model_type", None)
@@ -107,19 +106,18 @@ def _named(config: Any, text_config: Any) -> str:
     return repr(text_type)
 
 
-def check_model_supported(model: PreTrainedModel | Any) -> None:
+def check_model_supported(model: PreTrainedModel | PretrainedConfig) -> None:
     """Raise `NotImplementedError` naming the model type and what is missing, or return.
 
     Args:
         model: the model (every rule), or only its config (the config's rules).
     """
-    is_model = isinstance(model, PreTrainedModel)
-    config: Any = model.config if is_model else model
+    config = model.config if isinstance(model, PreTrainedModel) else model
     text_config = config.get_text_config()
     model_type = _named(config, text_config)
     _check_config(config, text_config, model_type)
     kv_groups = kv_groups_from_config(config)  # raises on layer types the kernels do not know
-    if not is_model:
+    if not isinstance(model, PreTrainedModel):
         return
     problems = _probe_problems(model, config, kv_groups)
     if problems:
@@ -166,7 +164,7 @@ def _no_interface_reason(model: PreTrainedModel) -> str:
     return "its attention does not go through transformers' attention interface"
 
 
-def _check_config(config: Any, text_config: Any, model_type: str) -> None:
+def _check_config(config: PretrainedConfig, text_config: PretrainedConfig, model_type: str) -> None:
     # First: on a heterogeneous config, reading a per-layer attribute globally (as every rule below and
     # `ModelShape` do) raises transformers' `AmbiguousGlobalPerLayerAttributeError`.
     # Per-layer head shapes are supported (`kv/layer_groups.py`: one KV group per head shape); any
@@ -228,14 +226,14 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
         )
 
 
-def _alibi_refusal(text_config: Any) -> str:
+def _alibi_refusal(text_config: PretrainedConfig) -> str:
     """Why an ALiBi config is refused."""
     return (
         "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/classic.py)"
     )
 
 
-def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> list[str]:
+def _probe_problems(model: PreTrainedModel, config: PretrainedConfig, kv_groups: list) -> list[str]:
     """The probe's findings (cached per model). Skipped under tensor parallelism (a forward there is a
     collective every rank must join) and for weights not materialised (meta device)."""
     try:

@@ -15,10 +15,10 @@ import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from ..invariants import InvariantError
 from ..kv.layer_groups import state_layer_indices
@@ -60,7 +60,7 @@ class StateLayout:
         return tuple(sorted(self.modules))
 
 
-def probe_kwargs(num_tokens: int, device: torch.device) -> dict[str, Any]:
+def probe_kwargs(num_tokens: int, device: torch.device) -> dict[str, object]:
     """What a state module is called with beside its hidden states when it runs alone (the probe): one
     request's positions `0..num_tokens-1`."""
     return {"position_ids": torch.arange(num_tokens, device=device).unsqueeze(0)}
@@ -107,7 +107,7 @@ def continuation_gap(
     return float((split - whole).abs().max()) / max(float(whole.abs().max()), 1e-6)
 
 
-def state_problems(model: nn.Module, config: Any) -> tuple[StateLayout | None, list[str]]:
+def state_problems(model: nn.Module, config: PretrainedConfig) -> tuple[StateLayout | None, list[str]]:
     """The model's `StateLayout` (None: no state layers) and what keeps them from running (empty: nothing)."""
     typed = state_layer_indices(config)
     modules, calls = state_calls(model)

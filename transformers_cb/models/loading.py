@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +18,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from .cpu_threads import cpu_threads
 from .gguf_weights import gguf_of_folder, keep_gguf_quantized
 from .tiny import build_tiny_model, build_tiny_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import ProcessorMixin
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,9 @@ def resolve_device(device: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def special_ids(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+def special_ids(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
+) -> tuple[int | list[int] | None, int | None]:
     """The eos and pad ids generation uses: the model's generation config first, then the tokenizer's."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
@@ -150,7 +155,7 @@ def auto_model_class(path: str) -> Any:
     return AutoModelForCausalLM
 
 
-def load_processor(path: str | None) -> Any | None:
+def load_processor(path: str | None) -> ProcessorMixin | None:
     """The processor of a local checkpoint folder that has one (`PROCESSOR_FILES`), read offline with
     `AutoProcessor`; None for a text-only folder, a name, or the built-in model. A processor that cannot be
     loaded is logged and left out (the server still serves text; images get a 400 saying it has none)."""
@@ -171,7 +176,7 @@ def load_processor(path: str | None) -> Any | None:
     return processor if isinstance(processor, ProcessorMixin) else None
 
 
-def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, Any]:
+def load_for_command(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer of a command's `--model` (a folder, or a name: `tiny`, a registry model fetched
     on first use), `--attn-implementation`, `--dtype`, `--device`, `--threads` (models/cpu_threads.py) and
     `--seed` (which also seeds torch before loading). Raises `OSError` for an unreadable checkpoint."""

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..api.generate_batch import CACHED_ENGINE_ATTR
+from ..api.generate_batch import CACHED_ENGINE_ATTR, batch_generating
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..requests import GenerationOutput
 
@@ -38,19 +37,19 @@ def generate_batch_counting_preemptions(
     prompts: list[list[int]],
     generation_config: GenerationConfig,
     cb_config: ContinuousBatchingConfig,
-    **generate_kwargs: Any,
+    **generate_kwargs: object,
 ) -> tuple[dict[str, GenerationOutput], int]:
     """`model.generate_batch(prompts)` and the preemptions its engine counted (`Engine.snapshot()`).
 
     The call keeps its engine on the model (`persistent_manager=True`) so that its count can be read
     afterwards; it starts with no engine cached, so the engine and its count are this call's own, and
     whatever the model held before is put back."""
-    held: Any = getattr(model, CACHED_ENGINE_ATTR, None)
+    held = getattr(model, CACHED_ENGINE_ATTR, None)
     if held is not None:
         delattr(model, CACHED_ENGINE_ATTR)
     try:
         # The plugin installs `generate_batch` (api/generate_batch.py) on the model classes at run time.
-        outputs: dict[str, GenerationOutput] = cast(Any, model).generate_batch(
+        outputs = batch_generating(model).generate_batch(
             prompts,
             generation_config=generation_config,
             continuous_batching_config=cb_config,

@@ -20,7 +20,6 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -40,12 +39,12 @@ from .compare import (
 
 
 def default_settings(
-    max_total_tokens: int, speculation: bool = True, assistant_model: Any = None
+    max_total_tokens: int, speculation: bool = True, assistant_model: PreTrainedModel | None = None
 ) -> list[tuple[str, dict]]:
     """Cache settings to run, as (name, ContinuousBatchingConfig kwargs, plus `GENERATE_KWARGS`):
     speculation by prompt lookup unless the model cannot speculate (`speculation`), and with
     `assistant_model` by that draft model."""
-    settings = [
+    settings: list[tuple[str, dict]] = [
         ("page 16, budget 32 (chunked prefill)", {"page_size": 16, "max_batch_tokens": 32}),
         ("page 256, default budget", {"page_size": 256}),
         (

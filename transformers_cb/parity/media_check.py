@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
@@ -26,6 +26,9 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..requests import RequestStatus
 from .compare import greedy_config, plain_generation_config
+
+if TYPE_CHECKING:
+    from .batch_runs import SettingResult
 
 # Words of the prompts' text (the check draws them, as the text check draws token ids).
 WORDS = ("describe", "the", "image", "what", "colour", "is", "it", "count", "shapes", "briefly", "and", "why")
@@ -56,7 +59,7 @@ def processor_inputs(
     inputs = []
     for i in range(count):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
-        content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+        content: list[dict[str, object]] = [{"type": "text", "text": text}]
         if i % 2 == 0:
             content.insert(0, {"type": "image", "image": images[(i // 2) % len(images)]})
         rendered = processor.apply_chat_template(
@@ -87,11 +90,11 @@ def media_reference(model: PreTrainedModel, item: dict[str, Any], config: Genera
 
 def run_media_check(
     model: PreTrainedModel,
-    inputs: list[dict[str, Any]],
+    inputs: list[dict[str, object]],
     max_new_tokens: int,
     settings: list[tuple[str, dict]],
     eos_token_id: int | list[int] | None = None,
-) -> list[Any]:
+) -> list[SettingResult]:
     """`SettingResult`s (parity/check.py) of each setting against the references; greedy tokens must be
     equal (no near-tie allowance: the near-tie test re-runs the text alone, which a prompt with images is not)."""
     from .batch_runs import GENERATE_KWARGS, SettingResult, generate_batch_counting_preemptions

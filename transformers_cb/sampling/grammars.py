@@ -17,9 +17,11 @@ import json
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from ..invariants import present
 from .guided import GuidedDecoding
@@ -33,7 +35,7 @@ CACHE_SIZE = 1024
 PARALLEL_ROWS = 4
 
 
-def _llguidance() -> Any:
+def _llguidance() -> ModuleType:
     try:
         import llguidance
         import llguidance.hf
@@ -48,12 +50,14 @@ def _llguidance() -> Any:
 
 # llguidance's view of a tokenizer takes ~0.1-1 s to build (it walks the vocabulary): one per tokenizer object,
 # vocabulary width and eos ids, shared by every engine (each generate_batch call builds a new engine).
-_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]] = (
+_TOKENIZERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, dict[tuple[int, tuple[int, ...]], object]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _ll_tokenizer(lib: Any, tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
+def _ll_tokenizer(
+    lib: ModuleType, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos: list[int]
+) -> object:
     key = (vocab_size, tuple(eos))
     try:
         per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
@@ -64,11 +68,24 @@ def _ll_tokenizer(lib: Any, tokenizer: Any, vocab_size: int, eos: list[int]) -> 
     return per_tokenizer[key]
 
 
+class Matcher(Protocol):
+    """What the package calls on llguidance's `LLMatcher` (an untyped extension type)."""
+
+    def reset(self) -> object: ...
+    def consume_tokens(self, tokens: list[int]) -> bool: ...
+    def get_error(self) -> str: ...
+    def rollback(self, num_tokens: int) -> bool: ...
+    def is_stopped(self) -> bool: ...
+    def is_error(self) -> bool: ...
+    def validate_tokens(self, tokens: list[int]) -> int: ...
+    def deep_copy(self) -> Matcher: ...
+
+
 @dataclass(eq=False)
 class GrammarState:
     """One request's matcher; `consumed` counts the generated tokens it has been fed."""
 
-    matcher: Any
+    matcher: Matcher
     consumed: int = 0
     error: str | None = field(default=None)
 
@@ -116,17 +133,19 @@ class GrammarCompiler:
         eos_token_ids: the ids that end a request, allowed once the grammar may end.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, eos_token_ids: list[int]
+    ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos = eos_token_ids
-        self._lib: Any = None
-        self._lltokenizer: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._executor: Any = None
+        self._lib: ModuleType | None = None  # llguidance, imported at the first constraint
+        self._lltokenizer: object = None
+        self._cache: OrderedDict[tuple[str, str], Matcher] = OrderedDict()
+        self._executor: object = None
         self.compiled = 0  # grammars compiled (cache misses)
 
-    def _tokenizer_info(self, label: str) -> Any:
+    def _tokenizer_info(self, label: str) -> object:
         if self._lltokenizer is None:
             lib = _llguidance()
             if self._tokenizer is None:
@@ -139,7 +158,7 @@ class GrammarCompiler:
         return self._lltokenizer
 
     def _grammar_text(self, guided: GuidedDecoding) -> str:
-        lib, kind = self._lib, guided.kind
+        lib, kind = present(self._lib, "compiled after the tokenizer"), guided.kind
         if kind == "json":
             schema = guided.json if isinstance(guided.json, str) else json.dumps(guided.json)
             return lib.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
@@ -151,7 +170,7 @@ class GrammarCompiler:
             return lib.grammar_from("choice", json.dumps(list(present(guided.choice, "kind is choice"))))
         return lib.grammar_from("grammar", guided.grammar)  # GBNF / EBNF, or Lark as it is
 
-    def compile(self, guided: GuidedDecoding, label: str) -> Any:
+    def compile(self, guided: GuidedDecoding, label: str) -> Matcher:
         """The compiled matcher of `guided` (cached; never consume it, copy it). `ValueError` with
         llguidance's message when it does not compile."""
         tokenizer = self._tokenizer_info(label)
@@ -164,7 +183,7 @@ class GrammarCompiler:
             grammar = self._grammar_text(guided)
         except ValueError as error:
             raise ValueError(f"{label}: guided {guided.kind} does not compile: {error}") from None
-        matcher = self._lib.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = present(self._lib).LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{label}: guided {guided.kind} does not compile: {matcher.get_error()}")
         self.compiled += 1
@@ -181,7 +200,7 @@ class GrammarCompiler:
         """Set the disallowed tokens of `logits[rows[i]]` to -inf, from `states[i]`, in place.
 
         Only these rows are read or written: one gather, one masked fill, one scatter."""
-        lib = self._lib
+        lib = present(self._lib, "masks after a compile")
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty(len(rows), words, dtype=torch.int32)
         if len(rows) > PARALLEL_ROWS:

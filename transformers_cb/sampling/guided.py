@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
-from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -25,7 +24,7 @@ class GuidedDecoding:
     json_object: True: any JSON object (OpenAI's `response_format={"type": "json_object"}`).
     """
 
-    json: dict[str, Any] | str | None = None
+    json: dict[str, object] | str | None = None
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
@@ -51,11 +50,11 @@ class GuidedDecoding:
         return kind, text
 
 
-def _is_set(value: Any) -> bool:
+def _is_set(value: object) -> bool:
     return value is not None and value is not False
 
 
-def as_guided(value: Any, label: str) -> GuidedDecoding | None:
+def as_guided(value: object, label: str) -> GuidedDecoding | None:
     """`value` as a checked `GuidedDecoding` (None: unconstrained); `ValueError` naming `label` otherwise."""
     if value is None:
         return None

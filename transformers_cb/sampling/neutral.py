@@ -56,13 +56,13 @@ NEUTRAL_VALUES: Mapping[str, Any] = MappingProxyType(
 _ABSENT = object()
 
 
-def is_neutral(name: str, value: Any) -> bool:
+def is_neutral(name: str, value: object) -> bool:
     """`value` is the neutral value of `name` (False for a name without one)."""
     neutral = NEUTRAL_VALUES.get(name, _ABSENT)
     return neutral is not _ABSENT and value == neutral
 
 
-def is_default(name: str, value: Any) -> bool:
+def is_default(name: str, value: object) -> bool:
     """A `GenerationConfig` value that leaves field `name` off: None, transformers' default, or neutral."""
     if value is None or value == fields.transformers_defaults().get(name, None):
         return True

@@ -11,6 +11,7 @@ constraint `guided` (guided.py). See docs/sampling.md.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -138,13 +139,13 @@ def check_config_values(params: SamplingParams, config: GenerationConfig) -> Non
         _checked(name, getattr(params, name), "GenerationConfig")
 
 
-def _number(name: str, value: Any, label: str) -> float:
+def _number(name: str, value: object, label: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{label}: {name} must be a number, got {value!r}")
     return float(value)
 
 
-def _int(name: str, value: Any, label: str) -> int:
+def _int(name: str, value: object, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{label}: {name} must be an int, got {value!r}")
     return value
@@ -191,7 +192,7 @@ def _checked(name: str, value: Any, label: str) -> Any:
     return value
 
 
-def _logit_bias(value: Any) -> tuple[Any, bool]:
+def _logit_bias(value: object) -> tuple[object, bool]:
     """`{token_id: bias}` (int keys, or the digit strings JSON gives) as sorted pairs; biases in
     OpenAI's [-100, 100]."""
     if not isinstance(value, dict):
@@ -209,7 +210,7 @@ def _logit_bias(value: Any) -> tuple[Any, bool]:
 
 def resolve_request_params(
     base: SamplingParams,
-    kwargs: dict[str, Any],
+    kwargs: Mapping[str, object],
     config: GenerationConfig,
     per_request_processors: bool,
     label: str,

@@ -7,17 +7,17 @@ argmax, also in an engine where other requests sample.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 from transformers.generation.logits_process import LogitsProcessor
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..invariants import present
-from ..requests import SamplingState
+from ..requests import Request, SamplingState
 from .grammars import GrammarCompiler, GrammarState
 from .neutral import NEUTRAL_VALUES
 from .params import (
@@ -158,7 +158,7 @@ class SamplingSetup:
         top_logprobs: int = 0,
         prompt_logprobs: bool = False,
         seed: int | None = None,
-        tokenizer: Any | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
         user_processors: Sequence[LogitsProcessor] = (),
         vocab_size: int | None = None,
         all_request_stages: bool = False,
@@ -194,8 +194,8 @@ class SamplingSetup:
 
     def attach(
         self,
-        request: Any,
-        kwargs: dict[str, Any] | None = None,
+        request: Request,
+        kwargs: Mapping[str, object] | None = None,
         label: str | None = None,
     ) -> None:
         """Validate `kwargs` (per-request parameters) and give `request` its sampling state.

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..invariants import present
@@ -24,7 +24,7 @@ CACHE_SIZE = 32
 class StopStrings:
     """Args: tokenizer: the model's tokenizer, or None (then stop strings are refused)."""
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self._criteria: OrderedDict[tuple[str, ...], StopStringCriteria] = OrderedDict()
 

@@ -41,7 +41,7 @@ class RayJobOptions:
     batch_size: int = 256
     num_cpus: float = 1.0  # per actor
     num_gpus: float = 0.0  # per actor (1 on a GPU cluster; TP inside an actor takes more)
-    predictor_kwargs: dict[str, Any] = field(default_factory=dict)
+    predictor_kwargs: dict[str, object] = field(default_factory=dict)
 
 
 def is_uri(path: str) -> bool:
@@ -112,7 +112,7 @@ def ray_session(address: str | None) -> Iterator[None]:
         ray.shutdown()
 
 
-def job_rows(requests: Sequence[CliRequest], default_max_new_tokens: int) -> list[dict[str, Any]]:
+def job_rows(requests: Sequence[CliRequest], default_max_new_tokens: int) -> list[dict[str, object]]:
     """The dataset's rows: each request's index, text and `max_new_tokens` (the command's default where the
     line gives none, as locally). The text is rendered on the actors (`CBPredictor`, jobs/prompts.py)."""
     return [

@@ -27,7 +27,14 @@ import numpy as np
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..jobs.prompts import NoChatTemplate, PromptFormat, chat_ids, prompt_ids
-from ..jobs.records import eos_set, finish_reason, generate_rows, greedy_generation_config, status_name
+from ..jobs.records import (
+    JobOutput,
+    eos_set,
+    finish_reason,
+    generate_rows,
+    greedy_generation_config,
+    status_name,
+)
 from ..models.loading import load_model_and_tokenizer, resolve_device, special_ids
 from ..sampling.params import PER_REQUEST_KWARGS, VECTOR_PARAMS
 
@@ -91,7 +98,7 @@ class CBPredictor:
         max_new_tokens: int = 32,
         return_logprobs: bool = False,
         detokenize: bool = True,
-        generation_config: Mapping[str, Any] | None = None,
+        generation_config: Mapping[str, object] | None = None,
         continuous_batching_config: Mapping[str, Any] | None = None,
         assistant_model: str | None = None,
     ) -> None:
@@ -177,13 +184,13 @@ class CBPredictor:
         except NoChatTemplate:
             raise ValueError(NO_TEMPLATE) from None
 
-    def _chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, object]]) -> list[int]:
         try:
             return chat_ids(self.tokenizer, messages)  # a chat the model answers: with the generation prompt
         except NoChatTemplate:
             raise ValueError(NO_TEMPLATE) from None
 
-    def _output_columns(self, outputs: Sequence[Any], limits: Sequence[int]) -> dict[str, np.ndarray]:
+    def _output_columns(self, outputs: Sequence[JobOutput], limits: Sequence[int]) -> dict[str, np.ndarray]:
         rows = []
         for output, limit in zip(outputs, limits, strict=True):
             tokens = [int(t) for t in output.generated_tokens]

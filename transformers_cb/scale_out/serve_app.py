@@ -33,7 +33,7 @@ REPLICA_HEADER = "x-transformers-cb-replica"
 DEPLOYMENT_OPTIONS = ("num_replicas", "num_cpus", "num_gpus", "max_ongoing_requests", "name")
 
 
-def serve_namespace(options: Mapping[str, Any]) -> argparse.Namespace:
+def serve_namespace(options: Mapping[str, object]) -> argparse.Namespace:
     """`transformers-cb serve`'s arguments from `options` (names as attributes, values typed or strings as
     `serve run ... key=value` gives them), parsed by the command's own parser: same types, same checks."""
     subparsers = argparse.ArgumentParser(prog="transformers-cb").add_subparsers()
@@ -62,7 +62,7 @@ def serve_namespace(options: Mapping[str, Any]) -> argparse.Namespace:
 class ServeReplica:
     """One Serve replica: the manager of `serve/server.py` `build_state` and the app of `serve/app.py`."""
 
-    def __init__(self, serve_options: dict[str, Any]) -> None:
+    def __init__(self, serve_options: dict[str, object]) -> None:
         from ray import serve
 
         self.args = serve_namespace(serve_options)

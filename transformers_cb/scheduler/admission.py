@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..invariants import check
-from ..kv.offload import CpuOffload
+from ..kv.offload import NoOffload, Offload
 from ..kv.page_manager import PageManager
 from ..requests import Request
 from .media_budget import MediaBudget, block_cut
@@ -45,13 +45,13 @@ class Admission:
         pages: PageManager,
         safety_margin: float,
         recomputed: RecomputeCounter,
-        offload: CpuOffload | None = None,
+        offload: Offload | None = None,
         media: MediaBudget | None = None,
     ) -> None:
         self.pages = pages
         self.safety_margin = safety_margin
         self.recomputed = recomputed
-        self.offload = offload
+        self.offload: Offload = offload if offload is not None else NoOffload()
         self.media = media
 
     def admit(
@@ -66,7 +66,7 @@ class Admission:
         point); `running`: whether any request runs; `weight_version`: the weights' version now, that of a
         KV computed from nothing. Refused, it keeps waiting holding nothing."""
         swapped_in = False
-        if self.offload is not None and self.offload.is_swapped(request):
+        if self.offload.is_swapped(request):
             swapped_in = self._swap_in(self.offload, request, gate.is_open, running)
             if not swapped_in and self.offload.is_swapped(request):  # it waits, and so do later ones
                 gate.close()
@@ -123,7 +123,7 @@ class Admission:
     def _admits(self, running: bool) -> bool:
         return not running or self.pages.free_fraction >= self.safety_margin
 
-    def _swap_in(self, offload: CpuOffload, request: Request, admitting: bool, running: bool) -> bool:
+    def _swap_in(self, offload: Offload, request: Request, admitting: bool, running: bool) -> bool:
         """Take a swapped-out request back from the host tier if it may start now. With nothing running
         and no room (pages kept by other swapped-out requests), it recomputes instead of waiting forever."""
         if admitting and self._admits(running) and offload.can_swap_in(request):

@@ -63,7 +63,7 @@ class ServedAdapters:
             code="model_not_found",
         )
 
-    def cards(self, created: int) -> list[dict[str, Any]]:
+    def cards(self, created: int) -> list[dict[str, object]]:
         """`/v1/models`' entries: the base model, then each adapter (vLLM's LoRA cards: `parent`, `root`)."""
         base = {"id": self.base_name, "object": "model", "created": created, "owned_by": "transformers-cb"}
         adapters = [

@@ -178,7 +178,7 @@ def build_app(state: ServeState) -> FastAPI:
 def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int], ChoiceOptions, TurnFormat]:
     """A chat request's prompt, what its choices are submitted with, and how its answer is read."""
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
-    media: dict[str, Any] = {}
+    media: dict[str, object] = {}
     if has_media(body):  # the processor renders the template and prepares the images (serve/chat_media.py)
         kwargs = template_kwargs(state.reasoning, body.reasoning_effort, body.chat_template_kwargs)
         prompt, media = media_prompt(
@@ -346,7 +346,7 @@ async def _respond(
     prompt: list[int],
     options: ChoiceOptions,
     turn: TurnFormat,
-    conversation: list[dict[str, Any]],
+    conversation: list[dict[str, object]],
 ) -> Response:
     """A Responses API answer: one choice's events as output items, whole or as the stream's events; a
     finished one's conversation is stored for `previous_response_id` (unless `store` is false)."""
@@ -380,7 +380,7 @@ async def _respond(
 
 
 def _store(
-    state: ServeState, shape: ResponseObject, conversation: list[dict[str, Any]], output: OutputItems
+    state: ServeState, shape: ResponseObject, conversation: list[dict[str, object]], output: OutputItems
 ) -> None:
     if shape.body.store:
         state.stored.keep(shape.response_id, [*conversation, output.message()])

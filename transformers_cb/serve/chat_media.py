@@ -53,7 +53,7 @@ def _b64decode(payload: str, field: str) -> bytes:
         raise ApiError(400, f"{field}: the data is not valid base64", param=field) from None
 
 
-def load_image(data: bytes, field: str) -> Any:
+def load_image(data: bytes, field: str) -> object:
     """A decoded image (RGB) as the processors take it."""
     try:
         from PIL import Image
@@ -86,18 +86,18 @@ def load_wav(data: bytes, field: str) -> np.ndarray:
     return samples.reshape(-1, channels).mean(axis=1)
 
 
-def processor_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+def processor_messages(body: ChatCompletionRequest) -> list[dict[str, object]]:
     """The messages as processors' chat templates take them: content lists of `{"type": "text"}`,
     `{"type": "image", "image": ...}` and `{"type": "audio", "audio": ...}` parts, items decoded and
     bounded (count and bytes)."""
     count, size = 0, 0
-    messages = []
+    messages: list[dict[str, object]] = []
     for i, message in enumerate(body.messages):
         role = "system" if message.role == "developer" else message.role
         if not isinstance(message.content, list):
             messages.append({"role": role, "content": [{"type": "text", "text": message.text()}]})
             continue
-        parts: list[dict[str, Any]] = []
+        parts: list[dict[str, object]] = []
         for j, part in enumerate(message.content):
             field = f"messages.{i}.content.{j}"
             if isinstance(part, TextPart):
@@ -132,8 +132,8 @@ def processor_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def media_prompt(
-    processor: Any, body: ChatCompletionRequest, template_kwargs: dict[str, Any]
-) -> tuple[list[int], dict[str, Any]]:
+    processor: Any, body: ChatCompletionRequest, template_kwargs: dict[str, object]
+) -> tuple[list[int], dict[str, object]]:
     """The prompt's token ids and its media (the processor's other tensors) for a chat request with
     images or audio; a 400 when the server has no processor or the processor refuses the messages."""
     if processor is None:

@@ -40,9 +40,9 @@ def chat_text(
         raise ApiError(400, f"the chat template rejected the messages: {error}", param="messages") from None
 
 
-def _template_message(message: Any) -> dict[str, Any]:
+def _template_message(message: Any) -> dict[str, object]:
     # OpenAI's "developer" role is the newer name of "system", which is what templates know.
-    rendered: dict[str, Any] = {
+    rendered: dict[str, object] = {
         "role": "system" if message.role == "developer" else message.role,
         "content": message.text(),
     }
@@ -65,7 +65,7 @@ def _template_message(message: Any) -> dict[str, Any]:
     return rendered
 
 
-def _arguments(text: str) -> Any:
+def _arguments(text: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError:

@@ -80,7 +80,7 @@ class ChoiceEvent:
 class ChoiceOptions:
     """What the choices of one HTTP request share besides their prompt."""
 
-    sampling: dict[str, Any]  # `add_request` keywords
+    sampling: dict[str, Any]  # `add_request` keywords, checked by it (the per-request kwargs are open)
     seed: int | None = None
     eos_token_id: list[int] | None = None  # None: the engine's
     max_tokens: int | None = None  # what the client may receive (0: the echoed prompt only)
@@ -122,7 +122,7 @@ class ManagerChoices:
 
     def options(
         self,
-        chosen: dict[str, Any],
+        chosen: dict[str, object],
         temperature: float | None,
         seed: int | None,
         ignore_eos: bool,
@@ -146,7 +146,7 @@ class ManagerChoices:
             echo=echo,
         )
 
-    def _sampling_kwargs(self, temperature: float | None, chosen: dict[str, Any]) -> dict[str, Any]:
+    def _sampling_kwargs(self, temperature: float | None, chosen: dict[str, object]) -> dict[str, object]:
         """Per-request sampling arguments for `manager.add_request`: `chosen` and temperature as OpenAI
         means it (absent: 1; 0: greedy). What a request does not give is neutral in the server's engine
         (`all_request_stages`). A value the engine cannot take is refused by it at submission (a 400)."""
@@ -248,7 +248,7 @@ class ManagerChoices:
             await aclose(choice.stream)
 
 
-def _as_api_error(error: BaseException, sampling: dict[str, Any]) -> BaseException:
+def _as_api_error(error: BaseException, sampling: dict[str, object]) -> BaseException:
     if isinstance(error, ApiError):
         return error
     if isinstance(error, ImportError) and "guided" in sampling:
@@ -389,7 +389,7 @@ async def merge_events(streams: list[AsyncIterator[ChoiceEvent]]) -> AsyncIterat
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def aclose(stream: AsyncIterator[Any]) -> None:
+async def aclose(stream: AsyncIterator[object]) -> None:
     """Close an async generator now (leaving an `async for` early does not close it)."""
     close = getattr(stream, "aclose", None)
     if close is not None:

@@ -65,7 +65,7 @@ class ApiError(Exception):
             return "server_error"
         return "invalid_request_error"
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -91,7 +91,7 @@ class JsonSchemaFormat(_Part):
     """OpenAI's `response_format.json_schema`: the schema is under `schema`."""
 
     name: str
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: dict[str, object] = Field(default_factory=dict, alias="schema")
     description: str | None = None
     strict: bool | None = None
 
@@ -138,7 +138,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     # Structured outputs (serve/response_format.py): OpenAI's response_format, vLLM's guided_* extensions.
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: dict[str, object] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
@@ -165,7 +165,7 @@ class _SamplingFields(_Body):
         options = self.stream_options or StreamOptions()
         return options.include_usage, options.continuous_usage_stats
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def engine_kwargs(self) -> dict[str, object]:
         """The `ENGINE_FIELDS` given away from their neutral value, as `add_request` keywords."""
         chosen = {}
         for name, keyword in ENGINE_FIELDS:
@@ -177,10 +177,10 @@ class _SamplingFields(_Body):
         chosen.update(self._speculative_kwargs())
         return chosen
 
-    def _speculative_kwargs(self) -> dict[str, Any]:
+    def _speculative_kwargs(self) -> dict[str, object]:
         """Speculative decoding (docs/speculative_decoding.md) by prompt lookup or the server's draft model,
         from generate()'s names or vLLM's `speculative_config` (a 400 for another method), as keywords."""
-        given: dict[str, Any] = {name: getattr(self, name) for name in ASSISTANT_FIELDS}
+        given: dict[str, object] = {name: getattr(self, name) for name in ASSISTANT_FIELDS}
         config = self.speculative_config
         if config is None:
             given["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
@@ -309,7 +309,7 @@ class ChatMessage(_Part):
 class ToolFunction(_Part):
     name: str
     description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    parameters: dict[str, object] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # accepted: `tool_choice` required / named are always schema-exact
 
 
@@ -345,9 +345,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = None  # checked and resolved in serve/tools.py
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    chat_template_kwargs: dict[str, object] | None = None  # e.g. {"enable_thinking": false}
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     def check_neutral(self) -> None:

@@ -30,10 +30,10 @@ def thinks(mode: str, tokenizer: Any) -> bool:
 
 
 def template_kwargs(
-    mode: str, reasoning_effort: str | None, request_kwargs: dict[str, Any] | None
-) -> dict[str, Any]:
+    mode: str, reasoning_effort: str | None, request_kwargs: dict[str, object] | None
+) -> dict[str, object]:
     """The keywords the chat template is rendered with: the server's, then the request's (which win)."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, object] = {}
     if mode != "auto":
         kwargs["enable_thinking"] = mode == "on"
     if reasoning_effort is not None:

@@ -9,7 +9,7 @@ assistant message's `tool_calls`, as chat holds them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -20,7 +20,7 @@ MAX_INPUT_ITEMS = 4096  # input items per request (and in a conversation continu
 UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})  # pydantic's names of union branches
 
 
-def field_path(loc: tuple[Any, ...]) -> list[str]:
+def field_path(loc: tuple[int | str, ...]) -> list[str]:
     """A validation error's location without pydantic's union tags (`content.str` -> `content`)."""
     return [str(part) for part in loc if not (isinstance(part, str) and (part in UNION_TAGS or "[" in part))]
 
@@ -82,12 +82,12 @@ def _text(content: str | list[ContentPart] | list[ContentPart | ImageInputPart])
     return content if isinstance(content, str) else "".join(getattr(part, "text", "") for part in content)
 
 
-def _message_content(index: int, item: MessageItem) -> str | list[dict[str, Any]]:
+def _message_content(index: int, item: MessageItem) -> str | list[dict[str, object]]:
     """A message's chat content: its text, or with images chat's content parts (`text`, `image_url`), each
     image checked here so that a bad one is a 400 naming its input field (`input.0.content.1.image_url`)."""
     if isinstance(item.content, str) or not any(isinstance(p, ImageInputPart) for p in item.content):
         return _text(item.content)
-    parts: list[dict[str, Any]] = []
+    parts: list[dict[str, object]] = []
     for j, part in enumerate(item.content):
         where = f"input.{index}.content.{j}"
         if not isinstance(part, ImageInputPart):
@@ -105,20 +105,20 @@ def _message_content(index: int, item: MessageItem) -> str | list[dict[str, Any]
     return parts
 
 
-def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
+def input_messages(given: str | list[object]) -> list[dict[str, object]]:
     """The chat messages of a request's `input` (a 400 naming `input.i...` for an item it cannot read)."""
     if isinstance(given, str):
         return [{"role": "user", "content": given}]
     if len(given) > MAX_INPUT_ITEMS:
         raise ApiError(400, f"input: at most {MAX_INPUT_ITEMS} items, got {len(given)}", param="input")
-    messages: list[dict[str, Any]] = []
+    messages: list[dict[str, object]] = []
     reasoning: str | None = None  # a reasoning item waits for the assistant turn it belongs to
     for i, raw in enumerate(given):
         item = _item(i, raw)
         if isinstance(item, ReasoningItem):
             reasoning = "".join(part.text for part in item.content or item.summary)
         elif isinstance(item, MessageItem):
-            message: dict[str, Any] = {"role": item.role, "content": _message_content(i, item)}
+            message: dict[str, object] = {"role": item.role, "content": _message_content(i, item)}
             if item.role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -139,13 +139,13 @@ def input_messages(given: str | list[Any]) -> list[dict[str, Any]]:
                 messages.append(last)
             if reasoning is not None:
                 last["reasoning_content"], reasoning = reasoning, None
-            last.setdefault("tool_calls", []).append(call)
+            cast(list[object], last.setdefault("tool_calls", [])).append(call)
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
     return messages
 
 
-def _item(index: int, raw: Any) -> BaseModel:
+def _item(index: int, raw: object) -> BaseModel:
     where = f"input.{index}"
     if not isinstance(raw, dict):
         raise ApiError(400, f"{where}: an input item is a JSON object", param=where)

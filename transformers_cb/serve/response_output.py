@@ -20,7 +20,7 @@ class OutputItems:
     """One choice's output as Responses items, built from its events; `add` and `finish` return the stream
     events each step makes (without `sequence_number`, which the stream numbers)."""
 
-    items: list[dict[str, Any]] = field(default_factory=list)
+    items: list[dict[str, Any]] = field(default_factory=list)  # read back by `message`
     open_kind: str | None = None  # "reasoning" or "message": the item text is being added to
     reasoning_text: str = ""
     message_text: str = ""
@@ -32,8 +32,8 @@ class OutputItems:
     def status(self) -> str:
         return "incomplete" if self.finish_reason == "length" else "completed"
 
-    def add(self, event: ChoiceEvent) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+    def add(self, event: ChoiceEvent) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
         self.num_generated += event.num_generated
         if event.reasoning:
             out += self._text("reasoning", event.reasoning)
@@ -46,20 +46,20 @@ class OutputItems:
             self.finish_reason = event.finish_reason
         return out
 
-    def finish(self) -> list[dict[str, Any]]:
+    def finish(self) -> list[dict[str, object]]:
         out = self._close()
         if not self.items:  # nothing at all: still one (empty) message, as a chat turn has content
             out += self._open("message") + self._close()
         return out
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+    def _text(self, kind: str, text: str) -> list[dict[str, object]]:
         out = self._close() if self.open_kind not in (None, kind) else []
         if self.open_kind is None:
             out += self._open(kind)
         item = self.items[-1]
         if kind == "reasoning":
             self.reasoning_text += text
-            delta: dict[str, Any] = {"type": "response.reasoning_text.delta", "delta": text}
+            delta: dict[str, object] = {"type": "response.reasoning_text.delta", "delta": text}
         else:
             self.message_text += text
             delta = {"type": "response.output_text.delta", "delta": text, "logprobs": []}
@@ -68,12 +68,12 @@ class OutputItems:
             {**delta, "item_id": item["id"], "output_index": len(self.items) - 1, "content_index": 0},
         ]
 
-    def _open(self, kind: str) -> list[dict[str, Any]]:
+    def _open(self, kind: str) -> list[dict[str, object]]:
         self.open_kind = kind
         if kind == "reasoning":
             self.reasoning_text = ""
             item = {"id": "rs_" + uuid.uuid4().hex, "type": "reasoning", "summary": [], "content": []}
-            part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
+            part: dict[str, object] = {"type": "reasoning_text", "text": ""}
         else:
             self.message_text = ""
             item = {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "content": []}
@@ -92,14 +92,14 @@ class OutputItems:
             },
         ]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self) -> list[dict[str, object]]:
         kind, self.open_kind = self.open_kind, None
         if kind is None:
             return []
         item, where = self.items[-1], {"output_index": len(self.items) - 1}
         if kind == "reasoning":
-            part: dict[str, Any] = {"type": "reasoning_text", "text": self.reasoning_text}
-            done: dict[str, Any] = {"type": "response.reasoning_text.done", "text": self.reasoning_text}
+            part: dict[str, object] = {"type": "reasoning_text", "text": self.reasoning_text}
+            done: dict[str, object] = {"type": "response.reasoning_text.done", "text": self.reasoning_text}
         else:
             part = {"type": "output_text", "text": self.message_text, "annotations": [], "logprobs": []}
             done = {"type": "response.output_text.done", "text": self.message_text, "logprobs": []}
@@ -111,7 +111,7 @@ class OutputItems:
             {"type": "response.output_item.done", "item": item, **where},
         ]
 
-    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+    def _call(self, call: ToolCall) -> list[dict[str, object]]:
         self.calls.append(call)
         item = {
             "id": "fc_" + uuid.uuid4().hex,
@@ -139,7 +139,7 @@ class OutputItems:
             {"type": "response.output_item.done", "item": item, "output_index": where["output_index"]},
         ]
 
-    def message(self) -> dict[str, Any]:
+    def message(self) -> dict[str, object]:
         """The assistant turn these items are, as a chat message (what `previous_response_id` continues)."""
         text = "".join(
             part["text"] for item in self.items if item["type"] == "message" for part in item["content"]
@@ -147,7 +147,7 @@ class OutputItems:
         reasoning = "".join(
             part["text"] for item in self.items if item["type"] == "reasoning" for part in item["content"]
         )
-        message: dict[str, Any] = {"role": "assistant", "content": text or None}
+        message: dict[str, object] = {"role": "assistant", "content": text or None}
         if reasoning:
             message["reasoning_content"] = reasoning
         if self.calls:

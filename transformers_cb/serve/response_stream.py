@@ -4,7 +4,6 @@ numbered server-sent events (`response_stream`); the items themselves are respon
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from .choices import ChoiceEvent, aclose
 from .response_output import OutputItems
@@ -34,7 +33,7 @@ async def response_stream(
     output = OutputItems()
     sequence = 0
 
-    def numbered(event: dict[str, Any]) -> bytes:
+    def numbered(event: dict[str, object]) -> bytes:
         nonlocal sequence
         sequence += 1
         return sse_event(event, sequence - 1)

@@ -43,10 +43,10 @@ class ChoiceTotals:
             self.reasoning_pieces.append(event.reasoning)
         self.tool_calls += event.tool_calls
 
-    def message(self, reasoning: bool) -> dict[str, Any]:
+    def message(self, reasoning: bool) -> dict[str, object]:
         """The chat `message`: content (None when the turn is only tool calls), tool calls, reasoning."""
         text = self.text
-        message: dict[str, Any] = {"role": "assistant", "content": text}
+        message: dict[str, object] = {"role": "assistant", "content": text}
         if self.tool_calls:
             message["content"] = text if text.strip() else None
             message["tool_calls"] = [call.wire() for call in self.tool_calls]
@@ -138,11 +138,11 @@ class ResponseShape:
         }
 
     # -- whole responses ----------------------------------------------------------
-    def body(self, totals: dict[int, ChoiceTotals]) -> dict[str, Any]:
+    def body(self, totals: dict[int, ChoiceTotals]) -> dict[str, object]:
         choices = []
         for index in sorted(totals):
             t = totals[index]
-            choice: dict[str, Any] = {"index": index, "finish_reason": t.finish_reason}
+            choice: dict[str, object] = {"index": index, "finish_reason": t.finish_reason}
             choice["logprobs"] = self.logprobs(t.token_ids, t.logprobs, tops=t.top_logprobs)
             if self.kind == "chat":
                 choice["message"] = t.message(self.reasoning)
@@ -166,9 +166,9 @@ class ResponseShape:
         text_offset: int = 0,
         role: bool = False,
         tool_offset: int = 0,
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """One SSE chunk for `event` (or, with `event=None`, the choice-less chunk used for usage)."""
-        chunk: dict[str, Any] = {
+        chunk: dict[str, object] = {
             "id": self.response_id,
             "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
             "created": self.created,
@@ -176,7 +176,7 @@ class ResponseShape:
             "choices": [],
         }
         if event is not None:
-            choice: dict[str, Any] = {"index": event.index, "finish_reason": event.finish_reason}
+            choice: dict[str, object] = {"index": event.index, "finish_reason": event.finish_reason}
             choice["logprobs"] = (
                 None
                 if role
@@ -192,10 +192,10 @@ class ResponseShape:
         return chunk
 
 
-def _delta(event: ChoiceEvent, tool_offset: int) -> dict[str, Any]:
+def _delta(event: ChoiceEvent, tool_offset: int) -> dict[str, object]:
     """A chat delta: its content, reasoning and tool calls (each call whole, `index` counting the choice's
     calls from `tool_offset`)."""
-    delta: dict[str, Any] = {}
+    delta: dict[str, object] = {}
     if event.text or not (event.reasoning or event.tool_calls):
         delta["content"] = event.text
     if event.reasoning:
@@ -211,7 +211,7 @@ def _delta(event: ChoiceEvent, tool_offset: int) -> dict[str, Any]:
 _SEPARATORS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
 
 
-def sse(data: dict[str, Any] | str) -> bytes:
+def sse(data: dict[str, object] | str) -> bytes:
     """One server-sent event carrying `data` (a JSON object, or the literal `[DONE]`)."""
     if isinstance(data, str):
         payload = data

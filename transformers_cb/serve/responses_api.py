@@ -45,7 +45,7 @@ class TextFormat(_Part):
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str = "output"
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -60,7 +60,7 @@ class ReasoningOptions(_Part):
 
 class ResponsesRequest(_Body):
     model: str
-    input: str | list[Any]
+    input: str | list[object]
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -70,21 +70,21 @@ class ResponsesRequest(_Body):
     max_output_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = None
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningOptions | None = None
     text: TextOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
 
-    def chat_request(self, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    def chat_request(self, conversation: list[dict[str, object]]) -> ChatCompletionRequest:
         """The chat request this is: `instructions` first, then `conversation`."""
         messages = list(conversation)
         if self.instructions is not None:
             messages.insert(0, {"role": "system", "content": self.instructions})
         if not messages:
             raise ApiError(400, "input: give at least one input item", param="input")
-        chat: dict[str, Any] = {"model": self.model, "messages": messages}
+        chat: dict[str, object] = {"model": self.model, "messages": messages}
         for name in ("temperature", "top_p", "seed", "parallel_tool_calls", "user"):
             if getattr(self, name) is not None:
                 chat[name] = getattr(self, name)
@@ -119,7 +119,7 @@ def rename_param(param: str | None) -> str | None:
     return param
 
 
-def _chat_tool(index: int, tool: Any) -> dict[str, Any]:
+def _chat_tool(index: int, tool: object) -> dict[str, object]:
     where = f"tools.{index}"
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
@@ -132,7 +132,7 @@ def _chat_tool(index: int, tool: Any) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+def _chat_tool_choice(choice: str | dict[str, object]) -> str | dict[str, object]:
     if isinstance(choice, str):
         return choice
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
@@ -142,7 +142,7 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
-def _response_format(text_format: TextFormat) -> dict[str, Any]:
+def _response_format(text_format: TextFormat) -> dict[str, object]:
     if text_format.type == "json_object":
         return {"type": "json_object"}
     if text_format.schema_ is None:
@@ -158,9 +158,9 @@ class ResponseStore:
     """Finished responses' conversations (chat messages, without `instructions`), the `bound` most recent."""
 
     bound: int = MAX_STORED_RESPONSES
-    conversations: OrderedDict[str, list[dict[str, Any]]] = field(default_factory=OrderedDict)
+    conversations: OrderedDict[str, list[dict[str, object]]] = field(default_factory=OrderedDict)
 
-    def conversation(self, response_id: str | None) -> list[dict[str, Any]]:
+    def conversation(self, response_id: str | None) -> list[dict[str, object]]:
         if response_id is None:
             return []
         if not RESPONSE_ID.match(response_id):
@@ -181,7 +181,7 @@ class ResponseStore:
         self.conversations.move_to_end(response_id)
         return list(found)
 
-    def keep(self, response_id: str, conversation: list[dict[str, Any]]) -> None:
+    def keep(self, response_id: str, conversation: list[dict[str, object]]) -> None:
         self.conversations[response_id] = conversation
         self.conversations.move_to_end(response_id)
         while len(self.conversations) > self.bound:
@@ -208,9 +208,9 @@ class ResponseObject:
 
     def render(
         self, output: OutputItems | None, status: str, error: ApiError | None = None
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         body = self.body
-        response: dict[str, Any] = {
+        response: dict[str, object] = {
             "id": self.response_id,
             "object": "response",
             "created_at": self.created_at,
@@ -250,7 +250,7 @@ class ResponseObject:
         return response
 
 
-def _wire_tool(tool: dict[str, Any]) -> dict[str, Any]:
+def _wire_tool(tool: dict[str, object]) -> dict[str, object]:
     return {
         "type": "function",
         "name": tool["name"],
@@ -260,13 +260,13 @@ def _wire_tool(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _wire_tool_choice(choice: str | dict[str, Any] | None, has_tools: bool) -> str | dict[str, Any]:
+def _wire_tool_choice(choice: str | dict[str, object] | None, has_tools: bool) -> str | dict[str, object]:
     if choice is None:
         return "auto" if has_tools else "none"
     return choice
 
 
-def sse_event(event: dict[str, Any], sequence_number: int) -> bytes:
+def sse_event(event: dict[str, object], sequence_number: int) -> bytes:
     """One Responses stream event: `event:` names its type, `data:` carries it with its sequence number."""
     payload = json.dumps(
         {**event, "sequence_number": sequence_number}, ensure_ascii=False, separators=(",", ":")

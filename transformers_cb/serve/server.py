@@ -318,7 +318,7 @@ def run_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     draining = threading.Event()
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: object) -> None:
         if draining.is_set():  # a second signal while draining: stop waiting for requests
             state.manager.stop(block=False, hard_stop=True)
 

@@ -14,7 +14,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import NotRequired, TypedDict
 
 from ..sampling.guided import GuidedDecoding
 from .protocol import ApiError, ToolDefinition
@@ -22,7 +22,22 @@ from .protocol import ApiError, ToolDefinition
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOLS_CHARS = 200_000  # the tool definitions as JSON text: they are rendered into every prompt
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's function names (and dotted namespaces)
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS: dict[str, object] = {"type": "object", "properties": {}}
+
+
+class FunctionDefinition(TypedDict):
+    """A tool's function as the chat template gets it (OpenAI's `tools[i].function`)."""
+
+    name: str
+    parameters: dict[str, object]  # a JSON schema of the arguments object
+    description: NotRequired[str]
+
+
+class ToolDefinitionEntry(TypedDict):
+    """One checked tool definition: `{"type": "function", "function": ...}`."""
+
+    type: str
+    function: FunctionDefinition
 
 
 @dataclass(frozen=True)
@@ -33,8 +48,8 @@ class ToolCall:
     arguments: str
     id: str = ""
 
-    def wire(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {
+    def wire(self, index: int | None = None) -> dict[str, object]:
+        call: dict[str, object] = {
             "id": self.id,
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
@@ -44,7 +59,7 @@ class ToolCall:
         return call
 
 
-def new_call(name: str, arguments: Any) -> ToolCall:
+def new_call(name: str, arguments: object) -> ToolCall:
     """A tool call with a fresh id; `arguments` as parsed JSON (or already JSON text)."""
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
     return ToolCall(name, text, "call_" + uuid.uuid4().hex[:24])
@@ -55,7 +70,7 @@ class ToolMode:
     """What a chat request allows: `mode` is none, auto, required or named (`name`: the function)."""
 
     mode: str
-    tools: tuple[dict[str, Any], ...] = ()  # the definitions as the chat template gets them
+    tools: tuple[ToolDefinitionEntry, ...] = ()  # the definitions as the chat template gets them
     name: str | None = None
     parallel: bool = True
 
@@ -68,10 +83,10 @@ class ToolMode:
     def forced(self) -> bool:
         return self.mode in ("required", "named")
 
-    def parameters(self, name: str) -> dict[str, Any]:
+    def parameters(self, name: str) -> dict[str, object]:
         for tool in self.tools:
             if tool["function"]["name"] == name:
-                return dict(tool["function"].get("parameters") or EMPTY_PARAMETERS)
+                return dict(tool["function"]["parameters"] or EMPTY_PARAMETERS)
         raise KeyError(name)
 
     def names(self) -> list[str]:
@@ -92,7 +107,7 @@ class ToolMode:
             }
             for name in self.names()
         ]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+        schema: dict[str, object] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
         if not self.parallel:
             schema["maxItems"] = 1
         return GuidedDecoding(json=schema)
@@ -116,7 +131,7 @@ class ToolMode:
 
 
 def tool_mode(
-    tools: list[ToolDefinition] | None, tool_choice: str | dict[str, Any] | None, parallel: bool | None
+    tools: list[ToolDefinition] | None, tool_choice: str | dict[str, object] | None, parallel: bool | None
 ) -> ToolMode:
     """Check the request's tool fields (400s name the field) and resolve what the model may do."""
     definitions = _definitions(tools or [])
@@ -137,7 +152,7 @@ def tool_mode(
     return ToolMode("named", definitions, name=name, parallel=parallel is not False)
 
 
-def _named_choice(choice: dict[str, Any]) -> str:
+def _named_choice(choice: dict[str, object]) -> str:
     function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if choice.get("type") != "function" or not isinstance(name, str):
@@ -149,10 +164,10 @@ def _named_choice(choice: dict[str, Any]) -> str:
     return name
 
 
-def _definitions(tools: list[ToolDefinition]) -> tuple[dict[str, Any], ...]:
+def _definitions(tools: list[ToolDefinition]) -> tuple[ToolDefinitionEntry, ...]:
     if len(tools) > MAX_TOOLS:
         raise ApiError(400, f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
-    definitions = []
+    definitions: list[ToolDefinitionEntry] = []
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         function = tool.function
@@ -174,7 +189,7 @@ def _definitions(tools: list[ToolDefinition]) -> tuple[dict[str, Any], ...]:
                 f"got type {parameters.get('type')!r}",
                 param=f"{where}.parameters",
             )
-        entry: dict[str, Any] = {"name": function.name, "parameters": parameters}
+        entry: FunctionDefinition = {"name": function.name, "parameters": parameters}
         if function.description is not None:
             entry["description"] = function.description
         definitions.append({"type": "function", "function": entry})

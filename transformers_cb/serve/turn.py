@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from .choices import ChoiceEvent, aclose
 from .tools import ToolCall, ToolMode, new_call
@@ -230,11 +230,15 @@ class TemplateParser:
     """transformers' `ResponseParser` on the tokenizer's `response_template` (fed the prompt as prefix).
     Without `reasoning` (`--reasoning off`), the reasoning it finds is content (its markers dropped)."""
 
-    def __init__(self, template: Any, prompt_text: str, tools: ToolMode, reasoning: bool = True) -> None:
+    def __init__(
+        self, template: dict[str, object], prompt_text: str, tools: ToolMode, reasoning: bool = True
+    ) -> None:
         from transformers.utils.chat_parsing.response_parser import ResponseParser
 
         self.tools, self.reasoning = tools, reasoning
-        self.parser: Any = ResponseParser(template, prefix=prompt_text, tools=list(tools.tools) or None)
+        self.parser: ResponseParser | None = ResponseParser(
+            template, prefix=prompt_text, tools=[dict(tool) for tool in tools.tools] or None
+        )
         self.first = self._read(self.parser.initial_events)
         self.unread = ""  # text fed since the parser last gave something: content if it fails on it
 
@@ -264,15 +268,15 @@ class TemplateParser:
         self.parser, unread, self.unread = None, self.unread, ""
         return AssistantDelta(content=unread)
 
-    def _read(self, events: list[dict[str, Any]]) -> AssistantDelta:
+    def _read(self, events: list[dict[str, object]]) -> AssistantDelta:
         out = AssistantDelta()
         for event in events:
-            kind, name = event["type"], event.get("field")
-            if kind == "region_chunk" and not event.get("dirty") and event.get("text"):
+            kind, name, text = event["type"], event.get("field"), event.get("text")
+            if kind == "region_chunk" and not event.get("dirty") and isinstance(text, str) and text:
                 if name in REASONING_FIELDS and self.reasoning:
-                    out.reasoning += event["text"]
+                    out.reasoning += text
                 elif name == "content" or name in REASONING_FIELDS:
-                    out.content += event["text"]
+                    out.content += text
             elif kind == "region_close" and name == "tool_calls" and self.tools.parses:
                 value = event.get("value") or {}
                 function = value.get("function", value) if isinstance(value, dict) else {}
@@ -288,7 +292,7 @@ class TurnFormat:
     tools: ToolMode
     reasoning: bool  # `reasoning_content` is split from the content (and present in the answer)
     prompt_text: str = ""
-    response_template: Any = None  # the tokenizer's, if it declares one
+    response_template: dict[str, object] | None = None  # the tokenizer's, if it declares one
 
     def parser(self) -> MessageParser | None:
         """A fresh parser for one choice (None: the text is all content, as without this feature)."""
