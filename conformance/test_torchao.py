@@ -126,3 +126,58 @@ def test_int8_weight_only_through_the_manager(quantized) -> None:
     results = {f"req_{i}": outputs[rid] for i, rid in enumerate(ids)}
     check_parity(model, PROMPTS, results, [references.get(p) for p in PROMPTS], "torchao int8, manager")
     assert rows, "int8_matmul never ran in the manager's thread"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_checkpoint_loaded_with_torchao_config(dtype, tmp_path) -> None:
+    """transformers' own route: `from_pretrained(..., quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))`
+    on a local checkpoint (transformers leaves the LM head float: it runs packed, the rest on int8_matmul)."""
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    if ensure_native_module(timeout=900) is None:
+        pytest.skip("the native library cannot be built here")
+    float_model = tiny_llama()
+    sharpen(float_model)
+    float_model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        dtype=dtype,
+        device_map="cpu",
+        quantization_config=TorchAoConfig(quantization.Int8WeightOnlyConfig()),
+    ).eval()
+    model.generation_config.eos_token_id = None
+    assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    with native_products() as rows:
+        outputs, _ = run_batch(
+            model, PROMPTS, greedy_config(MAX_NEW_TOKENS), page_size=4, max_batch_tokens=16
+        )
+    check_parity(model, PROMPTS, outputs, [references.get(p) for p in PROMPTS], f"TorchAoConfig, {dtype}")
+    assert rows, "int8_matmul never ran"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_int4_weight_only_runs_torchaos_own_product(dtype) -> None:
+    """int4 weight-only on the CPU (torchao 0.18's `Int4WeightOnlyConfig` layouts need CUDA or mslk):
+    `IntxWeightOnlyConfig(weight_dtype=torch.int4)`, per group of 32, one int8 per value; torchao
+    dequantizes it at each product and runs `F.linear`, in the engine as in `generate()`."""
+    model = tiny_llama()
+    sharpen(model)
+    model.generation_config.eos_token_id = None
+    model = model.to(dtype)
+    config = quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=quantization.PerGroup(32))
+    quantization.quantize_(model, config)
+    assert type(model.lm_head.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    num_blocks = tight_num_blocks(PROMPTS, MAX_NEW_TOKENS, 4)
+    with native_products() as rows:
+        outputs, preempted = run_batch(
+            model,
+            PROMPTS,
+            greedy_config(MAX_NEW_TOKENS),
+            page_size=4,
+            max_batch_tokens=16,
+            num_blocks=num_blocks,
+        )
+    check_parity(model, PROMPTS, outputs, [references.get(p) for p in PROMPTS], f"torchao int4, {dtype}")
+    assert preempted and not rows

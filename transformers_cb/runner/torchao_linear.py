@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.native import native_module
+from ..memory.weight_key import quantized_parts
 from ..patches import in_force, patched
 
 PATCH_KIND = "torchao_int8_linears"  # its counted patches (patches.py)
@@ -134,17 +135,9 @@ def int8_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
-    """The bytes `tensor` holds: a tensor subclass (torchao's quantized weights, whose `numel() *
-    element_size()` counts the logical float weight) by the plain tensors it is made of."""
-    if type(tensor) is torch.Tensor or type(tensor) is nn.Parameter:
-        return tensor.numel() * tensor.element_size()
-    flatten = getattr(tensor, "__tensor_flatten__", None)
-    if flatten is None:
-        return tensor.numel() * tensor.element_size()
-    names, _ = flatten()
-    return sum(
-        tensor_bytes(inner) for name in names if isinstance(inner := getattr(tensor, name), torch.Tensor)
-    )
+    """The bytes `tensor` holds: a torchao weight (whose `numel() * element_size()` counts the logical float
+    weight) by the plain tensors it is made of (`quantized_parts`)."""
+    return sum(part.numel() * part.element_size() for part in quantized_parts(tensor))
 
 
 def torchao_bytes(model: nn.Module) -> int:
