@@ -24,8 +24,8 @@ HOOK_ATTRIBUTE = "ct_decompress_hook"  # compressed-tensors' `ModelCompressor.ad
 def decompress_pending(model: nn.Module) -> bool:
     """Run `model`'s pending compressed-tensors decompression hook (what its first forward would run);
     whether there was one."""
-    handle = getattr(model, HOOK_ATTRIBUTE, None)
-    hook = None if handle is None else model._forward_pre_hooks.get(getattr(handle, "id", None))
+    hook_id = getattr(getattr(model, HOOK_ATTRIBUTE, None), "id", None)  # a RemovableHandle's
+    hook = model._forward_pre_hooks.get(hook_id) if isinstance(hook_id, int) else None
     if hook is None:
         return False
     logger.info("compressed-tensors checkpoint: decompressing its weights now, as its first forward would")
