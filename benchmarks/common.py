@@ -835,6 +835,27 @@ class OursQuantizedEngine(OursEngine):
         return super().run(self.quantized(model), workload)
 
 
+class OursInt8KVEngine(OursEngine):
+    """`OursEngine` with the int8 KV cache (`kv_cache_dtype="int8"`, memory/kv_quant.py, opt-in): half the
+    bytes a decode step's attention reads; outputs within the cache's quantization, not `generate()`'s."""
+
+    name = "ours-int8kv"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, kv_cache_dtype="int8"), settings, ignored
+
+
+class OursQuantizedInt8KVEngine(OursQuantizedEngine):
+    """`OursQuantizedEngine` (the GGUF's blocks kept) with the int8 KV cache: both opt-in byte savings."""
+
+    name = "ours-quantized-int8kv"
+
+    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
+        cfg, settings, ignored = super()._config(workload)
+        return dataclasses.replace(cfg, kv_cache_dtype="int8"), settings, ignored
+
+
 class OursPackedEngine(OursEngine):
     """`OursEngine` with `packed_linear=True`: the default's packed products asked for explicitly (a
     warning when the platform has none; `transformers_cb/runner/packed_linear.py`). The warmup builds the

@@ -30,7 +30,7 @@ from typing import Any
 ENGINE_NAMES = (
     "static", "builtin", "ours", "ours-noshare", "ours-hf", "ours-sampled", "ours-compiled",
     "ours-packed", "ours-plain", "ours-torch-kernels", "ours-eager-layers", "ours-batch-invariant",
-    "ours-quantized", "limit",
+    "ours-quantized", "ours-int8kv", "ours-quantized-int8kv", "limit",
     "vllm", "vllm-gomp", "llama.cpp",
 )  # fmt: skip
 DTYPES = ("float32", "bfloat16", "float16")
@@ -79,12 +79,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "ours-eager-layers",
                 "ours-batch-invariant",
                 "ours-quantized",
+                "ours-int8kv",
+                "ours-quantized-int8kv",
                 "vllm",
                 "vllm-gomp",
                 "llama.cpp",
             )
         ],  # opt in
-        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), ours-eager-layers (the native decoder-layer ops off: transformers' eager norms, rotary, SiLU·mul), ours-batch-invariant (batch_invariant=True: each request's tokens and logprobs independent of the batch; the mode's cost), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), llama.cpp (llama-server on the real model's own GGUF, see --llama-server and benchmarks/llama_cpp_engine.py; runs last), limit (limit is always added: ratios need it; see --no-limit)",
+        help="comma list of: static, builtin, ours, ours-noshare (prefix sharing off), ours-hf (ours given transformers' config), ours-sampled, ours-compiled (default_compile_level=1), ours-packed (packed_linear=True: packed oneDNN products asked for), ours-plain (packed_linear=False: MKL's products), ours-torch-kernels (the native CPU kernel off), ours-eager-layers (the native decoder-layer ops off: transformers' eager norms, rotary, SiLU·mul), ours-batch-invariant (batch_invariant=True: each request's tokens and logprobs independent of the batch; the mode's cost), ours-quantized (the real model's GGUF blocks kept), ours-int8kv / ours-quantized-int8kv (the int8 KV cache, kv_cache_dtype='int8'), vllm (vLLM in its own venv, see --vllm-python, with its venv's libiomp5 preloaded as vLLM's CPU docs ask; its timed runs come after every other engine's), vllm-gomp (the same without the preload), llama.cpp (llama-server on the real model's own GGUF, see --llama-server and benchmarks/llama_cpp_engine.py; runs last), limit (limit is always added: ratios need it; see --no-limit)",
     )
     p.add_argument("--no-limit", action="store_true", help="do not run the limit engine")
     p.add_argument(
@@ -299,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
             return common.OursBatchInvariantEngine(settings_fn)
         if name == "ours-quantized":
             return common.OursQuantizedEngine(settings_fn)
+        if name == "ours-int8kv":
+            return common.OursInt8KVEngine(settings_fn)
+        if name == "ours-quantized-int8kv":
+            return common.OursQuantizedInt8KVEngine(settings_fn)
         if name in ("vllm", "vllm-gomp"):
             import vllm_engine
 

@@ -73,3 +73,21 @@ def test_sample_indices_are_spread_exactly_and_stay_in_range(numel: int) -> None
     indices = spread_indices(numel, 16, torch.device("cpu")).tolist()
     assert len(indices) == min(numel, 16) and indices[0] == 0 and indices[-1] == numel - 1
     assert indices == sorted(set(indices))
+
+
+def test_the_fingerprint_sees_a_torchao_weight_replaced_or_rewritten() -> None:
+    """A torchao weight is a wrapper (`data_ptr()` 0, a version counter of its own that its parts' writes do
+    not bump): the fingerprint reads its int8 data and scales instead."""
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 8))
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
+    before = weights_fingerprint(model)
+    assert weights_fingerprint(model) == before
+    assert sum(isinstance(key, WeightKey) for key in before) == 2 * 3 + 2  # qdata, scale, zero point; biases
+    model[0].weight.qdata.data[0, :4] += 1  # through `.data`: no version moves, the sampled values do
+    assert weights_fingerprint(model) != before
+    before = weights_fingerprint(model)
+    replacement = torch.nn.Linear(32, 16)
+    quantization.quantize_(replacement, quantization.Int8WeightOnlyConfig())
+    model[0].weight = replacement.weight  # a new quantized weight put in place
+    assert weights_fingerprint(model) != before

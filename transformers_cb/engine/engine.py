@@ -29,6 +29,7 @@ from ..requests import Request, RequestStatus
 from ..runner.batch_invariant import batch_invariant_modules
 from ..runner.native_layers import native_layers
 from ..runner.packed_model import model_pack_bytes, packed_linears
+from ..runner.torchao_linear import int8_linears
 from ..scheduler.draft_source import Drafts
 from ..scheduler.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
@@ -238,13 +239,15 @@ class Engine:
     @contextmanager
     def session(self) -> Iterator[None]:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
-        warm-up): its paged attention backend, its packed products, its native layer ops, the draft model's backend, the state
-        layers' split forwards (runner/state_layers.py), batch-invariant mode's fixed-shape products and
-        activations (runner/batch_invariant.py), inference mode; all restored on exit. Every caller
-        that steps the engine enters it, and only it."""
+        warm-up): its paged attention backend, its packed products, torchao's int8 Linears on the native
+        product, its native layer ops, the draft model's backend, the state layers' split forwards
+        (runner/state_layers.py), batch-invariant mode's fixed-shape products and activations
+        (runner/batch_invariant.py), inference mode; all restored on exit. Every caller that steps the
+        engine enters it, and only it."""
         with (
             paged_backend(self.model, self.plan.step_options.attn_implementation),
             packed_linears(self.model, self.plan.step_options.packed_linear),
+            int8_linears(self.model, self.plan.step_options.int8_linears),
             native_layers(self.model, self.plan.step_options.native_layers),
             self.assistant_session(),
             self.runner.session(),

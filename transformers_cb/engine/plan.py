@@ -54,6 +54,7 @@ from ..sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
 from ..scheduler.scheduler_plan import SchedulerPlan, resolve_scheduler_plan
 from .assistant import AssistantPlan, assistant_kv_bytes_per_token, check_assistant, resolve_assistant
 from .draft_setup import speculation_refusal
+from .pending_decompression import decompress_pending
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def resolve_plan(
     `NotImplementedError`) before anything is allocated for what cannot run."""
     config = private_config(cb_config)
     sampling = resolve_sampling_plan(model, generation_config, config, all_request_stages)
+    decompress_pending(model)  # a compressed-tensors checkpoint's first-forward hook: the engine bypasses it
     check_model_supported(model)
     states = state_layout(model)
     refusal = speculation_refusal(model, states is not None)

@@ -118,12 +118,24 @@ def value_samples(tensors: Sequence[torch.Tensor]) -> bytes:
     return b"".join(bytes(torch.cat(parts).cpu().numpy()) for parts in by_device.values())
 
 
+def quantized_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a torchao quantized weight is made of (its int8 data, scales, zero points: they hold
+    the bytes, the version counters and the data pointers; the wrapper has none of its own, `data_ptr()` 0),
+    `[tensor]` for any other tensor."""
+    if type(tensor).__module__.split(".")[0] != "torchao" or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [part for t in inner if isinstance(t, torch.Tensor) for part in quantized_parts(t)]
+
+
 def weights_fingerprint(model: torch.nn.Module) -> tuple[object, ...]:
-    """What every parameter is now (key and a sample of its values), and which adapters the PEFT layers
-    apply (`AdapterKey`): changes when any weight is written in place or replaced, written through `.data`
-    (no version bump, but the sampled values move), or another adapter is set, disabled or rescaled. Taken
-    at step boundaries only (a pause's end, an idle engine), never per step."""
-    parameters = list(model.parameters())
+    """What every parameter is now (key and a sample of its values; a torchao weight's by its parts,
+    `quantized_parts`), and which adapters the PEFT layers apply (`AdapterKey`): changes when any weight is
+    written in place or replaced, written through `.data` (no version bump, but the sampled values move), or
+    another adapter is set, disabled or rescaled. Taken at step boundaries only (a pause's end, an idle
+    engine), never per step."""
+    parameters = [part for parameter in model.parameters() for part in quantized_parts(parameter)]
     return (
         *(WeightKey.of(p) for p in parameters),
         value_samples(parameters),

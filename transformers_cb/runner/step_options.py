@@ -53,6 +53,10 @@ class StepOptions:
     # The native decoder-layer ops (`runner/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
+    # torchao int8 weight-only Linears on the native `int8_matmul` (`runner/torchao_linear.py`): a CPU model,
+    # packed products not turned off (`packed_linear=False`, `TRANSFORMERS_CB_PACKED_LINEAR=0`), not
+    # batch-invariant (beyond a few rows torchao's own product runs, whose kernel depends on the row count).
+    int8_linears: bool = False
     # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and
     # activations in fixed shapes (runner/batch_invariant.py); packed products and native layer ops off.
     batch_invariant: bool = False
@@ -201,6 +205,10 @@ def resolve_step_options(
         packed_linear=not invariant
         and resolve_packed_linear(model, config.packed_linear, device_type, config.max_memory_percent),
         native_layers=not invariant and device_type == "cpu" and native_layers_enabled(),
+        int8_linears=not invariant
+        and device_type == "cpu"
+        and config.packed_linear is not False
+        and rule_from_env() is not None,
         batch_invariant=invariant,
     )
 

@@ -1,0 +1,149 @@
+"""torchao int8 weight-only Linears on the native `int8_matmul`, for the run only; real bytes of quantized weights.
+
+A model quantized by torchao (`quantize_(model, Int8WeightOnlyConfig())`, or transformers'
+`TorchAoConfig(Int8WeightOnlyConfig())` at `from_pretrained`) keeps its `nn.Linear` modules with a tensor
+subclass as weight (`torchao.quantization.Int8Tensor`: int8 `qdata` [N, K], float32 `scale` per row). On the
+CPU torchao's product widens the whole int8 weight to x's dtype at each call, then runs torch's `mm` and
+multiplies by the scale. `int8_linears(model, enabled)` (entered by `Engine.session()` beside the packed
+products) gives each such Linear an instance `forward` that runs the native library's `int8_matmul`
+(attention/native_int8_source.py) on up to `DIRECT_MAX_ROWS` rows: it reads the int8 rows in place (no
+copy, so no pack bytes), sums in float32 and rounds where torchao rounds (the sum in x's dtype, then the
+product with the scale, then the bias), so it differs from torchao's result only by the order of the
+float32 sums. Beyond those rows (prefill), under autograd, in a compiled forward, and for every weight this
+module does not take (`native_reason`), torchao's own product runs (`F.linear` on the subclass).
+
+The reference of such a model is `generate()` on the same torchao model (docs/quantization.md). torchao
+itself is never imported here: a weight is recognized by its class's name and module.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import TypeGuard
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.native import native_module
+from ..memory.weight_key import quantized_parts
+from ..patches import in_force, patched
+
+PATCH_KIND = "torchao_int8_linears"  # its counted patches (patches.py)
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows the native product runs; beyond, torchao's (its `mm` on the widened weight). The
+# bounds of the GGUF blocks' product (runner/quantized_linear.py, measured there): not measured for int8
+# rows yet, which widen more cheaply than nibbles.
+DIRECT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+_lock = threading.Lock()
+
+
+def is_torchao_tensor(tensor: torch.Tensor) -> bool:
+    """A torchao tensor subclass (any of its quantized weights)."""
+    return type(tensor).__module__.split(".")[0] == "torchao"
+
+
+def native_reason(weight: torch.Tensor) -> str | None:
+    """Why `weight` cannot run on `int8_matmul`, or None: a torchao `Int8Tensor` on the CPU, weight-only
+    (no activation quantization or pre-scale), with one scale per row or for the whole tensor (torchao's
+    own int8 branch; a per-group weight is dequantized by torchao instead), in float32 or bfloat16."""
+    if not is_torchao_tensor(weight) or type(weight).__name__ != "Int8Tensor":
+        return "not a torchao Int8Tensor"
+    if (
+        getattr(weight, "act_quant_kwargs", None) is not None
+        or getattr(weight, "act_pre_scale", None) is not None
+    ):
+        return "activations are quantized or pre-scaled (not weight-only)"
+    qdata, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    if not isinstance(qdata, torch.Tensor) or not isinstance(scale, torch.Tensor):
+        return "no qdata / scale"
+    if (
+        qdata.dtype != torch.int8
+        or qdata.dim() != 2
+        or not qdata.is_contiguous()
+        or qdata.device.type != "cpu"
+    ):
+        return "qdata is not a contiguous 2-D int8 CPU tensor"
+    if weight.dtype not in COMPUTE_DTYPES:
+        return f"its dtype is {weight.dtype} (float32 and bfloat16 only)"
+    if list(getattr(weight, "block_size", (0,)))[-1] < qdata.shape[-1] or scale.numel() not in (
+        1,
+        qdata.shape[0],
+    ):
+        return "per-group scales (torchao dequantizes those)"
+    return None
+
+
+def is_native_int8(module: nn.Module) -> TypeGuard[nn.Linear]:
+    """A plain `nn.Linear` (not a subclass, no accelerate hook, no forward of its own set by someone else)
+    whose weight `int8_matmul` can run."""
+    if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
+        return False
+    if "forward" in module.__dict__ and not in_force(PATCH_KIND, module, "forward"):
+        return False
+    return native_reason(module.weight) is None
+
+
+def int8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`F.linear(x, weight, bias)` for an `Int8Tensor` weight on the native library, or None when it is not
+    loaded (not built yet, switched off) or predates `int8_matmul`."""
+    module = native_module()
+    if module is None or not hasattr(module, "int8_matmul"):
+        return None
+    qdata: torch.Tensor = weight.qdata  # type: ignore[attr-defined]
+    scale = weight.scale.reshape(-1).float()  # type: ignore[attr-defined]
+    out_features, in_features = qdata.shape
+    if scale.numel() == 1:
+        scale = scale.expand(out_features)
+    y = module.int8_matmul(x.reshape(-1, in_features), qdata, scale.contiguous())
+    if bias is not None:
+        y += bias  # after the scale, in x's dtype: torchao's `y += bias`
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def _native_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight, bias = module.weight, module.bias
+        plain = (
+            torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or input.dtype != weight.dtype
+            or input.device.type != "cpu"
+            or input.numel() > DIRECT_MAX_ROWS[weight.dtype] * module.in_features
+            or native_reason(weight) is not None  # replaced since the run began
+        )
+        output = None if plain else int8_product(input, weight, bias)
+        return F.linear(input, weight, bias) if output is None else output
+
+    return forward
+
+
+@contextmanager
+def int8_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
+    """Inside (with `enabled`): the torchao int8 weight-only Linears of `model` run `int8_matmul` on few rows.
+    Yields how many Linears."""
+    if not enabled:
+        yield 0
+        return
+    with _lock:
+        forwards = [(m, "forward", partial(_native_forward, m)) for m in model.modules() if is_native_int8(m)]
+    with patched(PATCH_KIND, forwards) as count:
+        yield count
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes `tensor` holds: a torchao weight (whose `numel() * element_size()` counts the logical float
+    weight) by the plain tensors it is made of (`quantized_parts`)."""
+    return sum(part.numel() * part.element_size() for part in quantized_parts(tensor))
+
+
+def torchao_bytes(model: nn.Module) -> int:
+    """Bytes of `model`'s torchao-quantized parameters as held (int8 data and scales), shared ones once."""
+    seen: dict[int, int] = {}
+    for parameter in model.parameters():
+        if is_torchao_tensor(parameter):
+            seen.setdefault(id(parameter), tensor_bytes(parameter))
+    return sum(seen.values())
