@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from .import_noise import quiet_import_noise
+
+quiet_import_noise()  # before anything imports transformers (and, through it, torchao)
+
 from .config import ContinuousBatchingConfig
 from .manager.manager import ContinuousBatchingManager
 from .manager.results import ManagerDeadError, UnknownRequestError
