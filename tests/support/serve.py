@@ -30,7 +30,7 @@ MODEL_NAME = "tiny-test"
 
 def served_text(tokenizer: Any, tokens: list[int]) -> str:
     """The text the server sends for `tokens`: their decoding, less the U+FFFD of a character the last tokens
-    leave incomplete (serve/text.py drops those bytes)."""
+    leave incomplete (serve/events/text.py drops those bytes)."""
     return tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
 
 

@@ -25,8 +25,9 @@ from ..jobs.prompts import rendered_ids, text_ids
 from .adapters import ServedAdapters
 from .chat_media import has_media, media_prompt
 from .chat_template import chat_text
-from .choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
-from .delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
+from .events.choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
+from .events.completion_bodies import ResponseShape
+from .events.delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
 from .metrics import ServerMetrics
 from .protocol import (
     ASSISTANT_FIELDS,
@@ -41,7 +42,6 @@ from .response_format import guided_of
 from .response_input import MAX_INPUT_ITEMS, input_messages
 from .response_output import OutputItems
 from .response_stream import collect_output, response_stream
-from .responses import ResponseShape
 from .responses_api import ResponseObject, ResponsesRequest, ResponseStore, new_response_id, rename_param
 from .tools import tool_mode
 from .turn import TurnFormat, split_events

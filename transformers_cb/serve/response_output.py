@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .choices import ChoiceEvent
+from .events.choices import ChoiceEvent
 from .tools import ToolCall
 
 

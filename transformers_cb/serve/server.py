@@ -198,7 +198,7 @@ def start_serving_manager(
 
     from ..manager.manager import ContinuousBatchingManager
     from ..models.loading import special_ids
-    from .choices import serving_generation_config
+    from .events.choices import serving_generation_config
 
     cb_config = dataclasses.replace(cb_config, per_request_processors=True)
     eos_token_id, pad_token_id = special_ids(model, tokenizer)

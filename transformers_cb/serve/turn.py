@@ -1,6 +1,6 @@
 """An assistant turn's text split as it streams: reasoning, content and tool calls.
 
-A chat choice's detokenized text (serve/choices.py) goes through one `MessageParser`, which says, piece by
+A chat choice's detokenized text (serve/events/choices.py) goes through one `MessageParser`, which says, piece by
 piece, what is reasoning (`reasoning_content`), what is content and which tool calls were made:
 
 - `TemplateParser`: the tokenizer declares its output format (`tokenizer.response_template`): transformers'
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .choices import ChoiceEvent, aclose
+from .events.choices import ChoiceEvent, aclose
 from .tools import ToolCall, ToolMode, new_call
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

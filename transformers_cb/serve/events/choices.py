@@ -28,18 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig
 
-from ..manager.results import ManagerDeadError
-from ..requests import RequestStatus
-from ..sampling.neutral import NEUTRAL_VALUES, is_neutral
-from ..sampling.params import VECTOR_PARAMS, derive_seed
-from .metrics import ServerMetrics
-from .protocol import ApiError
+from ...manager.results import ManagerDeadError
+from ...requests import RequestStatus
+from ...sampling.neutral import NEUTRAL_VALUES, is_neutral
+from ...sampling.params import VECTOR_PARAMS, derive_seed
+from ..metrics import ServerMetrics
+from ..protocol import ApiError
+from ..tools import ToolCall
 from .text import IncrementalDetokenizer, StopScanner
-from .tools import ToolCall
 
 if TYPE_CHECKING:
-    from ..manager.manager import ContinuousBatchingManager
-    from ..requests import GenerationOutput
+    from ...manager.manager import ContinuousBatchingManager
+    from ...requests import GenerationOutput
 
 
 def serving_generation_config(eos_token_id: Any, pad_token_id: Any) -> GenerationConfig:

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .choices import ChoiceEvent, ManagerChoices, Submitted, aclose
-from .responses import ChoiceTotals, ResponseShape, sse
+from .completion_bodies import ChoiceTotals, ResponseShape, sse
 
 
 class CancellingStreamingResponse(StreamingResponse):

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..tools import ToolCall
 from .choices import ChoiceEvent
-from .tools import ToolCall
 
 
 @dataclass
