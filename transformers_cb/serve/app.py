@@ -39,10 +39,16 @@ from .protocol import (
 )
 from .reasoning import template_kwargs, thinks
 from .response_format import guided_of
-from .response_input import MAX_INPUT_ITEMS, input_messages
-from .response_output import OutputItems
-from .response_stream import collect_output, response_stream
-from .responses_api import ResponseObject, ResponsesRequest, ResponseStore, new_response_id, rename_param
+from .responses.response_input import MAX_INPUT_ITEMS, input_messages
+from .responses.response_output import OutputItems
+from .responses.response_stream import collect_output, response_stream
+from .responses.responses_api import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    new_response_id,
+    rename_param,
+)
 from .tools import tool_mode
 from .turn import TurnFormat, split_events
 

@@ -1,6 +1,6 @@
 """A Responses answer's output items, built from one choice's events (`OutputItems`): `reasoning`,
 `message` and `function_call` items, each opened, filled and closed as the events come, and the stream
-events each step makes (serve/response_stream.py numbers and frames them). A streamed response and a whole
+events each step makes (serve/responses/response_stream.py numbers and frames them). A streamed response and a whole
 one hold the same items because both are this one object; `message` gives the assistant turn they are,
 for `previous_response_id`.
 """
@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .events.choices import ChoiceEvent
-from .tools import ToolCall
+from ..events.choices import ChoiceEvent
+from ..tools import ToolCall
 
 
 @dataclass

@@ -1,13 +1,13 @@
 """OpenAI's Responses API (`POST /v1/responses`) as a chat turn: the request becomes a chat request, the answer
 becomes output items.
 
-A request's `instructions` (a system message) and `input` items (serve/response_input.py: messages, with
+A request's `instructions` (a system message) and `input` items (serve/responses/response_input.py: messages, with
 `input_image` data URLs as chat's `image_url` parts; `function_call`, `function_call_output`,
 `reasoning`) are translated into chat messages, and its `tools`
 (`{"type": "function", "name", "parameters"}`), `tool_choice`, `reasoning` (its `effort`), `text` (its
 `format`) and sampling fields into the chat request's: the prompt, tool calling and reasoning are the chat path's (serve/app.py,
 serve/tools.py, serve/turn.py). The choice's events become output items (`reasoning`, `message`,
-`function_call`) through one `OutputItems` (serve/response_output.py), which also gives the stream's events,
+`function_call`) through one `OutputItems` (serve/responses/response_output.py), which also gives the stream's events,
 so a streamed response and a whole one hold the same items. Finished responses' conversations (without their `instructions`, as OpenAI
 keeps them) stay in a bounded in-memory LRU, `ResponseStore`, for `previous_response_id`.
 """
@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from .protocol import ApiError, ChatCompletionRequest, _Body, _Part
+from ..protocol import ApiError, ChatCompletionRequest, _Body, _Part
 from .response_input import field_path
 from .response_output import OutputItems
 

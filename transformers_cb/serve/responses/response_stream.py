@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from .events.choices import ChoiceEvent, aclose
+from ..events.choices import ChoiceEvent, aclose
 from .response_output import OutputItems
 from .responses_api import ResponseObject, sse_event
 

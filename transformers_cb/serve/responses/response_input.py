@@ -1,7 +1,7 @@
 """A Responses request's `input` read as chat messages (`input_messages`): each item (`message` with
 `input_text` / `input_image` parts, `function_call`, `function_call_output`, `reasoning`) validated on its
 own, so that an item the server cannot read is a 400 naming its field (`input.2.content.1.image_url`), and
-translated into the chat turn the chat path runs (serve/responses_api.py builds the rest of the request).
+translated into the chat turn the chat path runs (serve/responses/responses_api.py builds the rest of the request).
 A reasoning item waits for the assistant turn it belongs to; consecutive `function_call` items join one
 assistant message's `tool_calls`, as chat holds them.
 """
@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from .chat_media import decode_data_url, load_image
-from .protocol import ApiError, _Part
+from ..chat_media import decode_data_url, load_image
+from ..protocol import ApiError, _Part
 
 MAX_INPUT_ITEMS = 4096  # input items per request (and in a conversation continued by `previous_response_id`)
 UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})  # pydantic's names of union branches
