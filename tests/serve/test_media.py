@@ -1,4 +1,4 @@
-"""Chat messages with images on the server (serve/chat_media.py): data URLs only, bounded count and bytes,
+"""Chat messages with images on the server (serve/chat/chat_media.py): data URLs only, bounded count and bytes,
 `wav` audio decoded, and an image request through a processor equal to `generate()` on the same inputs.
 
 Two paths: a processor test double (the tokenizer's chat template, four placeholder tokens per image, raw
@@ -33,7 +33,7 @@ from tests.support.serve import (
 )
 from tests.support.threads import TIMEOUT
 from tests.support.vision_models import build_tiny_llava, media_reference, save_tiny_llava_checkpoint
-from transformers_cb.serve import chat_media as media
+from transformers_cb.serve.chat import chat_media as media
 from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest
 
 IMAGE_TOKEN = 258  # byte 255 in the tiny byte-level tokenizer: never in ASCII text

@@ -242,7 +242,7 @@ def build_state(args: argparse.Namespace) -> Any:
     model, tokenizer = load_for_command(args)
     processor = load_processor(
         args.model
-    )  # chat messages with images render through it (serve/chat_media.py)
+    )  # chat messages with images render through it (serve/chat/chat_media.py)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         if processor is not None:

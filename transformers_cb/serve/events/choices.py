@@ -32,9 +32,9 @@ from ...manager.results import ManagerDeadError
 from ...requests import RequestStatus
 from ...sampling.neutral import NEUTRAL_VALUES, is_neutral
 from ...sampling.params import VECTOR_PARAMS, derive_seed
+from ..chat.tools import ToolCall
 from ..metrics import ServerMetrics
 from ..protocol import ApiError
-from ..tools import ToolCall
 from .text import IncrementalDetokenizer, StopScanner
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class ChoiceEvent:
     echoed: int = 0  # how many leading `token_ids` are the echoed prompt (echo=true)
     finish_reason: str | None = None
     error: ApiError | None = None
-    # Chat only, once the text is split (serve/turn.py): `text` is then the content.
+    # Chat only, once the text is split (serve/chat/turn.py): `text` is then the content.
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..tools import ToolCall
+from ..chat.tools import ToolCall
 from .choices import ChoiceEvent
 
 

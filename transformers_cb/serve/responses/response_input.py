@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
-from ..chat_media import decode_data_url, load_image
+from ..chat.chat_media import decode_data_url, load_image
 from ..protocol import ApiError, _Part
 
 MAX_INPUT_ITEMS = 4096  # input items per request (and in a conversation continued by `previous_response_id`)
@@ -31,7 +31,7 @@ class ContentPart(_Part):
 
 
 class ImageInputPart(_Part):
-    """An `input_image` part: its `image_url` a data URL (serve/chat_media.py reads no other); `file_id` (the
+    """An `input_image` part: its `image_url` a data URL (serve/chat/chat_media.py reads no other); `file_id` (the
     Files API) is refused by name."""
 
     type: Literal["input_image"]

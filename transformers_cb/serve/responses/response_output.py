@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat.tools import ToolCall
 from ..events.choices import ChoiceEvent
-from ..tools import ToolCall
 
 
 @dataclass

@@ -6,7 +6,7 @@ A request's `instructions` (a system message) and `input` items (serve/responses
 `reasoning`) are translated into chat messages, and its `tools`
 (`{"type": "function", "name", "parameters"}`), `tool_choice`, `reasoning` (its `effort`), `text` (its
 `format`) and sampling fields into the chat request's: the prompt, tool calling and reasoning are the chat path's (serve/app.py,
-serve/tools.py, serve/turn.py). The choice's events become output items (`reasoning`, `message`,
+serve/chat/tools.py, serve/chat/turn.py). The choice's events become output items (`reasoning`, `message`,
 `function_call`) through one `OutputItems` (serve/responses/response_output.py), which also gives the stream's events,
 so a streamed response and a whole one hold the same items. Finished responses' conversations (without their `instructions`, as OpenAI
 keeps them) stay in a bounded in-memory LRU, `ResponseStore`, for `previous_response_id`.

@@ -1,6 +1,6 @@
 """Tool calling on the server: the request's `tools` and `tool_choice` checked and resolved into one `ToolMode`.
 
-`auto`: the model may call a tool; its output is parsed (serve/turn.py). `none`: nothing is parsed.
+`auto`: the model may call a tool; its output is parsed (serve/chat/turn.py). `none`: nothing is parsed.
 `required` and a named function are *guaranteed*: the output is generated under a JSON schema by the
 structured-outputs engine (serve/response_format.py's engine, llguidance) and wrapped into tool calls here, instead of
 asking the model for its own tool-call markup. A named function's output is its arguments object (the
@@ -16,8 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ..sampling.guided import GuidedDecoding
-from .protocol import ApiError, ToolDefinition
+from ...sampling.guided import GuidedDecoding
+from ..protocol import ApiError, ToolDefinition
 
 MAX_TOOLS = 128  # OpenAI's limit
 MAX_TOOLS_CHARS = 200_000  # the tool definitions as JSON text: they are rendered into every prompt

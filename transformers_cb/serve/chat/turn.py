@@ -12,7 +12,7 @@ piece, what is reasoning (`reasoning_content`), what is content and which tool c
   `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (one object or a list). Markup that does not parse
   as a call of a declared tool stays content, unchanged.
 - `ForcedParser`: `tool_choice` required or a named function; the output was generated under the tool's
-  schema (serve/tools.py), so it is read as JSON, never searched for markup.
+  schema (serve/chat/tools.py), so it is read as JSON, never searched for markup.
 
 Text that may still turn into markup (a prefix of `<tool_call>` or `</think>`) is held back until it can be
 told apart, so no delta is ever taken back.
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .events.choices import ChoiceEvent, aclose
+from ..events.choices import ChoiceEvent, aclose
 from .tools import ToolCall, ToolMode, new_call
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"

@@ -6,7 +6,7 @@ that does not think). `auto` (the default): the template's own default, and the 
 model's template or tokenizer knows reasoning (its template mentions `<think>` or `enable_thinking`, or the
 tokenizer declares a `response_template`). A request's `chat_template_kwargs` (e.g. `{"enable_thinking":
 false}`) override the server's keywords; `reasoning_effort` reaches templates that take it. The split itself
-is serve/turn.py's.
+is serve/chat/turn.py's.
 """
 
 from __future__ import annotations

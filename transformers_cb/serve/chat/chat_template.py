@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..jobs.prompts import render_chat
-from .protocol import ApiError, ChatCompletionRequest
+from ...jobs.prompts import render_chat
+from ..protocol import ApiError, ChatCompletionRequest
 from .reasoning import template_kwargs
 from .tools import ToolMode
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .protocol import ApiError, AudioPart, ChatCompletionRequest, ImagePart, TextPart
+from ..protocol import ApiError, AudioPart, ChatCompletionRequest, ImagePart, TextPart
 
 MAX_MEDIA_ITEMS = 8
 MAX_MEDIA_BYTES = 20 * 1024 * 1024
