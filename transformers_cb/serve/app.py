@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..jobs.prompts import rendered_ids, text_ids
-from .adapters import ServedAdapters
 from .chat.chat_media import has_media, media_prompt
 from .chat.chat_template import chat_text
 from .chat.reasoning import template_kwargs, thinks
@@ -51,6 +50,7 @@ from .responses.responses_api import (
     new_response_id,
     rename_param,
 )
+from .served_adapters import ServedAdapters
 
 if TYPE_CHECKING:
     from ..manager.manager import ContinuousBatchingManager
@@ -75,7 +75,7 @@ class ServeState:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
-    # `--adapter name=path` and `--max-adapters` (serve/adapters.py); None: the base model alone.
+    # `--adapter name=path` and `--max-adapters` (serve/served_adapters.py); None: the base model alone.
     served_adapters: ServedAdapters | None = None
     choices: ManagerChoices = field(init=False)
     adapters: ServedAdapters = field(init=False)  # the `model` field's names

@@ -389,7 +389,7 @@ def _refuse_unless(neutral: bool, name: str) -> None:
 
 
 class LoadAdapterRequest(_Body):
-    """`POST /v1/adapters`: load the PEFT adapter folder `path` as `name` (serve/adapters.py)."""
+    """`POST /v1/adapters`: load the PEFT adapter folder `path` as `name` (serve/served_adapters.py)."""
 
     name: str
     path: str

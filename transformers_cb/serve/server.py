@@ -235,8 +235,8 @@ def build_state(args: argparse.Namespace) -> Any:
     from ..manager.adaptive_threads import AdaptiveThreads
     from ..models.cpu_threads import adapts, available_cores
     from ..models.loading import load_assistant_for_command, load_for_command, load_processor, resolve_device
-    from .adapters import ServedAdapters, parse_adapter_flag
     from .app import ServeState
+    from .served_adapters import ServedAdapters, parse_adapter_flag
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)

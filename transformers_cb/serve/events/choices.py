@@ -89,7 +89,7 @@ class ChoiceOptions:
     top_logprobs: int = 0
     echo: bool = False
     adapter: str | None = (
-        None  # the PEFT adapter (the `model` field, serve/adapters.py); None: the base model
+        None  # the PEFT adapter (the `model` field, serve/served_adapters.py); None: the base model
     )
 
 
