@@ -837,7 +837,7 @@ class OursQuantizedEngine(OursEngine):
 
 class OursPackedEngine(OursEngine):
     """`OursEngine` with `packed_linear=True`: the default's packed products asked for explicitly (a
-    warning when the platform has none; `transformers_cb/runner/packed_linear.py`). The warmup builds the
+    warning when the platform has none; `transformers_cb/runner/products/packed_linear.py`). The warmup builds the
     packs."""
 
     name = "ours-packed"

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import take_cb_config
 from ..manager.manager import CACHED_MANAGER_ATTR, ContinuousBatchingManager
-from ..runner.packed_model import release_packs
+from ..runner.products.packed_model import release_packs
 from .generate_batch import CACHED_ENGINE_ATTR
 
 logger = logging.getLogger(__name__)

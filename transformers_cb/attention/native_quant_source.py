@@ -16,7 +16,7 @@ is rounded to bfloat16. Parallel over output columns; rows in tiles of up to 8, 
 dequantized once per tile and stay in L1. No integer (VNNI) dot products: they would quantize x too.
 
 `quant_dequantize(blocks, qtype, dtype)`: the whole [N, K] weight in float32 or bfloat16 (the prefill path
-of runner/quantized_linear.py multiplies tiles of it with torch's product, faster on many rows).
+of runner/products/quantized_linear.py multiplies tiles of it with torch's product, faster on many rows).
 """
 
 QUANT_SOURCE = r"""

@@ -31,12 +31,12 @@ from ..kv.page_manager import PageManager
 from ..memory.kv_cache import PagedKVCache
 from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
-from ..runner.batch_invariant import batch_invariant_modules
 from ..runner.drafter import Drafter
 from ..runner.model_runner import ModelRunner
 from ..runner.native_layers import native_layers
-from ..runner.packed_model import model_pack_bytes, packed_linears, release_packs
 from ..runner.packing import BatchPacker
+from ..runner.products.batch_invariant import batch_invariant_modules
+from ..runner.products.packed_model import model_pack_bytes, packed_linears, release_packs
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.draft_source import Drafts
 from ..scheduler.scheduler import Scheduler
@@ -312,7 +312,7 @@ class Engine:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
         warm-up): its paged attention backend, its packed products, its native layer ops, the draft model's backend, the state
         layers' split forwards (runner/state_layers.py), batch-invariant mode's fixed-shape products and
-        activations (runner/batch_invariant.py), inference mode; all restored on exit. Every caller
+        activations (runner/products/batch_invariant.py), inference mode; all restored on exit. Every caller
         that steps the engine enters it, and only it."""
         with (
             paged_backend(self.model, self.plan.step_options.attn_implementation),

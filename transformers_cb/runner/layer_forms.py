@@ -136,7 +136,7 @@ def weight_of(module: nn.Module) -> torch.Tensor:
 
 def linear_dtype(module: nn.Module) -> torch.dtype:
     """The dtype a projection computes in: its weight's, or a Linear kept in GGUF blocks' `compute_dtype`
-    (runner/quantized_linear.py), which has no float weight."""
+    (runner/products/quantized_linear.py), which has no float weight."""
     weight = getattr(module, "weight", None)
     if isinstance(weight, torch.Tensor):
         return weight.dtype

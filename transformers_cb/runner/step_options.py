@@ -25,8 +25,8 @@ from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
 from .compile_plan import CompilePlan, resolve_compile_plan
 from .native_layers import enabled_by_env as native_layers_enabled
-from .packed_linear import packed_linear_available, rule_from_env, warn_once
-from .packed_model import pack_bytes
+from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
+from .products.packed_model import pack_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ class StepOptions:
     max_cached_graphs: int
     # The model ignores `logits_to_keep` (the support check's probe saw it): the runner selects the rows.
     select_logit_rows: bool = False
-    # Packed oneDNN products for the model's Linears (`runner/packed_model.py`): not turned off, the
+    # Packed oneDNN products for the model's Linears (`runner/products/packed_model.py`): not turned off, the
     # platform passed its self-test, the rule packs at least one weight and the packs fit in memory.
     packed_linear: bool = False
     # The native decoder-layer ops (`runner/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
     # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and
-    # activations in fixed shapes (runner/batch_invariant.py); packed products and native layer ops off.
+    # activations in fixed shapes (runner/products/batch_invariant.py); packed products and native layer ops off.
     batch_invariant: bool = False
 
     @property

@@ -300,7 +300,7 @@ def run_serve(args: argparse.Namespace) -> int:
         require_serve_extra()
     except ImportError as error:
         raise InputError(str(error)) from None
-    from transformers_cb.runner.onednn_caches import bound_shape_caches
+    from transformers_cb.runner.products.onednn_caches import bound_shape_caches
 
     from .app import build_app
 

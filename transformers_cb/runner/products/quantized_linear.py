@@ -11,7 +11,7 @@ torch ops (`dequantize_blocks`): the same values, slower.
 
 These modules replace a model's `nn.Linear` / `nn.Embedding` for good (models/gguf_weights.py, at load):
 the float weights are not kept, so `generate()` and every engine step run the same products. They are no
-`nn.Linear` (packing, runner/packed_model.py, leaves them alone) and their blocks are buffers, not
+`nn.Linear` (packing, runner/products/packed_model.py, leaves them alone) and their blocks are buffers, not
 parameters (no gradient, no optimizer).
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.native import native_module
+from ...attention.native import native_module
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
 BLOCK_WEIGHTS = 32

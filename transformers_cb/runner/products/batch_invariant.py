@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..patches import in_force, patched
+from ...patches import in_force, patched
 
 PATCH_KIND = "batch_invariant"
 # Rows of every product call: measured on this project's CPU the fastest of 16 / 32 / 64 for a prefill

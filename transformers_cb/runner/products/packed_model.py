@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..patches import in_force, patched
+from ...patches import in_force, patched
 from .fused_products import FusedGroup, find_groups
 from .packed_linear import (
     NEVER,

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..memory.weight_key import WeightKey, spread_indices
+from ...memory.weight_key import WeightKey, spread_indices
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ SELF_TEST_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)
 # at every row count: certification runs of the suite), "0" / "off" (no packed product, whatever the
 # config says).
 RULE_ENV = "TRANSFORMERS_CB_PACKED_LINEAR"
-# `TRANSFORMERS_CB_FUSED_PRODUCTS=0`: packed products stay one per Linear (runner/fused_products.py).
+# `TRANSFORMERS_CB_FUSED_PRODUCTS=0`: packed products stay one per Linear (runner/products/fused_products.py).
 FUSED_ENV = "TRANSFORMERS_CB_FUSED_PRODUCTS"
 NEVER = 1 << 62  # a row count no product reaches
 
@@ -202,7 +202,7 @@ class PackRegistry:
         self, handle: int, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
     ) -> Pack:
         """The pack of `weights` concatenated along their outputs (a fused q/k/v or gate/up product,
-        `runner/fused_products.py`), with the biases concatenated (None when they are); rebuilt when any
+        `runner/products/fused_products.py`), with the biases concatenated (None when they are); rebuilt when any
         weight or bias changed since it was built."""
         key = _key_of_many(weights + biases)
 
