@@ -311,7 +311,7 @@ class Engine:
     def session(self) -> Iterator[None]:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
         warm-up): its paged attention backend, its packed products, its native layer ops, the draft model's backend, the state
-        layers' split forwards (runner/state_layers.py), batch-invariant mode's fixed-shape products and
+        layers' split forwards (runner/states/state_layers.py), batch-invariant mode's fixed-shape products and
         activations (runner/products/batch_invariant.py), inference mode; all restored on exit. Every caller
         that steps the engine enters it, and only it."""
         with (

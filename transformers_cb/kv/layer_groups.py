@@ -59,7 +59,7 @@ STATE_LAYER_TYPES: dict[str, str | None] = {
     "hybrid_sliding": SLIDING_ATTENTION,
 }
 # Families whose every layer is a recurrence and whose config names no layer types (RWKV, xLSTM: their
-# recurrences are model-owned, runner/own_state.py): every layer is a `linear_attention` state layer.
+# recurrences are model-owned, runner/states/own_state.py): every layer is a `linear_attention` state layer.
 RECURRENT_ONLY_MODEL_TYPES = frozenset({"rwkv", "xlstm"})
 # Layer types with neither KV nor state (a feed-forward block in a layer list of its own).
 STATELESS_LAYER_TYPES = frozenset({"moe", "mlp"})

@@ -4,7 +4,7 @@ Supported: decoder-only causal LMs (and the text path of vision-language models)
 attention, sliding-window attention or chunked attention (Llama 4's `attention_chunk_size`; with logit softcapping and attention sinks where the model
 applies them), computed through transformers' attention interface, or state layers (linear attention,
 Mamba, short convolutions) that keep their state through transformers' linear-attention cache API, or a
-model-owned recurrence with its adapter (model_check/state_probe.py, runner/own_state.py,
+model-owned recurrence with its adapter (model_check/state_probe.py, runner/states/own_state.py,
 docs/state_layers.md).
 
 Refused, with the model type and what is missing. From the config alone:
@@ -13,7 +13,7 @@ Refused, with the model type and what is missing. From the config alone:
   raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and nothing reads them per layer yet;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
-  MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
+  MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/states/own_state.py);
 - attention the kernels do not implement: bidirectional attention, ALiBi of a family without an adapter
   (Bloom's, MPT's and Falcon's bfloat16-rounded form run: attention/classic.py), cross-attention, or any
   unknown `layer_types` entry (`kv/layer_groups.py`; `indexed_attention` without a latent among them).
@@ -68,7 +68,7 @@ from .attention_probe import dispatch_problems, observed_layers, probe_token_ids
 from .state_probe import StateLayout, probe_states, state_problems
 
 # Recurrent models whose state is kept neither through transformers' linear-attention cache API nor by a
-# model-owned recurrence the state slots carry (runner/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
+# model-owned recurrence the state slots carry (runner/states/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
 OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits): Falcon's `alibi`, MPT's
 # `attn_config.alibi`, BERT-style `position_embedding_type`. The kernels add it for the families whose
@@ -184,7 +184,7 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
         _refuse(
             model_type,
             "its recurrent layers keep their state in a cache of the model's own, neither through "
-            "transformers' linear-attention cache API nor through an adapter of runner/own_state.py, which "
+            "transformers' linear-attention cache API nor through an adapter of runner/states/own_state.py, which "
             "the per-request state slots hold",
         )
     if getattr(text_config, "use_bidirectional_attention", False):

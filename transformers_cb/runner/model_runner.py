@@ -38,7 +38,7 @@ from .media import MediaRunner, MediaStepInputs
 from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 from .request_rotary import RequestRotary
-from .state_layers import StateLayers
+from .states.state_layers import StateLayers
 from .verified_step import verified_tokens
 
 if TYPE_CHECKING:

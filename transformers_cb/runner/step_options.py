@@ -206,7 +206,7 @@ def resolve_step_options(
 
 
 def without_traced_steps(options: StepOptions) -> StepOptions:
-    """A state model's step splits its state layers by request in Python (runner/state_layers.py), which
+    """A state model's step splits its state layers by request in Python (runner/states/state_layers.py), which
     neither `torch.compile` nor a CUDA graph captures: those steps run eagerly."""
     if options.compile_plan != CompilePlan() or any(options.cuda_graphs) or options.async_batching:
         logger.warning(

@@ -14,11 +14,11 @@ the step by the step's `StateTable`:
 - every other row span (a prefill chunk: fresh, or continuing the request's state across a chunk
   boundary) runs as a batch of one with its slot's state.
 
-The module's own code runs unchanged against `SlotStateView` (runner/slot_state_view.py), a view of the
+The module's own code runs unchanged against `SlotStateView` (runner/states/slot_state_view.py), a view of the
 slots in transformers' cache API, so each family's arithmetic is transformers' own (the same code `generate()` runs). How one piece
 calls its module is the module's `StateCall`: `CacheApiCall` for the cache API's modules here; the
 families that keep their recurrence in a cache of their own (MiniMax, RecurrentGemma, RWKV, xLSTM) have
-theirs in runner/own_state.py, each reading and keeping its states through the same view
+theirs in runner/states/own_state.py, each reading and keeping its states through the same view
 (`SlotStateView.read`, `SlotStateView.keep`). Per step, the
 runner only sets the step's `StepStates` (its table and the engine's state tensors) in the `step_states`
 context variable for the forward's duration; the installed forward reads it, and runs the module as
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..invariants import InvariantError
-from ..memory.state_cache import StateCache
-from ..patches import patched
+from ...invariants import InvariantError
+from ...memory.state_cache import StateCache
+from ...patches import patched
 from .slot_state_view import SlotStateView
 
 # The cache API names a state module's forward calls (any of them marks a state module).

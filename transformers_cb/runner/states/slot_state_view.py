@@ -1,11 +1,11 @@
 """transformers' linear-attention cache API over state slots: what a state module reads and writes when
-one piece of the packed step runs (runner/state_layers.py), and the probe's recorder of the states'
+one piece of the packed step runs (runner/states/state_layers.py), and the probe's recorder of the states'
 shapes (model_check/state_probe.py).
 
 `SlotStateView` answers `get_conv_state`, `get_recurrent_state`, `update_conv_state`,
 `update_recurrent_state`, `is_recording_past` and `has_previous_state` from the rows of the slots it was
 made for, as `transformers.cache_utils.LinearAttentionLayer` does for one request, so a state module's
-own code runs unchanged; a model-owned recurrence (runner/own_state.py) reads and keeps its states
+own code runs unchanged; a model-owned recurrence (runner/states/own_state.py) reads and keeps its states
 through `read` / `keep`. Kept apart from the split forwards because the view is the one piece both the
 step and the probe use, and the only piece that knows the cache API's semantics (a first chunk's
 left-padded window, the copies transformers' cache makes).
@@ -17,8 +17,8 @@ from typing import Any, cast
 
 import torch
 
-from ..invariants import InvariantError
-from ..memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
+from ...invariants import InvariantError
+from ...memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
 
 
 def padded_to(conv_states: torch.Tensor, width: int) -> torch.Tensor:
@@ -53,7 +53,7 @@ class SlotStateView:
 
     def read(self, layer_idx: int, kind: str, state_idx: int) -> torch.Tensor | None:
         """The rows' state `(layer_idx, kind, state_idx)` (None: the rows start a request, or no such
-        state): a model-owned recurrence's way in (runner/own_state.py)."""
+        state): a model-owned recurrence's way in (runner/states/own_state.py)."""
         return None if self.fresh else self._rows(layer_idx, kind, state_idx)
 
     def keep(self, layer_idx: int, kind: str, state_idx: int, value: torch.Tensor) -> None:

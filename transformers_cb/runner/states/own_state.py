@@ -1,6 +1,6 @@
 """Model-owned recurrences in the packed step: the families whose recurrent layers keep their state in a
 cache of their own instead of transformers' linear-attention cache API, run at their slots like the
-cache API's modules (runner/state_layers.py).
+cache API's modules (runner/states/state_layers.py).
 
 Each family is one small `StateCall`: how to hand one piece of the step (the decode batch, or one
 request's span) its slots' states in the form the module reads them, and how to take back what the
@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..invariants import InvariantError
-from ..memory.state_cache import CONV, RECURRENT
+from ...invariants import InvariantError
+from ...memory.state_cache import CONV, RECURRENT
 from .slot_state_view import SlotStateView
 from .state_layers import CacheApiCall, StateCall, StatePiece, cache_parameter, state_modules
 
