@@ -386,7 +386,7 @@ class Engine:
 
     def _fail_bad_media(self, batch: StepPlan, result: StepResult) -> None:
         """Encode the media of the plan's newly admitted requests (none of which the same plan releases);
-        a request whose media the encoder refuses fails alone, its entry leaving the step (runner/media.py)."""
+        a request whose media the encoder refuses fails alone, its entry leaving the step (runner/media/media_runner.py)."""
         failures = self.runner.encode_media(batch)
         if not failures:
             return

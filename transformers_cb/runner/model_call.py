@@ -39,7 +39,7 @@ def call_model(
     Args:
         select_rows: the model ignores `logits_to_keep` (the probe saw it): its logits cover every token
             of the step, and the rows are selected here even when their count equals the step's.
-        inputs_embeds: the step's embeddings with its media rows (runner/media.py), given instead of
+        inputs_embeds: the step's embeddings with its media rows (runner/media/media_runner.py), given instead of
             `input_ids`.
     """
     tokens_or_embeds = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}

@@ -36,7 +36,7 @@ from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .call_groups import decode_padding_bound, group_decodes, native_prefill_max_work
-from .image_blocks import blocks_in, widened_mask
+from .media.image_blocks import blocks_in, widened_mask
 from .states.state_layers import StateTable
 
 # The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
@@ -56,7 +56,7 @@ class PackedStep:
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
     # Each request's rows and state slot, for a model with state layers (runner/states/state_layers.py).
     states: StateTable | None = None
-    # The entries in packed order (the media's rows follow it: runner/media.py).
+    # The entries in packed order (the media's rows follow it: runner/media/media_runner.py).
     ordered: list[ScheduledRequest] = field(default_factory=list)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.metadata import visible_keys
-from ..scheduler.step_plan import ScheduledRequest
+from ...attention.metadata import visible_keys
+from ...scheduler.step_plan import ScheduledRequest
 
 
 def blocks_in(entry: ScheduledRequest) -> list[tuple[int, int]]:

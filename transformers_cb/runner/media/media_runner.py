@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from ..memory.media_store import MODALITIES, EncodedMedia, MediaStore, RequestMedia
-from ..requests import Request
-from ..scheduler.step_plan import ScheduledRequest
+from ...memory.media_store import MODALITIES, EncodedMedia, MediaStore, RequestMedia
+from ...requests import Request
+from ...scheduler.step_plan import ScheduledRequest
 
 
 @dataclass
