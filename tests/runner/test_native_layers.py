@@ -1,4 +1,4 @@
-"""The native decoder-layer ops (`runner/native_layers.py`, attention/native_layer_source.py): each op bitwise
+"""The native decoder-layer ops (`runner/layer_ops/native_layers.py`, attention/native_layer_source.py): each op bitwise
 equal to transformers' module on random inputs (float32 and bfloat16, strided views, widths off the vector
 size), the table's recognition, the installs counted and restored, the module's own path where the native
 one does not apply, a class whose check fails left alone, and greedy parity with `generate()` on models
@@ -25,9 +25,9 @@ from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import ensure_native_module
 from transformers_cb.engine import engine as engine_module
-from transformers_cb.runner import native_layers
-from transformers_cb.runner.layer_checks import Verdicts
-from transformers_cb.runner.layer_forms import is_pre_norm_layer, is_silu_mlp, norm_form, references
+from transformers_cb.runner.layer_ops import native_layers
+from transformers_cb.runner.layer_ops.layer_checks import Verdicts
+from transformers_cb.runner.layer_ops.layer_forms import is_pre_norm_layer, is_silu_mlp, norm_form, references
 
 OPS = ensure_native_module()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the native library cannot be built here")

@@ -32,8 +32,8 @@ from ..memory.kv_cache import PagedKVCache
 from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
 from ..runner.drafter import Drafter
+from ..runner.layer_ops.native_layers import native_layers
 from ..runner.model_runner import ModelRunner
-from ..runner.native_layers import native_layers
 from ..runner.packing import BatchPacker
 from ..runner.products.batch_invariant import batch_invariant_modules
 from ..runner.products.packed_model import model_pack_bytes, packed_linears, release_packs

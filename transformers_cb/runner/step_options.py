@@ -24,7 +24,7 @@ from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
 from .compile_plan import CompilePlan, resolve_compile_plan
-from .native_layers import enabled_by_env as native_layers_enabled
+from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
 from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
 from .products.packed_model import pack_bytes
 
@@ -50,7 +50,7 @@ class StepOptions:
     # Packed oneDNN products for the model's Linears (`runner/products/packed_model.py`): not turned off, the
     # platform passed its self-test, the rule packs at least one weight and the packs fit in memory.
     packed_linear: bool = False
-    # The native decoder-layer ops (`runner/native_layers.py`): a CPU model, not turned off by
+    # The native decoder-layer ops (`runner/layer_ops/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
     # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and

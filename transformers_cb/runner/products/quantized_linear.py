@@ -95,7 +95,7 @@ class QuantizedLinear(nn.Module):
         compute_dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
-        # The dtype of the model it serves (what its input and output are; runner/layer_forms.py reads it).
+        # The dtype of the model it serves (what its input and output are; runner/layer_ops/layer_forms.py reads it).
         self.compute_dtype = compute_dtype
         if qtype not in BLOCK_BYTES or in_features % BLOCK_WEIGHTS:
             raise ValueError(f"GGUF type {qtype} with {in_features} inputs cannot be kept in blocks")

@@ -1,7 +1,7 @@
 """The native decoder-layer ops checked at first sight: each recognised class (and modeling file's rotary) is
 run once per dtype on a seeded random input through its own forward and through the native op, and kept on
 the native op only when the two are bitwise equal (`Verdicts`, `VERDICTS`); a class that differs keeps
-transformers' forward, with one warning (runner/native_layers.py asks).
+transformers' forward, with one warning (runner/layer_ops/native_layers.py asks).
 """
 
 from __future__ import annotations

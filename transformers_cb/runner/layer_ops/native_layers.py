@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.native import native_module
-from ..patches import in_force, patched
-from ..patches import restore_all as restore_kind
+from ...attention.native import native_module
+from ...patches import in_force, patched
+from ...patches import restore_all as restore_kind
 from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees
 from .layer_forms import (
     LAYER_DTYPES,

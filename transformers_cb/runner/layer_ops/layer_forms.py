@@ -1,5 +1,5 @@
 """Which modules the native decoder-layer ops can stand in for, recognised by their code, and when a call
-may take the native path (runner/native_layers.py attaches them).
+may take the native path (runner/layer_ops/native_layers.py attaches them).
 
 Code equality (the compiled bytecode, its constants and names, through any `__wrapped__` chain) recognises
 every family that copies Llama's code (Mistral, Qwen2, Qwen3's q/k norms, Phi-3's norms, SmolLM2, ...) and
