@@ -14,7 +14,7 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native import native_module
 from transformers_cb.engine.build import build_engine
-from transformers_cb.runner.compile_plan import (
+from transformers_cb.runner.forward.compile_plan import (
     DECODE,
     VARLEN,
     CompilePlan,

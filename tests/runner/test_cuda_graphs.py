@@ -27,9 +27,9 @@ from transformers_cb.engine import plan as plan_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.submission import Submission
-from transformers_cb.runner.async_batching import BufferTurns
-from transformers_cb.runner.compile_plan import DECODE, VARLEN
-from transformers_cb.runner.cuda_graphs import GraphKey, LRUCache, padded_length
+from transformers_cb.runner.forward.async_batching import BufferTurns
+from transformers_cb.runner.forward.compile_plan import DECODE, VARLEN
+from transformers_cb.runner.forward.cuda_graphs import GraphKey, LRUCache, padded_length
 
 GREEDY = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 CUDA = torch.cuda.is_available()

@@ -33,7 +33,7 @@ From what the model's forward does (when the model is given; `attention_probe.py
   the mask (ALiBi), positions numbered another way than 0..n-1.
 K/V head shapes other than the config's are taken from the forward instead (`observed_layers_of`: the
 engine sizes its cache from them; V's own head size, K/V a layer tiles before the call), and so is a window applied through the mask alone (no kwarg).
-Two clauses are adapted instead of refused (runner/model_call.py): layers that drop the attention kwargs
+Two clauses are adapted instead of refused (runner/forward/model_call.py): layers that drop the attention kwargs
 (StableLM, Nemotron) reach the step's metadata through a context variable, and a forward that ignores
 `logits_to_keep` has its rows selected by the runner (`ignores_logits_to_keep`).
 The class flag alone is not the rule: composite models (Janus, DeepSeek-VL) leave it False on the outer
@@ -342,7 +342,7 @@ def observed_layers_of(model: PreTrainedModel) -> ObservedLayers | None:
 
 def ignores_logits_to_keep(model: PreTrainedModel) -> bool:
     """The probe saw the model's forward return every position's logits whatever `logits_to_keep` says
-    (the runner then selects the rows itself: runner/model_call.py). False when it was not probed (meta
+    (the runner then selects the rows itself: runner/forward/model_call.py). False when it was not probed (meta
     weights, tensor parallelism): the runner still selects rows whose count betrays it."""
     verdict = _probed.get(model)
     return verdict is not None and verdict.ignores_logits_to_keep

@@ -32,10 +32,10 @@ from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..scheduler.step_plan import StepPlan
 from .adapter_rows import AdapterRows, adapter_step, step_adapters
-from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
-from .cuda_graphs import make_graph_steps
+from .forward.compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .forward.cuda_graphs import make_graph_steps
+from .forward.model_call import call_model
 from .media.media_runner import MediaRunner, MediaStepInputs
-from .model_call import call_model
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 from .request_rotary import RequestRotary
 from .states.state_layers import StateLayers

@@ -23,7 +23,7 @@ from ..attention.native import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
-from .compile_plan import CompilePlan, resolve_compile_plan
+from .forward.compile_plan import CompilePlan, resolve_compile_plan
 from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
 from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
 from .products.packed_model import pack_bytes

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import CompileConfig, GenerationConfig
 
-from ..config.continuous_batching import ContinuousBatchingConfig
+from ...config.continuous_batching import ContinuousBatchingConfig
 
 logger = logging.getLogger(__name__)
 

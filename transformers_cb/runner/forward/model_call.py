@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..attention.metadata import AttentionMetadata
-from ..attention.paged import METADATA_KWARG, step_metadata
-from ..invariants import InvariantError
+from ...attention.metadata import AttentionMetadata
+from ...attention.paged import METADATA_KWARG, step_metadata
+from ...invariants import InvariantError
 
 
 def call_model(
