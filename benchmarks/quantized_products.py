@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 
 SHAPES = ((1536, 576), (576, 1536), (8192, 576))
 ROWS = (1, 4, 8, 16, 32, 128)

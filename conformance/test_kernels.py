@@ -21,7 +21,7 @@ from transformers_cb.attention.alibi import bloom_slopes
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA3, is_flash_backend
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.attention.paged import ALIBI_KWARG, METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend

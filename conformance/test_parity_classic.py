@@ -33,7 +33,7 @@ from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
 from transformers_cb.attention import mixed_paged, paged
 from transformers_cb.attention.classic import classic_modules
-from transformers_cb.attention.native import ENV_SWITCH, ensure_native_module
+from transformers_cb.attention.native.kernel import ENV_SWITCH, ensure_native_module
 
 MAX_NEW_TOKENS = 10
 VOCAB = 300

@@ -35,7 +35,7 @@ from conformance.test_parity_offload import engines_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ENV_SWITCH, native_module
+from transformers_cb.attention.native.kernel import ENV_SWITCH, native_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
 

@@ -16,7 +16,7 @@ from tests.support.packed_steps import KernelStep, build_kernel_step
 from transformers_cb.attention.eager import eager_attend
 from transformers_cb.attention.flash_kernels import FA2
 from transformers_cb.attention.metadata import first_visible_key, visible_keys
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.attention.paged import paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
 from transformers_cb.attention.sdpa import sdpa_attend

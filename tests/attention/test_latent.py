@@ -18,7 +18,7 @@ from transformers_cb.attention.latent import (
     latent_modules,
     latent_pass_through,
 )
-from transformers_cb.attention.native import native_module
+from transformers_cb.attention.native.kernel import native_module
 from transformers_cb.attention.paged import step_metadata
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache

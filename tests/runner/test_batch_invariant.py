@@ -24,7 +24,7 @@ from tests.support.models import sharpen_attention, tiny_llama
 from tests.support.prompts import prompts_of_lengths, random_prompts
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
 from transformers_cb.runner.forward.compile_plan import CompilePlan

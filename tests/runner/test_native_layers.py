@@ -1,4 +1,4 @@
-"""The native decoder-layer ops (`runner/layer_ops/native_layers.py`, attention/native_layer_source.py): each op bitwise
+"""The native decoder-layer ops (`runner/layer_ops/native_layers.py`, attention/native/native_layer_source.py): each op bitwise
 equal to transformers' module on random inputs (float32 and bfloat16, strided views, widths off the vector
 size), the table's recognition, the installs counted and restored, the module's own path where the native
 one does not apply, a class whose check fails left alone, and greedy parity with `generate()` on models
@@ -23,7 +23,7 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.engine import engine as engine_module
 from transformers_cb.runner.layer_ops import native_layers
 from transformers_cb.runner.layer_ops.layer_checks import Verdicts

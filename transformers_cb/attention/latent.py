@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..invariants import present
 from ..patches import patched
 from .metadata import STEP_METADATA, AttentionMetadata
-from .native import native_paged_attention
+from .native.kernel import native_paged_attention
 from .sparse_index import segments, selected_mask
 
 PATCH_KIND = "latent_pass_through"  # its counted patches (patches.py)

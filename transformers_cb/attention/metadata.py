@@ -5,7 +5,7 @@ Packed layout of one step (decodes first, sorted by KV length, then prefill chun
     tokens:  [d0 d1 d2 ... | p0 p0 p0 p0 | p1 p1 ...]
               decode groups  prefill groups (one per request)
 
-With the native CPU kernel (`native.py`), the decodes and the short prefill chunks come first
+With the native CPU kernel (`native/kernel.py`), the decodes and the short prefill chunks come first
 and form one run of `native_tokens` tokens that the kernel attends in one call per layer,
 straight from the pages (`token_row`, `token_pos`, the group's `block_table`); decode groups
 are then empty and prefill groups cover only the long chunks after that run.
@@ -103,7 +103,7 @@ class GroupMetadata:
     @property
     def kernel_window(self) -> int:
         """The native kernel's `window` argument: the window, or minus the attention chunk (a negative
-        window is a chunk: `first_key` in attention/native_source.py), or 0 (full attention)."""
+        window is a chunk: `first_key` in attention/native/native_source.py), or 0 (full attention)."""
         if self.sliding_window is not None:
             return self.sliding_window
         return -self.chunk_size if self.chunk_size is not None else 0

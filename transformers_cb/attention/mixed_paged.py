@@ -21,7 +21,7 @@ from ..invariants import check, present
 from ..memory.kv_quant import dequantize, round_trip
 from .alibi import RELATIVE, AlibiForm
 from .metadata import AttentionMetadata, GroupMetadata, first_visible_key
-from .native import native_paged_attention, write_pages
+from .native.kernel import native_paged_attention, write_pages
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
 #        is_causal, scale, softcap: float | None, sinks: [H] | None, slopes: [H] | None) -> [B, H, Q, D]

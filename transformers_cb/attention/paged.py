@@ -28,7 +28,7 @@ from .alibi import RELATIVE, AlibiForm
 from .latent import latent_attention
 from .metadata import STEP_METADATA, AttentionMetadata
 from .mixed_paged import Attend, mixed_paged_attention
-from .native import native_paged_attention, write_pages
+from .native.kernel import native_paged_attention, write_pages
 from .repeated_kv import retiled, untiled
 from .temperature import retuned_query, tunes_temperature
 

@@ -28,7 +28,7 @@ from ..attention.metadata import (
     first_visible_key,
     visible_keys,
 )
-from ..attention.native import native_supported
+from ..attention.native.kernel import native_supported
 from ..invariants import present
 from ..kv.rope_rule import RopeRule
 from ..memory.block_tables import BlockTables

@@ -18,8 +18,8 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from ..attention.fast_path import resolve_max_blocks_per_request
 from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
-from ..attention.native import ENV_SWITCH as NATIVE_SWITCH
-from ..attention.native import ensure_native_module
+from ..attention.native.kernel import ENV_SWITCH as NATIVE_SWITCH
+from ..attention.native.kernel import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes

@@ -1,5 +1,5 @@
 """Native decoder-layer ops for the run: RMSNorm, the residual add folded into the next norm, SiLU·mul and
-rotary, each one call of the native library (attention/native_layer_source.py) instead of transformers'
+rotary, each one call of the native library (attention/native/native_layer_source.py) instead of transformers'
 chain of eager ops.
 
 `native_layers(model, enabled)` is entered by `Engine.session()` beside the packed products. Inside, the
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...attention.native import native_module
+from ...attention.native.kernel import native_module
 from ...patches import in_force, patched
 from ...patches import restore_all as restore_kind
 from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees

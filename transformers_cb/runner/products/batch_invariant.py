@@ -1,7 +1,7 @@
 """Batch-invariant products and activations for the run (`ContinuousBatchingConfig.batch_invariant`).
 
 A row's result must not depend on which other rows share its step, nor on how its prompt was chunked. The
-step's attention already meets that on the native kernel (attention/native_source.py: each token's keys
+step's attention already meets that on the native kernel (attention/native/native_source.py: each token's keys
 are reduced in an order fixed by its own position, whatever the step holds), where the packer sends every
 token in this mode (`BatchPacker.every_chunk_native`). Two parts of a plain forward do not:
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from ..memory.kv_cache import write_slots
+from ...memory.kv_cache import write_slots
 from .native_build import (
     MODULE_NAME,
     KernelFolder,

@@ -14,7 +14,7 @@ held longer than the build timeout counts as stale too: the next builder builds 
 makes two concurrent builds merely wasteful). A compile error is written to `failed.txt` and not retried
 until `transformers-cb build-kernels` is run again.
 
-`native_build.main` (run with `python -c`) is the background builder that `native.py` starts in a
+`native_build.main` (run with `python -c`) is the background builder that `kernel.py` starts in a
 subprocess at first use; `transformers-cb build-kernels` (cli/) runs the same build in the foreground.
 """
 
@@ -281,7 +281,7 @@ def build(folder: KernelFolder, wait: bool, timeout: float | None = None) -> str
 def start_background_build(folder: KernelFolder) -> subprocess.Popen:
     """Run `build` in a detached subprocess (its own session: it outlives the caller, which never waits)."""
     folder.path.mkdir(parents=True, exist_ok=True)
-    package_parent = str(Path(__file__).resolve().parents[2])  # the folder holding transformers_cb/
+    package_parent = str(Path(__file__).resolve().parents[3])  # the folder holding transformers_cb/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH")) if p)
     with open(folder.log, "ab") as log:

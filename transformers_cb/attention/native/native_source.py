@@ -1,4 +1,4 @@
-"""C++ source of the native CPU library (built by `native.py` with `torch.utils.cpp_extension`): the paged-attention
+"""C++ source of the native CPU library (built by `kernel.py` with `torch.utils.cpp_extension`): the paged-attention
 kernel here, the decoder-layer ops in native_layer_source.py.
 
 One call attends every query token of a step that the kernel takes (decodes and short prefill
