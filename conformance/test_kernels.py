@@ -17,8 +17,8 @@ from conformance.common import TOLERANCES, assert_close
 from tests.support import flash_double
 from tests.support.packed_steps import KernelStep, build_kernel_step
 from transformers_cb.attention import PAGED_BACKENDS
-from transformers_cb.attention.alibi import bloom_slopes
 from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.families.alibi import bloom_slopes
 from transformers_cb.attention.fast_path import prepare_flash_step
 from transformers_cb.attention.flash_kernels import FA3, is_flash_backend
 from transformers_cb.attention.native.kernel import ensure_native_module

@@ -1,4 +1,4 @@
-"""Greedy parity of multi-latent attention models on latent pages (attention/latent.py).
+"""Greedy parity of multi-latent attention models on latent pages (attention/families/latent.py).
 
 Two tiny models of the two MLA shapes: DeepSeek-V3's (MoE, a query LoRA: `q_lora_rank` set) and
 DeepSeek-V2-Lite's (`q_lora_rank` None: one query projection). Their pages hold one latent row per token and

@@ -1,4 +1,4 @@
-"""attention/latent.py: multi-latent attention over latent pages, against the module's own decompressed
+"""attention/families/latent.py: multi-latent attention over latent pages, against the module's own decompressed
 attention; the pass-through of `expand_kv` for a run; the check of a module's decompression."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
-from transformers_cb.attention.latent import (
+from transformers_cb.attention.families.latent import (
     absorbed_weights,
     latent_attention,
     latent_module_problem,

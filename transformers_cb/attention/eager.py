@@ -1,7 +1,7 @@
 """`paged|eager`: plain matmul + softmax over gathered pages, GQA without repeating KV.
 
 It applies every logit transform a model's own eager attention does: scaling, logit
-softcapping (Gemma 2), ALiBi biases (Bloom, MPT: attention/alibi.py), masking (causal, sliding window,
+softcapping (Gemma 2), ALiBi biases (Bloom, MPT: attention/families/alibi.py), masking (causal, sliding window,
 padding) and attention sinks (GPT-OSS: one extra logit per head that takes probability mass but has no value).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .alibi import RELATIVE, AlibiForm, alibi_bias
+from .families.alibi import RELATIVE, AlibiForm, alibi_bias
 from .paged import make_paged_forward
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # The metadata of the step whose forward is running in this thread (None outside one), set by the runner
 # (`attention.paged.step_metadata`): the paged forward reads it where a layer dropped the kwargs, and a
-# multi-latent module hands its latent through only inside such a forward (attention/latent.py). `Any`:
+# multi-latent module hands its latent through only inside such a forward (attention/families/latent.py). `Any`:
 # the support check's probe sets its own record here.
 STEP_METADATA: contextvars.ContextVar[Any] = contextvars.ContextVar("cb_step_metadata", default=None)
 
@@ -97,7 +97,7 @@ class GroupMetadata:
     block_table: torch.Tensor  # [N, max_pages] int32
     # A chunked group's attention chunk (a query at q attends keys [q // C * C, q]); None: not chunked.
     chunk_size: int | None = None
-    # A latent group's (kv_lora_rank, qk_rope_head_dim): its layers attend through attention/latent.py.
+    # A latent group's (kv_lora_rank, qk_rope_head_dim): its layers attend through attention/families/latent.py.
     latent: tuple[int, int] | None = None
 
     @property
@@ -136,7 +136,7 @@ class AttentionMetadata:
     # Every token of the step is the native kernel's (no decode or prefill groups): each layer's attention
     # is then one custom op that a compiled forward keeps in its graph (paged.py).
     all_native: bool = False
-    # Each token's position in its sequence `[T]` int64 (attention/temperature.py reads it).
+    # Each token's position in its sequence `[T]` int64 (attention/families/temperature.py reads it).
     position_ids: torch.Tensor | None = None
     # A dynamic rotary embedding's frequency sets (kv/rope_rule.py, `RopeRule.frequency_key`): each
     # key of the step with the tokens that take it (None: every token of the step); None: not such a model.

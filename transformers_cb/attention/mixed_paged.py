@@ -19,7 +19,7 @@ import torch
 
 from ..invariants import check, present
 from ..memory.kv_quant import dequantize, round_trip
-from .alibi import RELATIVE, AlibiForm
+from .families.alibi import RELATIVE, AlibiForm
 from .metadata import AttentionMetadata, GroupMetadata, first_visible_key
 from .native.kernel import native_paged_attention, write_pages
 

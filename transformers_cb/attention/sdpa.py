@@ -2,7 +2,7 @@
 
 SDPA has no softcap argument and no attention sinks, so a layer that applies either
 runs the eager kernel instead (never silently without them); every other layer runs SDPA, an ALiBi
-layer with its bias as a float mask (attention/alibi.py).
+layer with its bias as a float mask (attention/families/alibi.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .alibi import RELATIVE, AlibiForm, alibi_bias
 from .eager import eager_attend, eager_attention_forward
+from .families.alibi import RELATIVE, AlibiForm, alibi_bias
 from .paged import make_paged_forward
 
 

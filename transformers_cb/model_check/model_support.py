@@ -15,16 +15,16 @@ Refused, with the model type and what is missing. From the config alone:
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
   MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/states/own_state.py);
 - attention the kernels do not implement: bidirectional attention, ALiBi of a family without an adapter
-  (Bloom's, MPT's and Falcon's bfloat16-rounded form run: attention/classic.py), cross-attention, or any
+  (Bloom's, MPT's and Falcon's bfloat16-rounded form run: attention/families/classic.py), cross-attention, or any
   unknown `layer_types` entry (`kv/layer_groups.py`; `indexed_attention` without a latent among them).
-Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
+Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/families/latent.py): each KV layer must have
 an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`);
-DeepSeek sparse attention's indexers select from their keys in those pages (attention/sparse_index.py).
+DeepSeek sparse attention's indexers select from their keys in those pages (attention/families/sparse_index.py).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
 - state layers whose modules do not keep their state through the cache API, or that do not take
   (hidden_states, cache, attention_mask); state layers under tensor parallelism;
 - attention that never reaches transformers' attention interface (classes with `_supports_attention_backend`
-  False compute it themselves; the classic families run through their adapters, attention/classic.py, and
+  False compute it themselves; the classic families run through their adapters, attention/families/classic.py, and
   the others are refused naming what they miss: an encoder's `is_decoder=False`, XLM's `causal=False`,
   XLNet's `attn_type='bi'`, CPM-Ant's relative-position buckets, or else no adapter);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
@@ -48,9 +48,9 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from ..attention.classic import has_classic_attention
-from ..attention.latent import latent_module_problem, latent_modules
-from ..attention.sparse_index import indexer_modules, indexer_problem
+from ..attention.families.classic import has_classic_attention
+from ..attention.families.latent import latent_module_problem, latent_modules
+from ..attention.families.sparse_index import indexer_modules, indexer_problem
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import (
     HEAD_SHAPE_ATTRIBUTES,
@@ -72,7 +72,7 @@ from .state_probe import StateLayout, probe_states, state_problems
 OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits): Falcon's `alibi`, MPT's
 # `attn_config.alibi`, BERT-style `position_embedding_type`. The kernels add it for the families whose
-# adapter passes their slopes (attention/classic.py: Bloom, whose config has no flag, MPT, and Falcon with
+# adapter passes their slopes (attention/families/classic.py: Bloom, whose config has no flag, MPT, and Falcon with
 # its own form of the bias, `alibi.AlibiForm`).
 ALIBI_FLAGS = ("alibi", "use_alibi")
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
@@ -230,9 +230,7 @@ def _check_config(config: Any, text_config: Any, model_type: str) -> None:
 
 def _alibi_refusal(text_config: Any) -> str:
     """Why an ALiBi config is refused."""
-    return (
-        "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/classic.py)"
-    )
+    return "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/families/classic.py)"
 
 
 def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> list[str]:
@@ -262,7 +260,7 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
     with probe_states(layout, len(probe_token_ids(model)), first.device):
         result = run_probe(model)
     observed = None
-    # A classic family's modules attend through the interface while the probe runs (attention/classic.py):
+    # A classic family's modules attend through the interface while the probe runs (attention/families/classic.py):
     # a forward that fails there failed for its own reason (BLIP's decoder asks for `pixel_values`).
     reaches_interface = getattr(type(model), "_supports_attention_backend", False) or has_classic_attention(
         model
@@ -289,9 +287,9 @@ def _probe_problems(model: PreTrainedModel, config: Any, kv_groups: list) -> lis
 
 def latent_problems(model: PreTrainedModel, kv_layers: list[int]) -> list[str]:
     """What keeps a multi-latent model's KV layers from the latent pages: a layer without an MLA module
-    (`attention/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read; a
+    (`attention/families/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read; a
     DeepSeek sparse attention model's indexer the pass-through cannot hand one request at a time
-    (`attention/sparse_index.py: indexer_problem`), or an indexer on a layer whose pages hold no indexer keys."""
+    (`attention/families/sparse_index.py: indexer_problem`), or an indexer on a layer whose pages hold no indexer keys."""
     indexed = {
         i for i, t in enumerate(layer_types_of(model.config.get_text_config())) if t == INDEXED_ATTENTION
     }

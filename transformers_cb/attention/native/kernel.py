@@ -167,7 +167,7 @@ def native_paged_attention(
     attention chunk's start `token_pos[t] // C * C` when `window` is `-C` (chunked attention);
     `block_table` `[N, P]` int32 maps logical page p of a row to its page id. Query, caches and `out`
     share one dtype (float32, bfloat16 or float16); the kernel accumulates in float32. `slopes` `[H]`: ALiBi,
-    `slope_h * (key_pos - query_pos)` added to each scaled logit (attention/alibi.py). `scales`: an int8
+    `slope_h * (key_pos - query_pos)` added to each scaled logit (attention/families/alibi.py). `scales`: an int8
     cache's key and value scales `[S, Hkv]` float32 (memory/kv_quant.py; the caches are then int8, the
     query and `out` float32, bfloat16 or float16)."""
     module = native_module()

@@ -1,7 +1,7 @@
 """DeepSeek sparse attention (DeepSeek V3.2, GLM-MoE-DSA, HY-V4, AXK2, Mistral Large 4): the indexer's keys
 in the latent pages, each query's top-k keys chosen from them, the attention masked to those keys.
 
-An `indexed_attention` layer is a multi-latent layer (attention/latent.py) whose module also owns an
+An `indexed_attention` layer is a multi-latent layer (attention/families/latent.py) whose module also owns an
 indexer: a light scorer with a key of its own per token (`index_head_dim` values, kept by transformers in
 `past_key_values.update_indexer`) that picks, for each query, the `index_topk` cached keys its attention
 reads. Here the indexer's key of a token is stored after the token's latent row in the layer's pages (the
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ..invariants import present
-from ..patches import patched
-from .metadata import STEP_METADATA, AttentionMetadata, GroupMetadata
+from ...invariants import present
+from ...patches import patched
+from ..metadata import STEP_METADATA, AttentionMetadata, GroupMetadata
 
 PATCH_KIND = "indexer_pass_through"  # its counted patches (patches.py)
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from ..invariants import check
+from ...invariants import check
 
 
 @lru_cache(maxsize=64)

@@ -4,7 +4,7 @@ decoder), one `ClassicFamily`: where it keeps its projections and how it shapes 
 finishes (`finish`), its scaling, window, ALiBi slopes and their form, and the model-level patches its run
 needs. `FAMILIES` keys them by `modeling_<family>.<Class>`.
 
-Apart from attention/classic.py, the adapter's mechanism (one adapted forward, installed for the run and
+Apart from attention/families/classic.py, the adapter's mechanism (one adapted forward, installed for the run and
 the probe): a new family is a table here, never a change there.
 """
 
@@ -37,7 +37,7 @@ class ClassicFamily:
     scaling: Callable[[Any], float]
     # The layer's ALiBi slopes `[H]` from the module and the model's (text) config; None: no ALiBi.
     slopes: Callable[[Any, Any], torch.Tensor | None] | None = None
-    alibi_form: AlibiForm = RELATIVE  # how the family adds them (attention/alibi.py)
+    alibi_form: AlibiForm = RELATIVE  # how the family adds them (attention/families/alibi.py)
     window: Callable[[Any, Any], int | None] = lambda module, config: None  # the layer's sliding window
     # (owner class name, attribute, replacement) set on each instance of the owner for the run.
     owner_patches: tuple[tuple[str, str, Any], ...] = field(default_factory=tuple)

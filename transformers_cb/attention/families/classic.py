@@ -6,9 +6,9 @@ numbering) compute attention inside their attention module (their own `_attn`, a
 through `layer_past`) instead of calling transformers' attention interface, so a paged backend never sees
 their K/V. For the run (`classic_attention`, entered with the paged backend and by the support check's
 probe) each such module gets an instance `forward` that runs the module's own projections (and rotary, when
-the family has one) from the family's table (attention/classic_families.py), hands query/key/value
+the family has one) from the family's table (attention/families/classic_families.py), hands query/key/value
 `[1, H, T, D]` to the attention function it is given (a paged forward, or the probe's recorder) with the
-layer's scaling, window and ALiBi slopes (`alibi_slopes`: the kernels add the bias, attention/alibi.py;
+layer's scaling, window and ALiBi slopes (`alibi_slopes`: the kernels add the bias, attention/families/alibi.py;
 with `alibi_form` for a family of another form than the relative float32 one, Falcon's),
 and finishes as the module does (output projection, Bloom's residual add). Nothing of the attention math
 is copied per family: only where the family keeps its projections and how it shapes its heads.
@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from ..patches import in_force, patched
+from ...patches import in_force, patched
 from .alibi import RELATIVE
 from .classic_families import FAMILIES, ClassicFamily
 

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..invariants import present
-from ..patches import patched
-from .metadata import STEP_METADATA, AttentionMetadata
-from .native.kernel import native_paged_attention
+from ...invariants import present
+from ...patches import patched
+from ..metadata import STEP_METADATA, AttentionMetadata
+from ..native.kernel import native_paged_attention
 from .sparse_index import segments, selected_mask
 
 PATCH_KIND = "latent_pass_through"  # its counted patches (patches.py)
@@ -227,7 +227,7 @@ def latent_attention(
     Args: query `[1, H, T, qk_nope_head_dim + qk_rope_head_dim]`, latent `[1, 1, T, kv_lora_rank]`, rope_key
     `[1, 1, T, qk_rope_head_dim]` (what the module passes with its `expand_kv` handed through); indices: a
     DeepSeek sparse attention layer's selected keys `[1, T, index_topk]` (positions, -1: none;
-    attention/sparse_index.py), each query then attending its request's decompressed keys it selected;
+    attention/families/sparse_index.py), each query then attending its request's decompressed keys it selected;
     sinks: such a layer's attention-sink logits `[H]` (HY-V4).
     Returns `[1, T, H, v_head_dim]`, the layout transformers' attention functions return."""
     cache = metadata.cache
