@@ -15,11 +15,11 @@ import torch
 
 from conformance.common import TOLERANCES, assert_close
 from tests.support.packed_steps import KernelStep, build_kernel_step
-from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.backends.eager import eager_attend
+from transformers_cb.attention.backends.sdpa import sdpa_attend
 from transformers_cb.attention.native import kernel as native
 from transformers_cb.attention.paged import native_paged_attention_op, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
-from transformers_cb.attention.sdpa import sdpa_attend
 from transformers_cb.memory.kv_cache import scale_views
 from transformers_cb.memory.kv_quant import dequantize, quantize, round_trip
 

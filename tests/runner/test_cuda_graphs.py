@@ -19,8 +19,8 @@ from tests.support.models import tiny_llama, tiny_llama_ignoring_logits_to_keep
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.fast_path import prepare_flash_step
-from transformers_cb.attention.flash_kernels import FA2
+from transformers_cb.attention.backends.fast_path import prepare_flash_step
+from transformers_cb.attention.backends.flash_kernels import FA2
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.config.continuous_batching import DeviceOptions, resolve_device_options
 from transformers_cb.engine import plan as plan_module

@@ -141,7 +141,7 @@ class AttentionMetadata:
     # A dynamic rotary embedding's frequency sets (kv/rope_rule.py, `RopeRule.frequency_key`): each
     # key of the step with the tokens that take it (None: every token of the step); None: not such a model.
     rope_groups: list[tuple[int, torch.Tensor | None]] | None = None
-    # Filled by the runner for flash backends only (see attention/flash.py).
+    # Filled by the runner for flash backends only (see attention/backends/flash.py).
     cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
     decode_fast_path: DecodeFastPath | None = None
 

@@ -27,10 +27,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..kv.layer_groups import CHUNKED_ATTENTION, latent_shape_of, layer_types_of
 from ..patches import in_force, switched
 from . import PAGED_BACKENDS
+from .backends.flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 from .families.classic import classic_attention, has_classic_attention
 from .families.latent import latent_pass_through
 from .families.sparse_index import indexer_pass_through
-from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention.eager import eager_attend
+from ..attention.backends.eager import eager_attend
 from ..attention.families.alibi import RELATIVE
 from ..attention.families.classic import classic_attention, has_classic_attention
 from ..attention.paged import ALIBI_FORM_KWARG, ALIBI_KWARG

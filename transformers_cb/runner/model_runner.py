@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from ..attention.fast_path import prepare_flash_step
+from ..attention.backends.fast_path import prepare_flash_step
 from ..invariants import check, present
 from ..kv.prefix_cache import PageCopy
 from ..kv.swap_plan import SwapPlan

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..attention.fast_path import resolve_max_blocks_per_request
-from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
+from ..attention.backends.fast_path import resolve_max_blocks_per_request
+from ..attention.backends.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
 from ..attention.native.kernel import ENV_SWITCH as NATIVE_SWITCH
 from ..attention.native.kernel import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .families.alibi import RELATIVE, AlibiForm, alibi_bias
-from .paged import make_paged_forward
+from ..families.alibi import RELATIVE, AlibiForm, alibi_bias
+from ..paged import make_paged_forward
 
 
 def _softcapped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:

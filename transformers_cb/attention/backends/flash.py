@@ -24,10 +24,10 @@ from typing import cast
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..metadata import AttentionMetadata
+from ..paged import make_forward
 from .eager import eager_attention_forward
 from .flash_kernels import FlashKernel, load_flash_kernel
-from .metadata import AttentionMetadata
-from .paged import make_forward
 
 
 def _window_size(window: int | None) -> tuple[int, int]:

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..families.alibi import RELATIVE, AlibiForm, alibi_bias
+from ..paged import make_paged_forward
 from .eager import eager_attend, eager_attention_forward
-from .families.alibi import RELATIVE, AlibiForm, alibi_bias
-from .paged import make_paged_forward
 
 
 def sdpa_attend(

@@ -13,8 +13,8 @@ import logging
 
 import torch
 
+from ..metadata import AttentionMetadata, DecodeFastPath
 from .flash_kernels import FlashKernel
-from .metadata import AttentionMetadata, DecodeFastPath
 
 logger = logging.getLogger(__name__)
 
