@@ -85,7 +85,7 @@ class ServeState:
         self.adapters = self.served_adapters or ServedAdapters(self.model_name)
 
 
-def build_app(state: ServeState) -> FastAPI:
+def build_openai_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="transformers-cb", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)

@@ -302,7 +302,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise InputError(str(error)) from None
     from transformers_cb.runner.products.onednn_caches import bound_shape_caches
 
-    from .app import build_app
+    from .app import build_openai_app
 
     bound_shape_caches()  # before the model's first product: a long-lived process sees every row count
     try:
@@ -314,7 +314,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, NotImplementedError) as error:
         sock.close()
         raise InputError(f"cannot start the server: {error}") from None
-    server = make_uvicorn_server(build_app(state), args.log_level, args.shutdown_timeout)
+    server = make_uvicorn_server(build_openai_app(state), args.log_level, args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     draining = threading.Event()
 
