@@ -14,7 +14,7 @@ held longer than the build timeout counts as stale too: the next builder builds 
 makes two concurrent builds merely wasteful). A compile error is written to `failed.txt` and not retried
 until `transformers-cb build-kernels` is run again.
 
-`native_build.main` (run with `python -c`) is the background builder that `kernel.py` starts in a
+`native_build.run_builder` (run with `python -c`) is the background builder that `kernel.py` starts in a
 subprocess at first use; `transformers-cb build-kernels` (cli/) runs the same build in the foreground.
 """
 
@@ -296,10 +296,10 @@ def start_background_build(folder: KernelFolder) -> subprocess.Popen:
         )
 
 
-_BUILDER = f"import sys; from {__name__} import main; sys.exit(main(sys.argv[1:]))"
+_BUILDER = f"import sys; from {__name__} import run_builder; sys.exit(run_builder(sys.argv[1:]))"
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_builder(argv: list[str] | None = None) -> int:
     """The background builder: `build` of the folder the parent computed, bounded by the build timeout."""
     parser = argparse.ArgumentParser(description="background build of the native paged-attention kernel")
     parser.add_argument("--folder", required=True, help="the kernel folder the parent computed")
