@@ -185,7 +185,7 @@ def test_the_switch_turns_them_off(monkeypatch) -> None:
 def test_uninstall_restores_a_session_still_open() -> None:
     model = tiny_llama()
     with native_layers.native_layers(model):
-        native_layers.restore_all()
+        native_layers.restore_native_layers()
         assert installed(model) == []
         assert modeling_llama.apply_rotary_pos_emb is references().llama_rotary
     assert installed(model) == []

@@ -202,7 +202,7 @@ def _never() -> Any:
     raise AssertionError("a patch in force is counted, never made again")
 
 
-def restore_all() -> None:
+def restore_native_layers() -> None:
     """Every native layer op still in force undone (`uninstall()`); a run still going finishes on the
     modules' own forwards."""
     restore_kind(KIND)
