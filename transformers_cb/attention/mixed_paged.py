@@ -28,7 +28,7 @@ from .native.kernel import native_paged_attention, write_pages
 Attend = Callable[..., torch.Tensor]
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`cache[slots]` as `[*slots.shape, Hkv, D]` through one index_select."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
@@ -42,7 +42,7 @@ def _gather_kv(
     """K and V at `slots` `[...]` as `[..., Hkv, D]`: the cache's rows, or an int8 cache's rows dequantized
     with their scales into `dtype` (the query's)."""
     if scales is None:
-        return _gather(caches[0], slots), _gather(caches[1], slots)
+        return gather_slots(caches[0], slots), gather_slots(caches[1], slots)
     flat = slots.reshape(-1)
     gathered = []
     for cache, scale in zip(caches, scales, strict=True):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ...invariants import present
 from ...patches import patched
 from ..metadata import STEP_METADATA, AttentionMetadata
+from ..mixed_paged import gather_slots
 from ..native.kernel import native_paged_attention
 from .sparse_index import segments, selected_mask
 
@@ -145,10 +146,6 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float) -> bo
     return float((actual[0].float() - expected).abs().max()) <= tolerance * scale
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
-
-
 def _absorbed_query(query: torch.Tensor, w_uk: torch.Tensor, nope: int) -> torch.Tensor:
     """`[T, H, nope + rope]` -> `[T, H, kv_lora_rank + rope]`: the no-rope part taken into the latent space."""
     latent = torch.einsum("thn,hnr->thr", query[..., :nope], w_uk.to(query.dtype))
@@ -199,7 +196,7 @@ def _selected_attention(
     out = q.new_empty(q.shape[0], q.shape[1], module.v_head_dim)
     for segment in segments(metadata, metadata.group_of(layer_idx)):
         rows = slice(segment.start, segment.end)
-        key, value = _decompressed(module, _gather(key_cache, segment.key_slots), rank, q.dtype)
+        key, value = _decompressed(module, gather_slots(key_cache, segment.key_slots), rank, q.dtype)
         mask = selected_mask(indices, rows, segment.first, segment.key_slots.shape[0])
         query = q[rows].transpose(0, 1).unsqueeze(0)
         if sinks is None:
@@ -277,7 +274,7 @@ def latent_attention(
         out[:n] = _values(attended[..., :rank].to(q.dtype), w_uv)
     for decode in group.decode_groups:
         q_group = absorbed[decode.q_start : decode.q_end].unsqueeze(2)  # [B, H, 1, rank + rope]
-        k_group = _gather(key_cache, decode.kv_slots).transpose(1, 2).to(q.dtype)  # [B, 1, L, D]
+        k_group = gather_slots(key_cache, decode.kv_slots).transpose(1, 2).to(q.dtype)  # [B, 1, L, D]
         o = F.scaled_dot_product_attention(
             q_group, k_group, k_group[..., :rank], attn_mask=decode.kv_mask, scale=scale, enable_gqa=True
         )  # [B, H, 1, rank]
@@ -285,7 +282,7 @@ def latent_attention(
     for chunk in group.prefill_groups:
         span = slice(chunk.q_start, chunk.q_end)
         q_group = q[span].transpose(0, 1).unsqueeze(0)  # [1, H, Q, nope + rope]
-        cached = rows[span] if chunk.kv_slots is None else _gather(key_cache, chunk.kv_slots)
+        cached = rows[span] if chunk.kv_slots is None else gather_slots(key_cache, chunk.kv_slots)
         key, value = _decompressed(module, cached, rank, q.dtype)  # [1, H, L, *]
         is_causal = chunk.kv_slots is None and chunk.q_end - chunk.q_start > 1 and chunk.mask is None
         o = F.scaled_dot_product_attention(
