@@ -161,7 +161,7 @@ def is_windowed(mask: torch.Tensor | None) -> bool:
     return bool((hidden & earlier).any())
 
 
-def _register() -> None:
+def _register_probe() -> None:
     with _register_lock:
         if AttentionInterface._global_mapping.get(PROBE_NAME) is not recording_attention:
             AttentionInterface.register(PROBE_NAME, cast(Callable[..., Any], recording_attention))
@@ -173,7 +173,7 @@ def _register() -> None:
 @contextmanager
 def recording(model: PreTrainedModel):
     """The model on the recording attention, in eval mode (dropout would make A and B differ)."""
-    _register()
+    _register_probe()
     saved_impl, was_training = model.config._attn_implementation, model.training
     switch = not has_classic_attention(model)  # their classes cannot switch (attention/families/classic.py)
     if switch:
