@@ -858,7 +858,7 @@ class OursQuantizedInt8KVEngine(OursQuantizedEngine):
 
 class OursPackedEngine(OursEngine):
     """`OursEngine` with `packed_linear=True`: the default's packed products asked for explicitly (a
-    warning when the platform has none; `transformers_cb/runner/packed_linear.py`). The warmup builds the
+    warning when the platform has none; `transformers_cb/runner/products/packed_linear.py`). The warmup builds the
     packs."""
 
     name = "ours-packed"

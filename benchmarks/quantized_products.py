@@ -1,4 +1,4 @@
-"""Microbenchmark of the products over GGUF blocks (runner/quantized_linear.py) against torch's float ones.
+"""Microbenchmark of the products over GGUF blocks (runner/products/quantized_linear.py) against torch's float ones.
 
 For the real model's shapes (SmolLM2-135M: 576 -> 1536 for gate/up, 1536 -> 576 for down, an 8192-column
 slice of the 49152-column LM head), random weights quantized by the `gguf` package, it times per row count:
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 
 SHAPES = ((1536, 576), (576, 1536), (8192, 576))
 ROWS = (1, 4, 8, 16, 32, 128)

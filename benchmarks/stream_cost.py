@@ -19,7 +19,7 @@ the minimum over `--repeats` is printed beside the median.
 
 `step work` times the streaming path without the model: a request's output after each new token
 (`Request.to_output()`, what the manager publishes) turned into the server's event for the client
-(`serve.choices.choice_events`), per step at the start and at the end of `--tokens` tokens, with logprobs.
+(`serve.events.choices.choice_events`), per step at the start and at the end of `--tokens` tokens, with logprobs.
 See docs/benchmarks.md.
 """
 
@@ -105,7 +105,7 @@ def engine_once(model: object, tokenizer: object, tokens: int) -> tuple[list[flo
 def step_work(tokenizer: object, tokens: int) -> list[float]:
     """Seconds per streamed step (publish the output, turn it into a client event), step by step."""
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.serve.choices import ChoiceOptions, Submitted, choice_events
+    from transformers_cb.serve.events.choices import ChoiceOptions, Submitted, choice_events
     from transformers_cb.serve.metrics import ServerMetrics
 
     request = Request("r", list(tokenizer.encode(PROMPT)), max_new_tokens=tokens, streaming=True)

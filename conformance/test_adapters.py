@@ -16,7 +16,7 @@ from tests.support.adapters import adapted_llama, reference_on
 from tests.support.models import BACKENDS, tiny_llama, using_backend
 from tests.support.preemptions import count_preemptions
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.runner.packed_linear import RULE_ENV
+from transformers_cb.runner.products.packed_linear import RULE_ENV
 
 pytest.importorskip("peft", reason="the adapter tests need peft (the test extra installs it)")
 

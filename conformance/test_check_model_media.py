@@ -10,7 +10,7 @@ import torch
 
 from tests.support.vision_models import build_tiny_llava, llava_image, with_images
 from transformers_cb import conformance_check
-from transformers_cb.runner.media import MediaRunner
+from transformers_cb.runner.media.media_runner import MediaRunner
 
 
 @pytest.fixture(scope="module")

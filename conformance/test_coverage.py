@@ -27,7 +27,7 @@ EXPECTED = {
     "mixtral": "exact",
     "llava": "exact",
     "qwen2_vl": "exact",
-    "bloom": "exact",  # attention computed in its own module, adapted (attention/classic.py), with ALiBi
+    "bloom": "exact",  # attention computed in its own module, adapted (attention/families/classic.py), with ALiBi
     "bert": "refused",  # bidirectional (encoder) attention
     "bart": "refused",  # its decoder numbers the packed row itself (position_ids ignored)
     "qwen3_next": "exact",  # linear-attention hybrid: per-request state slots beside the paged KV

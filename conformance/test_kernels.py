@@ -17,14 +17,14 @@ from conformance.common import TOLERANCES, assert_close
 from tests.support import flash_double
 from tests.support.packed_steps import KernelStep, build_kernel_step
 from transformers_cb.attention import PAGED_BACKENDS
-from transformers_cb.attention.alibi import bloom_slopes
-from transformers_cb.attention.eager import eager_attend
-from transformers_cb.attention.fast_path import prepare_flash_step
-from transformers_cb.attention.flash_kernels import FA3, is_flash_backend
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.backends.eager import eager_attend
+from transformers_cb.attention.backends.fast_path import prepare_flash_step
+from transformers_cb.attention.backends.flash_kernels import FA3, is_flash_backend
+from transformers_cb.attention.backends.sdpa import sdpa_attend
+from transformers_cb.attention.families.alibi import bloom_slopes
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.attention.paged import ALIBI_KWARG, METADATA_KWARG, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
-from transformers_cb.attention.sdpa import sdpa_attend
 from transformers_cb.runner.call_groups import native_prefill_max_work
 
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend}

@@ -27,7 +27,7 @@ from tests.support.models import BACKENDS, FAMILIES, build_tiny_model, using_bac
 from tests.support.prompts import prompts_of_lengths, random_prompts
 from tests.support.sharp import SHARP_FACTOR, sharpen
 from transformers_cb import GenerationOutput, RequestStatus
-from transformers_cb.attention import native
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.conformance_check import next_token_logits
 
 MAX_NEW_TOKENS = 12

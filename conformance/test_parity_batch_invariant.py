@@ -16,7 +16,7 @@ import torch
 from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch, tight_num_blocks
 from tests.support.models import build_tiny_model, vocab_size
 from tests.support.prompts import random_prompts
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 
 MAX_NEW_TOKENS = 10
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]

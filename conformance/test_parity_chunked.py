@@ -18,7 +18,7 @@ from conformance.test_parity_sliding import integrity_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.models import build_tiny_model, using_backend, vocab_size
 from tests.support.prompts import random_prompts
-from transformers_cb.attention.native import ENV_SWITCH
+from transformers_cb.attention.native.kernel import ENV_SWITCH
 
 MAX_NEW_TOKENS = 12
 FAMILY = "llama4"

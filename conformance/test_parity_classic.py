@@ -1,5 +1,5 @@
 """Greedy parity on the classic families, whose attention modules compute attention themselves and run
-through the paged cache by their adapters (attention/classic.py): Bloom (also its exact tensor-parallel
+through the paged cache by their adapters (attention/families/classic.py): Bloom (also its exact tensor-parallel
 output path) and MPT with ALiBi (the kernels add the bias from positions; head counts that are not powers of
 two, so the extra slopes are exercised), Falcon's ALiBi in its own bfloat16-rounded form, GPT-J
 and CodeGen (rotary on part of the head), Falcon (multi-query, and the new decoder architecture's grouped
@@ -32,8 +32,8 @@ from conformance.test_parity_sliding import integrity_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
 from transformers_cb.attention import mixed_paged, paged
-from transformers_cb.attention.classic import classic_modules
-from transformers_cb.attention.native import ENV_SWITCH, ensure_native_module
+from transformers_cb.attention.families.classic import classic_modules
+from transformers_cb.attention.native.kernel import ENV_SWITCH, ensure_native_module
 
 MAX_NEW_TOKENS = 10
 VOCAB = 300

@@ -4,7 +4,7 @@ equal `generate()` token for token.
 Families: the hand-written tiny configs of tests/support/hybrids.py (hybrids mix attention and state
 layers; Mamba, Mamba 2, Falcon-Mamba, RWKV and xLSTM have no attention layer at all: no KV group, their
 requests hold no pages), the model-owned recurrences (MiniMax, RecurrentGemma, RWKV, xLSTM: issue 41,
-runner/own_state.py) among them. Every run has prompts longer than the step's token budget (prefill chunks continue a state),
+runner/states/own_state.py) among them. Every run has prompts longer than the step's token budget (prefill chunks continue a state),
 a one-token prompt, mixed prefill + decode steps (checked on the steps' state tables), and the engine's
 integrity check (pages and state slots) after every step. Hybrids run in a cache small enough to preempt;
 every family is also preempted on purpose in the middle of its decode (a pure state-space model never

@@ -1,4 +1,4 @@
-"""Greedy parity of multi-latent attention models on latent pages (attention/latent.py).
+"""Greedy parity of multi-latent attention models on latent pages (attention/families/latent.py).
 
 Two tiny models of the two MLA shapes: DeepSeek-V3's (MoE, a query LoRA: `q_lora_rank` set) and
 DeepSeek-V2-Lite's (`q_lora_rank` None: one query projection). Their pages hold one latent row per token and
@@ -35,7 +35,7 @@ from conformance.test_parity_offload import engines_checked
 from conformance.test_prefix_sharing import check_shared_prefix_parity
 from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ENV_SWITCH, native_module
+from transformers_cb.attention.native.kernel import ENV_SWITCH, native_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
 

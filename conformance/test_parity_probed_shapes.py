@@ -3,7 +3,7 @@ is sized from what the support check's probe saw each layer pass (`kv/layer_grou
 
 - JetMoE repeats its K/V once per routed expert (`num_experts_per_tok`) before attending: every layer
   passes twice the config's KV heads, tiled; the cache holds them once, before the repeat
-  (attention/repeated_kv.py maps the query heads onto them).
+  (attention/families/repeated_kv.py maps the query heads onto them).
 - MiMo-V2-Flash doubles the KV heads of its sliding layers in code: its full and sliding layers get KV
   groups of different head shapes (window 8, shorter than most prompts); its V heads are 6 wide for 8-wide
   keys (the real model: 128 for 192), cached at their own size beside K in one row.

@@ -28,7 +28,7 @@ from conformance.common import (
 from tests.support.models import ROPE_MODELS, using_backend
 from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.attention.native import ENV_SWITCH
+from transformers_cb.attention.native.kernel import ENV_SWITCH
 
 MAX_NEW_TOKENS = 12
 FAMILIES = tuple(ROPE_MODELS)

@@ -1,4 +1,4 @@
-"""Greedy parity of DeepSeek sparse attention (attention/sparse_index.py): DeepSeek V3.2 and HY-V4 (attention
+"""Greedy parity of DeepSeek sparse attention (attention/families/sparse_index.py): DeepSeek V3.2 and HY-V4 (attention
 sinks, layers reusing the previous layer's selection) with an indexer that selects 6 keys per query, fewer
 than most prompts hold, so the selection changes what each query attends (checked: `generate()` itself gives
 other tokens when every key is selected).

@@ -14,8 +14,8 @@ from torch import nn
 from conformance.common import check_parity, greedy_config, reference_greedy
 from tests.support.models import sharpen_attention, tiny_qwen2
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.runner.packed_linear import RULE_ENV, PackRule
-from transformers_cb.runner.packed_model import packed_plan
+from transformers_cb.runner.products.packed_linear import RULE_ENV, PackRule
+from transformers_cb.runner.products.packed_model import packed_plan
 
 peft = pytest.importorskip("peft", reason="the PEFT tests need peft (the test extra installs it)")
 

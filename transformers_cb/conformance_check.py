@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The check (`parity/check.py`) with `--model` also taking a model's name; a failed fetch is one line
     on stderr and exit code 2."""
     try:
-        return check.main(argv, model_folder=model_folder)
+        return check.check_command(argv, model_folder=model_folder)
     except FetchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -8,8 +8,8 @@ user of it; the last user to leave puts back what was there before (a module's p
 or none: the class's own shows again). A change that is no attribute of its own (the model's attention
 implementation, attention/selection.py) is counted the same way (`switched`: applied by the first run, undone
 by the last). Each feature keeps only "which owners, what value": the packed
-products (runner/packed_model.py), multi-latent attention's pass-through (attention/latent.py), the sparse
-indexers (attention/sparse_index.py), the classic families (attention/classic.py), the state layers' split
+products (runner/products/packed_model.py), multi-latent attention's pass-through (attention/families/latent.py), the sparse
+indexers (attention/families/sparse_index.py), the classic families (attention/families/classic.py), the state layers' split
 forwards, the per-request rotary, the native layer ops and the batch-invariant products (runner/).
 `restore_all(kind)` undoes one kind, `restore_everything()` every kind (`uninstall()`).
 """

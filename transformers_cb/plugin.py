@@ -24,7 +24,7 @@ from transformers.modeling_utils import AttentionInterface
 from .api import model_methods
 from .api.generate_batch import generate_batch
 from .attention import PAGED_BACKENDS, PLAIN_COUNTERPART, mask_counterpart, register_flash_name
-from .attention.flash_kernels import is_flash_backend
+from .attention.backends.flash_kernels import is_flash_backend
 from .attention.selection import check_flash_backend
 from .patches import restore_everything
 

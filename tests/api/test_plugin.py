@@ -16,8 +16,8 @@ from tests.support.reference import greedy_reference
 from transformers_cb import plugin
 from transformers_cb.api.generate_batch import generate_batch
 from transformers_cb.attention import PAGED_BACKENDS
-from transformers_cb.attention.eager import eager_paged_attention_forward
-from transformers_cb.attention.sdpa import sdpa_paged_attention_forward
+from transformers_cb.attention.backends.eager import eager_paged_attention_forward
+from transformers_cb.attention.backends.sdpa import sdpa_paged_attention_forward
 from transformers_cb.runner.model_runner import ModelRunner
 
 MODEL_METHODS = [

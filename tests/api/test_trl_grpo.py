@@ -6,7 +6,7 @@ disabled), the adapter trains between steps, and nothing is merged or copied: th
 their storage and the resident parameter bytes stay the same across steps (docs/rl.md). In fp32 and in TRL's
 default bf16, where TRL's trainer writes the trained adapter without bumping its version counters: the packed
 copies of its Linears (bf16: every one) were reused stale before the run's start compared their values
-(runner/packed_linear.py, `PackRegistry.check_sources`). bf16 tokens are compared tie-aware, as everywhere.
+(runner/products/packed_linear.py, `PackRegistry.check_sources`). bf16 tokens are compared tie-aware, as everywhere.
 """
 
 from __future__ import annotations

@@ -13,15 +13,15 @@ import torch
 from tests.support import flash_double
 from tests.support.models import build_tiny_model
 from tests.support.packed_steps import KernelStep, build_kernel_step
-from transformers_cb.attention.eager import eager_attend
-from transformers_cb.attention.flash_kernels import FA2
+from transformers_cb.attention.backends.eager import eager_attend
+from transformers_cb.attention.backends.flash_kernels import FA2
+from transformers_cb.attention.backends.sdpa import sdpa_attend
+from transformers_cb.attention.families.temperature import retuned_query, scales
 from transformers_cb.attention.metadata import first_visible_key, visible_keys
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.attention.paged import paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
-from transformers_cb.attention.sdpa import sdpa_attend
 from transformers_cb.attention.selection import has_chunked_layers, paged_implementation_for
-from transformers_cb.attention.temperature import retuned_query, scales
 
 CHUNK = 6  # not a multiple of the page size: chunks start mid-page
 ATTENDS = {"sdpa": sdpa_attend, "eager": eager_attend, "native": sdpa_attend}

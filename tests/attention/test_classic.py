@@ -1,4 +1,4 @@
-"""The classic families' adapter (attention/classic.py) and the ALiBi slopes (attention/alibi.py)."""
+"""The classic families' adapter (attention/families/classic.py) and the ALiBi slopes (attention/families/alibi.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,21 @@ from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
 from transformers.models.falcon.modeling_falcon import build_alibi_tensor as falcon_alibi_tensor
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
-from transformers_cb.attention.alibi import FALCON_FORM, RELATIVE, alibi_bias, bloom_slopes, mpt_slopes
-from transformers_cb.attention.classic import classic_attention, classic_modules, has_classic_attention
-from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.backends.eager import eager_attend
+from transformers_cb.attention.backends.sdpa import sdpa_attend
+from transformers_cb.attention.families.alibi import (
+    FALCON_FORM,
+    RELATIVE,
+    alibi_bias,
+    bloom_slopes,
+    mpt_slopes,
+)
+from transformers_cb.attention.families.classic import (
+    classic_attention,
+    classic_modules,
+    has_classic_attention,
+)
 from transformers_cb.attention.reference import reference_paged_attention
-from transformers_cb.attention.sdpa import sdpa_attend
 
 
 @pytest.mark.parametrize("heads", range(1, 18))

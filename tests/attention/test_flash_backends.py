@@ -19,9 +19,9 @@ from tests.support.models import build_tiny_model, tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.fast_path import prepare_flash_step, resolve_max_blocks_per_request
-from transformers_cb.attention.flash import flash_paged_attention
-from transformers_cb.attention.flash_kernels import (
+from transformers_cb.attention.backends.fast_path import prepare_flash_step, resolve_max_blocks_per_request
+from transformers_cb.attention.backends.flash import flash_paged_attention
+from transformers_cb.attention.backends.flash_kernels import (
     FA2,
     FA3,
     FlashKernel,

@@ -15,11 +15,11 @@ import torch
 
 from conformance.common import TOLERANCES, assert_close
 from tests.support.packed_steps import KernelStep, build_kernel_step
-from transformers_cb.attention import native
-from transformers_cb.attention.eager import eager_attend
+from transformers_cb.attention.backends.eager import eager_attend
+from transformers_cb.attention.backends.sdpa import sdpa_attend
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.attention.paged import native_paged_attention_op, paged_attention
 from transformers_cb.attention.reference import reference_paged_attention
-from transformers_cb.attention.sdpa import sdpa_attend
 from transformers_cb.memory.kv_cache import scale_views
 from transformers_cb.memory.kv_quant import dequantize, quantize, round_trip
 
@@ -225,7 +225,7 @@ def test_int8_pages_with_a_window_softcap_and_sinks(kernel: str, head_dim: int) 
 def test_int8_pages_under_an_alibi_form_the_kernel_does_not_add() -> None:
     """Falcon's ALiBi form: the native run's tokens go through `attend` row by row (`_attend_native_rows`),
     gathering dequantized K/V; the reference adds the same form over the dequantized K/V."""
-    from transformers_cb.attention.alibi import FALCON_FORM, bloom_slopes
+    from transformers_cb.attention.families.alibi import FALCON_FORM, bloom_slopes
 
     if native.ensure_native_module() is None:
         pytest.skip("the native CPU kernel cannot be built here (see the logged reason)")

@@ -1,4 +1,4 @@
-"""attention/latent.py: multi-latent attention over latent pages, against the module's own decompressed
+"""attention/families/latent.py: multi-latent attention over latent pages, against the module's own decompressed
 attention; the pass-through of `expand_kv` for a run; the check of a module's decompression."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
-from transformers_cb.attention.latent import (
+from transformers_cb.attention.families.latent import (
     absorbed_weights,
     latent_attention,
     latent_module_problem,
     latent_modules,
     latent_pass_through,
 )
-from transformers_cb.attention.native import native_module
+from transformers_cb.attention.native.kernel import native_module
 from transformers_cb.attention.paged import step_metadata
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import PagedKVCache

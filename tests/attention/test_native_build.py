@@ -24,7 +24,12 @@ import pytest
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import run_process
 from tests.support.timeouts import hang_guard
-from transformers_cb.attention.native_build import KERNEL_DIR_ENV, MODULE_NAME, KernelFolder, lock_owner
+from transformers_cb.attention.native.native_build import (
+    KERNEL_DIR_ENV,
+    MODULE_NAME,
+    KernelFolder,
+    lock_owner,
+)
 
 # One tiny model, one request, in a fresh process: prints "served <status> <n tokens>" per call.
 SERVE_SCRIPT = textwrap.dedent(

@@ -16,7 +16,8 @@ import torch
 from conformance.common import ReferenceCache, check_parity, greedy_config, run_batch
 from tests.support.models import backends_for, build_tiny_model, using_backend, vocab_size
 from tests.support.prompts import random_prompts
-from transformers_cb.attention import native, paged
+from transformers_cb.attention import paged
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.runner.model_runner import ModelRunner
 from transformers_cb.runner.packing import BatchPacker

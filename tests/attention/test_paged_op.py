@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_cb.attention import native
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.attention.paged import native_layer_attention, native_paged_attention_op
 from transformers_cb.attention.reference import reference_paged_attention
 

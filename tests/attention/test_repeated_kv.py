@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_cb.attention.repeated_kv import retiled, untiled
+from transformers_cb.attention.families.repeated_kv import retiled, untiled
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "repeat"), [(4, 2, 2), (8, 2, 2), (6, 3, 2), (8, 1, 4)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from transformers_cb.attention.sparse_index import selected_mask
+from transformers_cb.attention.families.sparse_index import selected_mask
 
 
 def test_a_query_attends_only_its_selected_causal_keys() -> None:

@@ -25,7 +25,7 @@ from tests.support.int8_reference import int8_reference_model
 from tests.support.models import tiny_llama, tiny_llama_without_eos
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention import native
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.engine.engine import Engine
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.swap_plan import SwapPlan

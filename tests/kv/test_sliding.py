@@ -23,11 +23,11 @@ from tests.support.reference import greedy_reference
 from tests.support.requests import make_request
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention import native
 from transformers_cb.attention import paged as paged_module
-from transformers_cb.attention import sdpa as sdpa_module
-from transformers_cb.attention.eager import eager_attend
-from transformers_cb.attention.native import native_paged_attention
+from transformers_cb.attention.backends import sdpa as sdpa_module
+from transformers_cb.attention.backends.eager import eager_attend
+from transformers_cb.attention.native import kernel as native
+from transformers_cb.attention.native.kernel import native_paged_attention
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.invariants import InvariantError

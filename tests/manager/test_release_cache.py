@@ -17,7 +17,7 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.threads import TIMEOUT, call_in_thread, wait_for
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.runner.packed_linear import RULE_ENV
+from transformers_cb.runner.products.packed_linear import RULE_ENV
 
 MAX_NEW_TOKENS = 12
 PROMPTS = prompts_of_lengths([9, 14, 5], seed=7)

@@ -1,5 +1,5 @@
 """The support check on multi-latent attention models: accepted when every KV layer's module decompresses
-its latent the way attention/latent.py absorbs it; refused, naming the layer and what is missing, when a
+its latent the way attention/families/latent.py absorbs it; refused, naming the layer and what is missing, when a
 layer has no such module or decompresses otherwise; DeepSeek sparse attention accepted where its indexer
 can be handed one request at a time, refused by name where not (GLM-5-next's pooled indexer) or where its
 latent rows differ per layer (Mistral Large 4's layers without rotary keys); flash backends refused (their
@@ -12,8 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.support import flash_double
+from transformers_cb.attention.families.sparse_index import indexer_problem
 from transformers_cb.attention.selection import check_flash_backend, paged_implementation_for
-from transformers_cb.attention.sparse_index import indexer_problem
 from transformers_cb.kv.layer_groups import kv_groups_from_config
 from transformers_cb.model_check.model_support import check_model_supported
 

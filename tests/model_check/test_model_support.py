@@ -20,7 +20,7 @@ from transformers import (
 from tests.support.models import FAMILY_CONFIGS, LlamaIgnoringLogitsToKeep, build_tiny_model
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention import classic
+from transformers_cb.attention.families import classic
 from transformers_cb.attention.paged import METADATA_KWARG
 from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.sizing import ModelShape
@@ -44,7 +44,7 @@ def refusal(model_or_config) -> str:
 
 # rule -> (builder, model type named, words naming the missing capability)
 MODEL_RULES = {
-    # Attention computed inside the class by a family with no adapter in attention/classic.py: the piece
+    # Attention computed inside the class by a family with no adapter in attention/families/classic.py: the piece
     # it misses is named (CPM-Ant's learned bias per relative-position bucket; a BERT-style encoder).
     "a learned relative-position bias": (
         lambda: tiny(
@@ -341,7 +341,7 @@ def test_a_forward_ignoring_logits_to_keep_has_its_rows_selected() -> None:
 
 
 def test_a_class_computing_attention_itself_without_an_adapter_is_refused(monkeypatch) -> None:
-    """Bloom without its adapter (attention/classic.py) never reaches the attention interface."""
+    """Bloom without its adapter (attention/families/classic.py) never reaches the attention interface."""
     monkeypatch.delitem(classic.FAMILIES, "modeling_bloom.BloomAttention")
     message = refusal(tiny("bloom", vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
     assert "model_type='bloom'" in message and "`_supports_attention_backend` is False" in message

@@ -27,9 +27,9 @@ from transformers_cb.models.gguf_weights import (
 )
 from transformers_cb.models.loading import load_model_and_tokenizer, quantized_source
 from transformers_cb.parity.compare import compare_tokens
-from transformers_cb.runner.packed_linear import PackRule
-from transformers_cb.runner.packed_model import pack_bytes, packed_plan
-from transformers_cb.runner.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from transformers_cb.runner.products.packed_linear import PackRule
+from transformers_cb.runner.products.packed_model import pack_bytes, packed_plan
+from transformers_cb.runner.products.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF files")
 QTYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]

@@ -55,7 +55,7 @@ def test_conformance_check_module_and_command() -> None:
 
     assert conformance_check.run_check is check.run_check
     # `main` wraps the check's own: `--model` also takes a registry name (fetched once).
-    assert callable(conformance_check.main) and conformance_check.main is not check.main
+    assert callable(conformance_check.main) and conformance_check.main is not check.check_command
     done = run_process(
         [sys.executable, "-m", "transformers_cb.conformance_check", "--help"],
         cwd=REPO_ROOT,

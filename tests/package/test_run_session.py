@@ -39,6 +39,6 @@ def test_the_state_layers_forwards_are_installed_only_by_the_run_session() -> No
     """The state modules' split forwards are installed by `StateLayers.session` (a step outside a run
     session installs them for itself there too), which the runner's part of the run session enters, which
     `Engine.session()` alone enters."""
-    assert callers("split_state_layers") == {"runner/state_layers.py"}
+    assert callers("split_state_layers") == {"runner/states/state_layers.py"}
     assert importers("states.session()") == {"runner/model_runner.py"}
     assert importers("runner.session()") == {"engine/engine.py"}

@@ -1,4 +1,4 @@
-"""Batch-invariant mode (`ContinuousBatchingConfig(batch_invariant=True)`, runner/batch_invariant.py).
+"""Batch-invariant mode (`ContinuousBatchingConfig(batch_invariant=True)`, runner/products/batch_invariant.py).
 
 A request's tokens and logprobs must be the same bits alone and batched with 7 or 31 others, under any
 token budget (its prompt chunked at other places), float32 and bfloat16, on a model whose attention is
@@ -24,16 +24,16 @@ from tests.support.models import sharpen_attention, tiny_llama
 from tests.support.prompts import prompts_of_lengths, random_prompts
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
-from transformers_cb.runner.batch_invariant import (
+from transformers_cb.runner.forward.compile_plan import CompilePlan
+from transformers_cb.runner.products.batch_invariant import (
     INVARIANT_ROWS,
     batch_invariant_modules,
     invariant_elementwise,
     invariant_linear,
 )
-from transformers_cb.runner.compile_plan import CompilePlan
 from transformers_cb.runner.step_options import check_batch_invariant
 
 GREEDY = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)

@@ -12,9 +12,9 @@ from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import native_module
+from transformers_cb.attention.native.kernel import native_module
 from transformers_cb.engine.build import build_engine
-from transformers_cb.runner.compile_plan import (
+from transformers_cb.runner.forward.compile_plan import (
     DECODE,
     VARLEN,
     CompilePlan,

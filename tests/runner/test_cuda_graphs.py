@@ -19,17 +19,17 @@ from tests.support.models import tiny_llama, tiny_llama_ignoring_logits_to_keep
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.fast_path import prepare_flash_step
-from transformers_cb.attention.flash_kernels import FA2
+from transformers_cb.attention.backends.fast_path import prepare_flash_step
+from transformers_cb.attention.backends.flash_kernels import FA2
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.config.continuous_batching import DeviceOptions, resolve_device_options
 from transformers_cb.engine import plan as plan_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.submission import Submission
-from transformers_cb.runner.async_batching import BufferTurns
-from transformers_cb.runner.compile_plan import DECODE, VARLEN
-from transformers_cb.runner.cuda_graphs import GraphKey, LRUCache, padded_length
+from transformers_cb.runner.forward.async_batching import BufferTurns
+from transformers_cb.runner.forward.compile_plan import DECODE, VARLEN
+from transformers_cb.runner.forward.cuda_graphs import GraphKey, LRUCache, padded_length
 
 GREEDY = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
 CUDA = torch.cuda.is_available()

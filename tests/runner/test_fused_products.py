@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up products (`runner/fused_products.py`): the groups found, outputs equal to the
+"""Fused q/k/v and gate/up products (`runner/products/fused_products.py`): the groups found, outputs equal to the
 unfused packed path, fewer products, a member called on another input or after a weight update still
 exact, and greedy parity with `generate()`."""
 
@@ -12,10 +12,10 @@ from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.runner import packed_linear as packed_linear_module
-from transformers_cb.runner.fused_products import find_groups
-from transformers_cb.runner.packed_linear import FUSED_ENV, PACKS, RULE_ENV
-from transformers_cb.runner.packed_model import is_packable, packed_linears
+from transformers_cb.runner.products import packed_linear as packed_linear_module
+from transformers_cb.runner.products.fused_products import find_groups
+from transformers_cb.runner.products.packed_linear import FUSED_ENV, PACKS, RULE_ENV
+from transformers_cb.runner.products.packed_model import is_packable, packed_linears
 
 pytestmark = pytest.mark.skipif(
     packed_linear_module.unsupported_reason(torch.float32, "cpu") is not None,

@@ -1,4 +1,4 @@
-"""The runner's media (runner/media.py): encoding into the store (joined across requests where shapes
+"""The runner's media (runner/media/media_runner.py): encoding into the store (joined across requests where shapes
 allow, one request's bad media failing it alone), each chunk's rows placed at its prompt placeholders."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.support.vision_models import (
 )
 from transformers_cb.engine.media_inputs import MediaIntake
 from transformers_cb.requests import Request
-from transformers_cb.runner.media import MediaRunner, MediaStepInputs
+from transformers_cb.runner.media.media_runner import MediaRunner, MediaStepInputs
 from transformers_cb.scheduler.step_plan import ScheduledRequest
 
 

@@ -12,7 +12,7 @@ import torch
 from transformers_cb.attention.metadata import AttentionMetadata
 from transformers_cb.attention.paged import METADATA_KWARG, current_step_metadata
 from transformers_cb.invariants import InvariantError
-from transformers_cb.runner.model_call import call_model
+from transformers_cb.runner.forward.model_call import call_model
 
 TOKENS = 5
 VOCAB = 7

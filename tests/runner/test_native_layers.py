@@ -1,4 +1,4 @@
-"""The native decoder-layer ops (`runner/native_layers.py`, attention/native_layer_source.py): each op bitwise
+"""The native decoder-layer ops (`runner/layer_ops/native_layers.py`, attention/native/native_layer_source.py): each op bitwise
 equal to transformers' module on random inputs (float32 and bfloat16, strided views, widths off the vector
 size), the table's recognition, the installs counted and restored, the module's own path where the native
 one does not apply, a class whose check fails left alone, and greedy parity with `generate()` on models
@@ -23,11 +23,11 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.engine import engine as engine_module
-from transformers_cb.runner import native_layers
-from transformers_cb.runner.layer_checks import Verdicts
-from transformers_cb.runner.layer_forms import is_pre_norm_layer, is_silu_mlp, norm_form, references
+from transformers_cb.runner.layer_ops import native_layers
+from transformers_cb.runner.layer_ops.layer_checks import Verdicts
+from transformers_cb.runner.layer_ops.layer_forms import is_pre_norm_layer, is_silu_mlp, norm_form, references
 
 OPS = ensure_native_module()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the native library cannot be built here")
@@ -185,7 +185,7 @@ def test_the_switch_turns_them_off(monkeypatch) -> None:
 def test_uninstall_restores_a_session_still_open() -> None:
     model = tiny_llama()
     with native_layers.native_layers(model):
-        native_layers.restore_all()
+        native_layers.restore_native_layers()
         assert installed(model) == []
         assert modeling_llama.apply_rotary_pos_emb is references().llama_rotary
     assert installed(model) == []

@@ -1,4 +1,4 @@
-"""oneDNN's shape caches bounded for the server (runner/onednn_caches.py)."""
+"""oneDNN's shape caches bounded for the server (runner/products/onednn_caches.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from transformers_cb.jobs.inputs import InputError
-from transformers_cb.runner import onednn_caches
+from transformers_cb.runner.products import onednn_caches
 from transformers_cb.serve import server
 
 

@@ -1,4 +1,4 @@
-"""runner/own_state.py: the model-owned recurrences (MiniMax, RecurrentGemma, RWKV, xLSTM) split by request
+"""runner/states/own_state.py: the model-owned recurrences (MiniMax, RecurrentGemma, RWKV, xLSTM) split by request
 at their slots: found by layer, their states learned by the probe, and a packed step (fresh spans, then a
 decode batch) equal to each request's own forward."""
 
@@ -15,14 +15,14 @@ from transformers_cb.engine.plan import resolve_plan
 from transformers_cb.invariants import InvariantError
 from transformers_cb.memory.state_cache import CONV, RECURRENT, StateCache
 from transformers_cb.model_check.state_probe import state_problems
-from transformers_cb.runner.own_state import (
+from transformers_cb.runner.states.own_state import (
     MiniMaxCall,
     RecurrentGemmaCall,
     RwkvCall,
     XlstmCall,
     own_state_modules,
 )
-from transformers_cb.runner.state_layers import StateLayers, StateTable
+from transformers_cb.runner.states.state_layers import StateLayers, StateTable
 
 # family -> (its call, its state layers, the layers whose continued chunks run a token at a time, the
 # states of its first state layer as (kind, index))

@@ -19,9 +19,9 @@ from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.parity.compare import compare_tokens
-from transformers_cb.runner import packed_linear as packed_linear_module
 from transformers_cb.runner import step_options
-from transformers_cb.runner.packed_linear import (
+from transformers_cb.runner.products import packed_linear as packed_linear_module
+from transformers_cb.runner.products.packed_linear import (
     NEVER,
     PACKS,
     RULE_ENV,
@@ -31,7 +31,7 @@ from transformers_cb.runner.packed_linear import (
     reset_verdicts,
     rule_from_env,
 )
-from transformers_cb.runner.packed_model import packed_linears, release_packs
+from transformers_cb.runner.products.packed_model import packed_linears, release_packs
 from transformers_cb.runner.step_options import resolve_packed_linear
 
 pytestmark = pytest.mark.skipif(
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(
 PACKED = ContinuousBatchingConfig(page_size=16, packed_linear=True)
 PROMPTS = prompts_of_lengths([5, 17, 30, 9], seed=3)
 MAX_NEW = 10
-LOGGER = "transformers_cb.runner.packed_linear"
+LOGGER = "transformers_cb.runner.products.packed_linear"
 
 
 @pytest.fixture(autouse=True)

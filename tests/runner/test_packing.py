@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.packed_steps import build_kernel_step
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner.call_groups import DECODE_PADDING_BOUND, group_decodes, native_prefill_max_work
 
 P = 8  # page size of the hand-written step

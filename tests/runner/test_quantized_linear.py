@@ -1,4 +1,4 @@
-"""The quantized products (`runner/quantized_linear.py`, attention/native_quant_source.py) against
+"""The quantized products (`runner/products/quantized_linear.py`, attention/native/native_quant_source.py) against
 `x @ gguf.quants.dequantize(W).T`: random blocks of Q8_0, Q4_0 and Q4_1, float32 and bfloat16 inputs, odd
 shapes, row counts on both sides of `DIRECT_MAX_ROWS` (the native product and the dequantized tiles); the
 dequantization itself bitwise equal to gguf's, natively and by the torch fallback; the modules."""
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformers_cb.attention.native import ensure_native_module
-from transformers_cb.runner import quantized_linear
-from transformers_cb.runner.quantized_linear import (
+from transformers_cb.attention.native.kernel import ensure_native_module
+from transformers_cb.runner.products import quantized_linear
+from transformers_cb.runner.products.quantized_linear import (
     DIRECT_MAX_ROWS,
     QuantizedEmbedding,
     QuantizedLinear,

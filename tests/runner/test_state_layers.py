@@ -1,4 +1,4 @@
-"""runner/state_layers.py against transformers' own linear-attention cache layer, and the step's state table
+"""runner/states/state_layers.py against transformers' own linear-attention cache layer, and the step's state table
 (runner/packing.py `state_table`).
 
 `SlotStateView` must behave as `transformers.cache_utils.LinearAttentionLayer` does for one request (the
@@ -16,8 +16,8 @@ from transformers.cache_utils import LinearAttentionLayer
 from tests.support.requests import make_request
 from transformers_cb.memory.state_cache import CONV, RECURRENT, StateCache, StateSpec
 from transformers_cb.runner.packing import state_table
-from transformers_cb.runner.slot_state_view import SlotStateView, StateRecorder
-from transformers_cb.runner.state_layers import StateLayers, StateTable
+from transformers_cb.runner.states.slot_state_view import SlotStateView, StateRecorder
+from transformers_cb.runner.states.state_layers import StateLayers, StateTable
 from transformers_cb.scheduler.step_plan import ScheduledRequest
 
 KERNEL = 4

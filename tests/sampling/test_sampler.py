@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from transformers_cb.attention import native
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.sampling.sampler import best_tokens
 
 

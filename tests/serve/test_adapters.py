@@ -90,8 +90,8 @@ def _check(answer: Any, expected: tuple[list[str], list[float]], context: str) -
 @contextmanager
 def _serving(folders: dict[str, Path], max_resident: int | None = None) -> Iterator[LiveServer]:
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.serve.adapters import ServedAdapters
     from transformers_cb.serve.app import ServeState
+    from transformers_cb.serve.served_adapters import ServedAdapters
     from transformers_cb.serve.server import serving_positions, start_serving_manager
 
     model, tokenizer = _base()

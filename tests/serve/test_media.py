@@ -1,4 +1,4 @@
-"""Chat messages with images on the server (serve/chat_media.py): data URLs only, bounded count and bytes,
+"""Chat messages with images on the server (serve/chat/chat_media.py): data URLs only, bounded count and bytes,
 `wav` audio decoded, and an image request through a processor equal to `generate()` on the same inputs.
 
 Two paths: a processor test double (the tokenizer's chat template, four placeholder tokens per image, raw
@@ -33,7 +33,7 @@ from tests.support.serve import (
 )
 from tests.support.threads import TIMEOUT
 from tests.support.vision_models import build_tiny_llava, media_reference, save_tiny_llava_checkpoint
-from transformers_cb.serve import chat_media as media
+from transformers_cb.serve.chat import chat_media as media
 from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest
 
 IMAGE_TOKEN = 258  # byte 255 in the tiny byte-level tokenizer: never in ASCII text
@@ -143,7 +143,7 @@ def tiny_llava_for(tokenizer: Any):
 def test_an_image_chat_equals_generate_on_the_processors_inputs(monkeypatch) -> None:
     # Imported before the patch below: it binds `load_image` when first imported, and would keep the test's
     # raw-pixel loader for every later test of this process (the Responses test then failed in file order).
-    import transformers_cb.serve.response_input  # noqa: F401
+    import transformers_cb.serve.responses.response_input  # noqa: F401
 
     _, tokenizer = tiny_model_and_tokenizer()
     model = tiny_llava_for(tokenizer)
@@ -346,7 +346,7 @@ def test_the_serve_command_on_a_vision_language_folder(vlm_checkpoint) -> None:
 
 @requires_serve
 def test_responses_input_images_take_the_same_path(vlm_checkpoint) -> None:
-    """`/v1/responses` with `input_image` parts (serve/response_input.py): the chat path's processor and
+    """`/v1/responses` with `input_image` parts (serve/responses/response_input.py): the chat path's processor and
     engine, so the answer equals `generate()` on the processor's outputs; a bad image names its input field."""
     import httpx
 

@@ -36,8 +36,8 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
 from transformers_cb.serve.protocol import ApiError  # noqa: E402
-from transformers_cb.serve.response_input import input_messages  # noqa: E402
-from transformers_cb.serve.responses_api import ResponseStore, new_response_id  # noqa: E402
+from transformers_cb.serve.responses.response_input import input_messages  # noqa: E402
+from transformers_cb.serve.responses.responses_api import ResponseStore, new_response_id  # noqa: E402
 
 TOOLS = [
     {"type": "function", "name": "get_weather", "description": "Weather", "parameters": WEATHER_PARAMETERS}

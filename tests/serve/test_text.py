@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tests.support.serve import MISSING, requires_serve
 from transformers_cb.manager.stats import ManagerStats
 from transformers_cb.models.tiny import build_tiny_tokenizer
+from transformers_cb.serve.events.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopScanner
 from transformers_cb.serve.metrics import Histogram, ServerMetrics
-from transformers_cb.serve.text import REPLACEMENT_CHAR, IncrementalDetokenizer, StopScanner
 
 if MISSING:  # without the extra there is no pydantic for the request bodies
     ApiError = ChatCompletionRequest = CompletionRequest = parse_body = None
@@ -215,7 +215,7 @@ def test_choice_events_read_each_outputs_new_tokens_only() -> None:
 
     from tests.support.counting import CountingList, count_request_reads
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.serve.choices import ChoiceOptions, ManagerChoices, Submitted
+    from transformers_cb.serve.events.choices import ChoiceOptions, ManagerChoices, Submitted
 
     steps = 600
     request = Request("r", [1], max_new_tokens=steps, streaming=True)
@@ -280,7 +280,7 @@ def test_an_event_is_one_line_for_a_universal_newline_reader_and_decodes_to_the_
     at them, so `sse` escapes them: the event stays one line however the client splits it."""
     import json
 
-    from transformers_cb.serve.responses import sse
+    from transformers_cb.serve.events.completion_bodies import sse
 
     event = sse({"text": text}).decode()
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1

@@ -17,16 +17,16 @@ if MISSING:
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest, ToolDefinition, parse_body
-from transformers_cb.serve.reasoning import template_kwargs, thinks
-from transformers_cb.serve.tools import MAX_TOOLS, ToolMode, tool_mode
-from transformers_cb.serve.turn import (
+from transformers_cb.serve.chat.reasoning import template_kwargs, thinks
+from transformers_cb.serve.chat.tools import MAX_TOOLS, ToolMode, tool_mode
+from transformers_cb.serve.chat.turn import (
     FallbackParser,
     ForcedParser,
     TemplateParser,
     TurnFormat,
     prompt_opens_thinking,
 )
+from transformers_cb.serve.protocol import ApiError, ChatCompletionRequest, ToolDefinition, parse_body
 
 WEATHER = {
     "type": "function",

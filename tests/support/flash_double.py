@@ -286,7 +286,8 @@ def fa3_module() -> types.ModuleType:
 def injected(fa2: bool = True, fa3: bool = False, cpu: bool = True):
     """Make `import flash_attn` / `import flash_attn_interface` find the double (and, with `cpu`, let the
     flash backends run on CPU); undo everything afterwards."""
-    from transformers_cb.attention import flash_kernels, selection
+    from transformers_cb.attention import selection
+    from transformers_cb.attention.backends import flash_kernels
 
     saved = {name: sys.modules.get(name) for name in ("flash_attn", "flash_attn_interface")}
     devices = set(selection.FLASH_DEVICES)

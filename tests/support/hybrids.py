@@ -371,7 +371,7 @@ HYBRIDS = (
     "zamba2",
     "olmo_hybrid",
     "kimi_linear",
-    # The model-owned recurrences (runner/own_state.py).
+    # The model-owned recurrences (runner/states/own_state.py).
     "minimax",
     "recurrent_gemma",
     "rwkv",

@@ -30,7 +30,7 @@ MODEL_NAME = "tiny-test"
 
 def served_text(tokenizer: Any, tokens: list[int]) -> str:
     """The text the server sends for `tokens`: their decoding, less the U+FFFD of a character the last tokens
-    leave incomplete (serve/text.py drops those bytes)."""
+    leave incomplete (serve/events/text.py drops those bytes)."""
     return tokenizer.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
 
 
@@ -127,11 +127,13 @@ def serving(
 ) -> Iterator[LiveServer]:
     """`state`'s app served by uvicorn on 127.0.0.1:<free port> in a thread; on exit the server shuts
     down, then `stop()` ends `state`'s manager."""
-    from transformers_cb.serve.app import build_app
+    from transformers_cb.serve.app import build_openai_app
     from transformers_cb.serve.server import bind_socket, make_uvicorn_server
 
     sock = bind_socket("127.0.0.1", 0)
-    server = make_uvicorn_server(build_app(state), log_level=log_level, shutdown_timeout=shutdown_timeout)
+    server = make_uvicorn_server(
+        build_openai_app(state), log_level=log_level, shutdown_timeout=shutdown_timeout
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -13,7 +13,7 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import WorkloadHints, take_cb_config
 from ..manager.lifecycle import CACHED_MANAGER_ATTR
 from ..manager.manager import ContinuousBatchingManager
-from ..runner.packed_model import release_packs
+from ..runner.products.packed_model import release_packs
 from .generate_batch import CACHED_ENGINE_ATTR
 
 logger = logging.getLogger(__name__)

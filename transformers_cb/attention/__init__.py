@@ -1,7 +1,7 @@
 """Paged attention backends, keyed by the `attn_implementation` names they register.
 
 One registry for every backend: `paged|sdpa`, `paged|eager` (pure torch, any device) and the paged
-flash-attention names (`attention/flash.py`; their kernels are imported only when used).
+flash-attention names (`attention/backends/flash.py`; their kernels are imported only when used).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from .eager import eager_paged_attention_forward
-from .flash import make_flash_forward
-from .flash_kernels import flash_backend_names, is_flash_backend
-from .sdpa import sdpa_paged_attention_forward
+from .backends.eager import eager_paged_attention_forward
+from .backends.flash import make_flash_forward
+from .backends.flash_kernels import flash_backend_names, is_flash_backend
+from .backends.sdpa import sdpa_paged_attention_forward
 
 
 def _compile_boundary(forward: Callable) -> Callable:

@@ -5,7 +5,7 @@ Packed layout of one step (decodes first, sorted by KV length, then prefill chun
     tokens:  [d0 d1 d2 ... | p0 p0 p0 p0 | p1 p1 ...]
               decode groups  prefill groups (one per request)
 
-With the native CPU kernel (`native.py`), the decodes and the short prefill chunks come first
+With the native CPU kernel (`native/kernel.py`), the decodes and the short prefill chunks come first
 and form one run of `native_tokens` tokens that the kernel attends in one call per layer,
 straight from the pages (`token_row`, `token_pos`, the group's `block_table`); decode groups
 are then empty and prefill groups cover only the long chunks after that run.
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 # The metadata of the step whose forward is running in this thread (None outside one), set by the runner
 # (`attention.paged.step_metadata`): the paged forward reads it where a layer dropped the kwargs, and a
-# multi-latent module hands its latent through only inside such a forward (attention/latent.py). `Any`:
+# multi-latent module hands its latent through only inside such a forward (attention/families/latent.py). `Any`:
 # the support check's probe sets its own record here.
 STEP_METADATA: contextvars.ContextVar[Any] = contextvars.ContextVar("cb_step_metadata", default=None)
 
@@ -97,13 +97,13 @@ class GroupMetadata:
     block_table: torch.Tensor  # [N, max_pages] int32
     # A chunked group's attention chunk (a query at q attends keys [q // C * C, q]); None: not chunked.
     chunk_size: int | None = None
-    # A latent group's (kv_lora_rank, qk_rope_head_dim): its layers attend through attention/latent.py.
+    # A latent group's (kv_lora_rank, qk_rope_head_dim): its layers attend through attention/families/latent.py.
     latent: tuple[int, int] | None = None
 
     @property
     def kernel_window(self) -> int:
         """The native kernel's `window` argument: the window, or minus the attention chunk (a negative
-        window is a chunk: `first_key` in attention/native_source.py), or 0 (full attention)."""
+        window is a chunk: `first_key` in attention/native/native_source.py), or 0 (full attention)."""
         if self.sliding_window is not None:
             return self.sliding_window
         return -self.chunk_size if self.chunk_size is not None else 0
@@ -136,12 +136,12 @@ class AttentionMetadata:
     # Every token of the step is the native kernel's (no decode or prefill groups): each layer's attention
     # is then one custom op that a compiled forward keeps in its graph (paged.py).
     all_native: bool = False
-    # Each token's position in its sequence `[T]` int64 (attention/temperature.py reads it).
+    # Each token's position in its sequence `[T]` int64 (attention/families/temperature.py reads it).
     position_ids: torch.Tensor | None = None
     # A dynamic rotary embedding's frequency sets (kv/rope_rule.py, `RopeRule.frequency_key`): each
     # key of the step with the tokens that take it (None: every token of the step); None: not such a model.
     rope_groups: list[tuple[int, torch.Tensor | None]] | None = None
-    # Filled by the runner for flash backends only (see attention/flash.py).
+    # Filled by the runner for flash backends only (see attention/backends/flash.py).
     cu_seqlens_k: torch.Tensor | None = None  # [N + 1] int32
     decode_fast_path: DecodeFastPath | None = None
 

@@ -19,16 +19,16 @@ import torch
 
 from ..invariants import check, present
 from ..memory.kv_quant import dequantize, round_trip
-from .alibi import RELATIVE, AlibiForm
+from .families.alibi import RELATIVE, AlibiForm
 from .metadata import AttentionMetadata, GroupMetadata, first_visible_key
-from .native import native_paged_attention, write_pages
+from .native.kernel import native_paged_attention, write_pages
 
 # attend(query [B, H, Q, D], key [B, Hkv, L, D], value [B, Hkv, L, D], mask [B, 1, Q, L] bool | None,
 #        is_causal, scale, softcap: float | None, sinks: [H] | None, slopes: [H] | None) -> [B, H, Q, D]
 Attend = Callable[..., torch.Tensor]
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`cache[slots]` as `[*slots.shape, Hkv, D]` through one index_select."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
@@ -42,7 +42,7 @@ def _gather_kv(
     """K and V at `slots` `[...]` as `[..., Hkv, D]`: the cache's rows, or an int8 cache's rows dequantized
     with their scales into `dtype` (the query's)."""
     if scales is None:
-        return _gather(caches[0], slots), _gather(caches[1], slots)
+        return gather_slots(caches[0], slots), gather_slots(caches[1], slots)
     flat = slots.reshape(-1)
     gathered = []
     for cache, scale in zip(caches, scales, strict=True):

@@ -8,10 +8,10 @@ through its kwargs: its `scaling`, its `sliding_window` (which must match the KV
 group the layer's pages come from: the window is applied by the gathers and
 masks built for that group), its logit `softcap`, its attention sinks
 (`s_aux`, GPT-OSS), and its ALiBi slopes (`alibi_slopes`, passed by the classic families'
-adapters: attention/classic.py; the kernels add the bias from positions: attention/alibi.py).
+adapters: attention/families/classic.py; the kernels add the bias from positions: attention/families/alibi.py).
 Nothing is assumed to be the same across layers. A chunked layer (Llama 4) passes no kwarg for its chunk: its group's gathers and masks apply
 the config's `attention_chunk_size`, the one rule transformers' chunked mask applies. A layer of a latent
-group (multi-latent attention) is handed to attention/latent.py whatever the backend.
+group (multi-latent attention) is handed to attention/families/latent.py whatever the backend.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ import torch
 
 from ..invariants import present
 from ..memory.kv_cache import layer_views, scale_views
-from .alibi import RELATIVE, AlibiForm
-from .latent import latent_attention
+from .families.alibi import RELATIVE, AlibiForm
+from .families.latent import latent_attention
+from .families.repeated_kv import retiled, untiled
+from .families.temperature import retuned_query, tunes_temperature
 from .metadata import STEP_METADATA, AttentionMetadata
 from .mixed_paged import Attend, mixed_paged_attention
-from .native import native_paged_attention, write_pages
-from .repeated_kv import retiled, untiled
-from .temperature import retuned_query, tunes_temperature
+from .native.kernel import native_paged_attention, write_pages
 
 METADATA_KWARG = "cb_attention_metadata"
-# The `[H]` ALiBi slopes of a layer, passed by the classic families' adapters (attention/classic.py).
+# The `[H]` ALiBi slopes of a layer, passed by the classic families' adapters (attention/families/classic.py).
 ALIBI_KWARG = "alibi_slopes"
 # Its form when not the relative float32 one (`AlibiForm`: Falcon's), passed beside the slopes.
 ALIBI_FORM_KWARG = "alibi_form"
@@ -148,7 +148,7 @@ def paged_attention(
     A step whose every token the native kernel attends (decodes and short prefill chunks) is one custom op
     per layer, which `torch.compile` keeps in its graph (no break); any other step runs
     `mixed_paged_attention` (attention/mixed_paged.py), whose Python follows the step's groups (the runner runs such steps' forward
-    eagerly: see runner/compile_plan.py).
+    eagerly: see runner/forward/compile_plan.py).
     """
     if (
         not metadata.all_native
@@ -236,7 +236,7 @@ def make_forward(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
         sliding_window = kwargs.pop("sliding_window", None)
-        # DeepSeek sparse attention's selected keys (attention/sparse_index.py); None for any other layer.
+        # DeepSeek sparse attention's selected keys (attention/families/sparse_index.py); None for any other layer.
         indices = kwargs.pop("indices", None)
         softcap = kwargs.pop("softcap", None)
         sinks = kwargs.pop("s_aux", None)
@@ -263,7 +263,7 @@ def make_forward(
             )
             return out, None
         if group_metadata.latent is not None:
-            # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/latent.py).
+            # A multi-latent layer: `key` is its latent, `value` its rotary key (attention/families/latent.py).
             if softcap is not None or (sinks is not None and indices is None):
                 raise NotImplementedError(
                     f"layer {layer_idx}: multi-latent attention with softcap / sinks is not implemented "
@@ -286,7 +286,7 @@ def make_forward(
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         spec = metadata.kv_group_of(layer_idx)
         if spec.kv_repeat > 1:
-            # K/V the layer tiled over its query heads (JetMoE): cached once (attention/repeated_kv.py).
+            # K/V the layer tiled over its query heads (JetMoE): cached once (attention/families/repeated_kv.py).
             heads = present(spec.head_shape, "a repeated K/V group without its head shape")[0]
             query, key, value, order = untiled(query, key, value, heads, spec.kv_repeat)
             sinks = None if sinks is None else sinks.index_select(0, order)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .alibi import RELATIVE, AlibiForm
+from .families.alibi import RELATIVE, AlibiForm
 
 
 def reference_paged_attention(

@@ -9,7 +9,7 @@
 A flash name whose kernel does not import raises `FlashKernelUnavailable` naming what to install.
 Flash kernels have no chunked-attention rule (Llama 4's `attention_chunk_size`): a model with chunked
 layers never switches to flash, and a flash name for it raises a `ValueError` naming the reason; so does a
-multi-latent attention model (its latent pages are read by attention/latent.py). Inside `paged_backend`,
+multi-latent attention model (its latent pages are read by attention/families/latent.py). Inside `paged_backend`,
 a multi-latent model's modules hand their latent to the paged forward (`latent.latent_pass_through`), and
 the classic families' attention modules (Bloom, MPT, ...) attend through it (`classic.classic_attention`:
 their classes cannot switch attention implementation, so they are not switched, only adapted).
@@ -27,10 +27,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..kv.layer_groups import CHUNKED_ATTENTION, latent_shape_of, layer_types_of
 from ..patches import in_force, switched
 from . import PAGED_BACKENDS
-from .classic import classic_attention, has_classic_attention
-from .flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
-from .latent import latent_pass_through
-from .sparse_index import indexer_pass_through
+from .backends.flash_kernels import FA2, FA3, flash_available, is_flash_backend, load_flash_kernel
+from .families.classic import classic_attention, has_classic_attention
+from .families.latent import latent_pass_through
+from .families.sparse_index import indexer_pass_through
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def has_chunked_layers(model: PreTrainedModel) -> bool:
 
 
 def has_latent_layers(model: PreTrainedModel) -> bool:
-    """Whether `model` caches a multi-latent KV (its layers attend through attention/latent.py, which the
+    """Whether `model` caches a multi-latent KV (its layers attend through attention/families/latent.py, which the
     flash kernels do not run)."""
     return latent_shape_of(model.config.get_text_config()) is not None
 

@@ -46,8 +46,8 @@ def _warn(message: str) -> int:
 
 
 def run_build_kernels(args: argparse.Namespace) -> int:
-    from ..attention import native
-    from ..attention.native_build import KernelUnavailable, build, kernel_folder
+    from ..attention.native import kernel as native
+    from ..attention.native.native_build import KernelUnavailable, build, kernel_folder
 
     if os.environ.get(native.ENV_SWITCH, "1") == "0":
         print(f"native kernel: switched off ({native.ENV_SWITCH}=0)")

@@ -43,7 +43,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # ---------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
+def _positive_arg(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -90,10 +90,10 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--output", default="-", help="JSONL output file, or '-' for stdout (default; text unless --jsonl)"
     )
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=64, help="default: 64")
-    gen.add_argument("--max-batch-tokens", type=_positive_int, default=None, help="query tokens per step")
-    gen.add_argument("--page-size", type=_positive_int, default=None, help="KV tokens per cache page")
-    gen.add_argument("--num-blocks", type=_positive_int, default=None, help="number of KV cache pages")
+    gen.add_argument("--max-new-tokens", type=_positive_arg, default=64, help="default: 64")
+    gen.add_argument("--max-batch-tokens", type=_positive_arg, default=None, help="query tokens per step")
+    gen.add_argument("--page-size", type=_positive_arg, default=None, help="KV tokens per cache page")
+    gen.add_argument("--num-blocks", type=_positive_arg, default=None, help="number of KV cache pages")
     gen.add_argument(
         "--kv-cache-dtype",
         choices=("auto", "int8"),
@@ -114,7 +114,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     gen.add_argument(
         "--prompt-lookup-num-tokens",
-        type=_positive_int,
+        type=_positive_arg,
         default=None,
         help="speculative decoding by prompt lookup: draft up to this many tokens from the request's own "
         "text (pays where answers repeat the input; docs/speculative_decoding.md)",
@@ -127,7 +127,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     gen.add_argument(
         "--threads",
-        type=_positive_int,
+        type=_positive_arg,
         default=None,
         help="torch CPU threads (default: $OMP_NUM_THREADS, else the cores the load average leaves idle)",
     )
@@ -144,8 +144,8 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="ADDRESS",
         help="run on Ray Data: the cluster at ADDRESS, else the running one, else a new local one",
     )
-    ray.add_argument("--replicas", type=_positive_int, default=1, help="model replicas (actors), default: 1")
-    ray.add_argument("--ray-batch-size", type=_positive_int, default=256, help="rows per actor call")
+    ray.add_argument("--replicas", type=_positive_arg, default=1, help="model replicas (actors), default: 1")
+    ray.add_argument("--ray-batch-size", type=_positive_arg, default=256, help="rows per actor call")
     _add_replica_resources(ray)
     gen.set_defaults(func=run_generate)
 
@@ -162,7 +162,7 @@ def _add_serve_replicas(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.choices["serve"]
     ray = serve.add_argument_group("on a Ray cluster (the 'ray' extra; docs/scale_out.md)")
     ray.add_argument(
-        "--ray-replicas", type=_positive_int, default=None, help="serve N replicas with Ray Serve"
+        "--ray-replicas", type=_positive_arg, default=None, help="serve N replicas with Ray Serve"
     )
     ray.add_argument("--ray-address", default=None, help="Ray cluster address (default: running, else local)")
     _add_replica_resources(ray)

@@ -30,9 +30,9 @@ from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
-from ..runner.media import MediaRunner
+from ..runner.media.media_runner import MediaRunner
 from ..runner.model_runner import ModelRunner
-from ..runner.state_layers import StateLayers
+from ..runner.states.state_layers import StateLayers
 from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
 from ..scheduler.media_budget import MediaBudget

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..memory.released_tensors import TensorSpec, release_in_place, restore_in_place
-from ..runner.packed_model import model_pack_bytes, release_packs
+from ..runner.products.packed_model import model_pack_bytes, release_packs
 from .engine import Engine
 from .publisher import TensorParallelPublisher
 

@@ -26,9 +26,9 @@ import torch
 
 from ..attention.selection import paged_backend
 from ..requests import Request, RequestStatus
-from ..runner.batch_invariant import batch_invariant_modules
-from ..runner.native_layers import native_layers
-from ..runner.packed_model import model_pack_bytes, packed_linears
+from ..runner.layer_ops.native_layers import native_layers
+from ..runner.products.batch_invariant import batch_invariant_modules
+from ..runner.products.packed_model import model_pack_bytes, packed_linears
 from ..runner.torchao_linear import int8_linears
 from ..scheduler.draft_source import Drafts
 from ..scheduler.speculation_stats import SpeculationStats
@@ -241,8 +241,8 @@ class Engine:
         """The model as this engine runs it, for one run (a `generate_batch` call, the manager's thread, a
         warm-up): its paged attention backend, its packed products, torchao's int8 Linears on the native
         product, its native layer ops, the draft model's backend, the state layers' split forwards
-        (runner/state_layers.py), batch-invariant mode's fixed-shape products and activations
-        (runner/batch_invariant.py), inference mode; all restored on exit. Every caller that steps the
+        (runner/states/state_layers.py), batch-invariant mode's fixed-shape products and activations
+        (runner/products/batch_invariant.py), inference mode; all restored on exit. Every caller that steps the
         engine enters it, and only it."""
         with (
             paged_backend(self.model, self.plan.step_options.attn_implementation),
@@ -317,7 +317,7 @@ class Engine:
 
     def _fail_bad_media(self, batch: StepPlan, result: StepResult) -> None:
         """Encode the media of the plan's newly admitted requests (none of which the same plan releases);
-        a request whose media the encoder refuses fails alone, its entry leaving the step (runner/media.py)."""
+        a request whose media the encoder refuses fails alone, its entry leaving the step (runner/media/media_runner.py)."""
         failures = self.runner.encode_media(batch)
         if not failures:
             return

@@ -7,7 +7,7 @@ itself, so the rendered text is encoded without the tokenizer's (`add_special_to
 transformers' own `apply_chat_template(tokenize=True)` does).
 
 Used by `transformers-cb generate` (`jobs/inputs.py` `tokenize_requests`), its Ray form's actors
-(`scale_out/predictor.py` `CBPredictor`) and the OpenAI server (`serve/chat_template.py`, `serve/app.py`,
+(`scale_out/predictor.py` `CBPredictor`) and the OpenAI server (`serve/chat/chat_template.py`, `serve/app.py`,
 hence its Ray Serve replicas too); docs/scale_out.md says what this guarantees.
 """
 

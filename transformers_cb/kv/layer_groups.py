@@ -26,14 +26,14 @@ raises `AmbiguousGlobalPerLayerAttributeError`.
 Multi-latent attention (DeepSeek V2/V3, MiniCPM3, Kimi, ...: a config with `kv_lora_rank`): every KV group
 is a latent group (`KVGroupSpec.latent`), whose pages hold one compressed vector per token and layer, the
 `kv_lora_rank` latent and the `qk_rope_head_dim` rotary key, as one head of their summed width and no
-separate V (attention/latent.py decompresses or absorbs it); its page policy is its kind's, like any group's.
+separate V (attention/families/latent.py decompresses or absorbs it); its page policy is its kind's, like any group's.
 
 What the model's forward shows overrides the config (`ObservedLayers`, learned by model_check's probe):
 the (KV heads, head dim) each layer's attention call really passes (MiMo-V2-Flash's sliding layers have
 twice the config's KV heads), a V head size other than K's (MiMo-V2-Flash: 128 against 192; the group's
 pages then hold K and V of a token side by side in one row, `KVGroupSpec.value_dim`), and K/V a layer tiles
 over its query heads before attending (JetMoE repeats its K/V once per routed expert: the group caches
-them once, `KVGroupSpec.kv_repeat`, and attention/repeated_kv.py maps the query heads onto them).
+them once, `KVGroupSpec.kv_repeat`, and attention/families/repeated_kv.py maps the query heads onto them).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ SLIDING_ATTENTION = "sliding_attention"
 CHUNKED_ATTENTION = "chunked_attention"
 KNOWN_LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION)
 # DeepSeek sparse attention's layer type (an indexer picks each query's keys): full attention over latent
-# pages whose rows carry the indexer's key too (`KVGroupSpec.index_dim`; attention/sparse_index.py).
+# pages whose rows carry the indexer's key too (`KVGroupSpec.index_dim`; attention/families/sparse_index.py).
 INDEXED_ATTENTION = "indexed_attention"
 # transformers' layer types (cache_utils: `DYNAMIC_LAYER_TYPE_MAPPING`) with a recurrent state, and the
 # attention kind of their KV (None: no KV at all).
@@ -62,7 +62,7 @@ STATE_LAYER_TYPES: dict[str, str | None] = {
     "hybrid_sliding": SLIDING_ATTENTION,
 }
 # Families whose every layer is a recurrence and whose config names no layer types (RWKV, xLSTM: their
-# recurrences are model-owned, runner/own_state.py): every layer is a `linear_attention` state layer.
+# recurrences are model-owned, runner/states/own_state.py): every layer is a `linear_attention` state layer.
 RECURRENT_ONLY_MODEL_TYPES = frozenset({"rwkv", "xlstm"})
 # Layer types with neither KV nor state (a feed-forward block in a layer list of its own).
 STATELESS_LAYER_TYPES = frozenset({"moe", "mlp"})
@@ -93,13 +93,13 @@ class KVGroupSpec:
     for the other kinds. `head_shape`: (KV heads, head dim) of the group's layers when the model's layers
     differ in head shape; None: the model's one shape (`memory.sizing.ModelShape`). `latent`: a latent
     group's (kv_lora_rank, qk_rope_head_dim): its pages hold one latent row per token and layer (one head
-    of their summed width, no V), attended by attention/latent.py; its page policy is its kind's.
+    of their summed width, no V), attended by attention/families/latent.py; its page policy is its kind's.
     `value_dim`: the V head size of a group whose V is not K's size (None: K's); a page then holds one
     stream whose rows are K's `head_dim` values followed by V's (`memory.kv_cache.layer_views` splits
     them), so nothing is padded. `kv_repeat`: the times its layers tile their K/V heads over the query
     heads before attending (JetMoE); the pages hold the heads before the repeat. `index_dim`: a latent
     group of DeepSeek sparse attention layers: each row's latent is followed by the indexer's key of the token
-    (`index_head_dim` values), which selects each query's keys (attention/sparse_index.py)."""
+    (`index_head_dim` values), which selects each query's keys (attention/families/sparse_index.py)."""
 
     kind: str
     layer_indices: tuple[int, ...]
@@ -244,7 +244,7 @@ def kv_groups_from_config(
     ) or layer_head_shapes(text_config)
     if latent is not None:
         # Why one head of the summed width: the latent and the rotary key of a token are one row, the
-        # absorbed decode's single KV head (attention/latent.py).
+        # absorbed decode's single KV head (attention/families/latent.py).
         shapes = [(1, sum(latent))] * len(layer_types)
         observed = None
     value_dims = list(observed.value_dims) if observed is not None and observed.value_dims else None

@@ -2,7 +2,7 @@
 
 `RequestMedia` is what a submission's images / videos / audio become (engine/media_inputs.py): the
 processor's tensors per modality, kept as given until the encoder runs, and the prompt positions of
-each modality's placeholder tokens. The encoder (runner/media.py) turns them into one embedding row
+each modality's placeholder tokens. The encoder (runner/media/media_runner.py) turns them into one embedding row
 per placeholder, kept in the `MediaStore` under the request's id until the prefill chunk that reads
 the last placeholder has run; the scheduler's `MediaBudget` (scheduler/media_budget.py) decides, on
 the same rows, when a request may hold them.

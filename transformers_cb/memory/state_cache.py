@@ -3,7 +3,7 @@
 A state layer (transformers' `linear_attention` / `conv` / `hybrid` layer types: gated delta rule,
 Mamba, short convolutions) keeps, per request, a convolution window and a recurrent state of fixed size,
 through transformers' linear-attention cache API (`get_conv_state`, `update_conv_state`, ...) or in a
-cache of the model's own (MiniMax, RecurrentGemma, RWKV, xLSTM: runner/own_state.py). Here each
+cache of the model's own (MiniMax, RecurrentGemma, RWKV, xLSTM: runner/states/own_state.py). Here each
 such state of each layer is one tensor `[num_slots, *shape]` in the dtype transformers' own cache would
 hold it in; a request's state is the row of its slot (kv/state_slots.py). The shapes are learned before
 allocation from the layers themselves (`StateSpec`, model_check/state_probe.py).

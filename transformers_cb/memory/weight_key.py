@@ -1,6 +1,6 @@
 """What a tensor's bytes are now (`WeightKey`), and a model's weights as one fingerprint.
 
-Two owners compare them: a packed product's pack (runner/packed_linear.py) is rebuilt when its weight's
+Two owners compare them: a packed product's pack (runner/products/packed_linear.py) is rebuilt when its weight's
 key changed, and an engine's prefix cache (`Engine.drop_stale_prefix_cache`) is dropped when the model's
 fingerprint did. Neither owns the notion, so it lives here, below both.
 """

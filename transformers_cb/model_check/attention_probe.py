@@ -97,7 +97,7 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
     token = ACTIVE_RECORD.set(record)
     try:
         with recording(model):
-            with step_metadata(cast(Any, record)):  # as the runner sets it (runner/model_call.py)
+            with step_metadata(cast(Any, record)):  # as the runner sets it (runner/forward/model_call.py)
                 engine_call = forward(
                     input_ids=ids,
                     position_ids=positions,
@@ -321,7 +321,7 @@ def dispatch_problems(
             "its forward ignores `position_ids` (it numbers the tokens of a packed step itself, so every "
             "sequence but the first would get wrong positions; or it has no positional encoding at all)"
         )
-    # An ignored `logits_to_keep` is no problem: the runner selects the rows (runner/model_call.py).
+    # An ignored `logits_to_keep` is no problem: the runner selects the rows (runner/forward/model_call.py).
     if result.positions_used and not result.positions_agree:
         problems.append(
             "its forward numbers positions its own way: given position_ids 0..n-1 it computes other logits "

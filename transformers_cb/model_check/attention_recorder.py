@@ -21,9 +21,9 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from ..attention.alibi import RELATIVE
-from ..attention.classic import classic_attention, has_classic_attention
-from ..attention.eager import eager_attend
+from ..attention.backends.eager import eager_attend
+from ..attention.families.alibi import RELATIVE
+from ..attention.families.classic import classic_attention, has_classic_attention
 from ..attention.paged import ALIBI_FORM_KWARG, ALIBI_KWARG
 
 PROBE_NAME = "cb_dispatch_probe"
@@ -49,7 +49,7 @@ class AttentionCall:
     mask_bias: bool  # the mask carries finite nonzero values: an attention bias (ALiBi), not just masking
     unsupported: tuple[str, ...]
     mask_windowed: bool = False  # the mask hides some earlier key from some query (a window)
-    alibi: bool = False  # ALiBi slopes passed: the layer's positions are its keys' (attention/alibi.py)
+    alibi: bool = False  # ALiBi slopes passed: positions are the keys' (attention/families/alibi.py)
     kv_repeat: int = 1  # K and V are their first key_shape[0] // kv_repeat heads tiled this many times
 
 
@@ -161,7 +161,7 @@ def is_windowed(mask: torch.Tensor | None) -> bool:
     return bool((hidden & earlier).any())
 
 
-def _register() -> None:
+def _register_probe() -> None:
     with _register_lock:
         if AttentionInterface._global_mapping.get(PROBE_NAME) is not recording_attention:
             AttentionInterface.register(PROBE_NAME, cast(Callable[..., Any], recording_attention))
@@ -173,9 +173,9 @@ def _register() -> None:
 @contextmanager
 def recording(model: PreTrainedModel):
     """The model on the recording attention, in eval mode (dropout would make A and B differ)."""
-    _register()
+    _register_probe()
     saved_impl, was_training = model.config._attn_implementation, model.training
-    switch = not has_classic_attention(model)  # their classes cannot switch (attention/classic.py)
+    switch = not has_classic_attention(model)  # their classes cannot switch (attention/families/classic.py)
     if switch:
         model.set_attn_implementation(PROBE_NAME)
     model.eval()

@@ -4,7 +4,7 @@ Supported: decoder-only causal LMs (and the text path of vision-language models)
 attention, sliding-window attention or chunked attention (Llama 4's `attention_chunk_size`; with logit softcapping and attention sinks where the model
 applies them), computed through transformers' attention interface, or state layers (linear attention,
 Mamba, short convolutions) that keep their state through transformers' linear-attention cache API, or a
-model-owned recurrence with its adapter (model_check/state_probe.py, runner/own_state.py,
+model-owned recurrence with its adapter (model_check/state_probe.py, runner/states/own_state.py,
 docs/state_layers.md).
 
 Refused, with the model type and what is missing. From the config alone:
@@ -13,18 +13,18 @@ Refused, with the model type and what is missing. From the config alone:
   raise transformers' `AmbiguousGlobalPerLayerAttributeError`, and nothing reads them per layer yet;
 - encoder-decoder models (the cache holds one self-attention KV stream per request);
 - recurrent models that keep their state in a cache of their own with no adapter for it (PLaMo 2;
-  MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/own_state.py);
+  MiniMax, RecurrentGemma, RWKV and xLSTM have theirs: runner/states/own_state.py);
 - attention the kernels do not implement: bidirectional attention, ALiBi of a family without an adapter
-  (Bloom's, MPT's and Falcon's bfloat16-rounded form run: attention/classic.py), cross-attention, or any
+  (Bloom's, MPT's and Falcon's bfloat16-rounded form run: attention/families/classic.py), cross-attention, or any
   unknown `layer_types` entry (`kv/layer_groups.py`; `indexed_attention` without a latent among them).
-Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/latent.py): each KV layer must have
+Multi-latent attention (`kv_lora_rank`) runs on latent pages (attention/families/latent.py): each KV layer must have
 an MLA module whose `expand_kv` decompresses as the absorbed attention reads it (`latent_problems`);
-DeepSeek sparse attention's indexers select from their keys in those pages (attention/sparse_index.py).
+DeepSeek sparse attention's indexers select from their keys in those pages (attention/families/sparse_index.py).
 From what the model's forward does (when the model is given; `attention_probe.py`, `state_probe.py`):
 - state layers whose modules do not keep their state through the cache API, or that do not take
   (hidden_states, cache, attention_mask); state layers under tensor parallelism;
 - attention that never reaches transformers' attention interface (classes with `_supports_attention_backend`
-  False compute it themselves; the classic families run through their adapters, attention/classic.py, and
+  False compute it themselves; the classic families run through their adapters, attention/families/classic.py, and
   the others are refused naming what they miss: an encoder's `is_decoder=False`, XLM's `causal=False`,
   XLNet's `attn_type='bi'`, CPM-Ant's relative-position buckets, or else no adapter);
 - a forward that breaks the paged contract: attention run outside the forward's thread and context (the
@@ -33,7 +33,7 @@ From what the model's forward does (when the model is given; `attention_probe.py
   the mask (ALiBi), positions numbered another way than 0..n-1.
 K/V head shapes other than the config's are taken from the forward instead (`observed_layers_of`: the
 engine sizes its cache from them; V's own head size, K/V a layer tiles before the call), and so is a window applied through the mask alone (no kwarg).
-Two clauses are adapted instead of refused (runner/model_call.py): layers that drop the attention kwargs
+Two clauses are adapted instead of refused (runner/forward/model_call.py): layers that drop the attention kwargs
 (StableLM, Nemotron) reach the step's metadata through a context variable, and a forward that ignores
 `logits_to_keep` has its rows selected by the runner (`ignores_logits_to_keep`).
 The class flag alone is not the rule: composite models (Janus, DeepSeek-VL) leave it False on the outer
@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..attention.classic import has_classic_attention
-from ..attention.latent import latent_module_problem, latent_modules
-from ..attention.sparse_index import indexer_modules, indexer_problem
+from ..attention.families.classic import has_classic_attention
+from ..attention.families.latent import latent_module_problem, latent_modules
+from ..attention.families.sparse_index import indexer_modules, indexer_problem
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import (
     HEAD_SHAPE_ATTRIBUTES,
@@ -67,11 +67,11 @@ from .attention_probe import dispatch_problems, observed_layers, probe_token_ids
 from .state_probe import StateLayout, probe_states, state_problems
 
 # Recurrent models whose state is kept neither through transformers' linear-attention cache API nor by a
-# model-owned recurrence the state slots carry (runner/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
+# model-owned recurrence the state slots carry (runner/states/own_state.py: MiniMax, RecurrentGemma, RWKV, xLSTM).
 OWN_STATE_MODEL_TYPES = frozenset({"plamo2"})
 # Config flags of ALiBi (a per-head linear bias added to the attention logits): Falcon's `alibi`, MPT's
 # `attn_config.alibi`, BERT-style `position_embedding_type`. The kernels add it for the families whose
-# adapter passes their slopes (attention/classic.py: Bloom, whose config has no flag, MPT, and Falcon with
+# adapter passes their slopes (attention/families/classic.py: Bloom, whose config has no flag, MPT, and Falcon with
 # its own form of the bias, `alibi.AlibiForm`).
 ALIBI_FLAGS = ("alibi", "use_alibi")
 ALIBI_MODEL_TYPES = frozenset({"bloom", "mpt", "falcon"})
@@ -182,7 +182,7 @@ def _check_config(config: PretrainedConfig, text_config: PretrainedConfig, model
         _refuse(
             model_type,
             "its recurrent layers keep their state in a cache of the model's own, neither through "
-            "transformers' linear-attention cache API nor through an adapter of runner/own_state.py, which "
+            "transformers' linear-attention cache API nor through an adapter of runner/states/own_state.py, which "
             "the per-request state slots hold",
         )
     if getattr(text_config, "use_bidirectional_attention", False):
@@ -228,9 +228,7 @@ def _check_config(config: PretrainedConfig, text_config: PretrainedConfig, model
 
 def _alibi_refusal(text_config: PretrainedConfig) -> str:
     """Why an ALiBi config is refused."""
-    return (
-        "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/classic.py)"
-    )
+    return "ALiBi biases of this family are not passed to the paged kernels (no adapter in attention/families/classic.py)"
 
 
 def _probe_problems(model: PreTrainedModel, config: PretrainedConfig, kv_groups: list) -> list[str]:
@@ -260,7 +258,7 @@ def _probe_problems(model: PreTrainedModel, config: PretrainedConfig, kv_groups:
     with probe_states(layout, len(probe_token_ids(model)), first.device):
         result = run_probe(model)
     observed = None
-    # A classic family's modules attend through the interface while the probe runs (attention/classic.py):
+    # A classic family's modules attend through the interface while the probe runs (attention/families/classic.py):
     # a forward that fails there failed for its own reason (BLIP's decoder asks for `pixel_values`).
     reaches_interface = getattr(type(model), "_supports_attention_backend", False) or has_classic_attention(
         model
@@ -287,9 +285,9 @@ def _probe_problems(model: PreTrainedModel, config: PretrainedConfig, kv_groups:
 
 def latent_problems(model: PreTrainedModel, kv_layers: list[int]) -> list[str]:
     """What keeps a multi-latent model's KV layers from the latent pages: a layer without an MLA module
-    (`attention/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read; a
+    (`attention/families/latent.py: is_latent_module`), or one whose latent the absorbed attention cannot read; a
     DeepSeek sparse attention model's indexer the pass-through cannot hand one request at a time
-    (`attention/sparse_index.py: indexer_problem`), or an indexer on a layer whose pages hold no indexer keys."""
+    (`attention/families/sparse_index.py: indexer_problem`), or an indexer on a layer whose pages hold no indexer keys."""
     indexed = {
         i for i, t in enumerate(layer_types_of(model.config.get_text_config())) if t == INDEXED_ATTENTION
     }
@@ -340,7 +338,7 @@ def observed_layers_of(model: PreTrainedModel) -> ObservedLayers | None:
 
 def ignores_logits_to_keep(model: PreTrainedModel) -> bool:
     """The probe saw the model's forward return every position's logits whatever `logits_to_keep` says
-    (the runner then selects the rows itself: runner/model_call.py). False when it was not probed (meta
+    (the runner then selects the rows itself: runner/forward/model_call.py). False when it was not probed (meta
     weights, tensor parallelism): the runner still selects rows whose count betrays it."""
     verdict = _probed.get(model)
     return verdict is not None and verdict.ignores_logits_to_keep

@@ -3,8 +3,8 @@ the shape and dtype of each state (`StateLayout`), or why they cannot run (a ref
 
 transformers' layer types say which layers keep a state (`kv/layer_groups.py`: `linear_attention`,
 `conv`, `hybrid`); the modules that keep it are those whose forward calls transformers'
-linear-attention cache API (`runner/state_layers.py`), and the model-owned recurrences with an adapter
-(`runner/own_state.py`: MiniMax, RecurrentGemma, RWKV, xLSTM). Each is run once on three tokens against a
+linear-attention cache API (`runner/states/state_layers.py`), and the model-owned recurrences with an adapter
+(`runner/states/own_state.py`: MiniMax, RecurrentGemma, RWKV, xLSTM). Each is run once on three tokens against a
 recorder of that API (its own code, batch one, as `generate()`'s first step), which gives the state
 tensors the slots must hold.
 """
@@ -23,9 +23,9 @@ from transformers import PretrainedConfig
 from ..invariants import InvariantError
 from ..kv.layer_groups import state_layer_indices
 from ..memory.state_cache import StateCache, StateSpec, state_bytes_per_slot
-from ..runner.own_state import state_calls
-from ..runner.slot_state_view import SlotStateView, StateRecorder
-from ..runner.state_layers import Rows, StateCall, StateLayers, StatePiece, StateTable, run_span
+from ..runner.states.own_state import state_calls
+from ..runner.states.slot_state_view import SlotStateView, StateRecorder
+from ..runner.states.state_layers import Rows, StateCall, StateLayers, StatePiece, StateTable, run_span
 
 PROBE_TOKENS = 3
 # The continuation check (`stepwise_layers`): a chunk that continues a state must give the module's
@@ -40,9 +40,9 @@ class StateLayout:
 
     modules: dict[int, nn.Module]
     specs: tuple[StateSpec, ...]
-    # Layers whose continued prefill chunks run one token at a time (runner/state_layers.py `run_span`).
+    # Layers whose continued prefill chunks run one token at a time (runner/states/state_layers.py `run_span`).
     stepwise: frozenset[int] = frozenset()
-    # How each module runs one piece of a step (runner/state_layers.py `StateCall`); None: the cache API's.
+    # How each module runs one piece of a step (runner/states/state_layers.py `StateCall`); None: the cache API's.
     calls: dict[int, StateCall] | None = None
 
     @property

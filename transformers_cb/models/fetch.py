@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..attention.native_build import pid_alive
+from ..attention.native.native_build import pid_alive
 from .gguf_convert import GGUF_MISSING, convert_gguf, gguf_available
 from .gguf_weights import GGUF_KEY, gguf_of_folder
 from .registry_model import REGISTRY, TINY, RegistryModel, models_cache_root, registry_model

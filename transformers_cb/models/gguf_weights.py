@@ -5,7 +5,7 @@ embedding) put back into their GGUF blocks after transformers loaded them dequan
 transformers does (gguf's tensor name map, as `get_gguf_hf_weights_map`, and the architecture's tensor
 processor: a Llama's q/k rows are permuted on load, and since a block runs along K, within one row, the
 same row permutation applies to the blocks), and replaces each `nn.Linear` whose blocks dequantize *exactly* to the weight transformers
-loaded (float32, or that rounded to the model's bfloat16) by a `QuantizedLinear` (runner/quantized_linear.py);
+loaded (float32, or that rounded to the model's bfloat16) by a `QuantizedLinear` (runner/products/quantized_linear.py);
 the float weights are dropped. A tensor that does not check out (another processor's transform, a shape
 that is not whole blocks, an F16 tensor) stays float, with the reason in the report. A tied embedding and LM
 head (the real model's Q8_0 `token_embd`) share one blocks tensor: a `QuantizedEmbedding` and a
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..runner.quantized_linear import (
+from ..runner.products.quantized_linear import (
     BLOCK_BYTES,
     BLOCK_WEIGHTS,
     QuantizedEmbedding,

@@ -83,7 +83,7 @@ def wants_chat(chat: bool | None, model: str | None) -> bool:
 
 def models_cache_root() -> Path:
     """`$TRANSFORMERS_CB_MODEL_DIR`, else `$XDG_CACHE_HOME/transformers_cb/models` (`~/.cache/...`), as the
-    native kernel's folders (attention/native_build.py)."""
+    native kernel's folders (attention/native/native_build.py)."""
     override = os.environ.get(MODEL_DIR_ENV)
     if override:
         return Path(override).expanduser()

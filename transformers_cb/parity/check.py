@@ -221,7 +221,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] | None = None) -> int:
+def check_command(argv: Sequence[str] | None = None, model_folder: Callable[[str], str] | None = None) -> int:
     """The check on `--model`; `model_folder` turns that value into the folder loaded (the command passes
     the name lookup of models/fetch.py, a peer room this one does not import), else it is the folder."""
     args = parse_args(argv)

@@ -4,7 +4,7 @@ The runner sets the step's row groups (`StepAdapters`: which packed rows run on 
 context variable for the forward's duration (`adapter_step`); PEFT's LoRA `Linear` runs, from the run session's
 first step with requests on adapters to its end (`AdapterRows`, a counted patch of its class's `forward`), a
 forward that reads it: the base layer's product
-once for every row (a packed product, runner/packed_model.py, takes the base layer as it takes any plain
+once for every row (a packed product, runner/products/packed_model.py, takes the base layer as it takes any plain
 Linear), then each group's `scale * B(A x)` added to its rows, as PEFT's own forward adds it (the input cast to
 the adapter's dtype, `result + delta`, cast back): a request's tokens equal `generate()` after
 `set_adapter(name)`. A DoRA adapter goes through PEFT's own variant forward on its rows (row-wise too). A

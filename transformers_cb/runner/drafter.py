@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from ..attention.selection import paged_backend
 from ..requests import Request
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
-from .model_call import call_model
+from .forward.model_call import call_model
 from .packing import BatchPacker
 
 
@@ -27,7 +27,7 @@ class Drafter:
     model: the assistant (a causal LM with the target's vocabulary, full-attention or sliding KV only).
     packer: packs its steps over its own `PagedKVCache` and block tables.
     attn_implementation: the paged backend the assistant runs under.
-    select_rows: the assistant ignores `logits_to_keep` (runner/model_call.py).
+    select_rows: the assistant ignores `logits_to_keep` (runner/forward/model_call.py).
     """
 
     def __init__(

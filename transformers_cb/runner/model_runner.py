@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel
 
-from ..attention.fast_path import prepare_flash_step
+from ..attention.backends.fast_path import prepare_flash_step
 from ..invariants import check, present
 from ..kv.prefix_cache import PageCopy
 from ..kv.swap_plan import SwapPlan
@@ -32,13 +32,13 @@ from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..scheduler.step_plan import StepPlan
 from .adapter_rows import AdapterRows, adapter_step, step_adapters
-from .compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
-from .cuda_graphs import make_graph_steps
-from .media import MediaRunner, MediaStepInputs
-from .model_call import call_model
+from .forward.compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .forward.cuda_graphs import make_graph_steps
+from .forward.model_call import call_model
+from .media.media_runner import MediaRunner, MediaStepInputs
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 from .request_rotary import RequestRotary
-from .state_layers import StateLayers
+from .states.state_layers import StateLayers
 from .verified_step import verified_tokens
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class ModelRunner:
     """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
     swapper: the copier between the device and the host tier (None: no CPU offload); states: the
     model's state layers and their slots' tensors (None: no state layers); media: the encoder and the
-    embedding store of a model that takes images / videos / audio (runner/media.py; None: text only)."""
+    embedding store of a model that takes images / videos / audio (runner/media/media_runner.py; None: text only)."""
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ from ..attention.metadata import (
     first_visible_key,
     visible_keys,
 )
-from ..attention.native import native_supported
+from ..attention.native.kernel import native_supported
 from ..invariants import present
 from ..kv.rope_rule import RopeRule
 from ..memory.block_tables import BlockTables
@@ -36,8 +36,8 @@ from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
 from .call_groups import decode_padding_bound, group_decodes, native_prefill_max_work
-from .image_blocks import blocks_in, widened_mask
-from .state_layers import StateTable
+from .media.image_blocks import blocks_in, widened_mask
+from .states.state_layers import StateTable
 
 # The native kernel's block tables are at least this wide when the forward is compiled (`_group_metadata`).
 MIN_COMPILED_TABLE_COLUMNS = 2
@@ -54,9 +54,9 @@ class PackedStep:
     # (request, first prompt index scored, count) in the same order.
     prompt_indices: list[int] = field(default_factory=list)
     prompt_spans: list[tuple[Request, int, int]] = field(default_factory=list)
-    # Each request's rows and state slot, for a model with state layers (runner/state_layers.py).
+    # Each request's rows and state slot, for a model with state layers (runner/states/state_layers.py).
     states: StateTable | None = None
-    # The entries in packed order (the media's rows follow it: runner/media.py).
+    # The entries in packed order (the media's rows follow it: runner/media/media_runner.py).
     ordered: list[ScheduledRequest] = field(default_factory=list)
 
 

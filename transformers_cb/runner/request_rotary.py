@@ -3,7 +3,7 @@
 transformers' dynamic rotary embeddings (`dynamic_rope_update` in `modeling_rope_utils`) pick their
 frequencies from the largest position of the call: in a packed step, that of the whole step, so one
 request's length would change another's rotation. For the run, each such module's forward is replaced
-(the instance's `forward`, set and restored like runner/state_layers.py's) by one that reads the step's
+(the instance's `forward`, set and restored like runner/states/state_layers.py's) by one that reads the step's
 frequency sets (`AttentionMetadata.rope_groups`, built by runner/packing.py from kv/rope_rule.py's
 `RopeRule.frequency_key`) and runs the module's own undecorated forward once per set, over that set's
 tokens, with the frequencies `generate()` would have for that request alone:

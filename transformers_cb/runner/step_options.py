@@ -16,17 +16,17 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..attention.fast_path import resolve_max_blocks_per_request
-from ..attention.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
-from ..attention.native import ENV_SWITCH as NATIVE_SWITCH
-from ..attention.native import ensure_native_module
+from ..attention.backends.fast_path import resolve_max_blocks_per_request
+from ..attention.backends.flash_kernels import FlashKernel, is_flash_backend, load_flash_kernel
+from ..attention.native.kernel import ENV_SWITCH as NATIVE_SWITCH
+from ..attention.native.kernel import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
-from .compile_plan import CompilePlan, resolve_compile_plan
-from .native_layers import enabled_by_env as native_layers_enabled
-from .packed_linear import packed_linear_available, rule_from_env, warn_once
-from .packed_model import pack_bytes
+from .forward.compile_plan import CompilePlan, resolve_compile_plan
+from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
+from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
+from .products.packed_model import pack_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,10 @@ class StepOptions:
     max_cached_graphs: int
     # The model ignores `logits_to_keep` (the support check's probe saw it): the runner selects the rows.
     select_logit_rows: bool = False
-    # Packed oneDNN products for the model's Linears (`runner/packed_model.py`): not turned off, the
+    # Packed oneDNN products for the model's Linears (`runner/products/packed_model.py`): not turned off, the
     # platform passed its self-test, the rule packs at least one weight and the packs fit in memory.
     packed_linear: bool = False
-    # The native decoder-layer ops (`runner/native_layers.py`): a CPU model, not turned off by
+    # The native decoder-layer ops (`runner/layer_ops/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
     # torchao int8 weight-only Linears on the native `int8_matmul` (`runner/torchao_linear.py`): a CPU model,
@@ -58,7 +58,7 @@ class StepOptions:
     # batch-invariant (beyond a few rows torchao's own product runs, whose kernel depends on the row count).
     int8_linears: bool = False
     # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and
-    # activations in fixed shapes (runner/batch_invariant.py); packed products and native layer ops off.
+    # activations in fixed shapes (runner/products/batch_invariant.py); packed products and native layer ops off.
     batch_invariant: bool = False
 
     @property
@@ -214,7 +214,7 @@ def resolve_step_options(
 
 
 def without_traced_steps(options: StepOptions) -> StepOptions:
-    """A state model's step splits its state layers by request in Python (runner/state_layers.py), which
+    """A state model's step splits its state layers by request in Python (runner/states/state_layers.py), which
     neither `torch.compile` nor a CUDA graph captures: those steps run eagerly."""
     if options.compile_plan != CompilePlan() or any(options.cuda_graphs) or options.async_batching:
         logger.warning(

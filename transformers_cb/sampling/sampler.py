@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention.native import native_module
+from ..attention.native.kernel import native_module
 from ..invariants import present
 from . import openai, warpers
 from .grammars import GrammarCompiler
@@ -34,7 +34,7 @@ class Samples:
 
 def best_tokens(scores: torch.Tensor) -> torch.Tensor:
     """`scores.argmax(dim=-1)`, the same ties (the first best index) and NaN rows. On CPU the native
-    library's `best_rows` (attention/native_argmax_source.py) where it is loaded, else `max`: torch's
+    library's `best_rows` (attention/native/native_argmax_source.py) where it is loaded, else `max`: torch's
     argmax reduction is ~3x slower than its `max`, and `max` on bf16 rows takes ~480 us for 16 x 32000
     (2 threads) against ~25 us native."""
     if _native_rows(scores):

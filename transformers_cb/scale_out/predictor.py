@@ -132,7 +132,7 @@ class CBPredictor:
         columns = {name: _as_list(values) for name, values in batch.items()}
         num_rows = len(next(iter(columns.values()))) if columns else 0
         if num_rows == 0:
-            return {**batch, **{name: _column([]) for name in OUTPUT_COLUMNS}}
+            return {**batch, **{name: _output_column([]) for name in OUTPUT_COLUMNS}}
         per_input = self._sampling_columns(columns, num_rows)
         token_lists = [self._prompt_ids(columns, row) for row in range(num_rows)]
         extra = {} if self.assistant_model is None else {"assistant_model": self.assistant_model}
@@ -212,7 +212,7 @@ class CBPredictor:
             if self.return_logprobs:
                 row[LOGPROBS_COLUMN] = [float(x) for x in (getattr(output, "logprobs", None) or [])]
             rows.append(row)
-        return {name: _column([row[name] for row in rows]) for name in rows[0]}
+        return {name: _output_column([row[name] for row in rows]) for name in rows[0]}
 
 
 def _as_list(values: Any) -> list[Any]:
@@ -237,7 +237,7 @@ def _scalar(value: Any) -> Any:
     return value
 
 
-def _column(values: list[Any]) -> np.ndarray:
+def _output_column(values: list[Any]) -> np.ndarray:
     """One output column; ragged lists (token ids) stay one list per row instead of a 2-D array."""
     if values and isinstance(values[0], (list, np.ndarray)):
         column = np.empty(len(values), dtype=object)

@@ -70,7 +70,7 @@ class ServeReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     def __serve_build_asgi_app__(self) -> Any:
-        from ..serve.app import build_app as build_openai_app
+        from ..serve.app import build_openai_app
 
         app = build_openai_app(self.state)
 

@@ -1,5 +1,5 @@
 """The embedding store's rows as the scheduler plans them (torch-free; the rows themselves are
-memory/media_store.py's, the encoder runner/media.py's; docs/multimodal.md).
+memory/media_store.py's, the encoder runner/media/media_runner.py's; docs/multimodal.md).
 
 A request with media holds its rows (one per placeholder token) from the step it is admitted with
 placeholders still to compute until the step that computes the last one, or until it stops running

@@ -22,11 +22,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..jobs.prompts import rendered_ids, text_ids
-from .adapters import ServedAdapters
-from .chat_media import has_media, media_prompt
-from .chat_template import chat_text
-from .choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
-from .delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
+from .chat.chat_media import has_media, media_prompt
+from .chat.chat_template import chat_text
+from .chat.reasoning import template_kwargs, thinks
+from .chat.tools import tool_mode
+from .chat.turn import TurnFormat, split_events
+from .events.choices import ChoiceOptions, ManagerChoices, Submitted, merge_events
+from .events.completion_bodies import ResponseShape
+from .events.delivery import CancellingStreamingResponse, collect_totals, stream_body, until_disconnect
 from .metrics import ServerMetrics
 from .protocol import (
     ASSISTANT_FIELDS,
@@ -36,15 +39,18 @@ from .protocol import (
     LoadAdapterRequest,
     parse_body,
 )
-from .reasoning import template_kwargs, thinks
 from .response_format import guided_of
-from .response_input import MAX_INPUT_ITEMS, input_messages
-from .response_output import OutputItems
-from .response_stream import collect_output, response_stream
-from .responses import ResponseShape
-from .responses_api import ResponseObject, ResponsesRequest, ResponseStore, new_response_id, rename_param
-from .tools import tool_mode
-from .turn import TurnFormat, split_events
+from .responses.response_input import MAX_INPUT_ITEMS, input_messages
+from .responses.response_output import OutputItems
+from .responses.response_stream import collect_output, response_stream
+from .responses.responses_api import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStore,
+    new_response_id,
+    rename_param,
+)
+from .served_adapters import ServedAdapters
 
 if TYPE_CHECKING:
     from ..manager.manager import ContinuousBatchingManager
@@ -64,12 +70,12 @@ class ServeState:
     default_max_tokens: int = 256  # chat requests without max_tokens
     logprobs: bool = True  # False: `--no-logprobs`, requests asking for them get a 400
     has_assistant: bool = False  # started with `--assistant-model`: requests may set its fields
-    reasoning: str = "auto"  # `--reasoning`: on, off, auto (serve/reasoning.py)
-    processor: Any = None  # the model's processor: chat messages with images / audio (serve/chat_media.py)
+    reasoning: str = "auto"  # `--reasoning`: on, off, auto (serve/chat/reasoning.py)
+    processor: Any = None  # the model's processor: chat messages with images / audio (chat/chat_media.py)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     stored: ResponseStore = field(default_factory=ResponseStore)  # `previous_response_id`'s conversations
     created: int = field(default_factory=lambda: int(time.time()))
-    # `--adapter name=path` and `--max-adapters` (serve/adapters.py); None: the base model alone.
+    # `--adapter name=path` and `--max-adapters` (serve/served_adapters.py); None: the base model alone.
     served_adapters: ServedAdapters | None = None
     choices: ManagerChoices = field(init=False)
     adapters: ServedAdapters = field(init=False)  # the `model` field's names
@@ -79,7 +85,7 @@ class ServeState:
         self.adapters = self.served_adapters or ServedAdapters(self.model_name)
 
 
-def build_app(state: ServeState) -> FastAPI:
+def build_openai_app(state: ServeState) -> FastAPI:
     app = FastAPI(title="transformers-cb", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -179,7 +185,7 @@ def _chat_turn(state: ServeState, body: ChatCompletionRequest) -> tuple[list[int
     """A chat request's prompt, what its choices are submitted with, and how its answer is read."""
     tools = tool_mode(body.tools, body.tool_choice, body.parallel_tool_calls)
     media: dict[str, object] = {}
-    if has_media(body):  # the processor renders the template and prepares the images (serve/chat_media.py)
+    if has_media(body):  # the processor renders the template and prepares the images (chat/chat_media.py)
         kwargs = template_kwargs(state.reasoning, body.reasoning_effort, body.chat_template_kwargs)
         prompt, media = media_prompt(
             state.processor, body, {**kwargs, **({"tools": list(tools.tools)} if tools.tools else {})}

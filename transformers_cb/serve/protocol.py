@@ -253,7 +253,7 @@ class TextPart(_Part):
 
 
 class ImageUrl(_Part):
-    url: str  # only `data:image/...;base64,...` URLs are read (serve/chat_media.py)
+    url: str  # only `data:image/...;base64,...` URLs are read (serve/chat/chat_media.py)
     detail: str | None = None  # accepted, not used: the model's processor decides the resolution
 
 
@@ -264,7 +264,7 @@ class ImagePart(_Part):
 
 class InputAudio(_Part):
     data: str  # base64
-    format: str  # "wav" is decoded (serve/chat_media.py)
+    format: str  # "wav" is decoded (serve/chat/chat_media.py)
 
 
 class AudioPart(_Part):
@@ -344,7 +344,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[ToolDefinition] | None = None  # checked and resolved in serve/tools.py
+    tools: list[ToolDefinition] | None = None  # checked and resolved in serve/chat/tools.py
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, object] | None = None  # e.g. {"enable_thinking": false}
@@ -389,7 +389,7 @@ def _refuse_unless(neutral: bool, name: str) -> None:
 
 
 class LoadAdapterRequest(_Body):
-    """`POST /v1/adapters`: load the PEFT adapter folder `path` as `name` (serve/adapters.py)."""
+    """`POST /v1/adapters`: load the PEFT adapter folder `path` as `name` (serve/served_adapters.py)."""
 
     name: str
     path: str

@@ -198,7 +198,7 @@ def start_serving_manager(
 
     from ..manager.manager import ContinuousBatchingManager
     from ..models.loading import special_ids
-    from .choices import serving_generation_config
+    from .events.choices import serving_generation_config
 
     cb_config = dataclasses.replace(cb_config, per_request_processors=True)
     eos_token_id, pad_token_id = special_ids(model, tokenizer)
@@ -235,14 +235,14 @@ def build_state(args: argparse.Namespace) -> Any:
     from ..manager.adaptive_threads import AdaptiveThreads
     from ..models.cpu_threads import adapts, available_cores
     from ..models.loading import load_assistant_for_command, load_for_command, load_processor, resolve_device
-    from .adapters import ServedAdapters, parse_adapter_flag
     from .app import ServeState
+    from .served_adapters import ServedAdapters, parse_adapter_flag
 
     cb_config = transformers_cb.ContinuousBatchingConfig(**_config_overrides(args))
     model, tokenizer = load_for_command(args)
     processor = load_processor(
         args.model
-    )  # chat messages with images render through it (serve/chat_media.py)
+    )  # chat messages with images render through it (serve/chat/chat_media.py)
     if args.chat_template is not None:
         tokenizer.chat_template = Path(args.chat_template).read_text(encoding="utf-8")
         if processor is not None:
@@ -300,9 +300,9 @@ def run_serve(args: argparse.Namespace) -> int:
         require_serve_extra()
     except ImportError as error:
         raise InputError(str(error)) from None
-    from transformers_cb.runner.onednn_caches import bound_shape_caches
+    from transformers_cb.runner.products.onednn_caches import bound_shape_caches
 
-    from .app import build_app
+    from .app import build_openai_app
 
     bound_shape_caches()  # before the model's first product: a long-lived process sees every row count
     try:
@@ -314,7 +314,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, NotImplementedError) as error:
         sock.close()
         raise InputError(f"cannot start the server: {error}") from None
-    server = make_uvicorn_server(build_app(state), args.log_level, args.shutdown_timeout)
+    server = make_uvicorn_server(build_openai_app(state), args.log_level, args.shutdown_timeout)
     host, port = sock.getsockname()[:2]
     draining = threading.Event()
 

@@ -1,0 +1,1 @@
+"""The registered attention forwards and their kernels: sdpa and eager (`attend`: sdpa.py, eager.py), flash-attn (flash.py, its kernel found by flash_kernels.py) and the decode fast path (fast_path.py)."""

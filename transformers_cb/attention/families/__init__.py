@@ -1,0 +1,1 @@
+"""What one model family's attention needs beyond the paged kernels: the classic families' adapted forwards and their tables (classic.py, classic_families.py), ALiBi (alibi.py), multi-latent attention (latent.py) and DeepSeek sparse attention's indexer (sparse_index.py), K/V tiled before attending (repeated_kv.py), Llama 4's NoPE temperature (temperature.py)."""

@@ -1,0 +1,1 @@
+"""The native CPU library: the paged-attention kernel loaded when built and called (kernel.py), its build ahead of use (native_build.py) and its C++ sources (native_source.py, which splices native_vec_source.py, native_dispatch_source.py, native_kv_quant_source.py, native_layer_source.py, native_argmax_source.py and native_quant_source.py)."""

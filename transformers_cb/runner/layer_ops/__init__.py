@@ -1,0 +1,1 @@
+"""The native decoder-layer ops for the run (native_layers.py): which modules they stand in for (layer_forms.py) and each recognised class checked bitwise against its own forward (layer_checks.py)."""

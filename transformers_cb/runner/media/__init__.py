@@ -1,0 +1,1 @@
+"""The step's media: the model's own encoders on the plan's encode requests and their rows scattered at the placeholders (media_runner.py), and image blocks attending both ways inside a prefill chunk (image_blocks.py); docs/multimodal.md."""

@@ -1,0 +1,1 @@
+"""The model's matrix products on the CPU for the run: packed oneDNN weights (packed_linear.py, packed_model.py, fused_products.py, onednn_caches.py), weights kept in GGUF blocks (quantized_linear.py) and batch-invariant mode's fixed-row products (batch_invariant.py)."""

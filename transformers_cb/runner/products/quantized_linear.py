@@ -1,0 +1,165 @@
+"""Linears and embeddings whose weights stay in GGUF blocks (Q4_0, Q4_1, Q8_0): `QuantizedLinear`,
+`QuantizedEmbedding` and the product they run, `quantized_product`.
+
+A decode step reads every weight once and is bound by memory bandwidth on a CPU: 4-bit blocks (0.56-0.63
+bytes a weight) are read 6-7x faster than float32 ones. The native library's `quant_matmul`
+(attention/native/native_quant_source.py) dequantizes each block in registers and multiplies in float32, for the
+few rows of a decode step; from `DIRECT_MAX_ROWS` rows on (prefill) tiles of the weight are dequantized
+(`quant_dequantize`) and multiplied by torch's product, faster there (docs/quantization.md has the
+measurements). Without the native library (not built yet, or switched off) the blocks are dequantized by
+torch ops (`dequantize_blocks`): the same values, slower.
+
+These modules replace a model's `nn.Linear` / `nn.Embedding` for good (models/gguf_weights.py, at load):
+the float weights are not kept, so `generate()` and every engine step run the same products. They are no
+`nn.Linear` (packing, runner/products/packed_model.py, leaves them alone) and their blocks are buffers, not
+parameters (no gradient, no optimizer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...attention.native.kernel import native_module
+
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
+BLOCK_WEIGHTS = 32
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+QUANT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
+# Up to this many rows the native product reads the blocks directly; beyond, tiles of the dequantized weight
+# go through torch's product (measured against those tiles, docs/quantization.md: the direct product is
+# faster up to 16 rows in float32, up to ~8 in bfloat16, where oneDNN's AMX product of the tiles catches up).
+DIRECT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+# Weights dequantized per tile on the prefill path: a few MB, never the whole weight at once.
+TILE_ELEMENTS = 1 << 20
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row of `in_features` weights in blocks of `qtype`."""
+    return in_features // BLOCK_WEIGHTS * BLOCK_BYTES[qtype]
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The `[N, K]` weight of `blocks` `[N, row bytes]` in `dtype`: the native dequantization when the library
+    is loaded, else torch ops computing the same float32 values as `gguf.quants.dequantize`."""
+    module = native_module()
+    if module is not None and blocks.device.type == "cpu" and dtype in COMPUTE_DTYPES:
+        return module.quant_dequantize(blocks, qtype, dtype)
+    return _dequantize_torch(blocks, qtype).to(dtype)
+
+
+def _dequantize_torch(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    rows = blocks.shape[0]
+    per_block = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
+    d = per_block[..., :2].contiguous().view(torch.float16).float()  # [N, B, 1]
+    if qtype == Q8_0:
+        q = per_block[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(rows, -1)
+    packed = per_block[..., 4:] if qtype == Q4_1 else per_block[..., 2:]
+    nibbles = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # weight j < 16: low nibble of byte j
+    if qtype == Q4_1:
+        m = per_block[..., 2:4].contiguous().view(torch.float16).float()
+        return (d * nibbles + m).reshape(rows, -1)
+    return (d * (nibbles - 8)).reshape(rows, -1)
+
+
+def quantized_product(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """`x [R, K] @ W.T` for W in `blocks`, in x's dtype, accumulated in float32."""
+    module = native_module() if x.device.type == "cpu" else None
+    if module is not None and x.dtype in COMPUTE_DTYPES and x.shape[0] <= DIRECT_MAX_ROWS[x.dtype]:
+        return module.quant_matmul(x, blocks, qtype)
+    out_features = blocks.shape[0]
+    tile = max(1, TILE_ELEMENTS // max(1, x.shape[1]))
+    if tile >= out_features:
+        return F.linear(x, dequantize_blocks(blocks, qtype, x.dtype))
+    out = x.new_empty((x.shape[0], out_features))
+    for start in range(0, out_features, tile):
+        weight = dequantize_blocks(blocks[start : start + tile], qtype, x.dtype)
+        out[:, start : start + tile] = F.linear(x, weight)
+    return out
+
+
+class QuantizedLinear(nn.Module):
+    """`nn.Linear`'s product with the weight in GGUF blocks (`blocks` `[out, row bytes]` uint8, a buffer)."""
+
+    blocks: torch.Tensor
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        qtype: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        super().__init__()
+        # The dtype of the model it serves (what its input and output are; runner/layer_ops/layer_forms.py reads it).
+        self.compute_dtype = compute_dtype
+        if qtype not in BLOCK_BYTES or in_features % BLOCK_WEIGHTS:
+            raise ValueError(f"GGUF type {qtype} with {in_features} inputs cannot be kept in blocks")
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape[1:]) != (row_bytes(qtype, in_features),):
+            raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold {in_features} inputs")
+        self.qtype = qtype
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        flat = input.reshape(-1, self.in_features)
+        out = quantized_product(flat, self.blocks, self.qtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*input.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"quant={QUANT_NAMES[self.qtype]}, bias={self.bias is not None}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """`nn.Embedding` over GGUF blocks: the looked-up rows dequantized to `compute_dtype` (a tied LM head's blocks
+    are the same tensor)."""
+
+    blocks: torch.Tensor
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        qtype: int,
+        embedding_dim: int,
+        compute_dtype: torch.dtype,
+        padding_idx: int | None = None,
+    ):
+        super().__init__()
+        if blocks.dtype != torch.uint8 or tuple(blocks.shape[1:]) != (row_bytes(qtype, embedding_dim),):
+            raise ValueError(
+                f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold {embedding_dim} values"
+            )
+        self.qtype = qtype
+        self.num_embeddings = blocks.shape[0]
+        self.embedding_dim = embedding_dim
+        self.compute_dtype = compute_dtype
+        self.padding_idx = padding_idx
+        self.register_buffer("blocks", blocks.contiguous())
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, input.reshape(-1))
+        values = dequantize_blocks(rows, self.qtype, self.compute_dtype)
+        return values.reshape(*input.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, quant={QUANT_NAMES[self.qtype]}"
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of the GGUF blocks `model` holds (a tensor shared by a tied embedding and head counted once)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            seen[module.blocks.data_ptr()] = module.blocks.numel()
+    return sum(seen.values())

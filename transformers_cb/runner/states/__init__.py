@@ -1,0 +1,1 @@
+"""State layers in the packed step: each state module's forward split by request over its slots (state_layers.py), transformers' linear-attention cache API over the slots (slot_state_view.py) and the model-owned recurrences' calls (own_state.py); docs/state_layers.md."""

@@ -1,0 +1,1 @@
+"""A chat turn on the server: the messages through the chat template (chat_template.py), images and audio in content parts (chat_media.py), tools (tools.py), reasoning (reasoning.py) and the turn's text split into reasoning, content and tool calls as it streams (turn.py)."""

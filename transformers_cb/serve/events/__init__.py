@@ -1,0 +1,1 @@
+"""What a choice streams to the client: one manager request's tokens as text events (choices.py), the detokenizer and stop strings (text.py), OpenAI's completion and chat bodies and SSE chunks (completion_bodies.py), and their delivery: SSE, totals, disconnects (delivery.py)."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API (`POST /v1/responses`) as a chat turn: the request translated (responses_api.py), its input items read as chat messages (response_input.py), a choice's events as output items (response_output.py) and as the response's stream (response_stream.py)."""
