@@ -4,7 +4,7 @@ A seeded tiny Llama with sharp attention (its q/k projections scaled up) is quan
 (`quantize_(model, Int8WeightOnlyConfig())`: every Linear, LM head included, int8 per row) in float32 and
 bfloat16, and run through `generate_batch` (chunked prefill, preemption, prefix sharing, the native kernel
 and the torch paths) and through the manager. The engine runs the decode rows' products on the native
-`int8_matmul` (runner/torchao_linear.py: the test checks that it ran), prefill chunks beyond its row bound on
+`int8_matmul` (runner/products/torchao_linear.py: the test checks that it ran), prefill chunks beyond its row bound on
 torchao's own product; `generate()` runs torchao's product everywhere. Judged as the float models are:
 tie-aware (a differing token must be a near-tie of the reference's logits), the float32 sums running in
 another order than torch's `mm`. bfloat16 rounds where torchao rounds (docs/quantization.md).
@@ -25,7 +25,7 @@ from tests.support.models import tiny_llama
 from tests.support.prompts import random_prompts
 from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.attention.native import ENV_SWITCH, ensure_native_module
+from transformers_cb.attention.native.kernel import ENV_SWITCH, ensure_native_module
 from transformers_cb.runner import torchao_linear
 
 quantization = pytest.importorskip(

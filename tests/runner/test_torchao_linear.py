@@ -1,4 +1,4 @@
-"""torchao int8 weight-only Linears on the native `int8_matmul` (runner/torchao_linear.py): the product against
+"""torchao int8 weight-only Linears on the native `int8_matmul` (runner/products/torchao_linear.py): the product against
 torchao's own, which weights it takes, the run-scoped forwards, and the bytes such weights really hold.
 
 Skipped, with the reason, where torchao is not installed (the `torchao` extra) or the native library cannot
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.support.models import tiny_llama
-from transformers_cb.attention.native import ensure_native_module
+from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner import torchao_linear
-from transformers_cb.runner.packed_linear import PackRule
-from transformers_cb.runner.packed_model import pack_bytes
-from transformers_cb.runner.torchao_linear import (
+from transformers_cb.runner.products.packed_linear import PackRule
+from transformers_cb.runner.products.packed_model import pack_bytes
+from transformers_cb.runner.products.torchao_linear import (
     DIRECT_MAX_ROWS,
     int8_linears,
     int8_product,

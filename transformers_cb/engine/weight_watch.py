@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from ..memory.weight_key import weights_fingerprint
 from ..requests import Request, RequestStatus
-from ..runner.packed_model import release_packs
+from ..runner.products.packed_model import release_packs
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.weight_updates import UpdateMode
 from .adapter_registry import AdapterRegistry

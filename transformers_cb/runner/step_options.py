@@ -53,7 +53,7 @@ class StepOptions:
     # The native decoder-layer ops (`runner/layer_ops/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
-    # torchao int8 weight-only Linears on the native `int8_matmul` (`runner/torchao_linear.py`): a CPU model,
+    # torchao int8 weight-only Linears on the native `int8_matmul` (`runner/products/torchao_linear.py`): a CPU model,
     # packed products not turned off (`packed_linear=False`, `TRANSFORMERS_CB_PACKED_LINEAR=0`), not
     # batch-invariant (beyond a few rows torchao's own product runs, whose kernel depends on the row count).
     int8_linears: bool = False

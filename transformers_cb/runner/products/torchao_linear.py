@@ -6,7 +6,7 @@ subclass as weight (`torchao.quantization.Int8Tensor`: int8 `qdata` [N, K], floa
 CPU torchao's product widens the whole int8 weight to x's dtype at each call, then runs torch's `mm` and
 multiplies by the scale. `int8_linears(model, enabled)` (entered by `Engine.session()` beside the packed
 products) gives each such Linear an instance `forward` that runs the native library's `int8_matmul`
-(attention/native_int8_source.py) on up to `DIRECT_MAX_ROWS` rows: it reads the int8 rows in place (no
+(attention/native/native_int8_source.py) on up to `DIRECT_MAX_ROWS` rows: it reads the int8 rows in place (no
 copy, so no pack bytes), sums in float32 and rounds where torchao rounds (the sum in x's dtype, then the
 product with the scale, then the bias), so it differs from torchao's result only by the order of the
 float32 sums. Beyond those rows (prefill), under autograd, in a compiled forward, and for every weight this
@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.native import native_module
-from ..memory.weight_key import quantized_parts
-from ..patches import in_force, patched
+from ...attention.native.kernel import native_module
+from ...memory.weight_key import quantized_parts
+from ...patches import in_force, patched
 
 PATCH_KIND = "torchao_int8_linears"  # its counted patches (patches.py)
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 # Up to this many rows the native product runs; beyond, torchao's (its `mm` on the widened weight). The
-# bounds of the GGUF blocks' product (runner/quantized_linear.py, measured there): not measured for int8
+# bounds of the GGUF blocks' product (runner/products/quantized_linear.py, measured there): not measured for int8
 # rows yet, which widen more cheaply than nibbles.
 DIRECT_MAX_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 _lock = threading.Lock()
