@@ -26,7 +26,7 @@ from tests.support.prompts import random_prompts
 from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ENV_SWITCH, ensure_native_module
-from transformers_cb.runner import torchao_linear
+from transformers_cb.runner.products import torchao_linear
 
 quantization = pytest.importorskip(
     "torchao.quantization", reason="torchao is not installed (pip install 'transformers-cb[torchao]')"

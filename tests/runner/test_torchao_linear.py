@@ -14,7 +14,7 @@ from torch import nn
 
 from tests.support.models import tiny_llama
 from transformers_cb.attention.native.kernel import ensure_native_module
-from transformers_cb.runner import torchao_linear
+from transformers_cb.runner.products import torchao_linear
 from transformers_cb.runner.products.packed_linear import PackRule
 from transformers_cb.runner.products.packed_model import pack_bytes
 from transformers_cb.runner.products.torchao_linear import (
