@@ -21,6 +21,12 @@ requires_ray = pytest.mark.skipif(
     bool(MISSING), reason=f"the 'ray' extra is not installed ({', '.join(MISSING)}): {RAY_INSTALL_HINT}"
 )
 
+# Every test on the Ray cluster runs in one pytest-xdist worker (`make test` runs `--dist loadgroup`): one
+# cluster per session instead of one per worker (each takes seconds of CPU to start, and two 2-CPU clusters
+# on two cores slow each other's actors down); the scheduler also sends this group first, so the longest
+# chain of the suite starts at once. Without xdist (or under another --dist) the mark changes nothing.
+on_the_ray_cluster = pytest.mark.xdist_group("ray_cluster")
+
 # Two actors of one CPU each fit the 2-CPU test cluster.
 ACTOR_CPUS = 1.0
 CB_CONFIG = {"page_size": 16}
