@@ -21,10 +21,11 @@ requires_ray = pytest.mark.skipif(
     bool(MISSING), reason=f"the 'ray' extra is not installed ({', '.join(MISSING)}): {RAY_INSTALL_HINT}"
 )
 
-# Every test on the Ray cluster runs in one pytest-xdist worker (`make test` runs `--dist loadgroup`): one
-# cluster per session instead of one per worker (each takes seconds of CPU to start, and two 2-CPU clusters
-# on two cores slow each other's actors down); the scheduler also sends this group first, so the longest
-# chain of the suite starts at once. Without xdist (or under another --dist) the mark changes nothing.
+# Every test on the Ray cluster belongs in one pytest-xdist worker (`make test` runs `--dist loadgroup`): one
+# cluster per session instead of one per worker, a group the scheduler hands out first. NOT in effect with
+# pytest 9.2 + pytest-xdist 3.8: xdist marks a group by rewriting `Item._nodeid`, which pytest 9 no longer
+# reads (it keeps `Item._id`), so the Ray tests still spread over both workers (two clusters). The mark
+# takes effect with an xdist that handles pytest 9; without xdist (or under another --dist) it changes nothing.
 on_the_ray_cluster = pytest.mark.xdist_group("ray_cluster")
 
 # Two actors of one CPU each fit the 2-CPU test cluster.
