@@ -30,6 +30,11 @@ PIP_ARGS ?=
 # processes (seed documents in fresh interpreters, compilers, servers, tensor-parallel ranks): two workers
 # keep both cores busy; each worker's torch gets its share of the cores (conftest.py).
 TEST_WORKERS ?= 2
+# How the workers share the tests: one at a time, in the order conftest.py gives (the `slow` tier first), and
+# every test marked `xdist_group(name)` in one worker (the Ray tests), that group handed out first; the
+# grouping is not in effect with pytest 9.2 + pytest-xdist 3.8 (tests/support/ray_jobs.py says why).
+# With TEST_WORKERS=0 pytest-xdist ignores it.
+TEST_DIST ?= --dist loadgroup
 
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
@@ -85,13 +90,13 @@ serve: $(VENV)/.installed-serve
 
 # pytest exits 5 when it collects no tests; that is a failure here, never swallowed.
 test: $(VENV)/.installed-test
-	@rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) $(ARGS) || rc=$$?; \
+	@rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) $(TEST_DIST) $(ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 
 # Everything but the `slow` tier (compile, tensor parallelism, server subprocesses, big property runs).
 test-fast: $(VENV)/.installed-test
-	@rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not slow" $(ARGS) || rc=$$?; \
+	@rc=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) $(TEST_DIST) -m "not slow" $(ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-fast: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
 

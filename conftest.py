@@ -33,6 +33,17 @@ def _share_cores_between_workers() -> None:
 
 _share_cores_between_workers()
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test`), hand out the `slow` tests first: the workers take tests one by one
+    (`--dist loadgroup`) in this order, so the long ones start while both workers are busy and the last
+    minutes are spent on short tests on both workers, not one long test on one. A stable sort: the order
+    within each tier is the collection order. A single process keeps the collection order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 # The shared helpers (the scheduler's fake model, the manager checks, ...) assert like the tests do: have
 # pytest rewrite them as it rewrites test modules, so they keep checking, with its messages, under
 # `python -O` (which strips the asserts pytest did not rewrite) and show values on failure.

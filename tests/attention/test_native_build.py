@@ -2,7 +2,7 @@
 binary once, a machine without a compiler runs and warns once.
 
 Every test runs real processes (so all are `slow`, the tier of fresh interpreters; the venvs one compiles
-twice) against a private kernel folder (`TRANSFORMERS_CB_KERNEL_DIR`): the build,
+the kernel once, and its second compiler copies that binary) against a private kernel folder (`TRANSFORMERS_CB_KERNEL_DIR`): the build,
 the lock and the warnings are per process, and what matters is what a *new* process does.
 """
 
@@ -159,6 +159,40 @@ def _second_venv(path: Path) -> str:
     return str(python)
 
 
+# A second compiler for the cache key (its own path, so its own `compiler` ingredient), that builds without
+# compiling the kernel again: the compile step compiles an empty file with the build's own arguments (it
+# writes the object and the dependency file ninja reads), the link step copies a library built by the real
+# compiler, and every other call (`--version`, `-v`: the key, torch's checks) is the real g++'s. What the
+# test checks is where a build of another compiler goes and that nobody rebuilds it, not g++ itself; the
+# real compile is the first build's (one compile of the kernel instead of two, ~90 s of a worker).
+COPYING_COMPILER = """#!{python}
+import shutil, subprocess, sys
+args = sys.argv[1:]
+output = args[args.index("-o") + 1] if "-o" in args else None
+with open({log!r}, "a") as log:
+    log.write(" ".join(args) + "\\n")
+if output is not None and output.endswith(".so"):
+    shutil.copyfile({library!r}, output)
+    sys.exit(0)
+if output is not None:
+    args = [{empty!r} if arg.endswith(".cpp") else arg for arg in args]
+sys.exit(subprocess.call(["g++", *args]))
+"""
+
+
+def _copying_compiler(folder: Path, library: Path) -> tuple[Path, Path]:
+    """The compiler above, as `folder/g++` (torch accepts a compiler by its name), and its call log."""
+    folder.mkdir()
+    (folder / "empty.cpp").write_text("", encoding="utf-8")
+    log, compiler = folder / "calls.log", folder / "g++"
+    source = COPYING_COMPILER.format(
+        python=sys.executable, log=str(log), library=str(library), empty=str(folder / "empty.cpp")
+    )
+    compiler.write_text(source, encoding="utf-8")
+    compiler.chmod(0o755)
+    return compiler, log
+
+
 def _stamp(library: Path) -> tuple[int, int]:
     stat = library.stat()
     return stat.st_ino, stat.st_mtime_ns
@@ -181,8 +215,11 @@ def test_environments_build_their_own_kernel_once_and_never_each_others(tmp_path
     assert second.returncode == 0 and "native kernel: ready" in second.stdout, second.stdout + second.stderr
     assert _folders(root) == [folder] and _stamp(library) == stamp
 
-    other_compiler = _build_kernels(_env(root, CXX="g++"))
+    compiler, calls = _copying_compiler(tmp_path / "other-compiler", library)
+    other_compiler = _build_kernels(_env(root, CXX=str(compiler)))
     assert other_compiler.returncode == 0 and "built in" in other_compiler.stdout, other_compiler.stderr
+    linked = [line for line in calls.read_text().splitlines() if f"{MODULE_NAME}.so" in line]
+    assert linked, f"the build did not run $CXX (calls: {calls.read_text()!r})"
     folders = _folders(root)
     assert len(folders) == 2 and folder in folders
     (other,) = [f for f in folders if f != folder]
@@ -192,7 +229,7 @@ def test_environments_build_their_own_kernel_once_and_never_each_others(tmp_path
         != json.loads((folder / "build.json").read_text())["compiler"]
     )
 
-    for python, extra in ((sys.executable, {}), (other_venv, {}), (sys.executable, {"CXX": "g++"})):
+    for python, extra in ((sys.executable, {}), (other_venv, {}), (sys.executable, {"CXX": str(compiler)})):
         again = _build_kernels(_env(root, **extra), python=python)
         assert "native kernel: ready" in again.stdout, again.stdout + again.stderr
     served = _serve(env)

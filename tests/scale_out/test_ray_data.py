@@ -12,6 +12,7 @@ from tests.support.ray_jobs import (
     ACTOR_CPUS,
     CB_CONFIG,
     DyingPredictor,
+    on_the_ray_cluster,
     one_call_reference,
     requires_ray,
     text_prompts,
@@ -21,7 +22,7 @@ from transformers_cb.models.tiny import TINY_MAX_POSITIONS
 from transformers_cb.scale_out.batch_job import run_ray_generate
 from transformers_cb.scale_out.predictor import CBPredictor
 
-pytestmark = [requires_ray, pytest.mark.slow]
+pytestmark = [requires_ray, pytest.mark.slow, on_the_ray_cluster]
 
 TIMING_KEYS = ("ttft_s", "latency_s")
 

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.ray_jobs import requires_ray
+from tests.support.ray_jobs import on_the_ray_cluster, requires_ray
 from tests.support.serve import CHAT_TEMPLATE, MODEL_NAME, requires_serve, serving
 from tests.support.timeouts import hang_guard
 from transformers_cb.jobs.prompts import chat_ids, text_ids
 from transformers_cb.scale_out.predictor import CBPredictor
 from transformers_cb.scale_out.serve_app import REPLICA_HEADER, build_app, serve_namespace
 
-pytestmark = [requires_ray, requires_serve, pytest.mark.slow]
+pytestmark = [requires_ray, requires_serve, pytest.mark.slow, on_the_ray_cluster]
 
 SERVE_OPTIONS = {"page_size": 16, "num_blocks": 64, "seed": 0, "served_model_name": MODEL_NAME}
 
