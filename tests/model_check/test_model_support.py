@@ -375,3 +375,19 @@ def test_falcon_alibi_and_git_are_supported() -> None:
             intermediate_size=64,
         )
     )
+
+
+def test_mpt_under_paged_sdpa_is_supported_on_first_sight() -> None:
+    """MPT's own forward under `paged|sdpa` builds SDPA's mask, which is None where `is_causal` would do, and
+    calls `.to(torch.bool)` on it: the probe's plain forward takes the eager mask there instead of refusing
+    the model (the refusal showed only when no `paged|eager` check of the class had run before)."""
+    from transformers import MptConfig, MptForCausalLM
+
+    from transformers_cb.model_check.model_support import check_model_supported
+
+    config = MptConfig(d_model=48, n_heads=6, n_layers=2, max_seq_len=128, expansion_ratio=2, vocab_size=300)
+    torch.manual_seed(0)
+    model = MptForCausalLM(config).eval()
+    model.config._attn_implementation = "paged|sdpa"
+    check_model_supported(model)  # raised NotImplementedError ("a forward on token ids alone fails")
+    assert model.config._attn_implementation == "paged|sdpa"

@@ -114,7 +114,7 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
                 use_cache=False,
                 logits_to_keep=keep,
             ).logits
-            plain_call = forward(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+            plain_call = _plain_logits(model, forward, ids, keep)
             windowed = _windowed_layers(model, forward, ids, keep, record)
     except Exception as error:  # noqa: BLE001  (any failure of the model's own forward is the reason)
         return ProbeResult(record.calls, True, True, error=f"{type(error).__name__}: {error}")
@@ -132,6 +132,28 @@ def run_probe(model: PreTrainedModel) -> ProbeResult:
     # A bias that only the model's own mask carries (B) is lost all the same under the engine's call.
     bias = any(c.mask_bias for c in record.plain_calls)
     return ProbeResult(record.calls, keeps, agree, used, mask_bias=bias, windowed_layers=windowed)
+
+
+def _plain_logits(
+    model: PreTrainedModel, forward: Callable[..., object], ids: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
+    """Forward B: the model's own logits outside continuous batching. A model whose attention modules do
+    not read the implementation (MPT's) still builds its mask from it, and SDPA's builder returns no mask
+    where `is_causal` would do, which MPT's code cannot take (`create_causal_mask(...).to(torch.bool)`): its
+    own forward under `paged|sdpa` fails before any attention runs. Its own logits are then the eager
+    mask's, which its attention modules apply as they always do."""
+    try:
+        return cast(Any, forward(input_ids=ids, use_cache=False, logits_to_keep=keep)).logits
+    except AttributeError:
+        config = model.config
+        saved = config._attn_implementation
+        if saved is None or "sdpa" not in saved:
+            raise
+        config._attn_implementation = "eager"
+        try:
+            return cast(Any, forward(input_ids=ids, use_cache=False, logits_to_keep=keep)).logits
+        finally:
+            config._attn_implementation = saved
 
 
 def _windowed_layers(
