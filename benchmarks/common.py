@@ -846,14 +846,11 @@ class OursInt8KVEngine(OursEngine):
         return dataclasses.replace(cfg, kv_cache_dtype="int8"), settings, ignored
 
 
-class OursQuantizedInt8KVEngine(OursQuantizedEngine):
-    """`OursQuantizedEngine` (the GGUF's blocks kept) with the int8 KV cache: both opt-in byte savings."""
+class OursQuantizedInt8KVEngine(OursInt8KVEngine, OursQuantizedEngine):
+    """`OursQuantizedEngine` (the GGUF's blocks kept) with the int8 KV cache (`OursInt8KVEngine`'s config):
+    both opt-in byte savings."""
 
     name = "ours-quantized-int8kv"
-
-    def _config(self, workload: Workload) -> tuple[Any, dict[str, Any], list[str]]:
-        cfg, settings, ignored = super()._config(workload)
-        return dataclasses.replace(cfg, kv_cache_dtype="int8"), settings, ignored
 
 
 class OursPackedEngine(OursEngine):
