@@ -25,6 +25,7 @@ from .native_int8_source import INT8_BINDINGS, INT8_SOURCE
 from .native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
 from .native_layer_source import BINDINGS, LAYER_SOURCE
 from .native_quant_source import QUANT_BINDINGS, QUANT_SOURCE
+from .native_rows_source import ROWS_BINDINGS, ROWS_SOURCE
 from .native_vec_source import VEC_SOURCE
 
 ATTENTION_SOURCE = r"""
@@ -316,7 +317,7 @@ using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
 # The library's one source: the attention kernel, its AVX-512 loops (native_vec_source.py) between the
 # portable kernels and the dispatch that picks one (native_dispatch_source.py), the decoder-layer ops (native_layer_source.py), the greedy
 # argmax (native_argmax_source.py), the quantized products (native_quant_source.py), torchao's int8
-# weight-only product (native_int8_source.py), the bindings.
+# weight-only product (native_int8_source.py), the small-row bfloat16 product (native_rows_source.py), the bindings.
 SOURCE = (
     ATTENTION_SOURCE
     + VEC_SOURCE
@@ -326,6 +327,7 @@ SOURCE = (
     + ARGMAX_SOURCE
     + QUANT_SOURCE
     + INT8_SOURCE
+    + ROWS_SOURCE
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
@@ -335,5 +337,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     + KV_QUANT_BINDINGS
     + QUANT_BINDINGS
     + INT8_BINDINGS
+    + ROWS_BINDINGS
     + "}\n"
 )

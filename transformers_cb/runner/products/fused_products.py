@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .packed_linear import PACKS, Pack, pointwise
+from .packed_linear import PACKS, Pack, product
 
 # Sibling names whose products read one input; the first that is present in full forms a group.
 SIBLING_GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -92,7 +92,7 @@ class FusedGroup:
             self.unfused = True
             return None
         pack = self.pack()
-        fused = pointwise(input, pack.packed, pack.bias)
+        fused = product(input, pack, pack.bias)
         outputs = fused.split(self.out_features, dim=-1)
         pending.input, pending.data_ptr = input, input.data_ptr()
         pending.outputs = {i: out for i, out in enumerate(outputs) if i != index}

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...memory.weight_key import WeightKey, spread_indices
+from .small_rows import rows_product
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,16 @@ class Pack:
     # `.data` (an optimizer or a trainer's wrapper writing that way: TRL's GRPO in bf16) bumps no version.
     sources: tuple[StorageWeakRef, ...] = ()
     sample: tuple[torch.Tensor, ...] = ()
+    # The weight in the small-row product's layout, made from `packed` the first time it serves a few bf16
+    # rows (runner/products/small_rows.py), and the most rows it serves (None: not decided yet).
+    rows_pack: torch.Tensor | None = None
+    row_limit: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.rows_pack
+        own = self.packed.numel() * self.packed.element_size()
+        return own + (0 if extra is None else extra.numel() * extra.element_size())
 
 
 def _key_of_many(tensors: tuple[torch.Tensor | None, ...]) -> tuple[WeightKey, ...]:
@@ -184,19 +195,19 @@ class PackRegistry:
         """Bytes of the packs held (of `handles` only, when given)."""
         with self._lock:
             packs = list(self._packs.values()) if handles is None else [self._packs.get(h) for h in handles]
-        return sum(p.packed.numel() * p.packed.element_size() for p in packs if p is not None)
+        return sum(p.nbytes for p in packs if p is not None)
 
     def has_pack(self, handle: int) -> bool:
         return self._packs.get(handle) is not None
 
-    def current(self, handle: int, weight: torch.Tensor) -> torch.Tensor:
+    def current(self, handle: int, weight: torch.Tensor) -> Pack:
         """The pack of `weight` under `handle`, rebuilt first if the weight changed since it was built."""
         key = WeightKey.of(weight)
         return self._current(
             handle,
             key,
             lambda: Pack(key, reorder(weight.detach()), None, _sources((weight,)), content_sample((weight,))),
-        ).packed
+        )
 
     def current_fused(
         self, handle: int, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...]
@@ -234,8 +245,15 @@ def reorder(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` on a packed `W`."""
+    """`x @ W.T + bias` on a packed `W` (oneDNN's product)."""
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
+def product(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` on `pack`: a few bfloat16 rows through the native small-row product where it
+    applies (runner/products/small_rows.py), else oneDNN's."""
+    out = rows_product(x, pack, bias)
+    return pointwise(x, pack.packed, bias) if out is None else out
 
 
 PACKS = PackRegistry()
@@ -257,7 +275,7 @@ def packed_linear_eager(
     if weight.is_inference():
         # An inference tensor has no version counter: an in-place write to it could not be seen.
         return F.linear(x, weight, bias)
-    return pointwise(x, PACKS.current(handle, weight), bias)
+    return product(x, PACKS.current(handle, weight), bias)
 
 
 @packed_linear.register_fake

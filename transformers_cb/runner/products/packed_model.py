@@ -42,6 +42,7 @@ from .packed_linear import (
     packed_linear_eager,
     rule_from_env,
 )
+from .small_rows import has_rows_pack
 
 _handles: weakref.WeakKeyDictionary[nn.Linear, int] = weakref.WeakKeyDictionary()
 # A fused group's pack handle, kept by its first member (so consecutive runs do not repack).
@@ -134,12 +135,20 @@ class PackedPlan:
     groups: list[tuple[FusedGroup, int]]
 
     def pack_sizes(self) -> list[tuple[int, int | None]]:
-        """(bytes, handle) of every pack the plan uses in eager steps."""
-        sizes = [(m.weight.numel() * m.weight.element_size(), _handles.get(m)) for m, _ in self.singles]
+        """(bytes, handle) of every pack the plan uses in eager steps: a bf16 weight the small-row product
+        serves counts twice (its row pack, runner/products/small_rows.py)."""
+        sizes = [(_pack_size(m.weight, m.out_features), _handles.get(m)) for m, _ in self.singles]
         for group, _ in self.groups:
-            size = sum(m.weight.numel() * m.weight.element_size() for m in group.members)
+            out_features = sum(m.out_features for m in group.members)
+            size = sum(_pack_size(m.weight, out_features) for m in group.members)
             sizes.append((size, group.handle))
         return sizes
+
+
+def _pack_size(weight: torch.Tensor, out_features: int) -> int:
+    """Bytes of `weight`'s packs, in a product of `out_features` outputs."""
+    copies = 2 if weight.dtype == torch.bfloat16 and has_rows_pack(out_features, weight.shape[-1]) else 1
+    return weight.numel() * weight.element_size() * copies
 
 
 def packed_plan(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> PackedPlan:

@@ -1,0 +1,141 @@
+"""The small-row bfloat16 product (runner/products/small_rows.py, attention/native/native_rows_source.py): the
+native loop against float32 sums and oneDNN's product (bias, odd widths, column counts off the block size),
+the row rule, the route a packed product takes by row count and switch, the row pack counted and rebuilt
+with its pack, and a bf16 run's greedy tokens like `generate()`'s (tie-aware)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support.models import tiny_llama
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.parity.compare import compare_tokens
+from transformers_cb.runner.products import packed_linear as packed_linear_module
+from transformers_cb.runner.products import small_rows
+from transformers_cb.runner.products.packed_linear import PACKS, packed_linear_eager, pointwise, reorder
+
+OPS = small_rows.rows_module() if packed_linear_module.unsupported_reason(torch.bfloat16, "cpu") is None else None
+pytestmark = pytest.mark.skipif(
+    OPS is None, reason="the small-row product needs the native library built for AVX512-BF16 and oneDNN"
+)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_native_loop_rounds_float32_sums_once(shape: tuple[int, int], rows: int, with_bias: bool) -> None:
+    out_features, in_features = shape
+    weight = randn(out_features, in_features, seed=1)
+    bias = randn(out_features, seed=2) if with_bias else None
+    x = randn(rows, in_features, seed=3)
+    flat = F.pad(x, (0, in_features % 2))
+    got = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    OPS.bf16_rows_matmul(flat.contiguous(), small_rows.pack_rows(weight), bias, got)
+    # float64 sums of the exact float32 products: the float32 sums may differ from them by their own
+    # rounding only, far below one bfloat16 step; the result is one of the two bfloat16 values around it.
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    step = exact.abs().clamp_min(1e-30) * 2**-7
+    assert ((got.double() - exact).abs() <= step).all()
+    onednn = pointwise(x, reorder(weight), bias)
+    assert (got != onednn).float().mean() < 0.05  # only the order of the float32 sums differs
+
+
+def test_native_loop_refuses_what_it_cannot_read() -> None:
+    weight = randn(20, 8, seed=0)
+    pack = small_rows.pack_rows(weight)
+    out = torch.empty(2, 20, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="columns"):
+        OPS.bf16_rows_matmul(randn(2, 6, seed=1), pack, None, out)
+    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+        OPS.bf16_rows_matmul(randn(2, 8, seed=1).float(), pack, None, out)
+
+
+def test_row_rule() -> None:
+    assert small_rows.row_limit(3072, 576) == small_rows.ROWS
+    assert small_rows.row_limit(320, 192) == small_rows.TINY_ROWS
+    assert small_rows.row_limit(49152, 576) == 0  # an LM head keeps oneDNN's product
+
+
+def count_native(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = small_rows.rows_module
+
+    class Counting:
+        def __init__(self, ops) -> None:
+            self.ops = ops
+
+        def bf16_rows_matmul(self, x, packed, bias, out) -> None:
+            calls.append(x.shape[0])
+            self.ops.bf16_rows_matmul(x, packed, bias, out)
+
+    def counting():
+        ops = real()
+        return None if ops is None else Counting(ops)
+
+    monkeypatch.setattr(small_rows, "rows_module", counting)
+    return calls
+
+
+def test_a_packed_product_routes_by_rows_and_switch(monkeypatch) -> None:
+    calls = count_native(monkeypatch)
+    weight, bias = randn(960, 576, seed=4), randn(960, seed=5)
+    handle = PACKS.new_handle()
+    try:
+        for rows in (1, 2, 3, 16):
+            x = randn(1, rows, 576, seed=rows)
+            got = packed_linear_eager(x, weight, bias, handle)
+            assert got.shape == (1, rows, 960)
+            want = F.linear(x.double(), weight.double(), bias.double())
+            assert torch.allclose(got.double(), want, rtol=2e-2, atol=2e-2)
+        assert calls == [1, 2]  # 3 and 16 rows: oneDNN's product
+        pack = PACKS._packs[handle]
+        assert pack is not None and pack.rows_pack is not None
+        assert PACKS.packed_bytes([handle]) == pack.nbytes > 2 * weight.numel()  # both copies counted
+        monkeypatch.setenv(small_rows.ENV_SWITCH, "0")
+        packed_linear_eager(randn(1, 1, 576, seed=9), weight, bias, handle)
+        assert calls == [1, 2]
+        monkeypatch.delenv(small_rows.ENV_SWITCH)
+        with torch.no_grad():
+            weight.mul_(-1)  # a new pack, and a new row pack with it
+        flipped = packed_linear_eager(randn(1, 1, 576, seed=1), weight, None, handle)
+        want = F.linear(randn(1, 1, 576, seed=1).double(), weight.double())
+        assert torch.allclose(flipped.double(), want, rtol=2e-2, atol=2e-2)
+        assert calls == [1, 2, 1]
+    finally:
+        PACKS.drop(handle)
+
+
+def test_float32_keeps_onednn(monkeypatch) -> None:
+    calls = count_native(monkeypatch)
+    handle = PACKS.new_handle()
+    try:
+        weight = torch.randn(64, 32)
+        packed_linear_eager(torch.randn(1, 1, 32), weight, None, handle)
+        assert calls == []
+    finally:
+        PACKS.drop(handle)
+
+
+def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:
+    calls = count_native(monkeypatch)
+    model = tiny_llama().to(torch.bfloat16)
+    prompts = prompts_of_lengths([5, 17, 30], seed=3)
+    outputs = model.generate_batch(
+        prompts,
+        max_new_tokens=8,
+        continuous_batching_config=ContinuousBatchingConfig(page_size=16, packed_linear=True),
+        progress_bar=False,
+    )
+    assert calls and min(calls) == 1, "no decode step took the small-row product"
+    for i, prompt in enumerate(prompts):
+        tokens = outputs[f"req_{i}"].generated_tokens
+        mismatch = compare_tokens(model, f"req_{i}", prompt, greedy_reference(model, prompt, 8), tokens)
+        assert mismatch is None or mismatch.is_near_tie, mismatch.describe()

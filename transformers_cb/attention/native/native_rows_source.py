@@ -1,0 +1,131 @@
+"""C++ source of the native small-row bfloat16 product (built into the same library as the paged-attention kernel).
+
+`bf16_rows_matmul(x [R, K], packed [NB, KP, 16, 2], bias [N] or None, out [R, N])`: `out = x @ W.T + bias`
+for a bfloat16 weight `W [N, K]` held as `pack_rows(W)` (runner/products/small_rows.py): 16 output columns
+a block, K in pairs, each pair of a column's two weights side by side, which is the operand `vdpbf16ps`
+multiplies with a broadcast pair of `x`. Each column's sum runs in float32 (the products of two bfloat16
+values are exact in float32), the bias (widened) is added in float32 and the sum rounded to bfloat16 once,
+the rounding points of oneDNN's packed product; only the order of the float32 sums differs (AMX tiles
+block them their own way), as the packed products differ from MKL's.
+
+Why: oneDNN's call costs 20-40 us whatever the product's size on these CPUs, and its AMX kernels gain
+nothing from one row (a tile is 16 rows): one decode row through SmolLM2's 3072 x 576 gate/up product
+takes 121 us there against 54 us here (docs/design.md, "Small-row products"). From a few rows on, AMX wins
+(this loop is bound by `vdpbf16ps`, 32 products a cycle), so the caller routes by row count.
+
+Columns in pairs of blocks (32 columns) run in parallel; rows in tiles of up to 8, so a block's weights
+are read from memory once per call and from L1/L2 for the next tiles. Built only where the compiler
+targets AVX512-BF16 (`__AVX512BF16__`); elsewhere the function is absent and the caller keeps oneDNN's.
+"""
+
+ROWS_SOURCE = r"""
+#if defined(__AVX512BF16__)
+namespace {
+
+// Rows [0, RT) of x (as bfloat16 pairs, `x_pairs` pairs a row) times CB column blocks: float32 sums in `sums`
+// [RT][CB][16].
+template <int RT, int CB>
+inline void rows_tile(const uint32_t* x, int64_t x_pairs, const __m512i* w, int64_t pairs, int64_t block_stride,
+                      float* sums) {
+  __m512 acc[RT][CB];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i wv[CB];
+    for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(w + c * block_stride + p);
+    for (int r = 0; r < RT; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * x_pairs + p]));
+      for (int c = 0; c < CB; ++c)
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(wv[c]));
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(sums + (r * CB + c) * 16, acc[r][c]);
+}
+
+template <int CB>
+void rows_tile_of(int rows, const uint32_t* x, int64_t x_pairs, const __m512i* w, int64_t pairs, int64_t stride,
+                  float* sums) {
+  switch (rows) {
+    case 1: rows_tile<1, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    case 2: rows_tile<2, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    case 3: rows_tile<3, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    case 4: rows_tile<4, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    case 5: rows_tile<5, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    case 6: rows_tile<6, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    case 7: rows_tile<7, CB>(x, x_pairs, w, pairs, stride, sums); break;
+    default: rows_tile<8, CB>(x, x_pairs, w, pairs, stride, sums); break;
+  }
+}
+
+constexpr int kRowTile = 8;
+// Column-block pairs a thread takes at least: ~64k products (a smaller product stays on one thread).
+constexpr int64_t kRowsGrainProducts = 1 << 16;
+
+}  // namespace
+
+// out [R, N] = x [R, K] @ W.T (+ bias [N]), W held as packed [NB, KP, 16, 2] (K = 2 * KP, zero padded),
+// all bfloat16 and contiguous.
+void bf16_rows_matmul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                      at::Tensor& out) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [R, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(),
+              "packed: contiguous bfloat16 [NB, KP, 16, 2]");
+  const int64_t R = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK(K == 2 * KP, "x has ", K, " columns, the pack ", 2 * KP);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == R && out.is_contiguous(),
+              "out: contiguous bfloat16 [R, N]");
+  const int64_t N = out.size(1);
+  TORCH_CHECK(N <= NB * 16 && N > (NB - 1) * 16, "out has ", N, " columns, the pack ", NB * 16);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
+                "bias: contiguous bfloat16 [N]");
+  }
+  if (R == 0 || N == 0) return;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<at::BFloat16>());
+  const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_pairs = (NB + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, kRowsGrainProducts / std::max<int64_t>(KP * 64 * R, 1));
+  at::parallel_for(0, block_pairs, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[kRowTile * 2 * 16];
+    for (int64_t bpair = b0; bpair < b1; ++bpair) {
+      const int64_t nb = bpair * 2;
+      const int blocks = nb + 1 < NB ? 2 : 1;
+      for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, R - r0));
+        if (blocks == 2) {
+          rows_tile_of<2>(rows, xp + r0 * KP, KP, wp + nb * KP, KP, KP, sums);
+        } else {
+          rows_tile_of<1>(rows, xp + r0 * KP, KP, wp + nb * KP, KP, KP, sums);
+        }
+        for (int r = 0; r < rows; ++r) {
+          for (int c = 0; c < blocks; ++c) {
+            const int64_t n0 = (nb + c) * 16;
+            const int64_t cols = std::min<int64_t>(16, N - n0);
+            if (cols <= 0) continue;
+            const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+            __m512 v = _mm512_load_ps(sums + (r * blocks + c) * 16);
+            if (bp != nullptr) {
+              const __m512i b16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bp + n0));
+              v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16)));
+            }
+            const __m256i rounded = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(yp + (r0 + r) * N + n0, mask, rounded);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+"""
+
+ROWS_BINDINGS = r"""
+#if defined(__AVX512BF16__)
+  m.def("bf16_rows_matmul", &bf16_rows_matmul, "out = x @ W.T + bias for a few bfloat16 rows, W in its row pack");
+#endif
+"""

@@ -1,0 +1,102 @@
+"""Small-row bfloat16 products: a few rows through the native library instead of oneDNN's call.
+
+A decode step with one or two requests multiplies one or two rows by every weight. oneDNN's packed call
+costs 20-40 us whatever the product's size on these CPUs, and its AMX kernels compute 16-row tiles however
+few rows there are: SmolLM2's 3072 x 576 gate/up product takes 121 us for one row, the native loop
+(`bf16_rows_matmul`, attention/native/native_rows_source.py) 54 us, a 960 x 576 q/k/v product 39.5 against
+16.3 us. From a few rows on AMX wins, so each product picks by its row count (`row_limit`): up to 2 rows,
+up to 8 for a weight of at most 2^17 elements (where oneDNN's fixed cost dominates), none for an LM head
+(over 16384 outputs: as fast either way at one row, and its second pack would be the largest).
+
+The native loop reads the weight in its own layout (`pack_rows`: 16 columns a block, K in pairs), made
+once per pack from oneDNN's own pack (`to_dense`) the first time a pack serves a small-row product, and
+dropped with it (`packed_linear.Pack.rows_pack`): a stale pack is rebuilt with its row pack. It rounds where
+oneDNN's bf16 product rounds (float32 sums, the bias added in float32, one rounding to bfloat16); the
+float32 sums run in another order, as the packed products' already do against `F.linear`'s, so bf16 outputs
+are judged tie-aware as before. float32 keeps oneDNN's product.
+
+`TRANSFORMERS_CB_SMALL_ROW_PRODUCTS=0` turns it off; without the native library or a CPU with AVX512-BF16
+(the function is not built) oneDNN's product runs.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ...attention.native.kernel import native_module
+
+if TYPE_CHECKING:
+    from .packed_linear import Pack
+
+ENV_SWITCH = "TRANSFORMERS_CB_SMALL_ROW_PRODUCTS"
+# Outputs above which a weight keeps oneDNN's product at every row count (LM heads).
+MAX_COLUMNS = 16384
+# Elements up to which a weight takes the native product up to `TINY_ROWS` rows.
+TINY_WEIGHT = 1 << 17
+TINY_ROWS = 8
+ROWS = 2
+
+
+def row_limit(out_features: int, in_features: int) -> int:
+    """The most rows a product of this weight runs natively (0: never)."""
+    if out_features > MAX_COLUMNS:
+        return 0
+    return TINY_ROWS if out_features * in_features <= TINY_WEIGHT else ROWS
+
+
+def has_rows_pack(out_features: int, in_features: int) -> bool:
+    """Whether a bf16 weight of this shape gets a row pack in this process (the memory check counts it)."""
+    return row_limit(out_features, in_features) > 0 and rows_module() is not None
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def rows_module() -> ModuleType | None:
+    """The native library if it has the small-row product (built for AVX512-BF16) and the switch is on."""
+    if not enabled_by_env():
+        return None
+    ops = native_module()
+    return ops if ops is not None and hasattr(ops, "bf16_rows_matmul") else None
+
+
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[N, K]` as `[ceil(N / 16), ceil(K / 2), 16, 2]`: block b, pair p holds columns 16b..16b+15's
+    weights at k = 2p, 2p + 1 side by side (zero padded)."""
+    out_features, in_features = weight.shape
+    blocks, pairs = -(-out_features // 16), -(-in_features // 2)
+    padded = F.pad(weight, (0, pairs * 2 - in_features, 0, blocks * 16 - out_features))
+    return padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def rows_product(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x @ W.T + bias` for a bfloat16 `x` of few rows through the native loop, or None where oneDNN's product
+    runs instead (more rows than the weight's limit, no native product, another dtype)."""
+    if x.dtype != torch.bfloat16 or x.dim() == 0:
+        return None
+    if pack.row_limit is None:
+        out_features, in_features = pack.packed.shape
+        pack.row_limit = row_limit(out_features, in_features) if pack.packed.dtype == torch.bfloat16 else 0
+    in_features = x.shape[-1]
+    rows = x.numel() // in_features if in_features else 0
+    if rows == 0 or rows > pack.row_limit:
+        return None
+    ops = rows_module()
+    if ops is None:
+        return None
+    if pack.rows_pack is None:
+        pack.rows_pack = pack_rows(pack.packed.to_dense())
+    rows_pack = pack.rows_pack
+    flat = x.reshape(rows, in_features)
+    if in_features % 2:
+        flat = F.pad(flat, (0, 1))
+    out_features = pack.packed.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    ops.bf16_rows_matmul(flat.contiguous(), rows_pack, bias, out)
+    return out.view(*x.shape[:-1], out_features)
