@@ -18,7 +18,11 @@ from transformers_cb.runner.products import packed_linear as packed_linear_modul
 from transformers_cb.runner.products import small_rows
 from transformers_cb.runner.products.packed_linear import PACKS, packed_linear_eager, pointwise, reorder
 
-OPS = small_rows.rows_module() if packed_linear_module.unsupported_reason(torch.bfloat16, "cpu") is None else None
+OPS = (
+    small_rows.rows_module()
+    if packed_linear_module.unsupported_reason(torch.bfloat16, "cpu") is None
+    else None
+)
 pytestmark = pytest.mark.skipif(
     OPS is None, reason="the small-row product needs the native library built for AVX512-BF16 and oneDNN"
 )
@@ -36,9 +40,8 @@ def test_native_loop_rounds_float32_sums_once(shape: tuple[int, int], rows: int,
     weight = randn(out_features, in_features, seed=1)
     bias = randn(out_features, seed=2) if with_bias else None
     x = randn(rows, in_features, seed=3)
-    flat = F.pad(x, (0, in_features % 2))
-    got = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    OPS.bf16_rows_matmul(flat.contiguous(), small_rows.pack_rows(weight), bias, got)
+    got = OPS.bf16_rows_matmul(x, small_rows.pack_rows(weight), bias, out_features)
+    assert got.shape == (rows, out_features)
     # float64 sums of the exact float32 products: the float32 sums may differ from them by their own
     # rounding only, far below one bfloat16 step; the result is one of the two bfloat16 values around it.
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
@@ -51,11 +54,14 @@ def test_native_loop_rounds_float32_sums_once(shape: tuple[int, int], rows: int,
 def test_native_loop_refuses_what_it_cannot_read() -> None:
     weight = randn(20, 8, seed=0)
     pack = small_rows.pack_rows(weight)
-    out = torch.empty(2, 20, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="columns"):
-        OPS.bf16_rows_matmul(randn(2, 6, seed=1), pack, None, out)
+        OPS.bf16_rows_matmul(randn(2, 6, seed=1), pack, None, 20)
     with pytest.raises(RuntimeError, match="contiguous bfloat16"):
-        OPS.bf16_rows_matmul(randn(2, 8, seed=1).float(), pack, None, out)
+        OPS.bf16_rows_matmul(randn(2, 8, seed=1).float(), pack, None, 20)
+    with pytest.raises(RuntimeError, match="outputs"):
+        OPS.bf16_rows_matmul(randn(2, 8, seed=1), pack, None, 40)
+    three = OPS.bf16_rows_matmul(randn(2, 3, 8, seed=1), pack, None, 20)  # any leading dimensions
+    assert three.shape == (2, 3, 20)
 
 
 def test_row_rule() -> None:
@@ -65,22 +71,16 @@ def test_row_rule() -> None:
 
 
 def count_native(monkeypatch) -> list[int]:
+    """The row counts of the native product's calls from now on."""
     calls: list[int] = []
-    real = small_rows.rows_module
+    ops = small_rows.rows_module()
 
     class Counting:
-        def __init__(self, ops) -> None:
-            self.ops = ops
+        def bf16_rows_matmul(self, x, packed, bias, out_features) -> torch.Tensor:
+            calls.append(x.numel() // x.shape[-1])
+            return ops.bf16_rows_matmul(x, packed, bias, out_features)
 
-        def bf16_rows_matmul(self, x, packed, bias, out) -> None:
-            calls.append(x.shape[0])
-            self.ops.bf16_rows_matmul(x, packed, bias, out)
-
-    def counting():
-        ops = real()
-        return None if ops is None else Counting(ops)
-
-    monkeypatch.setattr(small_rows, "rows_module", counting)
+    monkeypatch.setattr(small_rows, "_found", [Counting()])
     return calls
 
 
@@ -99,10 +99,12 @@ def test_a_packed_product_routes_by_rows_and_switch(monkeypatch) -> None:
         pack = PACKS._packs[handle]
         assert pack is not None and pack.rows_pack is not None
         assert PACKS.packed_bytes([handle]) == pack.nbytes > 2 * weight.numel()  # both copies counted
-        monkeypatch.setenv(small_rows.ENV_SWITCH, "0")
+        monkeypatch.setenv(small_rows.ENV_SWITCH, "0")  # read when a pack first serves a product
+        PACKS.invalidate(handle)
         packed_linear_eager(randn(1, 1, 576, seed=9), weight, bias, handle)
         assert calls == [1, 2]
         monkeypatch.delenv(small_rows.ENV_SWITCH)
+        PACKS.invalidate(handle)
         with torch.no_grad():
             weight.mul_(-1)  # a new pack, and a new row pack with it
         flipped = packed_linear_eager(randn(1, 1, 576, seed=1), weight, None, handle)

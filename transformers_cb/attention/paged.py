@@ -33,6 +33,7 @@ from .mixed_paged import Attend, mixed_paged_attention
 from .native.kernel import native_paged_attention, write_pages
 
 METADATA_KWARG = "cb_attention_metadata"
+NATIVE_STEPS_MARK = "runs_native_steps"
 # The `[H]` ALiBi slopes of a layer, passed by the classic families' adapters (attention/families/classic.py).
 ALIBI_KWARG = "alibi_slopes"
 # Its form when not the relative float32 one (`AlibiForm`: Falcon's), passed beside the slopes.
@@ -206,7 +207,11 @@ def make_paged_forward(
             query, key, value, layer_idx, metadata, scale, attend, softcap, sinks, slopes, alibi_form
         )
 
-    return make_forward(run, fallback, name, plain_fallback)
+    forward = make_forward(run, fallback, name, plain_fallback)
+    # An all-native step runs `native_layer_attention` whatever `attend` is: a decoder layer that calls it
+    # itself (runner/layer_ops/direct_layer.py) looks for this mark on the model's attention function.
+    forward.__dict__[NATIVE_STEPS_MARK] = True
+    return forward
 
 
 def make_forward(

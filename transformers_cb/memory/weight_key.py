@@ -9,14 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class WeightKey:
+class WeightKey(NamedTuple):
     """What a pack (or an engine's prefix cache) was computed from: any in-place write (version), new
-    storage, dtype or layout changes it."""
+    storage, dtype or layout changes it. A named tuple: made and compared for every packed product of a
+    step (a frozen dataclass costs several times more to make)."""
 
     version: int
     data_ptr: int

@@ -1,6 +1,6 @@
 """C++ source of the native small-row bfloat16 product (built into the same library as the paged-attention kernel).
 
-`bf16_rows_matmul(x [R, K], packed [NB, KP, 16, 2], bias [N] or None, out [R, N])`: `out = x @ W.T + bias`
+`bf16_rows_matmul(x [..., K], packed [NB, KP, 16, 2], bias [N] or None, N)`: a new `x @ W.T + bias`
 for a bfloat16 weight `W [N, K]` held as `pack_rows(W)` (runner/products/small_rows.py): 16 output columns
 a block, K in pairs, each pair of a column's two weights side by side, which is the operand `vdpbf16ps`
 multiplies with a broadcast pair of `x`. Each column's sum runs in float32 (the products of two bfloat16
@@ -64,26 +64,30 @@ constexpr int64_t kRowsGrainProducts = 1 << 16;
 
 }  // namespace
 
-// out [R, N] = x [R, K] @ W.T (+ bias [N]), W held as packed [NB, KP, 16, 2] (K = 2 * KP, zero padded),
-// all bfloat16 and contiguous.
-void bf16_rows_matmul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                      at::Tensor& out) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "x: contiguous bfloat16 [R, K]");
+// x [..., K] @ W.T (+ bias [N]) as a new [..., N] tensor, W held as packed [NB, KP, 16, 2] (2 * KP = K, or K + 1
+// with a zero column: x is then padded here), all bfloat16, x and the pack contiguous.
+at::Tensor bf16_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                            int64_t N) {
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1 && x_in.is_contiguous(),
+              "x: contiguous bfloat16 [..., K]");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.is_contiguous(),
               "packed: contiguous bfloat16 [NB, KP, 16, 2]");
-  const int64_t R = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
-  TORCH_CHECK(K == 2 * KP, "x has ", K, " columns, the pack ", 2 * KP);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.size(0) == R && out.is_contiguous(),
-              "out: contiguous bfloat16 [R, N]");
-  const int64_t N = out.size(1);
-  TORCH_CHECK(N <= NB * 16 && N > (NB - 1) * 16, "out has ", N, " columns, the pack ", NB * 16);
+  const int64_t K_in = x_in.size(-1), NB = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK(K_in == 2 * KP || K_in + 1 == 2 * KP, "x has ", K_in, " columns, the pack ", 2 * KP);
+  TORCH_CHECK(N <= NB * 16 && N > (NB - 1) * 16, N, " outputs asked of a pack of ", NB * 16);
+  const int64_t R = K_in == 0 ? 0 : x_in.numel() / K_in;
+  at::Tensor x = x_in.reshape({R, K_in});
+  if (K_in != 2 * KP) x = at::constant_pad_nd(x, {0, 1});
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x_in.options());
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
                 "bias: contiguous bfloat16 [N]");
   }
-  if (R == 0 || N == 0) return;
+  if (R == 0 || N == 0) return out;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<at::BFloat16>());
   const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
@@ -120,6 +124,7 @@ void bf16_rows_matmul(const at::Tensor& x, const at::Tensor& packed, const c10::
       }
     }
   });
+  return out;
 }
 #endif
 """

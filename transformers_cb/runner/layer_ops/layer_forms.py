@@ -65,6 +65,7 @@ class References:
     gemma_norm_inner: Forward
     llama_mlp: Forward
     llama_layer: Forward
+    llama_attention: Forward
     llama_rotary: Forward
     llama_rotate_half: Forward
 
@@ -84,6 +85,7 @@ def references() -> References:
                 gemma_norm_inner=modeling_gemma.GemmaRMSNorm._norm,
                 llama_mlp=modeling_llama.LlamaMLP.forward,
                 llama_layer=modeling_llama.LlamaDecoderLayer.forward,
+                llama_attention=modeling_llama.LlamaAttention.forward,
                 llama_rotary=modeling_llama.apply_rotary_pos_emb,
                 llama_rotate_half=modeling_llama.rotate_half,
             )

@@ -45,6 +45,7 @@ from torch import nn
 from ...attention.native.kernel import native_module
 from ...patches import in_force, patched
 from ...patches import restore_all as restore_kind
+from .direct_layer import LayerParts, direct_step, layer_parts
 from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees
 from .layer_forms import (
     LAYER_DTYPES,
@@ -64,6 +65,7 @@ from .layer_forms import (
 )
 
 ENV_SWITCH = "TRANSFORMERS_CB_NATIVE_LAYERS"
+DIRECT_SWITCH = "TRANSFORMERS_CB_DIRECT_LAYERS"
 # -- the replaced forwards --------------------------------------------------------------
 
 
@@ -112,6 +114,8 @@ def _layer_forward(layer: nn.Module, ops: ModuleType) -> Forward:
     )
     gemma = norm_form(norm) == "gemma"
     eps = norm_eps(norm)
+    # The layer's parts for `direct_step`, decided at the first call (every patch of the run is in force by then).
+    parts: list[LayerParts | None] = []
 
     def forward(
         hidden_states: torch.Tensor,
@@ -132,6 +136,12 @@ def _layer_forward(layer: nn.Module, ops: ModuleType) -> Forward:
                 position_embeddings=position_embeddings,
                 **kwargs,
             )
+        if not parts:
+            parts.append(layer_parts(layer, KIND) if enabled_direct() else None)
+        if parts[0] is not None:
+            out = direct_step(parts[0], ops, hidden_states, position_embeddings, kwargs)
+            if out is not None:
+                return out
         residual = hidden_states
         hidden_states = input_norm(hidden_states)
         hidden_states, _ = attention(
@@ -210,6 +220,11 @@ def restore_native_layers() -> None:
 
 def enabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def enabled_direct() -> bool:
+    """Whether recognised layers take `direct_step` (`TRANSFORMERS_CB_DIRECT_LAYERS=0`: their modules' forwards)."""
+    return os.environ.get(DIRECT_SWITCH, "1") != "0"
 
 
 def _name(cls: type) -> str:

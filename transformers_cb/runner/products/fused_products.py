@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import nn
@@ -69,9 +70,10 @@ class FusedGroup:
         return self.in_features * sum(self.out_features)
 
     def pack(self) -> Pack:
-        return PACKS.current_fused(
-            self.handle, tuple(m.weight for m in self.members), tuple(m.bias for m in self.members)
-        )
+        # `_parameters` is what `m.weight` reads (members are plain Linears), without `nn.Module.__getattr__`
+        params = [m._parameters for m in self.members]
+        weights = tuple(cast(torch.Tensor, p["weight"]) for p in params)
+        return PACKS.current_fused(self.handle, weights, tuple(p["bias"] for p in params))
 
     def take(self, index: int, input: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s product of `input`: its columns of the fused product (computed now, or by the

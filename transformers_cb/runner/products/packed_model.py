@@ -86,8 +86,32 @@ def _group_handle_of(first: nn.Linear) -> int:
     return _handle_in(_group_handles, first)
 
 
+@dataclass(frozen=True)
+class PackedProduct:
+    """What a packed Linear's instance forward computes with, for a caller that runs the product itself
+    (runner/layer_ops/direct_layer.py): its pack handle, the row count from which it runs packed, and its
+    fused group (None: a single product) with its index there."""
+
+    handle: int
+    min_rows: int
+    group: FusedGroup | None = None
+    index: int = 0
+
+
+def packed_product_of(module: nn.Module) -> PackedProduct | None:
+    """The `PackedProduct` of `module`'s instance forward, if that forward is a packed one."""
+    forward = module.__dict__.get("forward")
+    product = getattr(forward, "packed_product", None)
+    return product if isinstance(product, PackedProduct) else None
+
+
 def _packed_forward(
-    module: nn.Linear, handle: int, min_rows: int, eager: Callable[[torch.Tensor], torch.Tensor] | None = None
+    module: nn.Linear,
+    handle: int,
+    min_rows: int,
+    eager: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    group: FusedGroup | None = None,
+    index: int = 0,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The instance forward of a packed Linear: `eager(input)` (default: its own packed product) in an eager
     forward from `min_rows` rows; below them MKL's plain product, the faster one there (`PackRule`); the
@@ -107,6 +131,7 @@ def _packed_forward(
             return eager(input)
         return packed_linear_eager(input, weight, bias, handle)
 
+    forward.__dict__["packed_product"] = PackedProduct(handle, min_rows, group, index)
     return forward
 
 
@@ -123,7 +148,7 @@ def _fused_forward(
             return packed_linear_eager(input, module.weight, module.bias, handle)
         return output
 
-    return _packed_forward(module, handle, min_rows, eager)
+    return _packed_forward(module, handle, min_rows, eager, group, index)
 
 
 @dataclass

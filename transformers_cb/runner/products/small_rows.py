@@ -15,7 +15,7 @@ oneDNN's bf16 product rounds (float32 sums, the bias added in float32, one round
 float32 sums run in another order, as the packed products' already do against `F.linear`'s, so bf16 outputs
 are judged tie-aware as before. float32 keeps oneDNN's product.
 
-`TRANSFORMERS_CB_SMALL_ROW_PRODUCTS=0` turns it off; without the native library or a CPU with AVX512-BF16
+`TRANSFORMERS_CB_SMALL_ROW_PRODUCTS=0` turns it off (read when a pack first serves a product); without the native library or a CPU with AVX512-BF16
 (the function is not built) oneDNN's product runs.
 """
 
@@ -23,17 +23,24 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ...attention.native.kernel import native_module
 
-if TYPE_CHECKING:
-    from .packed_linear import Pack
-
 ENV_SWITCH = "TRANSFORMERS_CB_SMALL_ROW_PRODUCTS"
+
+
+class RowPacked(Protocol):
+    """What the small-row product reads and keeps on a pack (`packed_linear.Pack`)."""
+
+    packed: torch.Tensor
+    rows_pack: torch.Tensor | None
+    row_limit: int | None
+
+
 # Outputs above which a weight keeps oneDNN's product at every row count (LM heads).
 MAX_COLUMNS = 16384
 # Elements up to which a weight takes the native product up to `TINY_ROWS` rows.
@@ -59,11 +66,20 @@ def enabled_by_env() -> bool:
 
 
 def rows_module() -> ModuleType | None:
-    """The native library if it has the small-row product (built for AVX512-BF16) and the switch is on."""
+    """The native library if it has the small-row product (built for AVX512-BF16) and the switch is on
+    (kept once found: it is looked up for every small product)."""
     if not enabled_by_env():
         return None
+    if _found:
+        return _found[0]
     ops = native_module()
-    return ops if ops is not None and hasattr(ops, "bf16_rows_matmul") else None
+    if ops is None or not hasattr(ops, "bf16_rows_matmul"):
+        return None
+    _found.append(ops)
+    return ops
+
+
+_found: list[ModuleType] = []
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -75,28 +91,26 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def rows_product(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor | None:
+def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) -> torch.Tensor | None:
     """`x @ W.T + bias` for a bfloat16 `x` of few rows through the native loop, or None where oneDNN's product
     runs instead (more rows than the weight's limit, no native product, another dtype)."""
-    if x.dtype != torch.bfloat16 or x.dim() == 0:
-        return None
-    if pack.row_limit is None:
+    limit = pack.row_limit
+    if limit is None:  # decided once per pack: the switch is read when a pack first serves a product
         out_features, in_features = pack.packed.shape
-        pack.row_limit = row_limit(out_features, in_features) if pack.packed.dtype == torch.bfloat16 else 0
+        bf16 = pack.packed.dtype == torch.bfloat16 and rows_module() is not None
+        limit = pack.row_limit = row_limit(out_features, in_features) if bf16 else 0
+    if limit == 0 or x.dtype != torch.bfloat16 or x.dim() == 0:
+        return None
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
-    if rows == 0 or rows > pack.row_limit:
-        return None
-    ops = rows_module()
-    if ops is None:
+    ops = _found[0] if _found else None
+    if rows == 0 or rows > limit or ops is None:
         return None
     if pack.rows_pack is None:
         pack.rows_pack = pack_rows(pack.packed.to_dense())
-    rows_pack = pack.rows_pack
-    flat = x.reshape(rows, in_features)
-    if in_features % 2:
-        flat = F.pad(flat, (0, 1))
-    out_features = pack.packed.shape[0]
-    out = torch.empty(rows, out_features, dtype=x.dtype)
-    ops.bf16_rows_matmul(flat.contiguous(), rows_pack, bias, out)
-    return out.view(*x.shape[:-1], out_features)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    out: torch.Tensor = ops.bf16_rows_matmul(
+        x if x.is_contiguous() else x.contiguous(), pack.rows_pack, bias, pack.packed.shape[0]
+    )
+    return out

@@ -1,0 +1,116 @@
+"""The direct decoder-layer step (runner/layer_ops/direct_layer.py): taken on the layers it recognises, the same
+logits bit for bit as the modules' own forwards at every step (float32 and bfloat16, products packed or
+plain, decodes and chunked prefills, sharp attention so that a wrong position or rotary changes tokens),
+greedy float32 tokens equal to `generate()`, and left for the modules' forwards where a hook, another
+attention form or the switch says so."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.support.models import sharpen_attention, tiny_llama, tiny_qwen2
+from tests.support.prompts import prompts_of_lengths
+from tests.support.reference import greedy_reference
+from transformers_cb import ContinuousBatchingConfig
+from transformers_cb.attention.native.kernel import ensure_native_module
+from transformers_cb.runner import model_runner
+from transformers_cb.runner.layer_ops import native_layers
+from transformers_cb.runner.products.packed_linear import RULE_ENV
+
+pytestmark = pytest.mark.skipif(
+    ensure_native_module() is None, reason="the native library cannot be built here"
+)
+
+PROMPTS = prompts_of_lengths([5, 40, 23, 9], seed=11)
+MAX_NEW = 10
+
+
+def run(
+    model, monkeypatch, direct: bool, config: ContinuousBatchingConfig | None = None
+) -> tuple[list[list[int]], list[torch.Tensor], int]:
+    """(tokens, every step's logits, how many layer calls took the direct step) of one greedy run."""
+    logits: list[torch.Tensor] = []
+    taken = [0]
+    real_call, real_direct = model_runner.call_model, native_layers.direct_step
+
+    def recording_call(*args, **kwargs) -> torch.Tensor:
+        out = real_call(*args, **kwargs)
+        logits.append(out.clone())
+        return out
+
+    def counting_direct(*args):
+        if not direct:
+            return None
+        out = real_direct(*args)
+        taken[0] += out is not None
+        return out
+
+    monkeypatch.setattr(model_runner, "call_model", recording_call)
+    monkeypatch.setattr(native_layers, "direct_step", counting_direct)
+    try:
+        outputs = model.generate_batch(
+            PROMPTS,
+            max_new_tokens=MAX_NEW,
+            continuous_batching_config=config or ContinuousBatchingConfig(page_size=16, max_batch_tokens=32),
+            progress_bar=False,
+        )
+    finally:
+        monkeypatch.setattr(model_runner, "call_model", real_call)
+        monkeypatch.setattr(native_layers, "direct_step", real_direct)
+    return [outputs[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))], logits, taken[0]
+
+
+def assert_same_steps(model, monkeypatch, **kwargs) -> int:
+    tokens, logits, taken = run(model, monkeypatch, True, **kwargs)
+    tokens_off, logits_off, taken_off = run(model, monkeypatch, False, **kwargs)
+    assert taken_off == 0
+    assert tokens == tokens_off
+    assert len(logits) == len(logits_off)
+    for step, (a, b) in enumerate(zip(logits, logits_off, strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
+    return taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("packed", ["all", "off"])
+def test_direct_steps_give_the_modules_logits_bit_for_bit(
+    monkeypatch, dtype: torch.dtype, packed: str
+) -> None:
+    monkeypatch.setenv(RULE_ENV, "all" if packed == "all" else "0")
+    model = sharpen_attention(tiny_llama(seed=3)).to(dtype)
+    taken = assert_same_steps(model, monkeypatch)
+    assert taken > 0, "no layer took the direct step"
+
+
+def test_float32_direct_run_equals_generate(monkeypatch) -> None:
+    model = sharpen_attention(tiny_llama(seed=5))
+    tokens, _, taken = run(model, monkeypatch, True)
+    assert taken > 0
+    for prompt, got in zip(PROMPTS, tokens, strict=True):
+        assert got == greedy_reference(model, prompt, MAX_NEW)
+
+
+def test_hooks_and_other_forms_keep_the_modules_forwards(monkeypatch) -> None:
+    model = tiny_llama(seed=1)
+    seen: list[int] = []
+    handle = model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *_: seen.append(1))
+    _, _, taken = run(model, monkeypatch, True)
+    handle.remove()
+    assert seen, "the hook did not run"
+    assert taken > 0  # layer 0 has no hook: still direct; layer 1 ran its modules (the hook fired)
+    # Qwen2's attention passes its sliding window: not Llama's forward, never direct.
+    _, _, taken = run(tiny_qwen2(seed=1), monkeypatch, True)
+    assert taken == 0
+
+
+def test_switch_off(monkeypatch) -> None:
+    model = tiny_llama(seed=2)
+    monkeypatch.setenv(native_layers.DIRECT_SWITCH, "0")
+    parts: list[Callable] = []
+    real = native_layers.layer_parts
+    monkeypatch.setattr(native_layers, "layer_parts", lambda *a: parts.append(real) or real(*a))
+    _, _, taken = run(model, monkeypatch, True)
+    assert taken == 0 and not parts

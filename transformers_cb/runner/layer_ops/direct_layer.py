@@ -1,0 +1,316 @@
+"""A Llama-form decoder layer's step in one function: the same ops as its modules' forwards, without the
+calls between them.
+
+A decode step's layer on a small model is mostly Python: each of its ~13 module calls, the attention
+interface's keyword handling, the fused product's hand-over between siblings and the checks each replaced
+forward repeats cost more than the norms and rotary they wrap (SmolLM2's 1-row bf16 step: ~0.6 ms a layer
+of the ~1 ms). `direct_step` computes the layer as its forwards would, in order and with the same calls
+(the native norm, rotary, SiLU·mul and attention ops; the packed or plain product each projection's
+forward would pick for this row count), once the layer and this call are known to take exactly those
+paths; otherwise it returns None and the modules' own forwards run. So outputs are the same bits either
+way: only calls are saved.
+
+It applies to a layer whose forward, attention, MLP and both norms are replaced by the native layer ops
+(runner/layer_ops/native_layers.py: their forms recognised by code, Llama's attention among them), whose
+modeling file's rotary is the native one, whose projections are plain `nn.Linear`s (packed or not) with
+no hooks anywhere on the way (nor global ones), on an all-native step (attention/paged.py) of a paged
+backend whose layer has no window, ALiBi, latent or repeated K/V, outside autograd and compile.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules import module as nn_module
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ...attention import paged
+from ...attention.families.temperature import tunes_temperature
+from ...attention.metadata import AttentionMetadata
+from ...attention.paged import METADATA_KWARG, NATIVE_STEPS_MARK, current_step_metadata
+from ...patches import in_force
+from ..products.packed_linear import PACKS, product
+from ..products.packed_model import PackedProduct, packed_product_of
+from .layer_forms import child, norm_eps, norm_form, references, same_function, weight_of
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """The modules of one recognised layer (read once: a module replaced later, a PEFT wrapper say, is
+    seen by the per-call checks on the projections, which are read at each call)."""
+
+    attention: nn.Module
+    mlp: nn.Module
+    input_norm: nn.Module
+    post_norm: nn.Module
+    act_fn: nn.Module
+    modeling_file: ModuleType
+    input_eps: float
+    post_eps: float
+    input_gemma: bool
+    post_gemma: bool
+    head_dim: int
+    layer_idx: int
+    scaling: float
+
+
+def layer_parts(layer: nn.Module, kind: str) -> LayerParts | None:
+    """`layer`'s parts if the layer, its attention, MLP, both norms and its modeling file's rotary all run the
+    native layer ops of patch kind `kind` (decided once the run's patches are in force)."""
+    attention, mlp = child(layer, "self_attn"), child(layer, "mlp")
+    input_norm, post_norm = child(layer, "input_layernorm"), child(layer, "post_attention_layernorm")
+    file = sys.modules.get(type(attention).__module__)
+    head_dim, layer_idx = getattr(attention, "head_dim", None), getattr(attention, "layer_idx", None)
+    scaling = getattr(attention, "scaling", None)
+    if (
+        file is None
+        or not isinstance(scaling, float)
+        or not isinstance(head_dim, int)
+        or not isinstance(layer_idx, int)
+        or not same_function(type(attention).forward, references().llama_attention)
+        or "forward" in attention.__dict__
+        or not all(in_force(kind, m, "forward") for m in (mlp, input_norm, post_norm))
+        or not in_force(kind, file, "apply_rotary_pos_emb")
+    ):
+        return None
+    input_form, post_form = norm_form_of_patched(input_norm), norm_form_of_patched(post_norm)
+    if input_form is None or post_form is None:
+        return None
+    return LayerParts(
+        attention=attention,
+        mlp=mlp,
+        input_norm=input_norm,
+        post_norm=post_norm,
+        act_fn=child(mlp, "act_fn"),
+        modeling_file=file,
+        input_eps=norm_eps(input_norm),
+        post_eps=norm_eps(post_norm),
+        input_gemma=input_form == "gemma",
+        post_gemma=post_form == "gemma",
+        head_dim=head_dim,
+        layer_idx=layer_idx,
+        scaling=scaling,
+    )
+
+
+def norm_form_of_patched(module: nn.Module) -> str | None:
+    """`norm_form` of a norm whose instance forward is the run's patch (the form reads the class)."""
+    patch = module.__dict__.pop("forward")
+    try:
+        return norm_form(module)
+    finally:
+        module.__dict__["forward"] = patch
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or getattr(module, "_hf_hook", None) is not None
+    )
+
+
+def _global_hooks() -> bool:
+    return bool(
+        nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    )
+
+
+# A projection as this call will run it: (module, its packed product or None for a plain Linear).
+Projection = tuple[nn.Linear, PackedProduct | None]
+
+
+def _projections(owner: nn.Module, names: Sequence[str], dtype: torch.dtype) -> list[Projection] | None:
+    """`owner`'s projections if each is a plain `nn.Linear` of `dtype` with no hooks, whose forward is the
+    class's or the run's packed one."""
+    found: list[Projection] = []
+    for name in names:
+        module = owner._modules.get(name)
+        if type(module) is not nn.Linear or _hooked(module):
+            return None
+        weight = module._parameters["weight"]
+        if weight is None or weight.dtype != dtype:
+            return None
+        packed = packed_product_of(module)
+        if packed is None and "forward" in module.__dict__:
+            return None
+        found.append((module, packed))
+    return found
+
+
+def _single(projection: Projection, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """What the projection's forward computes on `x`: `packed_model._packed_forward`'s choice, or F.linear."""
+    module, packed = projection
+    params = module._parameters  # what `module.weight` reads, without `nn.Module.__getattr__`
+    weight, bias = cast(torch.Tensor, params["weight"]), params["bias"]  # `_projections` saw the weight
+    if packed is None or rows < packed.min_rows or weight.is_inference():
+        return F.linear(x, weight, bias)
+    return product(x, PACKS.current(packed.handle, weight), bias)
+
+
+def _products(projections: list[Projection], x: torch.Tensor, rows: int) -> Sequence[torch.Tensor]:
+    """The projections of one input: their fused group's product split, when they are that whole group in
+    order and it runs packed at this row count (what the first member's forward computes, handing the
+    others their columns), else each its own product."""
+    first = projections[0][1]
+    group = None if first is None else first.group
+    if (
+        group is not None
+        and first is not None
+        and not group.unfused
+        and rows >= first.min_rows
+        and len(group.members) == len(projections)
+        and all(m is p[0] for m, p in zip(group.members, projections, strict=True))
+    ):
+        pack = group.pack()
+        return product(x, pack, pack.bias).split(group.out_features, dim=-1)
+    return [_single(p, x, rows) for p in projections]
+
+
+def _step_metadata(kwargs: dict[str, Any]) -> AttentionMetadata | None:
+    """The step's metadata when it is the layer's only keyword (anything else goes to the attention
+    function, which the direct step does not call)."""
+    if len(kwargs) != 1 or METADATA_KWARG not in kwargs:
+        return None
+    metadata = kwargs[METADATA_KWARG]
+    if metadata is None:
+        metadata = current_step_metadata()
+    return metadata if isinstance(metadata, AttentionMetadata) else None
+
+
+def direct_step(
+    parts: LayerParts,
+    ops: ModuleType,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor | None:
+    """The layer's output on `hidden_states` `[1, T, hidden]` (its residual stream), or None where any part
+    of this call would leave the native paths (the caller then runs the modules' forwards)."""
+    attention, mlp = parts.attention, parts.mlp
+    metadata = _step_metadata(kwargs)
+    if (
+        metadata is None
+        or not metadata.all_native
+        or position_embeddings is None
+        or hidden_states.dim() != 3
+        or hidden_states.shape[0] != 1
+        or not hidden_states.is_contiguous()
+        or attention.training
+        or tunes_temperature(attention)
+        or _global_hooks()
+        or _hooked(attention)
+        or _hooked(mlp)
+        or _hooked(parts.input_norm)
+        or _hooked(parts.post_norm)
+        or _hooked(parts.act_fn)
+    ):
+        return None
+    layer_idx = parts.layer_idx
+    cache = metadata.cache
+    group_metadata = metadata.group_of(layer_idx)
+    spec = metadata.kv_group_of(layer_idx)
+    interface = nn_module_interface(attention)
+    if (
+        group_metadata.sliding_window is not None
+        or group_metadata.latent is not None
+        or spec.kv_repeat != 1
+        or cache.key_dim(cache.layer_group[layer_idx]) is not None
+        or not getattr(interface, NATIVE_STEPS_MARK, False)
+        or metadata.token_row is None
+        or metadata.token_pos is None
+    ):
+        return None
+    dtype = hidden_states.dtype
+    attention_projections = _projections(attention, PROJECTIONS, dtype)
+    mlp_projections = _projections(mlp, MLP_PROJECTIONS, dtype)
+    input_weight, post_weight = weight_of(parts.input_norm), weight_of(parts.post_norm)
+    cos, sin = position_embeddings
+    tokens, head_dim = hidden_states.shape[1], parts.head_dim
+    if (
+        attention_projections is None
+        or mlp_projections is None
+        or mlp_projections[0][0].out_features != mlp_projections[1][0].out_features
+        or input_weight.dtype != dtype
+        or post_weight.dtype != dtype
+        or not input_weight.is_contiguous()
+        or not post_weight.is_contiguous()
+        or cos.dim() != 3
+        or cos.shape != sin.shape
+        or cos.shape[0] != 1
+        or cos.shape[1:] != (tokens, head_dim)
+        or cos.dtype != dtype
+        or sin.dtype != dtype
+        or cos.stride(-1) != 1
+        or sin.stride(-1) != 1
+    ):
+        return None
+    rows = tokens
+
+    # LlamaDecoderLayer: norm, attention, add + norm, MLP, add (native_layers._layer_forward's native path)
+    normed = torch.empty(hidden_states.shape, dtype=dtype)
+    ops.rms_norm(hidden_states, input_weight, parts.input_eps, parts.input_gemma, normed)
+
+    # LlamaAttention.forward with the native rotary and the all-native step's attention
+    q, k, v = _products(attention_projections[:3], normed, rows)
+    shape = (1, tokens, -1, head_dim)
+    q, k, v = q.view(shape), k.view(shape), v.view(shape)
+    q_rot = torch.empty(q.shape, dtype=dtype)  # [1, T, H, D]: rotary's output layout (native_layers._rotary)
+    k_rot = torch.empty(k.shape, dtype=dtype)
+    ops.rotary(q.transpose(1, 2), cos, sin, q_rot.transpose(1, 2))
+    ops.rotary(k.transpose(1, 2), cos, sin, k_rot.transpose(1, 2))
+    storage, layer = cache.storage_of(layer_idx)
+    attended = paged.native_layer_attention(  # read at each call, as the paged glue's own call is
+        q_rot[0],
+        k_rot[0],
+        v[0],
+        storage,
+        layer,
+        group_metadata.slot_mapping,
+        metadata.token_row,
+        metadata.token_pos,
+        group_metadata.block_table,
+        cache.page_size,
+        parts.scaling,
+        group_metadata.kernel_window,
+        0.0,
+        None,
+        None,
+        cache.scales_of(layer_idx),
+    )
+    (attn_output,) = _products(attention_projections[3:], attended.view(1, tokens, -1), rows)
+
+    summed = torch.empty(hidden_states.shape, dtype=dtype)
+    normed = torch.empty(hidden_states.shape, dtype=dtype)
+    ops.add_rms_norm(
+        hidden_states, attn_output, post_weight, parts.post_eps, parts.post_gemma, summed, normed
+    )
+
+    # LlamaMLP.forward with the native SiLU·mul (native_layers._mlp_forward)
+    gate, up = _products(mlp_projections[:2], normed, rows)
+    activated = torch.empty(gate.shape, dtype=dtype)
+    ops.silu_mul(gate, up, activated)
+    (down,) = _products(mlp_projections[2:], activated, rows)
+    return summed + down
+
+
+def nn_module_interface(attention: nn.Module) -> object:
+    """The attention function the module's forward would look up for its config's implementation."""
+    config = getattr(attention, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    return ALL_ATTENTION_FUNCTIONS.get(implementation) if isinstance(implementation, str) else None
