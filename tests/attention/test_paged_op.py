@@ -118,6 +118,8 @@ def test_the_eager_glue_does_not_dispatch_the_op(monkeypatch: pytest.MonkeyPatch
         return original(*args, **kwargs)
 
     monkeypatch.setattr(paged, "native_layer_attention", counted)
+    # the glue's own path: a Llama layer would otherwise run its whole step natively (direct_layer.py)
+    monkeypatch.setenv("TRANSFORMERS_CB_DIRECT_LAYERS", "0")
     model = tiny_llama()
     model.generate_batch([[5, 6, 7, 8]], max_new_tokens=3, progress_bar=False)
     assert calls and set(calls) == {"function"}

@@ -20,6 +20,7 @@ into float (`kv_row`) elsewhere. The query and the output keep the model's dtype
 """
 
 from .native_argmax_source import ARGMAX_BINDINGS, ARGMAX_SOURCE
+from .native_decoder_source import DECODER_BINDINGS, DECODER_SOURCE
 from .native_dispatch_source import DISPATCH_SOURCE
 from .native_int8_source import INT8_BINDINGS, INT8_SOURCE
 from .native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
@@ -317,7 +318,8 @@ using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
 # The library's one source: the attention kernel, its AVX-512 loops (native_vec_source.py) between the
 # portable kernels and the dispatch that picks one (native_dispatch_source.py), the decoder-layer ops (native_layer_source.py), the greedy
 # argmax (native_argmax_source.py), the quantized products (native_quant_source.py), torchao's int8
-# weight-only product (native_int8_source.py), the small-row bfloat16 product (native_rows_source.py), the bindings.
+# weight-only product (native_int8_source.py), the small-row bfloat16 product (native_rows_source.py), the decoder-layer step (native_decoder_source.py), the
+# bindings.
 SOURCE = (
     ATTENTION_SOURCE
     + VEC_SOURCE
@@ -328,6 +330,7 @@ SOURCE = (
     + QUANT_SOURCE
     + INT8_SOURCE
     + ROWS_SOURCE
+    + DECODER_SOURCE
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
@@ -338,5 +341,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     + QUANT_BINDINGS
     + INT8_BINDINGS
     + ROWS_BINDINGS
+    + DECODER_BINDINGS
     + "}\n"
 )

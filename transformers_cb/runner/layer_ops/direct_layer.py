@@ -26,18 +26,17 @@ from types import ModuleType
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as nn_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ...attention import paged
 from ...attention.families.temperature import tunes_temperature
 from ...attention.metadata import AttentionMetadata
 from ...attention.paged import METADATA_KWARG, NATIVE_STEPS_MARK, current_step_metadata
 from ...patches import in_force
-from ..products.packed_linear import PACKS, product
+from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
+from ..products.small_rows import row_pack_for
 from .layer_forms import child, norm_eps, norm_form, references, same_function, weight_of
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -153,20 +152,56 @@ def _projections(owner: nn.Module, names: Sequence[str], dtype: torch.dtype) -> 
     return found
 
 
-def _single(projection: Projection, x: torch.Tensor, rows: int) -> torch.Tensor:
-    """What the projection's forward computes on `x`: `packed_model._packed_forward`'s choice, or F.linear."""
+@dataclass
+class ProductSpecs:
+    """The products of one layer step as the native call takes them (attention/native/native_decoder_source.py):
+    per product its kind (0 `linear` on the weight, 1 oneDNN's on its pack, 2 the small-row product on its
+    row pack), that tensor, its bias and its width."""
+
+    kinds: list[int]
+    tensors: list[torch.Tensor]
+    biases: list[torch.Tensor | None]
+    outs: list[int]
+
+    def add(self, kind: int, tensor: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
+        self.kinds.append(kind)
+        self.tensors.append(tensor)
+        self.biases.append(bias)
+        self.outs.append(out_features)
+
+    def add_pack(self, pack: Pack, bias: torch.Tensor | None, dtype: torch.dtype, rows: int) -> None:
+        """oneDNN's product on `pack`, or the small-row product where `packed_linear.product` takes it."""
+        rows_pack = row_pack_for(pack, dtype, rows)
+        out_features = pack.packed.shape[0]
+        if rows_pack is None:
+            self.add(1, pack.packed, bias, out_features)
+        else:
+            self.add(
+                2,
+                rows_pack,
+                bias if bias is None or bias.is_contiguous() else bias.contiguous(),
+                out_features,
+            )
+
+
+def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype, rows: int) -> None:
+    """What the projection's forward computes: `packed_model._packed_forward`'s choice, or F.linear."""
     module, packed = projection
     params = module._parameters  # what `module.weight` reads, without `nn.Module.__getattr__`
     weight, bias = cast(torch.Tensor, params["weight"]), params["bias"]  # `_projections` saw the weight
     if packed is None or rows < packed.min_rows or weight.is_inference():
-        return F.linear(x, weight, bias)
-    return product(x, PACKS.current(packed.handle, weight), bias)
+        specs.add(0, weight, bias, module.out_features)
+    else:
+        specs.add_pack(PACKS.current(packed.handle, weight), bias, dtype, rows)
 
 
-def _products(projections: list[Projection], x: torch.Tensor, rows: int) -> Sequence[torch.Tensor]:
-    """The projections of one input: their fused group's product split, when they are that whole group in
-    order and it runs packed at this row count (what the first member's forward computes, handing the
-    others their columns), else each its own product."""
+def _add_products(
+    specs: ProductSpecs, projections: list[Projection], dtype: torch.dtype, rows: int
+) -> tuple[int, list[int]]:
+    """The products of projections that read one input: their fused group's product (to be split at the
+    returned widths), when they are that whole group in order and it runs packed at this row count (what
+    the first member's forward computes, handing the others their columns), else each its own. Returns
+    (how many products, the split)."""
     first = projections[0][1]
     group = None if first is None else first.group
     if (
@@ -178,8 +213,11 @@ def _products(projections: list[Projection], x: torch.Tensor, rows: int) -> Sequ
         and all(m is p[0] for m, p in zip(group.members, projections, strict=True))
     ):
         pack = group.pack()
-        return product(x, pack, pack.bias).split(group.out_features, dim=-1)
-    return [_single(p, x, rows) for p in projections]
+        specs.add_pack(pack, pack.bias, dtype, rows)
+        return 1, list(group.out_features)
+    for projection in projections:
+        _add_single(specs, projection, dtype, rows)
+    return len(projections), []
 
 
 def _step_metadata(kwargs: dict[str, Any]) -> AttentionMetadata | None:
@@ -260,25 +298,36 @@ def direct_step(
         or sin.stride(-1) != 1
     ):
         return None
-    rows = tokens
-
-    # LlamaDecoderLayer: norm, attention, add + norm, MLP, add (native_layers._layer_forward's native path)
-    normed = torch.empty(hidden_states.shape, dtype=dtype)
-    ops.rms_norm(hidden_states, input_weight, parts.input_eps, parts.input_gemma, normed)
-
-    # LlamaAttention.forward with the native rotary and the all-native step's attention
-    q, k, v = _products(attention_projections[:3], normed, rows)
-    shape = (1, tokens, -1, head_dim)
-    q, k, v = q.view(shape), k.view(shape), v.view(shape)
-    q_rot = torch.empty(q.shape, dtype=dtype)  # [1, T, H, D]: rotary's output layout (native_layers._rotary)
-    k_rot = torch.empty(k.shape, dtype=dtype)
-    ops.rotary(q.transpose(1, 2), cos, sin, q_rot.transpose(1, 2))
-    ops.rotary(k.transpose(1, 2), cos, sin, k_rot.transpose(1, 2))
     storage, layer = cache.storage_of(layer_idx)
-    attended = paged.native_layer_attention(  # read at each call, as the paged glue's own call is
-        q_rot[0],
-        k_rot[0],
-        v[0],
+    if cache.scales_of(layer_idx) is not None or storage.dtype != dtype:
+        return None  # an int8 cache (or pages of another dtype): the modules' path writes and reads them
+    rows = tokens
+    specs = ProductSpecs([], [], [], [])
+    qkv_count, qkv_split = _add_products(specs, attention_projections[:3], dtype, rows)
+    _add_products(specs, attention_projections[3:], dtype, rows)
+    gate_up_count, gate_up_split = _add_products(specs, mlp_projections[:2], dtype, rows)
+    _add_products(specs, mlp_projections[2:], dtype, rows)
+    # LlamaDecoderLayer's forward with native_layers' ops, LlamaAttention's with the native rotary and the
+    # all-native step's attention, LlamaMLP's with SiLU·mul: one call
+    out: torch.Tensor = ops.decoder_layer(
+        hidden_states,
+        input_weight,
+        parts.input_eps,
+        parts.input_gemma,
+        post_weight,
+        parts.post_eps,
+        parts.post_gemma,
+        specs.kinds,
+        specs.tensors,
+        specs.biases,
+        specs.outs,
+        qkv_count,
+        qkv_split,
+        gate_up_count,
+        gate_up_split,
+        cos,
+        sin,
+        parts.head_dim,
         storage,
         layer,
         group_metadata.slot_mapping,
@@ -288,25 +337,8 @@ def direct_step(
         cache.page_size,
         parts.scaling,
         group_metadata.kernel_window,
-        0.0,
-        None,
-        None,
-        cache.scales_of(layer_idx),
     )
-    (attn_output,) = _products(attention_projections[3:], attended.view(1, tokens, -1), rows)
-
-    summed = torch.empty(hidden_states.shape, dtype=dtype)
-    normed = torch.empty(hidden_states.shape, dtype=dtype)
-    ops.add_rms_norm(
-        hidden_states, attn_output, post_weight, parts.post_eps, parts.post_gemma, summed, normed
-    )
-
-    # LlamaMLP.forward with the native SiLU·mul (native_layers._mlp_forward)
-    gate, up = _products(mlp_projections[:2], normed, rows)
-    activated = torch.empty(gate.shape, dtype=dtype)
-    ops.silu_mul(gate, up, activated)
-    (down,) = _products(mlp_projections[2:], activated, rows)
-    return summed + down
+    return out
 
 
 def nn_module_interface(attention: nn.Module) -> object:

@@ -91,26 +91,31 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`x @ W.T + bias` for a bfloat16 `x` of few rows through the native loop, or None where oneDNN's product
-    runs instead (more rows than the weight's limit, no native product, another dtype)."""
+def row_pack_for(pack: RowPacked, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
+    """`pack`'s row pack (made on first use) if a product of `rows` rows of `dtype` runs natively, else None."""
     limit = pack.row_limit
     if limit is None:  # decided once per pack: the switch is read when a pack first serves a product
         out_features, in_features = pack.packed.shape
         bf16 = pack.packed.dtype == torch.bfloat16 and rows_module() is not None
         limit = pack.row_limit = row_limit(out_features, in_features) if bf16 else 0
-    if limit == 0 or x.dtype != torch.bfloat16 or x.dim() == 0:
-        return None
-    in_features = x.shape[-1]
-    rows = x.numel() // in_features if in_features else 0
-    ops = _found[0] if _found else None
-    if rows == 0 or rows > limit or ops is None:
+    if limit == 0 or dtype != torch.bfloat16 or rows == 0 or rows > limit or not _found:
         return None
     if pack.rows_pack is None:
         pack.rows_pack = pack_rows(pack.packed.to_dense())
+    return pack.rows_pack
+
+
+def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """`x @ W.T + bias` for a bfloat16 `x` of few rows through the native loop, or None where oneDNN's product
+    runs instead (more rows than the weight's limit, no native product, another dtype)."""
+    in_features = x.shape[-1] if x.dim() else 0
+    rows = x.numel() // in_features if in_features else 0
+    rows_pack = row_pack_for(pack, x.dtype, rows)
+    if rows_pack is None:
+        return None
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    out: torch.Tensor = ops.bf16_rows_matmul(
-        x if x.is_contiguous() else x.contiguous(), pack.rows_pack, bias, pack.packed.shape[0]
+    out: torch.Tensor = _found[0].bf16_rows_matmul(
+        x if x.is_contiguous() else x.contiguous(), rows_pack, bias, pack.packed.shape[0]
     )
     return out

@@ -1,0 +1,120 @@
+"""C++ source of the native decoder-layer step (built into the same library as the paged-attention kernel).
+
+`decoder_layer(...)`: one Llama-form decoder layer on a step whose every token the native kernel attends, as
+runner/layer_ops/direct_layer.py decided it: the input RMSNorm, the q/k/v products (one fused product split,
+or one each), rotary on q and k, the new K/V written at their slots, the paged attention, the output
+product, the residual add with the second RMSNorm, the gate/up products, SiLU·mul, the down product and the
+last residual add. Each step is the call the Python path makes (the library's own `rms_norm`, `rotary`,
+`add_rms_norm`, `silu_mul`, `paged_attention`, `bf16_rows_matmul`; torch's `linear`, `index_copy_`, `add`;
+oneDNN's `mkldnn::_linear_pointwise` through the dispatcher): the same bits, in one call instead of ~40
+from Python (a few microseconds each on these machines).
+
+A product is given as (kind, tensor, bias): kind 0 `linear(x, weight, bias)`, 1 oneDNN's product on its
+packed weight, 2 the small-row product on its row pack (native_rows_source.py; only where that is built).
+"""
+
+DECODER_SOURCE = r"""
+namespace {
+
+at::Tensor onednn_product(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                         c10::string_view, c10::List<c10::optional<at::Scalar>>,
+                                         c10::optional<c10::string_view>)>();
+  return op.call(x.contiguous(), packed, bias, "none", c10::List<c10::optional<at::Scalar>>(),
+                 c10::optional<c10::string_view>(""));
+}
+
+at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& tensor,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  if (kind == 0) return at::linear(x, tensor, bias);
+  if (kind == 1) return onednn_product(x, tensor, bias);
+#if defined(__AVX512BF16__)
+  return bf16_rows_matmul(x.is_contiguous() ? x : x.contiguous(), tensor,
+                          bias.has_value() && bias->defined() && !bias->is_contiguous()
+                              ? c10::optional<at::Tensor>(bias->contiguous())
+                              : bias,
+                          out_features);
+#else
+  TORCH_CHECK(false, "the small-row product is not built here");
+#endif
+}
+
+// Products [first, first + count) of the lists on x: one fused product split at `split`, or one each.
+std::vector<at::Tensor> layer_products(const at::Tensor& x, const std::vector<int64_t>& kinds,
+                                       const std::vector<at::Tensor>& tensors,
+                                       const std::vector<c10::optional<at::Tensor>>& biases,
+                                       const std::vector<int64_t>& outs, int64_t first, int64_t count,
+                                       const std::vector<int64_t>& split) {
+  if (count == 1 && split.size() > 1) {
+    return at::split_with_sizes(layer_product(kinds[first], x, tensors[first], biases[first], outs[first]), split, -1);
+  }
+  std::vector<at::Tensor> results;
+  for (int64_t i = first; i < first + count; ++i) results.push_back(layer_product(kinds[i], x, tensors[i], biases[i], outs[i]));
+  return results;
+}
+
+}  // namespace
+
+// hidden [1, T, E] contiguous; products in order q/k/v (`qkv_count` of them: 1 fused, split at `qkv_split`,
+// or 3), o, gate/up (`gate_up_count`: 1 fused split at `gate_up_split`, or 2), down; cos / sin [1, T, D];
+// storage the KV group's tensor [2, layers, pages, page_size, Hkv, D] and `layer` the layer's index in it.
+at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weight, double input_eps, bool input_gemma,
+                         const at::Tensor& post_weight, double post_eps, bool post_gemma,
+                         const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& tensors,
+                         const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& outs,
+                         int64_t qkv_count, const std::vector<int64_t>& qkv_split, int64_t gate_up_count,
+                         const std::vector<int64_t>& gate_up_split, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
+                         const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
+                         int64_t page_size, double scale, int64_t window) {
+  const int64_t count = qkv_count + 1 + gate_up_count + 1;
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
+                  static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count,
+              "one kind, tensor, bias and width per product");
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.is_contiguous(), "hidden: contiguous [1, T, E]");
+  const int64_t tokens = hidden.size(1);
+  at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
+  rms_norm(hidden, input_weight, input_eps, input_gemma, normed);
+
+  const auto qkv = layer_products(normed, kinds, tensors, biases, outs, 0, qkv_count, qkv_split);
+  TORCH_CHECK(qkv.size() == 3, "q, k and v");
+  const at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
+  const at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
+  const at::Tensor v = qkv[2].view({1, tokens, -1, head_dim});
+  at::Tensor q_rot = at::empty(q.sizes(), hidden.options());
+  at::Tensor k_rot = at::empty(k.sizes(), hidden.options());
+  at::Tensor q_rot_t = q_rot.transpose(1, 2), k_rot_t = k_rot.transpose(1, 2);
+  rotary(q.transpose(1, 2), cos, sin, q_rot_t);
+  rotary(k.transpose(1, 2), cos, sin, k_rot_t);
+
+  const int64_t kv_heads = storage.size(-2), dim = storage.size(-1);
+  at::Tensor key_cache = storage.select(0, 0).select(0, layer).view({-1, kv_heads, dim});
+  at::Tensor value_cache = storage.select(0, storage.size(0) - 1).select(0, layer).view({-1, kv_heads, dim});
+  key_cache.index_copy_(0, slot_mapping, k_rot[0]);
+  value_cache.index_copy_(0, slot_mapping, v[0]);
+  const at::Tensor query = q_rot[0];
+  at::Tensor attended = at::empty(query.sizes(), hidden.options());
+  paged_attention(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window, 0.0,
+                  c10::nullopt, c10::nullopt, attended, c10::nullopt, c10::nullopt);
+  const int64_t o = qkv_count;
+  const at::Tensor attn_output =
+      layer_product(kinds[o], attended.view({1, tokens, -1}), tensors[o], biases[o], outs[o]);
+
+  at::Tensor summed = at::empty(hidden.sizes(), hidden.options());
+  at::Tensor post = at::empty(hidden.sizes(), hidden.options());
+  add_rms_norm(hidden, attn_output, post_weight, post_eps, post_gemma, summed, post);
+
+  const auto gate_up = layer_products(post, kinds, tensors, biases, outs, o + 1, gate_up_count, gate_up_split);
+  TORCH_CHECK(gate_up.size() == 2 && gate_up[0].sizes() == gate_up[1].sizes(), "gate and up of one shape");
+  at::Tensor activated = at::empty(gate_up[0].sizes(), hidden.options());
+  silu_mul(gate_up[0], gate_up[1], activated);
+  const int64_t d = count - 1;
+  return summed + layer_product(kinds[d], activated, tensors[d], biases[d], outs[d]);
+}
+"""
+
+DECODER_BINDINGS = r"""
+  m.def("decoder_layer", &decoder_layer, "one Llama-form decoder layer step on the native paths, in one call");
+"""
