@@ -30,6 +30,13 @@ pytestmark = pytest.mark.skipif(
 MAX_NEW_TOKENS = 8
 
 
+@pytest.fixture(autouse=True)
+def through_the_paged_glue(monkeypatch: pytest.MonkeyPatch) -> None:
+    # These tests count the glue's calls of the kernel: a Llama layer's direct step
+    # (runner/layer_ops/direct_layer.py, tests/runner/test_direct_layer.py) would call it from native code.
+    monkeypatch.setenv("TRANSFORMERS_CB_DIRECT_LAYERS", "0")
+
+
 @contextmanager
 def counting_calls():
     """Count the native kernel's calls and SDPA's (what the paged glue's per-group calls end in)."""
