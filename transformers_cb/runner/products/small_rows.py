@@ -1,12 +1,14 @@
 """Small-row bfloat16 products: a few rows through the native library instead of oneDNN's call.
 
-A decode step with one or two requests multiplies one or two rows by every weight. oneDNN's packed call
-costs 20-40 us whatever the product's size on these CPUs, and its AMX kernels compute 16-row tiles however
-few rows there are: SmolLM2's 3072 x 576 gate/up product takes 121 us for one row, the native loop
-(`bf16_rows_matmul`, attention/native/native_rows_source.py) 54 us, a 960 x 576 q/k/v product 39.5 against
-16.3 us. From a few rows on AMX wins, so each product picks by its row count (`row_limit`): up to 2 rows,
-up to 8 for a weight of at most 2^17 elements (where oneDNN's fixed cost dominates), none for an LM head
-(over 16384 outputs: as fast either way at one row, and its second pack would be the largest).
+A decode step with a few requests multiplies a few rows by every weight. oneDNN's packed call costs 20-40 us
+whatever the product's size on these CPUs, its AMX kernels compute 16-row tiles however few rows there
+are, and it streams a weight that is not in cache at 10-15 GB/s here: over 30 different 3072 x 576 weights
+(SmolLM2's gate/up, cold), one row takes 275 us a product there against 172 us in the native loop
+(`bf16_rows_matmul`, attention/native/native_rows_source.py), 4 rows 268 against 230; a 576 x 576 product 35
+against 16 us (1 row), 36 against 21 (4 rows). The loop is bound by `vdpbf16ps` (32 products a cycle), so
+from 6-8 rows on AMX wins and each product picks by its row count (`row_limit`): up to 4 rows, up to 8 for
+a weight of at most 2^17 elements (where oneDNN's fixed cost dominates), none for an LM head (over 16384
+outputs: its second pack would be the largest).
 
 The native loop reads the weight in its own layout (`pack_rows`: 16 columns a block, K in pairs), made
 once per pack from oneDNN's own pack (`to_dense`) the first time a pack serves a small-row product, and
@@ -46,7 +48,7 @@ MAX_COLUMNS = 16384
 # Elements up to which a weight takes the native product up to `TINY_ROWS` rows.
 TINY_WEIGHT = 1 << 17
 TINY_ROWS = 8
-ROWS = 2
+ROWS = 4
 
 
 def row_limit(out_features: int, in_features: int) -> int:
