@@ -58,7 +58,55 @@ void rows_tile_of(int rows, const uint32_t* x, int64_t x_pairs, const __m512i* w
   }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+// The process asks Linux for the AMX tile state once (oneDNN asks too; asking twice is harmless).
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Rows [0, R) (R <= 16) of x (K = 32 * chunks bfloat16 a row) times 2 (or 1) column blocks of the row pack:
+// float32 sums in `sums` [R][blocks][16]. Tiles: 0/1 the blocks' sums, 2 the rows' 32 columns, 3/4 the
+// blocks' 16 pairs.
+inline void amx_rows_tile(const uint16_t* x, int64_t K, const char* w0, const char* w1, int64_t chunks, int R,
+                          int blocks, float* sums) {
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = static_cast<uint8_t>(R);
+  cfg.colsb[0] = cfg.colsb[1] = cfg.colsb[2] = 64;
+  cfg.rows[3] = cfg.rows[4] = 16;
+  cfg.colsb[3] = cfg.colsb[4] = 64;
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t c = 0; c < chunks; ++c) {
+    _tile_loadd(2, x + c * 32, K * 2);
+    _tile_loadd(3, w0 + c * 1024, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if (blocks == 2) {
+      _tile_loadd(4, w1 + c * 1024, 64);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+  }
+  _tile_stored(0, sums, blocks * 64);
+  if (blocks == 2) _tile_stored(1, sums + 16, blocks * 64);
+  _tile_release();
+}
+#endif
+
 constexpr int kRowTile = 8;
+// Rows from which the AMX tiles run (where the CPU and the kernel allow): the vector loop is bound by
+// `vdpbf16ps` beyond a few rows.
+constexpr int64_t kAmxFromRows = 3;
 // Column-block pairs a thread takes at least: ~64k products (a smaller product stays on one thread).
 constexpr int64_t kRowsGrainProducts = 1 << 16;
 
@@ -94,13 +142,26 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, co
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_pairs = (NB + 1) / 2;
   const int64_t grain = std::max<int64_t>(1, kRowsGrainProducts / std::max<int64_t>(KP * 64 * R, 1));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const bool amx = R >= kAmxFromRows && KP % 16 == 0 && amx_permitted();
+#else
+  const bool amx = false;
+#endif
   at::parallel_for(0, block_pairs, grain, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[kRowTile * 2 * 16];
+    alignas(64) float sums[16 * 2 * 16];
     for (int64_t bpair = b0; bpair < b1; ++bpair) {
       const int64_t nb = bpair * 2;
       const int blocks = nb + 1 < NB ? 2 : 1;
-      for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowTile, R - r0));
+      const int64_t tile_rows = amx ? 16 : kRowTile;
+      for (int64_t r0 = 0; r0 < R; r0 += tile_rows) {
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, R - r0));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) {
+          const char* w = reinterpret_cast<const char*>(wp + nb * KP);
+          amx_rows_tile(reinterpret_cast<const uint16_t*>(xp + r0 * KP), 2 * KP, w, w + KP * 64, KP / 16, rows, blocks,
+                        sums);
+        } else
+#endif
         if (blocks == 2) {
           rows_tile_of<2>(rows, xp + r0 * KP, KP, wp + nb * KP, KP, KP, sums);
         } else {
@@ -126,11 +187,20 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, co
   });
   return out;
 }
+
+bool bf16_rows_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
 #endif
 """
 
 ROWS_BINDINGS = r"""
 #if defined(__AVX512BF16__)
   m.def("bf16_rows_matmul", &bf16_rows_matmul, "out = x @ W.T + bias for a few bfloat16 rows, W in its row pack");
+  m.def("bf16_rows_amx", &bf16_rows_amx, "whether the small-row product runs AMX tiles (K a multiple of 32)");
 #endif
 """

@@ -1,14 +1,23 @@
 """Small-row bfloat16 products: a few rows through the native library instead of oneDNN's call.
 
 A decode step with a few requests multiplies a few rows by every weight. oneDNN's packed call costs 20-40 us
-whatever the product's size on these CPUs, its AMX kernels compute 16-row tiles however few rows there
-are, and it streams a weight that is not in cache at 10-15 GB/s here: over 30 different 3072 x 576 weights
-(SmolLM2's gate/up, cold), one row takes 275 us a product there against 172 us in the native loop
-(`bf16_rows_matmul`, attention/native/native_rows_source.py), 4 rows 268 against 230; a 576 x 576 product 35
-against 16 us (1 row), 36 against 21 (4 rows). The loop is bound by `vdpbf16ps` (32 products a cycle), so
-from 6-8 rows on AMX wins and each product picks by its row count (`row_limit`): up to 4 rows, up to 8 for
-a weight of at most 2^17 elements (where oneDNN's fixed cost dominates), none for an LM head (over 16384
-outputs: its second pack would be the largest).
+whatever the product's size on these CPUs, and it streams a weight that is not in cache at 10-15 GB/s
+here. Over 30 different weights (cold, as a step reads them), SmolLM2's shapes, 2 threads:
+
+| rows | 3072 x 576 oneDNN / native | 960 x 576 | 576 x 1536 | 576 x 576 |
+|---|---|---|---|---|
+| 1 | 122 / 112 us | 49 / 28 | 59 / 41 | 52 / 18 |
+| 4 | 163 / 89 | 47 / 29 | 65 / 40 | 38 / 18 |
+| 16 | 127 / 97 | 51 / 31 | 65 / 42 | 42 / 20 |
+| 32 | 187 / 156 | 55 / 50 | 76 / 65 | 42 / 26 |
+
+(`bf16_rows_matmul`, attention/native/native_rows_source.py, with AMX tiles: the same tile products as
+oneDNN's, so the same bits in every case measured.) One or two rows run a `vdpbf16ps` loop instead (a
+little faster there: 87-173 against 115-239 us for 3072 x 576, alternated runs); without AMX (Zen 4) that
+loop (32 products a cycle) serves every row count, and wins up to 4-6 rows only. So each product picks by its row count (`row_limit`): up to
+32 rows with AMX (a width that is a multiple of 32), else up to 4, up to 8 for a weight of at most 2^17
+elements (where oneDNN's fixed cost dominates); none for an LM head (over 16384 outputs: its second pack
+would be the largest).
 
 The native loop reads the weight in its own layout (`pack_rows`: 16 columns a block, K in pairs), made
 once per pack from oneDNN's own pack (`to_dense`) the first time a pack serves a small-row product, and
@@ -49,12 +58,17 @@ MAX_COLUMNS = 16384
 TINY_WEIGHT = 1 << 17
 TINY_ROWS = 8
 ROWS = 4
+# With AMX tiles (16 rows x 32 columns a tile): as far as measured faster than oneDNN's call.
+AMX_ROWS = 32
 
 
-def row_limit(out_features: int, in_features: int) -> int:
-    """The most rows a product of this weight runs natively (0: never)."""
+def row_limit(out_features: int, in_features: int, amx: bool = False) -> int:
+    """The most rows a product of this weight runs natively (0: never); `amx`: the library runs AMX tiles
+    here (`bf16_rows_amx()`), which it does for a width that is a multiple of 32."""
     if out_features > MAX_COLUMNS:
         return 0
+    if amx and in_features % 32 == 0:
+        return AMX_ROWS
     return TINY_ROWS if out_features * in_features <= TINY_WEIGHT else ROWS
 
 
@@ -98,8 +112,10 @@ def row_pack_for(pack: RowPacked, dtype: torch.dtype, rows: int) -> torch.Tensor
     limit = pack.row_limit
     if limit is None:  # decided once per pack: the switch is read when a pack first serves a product
         out_features, in_features = pack.packed.shape
-        bf16 = pack.packed.dtype == torch.bfloat16 and rows_module() is not None
-        limit = pack.row_limit = row_limit(out_features, in_features) if bf16 else 0
+        ops = rows_module() if pack.packed.dtype == torch.bfloat16 else None
+        limit = pack.row_limit = (
+            0 if ops is None else row_limit(out_features, in_features, ops.bf16_rows_amx())
+        )
     if limit == 0 or dtype != torch.bfloat16 or rows == 0 or rows > limit or not _found:
         return None
     if pack.rows_pack is None:
