@@ -53,7 +53,6 @@ class LayerParts:
     input_norm: nn.Module
     post_norm: nn.Module
     act_fn: nn.Module
-    modeling_file: ModuleType
     input_eps: float
     post_eps: float
     input_gemma: bool
@@ -82,7 +81,9 @@ def layer_parts(layer: nn.Module, kind: str) -> LayerParts | None:
         or not in_force(kind, file, "apply_rotary_pos_emb")
     ):
         return None
-    input_form, post_form = norm_form_of_patched(input_norm), norm_form_of_patched(post_norm)
+    # Their instance forwards are the run's patches: the forms read the classes.
+    input_form = norm_form(input_norm, patched=True)
+    post_form = norm_form(post_norm, patched=True)
     if input_form is None or post_form is None:
         return None
     return LayerParts(
@@ -91,7 +92,6 @@ def layer_parts(layer: nn.Module, kind: str) -> LayerParts | None:
         input_norm=input_norm,
         post_norm=post_norm,
         act_fn=child(mlp, "act_fn"),
-        modeling_file=file,
         input_eps=norm_eps(input_norm),
         post_eps=norm_eps(post_norm),
         input_gemma=input_form == "gemma",
@@ -100,15 +100,6 @@ def layer_parts(layer: nn.Module, kind: str) -> LayerParts | None:
         layer_idx=layer_idx,
         scaling=scaling,
     )
-
-
-def norm_form_of_patched(module: nn.Module) -> str | None:
-    """`norm_form` of a norm whose instance forward is the run's patch (the form reads the class)."""
-    patch = module.__dict__.pop("forward")
-    try:
-        return norm_form(module)
-    finally:
-        module.__dict__["forward"] = patch
 
 
 def _hooked(module: nn.Module) -> bool:

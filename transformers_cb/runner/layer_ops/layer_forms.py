@@ -96,11 +96,16 @@ def references() -> References:
 # -- which form a module has ------------------------------------------------------------
 
 
-def norm_form(module: nn.Module) -> str | None:
-    """ "llama" or "gemma" for an RMSNorm the native op computes exactly as its forward does, else None."""
+def norm_form(module: nn.Module, patched: bool = False) -> str | None:
+    """ "llama" or "gemma" for an RMSNorm the native op computes exactly as its forward does, else None.
+    `patched`: the module's instance forward (if any) is the run's native one, not another."""
     cls = type(module)
     weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or "forward" in module.__dict__:
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 1
+        or ("forward" in module.__dict__ and not patched)
+    ):
         return None
     ref = references()
     if same_function(cls.forward, ref.llama_norm) and isinstance(
