@@ -6,6 +6,7 @@ attention form or the switch says so."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -17,7 +18,7 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner import model_runner
-from transformers_cb.runner.layer_ops import native_layers
+from transformers_cb.runner.layer_ops import direct_layer, native_layers
 from transformers_cb.runner.products.packed_linear import RULE_ENV
 
 pytestmark = pytest.mark.skipif(
@@ -114,3 +115,23 @@ def test_switch_off(monkeypatch) -> None:
     monkeypatch.setattr(native_layers, "layer_parts", lambda *a: parts.append(real) or real(*a))
     _, _, taken = run(model, monkeypatch, True)
     assert taken == 0 and not parts
+
+
+def test_a_failing_native_call_falls_back_once(monkeypatch, caplog) -> None:
+    model = tiny_llama(seed=4)
+    want, _, taken = run(model, monkeypatch, True)
+    assert taken > 0
+    ops = ensure_native_module()
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise RuntimeError("a oneDNN op of another signature")
+
+    monkeypatch.setattr(direct_layer, "_failed", [])
+    monkeypatch.setattr(ops, "decoder_layer", failing)
+    with caplog.at_level(logging.WARNING, logger=direct_layer.__name__):
+        got, _, taken = run(model, monkeypatch, True)
+    assert got == want and taken == 0
+    assert len(calls) == 1  # tried once, then the modules' forwards for the rest of the process
+    assert sum("decoder-layer step failed" in r.getMessage() for r in caplog.records) == 1

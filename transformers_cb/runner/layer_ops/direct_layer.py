@@ -19,6 +19,7 @@ backend whose layer has no window, ALiBi, latent or repeated K/V, outside autogr
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,7 +40,23 @@ from ..products.packed_model import PackedProduct, packed_product_of
 from ..products.small_rows import row_pack_for
 from .layer_forms import child, norm_eps, norm_form, references, same_function, weight_of
 
+logger = logging.getLogger(__name__)
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Set by the first native call that raised: the modules' forwards run from then on in this process.
+_failed: list[str] = []
+
+
+def _fail(error: RuntimeError) -> None:
+    if not _failed:
+        _failed.append(f"{type(error).__name__}: {error}")
+        logger.warning(
+            "transformers_cb: the native decoder-layer step failed (%s); layers run their modules' forwards "
+            "from now on",
+            _failed[0],
+        )
+
+
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -234,7 +251,8 @@ def direct_step(
     attention, mlp = parts.attention, parts.mlp
     metadata = _step_metadata(kwargs)
     if (
-        metadata is None
+        _failed
+        or metadata is None
         or not metadata.all_native
         or position_embeddings is None
         or hidden_states.dim() != 3
@@ -300,35 +318,41 @@ def direct_step(
     _add_products(specs, mlp_projections[2:], dtype, rows)
     # LlamaDecoderLayer's forward with native_layers' ops, LlamaAttention's with the native rotary and the
     # all-native step's attention, LlamaMLP's with SiLU·mul: one call
-    out: torch.Tensor = ops.decoder_layer(
-        hidden_states,
-        input_weight,
-        parts.input_eps,
-        parts.input_gemma,
-        post_weight,
-        parts.post_eps,
-        parts.post_gemma,
-        specs.kinds,
-        specs.tensors,
-        specs.biases,
-        specs.outs,
-        qkv_count,
-        qkv_split,
-        gate_up_count,
-        gate_up_split,
-        cos,
-        sin,
-        parts.head_dim,
-        storage,
-        layer,
-        group_metadata.slot_mapping,
-        metadata.token_row,
-        metadata.token_pos,
-        group_metadata.block_table,
-        cache.page_size,
-        parts.scaling,
-        group_metadata.kernel_window,
-    )
+    try:
+        out: torch.Tensor = ops.decoder_layer(
+            hidden_states,
+            input_weight,
+            parts.input_eps,
+            parts.input_gemma,
+            post_weight,
+            parts.post_eps,
+            parts.post_gemma,
+            specs.kinds,
+            specs.tensors,
+            specs.biases,
+            specs.outs,
+            qkv_count,
+            qkv_split,
+            gate_up_count,
+            gate_up_split,
+            cos,
+            sin,
+            parts.head_dim,
+            storage,
+            layer,
+            group_metadata.slot_mapping,
+            metadata.token_row,
+            metadata.token_pos,
+            group_metadata.block_table,
+            cache.page_size,
+            parts.scaling,
+            group_metadata.kernel_window,
+        )
+    except RuntimeError as error:
+        # An optional part that fails (a torch whose oneDNN op has another signature, say) falls back, once:
+        # nothing is lost (a K/V row written before the failure is written again with the same values).
+        _fail(error)
+        return None
     return out
 
 
