@@ -38,7 +38,7 @@ from ...patches import in_force
 from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
 from ..products.small_rows import row_pack_for
-from .layer_forms import child, norm_eps, norm_form, references, same_function, weight_of
+from .layer_forms import child, norm_eps, norm_form, plain_tensor, references, same_function, weight_of
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,10 @@ def _hooked(module: nn.Module) -> bool:
     )
 
 
+def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return plain_tensor(tensor) and tensor.device.type == "cpu" and tensor.dtype == dtype
+
+
 def _global_hooks() -> bool:
     return bool(
         nn_module._global_forward_hooks
@@ -150,8 +154,9 @@ def _projections(owner: nn.Module, names: Sequence[str], dtype: torch.dtype) -> 
         module = owner._modules.get(name)
         if type(module) is not nn.Linear or _hooked(module):
             return None
-        weight = module._parameters["weight"]
-        if weight is None or weight.dtype != dtype:
+        weight, bias = module._parameters["weight"], module._parameters["bias"]
+        # plain CPU tensors only: a DTensor or another subclass keeps its own dispatch (the modules' path)
+        if weight is None or not _plain(weight, dtype) or (bias is not None and not _plain(bias, dtype)):
             return None
         packed = packed_product_of(module)
         if packed is None and "forward" in module.__dict__:
@@ -293,6 +298,10 @@ def direct_step(
         attention_projections is None
         or mlp_projections is None
         or mlp_projections[0][0].out_features != mlp_projections[1][0].out_features
+        or not _plain(input_weight, dtype)
+        or not _plain(post_weight, dtype)
+        or not _plain(cos, dtype)
+        or not _plain(sin, dtype)
         or input_weight.dtype != dtype
         or post_weight.dtype != dtype
         or not input_weight.is_contiguous()
