@@ -1,20 +1,22 @@
-"""A Llama-form decoder layer's step in one function: the same ops as its modules' forwards, without the
+"""A Llama-form decoder layer's step as one native call: the same ops as its modules' forwards, without the
 calls between them.
 
-A decode step's layer on a small model is mostly Python: each of its ~13 module calls, the attention
-interface's keyword handling, the fused product's hand-over between siblings and the checks each replaced
-forward repeats cost more than the norms and rotary they wrap (SmolLM2's 1-row bf16 step: ~0.6 ms a layer
-of the ~1 ms). `direct_step` computes the layer as its forwards would, in order and with the same calls
-(the native norm, rotary, SiLU·mul and attention ops; the packed or plain product each projection's
-forward would pick for this row count), once the layer and this call are known to take exactly those
-paths; otherwise it returns None and the modules' own forwards run. So outputs are the same bits either
-way: only calls are saved.
+A decode step's layer on a small model is mostly calls: its ~13 module calls, the attention interface's
+keyword handling, the fused product's hand-over between siblings, the checks each replaced forward repeats
+and ~40 small torch calls at 2-5 us each here (a 30-layer width-192 model: 15-20 ms a step). `direct_step`
+decides in Python what each part of the layer's forwards would do for this call (each projection's product
+as its forward would pick it: `ProductSpecs`) and runs the whole layer in `decoder_layer`
+(attention/native/native_decoder_source.py), which makes the same calls in the same order from C++. So
+outputs are the same bits either way (tests/runner/test_direct_layer.py): only calls are saved. Where any
+part would take another path it returns None and the modules' own forwards run; a native call that raises
+falls back once, with a warning.
 
 It applies to a layer whose forward, attention, MLP and both norms are replaced by the native layer ops
 (runner/layer_ops/native_layers.py: their forms recognised by code, Llama's attention among them), whose
-modeling file's rotary is the native one, whose projections are plain `nn.Linear`s (packed or not) with
-no hooks anywhere on the way (nor global ones), on an all-native step (attention/paged.py) of a paged
-backend whose layer has no window, ALiBi, latent or repeated K/V, outside autograd and compile.
+modeling file's rotary is the native one, whose projections are plain `nn.Linear`s (packed or not) of plain
+CPU tensors with no hooks anywhere on the way (nor global ones), on an all-native step (attention/paged.py)
+of a paged backend whose layer has no window, ALiBi, latent, repeated K/V or int8 cache, outside autograd
+and compile. `TRANSFORMERS_CB_DIRECT_LAYERS=0` turns it off.
 """
 
 from __future__ import annotations
