@@ -57,7 +57,7 @@ def test_native_loop_refuses_what_it_cannot_read() -> None:
     pack = small_rows.pack_rows(weight)
     with pytest.raises(RuntimeError, match="columns"):
         OPS.bf16_rows_matmul(randn(2, 6, seed=1), pack, None, 20)
-    with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+    with pytest.raises(RuntimeError, match="x: bfloat16"):
         OPS.bf16_rows_matmul(randn(2, 8, seed=1).float(), pack, None, 20)
     with pytest.raises(RuntimeError, match="outputs"):
         OPS.bf16_rows_matmul(randn(2, 8, seed=1), pack, None, 40)
@@ -150,3 +150,11 @@ def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:
         tokens = outputs[f"req_{i}"].generated_tokens
         mismatch = compare_tokens(model, f"req_{i}", prompt, greedy_reference(model, prompt, 8), tokens)
         assert mismatch is None or mismatch.is_near_tie, mismatch.describe()
+
+
+def test_native_loop_takes_strided_rows_and_bias() -> None:
+    weight, wide = randn(40, 64, seed=1), randn(3, 128, seed=2)
+    bias = randn(80, seed=3)[::2]  # a strided bias, as a column slice of another tensor would be
+    pack = small_rows.pack_rows(weight)
+    strided = OPS.bf16_rows_matmul(wide[:, ::2], pack, bias, 40)
+    assert torch.equal(strided, OPS.bf16_rows_matmul(wide[:, ::2].contiguous(), pack, bias.contiguous(), 40))

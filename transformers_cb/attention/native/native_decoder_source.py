@@ -31,11 +31,7 @@ at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& te
   if (kind == 0) return at::linear(x, tensor, bias);
   if (kind == 1) return onednn_product(x, tensor, bias);
 #if defined(__AVX512BF16__)
-  return bf16_rows_matmul(x.is_contiguous() ? x : x.contiguous(), tensor,
-                          bias.has_value() && bias->defined() && !bias->is_contiguous()
-                              ? c10::optional<at::Tensor>(bias->contiguous())
-                              : bias,
-                          out_features);
+  return bf16_rows_matmul(x, tensor, bias, out_features);
 #else
   TORCH_CHECK(false, "the small-row product is not built here");
 #endif

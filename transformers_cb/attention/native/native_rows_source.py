@@ -113,11 +113,10 @@ constexpr int64_t kRowsGrainProducts = 1 << 16;
 }  // namespace
 
 // x [..., K] @ W.T (+ bias [N]) as a new [..., N] tensor, W held as packed [NB, KP, 16, 2] (2 * KP = K, or K + 1
-// with a zero column: x is then padded here), all bfloat16, x and the pack contiguous.
+// with a zero column: x is then padded here), all bfloat16, the pack contiguous (x and bias made so here).
 at::Tensor bf16_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                             int64_t N) {
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1 && x_in.is_contiguous(),
-              "x: contiguous bfloat16 [..., K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1, "x: bfloat16 [..., K]");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.is_contiguous(),
               "packed: contiguous bfloat16 [NB, KP, 16, 2]");
@@ -125,20 +124,21 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, co
   TORCH_CHECK(K_in == 2 * KP || K_in + 1 == 2 * KP, "x has ", K_in, " columns, the pack ", 2 * KP);
   TORCH_CHECK(N <= NB * 16 && N > (NB - 1) * 16, N, " outputs asked of a pack of ", NB * 16);
   const int64_t R = K_in == 0 ? 0 : x_in.numel() / K_in;
-  at::Tensor x = x_in.reshape({R, K_in});
+  at::Tensor x = x_in.reshape({R, K_in}).contiguous();
   if (K_in != 2 * KP) x = at::constant_pad_nd(x, {0, 1});
   std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
   out_shape.back() = N;
   at::Tensor out = at::empty(out_shape, x_in.options());
   const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor b;
   if (has_bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N && bias->is_contiguous(),
-                "bias: contiguous bfloat16 [N]");
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N, "bias: bfloat16 [N]");
+    b = bias->contiguous();
   }
   if (R == 0 || N == 0) return out;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<at::BFloat16>());
-  const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>()) : nullptr;
+  const uint16_t* bp = has_bias ? reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>()) : nullptr;
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_pairs = (NB + 1) / 2;
   const int64_t grain = std::max<int64_t>(1, kRowsGrainProducts / std::max<int64_t>(KP * 64 * R, 1));

@@ -40,7 +40,16 @@ from ...patches import in_force
 from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
 from ..products.small_rows import row_pack_for
-from .layer_forms import child, norm_eps, norm_form, plain_tensor, references, same_function, weight_of
+from .layer_forms import (
+    child,
+    has_hooks,
+    norm_eps,
+    norm_form,
+    plain_tensor,
+    references,
+    same_function,
+    weight_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -122,13 +131,8 @@ def layer_parts(layer: nn.Module, kind: str) -> LayerParts | None:
 
 
 def _hooked(module: nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or getattr(module, "_hf_hook", None) is not None
-    )
+    """Hooks that `nn.Module.__call__` would run (the direct step skips it)."""
+    return has_hooks(module) or bool(module._backward_hooks or module._backward_pre_hooks)
 
 
 def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -188,15 +192,9 @@ class ProductSpecs:
         """oneDNN's product on `pack`, or the small-row product where `packed_linear.product` takes it."""
         rows_pack = row_pack_for(pack, dtype, rows)
         out_features = pack.packed.shape[0]
-        if rows_pack is None:
-            self.add(1, pack.packed, bias, out_features)
-        else:
-            self.add(
-                2,
-                rows_pack,
-                bias if bias is None or bias.is_contiguous() else bias.contiguous(),
-                out_features,
-            )
+        self.add(
+            1 if rows_pack is None else 2, pack.packed if rows_pack is None else rows_pack, bias, out_features
+        )
 
 
 def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype, rows: int) -> None:

@@ -131,9 +131,5 @@ def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) ->
     rows_pack = row_pack_for(pack, x.dtype, rows)
     if rows_pack is None:
         return None
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
-    out: torch.Tensor = _found[0].bf16_rows_matmul(
-        x if x.is_contiguous() else x.contiguous(), rows_pack, bias, pack.packed.shape[0]
-    )
+    out: torch.Tensor = _found[0].bf16_rows_matmul(x, rows_pack, bias, pack.packed.shape[0])
     return out
