@@ -2,7 +2,8 @@
 logits bit for bit as the modules' own forwards at every step (float32 and bfloat16, products packed or
 plain, decodes and chunked prefills, sharp attention so that a wrong position or rotary changes tokens),
 greedy float32 tokens equal to `generate()`, and left for the modules' forwards where a hook, another
-attention form or the switch says so."""
+attention form or the switch says so. A GGUF model kept quantized takes it too (its `QuantizedLinear`s' native
+product on decode rows), with the same bits."""
 
 from __future__ import annotations
 
@@ -30,7 +31,11 @@ MAX_NEW = 10
 
 
 def run(
-    model, monkeypatch, direct: bool, config: ContinuousBatchingConfig | None = None
+    model,
+    monkeypatch,
+    direct: bool,
+    config: ContinuousBatchingConfig | None = None,
+    prompts: list[list[int]] = PROMPTS,
 ) -> tuple[list[list[int]], list[torch.Tensor], int]:
     """(tokens, every step's logits, how many layer calls took the direct step) of one greedy run."""
     logits: list[torch.Tensor] = []
@@ -53,7 +58,7 @@ def run(
     monkeypatch.setattr(native_layers, "direct_step", counting_direct)
     try:
         outputs = model.generate_batch(
-            PROMPTS,
+            prompts,
             max_new_tokens=MAX_NEW,
             continuous_batching_config=config or ContinuousBatchingConfig(page_size=16, max_batch_tokens=32),
             progress_bar=False,
@@ -61,7 +66,7 @@ def run(
     finally:
         monkeypatch.setattr(model_runner, "call_model", real_call)
         monkeypatch.setattr(native_layers, "direct_step", real_direct)
-    return [outputs[f"req_{i}"].generated_tokens for i in range(len(PROMPTS))], logits, taken[0]
+    return [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))], logits, taken[0]
 
 
 def assert_same_steps(model, monkeypatch, **kwargs) -> int:
@@ -84,6 +89,31 @@ def test_direct_steps_give_the_modules_logits_bit_for_bit(
     model = sharpen_attention(tiny_llama(seed=3)).to(dtype)
     taken = assert_same_steps(model, monkeypatch)
     assert taken > 0, "no layer took the direct step"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_quantized_layers_take_the_direct_step_bit_for_bit(
+    monkeypatch, tmp_path, dtype: torch.dtype, qtype: str
+) -> None:
+    gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF file")
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.tiny_gguf import write_tiny_gguf
+    from transformers_cb.models.gguf_weights import keep_gguf_quantized
+    from transformers_cb.runner.products.quantized_linear import QuantizedLinear
+
+    quant = int(getattr(gguf.GGMLQuantizationType, qtype))
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=3, quant=quant, qk_scale=6.0)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=dtype, attn_implementation="paged|sdpa"
+    ).eval()
+    keep_gguf_quantized(model)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    vocab = model.config.vocab_size
+    prompts = [[token % vocab for token in prompt] for prompt in PROMPTS]
+    taken = assert_same_steps(model, monkeypatch, prompts=prompts)
+    assert taken > 0, "no quantized layer took the direct step"
 
 
 def test_float32_direct_run_equals_generate(monkeypatch) -> None:

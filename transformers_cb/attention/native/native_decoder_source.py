@@ -9,8 +9,10 @@ last residual add. Each step is the call the Python path makes (the library's ow
 oneDNN's `mkldnn::_linear_pointwise` through the dispatcher): the same bits, in one call instead of ~40
 from Python (a few microseconds each on these machines).
 
-A product is given as (kind, tensor, bias): kind 0 `linear(x, weight, bias)`, 1 oneDNN's product on its
-packed weight, 2 the small-row product on its row pack (native_rows_source.py; only where that is built).
+A product is given as (kind, tensor, bias, width, GGUF type): kind 0 `linear(x, weight, bias)`, 1 oneDNN's
+product on its packed weight, 2 the small-row product on its row pack (native_rows_source.py; only where that
+is built), 3 `QuantizedLinear`'s forward on rows its native product takes (`quant_matmul` over the blocks,
+native_quant_source.py, then the bias added in the output's dtype).
 """
 
 DECODER_SOURCE = r"""
@@ -26,10 +28,21 @@ at::Tensor onednn_product(const at::Tensor& x, const at::Tensor& packed, const c
                  c10::optional<c10::string_view>(""));
 }
 
+// QuantizedLinear.forward (runner/products/quantized_linear.py) where its product is `quant_matmul`.
+at::Tensor quantized_layer_product(const at::Tensor& x, const at::Tensor& blocks, const c10::optional<at::Tensor>& bias,
+                                   int64_t out_features, int64_t qtype) {
+  at::Tensor out = quant_matmul(x.reshape({-1, x.size(-1)}), blocks, qtype);
+  if (bias.has_value()) out = out + bias->to(out.scalar_type());
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = out_features;
+  return out.reshape(sizes);
+}
+
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& tensor,
-                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                         const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t qtype) {
   if (kind == 0) return at::linear(x, tensor, bias);
   if (kind == 1) return onednn_product(x, tensor, bias);
+  if (kind == 3) return quantized_layer_product(x, tensor, bias, out_features, qtype);
 #if defined(__AVX512BF16__)
   return bf16_rows_matmul(x, tensor, bias, out_features);
 #else
@@ -41,13 +54,15 @@ at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& te
 std::vector<at::Tensor> layer_products(const at::Tensor& x, const std::vector<int64_t>& kinds,
                                        const std::vector<at::Tensor>& tensors,
                                        const std::vector<c10::optional<at::Tensor>>& biases,
-                                       const std::vector<int64_t>& outs, int64_t first, int64_t count,
-                                       const std::vector<int64_t>& split) {
+                                       const std::vector<int64_t>& outs, const std::vector<int64_t>& qtypes,
+                                       int64_t first, int64_t count, const std::vector<int64_t>& split) {
   if (count == 1 && split.size() > 1) {
-    return at::split_with_sizes(layer_product(kinds[first], x, tensors[first], biases[first], outs[first]), split, -1);
+    return at::split_with_sizes(
+        layer_product(kinds[first], x, tensors[first], biases[first], outs[first], qtypes[first]), split, -1);
   }
   std::vector<at::Tensor> results;
-  for (int64_t i = first; i < first + count; ++i) results.push_back(layer_product(kinds[i], x, tensors[i], biases[i], outs[i]));
+  for (int64_t i = first; i < first + count; ++i)
+    results.push_back(layer_product(kinds[i], x, tensors[i], biases[i], outs[i], qtypes[i]));
   return results;
 }
 
@@ -60,21 +75,22 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
                          const at::Tensor& post_weight, double post_eps, bool post_gemma,
                          const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& tensors,
                          const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& outs,
-                         int64_t qkv_count, const std::vector<int64_t>& qkv_split, int64_t gate_up_count,
+                         const std::vector<int64_t>& qtypes, int64_t qkv_count, const std::vector<int64_t>& qkv_split, int64_t gate_up_count,
                          const std::vector<int64_t>& gate_up_split, const at::Tensor& cos, const at::Tensor& sin,
                          int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
                          const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
                          int64_t page_size, double scale, int64_t window) {
   const int64_t count = qkv_count + 1 + gate_up_count + 1;
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
-                  static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count,
-              "one kind, tensor, bias and width per product");
+                  static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count &&
+                  static_cast<int64_t>(qtypes.size()) == count,
+              "one kind, tensor, bias, width and GGUF type per product");
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.is_contiguous(), "hidden: contiguous [1, T, E]");
   const int64_t tokens = hidden.size(1);
   at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
   rms_norm(hidden, input_weight, input_eps, input_gemma, normed);
 
-  const auto qkv = layer_products(normed, kinds, tensors, biases, outs, 0, qkv_count, qkv_split);
+  const auto qkv = layer_products(normed, kinds, tensors, biases, outs, qtypes, 0, qkv_count, qkv_split);
   TORCH_CHECK(qkv.size() == 3, "q, k and v");
   const at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
   const at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
@@ -96,18 +112,18 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
                   c10::nullopt, c10::nullopt, attended, c10::nullopt, c10::nullopt);
   const int64_t o = qkv_count;
   const at::Tensor attn_output =
-      layer_product(kinds[o], attended.view({1, tokens, -1}), tensors[o], biases[o], outs[o]);
+      layer_product(kinds[o], attended.view({1, tokens, -1}), tensors[o], biases[o], outs[o], qtypes[o]);
 
   at::Tensor summed = at::empty(hidden.sizes(), hidden.options());
   at::Tensor post = at::empty(hidden.sizes(), hidden.options());
   add_rms_norm(hidden, attn_output, post_weight, post_eps, post_gemma, summed, post);
 
-  const auto gate_up = layer_products(post, kinds, tensors, biases, outs, o + 1, gate_up_count, gate_up_split);
+  const auto gate_up = layer_products(post, kinds, tensors, biases, outs, qtypes, o + 1, gate_up_count, gate_up_split);
   TORCH_CHECK(gate_up.size() == 2 && gate_up[0].sizes() == gate_up[1].sizes(), "gate and up of one shape");
   at::Tensor activated = at::empty(gate_up[0].sizes(), hidden.options());
   silu_mul(gate_up[0], gate_up[1], activated);
   const int64_t d = count - 1;
-  return summed + layer_product(kinds[d], activated, tensors[d], biases[d], outs[d]);
+  return summed + layer_product(kinds[d], activated, tensors[d], biases[d], outs[d], qtypes[d]);
 }
 """
 

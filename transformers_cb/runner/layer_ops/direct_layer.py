@@ -39,6 +39,7 @@ from ...attention.paged import METADATA_KWARG, NATIVE_STEPS_MARK, current_step_m
 from ...patches import in_force
 from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
+from ..products.quantized_linear import DIRECT_MAX_ROWS, QuantizedLinear
 from ..products.small_rows import row_pack_for
 from .layer_forms import (
     child,
@@ -148,16 +149,40 @@ def _global_hooks() -> bool:
     )
 
 
-# A projection as this call will run it: (module, its packed product or None for a plain Linear).
-Projection = tuple[nn.Linear, PackedProduct | None]
+# A projection as this call will run it: (module, its packed product or None for a plain or quantized Linear).
+Projection = tuple[nn.Linear | QuantizedLinear, PackedProduct | None]
 
 
-def _projections(owner: nn.Module, names: Sequence[str], dtype: torch.dtype) -> list[Projection] | None:
+def _quantized(module: QuantizedLinear, dtype: torch.dtype, rows: int) -> bool:
+    """Whether `module`'s forward runs the native product over its blocks on `rows` rows of `dtype`
+    (`quantized_product`'s rule; beyond it the dequantized tiles' path, which the modules' forwards take)."""
+    blocks, bias = module._buffers["blocks"], module._parameters.get("bias")
+    return (
+        "forward" not in module.__dict__
+        and not _hooked(module)
+        and dtype in DIRECT_MAX_ROWS
+        and rows <= DIRECT_MAX_ROWS[dtype]
+        and blocks is not None
+        and plain_tensor(blocks)
+        and blocks.device.type == "cpu"
+        and blocks.is_contiguous()
+        and (bias is None or (plain_tensor(bias) and bias.device.type == "cpu"))
+    )
+
+
+def _projections(
+    owner: nn.Module, names: Sequence[str], dtype: torch.dtype, rows: int
+) -> list[Projection] | None:
     """`owner`'s projections if each is a plain `nn.Linear` of `dtype` with no hooks, whose forward is the
-    class's or the run's packed one."""
+    class's or the run's packed one, or a `QuantizedLinear` whose forward runs the native product on `rows`."""
     found: list[Projection] = []
     for name in names:
         module = owner._modules.get(name)
+        if type(module) is QuantizedLinear:
+            if not _quantized(module, dtype, rows):
+                return None
+            found.append((module, None))
+            continue
         if type(module) is not nn.Linear or _hooked(module):
             return None
         weight, bias = module._parameters["weight"], module._parameters["bias"]
@@ -175,18 +200,23 @@ def _projections(owner: nn.Module, names: Sequence[str], dtype: torch.dtype) -> 
 class ProductSpecs:
     """The products of one layer step as the native call takes them (attention/native/native_decoder_source.py):
     per product its kind (0 `linear` on the weight, 1 oneDNN's on its pack, 2 the small-row product on its
-    row pack), that tensor, its bias and its width."""
+    row pack, 3 `QuantizedLinear`'s native product on its blocks), that tensor, its bias, its width and its
+    GGUF type (0 but for kind 3)."""
 
     kinds: list[int]
     tensors: list[torch.Tensor]
     biases: list[torch.Tensor | None]
     outs: list[int]
+    qtypes: list[int]
 
-    def add(self, kind: int, tensor: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
+    def add(
+        self, kind: int, tensor: torch.Tensor, bias: torch.Tensor | None, out_features: int, qtype: int = 0
+    ) -> None:
         self.kinds.append(kind)
         self.tensors.append(tensor)
         self.biases.append(bias)
         self.outs.append(out_features)
+        self.qtypes.append(qtype)
 
     def add_pack(self, pack: Pack, bias: torch.Tensor | None, dtype: torch.dtype, rows: int) -> None:
         """oneDNN's product on `pack`, or the small-row product where `packed_linear.product` takes it."""
@@ -198,8 +228,13 @@ class ProductSpecs:
 
 
 def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype, rows: int) -> None:
-    """What the projection's forward computes: `packed_model._packed_forward`'s choice, or F.linear."""
+    """What the projection's forward computes: `packed_model._packed_forward`'s choice, or F.linear (or a
+    quantized Linear's product over its blocks)."""
     module, packed = projection
+    if isinstance(module, QuantizedLinear):
+        blocks = cast(torch.Tensor, module._buffers["blocks"])  # `_quantized` saw the blocks
+        specs.add(3, blocks, module._parameters.get("bias"), module.out_features, module.qtype)
+        return
     params = module._parameters  # what `module.weight` reads, without `nn.Module.__getattr__`
     weight, bias = cast(torch.Tensor, params["weight"]), params["bias"]  # `_projections` saw the weight
     if packed is None or rows < packed.min_rows or weight.is_inference():
@@ -289,11 +324,11 @@ def direct_step(
     ):
         return None
     dtype = hidden_states.dtype
-    attention_projections = _projections(attention, PROJECTIONS, dtype)
-    mlp_projections = _projections(mlp, MLP_PROJECTIONS, dtype)
-    input_weight, post_weight = weight_of(parts.input_norm), weight_of(parts.post_norm)
     cos, sin = position_embeddings
     tokens, head_dim = hidden_states.shape[1], parts.head_dim
+    attention_projections = _projections(attention, PROJECTIONS, dtype, tokens)
+    mlp_projections = _projections(mlp, MLP_PROJECTIONS, dtype, tokens)
+    input_weight, post_weight = weight_of(parts.input_norm), weight_of(parts.post_norm)
     if (
         attention_projections is None
         or mlp_projections is None
@@ -320,7 +355,7 @@ def direct_step(
     if cache.scales_of(layer_idx) is not None or storage.dtype != dtype:
         return None  # an int8 cache (or pages of another dtype): the modules' path writes and reads them
     rows = tokens
-    specs = ProductSpecs([], [], [], [])
+    specs = ProductSpecs([], [], [], [], [])
     qkv_count, qkv_split = _add_products(specs, attention_projections[:3], dtype, rows)
     _add_products(specs, attention_projections[3:], dtype, rows)
     gate_up_count, gate_up_split = _add_products(specs, mlp_projections[:2], dtype, rows)
@@ -340,6 +375,7 @@ def direct_step(
             specs.tensors,
             specs.biases,
             specs.outs,
+            specs.qtypes,
             qkv_count,
             qkv_split,
             gate_up_count,
