@@ -162,6 +162,27 @@ void column_tile(const float* x, int64_t K, const uint8_t* W, int64_t row_bytes,
 #if defined(__AVX512BF16__)
 // bfloat16 x: the dequantized weights rounded to bfloat16 (one instruction for 32) and multiplied by x's
 // bfloat16 values pairwise into float32 sums (`vdpbf16ps`; each product of two bfloat16 values is exact).
+// A 4-bit block's 32 weights in bfloat16 by table: its 16 possible values (d * j + m, or d * (j - 8), rounded
+// as dequant_block_vec's then bfloat16's) computed once, twice over in one register, and looked up by the
+// nibbles (`vpermw` reads an index's low 5 bits: a low nibble's byte, high nibble included, finds its value
+// in either copy). The same bits as dequantizing each weight: ~9 instructions a block instead of ~15.
+template <int Q>
+inline __m512bh q4_block_bf16(const uint8_t* b) {
+  uint32_t scales;
+  std::memcpy(&scales, b, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(scales)));  // [d, m (Q4_1), ...]
+  const __m512 d = _mm512_broadcastss_ps(dm);
+  const __m512 m = Q == kQ4_1 ? _mm512_broadcastss_ps(_mm_movehdup_ps(dm)) : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 values = _mm512_fmadd_ps(iota, d, m);
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+  const __m256i nibbles = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (Q == kQ4_1 ? 4 : 2))));
+  const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  const __m512i index = _mm512_srlv_epi16(_mm512_cvtepu8_epi16(nibbles), shifts);
+  return (__m512bh)_mm512_permutexvar_epi16(index, table);
+}
+
 template <int Q, int RT, int CT>
 inline void bf16_columns(const c10::BFloat16* x, int64_t K, const uint8_t* W, int64_t row_bytes, int64_t n,
                          float (*part)[16][16], int64_t c0) {
@@ -172,9 +193,14 @@ inline void bf16_columns(const c10::BFloat16* x, int64_t K, const uint8_t* W, in
   for (int64_t b = 0; b < nb; ++b) {
     __m512bh w[CT];
     for (int c = 0; c < CT; ++c) {
-      __m512 w0, w1;
-      dequant_block_vec<Q>(W + (n + c) * row_bytes + b * block_bytes<Q>(), w0, w1);
-      w[c] = _mm512_cvtne2ps_pbh(w1, w0);
+      const uint8_t* block = W + (n + c) * row_bytes + b * block_bytes<Q>();
+      if constexpr (Q == kQ8_0) {
+        __m512 w0, w1;
+        dequant_block_vec<Q>(block, w0, w1);
+        w[c] = _mm512_cvtne2ps_pbh(w1, w0);
+      } else {
+        w[c] = q4_block_bf16<Q>(block);
+      }
     }
     const c10::BFloat16* xb = x + b * QK;
     for (int i = 0; i < RT; ++i) {
