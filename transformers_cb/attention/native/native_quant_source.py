@@ -128,7 +128,9 @@ inline void float_columns(const float* x, int64_t K, const uint8_t* W, int64_t r
   for (int64_t b = 0; b < nb; ++b) {
     __m512 w0[CT], w1[CT];
     for (int c = 0; c < CT; ++c) {
-      dequant_block_vec<Q>(W + (n + c) * row_bytes + b * block_bytes<Q>(), w0[c], w1[c]);
+      const uint8_t* block = W + (n + c) * row_bytes + b * block_bytes<Q>();
+      __builtin_prefetch(block + CT * row_bytes);  // as bf16_columns: the next columns' block
+      dequant_block_vec<Q>(block, w0[c], w1[c]);
       if (BF16) {
         w0[c] = round_bf16_vec(w0[c]);
         w1[c] = round_bf16_vec(w1[c]);
@@ -194,6 +196,9 @@ inline void bf16_columns(const c10::BFloat16* x, int64_t K, const uint8_t* W, in
     __m512bh w[CT];
     for (int c = 0; c < CT; ++c) {
       const uint8_t* block = W + (n + c) * row_bytes + b * block_bytes<Q>();
+      // the same block of the column CT on (the next columns' blocks follow these): a weight read once per
+      // product (an LM head's 30 MB) streams from memory, where the hardware's prefetch alone ran at ~5 GB/s
+      __builtin_prefetch(block + CT * row_bytes);
       if constexpr (Q == kQ8_0) {
         __m512 w0, w1;
         dequant_block_vec<Q>(block, w0, w1);
