@@ -32,7 +32,11 @@ inline void rows_tile(const uint32_t* x, int64_t x_pairs, const __m512i* w, int6
     for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i wv[CB];
-    for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_si512(w + c * block_stride + p);
+    for (int c = 0; c < CB; ++c) {
+      // the next column blocks' same line (they follow these): see kernel's note on cold weights
+      _mm_prefetch(reinterpret_cast<const char*>(w + (CB + c) * block_stride + p), _MM_HINT_T1);
+      wv[c] = _mm512_loadu_si512(w + c * block_stride + p);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512i a = _mm512_set1_epi32(static_cast<int>(x[r * x_pairs + p]));
       for (int c = 0; c < CB; ++c)
