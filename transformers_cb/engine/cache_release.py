@@ -81,7 +81,7 @@ def trim_heap() -> None:
 
 
 def restore_cache(engine: Engine, released: ReleasedCache) -> None:
-    """Allocate again what `release_cache` freed (the same shapes, so the same plan holds)."""
+    """Allocate again what `release_cache` freed (the same shapes, so the same settings hold)."""
     engine.cache.restore()
     swapper = engine.runner.swapper
     if swapper is not None and released.host is not None:

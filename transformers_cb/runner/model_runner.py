@@ -32,7 +32,7 @@ from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..scheduler.step_plan import StepPlan
 from .adapter_rows import AdapterRows, adapter_step, step_adapters
-from .forward.compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .forward.compiling import DECODE, VARLEN, CompileSettings, PathForwards
 from .forward.cuda_graphs import make_graph_steps
 from .forward.model_call import call_model
 from .media.media_runner import MediaRunner, MediaStepInputs
@@ -60,7 +60,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
+    """Args: options: backend, fast path, compile settings and graphs (None: plain eager forward);
     swapper: the copier between the device and the host tier (None: no CPU offload); states: the
     model's state layers and their slots' tensors (None: no state layers); media: the encoder and the
     embedding store of a model that takes images / videos / audio (runner/media/media_runner.py; None: text only)."""
@@ -87,10 +87,12 @@ class ModelRunner:
         self.slot_group = len(packer.cache.group_tensors)
         self.device = packer.device
         self.options = options
-        self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
+        self.forwards = PathForwards(model, options.compile_settings if options else CompileSettings())
         self.graphs = make_graph_steps(model, packer, options, self.forwards)
-        plan = self.forwards.plan
-        if (plan.varlen is not None or plan.decode is not None) and not (options and options.is_flash):
+        compiled = self.forwards.settings
+        if (compiled.varlen is not None or compiled.decode is not None) and not (
+            options and options.is_flash
+        ):
             packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)

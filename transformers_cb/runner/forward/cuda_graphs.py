@@ -28,14 +28,14 @@ import torch
 from ...attention.metadata import AttentionMetadata, DecodeFastPath, GroupMetadata
 from ...invariants import present
 from .async_batching import BufferTurns
-from .compile_plan import DECODE, VARLEN
+from .compiling import DECODE, VARLEN
 from .model_call import call_model
 
 if TYPE_CHECKING:
     from ...memory.kv_cache import PagedKVCache
     from ..packing import BatchPacker, PackedStep
     from ..step_options import StepOptions
-    from .compile_plan import PathForwards
+    from .compiling import PathForwards
 
 # The presets behind `q_padding_interval_size=0` / `kv_padding_interval_size=0`.
 DEFAULT_Q_INTERVAL = 64
