@@ -36,7 +36,7 @@ def release_problem(engine: Engine) -> str | None:
     this module does not rebuild."""
     if engine.is_follower or isinstance(engine.publisher, TensorParallelPublisher):
         return "tensor parallelism"
-    if engine.runner.states is not None:
+    if engine.settings.states is not None:
         return "a model with state layers (its state slots)"
     if engine.runner.graphs is not None:
         return "CUDA graphs (they hold the cache's addresses)"

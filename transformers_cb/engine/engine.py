@@ -368,8 +368,8 @@ class Engine:
             packed_weight_bytes=model_pack_bytes(self.model)
             if self.settings.step_options.packed_linear
             else 0,
-            media_items_encoded=media.items_encoded if media is not None else 0,
-            media_encode_seconds=media.encode_seconds if media is not None else 0.0,
+            media_items_encoded=media.items_encoded,
+            media_encode_seconds=media.encode_seconds,
             media_store_rows=budget.used if budget is not None else 0,
             media_store_capacity=budget.capacity if budget is not None else 0,
             speculation=replace(scheduler.speculation),

@@ -262,10 +262,10 @@ class GraphSteps:
 
 
 def make_graph_steps(
-    model: Any, packer: BatchPacker, options: StepOptions | None, forwards: PathForwards
+    model: Any, packer: BatchPacker, options: StepOptions, forwards: PathForwards
 ) -> GraphSteps | None:
     """The runner's graph steps, when graphs are on (CUDA only: `config.continuous_batching.resolve_device_options`)."""
-    if options is None or not any(options.cuda_graphs) or packer.rope_rule is not None:
+    if not any(options.cuda_graphs) or packer.rope_rule is not None:
         # A dynamic rotary embedding's frequency sets change from step to step (runner/request_rotary.py).
         return None
     return GraphSteps(forwards, packer.cache, options, packer.device, capture=packer.device.type == "cuda")
