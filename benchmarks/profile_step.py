@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             limit = min(limit, (time.perf_counter() - t1) / args.steps * 1e3)
 
     print(
-        f"model {args.model} ({args.dtype}, packed products {engine.plan.step_options.packed_linear}), {args.rows} decode rows "
+        f"model {args.model} ({args.dtype}, packed products {engine.settings.step_options.packed_linear}), {args.rows} decode rows "
         f"at KV ~{kv_len}, compile level {args.compile_level}"
     )
     print(f"engine step {total:.2f} ms; limit forward {limit:.2f} ms ({total / limit:.2f}x)")

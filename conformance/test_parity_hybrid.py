@@ -144,7 +144,7 @@ def _check_steps(family: Family, seen: Observed, context: str) -> None:
     assert seen.continued, f"{context}: no prefill chunk continued a state"
     assert seen.mixed, f"{context}: no step mixed decode rows with a prefill chunk"
     (engine,) = seen.engines
-    assert (not engine.plan.cache.kv_groups) == (family.name in PURE_STATE), context
+    assert (not engine.settings.cache.kv_groups) == (family.name in PURE_STATE), context
     assert present(engine.pages.slots).num_in_use == 0, f"{context}: state slots still held"
 
 

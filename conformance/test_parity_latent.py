@@ -136,7 +136,7 @@ def test_the_pages_hold_the_latent_not_decompressed_kv(subject) -> None:
     fails both the byte count and the content."""
     _, model, prompts, _ = subject
     engine = build_engine(model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
-    layout = engine.plan.cache.layout
+    layout = engine.settings.cache.layout
     (group,) = layout.groups
     assert group.latent == (RANK, ROPE) and layout.head_shape(0) == (1, RANK + ROPE)
     assert layout.group_page_bytes(0) == 2 * 4 * (RANK + ROPE) * 4  # layers x page_size x row x fp32
@@ -172,7 +172,7 @@ def test_the_pages_hold_the_latent_not_decompressed_kv(subject) -> None:
 def _request_slots(engine, request) -> torch.Tensor:
     """The slots of `request`'s prompt tokens in its pages, in order."""
     pages = request.pages[0].page_ids
-    page_size = engine.plan.cache.layout.page_size
+    page_size = engine.settings.cache.layout.page_size
     slots = [page * page_size + offset for page in pages for offset in range(page_size)]
     return torch.tensor(slots[: len(request.prompt_ids)], dtype=torch.long)
 

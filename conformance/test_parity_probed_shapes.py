@@ -103,7 +103,9 @@ def test_the_cache_is_sized_from_the_probe(subject) -> None:
     engine = build_engine(model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
     observed = observed_layers_of(model)
     assert observed == OBSERVED[name]
-    shapes = {layer: spec.head_shape for spec in engine.plan.cache.kv_groups for layer in spec.layer_indices}
+    shapes = {
+        layer: spec.head_shape for spec in engine.settings.cache.kv_groups for layer in spec.layer_indices
+    }
     assert tuple(shapes[i] for i in range(2)) == OBSERVED[name].head_shapes
     assert engine.snapshot().kv_bytes_per_token == BYTES_PER_TOKEN[name]
 

@@ -96,12 +96,12 @@ def test_the_selection_changes_generates_tokens(subject) -> None:
 def test_the_pages_hold_the_indexer_keys_after_the_latent(subject) -> None:
     _, model, _, _ = subject
     engine = build_engine(model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=4))
-    layout = engine.plan.cache.layout
+    layout = engine.settings.cache.layout
     (group,) = layout.groups
     assert group.latent == (RANK, ROPE) and group.index_dim == INDEX_DIM
     assert layout.row_shape(0) == (1, RANK + ROPE + INDEX_DIM)
     assert engine.snapshot().kv_bytes_per_token == 2 * (RANK + ROPE + INDEX_DIM) * 4
-    assert engine.plan.shape.kv_bytes_per_token(4) == 2 * (RANK + ROPE + INDEX_DIM) * 4
+    assert engine.settings.shape.kv_bytes_per_token(4) == 2 * (RANK + ROPE + INDEX_DIM) * 4
 
 
 @pytest.mark.parametrize("budget", [5, 16], ids=lambda b: f"budget{b}")

@@ -15,7 +15,7 @@ from conformance.common import check_parity, greedy_config, reference_greedy
 from tests.support.models import sharpen_attention, tiny_qwen2
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.runner.products.packed_linear import RULE_ENV, PackRule
-from transformers_cb.runner.products.packed_model import packed_plan
+from transformers_cb.runner.products.packed_model import packing_settings
 
 peft = pytest.importorskip("peft", reason="the PEFT tests need peft (the test extra installs it)")
 
@@ -103,8 +103,8 @@ def test_an_adapted_linear_is_never_packed_as_its_base_weight_alone(kind: str) -
     """The packer takes plain `nn.Linear`s only: a PEFT layer (its forward adds the adapter) is left
     unpacked, and only its base layer (and LoRA's own A / B Linears) run packed inside its forward."""
     model = _adapted(kind)
-    plan = packed_plan(model, PackRule(every_weight=True))
-    packed = {id(m) for m, _ in plan.singles} | {id(m) for g, _ in plan.groups for m in g.members}
+    settings = packing_settings(model, PackRule(every_weight=True))
+    packed = {id(m) for m, _ in settings.singles} | {id(m) for g, _ in settings.groups for m in g.members}
     wrappers = [m for m in model.modules() if hasattr(m, "base_layer") or hasattr(m, "original_module")]
     assert wrappers, f"{kind}: no PEFT layer found"
     assert not any(id(m) in packed for m in wrappers)

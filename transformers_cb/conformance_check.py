@@ -35,11 +35,11 @@ __all__ = [
     "Mismatch",
     "SettingResult",
     "compare_tokens",
+    "conformance_main",
     "default_settings",
     "first_difference",
     "format_table",
     "greedy_config",
-    "main",
     "near_tie_tolerance",
     "next_token_logits",
     "parse_args",
@@ -55,9 +55,9 @@ def model_folder(model: str) -> str:
     return resolve_model(model) or model
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The check (`parity/check.py`) with `--model` also taking a model's name; a failed fetch is one line
-    on stderr and exit code 2."""
+def conformance_main(argv: Sequence[str] | None = None) -> int:
+    """`python -m transformers_cb.conformance_check`: the check (`parity/check.py`) with `--model` also
+    taking a model's name; a failed fetch is one line on stderr and exit code 2."""
     try:
         return check.check_command(argv, model_folder=model_folder)
     except FetchError as error:
@@ -66,4 +66,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(conformance_main())

@@ -114,9 +114,9 @@ def test_cpu_defaults_are_sized_to_the_work(model, prompts) -> None:
     workload = [len(p) + 6 for p in prompts]
     engine = build_engine(model, GREEDY, ContinuousBatchingConfig(page_size=16), workload=workload)
     needed = sum(-(-n // 16) for n in workload)
-    assert engine.plan.sizing.num_pages == -(-needed // 0.85)  # + headroom for fifo's safety margin
-    assert engine.plan.sizing.max_requests_per_batch == len(prompts)
-    assert engine.plan.sizing.max_batch_tokens == 8192
+    assert engine.settings.sizing.num_pages == -(-needed // 0.85)  # + headroom for fifo's safety margin
+    assert engine.settings.sizing.max_requests_per_batch == len(prompts)
+    assert engine.settings.sizing.max_batch_tokens == 8192
     assert engine.cache.nbytes() < 2**20
 
 

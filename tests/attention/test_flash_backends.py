@@ -82,7 +82,7 @@ def test_flash_names_select_the_backend_through_transformers(tmp_path) -> None:
         model.set_attn_implementation(FA3)
         assert model.config._attn_implementation == FA3
         engine = build_engine(model, GREEDY, _config())
-        assert engine.plan.step_options.attn_implementation == FA3
+        assert engine.settings.step_options.attn_implementation == FA3
 
 
 def test_flash_backend_refuses_a_page_size_flash_attn_2_cannot_read() -> None:
@@ -290,7 +290,7 @@ def test_auto_switch_order(loaded, fa2, fa3, auto, expected, caplog) -> None:
         model.set_attn_implementation("paged|sdpa")
     with flash_double.injected(fa2=fa2, fa3=fa3), caplog.at_level(logging.INFO, logger="transformers_cb"):
         engine = build_engine(model, GREEDY, _config(auto_switch_to_flash=auto))
-    assert engine.plan.step_options.attn_implementation == expected
+    assert engine.settings.step_options.attn_implementation == expected
     if expected == FA2:
         assert "flash-attn 3 is not installed" in caplog.text
         assert any(
@@ -301,13 +301,15 @@ def test_auto_switch_order(loaded, fa2, fa3, auto, expected, caplog) -> None:
 def test_auto_switch_needs_a_flash_device_and_a_flash_model() -> None:
     with flash_double.injected(fa2=True, fa3=True, cpu=False):
         assert (
-            build_engine(tiny_llama(), GREEDY, _config()).plan.step_options.attn_implementation
+            build_engine(tiny_llama(), GREEDY, _config()).settings.step_options.attn_implementation
             == "paged|sdpa"
         )
     model = tiny_llama()
     with flash_double.injected(fa2=True, fa3=True):
         model._supports_flash_attn = False
-        assert build_engine(model, GREEDY, _config()).plan.step_options.attn_implementation == "paged|sdpa"
+        assert (
+            build_engine(model, GREEDY, _config()).settings.step_options.attn_implementation == "paged|sdpa"
+        )
 
 
 def test_auto_switch_runs_flash_for_the_run_only() -> None:

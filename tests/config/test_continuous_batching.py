@@ -461,11 +461,11 @@ def test_generate_batch_sizes_from_its_prompts(model, monkeypatch) -> None:
         progress_bar=False,
     )
     (engine,) = engines
-    assert engine.plan.sizing.max_requests_per_batch == 3
-    assert engine.plan.sizing.max_batch_tokens == 8192
+    assert engine.settings.sizing.max_requests_per_batch == 3
+    assert engine.settings.sizing.max_batch_tokens == 8192
     # Each request at full length: 5 + 4, 20 + 4, 33 + 4 tokens -> 1 + 2 + 3 pages of 16,
     # plus headroom for the 0.15 safety margin: ceil(6 / 0.85) = 8.
-    assert engine.plan.sizing.num_pages == 8
+    assert engine.settings.sizing.num_pages == 8
     assert engine.scheduler.safety_margin == 0.15
     assert engine.num_total_pages - engine.num_used_pages == 8
 

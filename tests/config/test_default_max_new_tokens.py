@@ -34,4 +34,6 @@ def test_the_engine_applies_the_same_rule_to_its_resolved_config(fields: dict) -
     resolved = resolve_generation_config(model, generation_config)
     for num_prompt_tokens in (1, 9):
         expected = default_max_new_tokens(resolved, num_prompt_tokens)
-        assert default_max_new_tokens(engine.plan.sampling.generation_config, num_prompt_tokens) == expected
+        assert (
+            default_max_new_tokens(engine.settings.sampling.generation_config, num_prompt_tokens) == expected
+        )

@@ -129,7 +129,7 @@ def test_transformers_config_accepted_everywhere(model, prompts) -> None:
     theirs = HFConfig(max_batch_tokens=256, max_requests_per_batch=3)
     _check_greedy(model, prompts, model.generate_batch(prompts, GREEDY, continuous_batching_config=theirs))
     manager = model.init_continuous_batching(GREEDY, continuous_batching_config=theirs)
-    assert manager.engine.plan.config.max_requests_per_batch == 3
+    assert manager.engine.settings.config.max_requests_per_batch == 3
     manager.destroy()
     with model.continuous_batching_context_manager(GREEDY, continuous_batching_config=theirs) as manager:
         rid = manager.add_request(prompts[0], max_new_tokens=5)
@@ -137,7 +137,7 @@ def test_transformers_config_accepted_everywhere(model, prompts) -> None:
             model, prompts[0], 5
         )
     direct = ContinuousBatchingManager(model, GREEDY, theirs)
-    assert direct.engine.plan.config.max_batch_tokens == 256
+    assert direct.engine.settings.config.max_batch_tokens == 256
     direct.destroy()
 
 
@@ -345,10 +345,10 @@ def test_workload_hints_size_cache_and_block_tables(model, prompts, hints_cls) -
     config = ContinuousBatchingConfig(page_size=16)
     manager = model.init_continuous_batching(GREEDY, config, workload_hints=hints)
     engine = manager.engine
-    assert engine.plan.sizing.max_requests_per_batch == 3
+    assert engine.settings.sizing.max_requests_per_batch == 3
     assert engine.packer.block_tables[0].table.shape[1] == 2  # ceil(32 / 16) columns up front
     unhinted = model.init_continuous_batching(GREEDY, config)
-    assert engine.plan.sizing.num_pages < unhinted.engine.plan.sizing.num_pages
+    assert engine.settings.sizing.num_pages < unhinted.engine.settings.sizing.num_pages
     assert unhinted.engine.packer.block_tables[0].table.shape[1] == 512 // 16
     unhinted.destroy()
     with model.continuous_batching_context_manager(GREEDY, config, workload_hints=hints) as ctx:

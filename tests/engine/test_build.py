@@ -1,5 +1,5 @@
-"""engine/plan.py and engine/build.py: every setting resolved once into a frozen `EnginePlan` (nothing allocated, no config
-written), then the parts wired from the plan alone; the values the engine runs with are the plan's."""
+"""engine/settings.py and engine/build.py: every setting resolved once into a frozen `EngineSettings` (nothing allocated, no config
+written), then the parts wired from the settings alone; the values the engine runs with are the settings'."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.config.continuous_batching import DeviceOptions
 from transformers_cb.engine.build import build_engine, wire
 from transformers_cb.engine.engine import Engine
-from transformers_cb.engine.plan import resolve_plan
+from transformers_cb.engine.settings import resolve_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory import host_cache
 from transformers_cb.memory.kv_cache import CacheLayout, PagedKVCache
@@ -47,71 +47,81 @@ def test_the_callers_configs_are_untouched_after_the_engine_ran() -> None:
     run_prompts(engine, model, prompts_of_lengths([30, 12, 21], seed=2))
     assert config == config_before and generation.to_dict() == generation_before
     # The engine's copy is the settings as given, never the resolved values.
-    assert engine.plan.config == config_before and engine.plan.config is not config
-    assert engine.plan.config.use_cuda_graph is True and engine.plan.config.max_blocks_per_request == 32
-    assert engine.plan.device_options == DeviceOptions((False, False), False)
-    assert engine.plan.step_options.max_blocks_per_request == 0 and engine.plan.step_options.cuda_graphs == (
-        False,
-        False,
+    assert engine.settings.config == config_before and engine.settings.config is not config
+    assert (
+        engine.settings.config.use_cuda_graph is True and engine.settings.config.max_blocks_per_request == 32
+    )
+    assert engine.settings.device_options == DeviceOptions((False, False), False)
+    assert (
+        engine.settings.step_options.max_blocks_per_request == 0
+        and engine.settings.step_options.cuda_graphs
+        == (
+            False,
+            False,
+        )
     )
 
 
-def test_the_plan_is_frozen() -> None:
+def test_the_settings_are_frozen() -> None:
     engine = build_engine(tiny_llama(), GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=8))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.host.num_pages = 3  # type: ignore[misc]
+        engine.settings.host.num_pages = 3  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.sizing.num_pages = 3  # type: ignore[misc]
+        engine.settings.sizing.num_pages = 3  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.cache.layout.pages = (3,)  # type: ignore[misc]
+        engine.settings.cache.layout.pages = (3,)  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.scheduler.safety_margin = 0.5  # type: ignore[misc]
+        engine.settings.scheduler.safety_margin = 0.5  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        engine.plan.sampling.seed = 1  # type: ignore[misc]
+        engine.settings.sampling.seed = 1  # type: ignore[misc]
 
 
-def test_the_engine_runs_with_the_plans_values() -> None:
+def test_the_engine_runs_with_the_settings_values() -> None:
     model = build_tiny_model("qwen2_sliding")
     engine = build_engine(model, GREEDY, _sliding_engine_config(), workload=[40] * 3)
-    plan = engine.plan
-    full, sliding = plan.cache.group_pages
+    settings = engine.settings
+    full, sliding = settings.cache.group_pages
     assert sliding < full  # the sliding group is sized to its windows: resolution did something
-    # Pages: the pools (beside the page policies), the KV tensors and the plan agree group by group.
-    assert tuple(pool.num_pages for pool in engine.pages.pools) == plan.cache.group_pages
+    # Pages: the pools (beside the page policies), the KV tensors and the settings agree group by group.
+    assert tuple(pool.num_pages for pool in engine.pages.pools) == settings.cache.group_pages
     assert (
-        tuple(tensor.shape[2] for tensor in engine.cache.group_tensors) == plan.cache.group_pages
+        tuple(tensor.shape[2] for tensor in engine.cache.group_tensors) == settings.cache.group_pages
     )  # no scratch
-    assert engine.cache.layout == plan.cache.layout and engine.num_total_pages == full + sliding
+    assert engine.cache.layout == settings.cache.layout and engine.num_total_pages == full + sliding
     assert (
         tuple(tables.max_pages_per_request for tables in engine.packer.block_tables)
-        == plan.cache.group_widths
+        == settings.cache.group_widths
     )
     # Step budget, admission and the policy.
     scheduler = engine.scheduler
     assert (scheduler.max_batch_tokens, scheduler.max_requests_per_batch) == (
         16,
-        plan.sizing.max_requests_per_batch,
+        settings.sizing.max_requests_per_batch,
     )
     assert (
-        scheduler.safety_margin == plan.scheduler.safety_margin == 0.15
-        and scheduler.policy.name == plan.scheduler.scheduler_type
+        scheduler.safety_margin == settings.scheduler.safety_margin == 0.15
+        and scheduler.policy.name == settings.scheduler.scheduler_type
     )
-    assert engine.pages.sharing is plan.cache.sharing is True
+    assert engine.pages.sharing is settings.cache.sharing is True
     # The host tier, the runner's options, the sampling defaults.
-    assert plan.host.num_pages > 0 and engine.offload.host.num_pages == plan.host.num_pages
-    assert [t.shape[2] for t in engine.runner.swapper.host_tensors] == [plan.host.num_pages] * 2
-    assert engine.runner.options is plan.step_options
-    assert engine.sampling.config is plan.sampling.generation_config
+    assert settings.host.num_pages > 0 and engine.offload.host.num_pages == settings.host.num_pages
+    assert [t.shape[2] for t in engine.runner.swapper.host_tensors] == [settings.host.num_pages] * 2
+    assert engine.runner.options is settings.step_options
+    assert engine.sampling.config is settings.sampling.generation_config
 
 
-def test_the_plan_is_resolved_before_anything_is_allocated() -> None:
+def test_the_settings_are_resolved_before_anything_is_allocated() -> None:
     model = tiny_llama()
     config = ContinuousBatchingConfig(page_size=4, num_blocks=8, cpu_offload_space=0.01)
     with mock.patch.object(PagedKVCache, "__init__", side_effect=AssertionError("allocated")):
-        plan, tp = resolve_plan(model, GREEDY, config)
-    assert tp is None and plan.cache.group_pages == (8,) and plan.host.num_pages > 0
-    engine = wire(model, plan)
-    assert type(engine) is Engine and engine.plan is plan and engine.cache.layout == plan.cache.layout
+        settings, tp = resolve_settings(model, GREEDY, config)
+    assert tp is None and settings.cache.group_pages == (8,) and settings.host.num_pages > 0
+    engine = wire(model, settings)
+    assert (
+        type(engine) is Engine
+        and engine.settings is settings
+        and engine.cache.layout == settings.cache.layout
+    )
 
 
 def _layout(device: str) -> CacheLayout:
@@ -133,15 +143,15 @@ def test_host_pages_count_a_cpu_device_cache_as_taken(monkeypatch) -> None:
 
 
 def test_the_target_and_the_draft_model_wire_their_kv_one_way() -> None:
-    """`wire_kv` builds both models' KV parts: each group's policy over its own pool, sized by the plan;
+    """`wire_kv` builds both models' KV parts: each group's policy over its own pool, sized by the settings;
     the draft model's pages belong to its planner (no sharing), its drafter only runs forwards."""
     model, assistant = tiny_llama(), tiny_llama(num_hidden_layers=1)
     config = ContinuousBatchingConfig(page_size=4, num_blocks=16)
     engine = build_engine(model, GenerationConfig(max_new_tokens=4), config, assistant_model=assistant)
     drafter = engine.drafter
-    assert drafter is not None and engine.plan.assistant is not None
-    assert [pool.num_pages for pool in engine.pages.pools] == list(engine.plan.cache.group_pages)
-    assert [pool.num_pages for pool in drafter.pages.pools] == list(engine.plan.assistant.cache.pages)
+    assert drafter is not None and engine.settings.assistant is not None
+    assert [pool.num_pages for pool in engine.pages.pools] == list(engine.settings.cache.group_pages)
+    assert [pool.num_pages for pool in drafter.pages.pools] == list(engine.settings.assistant.cache.pages)
     assert [policy.pool for policy in drafter.pages.policies] == drafter.pages.pools
     assert engine.pages.sharing and not drafter.pages.sharing
     assert drafter.executor.packer.cache is not engine.cache

@@ -46,7 +46,7 @@ def test_a_generation_config_with_prompt_lookup_is_every_requests_default(monkey
     off = engine.build_request(make_submission([5, 6, 7], "b", {"prompt_lookup_num_tokens": 0}))
     assert off.speculation is None
     monkeypatch.setattr(
-        "transformers_cb.engine.plan.speculation_refusal",
+        "transformers_cb.engine.settings.speculation_refusal",
         lambda model, has_state_layers=False: "no rollback",
     )
     with pytest.raises(ValueError, match="prompt_lookup_num_tokens: no rollback"):

@@ -41,7 +41,7 @@ def test_the_builder_makes_rank_0_a_publishing_engine_and_the_others_followers(p
 def test_the_follower_replays_rank_0_step_by_step(pair) -> None:
     model, driver, follower, channel = pair
     prompts = prompts_of_lengths([13, 6, 9, 11], seed=5)  # 10 pages of 4 tokens: preemptions on rank 0
-    with paged_backend(model, driver.plan.step_options.attn_implementation), torch.inference_mode():
+    with paged_backend(model, driver.settings.step_options.attn_implementation), torch.inference_mode():
         requests = [driver.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts)]
         mirrors = [follower.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts)]
         for request, mirror in zip(requests, mirrors, strict=True):
@@ -71,7 +71,7 @@ def test_a_failed_forward_on_rank_0_breaks_the_group(pair, monkeypatch) -> None:
     request = driver.build_request(Submission([3, 4, 5], "r0"))
     driver.add(request)
     with (
-        paged_backend(model, driver.plan.step_options.attn_implementation),
+        paged_backend(model, driver.settings.step_options.attn_implementation),
         pytest.raises(TensorParallelError, match="boom"),
     ):
         driver.step()

@@ -34,6 +34,7 @@ from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.kv_quant import int8_cache_problem
 from transformers_cb.memory.sizing import ModelShape, resolve_sizing
 from transformers_cb.memory.swap import SwapCopier
+from transformers_cb.runner.states.state_layers import StateLayers
 
 MAX_NEW_TOKENS = 10
 LENGTHS = [3, 41, 9, 70, 17, 2, 33, 55, 12, 26]
@@ -282,7 +283,9 @@ def test_a_model_with_state_layers_keeps_its_states_in_float() -> None:
     engine = engines[-1]
     assert [t.dtype for t in engine.cache.group_tensors] == [torch.int8]
     states = engine.runner.states
-    assert states is not None and {t.dtype for t in states.cache.tensors.values()} == {torch.float32}
+    assert isinstance(states, StateLayers) and {t.dtype for t in states.cache.tensors.values()} == {
+        torch.float32
+    }
     rounded = int8_reference_model(model)
     expected = ReferenceCache(rounded, 6)
     check_parity(rounded, prompts, outputs, [expected.get(p) for p in prompts], "bamba, int8 KV")

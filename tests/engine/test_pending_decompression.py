@@ -1,4 +1,4 @@
-"""engine/pending_decompression.py: a compressed-tensors checkpoint's first-forward hook run by the plan
+"""engine/pending_decompression.py: a compressed-tensors checkpoint's first-forward hook run by `resolve_settings`
 (compressed-tensors need not be installed: the hook is set up as its `add_decompress_hook` does)."""
 
 from __future__ import annotations

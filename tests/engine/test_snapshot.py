@@ -20,7 +20,8 @@ def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:
     idle = EngineSnapshot(
         pages_total=engine.num_total_pages,
         pages_in_use_by_group={"full_attention": 0},
-        kv_bytes_per_token=engine.plan.cache.layout.page_bytes() // engine.plan.cache.layout.page_size,
+        kv_bytes_per_token=engine.settings.cache.layout.page_bytes()
+        // engine.settings.cache.layout.page_size,
     )
     assert engine.snapshot() == idle
     prefix = prompts_of_lengths([12], seed=3)[0]

@@ -27,15 +27,17 @@ def test_page_counts_and_sharing() -> None:
     engine = build_engine(
         model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=12, max_queue_size=7)
     )
-    plan = engine.plan
-    assert len(plan.cache.kv_groups) == 2 and plan.cache.page_size == 4 and engine.num_total_pages == 24
+    settings = engine.settings
+    assert (
+        len(settings.cache.kv_groups) == 2 and settings.cache.page_size == 4 and engine.num_total_pages == 24
+    )
     assert engine.num_used_pages == 0 and set(engine.snapshot().pages_in_use_by_group.values()) == {0}
-    assert plan.cache.sharing and engine.pages.sharing and plan.scheduler.max_queue_size == 7
+    assert settings.cache.sharing and engine.pages.sharing and settings.scheduler.max_queue_size == 7
     requests = [
         engine.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts_of_lengths([9, 5], seed=1))
     ]
     seen = 0
-    with paged_backend(model, plan.step_options.attn_implementation), torch.inference_mode():
+    with paged_backend(model, settings.step_options.attn_implementation), torch.inference_mode():
         for request in requests:
             engine.add(request)
         while engine.has_work():
@@ -49,7 +51,7 @@ def test_page_counts_and_sharing() -> None:
     off = build_engine(
         model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=12, allow_block_sharing=False)
     )
-    assert not off.plan.cache.sharing and not off.pages.sharing
+    assert not off.settings.cache.sharing and not off.pages.sharing
 
 
 def test_processor_stages_and_clearing_them() -> None:
@@ -162,7 +164,7 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
     monkeypatch.setattr(engine.runner, "run", broken)
     request = engine.build_request(Submission([3, 4, 5], "r0"))
     engine.add(request)
-    with paged_backend(model, engine.plan.step_options.attn_implementation):
+    with paged_backend(model, engine.settings.step_options.attn_implementation):
         result = engine.step()
     assert result.finished == [request] and request.status == RequestStatus.FAILED
     assert [call[0] for call in publisher.calls] == ["planned", "failed", "finished"]
@@ -175,7 +177,7 @@ def test_a_failed_step_asks_the_publisher_first(monkeypatch) -> None:
     request = engine.build_request(Submission([3, 4, 5], "r1"))
     engine.add(request)
     with (
-        paged_backend(model, engine.plan.step_options.attn_implementation),
+        paged_backend(model, engine.settings.step_options.attn_implementation),
         pytest.raises(ValueError, match="group broken"),
     ):
         engine.step()

@@ -106,7 +106,7 @@ def test_a_chunked_group_is_sized_to_its_chunks() -> None:
     )
     full, chunked = engine.cache.pages_per_group
     assert full >= 4 * 50 and chunked < full
-    assert engine.plan.step_options.max_blocks_per_request == 0  # recycled pages: no decode fast path
+    assert engine.settings.step_options.max_blocks_per_request == 0  # recycled pages: no decode fast path
 
 
 def test_long_decode_holds_a_bounded_number_of_chunk_pages() -> None:

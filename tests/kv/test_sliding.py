@@ -247,8 +247,10 @@ def test_max_blocks_per_request_is_forced_to_zero_on_sliding_models(caplog) -> N
     model = build_tiny_model("mistral")
     with caplog.at_level(logging.WARNING, logger="transformers_cb.engine.engine"):
         engine = build_engine(model, None, ContinuousBatchingConfig(max_blocks_per_request=32, num_blocks=8))
-    assert engine.plan.step_options.max_blocks_per_request == 0
-    assert engine.plan.config.max_blocks_per_request == 32  # the setting as given: resolving writes no config
+    assert engine.settings.step_options.max_blocks_per_request == 0
+    assert (
+        engine.settings.config.max_blocks_per_request == 32
+    )  # the setting as given: resolving writes no config
     assert "max_blocks_per_request=32 forced to 0" in caplog.text
 
 

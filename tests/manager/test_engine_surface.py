@@ -54,7 +54,7 @@ def test_a_follower_manager_replays_rank_0_until_its_session_ends(model) -> None
     with pytest.raises(RuntimeError, match="this is rank 1"):
         manager.add_request(PROMPTS[0], max_new_tokens=5)
     # Rank 0's whole session first (the channel keeps its messages), then the follower's manager replays it.
-    with paged_backend(model, driver.plan.step_options.attn_implementation), torch.inference_mode():
+    with paged_backend(model, driver.settings.step_options.attn_implementation), torch.inference_mode():
         for i, prompt in enumerate(PROMPTS[:3]):
             driver.add(driver.build_request(Submission(prompt, f"r{i}", max_new_tokens=5)))
         while driver.has_work():

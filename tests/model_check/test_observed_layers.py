@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from transformers_cb.engine.plan import resolve_plan
+from transformers_cb.engine.settings import resolve_settings
 from transformers_cb.kv.layer_groups import ObservedLayers, kv_groups_from_config
 from transformers_cb.memory.sizing import ModelShape
 from transformers_cb.model_check.attention_probe import ProbeResult, dispatch_problems, observed_layers
@@ -177,20 +177,20 @@ def test_jetmoe_is_accepted_and_sized_before_its_repeat() -> None:
     observed = observed_layers_of(model)
     assert observed is not None and observed.head_shapes == ((2, 8), (2, 8))
     assert observed.kv_repeats == (2, 2)
-    plan, _ = resolve_plan(model, GenerationConfig(max_new_tokens=4, do_sample=False), None, [8])
-    assert plan.shape.layer_head_shape(0) == (2, 8)
-    assert [(g.head_shape, g.kv_repeat) for g in plan.cache.kv_groups] == [((2, 8), 2)]
+    settings, _ = resolve_settings(model, GenerationConfig(max_new_tokens=4, do_sample=False), None, [8])
+    assert settings.shape.layer_head_shape(0) == (2, 8)
+    assert [(g.head_shape, g.kv_repeat) for g in settings.cache.kv_groups] == [((2, 8), 2)]
     # K and V of 2 heads of 8 in 2 layers, float32: half of what the repeated heads took.
-    assert plan.shape.kv_bytes_per_token(4) == 2 * 2 * 2 * 8 * 4
+    assert settings.shape.kv_bytes_per_token(4) == 2 * 2 * 2 * 8 * 4
 
 
 def test_a_draft_model_is_sized_from_its_own_probe() -> None:
     model = _jetmoe()
-    plan, _ = resolve_plan(
+    settings, _ = resolve_settings(
         model, GenerationConfig(max_new_tokens=4, do_sample=False), None, [8], assistant_model=model
     )
-    assert plan.assistant is not None
-    assert [(g.head_shape, g.kv_repeat) for g in plan.assistant.kv_groups] == [((2, 8), 2)]
+    assert settings.assistant is not None
+    assert [(g.head_shape, g.kv_repeat) for g in settings.assistant.kv_groups] == [((2, 8), 2)]
 
 
 def test_forward_c_leaves_the_window_as_it_found_it() -> None:

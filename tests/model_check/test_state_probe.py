@@ -9,7 +9,7 @@ import torch
 
 from tests.support.hybrids import build_hybrid
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.engine.plan import resolve_plan
+from transformers_cb.engine.settings import resolve_settings
 from transformers_cb.memory.state_cache import CONV, RECURRENT
 from transformers_cb.model_check import state_probe
 from transformers_cb.model_check.model_support import check_model_supported
@@ -58,12 +58,12 @@ def test_a_layer_that_continues_no_state_is_refused(monkeypatch) -> None:
     assert problems and "does not continue a request's state across prefill chunks" in problems[0]
 
 
-def test_pure_state_space_model_plans_no_kv_group() -> None:
+def test_pure_state_space_model_has_no_kv_group() -> None:
     model = build_hybrid("mamba2")
     check_model_supported(model)
-    plan, _ = resolve_plan(model, None, ContinuousBatchingConfig(num_blocks=8))
-    assert plan.cache.kv_groups == () and plan.cache.group_pages == ()
-    assert plan.states is not None and plan.sizing.num_state_slots >= 1
+    settings, _ = resolve_settings(model, None, ContinuousBatchingConfig(num_blocks=8))
+    assert settings.cache.kv_groups == () and settings.cache.group_pages == ()
+    assert settings.states is not None and settings.sizing.num_state_slots >= 1
 
 
 @pytest.mark.parametrize(

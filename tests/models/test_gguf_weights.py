@@ -28,7 +28,7 @@ from transformers_cb.models.gguf_weights import (
 from transformers_cb.models.loading import load_model_and_tokenizer, quantized_source
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner.products.packed_linear import PackRule
-from transformers_cb.runner.products.packed_model import pack_bytes, packed_plan
+from transformers_cb.runner.products.packed_model import pack_bytes, packing_settings
 from transformers_cb.runner.products.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF files")
@@ -68,7 +68,7 @@ def test_every_linear_and_the_tied_embedding_are_kept_in_blocks(gguf_path: Path)
     assert report.quantized_bytes < report.float_bytes_dropped / 3
     # Packing (oneDNN copies of float weights) finds nothing to pack, and its memory check counts nothing.
     rule = PackRule(every_weight=True)
-    assert packed_plan(model, rule).pack_sizes() == [] and pack_bytes(model, rule) == (0, 0)
+    assert packing_settings(model, rule).pack_sizes() == [] and pack_bytes(model, rule) == (0, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

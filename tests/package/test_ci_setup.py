@@ -114,15 +114,15 @@ def test_one_install_serves_run_and_serve_after_install_test(tmp_path):
     (venv / "bin" / "python").touch()
     (venv / ".installed-torch").touch()
 
-    def plan(target: str) -> list[str]:
+    def dry_run(target: str) -> list[str]:
         command = ["make", "-n", "-C", str(REPO_ROOT), f"VENV={venv}", target]
         return subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
 
-    for line in plan("install-test"):  # the install's stamps, as its recipe leaves them
+    for line in dry_run("install-test"):  # the install's stamps, as its recipe leaves them
         if line.startswith("touch "):
             subprocess.run(shlex.split(line), check=True)
     for target in ("run", "serve"):
-        steps = plan(target)
+        steps = dry_run(target)
         assert not any("pip install" in s for s in steps), f"make {target} reinstalls: {steps}"
 
 

@@ -172,7 +172,7 @@ IMPORT_ORDER: list[set[str]] = [
     {"scheduler"},
     {"runner"},
     {"distributed"},
-    {"model_check"},  # whether a model can run: the support check and its probes, read by the engine's plan
+    {"model_check"},  # whether a model can run: the support check and its probes, read by resolve_settings
     {"engine"},
     {"manager"},
     {"api"},

@@ -54,8 +54,10 @@ def test_conformance_check_module_and_command() -> None:
     from transformers_cb.parity import check
 
     assert conformance_check.run_check is check.run_check
-    # `main` wraps the check's own: `--model` also takes a registry name (fetched once).
-    assert callable(conformance_check.main) and conformance_check.main is not check.check_command
+    # `conformance_main` wraps the check's own: `--model` also takes a registry name (fetched once).
+    assert callable(conformance_check.conformance_main)
+    assert conformance_check.conformance_main is not check.check_command
+    assert not hasattr(conformance_check, "main")  # one public `main`: the console script's (cli/main.py)
     done = run_process(
         [sys.executable, "-m", "transformers_cb.conformance_check", "--help"],
         cwd=REPO_ROOT,

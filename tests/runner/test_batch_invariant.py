@@ -27,7 +27,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.submission import Submission
-from transformers_cb.runner.forward.compile_plan import CompilePlan
+from transformers_cb.runner.forward.compiling import CompileSettings
 from transformers_cb.runner.products.batch_invariant import (
     INVARIANT_ROWS,
     batch_invariant_modules,
@@ -212,31 +212,33 @@ def test_modules_are_patched_for_the_run_only() -> None:
         assert count == 0 and "forward" not in linear.__dict__
 
 
-def test_engine_plan_turns_off_packed_products_and_native_layer_ops() -> None:
+def test_engine_settings_turns_off_packed_products_and_native_layer_ops() -> None:
     model = sharp_model(torch.float32)
     config = ContinuousBatchingConfig(page_size=16, batch_invariant=True, packed_linear=True)
     engine = build_engine(model, GREEDY, config)
-    options = engine.plan.step_options
+    options = engine.settings.step_options
     assert options.batch_invariant and not options.packed_linear and not options.native_layers
     assert engine.runner.packer.native_prefill_max_work == sys.maxsize  # every chunk on the native kernel
 
 
 @pytest.mark.parametrize(
-    ("device", "plan", "problem"),
+    ("device", "settings", "problem"),
     [
-        ("cuda", CompilePlan(), "CPU only"),
-        ("cpu", CompilePlan(decode=CompileConfig()), "compiled forward"),
+        ("cuda", CompileSettings(), "CPU only"),
+        ("cpu", CompileSettings(decode=CompileConfig()), "compiled forward"),
     ],
 )
-def test_unsupported_setups_are_refused_at_start(device: str, plan: CompilePlan, problem: str) -> None:
+def test_unsupported_setups_are_refused_at_start(
+    device: str, settings: CompileSettings, problem: str
+) -> None:
     with pytest.raises(ValueError, match=f"batch_invariant=True: .*{problem}"):
-        check_batch_invariant(device, None, plan)
+        check_batch_invariant(device, None, settings)
 
 
 def test_the_native_kernel_switched_off_is_refused(monkeypatch) -> None:
     monkeypatch.setenv("TRANSFORMERS_CB_NATIVE_KERNEL", "0")
     with pytest.raises(ValueError, match="batch_invariant=True: .*TRANSFORMERS_CB_NATIVE_KERNEL=0"):
-        check_batch_invariant("cpu", None, CompilePlan())
+        check_batch_invariant("cpu", None, CompileSettings())
 
 
 def test_a_prefix_computed_by_another_request_gives_the_same_bits() -> None:

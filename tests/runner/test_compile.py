@@ -1,4 +1,4 @@
-"""`default_compile_level` / `varlen_compile_config` / `decode_compile_config`: the plan, and a compiled run
+"""`default_compile_level` / `varlen_compile_config` / `decode_compile_config`: the settings, and a compiled run
 on CPU (inductor with the system C++ compiler) that matches `generate()`."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import native_module
 from transformers_cb.engine.build import build_engine
-from transformers_cb.runner.forward.compile_plan import (
+from transformers_cb.runner.forward.compiling import (
     DECODE,
     VARLEN,
-    CompilePlan,
+    CompileSettings,
     PathForwards,
     level_compile_config,
-    resolve_compile_plan,
+    resolve_compile_settings,
 )
 
 
@@ -35,39 +35,43 @@ from transformers_cb.runner.forward.compile_plan import (
 def test_levels_follow_the_documented_table(level: int, mode: str, dynamic: bool) -> None:
     config = level_compile_config(level)
     assert (config.mode, config.dynamic, config.fullgraph) == (mode, dynamic, False)
-    plan = resolve_compile_plan(ContinuousBatchingConfig(default_compile_level=level), None, is_flash=False)
-    assert plan.varlen.to_dict() == plan.decode.to_dict() == config.to_dict()
+    settings = resolve_compile_settings(
+        ContinuousBatchingConfig(default_compile_level=level), None, is_flash=False
+    )
+    assert settings.varlen.to_dict() == settings.decode.to_dict() == config.to_dict()
 
 
 def test_level_zero_compiles_nothing_unless_a_config_says_so() -> None:
     assert level_compile_config(0) is None
-    plan = resolve_compile_plan(ContinuousBatchingConfig(), GenerationConfig(), is_flash=False)
-    assert plan.varlen is None and plan.decode is None
+    settings = resolve_compile_settings(ContinuousBatchingConfig(), GenerationConfig(), is_flash=False)
+    assert settings.varlen is None and settings.decode is None
     # The generation config's compile_config is the last fallback (as in transformers).
     fallback = CompileConfig(mode="default", dynamic=True)
     generation_config = GenerationConfig(compile_config=fallback)
-    plan = resolve_compile_plan(ContinuousBatchingConfig(), generation_config, is_flash=False)
-    assert plan.varlen is fallback and plan.decode is fallback
+    settings = resolve_compile_settings(ContinuousBatchingConfig(), generation_config, is_flash=False)
+    assert settings.varlen is fallback and settings.decode is fallback
 
 
 def test_path_configs_take_precedence_over_the_level() -> None:
     varlen = CompileConfig(mode="default", dynamic=False)
     config = ContinuousBatchingConfig(default_compile_level=3, varlen_compile_config=varlen)
-    plan = resolve_compile_plan(config, None, is_flash=False)
-    assert plan.for_path(VARLEN) is varlen
-    assert plan.for_path(DECODE).to_dict() == level_compile_config(3).to_dict()
+    settings = resolve_compile_settings(config, None, is_flash=False)
+    assert settings.for_path(VARLEN) is varlen
+    assert settings.for_path(DECODE).to_dict() == level_compile_config(3).to_dict()
     decode = ContinuousBatchingConfig(decode_compile_config={"mode": "default"})
-    plan = resolve_compile_plan(decode, None, is_flash=False)
-    assert plan.decode.mode == "default" and plan.varlen is None
+    settings = resolve_compile_settings(decode, None, is_flash=False)
+    assert settings.decode.mode == "default" and settings.varlen is None
 
 
 def test_flash_varlen_path_is_not_compiled_by_the_level() -> None:
     """The documents: with flash attention the level applies to the decode path only."""
-    plan = resolve_compile_plan(ContinuousBatchingConfig(default_compile_level=1), None, is_flash=True)
-    assert plan.varlen is None and plan.decode is not None
+    settings = resolve_compile_settings(
+        ContinuousBatchingConfig(default_compile_level=1), None, is_flash=True
+    )
+    assert settings.varlen is None and settings.decode is not None
     explicit = CompileConfig(mode="default")
     config = ContinuousBatchingConfig(default_compile_level=1, varlen_compile_config=explicit)
-    assert resolve_compile_plan(config, None, is_flash=True).varlen is explicit
+    assert resolve_compile_settings(config, None, is_flash=True).varlen is explicit
 
 
 @pytest.mark.slow  # inductor compiles on the CPU: over 30 s on a quiet machine
@@ -111,7 +115,7 @@ def test_compiled_steps_are_one_graph_per_path_and_never_recompile() -> None:
 def test_one_token_steps_take_the_eager_forward() -> None:
     """A compiled one-token step would be a graph of its own (sizes of 1 specialise): it runs eagerly."""
     model = tiny_llama()
-    forwards = PathForwards(model, CompilePlan(decode=level_compile_config(1)))
+    forwards = PathForwards(model, CompileSettings(decode=level_compile_config(1)))
     assert forwards(DECODE, 1) == model.forward
     assert forwards(DECODE, 3) != model.forward  # compiled (lazily: nothing compiles until it is called)
     assert forwards(VARLEN, 3) == model.forward  # no config for this path

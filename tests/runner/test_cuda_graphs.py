@@ -23,12 +23,12 @@ from transformers_cb.attention.backends.fast_path import prepare_flash_step
 from transformers_cb.attention.backends.flash_kernels import FA2
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.config.continuous_batching import DeviceOptions, resolve_device_options
-from transformers_cb.engine import plan as plan_module
+from transformers_cb.engine import settings as settings_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.submission import Submission
 from transformers_cb.runner.forward.async_batching import BufferTurns
-from transformers_cb.runner.forward.compile_plan import DECODE, VARLEN
+from transformers_cb.runner.forward.compiling import DECODE, VARLEN
 from transformers_cb.runner.forward.cuda_graphs import GraphKey, LRUCache, padded_length
 
 GREEDY = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -51,7 +51,7 @@ def _as_configured(config: ContinuousBatchingConfig, device_type: str) -> Device
 def graphs_on_cpu(monkeypatch):
     """Keep `use_cuda_graph` on for a CPU engine: its graph steps then run eagerly (no capture)."""
     if not CUDA:
-        monkeypatch.setattr(plan_module, "resolve_device_options", _as_configured)
+        monkeypatch.setattr(settings_module, "resolve_device_options", _as_configured)
     with flash_double.injected(fa2=True) as calls:
         yield calls
 
@@ -90,7 +90,7 @@ def test_steps_are_keyed_by_padded_query_and_kv_lengths(graphs_on_cpu) -> None:
     graphs = engine.runner.graphs
     engine.add(engine.build_request(Submission(list(range(3, 23)), "a")))
     step = engine.packer.pack(engine.scheduler.schedule())
-    prepare_flash_step(step.metadata, engine.plan.step_options.max_blocks_per_request)
+    prepare_flash_step(step.metadata, engine.settings.step_options.max_blocks_per_request)
     # 20 tokens -> 24; KV 20 -> 300 -> 512 (whole pages of 256: the block table is page-granular)
     assert graphs.key_for(step, VARLEN) == GraphKey(VARLEN, 24, 512)
     assert graphs.key_for(step, DECODE) == GraphKey(DECODE, 24, 0)  # fixed table width: no KV bucket
@@ -117,7 +117,7 @@ def test_graph_steps_select_the_rows_of_a_model_ignoring_logits_to_keep(graphs_o
     model = tiny_llama_ignoring_logits_to_keep()
     model.set_attn_implementation(FA2)
     engine = build_engine(model, GREEDY, _config(q_padding_interval_size=4, max_batch_tokens=16))
-    assert engine.plan.step_options.select_logit_rows
+    assert engine.settings.step_options.select_logit_rows
     _run_matches_generate(engine, model)
 
 
@@ -141,7 +141,7 @@ def test_padded_rows_write_only_the_scratch_page(graphs_on_cpu, decode: bool) ->
             engine.scheduler.update(batch, engine.runner.run(batch).sampled)
         batch = engine.scheduler.schedule()
     step = engine.packer.pack(batch)
-    prepare_flash_step(step.metadata, engine.plan.step_options.max_blocks_per_request)
+    prepare_flash_step(step.metadata, engine.settings.step_options.max_blocks_per_request)
     path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
     assert path == (DECODE if decode else VARLEN)
     cache = engine.cache
@@ -187,10 +187,10 @@ def test_cuda_options_resolve_instead_of_raising(caplog) -> None:
 
 
 def test_graphs_need_a_flash_backend(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(plan_module, "resolve_device_options", _as_configured)
+    monkeypatch.setattr(settings_module, "resolve_device_options", _as_configured)
     with caplog.at_level(logging.WARNING, logger="transformers_cb"):
         engine = build_engine(tiny_llama(), GREEDY, _config(auto_switch_to_flash=False))
-    assert engine.runner.graphs is None and engine.plan.step_options.cuda_graphs == (False, False)
+    assert engine.runner.graphs is None and engine.settings.step_options.cuda_graphs == (False, False)
     assert "needs a paged flash-attention backend" in caplog.text
 
 

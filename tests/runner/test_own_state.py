@@ -11,7 +11,7 @@ from conformance.common import check_parity, greedy_config
 from tests.support.hybrids import build_hybrid
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.engine.plan import resolve_plan
+from transformers_cb.engine.settings import resolve_settings
 from transformers_cb.invariants import InvariantError
 from transformers_cb.memory.state_cache import CONV, RECURRENT, StateCache
 from transformers_cb.model_check.state_probe import state_problems
@@ -123,15 +123,15 @@ def test_a_state_layer_called_on_part_of_the_step_is_an_error() -> None:
 
 
 def test_xlstm_steps_stay_within_its_chunk_limit() -> None:
-    """xLSTM runs a forward longer than `max_inference_chunksize` in pieces of its own: the plan lowers
+    """xLSTM runs a forward longer than `max_inference_chunksize` in pieces of its own: the settings lower
     the default step budget to it (and then equals `generate()`, which splits a long prompt the same
-    way), and refuses a `max_batch_tokens` asked above it, naming the field."""
+    way), and refuse a `max_batch_tokens` asked above it, naming the field."""
     model = build_hybrid("xlstm")
     model.config.max_inference_chunksize = 8
-    plan, _ = resolve_plan(model, None, ContinuousBatchingConfig(num_blocks=8))
-    assert plan.sizing.max_batch_tokens == 8
+    settings, _ = resolve_settings(model, None, ContinuousBatchingConfig(num_blocks=8))
+    assert settings.sizing.max_batch_tokens == 8
     with pytest.raises(ValueError, match="max_batch_tokens=16 exceeds the 8 tokens"):
-        resolve_plan(model, None, ContinuousBatchingConfig(max_batch_tokens=16))
+        resolve_settings(model, None, ContinuousBatchingConfig(max_batch_tokens=16))
     prompts = [[(7 * i + 3) % 250 + 3 for i in range(n)] for n in (21, 5)]
     outputs = model.generate_batch(prompts, greedy_config(6), progress_bar=False)
     expected = [greedy_reference(model, p, 6) for p in prompts]

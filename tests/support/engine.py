@@ -14,7 +14,7 @@ from transformers_cb.requests import Request
 def run_prompts(engine: Engine, model: PreTrainedModel, prompts: list[list[int]]) -> list[Request]:
     """Requests `r0`, `r1`, ... for `prompts`, all added, then stepped until no work is left; in order."""
     requests = [engine.build_request(Submission(p, f"r{i}")) for i, p in enumerate(prompts)]
-    with paged_backend(model, engine.plan.step_options.attn_implementation), torch.inference_mode():
+    with paged_backend(model, engine.settings.step_options.attn_implementation), torch.inference_mode():
         for request in requests:
             engine.add(request)
         while engine.has_work():

@@ -16,7 +16,7 @@ from transformers_cb.distributed import TensorParallelCoordinator, TensorParalle
 from transformers_cb.distributed.coordinator import Kind, StepMessage
 from transformers_cb.engine.build import wire
 from transformers_cb.engine.engine import Engine
-from transformers_cb.engine.plan import resolve_plan
+from transformers_cb.engine.settings import resolve_settings
 
 
 class ChannelGroup:
@@ -60,8 +60,8 @@ def coordinator(rank: int, channel: queue.Queue) -> TensorParallelCoordinator:
 def engine_pair(
     model: PreTrainedModel, generation_config: GenerationConfig, config: ContinuousBatchingConfig
 ) -> tuple[Engine, Engine, queue.Queue]:
-    """Rank 0's engine and rank 1's (a `FollowerEngine`) from one plan, on one model, and their channel."""
-    plan, _ = resolve_plan(model, generation_config, config)
+    """Rank 0's engine and rank 1's (a `FollowerEngine`) from one `EngineSettings`, on one model, and their channel."""
+    settings, _ = resolve_settings(model, generation_config, config)
     channel: queue.Queue = queue.Queue()
-    driver, follower = (wire(model, plan, coordinator(rank, channel)) for rank in (0, 1))
+    driver, follower = (wire(model, settings, coordinator(rank, channel)) for rank in (0, 1))
     return driver, follower, channel

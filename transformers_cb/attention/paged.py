@@ -149,7 +149,7 @@ def paged_attention(
     A step whose every token the native kernel attends (decodes and short prefill chunks) is one custom op
     per layer, which `torch.compile` keeps in its graph (no break); any other step runs
     `mixed_paged_attention` (attention/mixed_paged.py), whose Python follows the step's groups (the runner runs such steps' forward
-    eagerly: see runner/forward/compile_plan.py).
+    eagerly: see runner/forward/compiling.py).
     """
     if (
         not metadata.all_native

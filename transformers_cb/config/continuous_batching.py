@@ -3,7 +3,7 @@
 This room owns the field list, their validation (`validate()`: types and ranges, `ValueError` only)
 and `resolve_device_options` (GPU-only options on another device, as a `DeviceOptions`). Everything
 that depends on the model and the device (`num_blocks`, `max_batch_tokens`, ...) is resolved into
-separate frozen objects (`memory/sizing.py`, `engine/plan.py`'s `EnginePlan`): no config, the user's or
+separate frozen objects (`memory/sizing.py`, `engine/settings.py`'s `EngineSettings`): no config, the user's or
 the engine's copy, is ever written after it is validated.
 """
 

@@ -1,4 +1,4 @@
-"""The engine's draft model (`assistant_model`): what it may be, its plan, and its draft source.
+"""The engine's draft model (`assistant_model`): what it may be, its settings, and its draft source.
 
 An assistant drafts tokens for the target to verify (scheduler/shadow_planner.py plans its steps,
 runner/drafter.py runs them): it must share the target's
@@ -26,7 +26,7 @@ from ..config.continuous_batching import ContinuousBatchingConfig
 from ..distributed.sharding import tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
 from ..kv.page_policies import num_pages_for
-from ..memory.cache_plan import layout_of
+from ..memory.cache_settings import layout_of
 from ..memory.kv_cache import CacheLayout
 from ..memory.sizing import ModelShape, Sizing, resolve_group_pages
 from ..model_check.model_support import (
@@ -44,7 +44,7 @@ _TORCH_BACKENDS = {"eager": "paged|eager", "paged|eager": "paged|eager", "paged|
 
 
 @dataclass(frozen=True)
-class AssistantPlan:
+class AssistantModelSettings:
     """The assistant's resolved settings: its shape, KV groups, cache layout and block-table widths."""
 
     shape: ModelShape
@@ -99,8 +99,8 @@ def resolve_assistant(
     config: ContinuousBatchingConfig,
     workload: list[int] | None,
     model_backend: str | None = None,
-) -> AssistantPlan:
-    """The assistant's plan: its KV groups with the target's page count (`sizing`), block-table widths for
+) -> AssistantModelSettings:
+    """The assistant's settings: its KV groups with the target's page count (`sizing`), block-table widths for
     its context, its backend (`model_backend`: the model's own, when the model is its own assistant: one
     object cannot run two backends; the drafter's steps need a torch one)."""
     groups = tuple(kv_groups_from_config(assistant.config, observed_layers_of(assistant)))
@@ -121,7 +121,7 @@ def resolve_assistant(
                 "not a torch paged backend the drafter can step ('paged|sdpa', 'paged|eager')"
             )
         current = model_backend
-    return AssistantPlan(
+    return AssistantModelSettings(
         shape=shape,
         kv_groups=groups,
         cache=cache,
@@ -132,11 +132,11 @@ def resolve_assistant(
 
 
 def build_drafter(
-    assistant: PreTrainedModel, plan: AssistantPlan, max_batch_tokens: int
+    assistant: PreTrainedModel, settings: AssistantModelSettings, max_batch_tokens: int
 ) -> ShadowPlanner[Drafter]:
-    """The draft model's source from `plan`: its KV parts wired as the target's (`wire_kv`: page pools and
+    """The draft model's source from `settings`: its KV parts wired as the target's (`wire_kv`: page pools and
     policies, no prefix sharing, its KV tensors, its packer), the planner owning the pages and the
     drafter (runner/drafter.py) executing its forwards."""
-    kv = wire_kv(plan.kv_groups, plan.cache, plan.group_widths, plan.cache.device)
-    executor = Drafter(assistant, kv.packer, plan.attn_implementation, plan.select_rows)
+    kv = wire_kv(settings.kv_groups, settings.cache, settings.group_widths, settings.cache.device)
+    executor = Drafter(assistant, kv.packer, settings.attn_implementation, settings.select_rows)
     return ShadowPlanner(kv.pages, executor, max_batch_tokens)

@@ -36,7 +36,7 @@ def release_problem(engine: Engine) -> str | None:
     this module does not rebuild."""
     if engine.is_follower or isinstance(engine.publisher, TensorParallelPublisher):
         return "tensor parallelism"
-    if engine.runner.states is not None:
+    if engine.settings.states is not None:
         return "a model with state layers (its state slots)"
     if engine.runner.graphs is not None:
         return "CUDA graphs (they hold the cache's addresses)"
@@ -81,7 +81,7 @@ def trim_heap() -> None:
 
 
 def restore_cache(engine: Engine, released: ReleasedCache) -> None:
-    """Allocate again what `release_cache` freed (the same shapes, so the same plan holds)."""
+    """Allocate again what `release_cache` freed (the same shapes, so the same settings hold)."""
     engine.cache.restore()
     swapper = engine.runner.swapper
     if swapper is not None and released.host is not None:

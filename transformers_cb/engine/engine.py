@@ -3,14 +3,14 @@
 `generate_batch` and the background manager both drive the same `step()`; the
 loop around it is theirs (blocking vs. threaded), the step is shared. An engine is
 built by `build.py` (`build_engine`): every setting resolved once into a frozen
-`EnginePlan` (plan.py), then the parts wired; the engine takes both and resolves nothing. A
+`EngineSettings` (settings.py), then the parts wired; the engine takes both and resolves nothing. A
 tensor-parallel rank other than 0 is a `FollowerEngine` (follower.py); rank 0 tells
 the others about each step through its `StepPublisher` (publisher.py).
 
 The layers above (manager/, api/, serve/, ...) use the surface below (`build_request`,
 `add`, `step`, `finish`, `warmup`, `snapshot`, the page counts, the processor stages, `rank`,
-...) and read settings from the frozen `plan` (`engine.plan.sampling.generation_config`,
-`engine.plan.cache.sharing`, ...); never the parts behind it.
+...) and read settings from the frozen `settings` (`engine.settings.sampling.generation_config`,
+`engine.settings.cache.sharing`, ...); never the parts behind it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .weight_watch import WeightWatch
 
 if TYPE_CHECKING:
     from ..scheduler.step_plan import StepPlan
-    from .plan import EnginePlan
+    from .settings import EngineSettings
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +50,12 @@ WARMUP_REQUEST_ID = "__warmup__"
 
 class Engine:
     """Args:
-    plan: every setting, resolved (`plan.resolve_plan`); read, never written.
+    settings: every setting, resolved (`settings.resolve_settings`); read, never written.
     parts: the parts wired from it (`build.build_engine` builds both: use it to make an engine).
     """
 
-    def __init__(self, plan: EnginePlan, parts: EngineParts) -> None:
-        self.plan = plan
+    def __init__(self, settings: EngineSettings, parts: EngineParts) -> None:
+        self.settings = settings
         self.model = parts.model
         self.pages = parts.pages
         self.scheduler = parts.scheduler
@@ -174,7 +174,9 @@ class Engine:
         if self.has_work():
             return False
         length = min(
-            num_prompt_tokens, self.plan.sizing.max_batch_tokens, self.plan.shape.max_position_embeddings - 2
+            num_prompt_tokens,
+            self.settings.sizing.max_batch_tokens,
+            self.settings.shape.max_position_embeddings - 2,
         )
         length = max(1, length)
         request = Request(request_id=WARMUP_REQUEST_ID, prompt_ids=[0] * length, max_new_tokens=2)
@@ -245,13 +247,13 @@ class Engine:
         (runner/products/batch_invariant.py), inference mode; all restored on exit. Every caller that steps the
         engine enters it, and only it."""
         with (
-            paged_backend(self.model, self.plan.step_options.attn_implementation),
-            packed_linears(self.model, self.plan.step_options.packed_linear),
-            int8_linears(self.model, self.plan.step_options.int8_linears),
-            native_layers(self.model, self.plan.step_options.native_layers),
+            paged_backend(self.model, self.settings.step_options.attn_implementation),
+            packed_linears(self.model, self.settings.step_options.packed_linear),
+            int8_linears(self.model, self.settings.step_options.int8_linears),
+            native_layers(self.model, self.settings.step_options.native_layers),
             self.assistant_session(),
             self.runner.session(),
-            batch_invariant_modules(self.model, self.plan.step_options.batch_invariant),
+            batch_invariant_modules(self.model, self.settings.step_options.batch_invariant),
             torch.inference_mode(),
         ):
             yield
@@ -358,12 +360,16 @@ class Engine:
             compiled_graphs=self.runner.forwards.graphs_compiled,
             state_slots_in_use=slots.num_in_use if slots is not None else 0,
             state_slots_total=slots.num_slots if slots is not None else 0,
-            state_bytes_per_slot=self.plan.states.bytes_per_slot if self.plan.states is not None else 0,
-            kv_bytes_per_token=self.plan.cache.layout.bytes_per_token(),
+            state_bytes_per_slot=self.settings.states.bytes_per_slot
+            if self.settings.states is not None
+            else 0,
+            kv_bytes_per_token=self.settings.cache.layout.bytes_per_token(),
             weight_version=self.weight_version,
-            packed_weight_bytes=model_pack_bytes(self.model) if self.plan.step_options.packed_linear else 0,
-            media_items_encoded=media.items_encoded if media is not None else 0,
-            media_encode_seconds=media.encode_seconds if media is not None else 0.0,
+            packed_weight_bytes=model_pack_bytes(self.model)
+            if self.settings.step_options.packed_linear
+            else 0,
+            media_items_encoded=media.items_encoded,
+            media_encode_seconds=media.encode_seconds,
             media_store_rows=budget.used if budget is not None else 0,
             media_store_capacity=budget.capacity if budget is not None else 0,
             speculation=replace(scheduler.speculation),

@@ -18,15 +18,15 @@ from .snapshot import EngineCounters
 
 if TYPE_CHECKING:
     from ..distributed import TensorParallelCoordinator
-    from .plan import EnginePlan
+    from .settings import EngineSettings
 
 
 class FollowerEngine(Engine):
-    """Args: plan, parts: as `Engine`'s (the same plan as rank 0's: sizes are agreed at start);
+    """Args: settings, parts: as `Engine`'s (the same settings as rank 0's: sizes are agreed at start);
     tp: this rank's coordinator (not the driver)."""
 
-    def __init__(self, plan: EnginePlan, parts: EngineParts, tp: TensorParallelCoordinator) -> None:
-        super().__init__(plan, parts)
+    def __init__(self, settings: EngineSettings, parts: EngineParts, tp: TensorParallelCoordinator) -> None:
+        super().__init__(settings, parts)
         self.tp = tp
 
     @property

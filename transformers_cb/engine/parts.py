@@ -1,5 +1,5 @@
 """What an engine is made of and what its step returns: `EngineParts` (the parts `build.py` wires from an
-`EnginePlan`, each built once) and `StepResult` (one step's outcome for the loop around it)."""
+`EngineSettings`, each built once) and `StepResult` (one step's outcome for the loop around it)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class StepResult:
 
 @dataclass
 class EngineParts:
-    """What `build.py` wires from an `EnginePlan`, each part built once.
+    """What `build.py` wires from an `EngineSettings`, each part built once.
 
     `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
     scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what

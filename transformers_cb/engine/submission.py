@@ -6,7 +6,7 @@ Each entry point (`generate_batch`, the manager's `add_request(s)`, through it t
 caller's keyword arguments into one typed `Submission` through `make_submission`, the one place a
 per-request kwargs bag is sorted by name (sampling, speculation, media); nothing below it splits a dict.
 
-`RequestBuilder` is one of the engine's parts, wired in build.py from the plan and the parts it asks
+`RequestBuilder` is one of the engine's parts, wired in build.py from the settings and the parts it asks
 (the sampling setup, the engine's speculation, the device tier's pages), and called as
 `engine.build_request(submission)`; it knows nothing of the engine itself.
 """

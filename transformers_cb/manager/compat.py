@@ -62,20 +62,20 @@ class KVCacheView:
 
     @property
     def block_size(self) -> int:
-        return self._engine.plan.cache.page_size
+        return self._engine.settings.cache.page_size
 
     @property
     def num_groups(self) -> int:
-        return len(self._engine.plan.cache.kv_groups)
+        return len(self._engine.settings.cache.kv_groups)
 
     @property
     def allow_block_sharing(self) -> bool:
         # The config's flag; here it is also whether sharing runs (`use_prefix_sharing`).
-        return self._engine.plan.cache.sharing
+        return self._engine.settings.cache.sharing
 
     @property
     def use_prefix_sharing(self) -> bool:
-        return self._engine.plan.cache.sharing
+        return self._engine.settings.cache.sharing
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         """Free pages, as a fraction of all pages (`relative`) or a count."""

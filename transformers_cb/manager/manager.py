@@ -81,7 +81,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
             all_request_stages=all_request_stages,
             assistant_model=assistant_model,
         )
-        self.max_queue_size = engine.plan.scheduler.max_queue_size
+        self.max_queue_size = engine.settings.scheduler.max_queue_size
         self._state = ManagerState(engine)
         self._router = ResultRouter()
         self._throughput = ThroughputWindow()

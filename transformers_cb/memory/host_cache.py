@@ -33,8 +33,8 @@ CPU_HOST_CACHE_FACTOR = 4
 
 
 @dataclass(frozen=True)
-class HostPlan:
-    """The host tier of one engine (part of the `EnginePlan`): `num_pages` host pages in every KV group
+class HostSettings:
+    """The host tier of one engine (part of the `EngineSettings`): `num_pages` host pages in every KV group
     (0: no CPU offload), from `resolve_host_pages`, the same on every tensor-parallel rank (the fewest any
     rank can afford) so that rank 0's host page ids are valid everywhere."""
 

@@ -28,7 +28,7 @@ from .released_tensors import TensorSpec, release_in_place, restore_in_place
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The shape of the KV tensors, known before a byte is allocated (the engine's plan holds it).
+    """The shape of the KV tensors, known before a byte is allocated (the engine's settings hold it).
 
     `pages[g]`: pages of group `g` (its pool's size); `scratch_page`: one more page per group, outside
     its pool, for CUDA graphs' padded rows. `num_kv_heads` x `head_dim`: the head shape of every group

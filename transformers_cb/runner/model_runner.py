@@ -14,9 +14,9 @@ ask for prompt logprobs, their prompt positions), and samples. It returns a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PreTrainedModel
@@ -32,13 +32,13 @@ from ..sampling.sampled_token import SampledToken
 from ..sampling.sampler import Sampler
 from ..scheduler.step_plan import StepPlan
 from .adapter_rows import AdapterRows, adapter_step, step_adapters
-from .forward.compile_plan import DECODE, VARLEN, CompilePlan, PathForwards
+from .forward.compiling import DECODE, VARLEN, PathForwards
 from .forward.cuda_graphs import make_graph_steps
 from .forward.model_call import call_model
-from .media.media_runner import MediaRunner, MediaStepInputs
+from .media.media_runner import MediaRunner, NoMedia
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
-from .request_rotary import RequestRotary
-from .states.state_layers import StateLayers
+from .request_rotary import NoRotary, RequestRotary
+from .states.state_layers import NoStateLayers, StateLayers
 from .verified_step import verified_tokens
 
 if TYPE_CHECKING:
@@ -60,26 +60,31 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Args: options: backend, fast path, compile plan and graphs (None: plain eager forward);
-    swapper: the copier between the device and the host tier (None: no CPU offload); states: the
-    model's state layers and their slots' tensors (None: no state layers); media: the encoder and the
-    embedding store of a model that takes images / videos / audio (runner/media/media_runner.py; None: text only)."""
+    """Args: options: backend, fast path, compile settings and graphs; swapper: the copier between the
+    device and the host tier (None: no CPU offload); states: the model's state layers and their slots'
+    tensors (None: no state layers); media: the encoder and the embedding store of a model that takes
+    images / videos / audio (runner/media/media_runner.py; None: text only).
+
+    The optional parts the forward calls at every step are held as null objects in place of None
+    (`NoStateLayers`, `NoRotary`, `NoMedia`: nothing installed, encoded or carried), as the scheduler holds
+    `NoOffload`: no step asks whether the model has state layers, a dynamic rotary or media."""
 
     def __init__(
         self,
         model: PreTrainedModel,
         packer: BatchPacker,
         sampler: Sampler,
-        options: StepOptions | None = None,
+        options: StepOptions,
         swapper: SwapCopier | None = None,
         states: StateLayers | None = None,
         media: MediaRunner | None = None,
     ) -> None:
         self.model = model
-        self.states = states
+        self.states: StateLayers | NoStateLayers = states if states is not None else NoStateLayers()
         # A dynamic rotary embedding (LongRoPE, dynamic NTK): each request's own frequencies.
-        self.rotary = RequestRotary.of(model, packer.rope_rule)
-        self.media = media
+        rotary = RequestRotary.of(model, packer.rope_rule)
+        self.rotary: RequestRotary | NoRotary = rotary if rotary is not None else NoRotary()
+        self.media: MediaRunner | NoMedia = media if media is not None else NoMedia()
         self.packer = packer
         self.sampler = sampler
         self.swapper = swapper
@@ -87,10 +92,10 @@ class ModelRunner:
         self.slot_group = len(packer.cache.group_tensors)
         self.device = packer.device
         self.options = options
-        self.forwards = PathForwards(model, options.compile_plan if options else CompilePlan())
+        self.forwards = PathForwards(model, options.compile_settings)
         self.graphs = make_graph_steps(model, packer, options, self.forwards)
-        plan = self.forwards.plan
-        if (plan.varlen is not None or plan.decode is not None) and not (options and options.is_flash):
+        compiled = self.forwards.settings
+        if (compiled.varlen is not None or compiled.decode is not None) and not options.is_flash:
             packer.min_table_columns = MIN_COMPILED_TABLE_COLUMNS
         # A 4D mask makes transformers' mask builders return early: the paged kernels mask by construction.
         self._no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
@@ -103,15 +108,8 @@ class ModelRunner:
         """The runner's part of the run session (`Engine.session`): the state layers' split forwards and
         the per-request rotary forwards (runner/request_rotary.py), installed once for the run (nothing
         without either)."""
-        with (
-            self.states.session() if self.states is not None else nullcontext(),
-            self.rotary.session() if self.rotary is not None else nullcontext(),
-            self.adapter_rows.session(),
-        ):
+        with self.states.session(), self.rotary.session(), self.adapter_rows.session():
             yield
-
-    def _rotary_step(self) -> AbstractContextManager[Any]:
-        return self.rotary.step() if self.rotary is not None else nullcontext()
 
     # -- the sampler: replaced only through these two ---------------------------------------------
     def replace_stages(self, stages: list[Stage]) -> None:
@@ -142,25 +140,23 @@ class ModelRunner:
         self.release(batch.released)
 
     def _copy(self, copies: list[PageCopy]) -> None:
-        """Run copies `(group, source, destination)`: the KV groups' pages, then the slot group's states."""
-        if self.states is None:
-            self.packer.cache.copy_pages(copies)
-            return
+        """Run copies `(group, source, destination)`: the KV groups' pages, then the slot group's states
+        (none without state layers)."""
         slot_group = self.slot_group
         pages = [copy for copy in copies if copy[0] != slot_group]
         if pages:
             self.packer.cache.copy_pages(pages)
         slots = [(source, destination) for group, source, destination in copies if group == slot_group]
         if slots:
-            self.states.cache.copy_slots(slots)
+            present(self.states.cache, "state copies planned without state layers").copy_slots(slots)
 
     def _swap(self, plan: SwapPlan) -> None:
         """Run the host-tier swaps: the slot group's states, then the KV groups' pages."""
         out, back = plan.pairs(self.slot_group)
         if out or back:
-            states = present(self.states, "state swaps planned without state layers")
-            host = present(states.host, "state swaps planned without a host tier")
-            swap_states(states.cache, host, out, back)
+            cache = present(self.states.cache, "state swaps planned without state layers")
+            host = present(self.states.host, "state swaps planned without a host tier")
+            swap_states(cache, host, out, back)
         pages = plan.head(min(plan.num_groups, self.slot_group))
         check(self.swapper is not None or pages.is_empty, "swaps planned without a host tier")
         if self.swapper is not None:
@@ -170,13 +166,12 @@ class ModelRunner:
         """Give the block-table rows of `requests` back (their pages were freed)."""
         for request in requests:
             self.packer.release_request(request)
-            if self.media is not None:
-                self.media.release(request)
+            self.media.release(request)
 
     def encode_media(self, batch: StepPlan) -> dict[str, str]:
         """Encode the media of the plan's `encode` requests into the store; `{request id: why}` for those
         that failed (the engine fails only them, before the step runs)."""
-        if not batch.encode or self.media is None:
+        if not batch.encode:
             return {}
         return self.media.encode(batch.encode)
 
@@ -186,8 +181,7 @@ class ModelRunner:
         self.apply(batch)
         step = self.packer.pack(batch)
         logits, prompt_logits = self._forward(step)
-        if self.media is not None:
-            self.media.after_step(step.ordered)
+        self.media.after_step(step.ordered)
         if any(entry.draft for entry in step.sampling_entries):
             verified = verified_tokens(self.sampler, logits.float(), step.sampling_entries, batch)
             output = StepOutput(sampled=verified)
@@ -231,7 +225,7 @@ class ModelRunner:
         if keep.numel() == 0:
             # A step of prefill chunks only: keep one position so shapes stay valid, discard it.
             keep = torch.zeros(1, dtype=torch.int64, device=self.device)
-        if self.options is not None and self.options.is_flash:
+        if self.options.is_flash:
             prepare_flash_step(step.metadata, self.options.max_blocks_per_request)
         path = DECODE if step.metadata.max_seqlen_q == 1 else VARLEN
         adapters = step_adapters(
@@ -240,21 +234,17 @@ class ModelRunner:
             keep,
             self._head,
         )
-        media = (
-            self.media.step_inputs(step.ordered, step.input_ids)
-            if self.media is not None
-            else MediaStepInputs()
-        )
+        media = self.media.step_inputs(step.ordered, step.input_ids)
         if adapters is not None or media.inputs_embeds is not None or media.position_ids is not None:
             # The eager forward: requests on adapters (runner/adapter_rows.py groups rows in Python; no graph or
             # compiled path captures one step's groups), or embeddings / 3-D positions (the compiled paths and
             # graphs take token ids and 1-D positions; one token's path is never compiled).
             with (
-                self.states.step(step.states) if self.states is not None else nullcontext(),
-                self._rotary_step(),
+                self.states.step(step.states),
+                self.rotary.step(),
                 self.adapter_rows.step() if adapters is not None else nullcontext(),
                 adapter_step(adapters),
-                self.media.carried(media) if self.media is not None else nullcontext(),
+                self.media.carried(media),
             ):
                 logits = call_model(
                     self.forwards(path, 1),
@@ -263,7 +253,7 @@ class ModelRunner:
                     self._no_mask,
                     keep,
                     step.metadata,
-                    self.options is not None and self.options.select_logit_rows,
+                    self.options.select_logit_rows,
                     inputs_embeds=media.inputs_embeds,
                 )
             return logits[:num_sampled], (logits[num_sampled:] if step.prompt_indices else None)
@@ -272,8 +262,8 @@ class ModelRunner:
             graph_path = DECODE if step.metadata.decode_fast_path is not None else VARLEN
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
-        traceable = step.metadata.all_native or (self.options is not None and self.options.is_flash)
-        with self.states.step(step.states) if self.states is not None else nullcontext(), self._rotary_step():
+        traceable = step.metadata.all_native or self.options.is_flash
+        with self.states.step(step.states), self.rotary.step():
             logits = call_model(
                 self.forwards(path, step.input_ids.shape[1], traceable),
                 step.input_ids,
@@ -281,7 +271,7 @@ class ModelRunner:
                 self._no_mask,
                 keep,
                 step.metadata,
-                self.options is not None and self.options.select_logit_rows,
+                self.options.select_logit_rows,
             )  # [S (+ P), vocab]
         if not step.prompt_indices:
             return logits[:num_sampled], None

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -162,6 +162,17 @@ def per_request_rotary(modules: list[nn.Module], rule: RopeRule) -> Iterator[Non
     ]
     with patched("request_rotary", patches):
         yield
+
+
+class NoRotary:
+    """The per-request rotary of a model without a dynamic rotary embedding: nothing installed for a run
+    session or a step. The runner holds one in place of None (`ModelRunner.rotary`)."""
+
+    def session(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def step(self) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 @dataclass

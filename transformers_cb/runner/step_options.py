@@ -1,6 +1,6 @@
-"""How the engine runs each step's forward: backend, decode fast path, compile plan, CUDA graphs.
+"""How the engine runs each step's forward: backend, decode fast path, compile settings, CUDA graphs.
 
-Resolved once when the engine is built (engine/plan.py), from the model, its device, the
+Resolved once when the engine is built (engine/settings.py), from the model, its device, the
 `ContinuousBatchingConfig` (read only) and its `DeviceOptions` (the GPU-only options as they apply on
 the device), so a bad combination fails at start with an error naming it, and each step only reads the
 result.
@@ -23,7 +23,7 @@ from ..attention.native.kernel import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
-from .forward.compile_plan import CompilePlan, resolve_compile_plan
+from .forward.compiling import CompileSettings, resolve_compile_settings
 from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
 from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
 from .products.packed_model import pack_bytes
@@ -39,7 +39,7 @@ class StepOptions:
     attn_implementation: str
     kernel: FlashKernel | None  # the flash kernel, for flash backends
     max_blocks_per_request: int  # decode fast path table width; 0: off
-    compile_plan: CompilePlan
+    compile_settings: CompileSettings
     cuda_graphs: tuple[bool, bool]  # (varlen, decode)
     async_batching: bool
     q_padding_interval_size: int
@@ -139,7 +139,9 @@ def resolve_packed_linear(
 NATIVE_BUILD_TIMEOUT = 600.0
 
 
-def check_batch_invariant(device_type: str, kernel: FlashKernel | None, compile_plan: CompilePlan) -> None:
+def check_batch_invariant(
+    device_type: str, kernel: FlashKernel | None, compile_settings: CompileSettings
+) -> None:
     """`batch_invariant=True` runs on the CPU's native attention kernel and eager forwards only: refuse the
     rest at start, naming it, rather than run steps whose rows would depend on each other."""
     problem = None
@@ -147,7 +149,7 @@ def check_batch_invariant(device_type: str, kernel: FlashKernel | None, compile_
         problem = f"it runs on the CPU only (the model is on {device_type})"
     elif kernel is not None:
         problem = f"it needs the paged torch backends' native kernel, not {kernel.name!r}"
-    elif compile_plan != CompilePlan():
+    elif compile_settings != CompileSettings():
         problem = (
             "a compiled forward may fuse a row's operations differently by step shape: set no compile level"
         )
@@ -178,10 +180,10 @@ def resolve_step_options(
         _check_page_size(kernel, page_size)
         _check_sinks(kernel, model)
     graphs = _resolve_graphs(device_options, kernel)
-    compile_plan = resolve_compile_plan(config, generation_config, kernel is not None)
+    compile_settings = resolve_compile_settings(config, generation_config, kernel is not None)
     invariant = config.batch_invariant
     if invariant:
-        check_batch_invariant(device_type, kernel, compile_plan)
+        check_batch_invariant(device_type, kernel, compile_settings)
     return StepOptions(
         attn_implementation=name,
         kernel=kernel,
@@ -193,7 +195,7 @@ def resolve_step_options(
             page_size,
             workload,
         ),
-        compile_plan=compile_plan,
+        compile_settings=compile_settings,
         cuda_graphs=graphs,
         async_batching=device_options.async_batching and any(graphs),
         q_padding_interval_size=config.q_padding_interval_size,
@@ -216,11 +218,11 @@ def resolve_step_options(
 def without_traced_steps(options: StepOptions) -> StepOptions:
     """A state model's step splits its state layers by request in Python (runner/states/state_layers.py), which
     neither `torch.compile` nor a CUDA graph captures: those steps run eagerly."""
-    if options.compile_plan != CompilePlan() or any(options.cuda_graphs) or options.async_batching:
+    if options.compile_settings != CompileSettings() or any(options.cuda_graphs) or options.async_batching:
         logger.warning(
             "state layers: compiled steps, CUDA graphs and async batching are off for this model (its state "
             "layers run each request's rows at its own slot, eagerly)"
         )
     return dataclasses.replace(
-        options, compile_plan=CompilePlan(), cuda_graphs=(False, False), async_batching=False
+        options, compile_settings=CompileSettings(), cuda_graphs=(False, False), async_batching=False
     )

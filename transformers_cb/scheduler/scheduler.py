@@ -3,7 +3,7 @@
 The scheduler works on plain data (requests, page ids) and never touches a
 tensor: `schedule()` returns a `StepPlan` holding every decision of the
 step (entries, preemptions, fork copies, swaps, block-table rows to release;
-plan.py; whether a waiting request starts: `Admission`, admission.py), the runner executes it, and
+step_plan.py; whether a waiting request starts: `Admission`, admission.py), the runner executes it, and
 `update()`, the other half, applies the sampled tokens. The queues and every exit from the running list
 (preemption, recompute, `finish()`; a change of the model's weights between two steps, `weights_changed`)
 are the same class's, below `schedule`/`update`. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
@@ -33,7 +33,7 @@ from .media_budget import MediaBudget, block_cut
 from .policies import AdmissionGate, SchedulingPolicy, make_policy
 from .recompute import RecomputeCounter, drop_kv
 from .rope_switch import RopeSwitches
-from .scheduler_plan import SchedulerPlan
+from .scheduler_settings import SchedulerSettings
 from .speculation_stats import SpeculationStats
 from .step_plan import ScheduledRequest, StepPlan, TakeBack
 from .weight_updates import UpdateMode, aborted_error, in_flight, too_stale
@@ -95,25 +95,25 @@ class Scheduler:
         self.taken_back: list[TakeBack] = []
 
     @classmethod
-    def from_plan(
+    def from_settings(
         cls,
         pages: PageManager,
-        plan: SchedulerPlan,
+        settings: SchedulerSettings,
         max_batch_tokens: int,
         max_requests_per_batch: int,
         offload: CpuOffload | None = None,
         media: MediaBudget | None = None,
     ) -> Scheduler:
-        """The engine's scheduler from its resolved settings (`SchedulerPlan`, scheduler_plan.py) and the step
-        sizes the engine agreed (`Sizing`)."""
+        """The engine's scheduler from its resolved settings (`SchedulerSettings`, scheduler_settings.py)
+        and the step sizes the engine agreed (`Sizing`)."""
         return cls(
             pages,
             max_batch_tokens=max_batch_tokens,
             max_requests_per_batch=max_requests_per_batch,
-            safety_margin=plan.safety_margin,
-            policy=make_policy(plan.scheduler_type),
+            safety_margin=settings.safety_margin,
+            policy=make_policy(settings.scheduler_type),
             offload=offload,
-            speculation_max_batch=plan.speculation_max_batch,
+            speculation_max_batch=settings.speculation_max_batch,
             media=media,
         )
 

@@ -1,1 +1,1 @@
-"""One call of the model's forward on a packed step (model_call.py): eager, compiled (compile_plan.py) or replayed from a CUDA graph (cuda_graphs.py, with its double-buffered inputs: async_batching.py)."""
+"""One call of the model's forward on a packed step (model_call.py): eager, compiled (compiling.py) or replayed from a CUDA graph (cuda_graphs.py, with its double-buffered inputs: async_batching.py)."""

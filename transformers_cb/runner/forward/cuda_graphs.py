@@ -28,14 +28,14 @@ import torch
 from ...attention.metadata import AttentionMetadata, DecodeFastPath, GroupMetadata
 from ...invariants import present
 from .async_batching import BufferTurns
-from .compile_plan import DECODE, VARLEN
+from .compiling import DECODE, VARLEN
 from .model_call import call_model
 
 if TYPE_CHECKING:
     from ...memory.kv_cache import PagedKVCache
     from ..packing import BatchPacker, PackedStep
     from ..step_options import StepOptions
-    from .compile_plan import PathForwards
+    from .compiling import PathForwards
 
 # The presets behind `q_padding_interval_size=0` / `kv_padding_interval_size=0`.
 DEFAULT_Q_INTERVAL = 64
@@ -262,10 +262,10 @@ class GraphSteps:
 
 
 def make_graph_steps(
-    model: Any, packer: BatchPacker, options: StepOptions | None, forwards: PathForwards
+    model: Any, packer: BatchPacker, options: StepOptions, forwards: PathForwards
 ) -> GraphSteps | None:
     """The runner's graph steps, when graphs are on (CUDA only: `config.continuous_batching.resolve_device_options`)."""
-    if options is None or not any(options.cuda_graphs) or packer.rope_rule is not None:
+    if not any(options.cuda_graphs) or packer.rope_rule is not None:
         # A dynamic rotary embedding's frequency sets change from step to step (runner/request_rotary.py).
         return None
     return GraphSteps(forwards, packer.cache, options, packer.device, capture=packer.device.type == "cuda")

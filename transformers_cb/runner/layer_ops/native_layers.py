@@ -204,7 +204,7 @@ def _rotary(ops: ModuleType, original: Forward) -> Forward:
 
 
 KIND = "native_layers"
-# Plans are made and taken under it: a plan's "in force" answer holds until its patches are taken.
+# Replacements are listed and taken under it: a listing's "in force" answer holds until its patches are taken.
 _lock = threading.Lock()
 
 
@@ -282,31 +282,31 @@ def _rotary_replacement(file: ModuleType, ops: ModuleType) -> Callable[[], Forwa
     return partial(_rotary, ops, rotary) if all(checks) else None
 
 
-Plan = list[tuple[Any, str, Callable[[], Any]]]
+Replacements = list[tuple[Any, str, Callable[[], Any]]]
 
 
-def _plan(model: nn.Module, ops: ModuleType) -> Plan:
+def _replacements(model: nn.Module, ops: ModuleType) -> Replacements:
     """What this model's run replaces: (owner, attribute, maker of the replacement)."""
-    plan: Plan = []
+    replacements: Replacements = []
     files: dict[int, ModuleType] = {}
     for module in model.modules():
         file = _modeling_file(module)
         if file is not None:
             files.setdefault(id(file), file)
         if in_force(KIND, module, "forward"):  # another session's: counted again, not recognised again
-            plan.append((module, "forward", _never))
+            replacements.append((module, "forward", _never))
         elif not has_hooks(module):
             make = _module_replacement(module, ops)
             if make is not None:
-                plan.append((module, "forward", make))
+                replacements.append((module, "forward", make))
     for file in files.values():
         if in_force(KIND, file, "apply_rotary_pos_emb"):
-            plan.append((file, "apply_rotary_pos_emb", _never))
+            replacements.append((file, "apply_rotary_pos_emb", _never))
         else:
             make_rotary = _rotary_replacement(file, ops)
             if make_rotary is not None:
-                plan.append((file, "apply_rotary_pos_emb", make_rotary))
-    return plan
+                replacements.append((file, "apply_rotary_pos_emb", make_rotary))
+    return replacements
 
 
 @contextmanager
@@ -319,7 +319,7 @@ def native_layers(model: nn.Module, enabled: bool = True) -> Iterator[int]:
         return
     with ExitStack() as stack:
         with _lock, torch.no_grad():
-            count = stack.enter_context(patched(KIND, _plan(model, ops)))
+            count = stack.enter_context(patched(KIND, _replacements(model, ops)))
         try:
             yield count
         finally:

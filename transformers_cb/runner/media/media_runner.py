@@ -20,7 +20,7 @@ import inspect
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,30 @@ class MediaStepInputs:
     position_ids: torch.Tensor | None = None  # [3, 1, T] (M-RoPE)
     deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None = None
     per_layer_inputs: torch.Tensor | None = None  # [1, T, layers, width] (Gemma 4's per-layer embeddings)
+
+
+class NoMedia:
+    """The media of a text-only model: nothing to encode, carry or drop, a step's inputs its token ids
+    alone. The runner holds one in place of None (`ModelRunner.media`), so that no step asks whether the
+    model takes media."""
+
+    encode_seconds = 0.0
+    items_encoded = 0
+
+    def encode(self, requests: list[Request]) -> dict[str, str]:
+        return {}
+
+    def step_inputs(self, entries: list[ScheduledRequest], input_ids: torch.Tensor) -> MediaStepInputs:
+        return MediaStepInputs()
+
+    def carried(self, inputs: MediaStepInputs) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def after_step(self, entries: list[ScheduledRequest]) -> None:
+        return None
+
+    def release(self, request: Request) -> None:
+        return None
 
 
 @dataclass

@@ -152,7 +152,7 @@ def _fused_forward(
 
 
 @dataclass
-class PackedPlan:
+class PackingSettings:
     """What a run packs: single Linears with the row count from which each runs packed, and fused groups
     with theirs (`PackRule`, on the group's weights together)."""
 
@@ -160,7 +160,7 @@ class PackedPlan:
     groups: list[tuple[FusedGroup, int]]
 
     def pack_sizes(self) -> list[tuple[int, int | None]]:
-        """(bytes, handle) of every pack the plan uses in eager steps: a bf16 weight the small-row product
+        """(bytes, handle) of every pack these settings use in eager steps: a bf16 weight the small-row product
         serves counts twice (its row pack, runner/products/small_rows.py)."""
         sizes = [(_pack_size(m.weight, m.out_features), _handles.get(m)) for m, _ in self.singles]
         for group, _ in self.groups:
@@ -176,7 +176,7 @@ def _pack_size(weight: torch.Tensor, out_features: int) -> int:
     return weight.numel() * weight.element_size() * copies
 
 
-def packed_plan(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> PackedPlan:
+def packing_settings(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> PackingSettings:
     """The Linears of `model` the rule packs (fused by sibling group unless `fuse` is False; None: as
     `TRANSFORMERS_CB_FUSED_PRODUCTS` says)."""
     if fuse is None:
@@ -195,14 +195,14 @@ def packed_plan(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> P
             min_rows = rule.min_rows(module.weight)
             if min_rows < NEVER:
                 singles.append((module, min_rows))
-    return PackedPlan(singles, groups)
+    return PackingSettings(singles, groups)
 
 
 def pack_bytes(model: nn.Module, rule: PackRule) -> tuple[int, int]:
     """(bytes of the packed copies the rule makes for `model`, of those not built yet): a packed copy is
     the weight's size (oneDNN's blocked layout pads by a few elements at most)."""
     total = missing = 0
-    for size, handle in packed_plan(model, rule).pack_sizes():
+    for size, handle in packing_settings(model, rule).pack_sizes():
         total += size
         if handle is None or not PACKS.has_pack(handle):
             missing += size
@@ -225,12 +225,12 @@ def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
         yield 0
         return
     with _lock:
-        plan = packed_plan(model, rule)
-        _drop_rewritten_packs(plan)
+        settings = packing_settings(model, rule)
+        _drop_rewritten_packs(settings)
         forwards = [
-            (m, "forward", partial(_packed_forward, m, _handle_of(m), rows)) for m, rows in plan.singles
+            (m, "forward", partial(_packed_forward, m, _handle_of(m), rows)) for m, rows in settings.singles
         ]
-        for group, rows in plan.groups:
+        for group, rows in settings.groups:
             forwards += [
                 (m, "forward", partial(_fused_forward, group, i, _handle_of(m), rows))
                 for i, m in enumerate(group.members)
@@ -239,17 +239,17 @@ def packed_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
         with patched(PATCH_KIND, forwards) as count:
             yield count
     finally:
-        for group, _rows in plan.groups:
+        for group, _rows in settings.groups:
             group.pending.clear()
 
 
-def _drop_rewritten_packs(plan: PackedPlan) -> None:
+def _drop_rewritten_packs(settings: PackingSettings) -> None:
     """Free the packs whose weights were replaced or rewritten since they were built without a key showing
     it (`PackRegistry.check_sources`): packs outlive runs, and between two runs a caller such as a trainer
     may write the weights through `.data` (no version bump) with nobody to tell the engine."""
-    for module, _ in plan.singles:
+    for module, _ in settings.singles:
         _check_module(module)
-    for group, _ in plan.groups:
+    for group, _ in settings.groups:
         weights = tuple(m.weight for m in group.members)
         PACKS.check_sources(group.handle, weights + tuple(m.bias for m in group.members))
         for module in group.members:

@@ -34,7 +34,7 @@ import contextvars
 import copy
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -280,6 +280,21 @@ def split_state_layers(
     ]
     with patched("state_layers", patches):
         yield
+
+
+class NoStateLayers:
+    """The state layers of a model without any: nothing installed for a run session or a step. The runner
+    holds one in place of None (`ModelRunner.states`), so that no forward asks whether the model has state
+    layers. No state tensors: a slot copy or swap planned for it is an invariant broken (`present`)."""
+
+    cache: StateCache | None = None
+    host: StateCache | None = None
+
+    def session(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def step(self, table: StateTable | None) -> AbstractContextManager[None]:
+        return nullcontext()
 
 
 @dataclass

@@ -173,7 +173,7 @@ class ManagerChoices:
 
     def _generation_config(self) -> GenerationConfig | None:
         engine = self.manager.engine
-        return None if engine is None else engine.plan.sampling.generation_config
+        return None if engine is None else engine.settings.sampling.generation_config
 
     def submit(
         self, prompts: Sequence[list[int]], n: int, options: ChoiceOptions, id_prefix: str

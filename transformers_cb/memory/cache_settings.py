@@ -1,9 +1,9 @@
-"""`CachePlan`: the device KV cache of one engine, resolved before a byte is allocated.
+"""`CacheSettings`: the device KV cache of one engine, resolved before a byte is allocated.
 
 The pages of every KV group (`CacheLayout`, the tensors' shape), each group's block-table width, the width
 allocated up front and whether pages are shared between requests: what the page pools, the KV tensors and
-the packer's block tables are built from (engine/build.py; part of the `EnginePlan`, engine/plan.py). The sizes come from the agreed `Sizing`, so
-every tensor-parallel rank resolves the same plan.
+the packer's block tables are built from (engine/build.py; part of the `EngineSettings`, engine/settings.py). The sizes come from the agreed `Sizing`, so
+every tensor-parallel rank resolves the same settings.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .sizing import ModelShape, Sizing, resolve_group_pages
 
 
 @dataclass(frozen=True)
-class CachePlan:
+class CacheSettings:
     """`layout`: the KV tensors (pages of each group: the sizes of the groups' page pools);
     `group_widths`: block-table width of each group; `initial_pages`: block-table width allocated up front
     (the workload's longest request; None: unknown); `sharing`: prefix sharing (and forks sharing their
@@ -69,7 +69,7 @@ def layout_of(
     )
 
 
-def resolve_cache_plan(
+def resolve_cache_settings(
     sizing: Sizing,
     kv_groups: tuple[KVGroupSpec, ...],
     shape: ModelShape,
@@ -79,12 +79,12 @@ def resolve_cache_plan(
     device: torch.device,
     scratch_page: bool,
     sharing: bool,
-) -> CachePlan:
+) -> CacheSettings:
     """The cache of `sizing`'s pages split over `kv_groups` (`resolve_group_pages`); `scratch_page`: one
     page more per group for CUDA graphs' padded rows."""
     group_pages, group_widths = resolve_group_pages(sizing, list(kv_groups), config, workload)
     layout = layout_of(shape, kv_groups, group_pages, sizing.page_size, dtype, device, scratch_page)
-    return CachePlan(
+    return CacheSettings(
         layout=layout,
         group_widths=tuple(group_widths),
         initial_pages=num_pages_for(max(workload), sizing.page_size) if workload else None,

@@ -1,5 +1,5 @@
-"""`SchedulerPlan`: the scheduler's settings of one engine, resolved once at start (part of the
-`EnginePlan`, engine/plan.py); the step sizes it schedules within are the agreed `Sizing`'s."""
+"""`SchedulerSettings`: the scheduler's settings of one engine, resolved once at start (part of the
+`EngineSettings`, engine/settings.py); the step sizes it schedules within are the agreed `Sizing`'s."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class SchedulerPlan:
+class SchedulerSettings:
     """`scheduler_type`: the candidate ordering (policies.py); `safety_margin`: the share of pages kept
     free at admission; `max_queue_size`: requests waiting at most (0: unbounded); `speculation_max_batch`:
     the most running requests a step speculates with (None: no limit)."""
@@ -22,12 +22,12 @@ class SchedulerPlan:
     speculation_max_batch: int | None
 
 
-def resolve_scheduler_plan(
+def resolve_scheduler_settings(
     config: ContinuousBatchingConfig, speculation_max_batch: int | None
-) -> SchedulerPlan:
+) -> SchedulerSettings:
     """The scheduler's settings from `config`; `speculation_max_batch` as the config resolves it for the
     device (`config.continuous_batching.resolve_speculation_max_batch`)."""
-    return SchedulerPlan(
+    return SchedulerSettings(
         scheduler_type=config.scheduler_type,
         safety_margin=config.resolved_safety_margin,
         max_queue_size=config.max_queue_size,

@@ -1,15 +1,16 @@
-"""`EnginePlan`: every setting of one engine, resolved once at start (`resolve_plan`), then only read.
+"""`EngineSettings`: every setting of one engine, resolved once at start (`resolve_settings`), then only read.
 
-The plan is composed of one frozen sub-plan per part, each resolved by the room that owns the setting
-(as vLLM's `VllmConfig` composes its configs): the device cache (`CachePlan`, memory/cache_plan.py), the
-host tier (`HostPlan`, memory/host_cache.py), the scheduler (`SchedulerPlan`,
-scheduler/scheduler_plan.py), sampling (`SamplingPlan`, sampling/sampling_plan.py), the runner's step
-(`StepOptions`, runner/step_options.py) and the draft model (`AssistantPlan`, engine/assistant.py).
+The settings are composed of one frozen settings object per part, each resolved by the room that owns
+the setting (as vLLM's `VllmConfig` composes its configs): the device cache (`CacheSettings`,
+memory/cache_settings.py), the host tier (`HostSettings`, memory/host_cache.py), the scheduler
+(`SchedulerSettings`, scheduler/scheduler_settings.py), sampling (`SamplingSettings`,
+sampling/sampling_settings.py), the runner's step (`StepOptions`, runner/step_options.py) and the draft
+model (`AssistantModelSettings`, engine/assistant.py).
 What the parts share stays at the top: this rank's shard of the model's shape, the device, the agreed
-`Sizing`, the state layers. `build.py` wires the parts from the plan alone; callers read settings from
-`engine.plan`.
+`Sizing`, the state layers. `build.py` wires the parts from the settings alone; callers read settings from
+`engine.settings`.
 
-`resolve_plan` validates and resolves everything that depends on the model, the device, the configs and
+`resolve_settings` validates and resolves everything that depends on the model, the device, the configs and
 the workload, in one order (the errors a bad input meets first stay the same): the generation config,
 model support (model_check/), the speculation refusal and the draft model, the KV groups and this
 rank's shard of the shape, the GPU-only options, sizing, step options, the cache, the host tier. Under
@@ -38,8 +39,8 @@ from ..config.generation_fields import ResolvedConfig
 from ..distributed import TensorParallelCoordinator
 from ..distributed.sharding import shard_shape, tp_size_of
 from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
-from ..memory.cache_plan import CachePlan, resolve_cache_plan
-from ..memory.host_cache import HostPlan, resolve_host_pages
+from ..memory.cache_settings import CacheSettings, resolve_cache_settings
+from ..memory.host_cache import HostSettings, resolve_host_pages
 from ..memory.kv_quant import INT8, int8_cache_problem, storage_dtype
 from ..memory.sizing import ModelShape, Sizing, resolve_sizing
 from ..model_check.model_support import (
@@ -50,9 +51,14 @@ from ..model_check.model_support import (
 )
 from ..model_check.state_probe import StateLayout
 from ..runner.step_options import StepOptions, resolve_step_options, without_traced_steps
-from ..sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
-from ..scheduler.scheduler_plan import SchedulerPlan, resolve_scheduler_plan
-from .assistant import AssistantPlan, assistant_kv_bytes_per_token, check_assistant, resolve_assistant
+from ..sampling.sampling_settings import SamplingSettings, resolve_sampling_settings
+from ..scheduler.scheduler_settings import SchedulerSettings, resolve_scheduler_settings
+from .assistant import (
+    AssistantModelSettings,
+    assistant_kv_bytes_per_token,
+    check_assistant,
+    resolve_assistant,
+)
 from .draft_setup import speculation_refusal
 from .pending_decompression import decompress_pending
 
@@ -60,7 +66,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class EnginePlan:
+class EngineSettings:
     """Every setting of one engine, resolved once at start; the engine and its parts only read it.
 
     `config` is the `ContinuousBatchingConfig` as given (the engine's validated private copy, never
@@ -73,16 +79,16 @@ class EnginePlan:
     device_options: DeviceOptions  # CUDA graphs and async batching as they apply on `device`
     sizing: Sizing  # agreed by every tensor-parallel rank
     step_options: StepOptions  # the runner's
-    cache: CachePlan  # the device KV cache
-    host: HostPlan  # the host tier (CPU offload); agreed by every rank
-    scheduler: SchedulerPlan
-    sampling: SamplingPlan
+    cache: CacheSettings  # the device KV cache
+    host: HostSettings  # the host tier (CPU offload); agreed by every rank
+    scheduler: SchedulerSettings
+    sampling: SamplingSettings
     # The model's state layers and their states' shapes (None: none); `sizing.num_state_slots` slots.
     states: StateLayout | None = None
     # Why the engine cannot speculate (state layers, tensor parallelism; None: it can).
     speculation_refusal: str | None = None
-    # The draft model's plan (None: no `assistant_model`; engine/assistant.py).
-    assistant: AssistantPlan | None = None
+    # The draft model's settings (None: no `assistant_model`; engine/assistant.py).
+    assistant: AssistantModelSettings | None = None
 
 
 def private_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatchingConfig:
@@ -92,19 +98,19 @@ def private_config(cb_config: ContinuousBatchingConfig | None) -> ContinuousBatc
     return config
 
 
-def resolve_plan(
+def resolve_settings(
     model: PreTrainedModel,
     generation_config: GenerationConfig | ResolvedConfig | None,
     cb_config: ContinuousBatchingConfig | None,
     workload: list[int] | None = None,
     all_request_stages: bool = False,
     assistant_model: PreTrainedModel | None = None,
-) -> tuple[EnginePlan, TensorParallelCoordinator | None]:
-    """The plan of an engine for `model`, and this rank's tensor-parallel coordinator (None without
+) -> tuple[EngineSettings, TensorParallelCoordinator | None]:
+    """The settings of an engine for `model`, and this rank's tensor-parallel coordinator (None without
     tensor parallelism), which the ranks agree on sizes through. Raises (`ValueError`,
     `NotImplementedError`) before anything is allocated for what cannot run."""
     config = private_config(cb_config)
-    sampling = resolve_sampling_plan(model, generation_config, config, all_request_stages)
+    sampling = resolve_sampling_settings(model, generation_config, config, all_request_stages)
     decompress_pending(model)  # a compressed-tensors checkpoint's first-forward hook: the engine bypasses it
     check_model_supported(model)
     states = state_layout(model)
@@ -153,7 +159,7 @@ def resolve_plan(
     if states is not None:
         step_options = without_traced_steps(step_options)
     _check_kv_cache_dtype(config, kv_groups, step_options.attn_implementation)
-    cache = resolve_cache_plan(
+    cache = resolve_cache_settings(
         sizing,
         kv_groups,
         shape,
@@ -173,7 +179,7 @@ def resolve_plan(
         _note_state_limits(config, has_pages=bool(kv_groups))
     if tp is not None:
         num_host_pages = tp.agree_host_pages(num_host_pages)
-    plan = EnginePlan(
+    settings = EngineSettings(
         config=config,
         shape=shape,
         device=device,
@@ -182,8 +188,8 @@ def resolve_plan(
         sizing=sizing,
         step_options=step_options,
         cache=cache,
-        host=HostPlan(num_pages=num_host_pages),
-        scheduler=resolve_scheduler_plan(config, resolve_speculation_max_batch(config, device.type)),
+        host=HostSettings(num_pages=num_host_pages),
+        scheduler=resolve_scheduler_settings(config, resolve_speculation_max_batch(config, device.type)),
         sampling=sampling,
         states=states,
         speculation_refusal=refusal,
@@ -198,7 +204,7 @@ def resolve_plan(
             step_options.attn_implementation if assistant_model is model else None,
         ),
     )
-    return plan, tp
+    return settings, tp
 
 
 def _check_kv_cache_dtype(

@@ -56,7 +56,7 @@ def level_compile_config(level: int) -> CompileConfig | None:
 
 
 @dataclass(frozen=True)
-class CompilePlan:
+class CompileSettings:
     varlen: CompileConfig | None = None
     decode: CompileConfig | None = None
 
@@ -64,9 +64,9 @@ class CompilePlan:
         return self.decode if path == DECODE else self.varlen
 
 
-def resolve_compile_plan(
+def resolve_compile_settings(
     cb_config: ContinuousBatchingConfig, generation_config: GenerationConfig | None, is_flash: bool
-) -> CompilePlan:
+) -> CompileSettings:
     fallback = getattr(generation_config, "compile_config", None) if generation_config is not None else None
     level = level_compile_config(cb_config.default_compile_level)
 
@@ -77,15 +77,15 @@ def resolve_compile_plan(
             return default
         return fallback
 
-    plan = CompilePlan(
+    settings = CompileSettings(
         varlen=pick(cb_config.varlen_compile_config, None if is_flash else level),
         decode=pick(cb_config.decode_compile_config, level),
     )
     for path in (VARLEN, DECODE):
-        chosen = plan.for_path(path)
+        chosen = settings.for_path(path)
         if chosen is not None:
             logger.info("continuous batching compiles the %s path with %s", path, chosen.to_dict())
-    return plan
+    return settings
 
 
 def compile_forward(forward: Callable, config: CompileConfig) -> Callable:
@@ -130,16 +130,16 @@ class PathForwards:
 
     `graphs_compiled`: graphs compiled (first compiles and recompiles) during this object's calls."""
 
-    def __init__(self, model: torch.nn.Module, plan: CompilePlan) -> None:
+    def __init__(self, model: torch.nn.Module, settings: CompileSettings) -> None:
         self._model = model
         self._forward = model.forward
-        self._plan = plan
+        self._settings = settings
         self._compiled: dict[str, Callable] = {}
         self.graphs_compiled = 0
 
     @property
-    def plan(self) -> CompilePlan:
-        return self._plan
+    def settings(self) -> CompileSettings:
+        return self._settings
 
     @property
     def compiled_paths(self) -> list[str]:
@@ -154,7 +154,7 @@ class PathForwards:
         specialises sizes of 1, for a rare and short step: the last running request's decodes), and a step
         whose attention is not traceable (the torch backends' mixed steps: their break would sit inside
         the attention function, where dynamo compiles one frame per layer up to its recompile limit)."""
-        config = self._plan.for_path(path)
+        config = self._settings.for_path(path)
         if config is None or num_tokens == 1 or not traceable:
             return self._forward
         if path not in self._compiled:
