@@ -55,7 +55,7 @@ def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys
 
     monkeypatch.setattr(Scheduler, "preempt", broken_preempt)
     argv = ["--model", str(tiny_checkpoint), "--prompts", "6", "--max-new-tokens", "8", "--attn", "sdpa"]
-    assert conformance_check.main(argv) == 1
+    assert conformance_check.conformance_main(argv) == 1
     out = capsys.readouterr().out
     assert "FAIL: generate_batch does NOT match generate()" in out, out
     assert "tight cache" in out and "first difference" in out and "generate_batch():" in out, out
@@ -63,7 +63,7 @@ def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys
 
 def test_check_model_rejects_bad_arguments(tiny_checkpoint: Path) -> None:
     with pytest.raises(SystemExit) as excinfo:
-        conformance_check.main(["--model", str(tiny_checkpoint), "--prompts", "0"])
+        conformance_check.conformance_main(["--model", str(tiny_checkpoint), "--prompts", "0"])
     assert excinfo.value.code == 2
 
 
@@ -82,12 +82,17 @@ def test_check_model_with_a_draft_model_and_on_a_hybrid(
         "--max-prompt-len",
         "20",
     ]
-    assert conformance_check.main([*argv, "--assistant-model", str(tiny_checkpoint)]) == 0
+    assert conformance_check.conformance_main([*argv, "--assistant-model", str(tiny_checkpoint)]) == 0
     out = capsys.readouterr().out
     assert "draft model (speculation)" in out and "prompt lookup" in out, out
     hybrid = tmp_path / "qwen3_5"
     build_hybrid("qwen3_5").save_pretrained(hybrid)
-    assert conformance_check.main(["--model", str(hybrid), "--prompts", "3", "--max-new-tokens", "5"]) == 0
+    assert (
+        conformance_check.conformance_main(
+            ["--model", str(hybrid), "--prompts", "3", "--max-new-tokens", "5"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "speculation settings left out" in out and "state layers" in out, out
     assert "(speculation)" not in out.split("speculation settings left out")[1].split("\n", 1)[1], out

@@ -31,7 +31,9 @@ def checkpoint_and_inputs(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_the_check_passes_with_processor_outputs(checkpoint_and_inputs, capsys) -> None:
     folder, inputs = checkpoint_and_inputs
-    code = conformance_check.main(["--model", str(folder), "--inputs", str(inputs), "--max-new-tokens", "6"])
+    code = conformance_check.conformance_main(
+        ["--model", str(folder), "--inputs", str(inputs), "--max-new-tokens", "6"]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "3 prompts with their media" in out and "PASS: generate_batch matches generate()" in out
@@ -51,7 +53,9 @@ def test_the_check_fails_when_the_images_are_dropped(checkpoint_and_inputs, monk
         return failures
 
     monkeypatch.setattr(MediaRunner, "encode", zeroed)
-    code = conformance_check.main(["--model", str(folder), "--inputs", str(inputs), "--max-new-tokens", "6"])
+    code = conformance_check.conformance_main(
+        ["--model", str(folder), "--inputs", str(inputs), "--max-new-tokens", "6"]
+    )
     out = capsys.readouterr().out
     assert code == 1 and "FAIL" in out and "vs generate()'s" in out
 
@@ -83,7 +87,7 @@ def test_the_check_reads_real_image_files_through_the_folders_processor(tmp_path
     for name in ("a.png", "b.jpg"):
         Image.fromarray((rng.random((30, 44, 3)) * 255).astype(np.uint8)).save(tmp_path / name)
         files += ["--image", str(tmp_path / name)]
-    code = conformance_check.main(
+    code = conformance_check.conformance_main(
         ["--model", str(tmp_path), *files, "--prompts", "4", "--max-new-tokens", "5"]
     )
     out = capsys.readouterr().out

@@ -131,7 +131,7 @@ def test_bfloat16_equals_generate_up_to_genuine_near_ties(folder: str) -> None:
 
 def test_the_conformance_tool_passes_on_the_real_model(folder: str, capsys) -> None:
     """`python -m transformers_cb.conformance_check --model smollm2`: random prompts, every setting."""
-    from transformers_cb.conformance_check import main
+    from transformers_cb.conformance_check import conformance_main as main
 
     assert main(["--model", "smollm2", "--prompts", "3", "--max-new-tokens", "6", "--device", "cpu"]) == 0
     assert "PASS: generate_batch matches generate()" in capsys.readouterr().out

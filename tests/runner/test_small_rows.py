@@ -1,7 +1,8 @@
-"""The small-row bfloat16 product (runner/products/small_rows.py, attention/native/native_rows_source.py): the
+"""The small-row products (runner/products/small_rows.py, attention/native/native_rows_source.py): the bfloat16
 native loop against float32 sums and oneDNN's product (bias, odd widths, column counts off the block size),
-the row rule, the route a packed product takes by row count and switch, the row pack counted and rebuilt
-with its pack, and a bf16 run's greedy tokens like `generate()`'s (tie-aware)."""
+the float32 one against float64 sums within float32's own error, the row rule, the route a packed product
+takes by dtype, row count and switch, the row pack counted and rebuilt with its pack, a bf16 run's greedy
+tokens like `generate()`'s (tie-aware) and a float32 run's equal to them."""
 
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ def test_native_loop_refuses_what_it_cannot_read() -> None:
 
 
 def test_row_rule() -> None:
+    assert small_rows.row_limit(3072, 576, dtype=torch.float32) == small_rows.F32_ROWS
+    assert small_rows.row_limit(49152, 576, dtype=torch.float32) == small_rows.F32_ROWS  # LM heads too
     assert small_rows.row_limit(3072, 576) == small_rows.ROWS
     assert small_rows.row_limit(320, 192) == small_rows.TINY_ROWS
     assert small_rows.row_limit(49152, 576) == 0  # an LM head keeps oneDNN's product
@@ -84,10 +87,14 @@ def count_native(monkeypatch) -> list[int]:
             calls.append(x.numel() // x.shape[-1])
             return ops.bf16_rows_matmul(x, packed, bias, out_features)
 
+        def f32_rows_matmul(self, x, packed, bias, out_features) -> torch.Tensor:
+            calls.append(-(x.numel() // x.shape[-1]))  # float32 calls counted negative
+            return ops.f32_rows_matmul(x, packed, bias, out_features)
+
         def bf16_rows_amx(self) -> bool:
             return ops.bf16_rows_amx()
 
-    monkeypatch.setattr(small_rows, "_found", [Counting()])
+    monkeypatch.setattr(small_rows, "_found", {torch.bfloat16: Counting(), torch.float32: Counting()})
     return calls
 
 
@@ -124,15 +131,53 @@ def test_a_packed_product_routes_by_rows_and_switch(monkeypatch) -> None:
         PACKS.drop(handle)
 
 
-def test_float32_keeps_onednn(monkeypatch) -> None:
+@pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 32])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_float32_loop_is_float32_sums(shape: tuple[int, int], rows: int, with_bias: bool) -> None:
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator) if with_bias else None
+    x = torch.randn(rows, in_features, generator=generator)
+    got = OPS.f32_rows_matmul(x, small_rows.pack_rows_f32(weight), bias, out_features)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # a chain of float32 fused multiply-adds: each step rounds once (2^-24 of the running magnitude)
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    assert ((got.double() - exact).abs() <= magnitude * (in_features + 1) * 2**-24).all()
+
+
+def test_float32_routes_by_rows(monkeypatch) -> None:
     calls = count_native(monkeypatch)
     handle = PACKS.new_handle()
     try:
         weight = torch.randn(64, 32)
-        packed_linear_eager(torch.randn(1, 1, 32), weight, None, handle)
-        assert calls == []
+        for rows in (1, small_rows.F32_ROWS, small_rows.F32_ROWS + 1):
+            x = torch.randn(1, rows, 32)
+            got = packed_linear_eager(x, weight, None, handle)
+            assert torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-4)
+        assert calls == [-1, -small_rows.F32_ROWS]  # more rows: oneDNN's product
+        pack = PACKS._packs[handle]
+        assert pack is not None and pack.rows_pack is not None and pack.rows_pack.dtype == torch.float32
+        assert PACKS.packed_bytes([handle]) == pack.nbytes >= 2 * weight.numel() * 4  # both copies counted
     finally:
         PACKS.drop(handle)
+
+
+def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> None:
+    calls = count_native(monkeypatch)
+    model = tiny_llama()
+    prompts = prompts_of_lengths([5, 17, 30], seed=4)
+    outputs = model.generate_batch(
+        prompts,
+        max_new_tokens=8,
+        continuous_batching_config=ContinuousBatchingConfig(page_size=16, packed_linear=True),
+        progress_bar=False,
+    )
+    assert calls and max(calls) == -1, "no decode step took the float32 small-row product"
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"req_{i}"].generated_tokens == greedy_reference(model, prompt, 8)
 
 
 def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:

@@ -164,9 +164,10 @@ def test_quantized_weights_count_their_real_bytes() -> None:
     assert tensor_bytes(torch.zeros(3, 5)) == 60
 
 
-def test_packing_and_its_memory_check_count_no_copy_for_int8_linears() -> None:
+def test_packing_and_its_memory_check_count_no_copy_for_int8_linears(monkeypatch) -> None:
     """The native product reads the int8 rows in place: no packed copy, so the packing's memory check
     (`pack_bytes`) counts the float Linears' copies only, and a wholly quantized model none."""
+    monkeypatch.setenv("TRANSFORMERS_CB_SMALL_ROW_PRODUCTS", "0")  # one copy per float Linear (no row packs)
     model = tiny_llama()
     float_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
     assert pack_bytes(model, PackRule(every_weight=True)) == (float_bytes, float_bytes)

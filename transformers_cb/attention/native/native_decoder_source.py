@@ -10,8 +10,8 @@ oneDNN's `mkldnn::_linear_pointwise` through the dispatcher): the same bits, in 
 from Python (a few microseconds each on these machines).
 
 A product is given as (kind, tensor, bias, width, GGUF type): kind 0 `linear(x, weight, bias)`, 1 oneDNN's
-product on its packed weight, 2 the small-row product on its row pack (native_rows_source.py; only where that
-is built), 3 `QuantizedLinear`'s forward on rows its native product takes (`quant_matmul` over the blocks,
+product on its packed weight, 2 the small-row product on its row pack (bfloat16 or float32, native_rows_source.py;
+only where that is built), 3 `QuantizedLinear`'s forward on rows its native product takes (`quant_matmul` over the blocks,
 native_quant_source.py, then the bias added in the output's dtype).
 """
 
@@ -43,10 +43,13 @@ at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& te
   if (kind == 0) return at::linear(x, tensor, bias);
   if (kind == 1) return onednn_product(x, tensor, bias);
   if (kind == 3) return quantized_layer_product(x, tensor, bias, out_features, qtype);
+#if defined(__AVX512F__)
+  if (tensor.scalar_type() == at::kFloat) return f32_rows_matmul(x, tensor, bias, out_features);
+#endif
 #if defined(__AVX512BF16__)
   return bf16_rows_matmul(x, tensor, bias, out_features);
 #else
-  TORCH_CHECK(false, "the small-row product is not built here");
+  TORCH_CHECK(false, "the small-row product of this dtype is not built here");
 #endif
 }
 

@@ -200,11 +200,119 @@ bool bf16_rows_amx() {
 #endif
 }
 #endif
+
+#if defined(__AVX512F__)
+namespace {
+
+// Rows [0, RT) of x (float32, `x_stride` a row) times CB column blocks of the float32 row pack ([K, 16] a block):
+// each column's sum is one chain of fused multiply-adds over k in order, into `sums` [RT][CB][16].
+template <int RT, int CB>
+inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int64_t K, int64_t block_stride,
+                          float* sums) {
+  __m512 acc[RT][CB];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[CB];
+    for (int c = 0; c < CB; ++c) {
+      // the next column blocks' same line (they follow these in the pack): weights stream from memory
+      _mm_prefetch(reinterpret_cast<const char*>(w + (CB + c) * block_stride + k * 16), _MM_HINT_T1);
+      wv[c] = _mm512_loadu_ps(w + c * block_stride + k * 16);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * x_stride + k]);
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(a, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(sums + (r * CB + c) * 16, acc[r][c]);
+}
+
+template <int CB>
+void f32_rows_tile_of(int rows, const float* x, int64_t x_stride, const float* w, int64_t K, int64_t stride,
+                      float* sums) {
+  switch (rows) {
+    case 1: f32_rows_tile<1, CB>(x, x_stride, w, K, stride, sums); break;
+    case 2: f32_rows_tile<2, CB>(x, x_stride, w, K, stride, sums); break;
+    case 3: f32_rows_tile<3, CB>(x, x_stride, w, K, stride, sums); break;
+    case 4: f32_rows_tile<4, CB>(x, x_stride, w, K, stride, sums); break;
+    case 5: f32_rows_tile<5, CB>(x, x_stride, w, K, stride, sums); break;
+    case 6: f32_rows_tile<6, CB>(x, x_stride, w, K, stride, sums); break;
+    case 7: f32_rows_tile<7, CB>(x, x_stride, w, K, stride, sums); break;
+    default: f32_rows_tile<8, CB>(x, x_stride, w, K, stride, sums); break;
+  }
+}
+
+constexpr int kF32RowTile = 8;
+constexpr int64_t kF32RowsGrainProducts = 1 << 16;
+
+}  // namespace
+
+// x [..., K] @ W.T (+ bias [N]) as a new [..., N] float32 tensor, W held as packed [NB, K, 16] float32 (16 output
+// columns a block, zero padded), the pack contiguous (x and bias made so here).
+at::Tensor f32_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t N) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() >= 1, "x: float32 [..., K]");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == 16 && packed.is_contiguous(),
+              "packed: contiguous float32 [NB, K, 16]");
+  const int64_t K = x_in.size(-1), NB = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "x has ", K, " columns, the pack ", packed.size(1));
+  TORCH_CHECK(N <= NB * 16 && N > (NB - 1) * 16, N, " outputs asked of a pack of ", NB * 16);
+  const int64_t R = K == 0 ? 0 : x_in.numel() / K;
+  const at::Tensor x = x_in.reshape({R, K}).contiguous();
+  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
+  out_shape.back() = N;
+  at::Tensor out = at::empty(out_shape, x_in.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor b;
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias: float32 [N]");
+    b = bias->contiguous();
+  }
+  if (R == 0 || N == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
+  float* yp = out.data_ptr<float>();
+  const int64_t block_pairs = (NB + 1) / 2;
+  const int64_t grain = std::max<int64_t>(1, kF32RowsGrainProducts / std::max<int64_t>(K * 32 * R, 1));
+  at::parallel_for(0, block_pairs, grain, [&](int64_t b0, int64_t b1) {
+    alignas(64) float sums[kF32RowTile * 2 * 16];
+    for (int64_t bpair = b0; bpair < b1; ++bpair) {
+      const int64_t nb = bpair * 2;
+      const int blocks = nb + 1 < NB ? 2 : 1;
+      for (int64_t r0 = 0; r0 < R; r0 += kF32RowTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kF32RowTile, R - r0));
+        if (blocks == 2) {
+          f32_rows_tile_of<2>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
+        } else {
+          f32_rows_tile_of<1>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
+        }
+        for (int r = 0; r < rows; ++r) {
+          for (int c = 0; c < blocks; ++c) {
+            const int64_t n0 = (nb + c) * 16;
+            const int64_t cols = std::min<int64_t>(16, N - n0);
+            if (cols <= 0) continue;
+            const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+            __m512 v = _mm512_load_ps(sums + (r * blocks + c) * 16);
+            if (bp != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
+            _mm512_mask_storeu_ps(yp + (r0 + r) * N + n0, mask, v);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
 """
 
 ROWS_BINDINGS = r"""
 #if defined(__AVX512BF16__)
   m.def("bf16_rows_matmul", &bf16_rows_matmul, "out = x @ W.T + bias for a few bfloat16 rows, W in its row pack");
   m.def("bf16_rows_amx", &bf16_rows_amx, "whether the small-row product runs AMX tiles (K a multiple of 32)");
+#endif
+#if defined(__AVX512F__)
+  m.def("f32_rows_matmul", &f32_rows_matmul, "out = x @ W.T + bias for a few float32 rows, W in its float32 row pack");
 #endif
 """

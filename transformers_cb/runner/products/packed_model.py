@@ -172,7 +172,7 @@ class PackingSettings:
 
 def _pack_size(weight: torch.Tensor, out_features: int) -> int:
     """Bytes of `weight`'s packs, in a product of `out_features` outputs."""
-    copies = 2 if weight.dtype == torch.bfloat16 and has_rows_pack(out_features, weight.shape[-1]) else 1
+    copies = 2 if has_rows_pack(out_features, weight.shape[-1], weight.dtype) else 1
     return weight.numel() * weight.element_size() * copies
 
 

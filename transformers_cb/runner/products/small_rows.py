@@ -1,4 +1,4 @@
-"""Small-row bfloat16 products: a few rows through the native library instead of oneDNN's call.
+"""Small-row products: a few bfloat16 or float32 rows through the native library instead of oneDNN's call.
 
 A decode step with a few requests multiplies a few rows by every weight. oneDNN's packed call costs 20-40 us
 whatever the product's size on these CPUs, and it streams a weight that is not in cache at 10-15 GB/s
@@ -24,7 +24,15 @@ once per pack from oneDNN's own pack (`to_dense`) the first time a pack serves a
 dropped with it (`packed_linear.Pack.rows_pack`): a stale pack is rebuilt with its row pack. It rounds where
 oneDNN's bf16 product rounds (float32 sums, the bias added in float32, one rounding to bfloat16); the
 float32 sums run in another order, as the packed products' already do against `F.linear`'s, so bf16 outputs
-are judged tie-aware as before. float32 keeps oneDNN's product.
+are judged tie-aware as before.
+
+float32 (`f32_rows_matmul`, any AVX-512 CPU): a row pack `[NB, K, 16]` (16 columns a block, k-major), each
+column's sum one chain of fused multiply-adds over k in order, the bias added after; up to `F32_ROWS` rows
+for every weight, LM heads included. Over 16 cold weights, one thread: 1.2-1.6x faster than oneDNN's packed
+call and MKL's `F.linear` at 1-32 rows on the small model's and SmolLM2's shapes, 1.1-1.35x on their LM heads
+(docs/design.md, "Small-row products"). Its sums run in another order than oneDNN's (as oneDNN's do against MKL's): float32 greedy
+outputs stay equal to `generate()` up to a near-tie, as the packed products' already do. The memory check
+counts the second copy.
 
 `TRANSFORMERS_CB_SMALL_ROW_PRODUCTS=0` turns it off (read when a pack first serves a product); without the native library or a CPU with AVX512-BF16
 (the function is not built) oneDNN's product runs.
@@ -60,11 +68,19 @@ TINY_ROWS = 8
 ROWS = 4
 # With AMX tiles (16 rows x 32 columns a tile): as far as measured faster than oneDNN's call.
 AMX_ROWS = 32
+# float32: as far as measured (1.35x oneDNN's packed call at 32 rows).
+F32_ROWS = 32
+# The native function of each dtype's product.
+FUNCTIONS = {torch.bfloat16: "bf16_rows_matmul", torch.float32: "f32_rows_matmul"}
 
 
-def row_limit(out_features: int, in_features: int, amx: bool = False) -> int:
+def row_limit(
+    out_features: int, in_features: int, amx: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> int:
     """The most rows a product of this weight runs natively (0: never); `amx`: the library runs AMX tiles
     here (`bf16_rows_amx()`), which it does for a width that is a multiple of 32."""
+    if dtype == torch.float32:
+        return F32_ROWS  # an LM head too: 1.1-1.35x oneDNN's call at 1-32 rows
     if out_features > MAX_COLUMNS:
         return 0
     if amx and in_features % 32 == 0:
@@ -72,30 +88,30 @@ def row_limit(out_features: int, in_features: int, amx: bool = False) -> int:
     return TINY_ROWS if out_features * in_features <= TINY_WEIGHT else ROWS
 
 
-def has_rows_pack(out_features: int, in_features: int) -> bool:
-    """Whether a bf16 weight of this shape gets a row pack in this process (the memory check counts it)."""
-    return row_limit(out_features, in_features) > 0 and rows_module() is not None
+def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a weight of this shape and dtype gets a row pack in this process (the memory check counts it)."""
+    return row_limit(out_features, in_features, dtype=dtype) > 0 and rows_module(dtype) is not None
 
 
 def enabled_by_env() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def rows_module() -> ModuleType | None:
-    """The native library if it has the small-row product (built for AVX512-BF16) and the switch is on
-    (kept once found: it is looked up for every small product)."""
-    if not enabled_by_env():
+def rows_module(dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
+    """The native library if it has the small-row product of `dtype` (bfloat16: built for AVX512-BF16;
+    float32: for AVX-512) and the switch is on (kept once found: it is looked up for every small product)."""
+    if not enabled_by_env() or dtype not in FUNCTIONS:
         return None
-    if _found:
-        return _found[0]
+    if dtype in _found:
+        return _found[dtype]
     ops = native_module()
-    if ops is None or not hasattr(ops, "bf16_rows_matmul"):
+    if ops is None or not hasattr(ops, FUNCTIONS[dtype]):
         return None
-    _found.append(ops)
+    _found[dtype] = ops
     return ops
 
 
-_found: list[ModuleType] = []
+_found: dict[torch.dtype, ModuleType] = {}
 
 
 def pack_rows(weight: torch.Tensor) -> torch.Tensor:
@@ -107,29 +123,39 @@ def pack_rows(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, 16, pairs, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def pack_rows_f32(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` `[N, K]` as `[ceil(N / 16), K, 16]`: block b holds columns 16b..16b+15's weights at each k
+    side by side (zero padded)."""
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // 16)
+    padded = F.pad(weight, (0, 0, 0, blocks * 16 - out_features))
+    return padded.view(blocks, 16, in_features).permute(0, 2, 1).contiguous()
+
+
 def row_pack_for(pack: RowPacked, dtype: torch.dtype, rows: int) -> torch.Tensor | None:
     """`pack`'s row pack (made on first use) if a product of `rows` rows of `dtype` runs natively, else None."""
+    packed_dtype = pack.packed.dtype
     limit = pack.row_limit
     if limit is None:  # decided once per pack: the switch is read when a pack first serves a product
         out_features, in_features = pack.packed.shape
-        ops = rows_module() if pack.packed.dtype == torch.bfloat16 else None
-        limit = pack.row_limit = (
-            0 if ops is None else row_limit(out_features, in_features, ops.bf16_rows_amx())
-        )
-    if limit == 0 or dtype != torch.bfloat16 or rows == 0 or rows > limit or not _found:
+        ops = rows_module(packed_dtype)
+        amx = ops is not None and packed_dtype == torch.bfloat16 and bool(ops.bf16_rows_amx())
+        limit = pack.row_limit = 0 if ops is None else row_limit(out_features, in_features, amx, packed_dtype)
+    if limit == 0 or dtype != packed_dtype or rows == 0 or rows > limit or dtype not in _found:
         return None
     if pack.rows_pack is None:
-        pack.rows_pack = pack_rows(pack.packed.to_dense())
+        dense = pack.packed.to_dense()
+        pack.rows_pack = pack_rows(dense) if dtype == torch.bfloat16 else pack_rows_f32(dense)
     return pack.rows_pack
 
 
 def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """`x @ W.T + bias` for a bfloat16 `x` of few rows through the native loop, or None where oneDNN's product
-    runs instead (more rows than the weight's limit, no native product, another dtype)."""
+    """`x @ W.T + bias` for a bfloat16 or float32 `x` of few rows through the native loop, or None where
+    oneDNN's product runs instead (more rows than the weight's limit, no native product, another dtype)."""
     in_features = x.shape[-1] if x.dim() else 0
     rows = x.numel() // in_features if in_features else 0
     rows_pack = row_pack_for(pack, x.dtype, rows)
     if rows_pack is None:
         return None
-    out: torch.Tensor = _found[0].bf16_rows_matmul(x, rows_pack, bias, pack.packed.shape[0])
+    out: torch.Tensor = getattr(_found[x.dtype], FUNCTIONS[x.dtype])(x, rows_pack, bias, pack.packed.shape[0])
     return out
