@@ -62,7 +62,7 @@ class SamplingState(Protocol):
 
 
 class DraftCounts(Protocol):
-    """A request's speculation counts (`scheduler.speculation_stats.SpeculationStats`)."""
+    """A request's speculation counts (`scheduler.speculation.speculation_stats.SpeculationStats`)."""
 
     @property
     def drafted(self) -> int: ...
@@ -72,7 +72,7 @@ class DraftCounts(Protocol):
 
 
 class SpeculationCounts(Protocol):
-    """What a request asks of its speculation state (`scheduler.back_off.SpeculationState`): its
+    """What a request asks of its speculation state (`scheduler.speculation.back_off.SpeculationState`): its
     counts, for the output."""
 
     @property

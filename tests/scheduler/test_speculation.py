@@ -11,9 +11,14 @@ from transformers.generation.candidate_generator import PromptLookupCandidateGen
 
 from transformers_cb.config.draft_settings import LookupSettings, lookup_settings, request_lookup
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.back_off import MAX_PAUSE_STEPS, SpeculationState, draft_length, record
-from transformers_cb.scheduler.drafts import fit_draft
-from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP, lookup
+from transformers_cb.scheduler.speculation.back_off import (
+    MAX_PAUSE_STEPS,
+    SpeculationState,
+    draft_length,
+    record,
+)
+from transformers_cb.scheduler.speculation.drafts import fit_draft
+from transformers_cb.scheduler.speculation.prompt_lookup import PROMPT_LOOKUP, lookup
 
 
 def propose(request: Request, budget: int) -> list[int]:

@@ -1,6 +1,6 @@
 """The engine's draft model (`assistant_model`): what it may be, its plan, and its draft source.
 
-An assistant drafts tokens for the target to verify (scheduler/shadow_planner.py plans its steps,
+An assistant drafts tokens for the target to verify (scheduler/speculation/shadow_planner.py plans its steps,
 runner/drafter.py runs them): it must share the target's
 vocabulary (its token ids are the target's: the same `vocab_size`; transformers' universal assisted
 decoding across tokenizers is not done here), run under continuous batching itself (the same support
@@ -36,7 +36,7 @@ from ..model_check.model_support import (
     state_layout,
 )
 from ..runner.drafter import Drafter
-from ..scheduler.shadow_planner import ShadowPlanner
+from ..scheduler.speculation.shadow_planner import ShadowPlanner
 from .kv_wiring import wire_kv
 
 # Paged backends the assistant runs under: the torch ones (its steps are small; no flash preparation).

@@ -26,15 +26,15 @@ from ..kv.page_manager import PageManager
 from ..requests import FINISH_REASONS, Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .admission import Admission
-from .back_off import speculation_of
-from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .media_budget import MediaBudget, block_cut
 from .policies import AdmissionGate, SchedulingPolicy, make_policy
 from .recompute import RecomputeCounter, drop_kv
 from .rope_switch import RopeSwitches
 from .scheduler_plan import SchedulerPlan
-from .speculation_stats import SpeculationStats
+from .speculation.back_off import speculation_of
+from .speculation.drafts import append_verified, fit_draft
+from .speculation.speculation_stats import SpeculationStats
 from .step_plan import ScheduledRequest, StepPlan, TakeBack
 from .weight_updates import UpdateMode, aborted_error, in_flight, too_stale
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from ..requests import Request
+from ...requests import Request
 from .assisted import AssistantSchedule
 from .draft_source import DraftSource
 from .speculation_stats import SpeculationStats
