@@ -147,7 +147,7 @@ def test_unconstrained_rows_are_untouched(model, tokenizer) -> None:
 def test_compiled_grammars_are_cached_by_constraint(model, tokenizer, monkeypatch) -> None:
     prompts = _prompts(tokenizer, 4)
     builder_holder = {}
-    from transformers_cb.engine.submission import RequestBuilder
+    from transformers_cb.engine.intake.submission import RequestBuilder
 
     original = RequestBuilder.__call__
 

@@ -33,10 +33,10 @@ from ..runner.products.torchao_linear import int8_linears
 from ..scheduler.speculation.draft_source import Drafts
 from ..scheduler.speculation.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
-from .adapter_registry import AdapterRegistry
 from .parts import EngineParts, StepResult
 from .snapshot import EngineCounters, EngineSnapshot
-from .weight_watch import WeightWatch
+from .weights.adapter_registry import AdapterRegistry
+from .weights.weight_watch import WeightWatch
 
 if TYPE_CHECKING:
     from ..scheduler.step_plan import StepPlan

@@ -17,9 +17,9 @@ from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.scheduler import Scheduler
 from ..scheduler.speculation.shadow_planner import ShadowPlanner
-from .draft_setup import EngineSpeculation
+from .intake.submission import RequestBuilder
 from .publisher import StepPublisher
-from .submission import RequestBuilder
+from .speculation.draft_setup import EngineSpeculation
 
 
 @dataclass

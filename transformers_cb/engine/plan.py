@@ -4,7 +4,7 @@ The plan is composed of one frozen sub-plan per part, each resolved by the room 
 (as vLLM's `VllmConfig` composes its configs): the device cache (`CachePlan`, memory/cache_plan.py), the
 host tier (`HostPlan`, memory/host_cache.py), the scheduler (`SchedulerPlan`,
 scheduler/scheduler_plan.py), sampling (`SamplingPlan`, sampling/sampling_plan.py), the runner's step
-(`StepOptions`, runner/step_options.py) and the draft model (`AssistantPlan`, engine/assistant.py).
+(`StepOptions`, runner/step_options.py) and the draft model (`AssistantPlan`, engine/speculation/assistant.py).
 What the parts share stays at the top: this rank's shard of the model's shape, the device, the agreed
 `Sizing`, the state layers. `build.py` wires the parts from the plan alone; callers read settings from
 `engine.plan`.
@@ -52,9 +52,14 @@ from ..model_check.state_probe import StateLayout
 from ..runner.step_options import StepOptions, resolve_step_options, without_traced_steps
 from ..sampling.sampling_plan import SamplingPlan, resolve_sampling_plan
 from ..scheduler.scheduler_plan import SchedulerPlan, resolve_scheduler_plan
-from .assistant import AssistantPlan, assistant_kv_bytes_per_token, check_assistant, resolve_assistant
-from .draft_setup import speculation_refusal
-from .pending_decompression import decompress_pending
+from .speculation.assistant import (
+    AssistantPlan,
+    assistant_kv_bytes_per_token,
+    check_assistant,
+    resolve_assistant,
+)
+from .speculation.draft_setup import speculation_refusal
+from .weights.pending_decompression import decompress_pending
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class EnginePlan:
     states: StateLayout | None = None
     # Why the engine cannot speculate (state layers, tensor parallelism; None: it can).
     speculation_refusal: str | None = None
-    # The draft model's plan (None: no `assistant_model`; engine/assistant.py).
+    # The draft model's plan (None: no `assistant_model`; engine/speculation/assistant.py).
     assistant: AssistantPlan | None = None
 
 

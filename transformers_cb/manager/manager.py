@@ -20,9 +20,9 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import WorkloadHints, as_cb_config, as_workload_hints
-from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
+from ..engine.weights.adapter_registry import UNSET, Unset
 from ..requests import GenerationOutput
 from ..sampling.guided import GuidedDecoding
 from ..scheduler.weight_updates import check_update_mode

@@ -54,7 +54,7 @@ class SpeculationState:
 
 def speculation_of(request: Request) -> SpeculationState | None:
     """A request's speculation state as this room made it: `Request` knows it only by the counts it reads
-    (`requests.SpeculationCounts`), and `engine.draft_setup.EngineSpeculation.attach` is its one writer."""
+    (`requests.SpeculationCounts`), and `engine.speculation.draft_setup.EngineSpeculation.attach` is its one writer."""
     return cast(SpeculationState | None, request.speculation)
 
 
