@@ -19,8 +19,8 @@ from typing import Protocol
 
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
+from .delivery.results import ResultRouter
 from .loop import ManagerLoop
-from .results import ResultRouter
 from .state import ManagerState
 
 

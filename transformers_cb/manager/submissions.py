@@ -18,8 +18,8 @@ from ..engine.intake.submission import make_submission
 from ..engine.intake.validation import per_item
 from ..engine.weights.adapter_registry import UNSET
 from ..requests import Request
+from .delivery.results import ResultRouter
 from .loop import ManagerLoop
-from .results import ResultRouter
 from .state import ManagerState
 
 logger = logging.getLogger("transformers_cb.manager")  # one logger for the manager's messages
