@@ -12,7 +12,7 @@ from .manager.manager import ContinuousBatchingManager
 from .manager.stats import ManagerStats
 from .plugin import install, is_installed, uninstall
 from .requests import GenerationOutput, RequestStatus
-from .sampling.guided import GuidedDecoding
+from .sampling.structured.guided import GuidedDecoding
 
 __all__ = [
     "ContinuousBatchingConfig",

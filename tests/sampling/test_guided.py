@@ -18,7 +18,7 @@ from tests.support.preemptions import count_preemptions
 from tests.support.timeouts import hang_guard
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding, RequestStatus
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
-from transformers_cb.sampling.grammars import EXTRA_HINT
+from transformers_cb.sampling.structured.grammars import EXTRA_HINT
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")

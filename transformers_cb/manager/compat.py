@@ -25,7 +25,7 @@ from .state import ManagerState
 
 
 class LogitProcessorView:
-    """The processing stages (`sampling/processors.py`) of one engine, as a read-only sequence of names."""
+    """The processing stages (`sampling/logits/processors.py`) of one engine, as a read-only sequence of names."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

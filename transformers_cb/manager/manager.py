@@ -24,7 +24,7 @@ from ..engine.build import build_engine
 from ..engine.engine import Engine
 from ..engine.weights.adapter_registry import UNSET, Unset
 from ..requests import GenerationOutput
-from ..sampling.guided import GuidedDecoding
+from ..sampling.structured.guided import GuidedDecoding
 from ..scheduler.weight_updates import check_update_mode
 from .adapters import ManagerAdapters
 from .compat import BuiltinManagerAttributes, OutputRouterView
