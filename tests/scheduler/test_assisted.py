@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig
 
+from tests.support.scheduling import scheduler_plan
 from transformers_cb.config.draft_settings import AssistantSettings, assistant_from_configs, request_assistant
 from transformers_cb.requests import Request
 from transformers_cb.scheduler.speculation.assisted import AssistantSchedule, after_verify
@@ -69,11 +70,10 @@ def test_a_draft_runs_only_in_the_step_it_was_proposed_for() -> None:
     from transformers_cb.kv.pool import PagePool
     from transformers_cb.requests import RequestStatus
     from transformers_cb.sampling.sampled_token import SampledToken
-    from transformers_cb.scheduler.policies import make_policy
     from transformers_cb.scheduler.scheduler import Scheduler
 
     pages = PageManager([FullAttentionPolicy(PagePool(16), 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    scheduler = Scheduler(pages, 64, 8, 0.0, make_policy("fifo"))
+    scheduler = Scheduler(pages, scheduler_plan(), 64, 8)
     request = assisted_request()
     assert pages.allocate(request, request.num_computed_tokens)
     request.set_status(RequestStatus.PREFILLING)

@@ -133,7 +133,7 @@ def wire(
         )
     runs_media = media_model.takes_media and media_model.refusal is None
     media = _media_budget(model, plan, kv) if runs_media else None
-    scheduler = Scheduler.from_plan(
+    scheduler = Scheduler(
         pages,
         plan.scheduler,
         plan.sizing.max_batch_tokens,

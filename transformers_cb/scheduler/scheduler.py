@@ -46,17 +46,17 @@ class Scheduler:
         pages: the device tier's pages, the scheduler's one facade over the KV groups' page
             policies, prefix sharing and (state layers) the per-request state slots
             (kv/page_manager.py): a running request holds one slot, admission needs a free one.
-        max_batch_tokens: query tokens per step.
-        max_requests_per_batch: requests per step.
-        safety_margin: new requests are admitted only while the free fraction of
-            pages is at least this (unless nothing runs).
-        policy: candidate ordering.
+        plan: its resolved settings (`SchedulerPlan`, scheduler_plan.py): the candidate ordering
+            (`scheduler_type`: `policy`), the safety margin (new requests are admitted only while the free
+            fraction of pages is at least this, unless nothing runs) and `speculation_max_batch`
+            (speculating requests draft only in steps where at most this many requests run:
+            `speculates_now`; None: always).
+        max_batch_tokens: query tokens per step (the engine's agreed `Sizing`).
+        max_requests_per_batch: requests per step (the agreed `Sizing`).
         offload: the host tier's planner (CPU offload), given explicitly rather than behind the
             facade (see kv/page_manager.py): preempted requests swap out and back instead of
             recomputing while it has room (pages and state slot together); None: always recompute (the null
             planner, `NoOffload`, stands in: no call site asks whether offload is on).
-        speculation_max_batch: speculating requests draft only in steps where at most this many
-            requests run (`speculates_now`; None: always).
         media: the embedding store's rows (media_budget.py): a request with media starts only while
             its rows fit; None: no request has media.
     """
@@ -64,12 +64,10 @@ class Scheduler:
     def __init__(
         self,
         pages: PageManager,
+        plan: SchedulerPlan,
         max_batch_tokens: int,
         max_requests_per_batch: int,
-        safety_margin: float,
-        policy: SchedulingPolicy,
         offload: CpuOffload | None = None,
-        speculation_max_batch: int | None = None,
         media: MediaBudget | None = None,
     ) -> None:
         self.pages = pages
@@ -81,38 +79,15 @@ class Scheduler:
         self.rope_switches = RopeSwitches(pages.rope)
         # The waiting queue, the running list, `ended` and every exit from running.
         self.queues = RequestQueues(pages, self.offload, self.recomputed, self.rope_switches, media)
-        self.speculation_max_batch = speculation_max_batch
+        self.speculation_max_batch = plan.speculation_max_batch
         self.max_batch_tokens = max_batch_tokens
         self.max_requests_per_batch = max_requests_per_batch
-        self.policy = policy
-        self.admission = Admission(pages, safety_margin, self.recomputed, self.offload, media)
+        self.policy: SchedulingPolicy = make_policy(plan.scheduler_type)
+        self.admission = Admission(pages, plan.safety_margin, self.recomputed, self.offload, media)
         self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
         self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
         # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
         self.taken_back: list[TakeBack] = []
-
-    @classmethod
-    def from_plan(
-        cls,
-        pages: PageManager,
-        plan: SchedulerPlan,
-        max_batch_tokens: int,
-        max_requests_per_batch: int,
-        offload: CpuOffload | None = None,
-        media: MediaBudget | None = None,
-    ) -> Scheduler:
-        """The engine's scheduler from its resolved settings (`SchedulerPlan`, scheduler_plan.py) and the step
-        sizes the engine agreed (`Sizing`)."""
-        return cls(
-            pages,
-            max_batch_tokens=max_batch_tokens,
-            max_requests_per_batch=max_requests_per_batch,
-            safety_margin=plan.safety_margin,
-            policy=make_policy(plan.scheduler_type),
-            offload=offload,
-            speculation_max_batch=plan.speculation_max_batch,
-            media=media,
-        )
 
     @property
     def safety_margin(self) -> float:
