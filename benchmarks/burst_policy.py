@@ -31,12 +31,16 @@ from transformers_cb.kv.page_policies import FullAttentionPolicy  # noqa: E402
 from transformers_cb.kv.pool import PagePool  # noqa: E402
 from transformers_cb.scheduler.policies import DecodeFirstPolicy, SchedulingPolicy, make_policy  # noqa: E402
 from transformers_cb.scheduler.scheduler import Scheduler  # noqa: E402
+from transformers_cb.scheduler.scheduler_settings import SchedulerSettings  # noqa: E402
 
 
 def run(policy: SchedulingPolicy, lengths: list[int], fixed_s: float, token_s: float) -> tuple[float, float]:
     """(wall s, median TTFT s of the even-numbered requests) of one burst under `policy`."""
     pages = PageManager([FullAttentionPolicy(PagePool(728), 16)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    scheduler = Scheduler(pages, 8192, 1024, 0.15, policy)
+    scheduler = Scheduler(
+        pages, SchedulerSettings("fifo", 0.15, max_queue_size=0, speculation_max_batch=None), 8192, 1024
+    )
+    scheduler.policy = policy
     requests = [make_request(f"r{i}", length, 32) for i, length in enumerate(lengths)]
     for request in requests:
         scheduler.add(request)

@@ -299,7 +299,7 @@ class BuiltinOnline(OnlineEngine):
         from transformers.generation import ContinuousBatchingConfig as BuiltinConfig
         from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
 
-        from transformers_cb.manager.threads import release_openmp_pool
+        from transformers_cb.manager.torch_threads.threads import release_openmp_pool
 
         # CPU: no CUDA graphs, no compile (nothing else is needed: flash attention is unavailable, SDPA stays).
         cfg, ignored = make_config(

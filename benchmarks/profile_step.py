@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

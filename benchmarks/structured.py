@@ -80,7 +80,7 @@ def run_ours(
 ) -> tuple[float, list[list[int]], float]:
     """Wall seconds, outputs in order, and seconds inside the grammar masks."""
     from transformers_cb import ContinuousBatchingConfig
-    from transformers_cb.sampling.grammars import GrammarCompiler
+    from transformers_cb.sampling.structured.grammars import GrammarCompiler
 
     mask_seconds = [0.0]
     original = GrammarCompiler.apply_masks

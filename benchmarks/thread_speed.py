@@ -1,4 +1,4 @@
-"""Forward speed on the main thread vs a background thread, with and without `transformers_cb.manager.threads`.
+"""Forward speed on the main thread vs a background thread, with and without `transformers_cb.manager.torch_threads.threads`.
 
     python benchmarks/thread_speed.py [--models small] [--workloads decode,decode64,prefill] [--repeats 5]
                                       [--iters 5] [--threads N] [--json out.json]
@@ -42,7 +42,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import MODEL_CONFIGS, build_model, environment_metadata, param_count  # noqa: E402
 
-from transformers_cb.manager.threads import ThreadSettings, release_openmp_pool, worker_thread_context  # noqa: E402
+from transformers_cb.manager.torch_threads.threads import (  # noqa: E402
+    ThreadSettings,
+    release_openmp_pool,
+    worker_thread_context,
+)
 
 #: name -> (batch, sequence length) of a forward without KV cache.
 WORKLOADS: dict[str, tuple[int, int]] = {

@@ -12,7 +12,7 @@ from tests.support.hybrids import build_hybrid
 from tests.support.models import build_tiny_model
 from tests.support.processes import run_process
 from transformers_cb import conformance_check
-from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.queues import RequestQueues
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys
     """A broken engine (eviction that garbles the last token it will recompute: a generated one, or the
     prompt's own when the victim was still in its prompt, which is what the tight cache's one preemption
     is now) makes the check fail with exit 1 and print both token sequences."""
-    original = Scheduler.preempt
+    original = RequestQueues.preempt
 
     def broken_preempt(self, request, batch):
         original(self, request, batch)
@@ -53,7 +53,7 @@ def test_check_model_reports_mismatch(tiny_checkpoint: Path, monkeypatch, capsys
         if request.generated_ids:
             request.generated_ids[-1] = request.all_token_ids[-1]
 
-    monkeypatch.setattr(Scheduler, "preempt", broken_preempt)
+    monkeypatch.setattr(RequestQueues, "preempt", broken_preempt)
     argv = ["--model", str(tiny_checkpoint), "--prompts", "6", "--max-new-tokens", "8", "--attn", "sdpa"]
     assert conformance_check.conformance_main(argv) == 1
     out = capsys.readouterr().out

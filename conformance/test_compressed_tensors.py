@@ -6,7 +6,7 @@ from each group's range, as a calibration of weights alone would), compressed, s
 loaded by transformers (`from_pretrained`: its compressed-tensors quantizer). transformers 5.23 has no CPU
 kernel for such weights: compressed-tensors decompresses them into float weights at the model's first
 forward (a forward pre-hook). The engine runs `model.forward`, which bypasses that hook, so it runs the
-decompression first (engine/pending_decompression.py); the test gives `generate_batch` the model straight
+decompression first (engine/weights/pending_decompression.py); the test gives `generate_batch` the model straight
 from `from_pretrained`, the hook still pending. Judged tie-aware, float32 and bfloat16
 (docs/quantization.md).
 

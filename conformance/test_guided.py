@@ -18,7 +18,7 @@ from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 from tests.support.preemptions import count_preemptions
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
-from transformers_cb.sampling.grammars import JSON_OPTIONS
+from transformers_cb.sampling.structured.grammars import JSON_OPTIONS
 
 llguidance = pytest.importorskip("llguidance")
 llguidance_hf = pytest.importorskip("llguidance.hf")

@@ -37,7 +37,7 @@ from tests.support.prompts import random_prompts
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ENV_SWITCH, native_module
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 
 MAX_NEW_TOKENS = 10
 VOCAB = 300

@@ -18,7 +18,7 @@ from tests.support.vision_models import (
     voxtral_clips,
 )
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
-from transformers_cb.engine.media_inputs import MediaIntake
+from transformers_cb.engine.intake.media_inputs import MediaIntake
 
 MAX_NEW_TOKENS = 8
 

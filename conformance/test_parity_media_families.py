@@ -128,7 +128,7 @@ def test_gemma4_images_equal_generate_and_vision_blocks_are_refused(monkeypatch)
     both ways on the sliding layers (from `mm_token_type_ids`): refused with the reason, never run causally."""
     import conformance.coverage.media as media
     from conformance.coverage.catalog import all_entries, select
-    from transformers_cb.engine.media_inputs import MediaIntake
+    from transformers_cb.engine.intake.media_inputs import MediaIntake
 
     entry = select(all_entries(), ["gemma4"])[0]
     outcome = media.run_media(entry)

@@ -29,7 +29,7 @@ from tests.support.requests import page_ids
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 
 MAX_NEW_TOKENS = 8
 VOCAB = 300

@@ -29,7 +29,7 @@ from tests.support.models import (
 from tests.support.prompts import prompts_of_lengths
 from transformers_cb import RequestStatus
 from transformers_cb.engine.engine import WARMUP_REQUEST_ID, Engine
-from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.queues import RequestQueues
 
 MAX_NEW_TOKENS = 10
 PROPERTY_FAMILIES = ("llama", *SLIDING_FAMILIES)
@@ -91,7 +91,7 @@ def check_workload(workload: dict) -> None:
     references = [REFERENCES[family].get(p, m) for p, m in zip(prompts, max_new, strict=True)]
     finishes: Counter[str] = Counter()
     checked_steps = []
-    original_finish, original_step = Scheduler.finish, Engine.step
+    original_finish, original_step = RequestQueues.finish, Engine.step
 
     def finish(self, request, status, error=None):
         if not request.is_finished and request.request_id != WARMUP_REQUEST_ID:
@@ -106,7 +106,7 @@ def check_workload(workload: dict) -> None:
 
     model.set_attn_implementation(workload["backend"])
     try:
-        with mock.patch.object(Scheduler, "finish", finish), mock.patch.object(Engine, "step", step):
+        with mock.patch.object(RequestQueues, "finish", finish), mock.patch.object(Engine, "step", step):
             outputs, preempted = run_batch(
                 model,
                 prompts,

@@ -26,7 +26,7 @@ from conformance.common import (
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.models.fetch import FetchError, fetch_model
 from transformers_cb.models.registry_model import SMOLLM2
 

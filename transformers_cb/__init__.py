@@ -7,12 +7,12 @@ from .import_noise import quiet_import_noise
 quiet_import_noise()  # before anything imports transformers (and, through it, torchao)
 
 from .config import ContinuousBatchingConfig
+from .manager.delivery.results import ManagerDeadError, UnknownRequestError
 from .manager.manager import ContinuousBatchingManager
-from .manager.results import ManagerDeadError, UnknownRequestError
 from .manager.stats import ManagerStats
 from .plugin import install, is_installed, uninstall
 from .requests import GenerationOutput, RequestStatus
-from .sampling.guided import GuidedDecoding
+from .sampling.structured.guided import GuidedDecoding
 
 __all__ = [
     "ContinuousBatchingConfig",

@@ -62,7 +62,7 @@ class SamplingState(Protocol):
 
 
 class DraftCounts(Protocol):
-    """A request's speculation counts (`scheduler.speculation_stats.SpeculationStats`)."""
+    """A request's speculation counts (`scheduler.speculation.speculation_stats.SpeculationStats`)."""
 
     @property
     def drafted(self) -> int: ...
@@ -72,7 +72,7 @@ class DraftCounts(Protocol):
 
 
 class SpeculationCounts(Protocol):
-    """What a request asks of its speculation state (`scheduler.back_off.SpeculationState`): its
+    """What a request asks of its speculation state (`scheduler.speculation.back_off.SpeculationState`): its
     counts, for the output."""
 
     @property
@@ -121,7 +121,7 @@ class PageList:
 class AdapterChoice:
     """The PEFT adapters a request runs with (docs/adapters.md): `names` applied in order (empty: the base
     model alone, no adapter at all), at the adapter weights' `version` (an in-place update of an adapter
-    bumps it). Chosen at submission (`engine/adapter_registry.py`); the runner groups a step's rows by it
+    bumps it). Chosen at submission (`engine/weights/adapter_registry.py`); the runner groups a step's rows by it
     (runner/adapter_rows.py) and the prefix cache salts the request's page keys with it (`salt`)."""
 
     names: tuple[str, ...]

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForImageTextToText, GenerationConfig, PreTrainedModel
 
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.engine.media_inputs import MediaIntake
+from transformers_cb.engine.intake.media_inputs import MediaIntake
 
 from .build import SEED, entry_config
 from .catalog import Entry

@@ -16,7 +16,7 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -186,7 +186,7 @@ def test_the_generation_config_is_resolved_once_and_each_limit_defaulted_once(
 
 
 def test_per_item_lists_split_one_way_in_generate_batch_and_add_requests(model, prompts) -> None:
-    from transformers_cb.engine.validation import per_item
+    from transformers_cb.engine.intake.validation import per_item
 
     assert per_item(3, 2, "x") == [3, 3]
     assert per_item([1, 2], 2, "x") == [1, 2]

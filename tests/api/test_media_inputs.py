@@ -63,10 +63,10 @@ def test_bad_media_inputs_name_the_problem(llava, inputs, kwargs, message) -> No
 
 
 def test_gemma3s_blocks_are_the_runs_of_its_token_type_ids_and_flash_refuses_them() -> None:
-    """Gemma 3 declares blockwise prefill masks (engine/media_inputs.py): its `token_type_ids` runs are the
+    """Gemma 3 declares blockwise prefill masks (engine/intake/media_inputs.py): its `token_type_ids` runs are the
     request's blocks, a wrong length is named, and a flash backend (causal varlen) refuses its images."""
     from tests.support.vision_models import build_family_vlm, family_images, image_token_of
-    from transformers_cb.engine.media_inputs import MediaIntake
+    from transformers_cb.engine.intake.media_inputs import MediaIntake
 
     model = build_family_vlm("gemma3")
     intake = MediaIntake.of(model)

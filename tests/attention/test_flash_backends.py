@@ -29,7 +29,7 @@ from transformers_cb.attention.backends.flash_kernels import (
     load_flash_kernel,
 )
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.sampling.sampled_token import SampledToken
 
 GREEDY = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)

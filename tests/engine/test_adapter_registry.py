@@ -1,4 +1,4 @@
-"""The engine's adapters by name (engine/adapter_registry.py, docs/adapters.md): a `peft.PeftModel` with
+"""The engine's adapters by name (engine/weights/adapter_registry.py, docs/adapters.md): a `peft.PeftModel` with
 several adapters (LoRA and DoRA) runs each per request as `generate()` after `set_adapter`; what cannot be
 split per request (IA³, `modules_to_save`) is refused by name at submission, and runs as the active adapter
 when no `adapter=` is given (issue 47's behaviour)."""
@@ -12,7 +12,7 @@ from tests.support.adapters import seed_lora_weights
 from tests.support.models import sharpen_attention, tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.conformance_check import greedy_config, reference_greedy
-from transformers_cb.engine.adapter_registry import UNSET, AdapterRegistry
+from transformers_cb.engine.weights.adapter_registry import UNSET, AdapterRegistry
 from transformers_cb.requests import AdapterChoice
 
 peft = pytest.importorskip("peft", reason="the adapter tests need peft (the test extra installs it)")

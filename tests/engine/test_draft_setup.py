@@ -10,9 +10,9 @@ from transformers import GenerationConfig
 from tests.support.hybrids import build_hybrid
 from tests.support.models import tiny_llama
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.draft_setup import speculation_refusal
-from transformers_cb.engine.submission import Submission, make_submission
-from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP
+from transformers_cb.engine.intake.submission import Submission, make_submission
+from transformers_cb.engine.speculation.draft_setup import speculation_refusal
+from transformers_cb.scheduler.speculation.prompt_lookup import PROMPT_LOOKUP
 
 
 def test_tensor_parallelism_refuses_speculation() -> None:

@@ -17,8 +17,8 @@ from transformers_cb.attention.selection import paged_backend
 from transformers_cb.distributed import TensorParallelError
 from transformers_cb.engine.engine import Engine
 from transformers_cb.engine.follower import FollowerEngine
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.engine.publisher import TensorParallelPublisher
-from transformers_cb.engine.submission import Submission
 
 
 @pytest.fixture

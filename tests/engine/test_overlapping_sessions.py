@@ -21,7 +21,7 @@ from tests.support.models import build_tiny_model, tiny_phi3_longrope
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, patches
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 
 
 def _catalog(model_type: str) -> PreTrainedModel:

@@ -1,4 +1,4 @@
-"""engine/pending_decompression.py: a compressed-tensors checkpoint's first-forward hook run by `resolve_settings`
+"""engine/weights/pending_decompression.py: a compressed-tensors checkpoint's first-forward hook run by `resolve_settings`
 (compressed-tensors need not be installed: the hook is set up as its `add_decompress_hook` does)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from transformers_cb.engine.pending_decompression import HOOK_ATTRIBUTE, decompress_pending
+from transformers_cb.engine.weights.pending_decompression import HOOK_ATTRIBUTE, decompress_pending
 
 
 def _with_pending_hook(model: nn.Module, calls: list[int]) -> None:

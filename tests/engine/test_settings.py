@@ -1,5 +1,5 @@
 """engine/settings.py: the `EngineSettings` composed of one frozen settings object per part, each resolved by its room, and
-the parts wired from it (the request builder among them, engine/submission.py)."""
+the parts wired from it (the request builder among them, engine/intake/submission.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.config.continuous_batching import resolve_speculation_max_batch
 from transformers_cb.engine.build import wire
+from transformers_cb.engine.intake.submission import RequestBuilder, Submission
 from transformers_cb.engine.settings import resolve_settings
-from transformers_cb.engine.submission import RequestBuilder, Submission
 from transformers_cb.memory.cache_settings import CacheSettings
 from transformers_cb.memory.host_cache import HostSettings
 from transformers_cb.sampling.sampling_settings import SamplingSettings, resolve_sampling_settings

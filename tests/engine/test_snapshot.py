@@ -9,8 +9,8 @@ from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.engine.snapshot import EngineSnapshot
-from transformers_cb.engine.submission import Submission
 
 
 def test_snapshot_counts_pages_prefix_hits_preemptions_and_swaps() -> None:

@@ -14,8 +14,8 @@ from tests.support.prompts import prompts_of_lengths
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.build import build_engine
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.engine.publisher import StepPublisher
-from transformers_cb.engine.submission import Submission
 from transformers_cb.requests import RequestStatus
 
 GREEDY = GenerationConfig(max_new_tokens=6, do_sample=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.requests import page_ids, sampling_entries
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
@@ -13,7 +14,6 @@ from transformers_cb.kv.pool import PagePool
 from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 from transformers_cb.scheduler.step_plan import StepPlan
 
@@ -26,7 +26,7 @@ def sharing_scheduler(num_pages: int, max_batch_tokens: int = 64, sharing: bool 
         [KVGroupSpec(FULL_ATTENTION, (0,))],
         sharing=sharing,
     )
-    return Scheduler(page_manager, max_batch_tokens, 64, 0.0, make_policy("fifo"))
+    return Scheduler(page_manager, scheduler_settings(), max_batch_tokens, 64)
 
 
 def hybrid_scheduler(num_pages: int, window: int) -> Scheduler:
@@ -36,7 +36,7 @@ def hybrid_scheduler(num_pages: int, window: int) -> Scheduler:
         SlidingWindowPolicy(pools[1], PS, window, 1),
     ]
     specs = [KVGroupSpec(FULL_ATTENTION, (0,)), KVGroupSpec(SLIDING_ATTENTION, (1,), window)]
-    return Scheduler(PageManager(policies, specs, sharing=True), 64, 64, 0.0, make_policy("fifo"))
+    return Scheduler(PageManager(policies, specs, sharing=True), scheduler_settings(), 64, 64)
 
 
 def request(request_id: str, prompt: list[int], max_new_tokens: int = 2) -> Request:

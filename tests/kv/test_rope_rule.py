@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tests.kv.test_prefix_cache import PS, request, step
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
@@ -14,7 +15,6 @@ from transformers_cb.kv.pool import PagePool
 from transformers_cb.kv.prefix_cache import ROOT_KEY, request_keys, root_key
 from transformers_cb.kv.rope_rule import DYNAMIC, LONGROPE, RopeRule, rope_rule_of
 from transformers_cb.requests import RequestStatus
-from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 
 LONG = RopeRule(LONGROPE, 32)
@@ -65,7 +65,7 @@ def rope_scheduler(rule: RopeRule, num_pages: int = 64, max_batch_tokens: int = 
         sharing=True,
         rope=rule,
     )
-    return Scheduler(pages, max_batch_tokens, 64, 0.0, make_policy("fifo"))
+    return Scheduler(pages, scheduler_settings(), max_batch_tokens, 64)
 
 
 def test_a_prefix_across_the_switch_is_not_hit() -> None:

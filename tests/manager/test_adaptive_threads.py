@@ -1,4 +1,4 @@
-"""The manager thread's torch threads follow the cores other processes leave idle (manager/adaptive_threads.py):
+"""The manager thread's torch threads follow the cores other processes leave idle (manager/torch_threads/adaptive_threads.py):
 measured between steps from the cores' busy time minus the process's own, shrunk at once, grown after two
 windows agree, set on the manager thread itself."""
 
@@ -9,8 +9,13 @@ import threading
 from tests.support.manager import CB_CONFIG, PROMPTS, make_model
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager
-from transformers_cb.manager.adaptive_threads import AdaptiveThreads, CpuSample, idle_share, read_sample
 from transformers_cb.manager.loop import THREAD_NAME
+from transformers_cb.manager.torch_threads.adaptive_threads import (
+    AdaptiveThreads,
+    CpuSample,
+    idle_share,
+    read_sample,
+)
 
 
 class Clockwork:
@@ -31,7 +36,7 @@ class Clockwork:
 
 
 def tuner(cores: int, clock: Clockwork, monkeypatch, sets: list[int]) -> AdaptiveThreads:
-    from transformers_cb.manager import adaptive_threads
+    from transformers_cb.manager.torch_threads import adaptive_threads
 
     monkeypatch.setattr(adaptive_threads.time, "monotonic", lambda: clock.wall)
     threads = AdaptiveThreads(cores, interval_s=2.0, read=clock.read, set_threads=sets.append)

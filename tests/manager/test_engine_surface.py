@@ -16,8 +16,8 @@ from tests.support.tp_pair import engine_pair
 from transformers_cb import ContinuousBatchingConfig, ContinuousBatchingManager
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.follower import FollowerEngine
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.engine.publisher import StepPublisher
-from transformers_cb.engine.submission import Submission
 from transformers_cb.manager import manager as manager_module
 
 

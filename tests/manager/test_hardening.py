@@ -26,7 +26,7 @@ from tests.support.manager import (
 from tests.support.threads import TIMEOUT, run_with_timeout, wait_for
 from transformers_cb import ContinuousBatchingConfig, GenerationOutput, RequestStatus
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.invariants import InvariantError
 from transformers_cb.manager.loop import NOT_RUN_ERROR
 

@@ -1,4 +1,4 @@
-"""Functional tests of `transformers_cb.manager.threads` (no timing assertions: see benchmarks/thread_speed.py)."""
+"""Functional tests of `transformers_cb.manager.torch_threads.threads` (no timing assertions: see benchmarks/thread_speed.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from transformers_cb.manager import threads
-from transformers_cb.manager.threads import (
+from transformers_cb.manager.torch_threads import threads
+from transformers_cb.manager.torch_threads.threads import (
     ThreadSettings,
     release_openmp_pool,
     start_worker_thread,

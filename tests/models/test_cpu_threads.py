@@ -46,7 +46,7 @@ def test_commands_set_it_before_loading(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_a_server_starts_with_every_core_and_adapts_while_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`serve` never takes a snapshot of the load at start (manager/adaptive_threads.py follows it); `generate`,
+    """`serve` never takes a snapshot of the load at start (manager/torch_threads/adaptive_threads.py follows it); `generate`,
     a job that starts and ends, still does."""
     monkeypatch.setattr(threads, "idle_cores", lambda: 1)
     monkeypatch.setattr(threads, "available_cores", lambda: 4)

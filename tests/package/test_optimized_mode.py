@@ -43,12 +43,12 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
     from transformers_cb.kv.pool import PagePool
     from transformers_cb.invariants import InvariantError
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.scheduler.policies import make_policy
     from transformers_cb.scheduler.scheduler import Scheduler
+    from transformers_cb.scheduler.scheduler_settings import SchedulerSettings
 
     pool = PagePool(8)
     page_manager = PageManager([FullAttentionPolicy(pool, 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    scheduler = Scheduler(page_manager, 64, 64, 0.0, make_policy("fifo"))
+    scheduler = Scheduler(page_manager, SchedulerSettings("fifo", 0.0, 0, None), 64, 64)
     running = Request(request_id="a", prompt_ids=list(range(10, 20)), max_new_tokens=4)
     scheduler.add(running)
     batch = scheduler.schedule()

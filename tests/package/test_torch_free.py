@@ -58,9 +58,10 @@ def heavy_imports_reachable_from(room: str) -> dict[str, list[str]]:
     modules of `room` reach (with the rooms' `__init__.py` that importing them runs; the package root's
     `__init__.py`, the plugin's entry point, is not followed)."""
     start = [f"transformers_cb.{room}"] + [
-        f"transformers_cb.{room}.{path.stem}"
-        for path in (PACKAGE / room).glob("*.py")
-        if path.stem != "__init__"
+        ".".join(("transformers_cb", *path.relative_to(PACKAGE).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        for path in (PACKAGE / room).rglob("*.py")
     ]
     seen: set[str] = set()
     todo = list(start)

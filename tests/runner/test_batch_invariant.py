@@ -26,7 +26,7 @@ from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.runner.forward.compiling import CompileSettings
 from transformers_cb.runner.products.batch_invariant import (
     INVARIANT_ROWS,

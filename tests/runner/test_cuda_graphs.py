@@ -26,7 +26,7 @@ from transformers_cb.config.continuous_batching import DeviceOptions, resolve_de
 from transformers_cb.engine import settings as settings_module
 from transformers_cb.engine.build import build_engine
 from transformers_cb.engine.engine import Engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.runner.forward.async_batching import BufferTurns
 from transformers_cb.runner.forward.compiling import DECODE, VARLEN
 from transformers_cb.runner.forward.cuda_graphs import GraphKey, LRUCache, padded_length

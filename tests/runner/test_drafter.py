@@ -1,4 +1,4 @@
-"""The draft model's source (scheduler/shadow_planner.py planning, runner/drafter.py running): its drafts are the assistant's own greedy continuation (`generate()`) of
+"""The draft model's source (scheduler/speculation/shadow_planner.py planning, runner/drafter.py running): its drafts are the assistant's own greedy continuation (`generate()`) of
 each request's tokens, step after step while the target accepts some draft tokens and rejects the rest (the
 rejected ones' KV rolled back), with catch-ups chunked to the token budget and several requests batched;
 its pages go back when a request is forgotten, and a drafter out of pages drafts nothing instead of failing.
@@ -16,8 +16,8 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.build import build_engine
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.assisted import AssistantSchedule
-from transformers_cb.scheduler.back_off import SpeculationState
+from transformers_cb.scheduler.speculation.assisted import AssistantSchedule
+from transformers_cb.scheduler.speculation.back_off import SpeculationState
 
 DRAFT = 5
 # Larger weights than the default: the random model's tokens then depend on its context (the KV), not only

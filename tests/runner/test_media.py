@@ -12,7 +12,7 @@ from tests.support.vision_models import (
     llava_image,
     with_images,
 )
-from transformers_cb.engine.media_inputs import MediaIntake
+from transformers_cb.engine.intake.media_inputs import MediaIntake
 from transformers_cb.requests import Request
 from transformers_cb.runner.media.media_runner import MediaRunner, MediaStepInputs
 from transformers_cb.scheduler.step_plan import ScheduledRequest

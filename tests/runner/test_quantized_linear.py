@@ -1,4 +1,4 @@
-"""The quantized products (`runner/products/quantized_linear.py`, attention/native/native_quant_source.py) against
+"""The quantized products (`runner/products/quantized_linear.py`, attention/native/quantized/native_quant_source.py) against
 `x @ gguf.quants.dequantize(W).T`: random blocks of Q8_0, Q4_0 and Q4_1, float32 and bfloat16 inputs, odd
 shapes, row counts on both sides of `DIRECT_MAX_ROWS` (the native product and the dequantized tiles); the
 dequantization itself bitwise equal to gguf's, natively and by the torch fallback; the modules."""

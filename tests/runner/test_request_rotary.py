@@ -18,7 +18,7 @@ from tests.support.prompts import random_prompts
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.runner.request_rotary import dynamic_rotary_modules
 
 

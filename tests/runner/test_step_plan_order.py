@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.engine.build import build_engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.kv.swap_plan import SwapPlan
 from transformers_cb.scheduler.step_plan import StepPlan
 

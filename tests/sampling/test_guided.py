@@ -18,7 +18,7 @@ from tests.support.preemptions import count_preemptions
 from tests.support.timeouts import hang_guard
 from transformers_cb import ContinuousBatchingConfig, GuidedDecoding, RequestStatus
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
-from transformers_cb.sampling.grammars import EXTRA_HINT
+from transformers_cb.sampling.structured.grammars import EXTRA_HINT
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
@@ -147,7 +147,7 @@ def test_unconstrained_rows_are_untouched(model, tokenizer) -> None:
 def test_compiled_grammars_are_cached_by_constraint(model, tokenizer, monkeypatch) -> None:
     prompts = _prompts(tokenizer, 4)
     builder_holder = {}
-    from transformers_cb.engine.submission import RequestBuilder
+    from transformers_cb.engine.intake.submission import RequestBuilder
 
     original = RequestBuilder.__call__
 

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 from tests.support.models import tiny_llama
 from transformers_cb.config.generation_fields import resolve_generation_config
 from transformers_cb.requests import Request
-from transformers_cb.sampling import openai, warpers
+from transformers_cb.sampling.logits import openai, warpers
 from transformers_cb.sampling.neutral import NEUTRAL_VALUES, is_neutral
 from transformers_cb.sampling.params import OPENAI_PARAMS, VECTOR_PARAMS, SamplingParams
 from transformers_cb.sampling.request_state import RequestSampling, SamplingSetup

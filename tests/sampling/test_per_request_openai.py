@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from tests.support.models import tiny_llama
 from transformers_cb import ContinuousBatchingConfig
-from transformers_cb.sampling import openai
+from transformers_cb.sampling.logits import openai
 from transformers_cb.sampling.params import SamplingParams
 from transformers_cb.sampling.request_state import RequestSampling, SamplingSetup
 

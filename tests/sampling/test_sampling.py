@@ -15,7 +15,7 @@ from tests.support.prompts import prompts_of_lengths
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
-from transformers_cb.sampling import warpers
+from transformers_cb.sampling.logits import warpers
 from transformers_cb.sampling.params import derive_seed
 
 SAMPLED = GenerationConfig(

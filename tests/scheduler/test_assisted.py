@@ -1,4 +1,4 @@
-"""A draft model's side of the scheduler (scheduler/assisted.py): a step runs the draft model's proposal
+"""A draft model's side of the scheduler (scheduler/speculation/assisted.py): a step runs the draft model's proposal
 (not a lookup) within the same limits (budget, max_new_tokens, eos), and only in the step it was proposed
 for; transformers' `num_assistant_tokens_schedule` moves the draft length after each verification; the
 settings' precedence (the engine's GenerationConfig, the assistant's own, transformers' defaults) and
@@ -9,23 +9,24 @@ from __future__ import annotations
 import pytest
 from transformers import GenerationConfig
 
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.config.draft_settings import AssistantSettings, assistant_from_configs, request_assistant
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.assisted import AssistantSchedule, after_verify
-from transformers_cb.scheduler.back_off import SpeculationState, follow_schedule, record
-from transformers_cb.scheduler.draft_source import Drafts
-from transformers_cb.scheduler.drafts import fit_draft
-from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP
+from transformers_cb.scheduler.speculation.assisted import AssistantSchedule, after_verify
+from transformers_cb.scheduler.speculation.back_off import SpeculationState, follow_schedule, record
+from transformers_cb.scheduler.speculation.draft_source import Drafts
+from transformers_cb.scheduler.speculation.drafts import fit_draft
+from transformers_cb.scheduler.speculation.prompt_lookup import PROMPT_LOOKUP
 
 
 def apply_schedule(state, drafted: int, accepted: int) -> None:
-    """What the draft model's source does after a verification (scheduler/shadow_planner.py)."""
+    """What the draft model's source does after a verification (scheduler/speculation/shadow_planner.py)."""
     follow_schedule(state, after_verify(state.assistant, drafted, accepted))
 
 
 class ModelSource:
     """A draft model's source as the scheduler sees it: it proposes the given drafts, and its
-    `after_verify` runs the schedules (as scheduler/shadow_planner.py does)."""
+    `after_verify` runs the schedules (as scheduler/speculation/shadow_planner.py does)."""
 
     def __init__(self) -> None:
         self.drafts: Drafts = {}
@@ -69,11 +70,10 @@ def test_a_draft_runs_only_in_the_step_it_was_proposed_for() -> None:
     from transformers_cb.kv.pool import PagePool
     from transformers_cb.requests import RequestStatus
     from transformers_cb.sampling.sampled_token import SampledToken
-    from transformers_cb.scheduler.policies import make_policy
     from transformers_cb.scheduler.scheduler import Scheduler
 
     pages = PageManager([FullAttentionPolicy(PagePool(16), 4)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    scheduler = Scheduler(pages, 64, 8, 0.0, make_policy("fifo"))
+    scheduler = Scheduler(pages, scheduler_settings(), 64, 8)
     request = assisted_request()
     assert pages.allocate(request, request.num_computed_tokens)
     request.set_status(RequestStatus.PREFILLING)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.support.requests import sampling_entries
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
@@ -15,7 +16,6 @@ from transformers_cb.memory.media_store import RequestMedia, media_digest
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
 from transformers_cb.scheduler.media_budget import MediaBudget
-from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 from transformers_cb.scheduler.step_plan import StepPlan
 
@@ -24,7 +24,7 @@ PS = 4
 
 def scheduler(capacity: int, max_batch_tokens: int = 64, num_pages: int = 64) -> Scheduler:
     pages = PageManager([FullAttentionPolicy(PagePool(num_pages), PS)], [KVGroupSpec(FULL_ATTENTION, (0,))])
-    return Scheduler(pages, max_batch_tokens, 64, 0.0, make_policy("fifo"), media=MediaBudget(capacity))
+    return Scheduler(pages, scheduler_settings(), max_batch_tokens, 64, media=MediaBudget(capacity))
 
 
 def with_image(request_id: str, placeholders: list[int], length: int = 12) -> Request:

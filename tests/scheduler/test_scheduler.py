@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tests.support.fakes import EOS, FakeModel
 from tests.support.requests import make_request, page_ids, sampling_entries
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
@@ -32,8 +33,11 @@ def make_scheduler(
     page_manager = PageManager(
         [FullAttentionPolicy(PagePool(num_pages), page_size)], [KVGroupSpec(FULL_ATTENTION, (0,))]
     )
-    chosen = make_policy(policy) if isinstance(policy, str) else policy
-    return Scheduler(page_manager, max_batch_tokens, max_requests_per_batch, safety_margin, chosen)
+    settings = scheduler_settings(policy if isinstance(policy, str) else "fifo", safety_margin)
+    scheduler = Scheduler(page_manager, settings, max_batch_tokens, max_requests_per_batch)
+    if not isinstance(policy, str):
+        scheduler.policy = policy  # one at these tests' scale (`SmallDecodeFirst`)
+    return scheduler
 
 
 class SmallDecodeFirst(DecodeFirstPolicy):

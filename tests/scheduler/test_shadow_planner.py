@@ -1,4 +1,4 @@
-"""The draft model's planner (scheduler/shadow_planner.py), torch-free, over a fake executor: it decides
+"""The draft model's planner (scheduler/speculation/shadow_planner.py), torch-free, over a fake executor: it decides
 every step (catch-up chunks within the token budget, then batched one-token draft steps) and the
 rollback of rejected draft tokens (pages released here, the rows' columns handed to the executor with
 the end pages), and hands the executor rows to release when a shadow goes; drafts come back as data."""
@@ -12,9 +12,9 @@ from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.assisted import AssistantSchedule
-from transformers_cb.scheduler.back_off import SpeculationState
-from transformers_cb.scheduler.shadow_planner import ShadowPlanner
+from transformers_cb.scheduler.speculation.assisted import AssistantSchedule
+from transformers_cb.scheduler.speculation.back_off import SpeculationState
+from transformers_cb.scheduler.speculation.shadow_planner import ShadowPlanner
 from transformers_cb.scheduler.step_plan import ScheduledRequest
 
 DRAFT = 3

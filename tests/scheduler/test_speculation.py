@@ -9,11 +9,17 @@ import pytest
 import torch
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.config.draft_settings import LookupSettings, lookup_settings, request_lookup
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.back_off import MAX_PAUSE_STEPS, SpeculationState, draft_length, record
-from transformers_cb.scheduler.drafts import fit_draft
-from transformers_cb.scheduler.prompt_lookup import PROMPT_LOOKUP, lookup
+from transformers_cb.scheduler.speculation.back_off import (
+    MAX_PAUSE_STEPS,
+    SpeculationState,
+    draft_length,
+    record,
+)
+from transformers_cb.scheduler.speculation.drafts import fit_draft
+from transformers_cb.scheduler.speculation.prompt_lookup import PROMPT_LOOKUP, lookup
 
 
 def propose(request: Request, budget: int) -> list[int]:
@@ -151,13 +157,12 @@ def _speculating_scheduler(eos: frozenset[int] = frozenset(), max_batch_tokens: 
     from transformers_cb.kv.page_manager import PageManager
     from transformers_cb.kv.page_policies import FullAttentionPolicy
     from transformers_cb.kv.pool import PagePool
-    from transformers_cb.scheduler.policies import make_policy
     from transformers_cb.scheduler.scheduler import Scheduler
 
     pages = PageManager(
         [FullAttentionPolicy(PagePool(16), 4)], [KVGroupSpec(FULL_ATTENTION, (0,))], sharing=True
     )
-    scheduler = Scheduler(pages, max_batch_tokens, 8, 0.0, make_policy("fifo"))
+    scheduler = Scheduler(pages, scheduler_settings(), max_batch_tokens, 8)
     request = Request("r", [5, 6, 7, 8, 9, 5, 6], 20, eos_token_ids=eos)
     request.speculation = SpeculationState(4, PROMPT_LOOKUP, 2)
     scheduler.add(request)

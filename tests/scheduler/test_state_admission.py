@@ -9,11 +9,11 @@ import pytest
 from tests.scheduler.test_scheduler import make_scheduler, run_to_completion
 from tests.support.fakes import FakeModel
 from tests.support.requests import make_request
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.state_slots import StateSlotPolicy
 from transformers_cb.requests import Request
-from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 
 
@@ -32,7 +32,7 @@ def slots_of(scheduler: Scheduler) -> StateSlotPolicy:
 def pure_state_scheduler(num_slots: int, max_batch_tokens: int = 16) -> Scheduler:
     """No KV group: a Mamba-style model whose requests hold a state slot and no page."""
     pages = PageManager([], [], page_size=4, slots=StateSlotPolicy(num_slots))
-    return Scheduler(pages, max_batch_tokens, 64, 0.0, make_policy("fifo"))
+    return Scheduler(pages, scheduler_settings(), max_batch_tokens, 64)
 
 
 def test_admission_waits_for_a_free_slot() -> None:

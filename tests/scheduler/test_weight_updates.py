@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.requests import sampling_entries
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
@@ -15,7 +16,6 @@ from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 from transformers_cb.scheduler.step_plan import StepPlan
 from transformers_cb.scheduler.weight_updates import check_update_mode, stronger
@@ -28,7 +28,7 @@ def scheduler_of(num_pages: int = 64, max_batch_tokens: int = 256, sharing: bool
     pages = PageManager(
         [FullAttentionPolicy(PagePool(num_pages), PS)], [KVGroupSpec(FULL_ATTENTION, (0,))], sharing=sharing
     )
-    return Scheduler(pages, max_batch_tokens, 64, 0.0, make_policy("fifo"))
+    return Scheduler(pages, scheduler_settings(), max_batch_tokens, 64)
 
 
 def request(
@@ -221,10 +221,9 @@ def offload_scheduler(host_pages: int = 32) -> Scheduler:
     policies = [FullAttentionPolicy(pools[0], PS)]
     return Scheduler(
         PageManager(policies, [KVGroupSpec(FULL_ATTENTION, (0,))], sharing=True),
+        scheduler_settings(),
         256,
         64,
-        0.0,
-        make_policy("fifo"),
         CpuOffload(policies, host_pages),
     )
 

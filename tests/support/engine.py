@@ -7,7 +7,7 @@ from transformers import PreTrainedModel
 
 from transformers_cb.attention.selection import paged_backend
 from transformers_cb.engine.engine import Engine
-from transformers_cb.engine.submission import Submission
+from transformers_cb.engine.intake.submission import Submission
 from transformers_cb.requests import Request
 
 

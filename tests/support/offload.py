@@ -7,6 +7,7 @@ import zlib
 
 import torch
 
+from tests.support.scheduling import scheduler_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
 from transformers_cb.kv.offload import CpuOffload
 from transformers_cb.kv.page_manager import PageManager
@@ -17,7 +18,6 @@ from transformers_cb.memory.kv_cache import PagedKVCache
 from transformers_cb.memory.swap import SwapCopier
 from transformers_cb.requests import Request
 from transformers_cb.sampling.sampled_token import SampledToken
-from transformers_cb.scheduler.policies import make_policy
 from transformers_cb.scheduler.scheduler import Scheduler
 from transformers_cb.scheduler.step_plan import StepPlan
 
@@ -49,7 +49,7 @@ class Rig:
             self.copier = SwapCopier(self.cache.group_tensors, self.host.tensors)
             self.offload = CpuOffload(self.policies, host_pages)
         self.scheduler = Scheduler(
-            PageManager(self.policies, self.groups), 64, 64, 0.0, make_policy("fifo"), self.offload
+            PageManager(self.policies, self.groups), scheduler_settings(), 64, 64, self.offload
         )
         self.steps = 0
 

@@ -6,21 +6,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from transformers_cb.scheduler.scheduler import Scheduler
+from transformers_cb.scheduler.queues import RequestQueues
 
 
 @contextmanager
 def count_preemptions() -> Iterator[list[str]]:
-    """Records the request id of every preemption (`Scheduler.preempt` call) inside the block."""
+    """Records the request id of every preemption (`RequestQueues.preempt` call: the scheduler's queues) inside the block."""
     calls: list[str] = []
-    original = Scheduler.preempt
+    original = RequestQueues.preempt
 
     def preempt(self, request, batch):
         calls.append(request.request_id)
         return original(self, request, batch)
 
-    Scheduler.preempt = preempt
+    RequestQueues.preempt = preempt
     try:
         yield calls
     finally:
-        Scheduler.preempt = original
+        RequestQueues.preempt = original

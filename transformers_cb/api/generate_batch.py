@@ -24,12 +24,12 @@ from transformers import GenerationConfig, PreTrainedModel
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.generation_fields import ResolvedConfig, default_max_new_tokens, resolve_generation_config
 from ..config.interop import take_cb_config
-from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
-from ..engine.media_inputs import MediaIntake
-from ..engine.submission import make_submission
-from ..engine.validation import per_item
+from ..engine.intake.media_inputs import MediaIntake
+from ..engine.intake.submission import make_submission
+from ..engine.intake.validation import per_item
+from ..engine.weights.adapter_registry import UNSET, Unset
 from ..requests import GenerationOutput, Request
 from ..sampling.params import PER_REQUEST_KWARGS
 

@@ -51,7 +51,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "remove_invalid_values",
         "prompt_lookup_num_tokens",  # speculative decoding by prompt lookup (docs/speculative_decoding.md)
         "max_matching_ngram_size",
-        # speculative decoding with an assistant_model (engine/assistant.py); inert without one
+        # speculative decoding with an assistant_model (engine/speculation/assistant.py); inert without one
         "num_assistant_tokens",
         "num_assistant_tokens_schedule",
         "assistant_confidence_threshold",
@@ -77,8 +77,8 @@ HARMLESS: dict[str, str] = {
     "output_scores": "shapes generate()'s return value; logprobs come from return_logprobs",
     "output_logits": "shapes generate()'s return value; GenerationOutput is fixed",
     "return_dict_in_generate": "shapes generate()'s return value; GenerationOutput is fixed",
-    "assistant_lookbehind": "assistants with another tokenizer only; those are refused (engine/assistant.py)",
-    "target_lookbehind": "assistants with another tokenizer only; those are refused (engine/assistant.py)",
+    "assistant_lookbehind": "assistants with another tokenizer only; those are refused (engine/speculation/assistant.py)",
+    "target_lookbehind": "assistants with another tokenizer only; those are refused (engine/speculation/assistant.py)",
     "is_assistant": "marks a model as someone's assistant; no effect on its own generation",
     "early_stopping": "beam search only (num_beams > 1 is refused)",
     "length_penalty": "beam search only (num_beams > 1 is refused)",

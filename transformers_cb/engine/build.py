@@ -38,17 +38,17 @@ from ..sampling.request_state import SamplingSetup
 from ..sampling.sampler import Sampler
 from ..scheduler.media_budget import MediaBudget
 from ..scheduler.scheduler import Scheduler
-from .adapter_registry import AdapterRegistry
-from .assistant import build_drafter
-from .draft_setup import EngineSpeculation
 from .engine import Engine
 from .follower import FollowerEngine
+from .intake.media_inputs import MediaIntake
+from .intake.submission import RequestBuilder
 from .kv_wiring import KVParts, wire_kv
-from .media_inputs import MediaIntake
 from .parts import EngineParts
 from .publisher import StepPublisher, TensorParallelPublisher
 from .settings import EngineSettings, resolve_settings
-from .submission import RequestBuilder
+from .speculation.assistant import build_drafter
+from .speculation.draft_setup import EngineSpeculation
+from .weights.adapter_registry import AdapterRegistry
 
 
 def _wire_states(settings: EngineSettings) -> StateLayers | None:
@@ -134,7 +134,7 @@ def wire(
         )
     runs_media = media_model.takes_media and media_model.refusal is None
     media = _media_budget(model, settings, kv) if runs_media else None
-    scheduler = Scheduler.from_settings(
+    scheduler = Scheduler(
         pages,
         settings.scheduler,
         settings.sizing.max_batch_tokens,
@@ -224,7 +224,7 @@ def build_engine(
         workload: max KV length of each request known up front (sizes the cache on CPU); None if unknown.
         all_request_stages: build every per-request processor stage, neutral unless a request gives a
             value (the server's engine; see `SamplingSetup`).
-        assistant_model: a draft model for speculative decoding (`generate()`'s name; engine/assistant.py):
+        assistant_model: a draft model for speculative decoding (`generate()`'s name; engine/speculation/assistant.py):
             a small causal LM with the model's vocabulary, on its own paged cache.
     """
     settings, tp = resolve_settings(

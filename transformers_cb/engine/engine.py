@@ -30,13 +30,13 @@ from ..runner.layer_ops.native_layers import native_layers
 from ..runner.products.batch_invariant import batch_invariant_modules
 from ..runner.products.packed_model import model_pack_bytes, packed_linears
 from ..runner.products.torchao_linear import int8_linears
-from ..scheduler.draft_source import Drafts
-from ..scheduler.speculation_stats import SpeculationStats
+from ..scheduler.speculation.draft_source import Drafts
+from ..scheduler.speculation.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
-from .adapter_registry import AdapterRegistry
 from .parts import EngineParts, StepResult
 from .snapshot import EngineCounters, EngineSnapshot
-from .weight_watch import WeightWatch
+from .weights.adapter_registry import AdapterRegistry
+from .weights.weight_watch import WeightWatch
 
 if TYPE_CHECKING:
     from ..scheduler.step_plan import StepPlan

@@ -1,6 +1,6 @@
 """The KV side of a model's parts, wired one way for the target and for the draft model: one page pool per
 KV group beside that group's page policy (kv/), the page manager over them, the KV tensors (memory/) and
-the packer with its block tables (runner/). `engine/build.py` wires the target's, `engine/assistant.py`
+the packer with its block tables (runner/). `engine/build.py` wires the target's, `engine/speculation/assistant.py`
 the draft model's, from their resolved settings."""
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ from ..runner.model_runner import ModelRunner
 from ..runner.packing import BatchPacker
 from ..sampling.request_state import SamplingSetup
 from ..scheduler.scheduler import Scheduler
-from ..scheduler.shadow_planner import ShadowPlanner
-from .draft_setup import EngineSpeculation
+from ..scheduler.speculation.shadow_planner import ShadowPlanner
+from .intake.submission import RequestBuilder
 from .publisher import StepPublisher
-from .submission import RequestBuilder
+from .speculation.draft_setup import EngineSpeculation
 
 
 @dataclass
@@ -36,7 +36,7 @@ class EngineParts:
     `pages` is the device tier's page manager (the page pools and their policies, kv/), which the
     scheduler plans with; `offload` the host tier's planner (None: no CPU offload); `publisher` what
     rank 0 tells the other tensor-parallel ranks (a no-op otherwise); `drafter` the draft model as a
-    draft source: the planner of its shadows on its own pages (scheduler/shadow_planner.py) over the
+    draft source: the planner of its shadows on its own pages (scheduler/speculation/shadow_planner.py) over the
     drafter running its forwards (runner/drafter.py; None: no `assistant_model`); `speculation` whether
     the engine can speculate, every request's defaults and the draft sources; `build_request` a submission
     made a `Request` (submission.py)."""

@@ -1,11 +1,10 @@
 """`EngineSettings`: every setting of one engine, resolved once at start (`resolve_settings`), then only read.
 
-The settings are composed of one frozen settings object per part, each resolved by the room that owns
-the setting (as vLLM's `VllmConfig` composes its configs): the device cache (`CacheSettings`,
-memory/cache_settings.py), the host tier (`HostSettings`, memory/host_cache.py), the scheduler
-(`SchedulerSettings`, scheduler/scheduler_settings.py), sampling (`SamplingSettings`,
-sampling/sampling_settings.py), the runner's step (`StepOptions`, runner/step_options.py) and the draft
-model (`AssistantModelSettings`, engine/assistant.py).
+The settings are composed of one frozen settings object per part, each resolved by the room that owns the
+setting (as vLLM's `VllmConfig` composes its configs): the device cache (`CacheSettings`, memory/cache_settings.py), the
+host tier (`HostSettings`, memory/host_cache.py), the scheduler (`SchedulerSettings`,
+scheduler/scheduler_settings.py), sampling (`SamplingSettings`, sampling/sampling_settings.py), the runner's step
+(`StepOptions`, runner/step_options.py) and the draft model (`AssistantModelSettings`, engine/speculation/assistant.py).
 What the parts share stays at the top: this rank's shard of the model's shape, the device, the agreed
 `Sizing`, the state layers. `build.py` wires the parts from the settings alone; callers read settings from
 `engine.settings`.
@@ -53,14 +52,14 @@ from ..model_check.state_probe import StateLayout
 from ..runner.step_options import StepOptions, resolve_step_options, without_traced_steps
 from ..sampling.sampling_settings import SamplingSettings, resolve_sampling_settings
 from ..scheduler.scheduler_settings import SchedulerSettings, resolve_scheduler_settings
-from .assistant import (
+from .speculation.assistant import (
     AssistantModelSettings,
     assistant_kv_bytes_per_token,
     check_assistant,
     resolve_assistant,
 )
-from .draft_setup import speculation_refusal
-from .pending_decompression import decompress_pending
+from .speculation.draft_setup import speculation_refusal
+from .weights.pending_decompression import decompress_pending
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class EngineSettings:
     states: StateLayout | None = None
     # Why the engine cannot speculate (state layers, tensor parallelism; None: it can).
     speculation_refusal: str | None = None
-    # The draft model's settings (None: no `assistant_model`; engine/assistant.py).
+    # The draft model's settings (None: no `assistant_model`; engine/speculation/assistant.py).
     assistant: AssistantModelSettings | None = None
 
 

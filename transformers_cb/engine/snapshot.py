@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..kv.prefix_cache import PrefixStats
-from ..scheduler.speculation_stats import SpeculationStats
+from ..scheduler.speculation.speculation_stats import SpeculationStats
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.adapter_registry import AdapterRegistry
+from ..engine.weights.adapter_registry import AdapterRegistry
 from .state import ManagerState
 
 Pause = Callable[..., AbstractContextManager[None]]  # `ContinuousBatchingManager.pause`

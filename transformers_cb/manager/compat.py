@@ -19,13 +19,13 @@ from typing import Protocol
 
 from ..engine.engine import Engine
 from ..requests import GenerationOutput
+from .delivery.results import ResultRouter
 from .loop import ManagerLoop
-from .results import ResultRouter
 from .state import ManagerState
 
 
 class LogitProcessorView:
-    """The processing stages (`sampling/processors.py`) of one engine, as a read-only sequence of names."""
+    """The processing stages (`sampling/logits/processors.py`) of one engine, as a read-only sequence of names."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

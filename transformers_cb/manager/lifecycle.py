@@ -17,8 +17,8 @@ from transformers import PreTrainedModel
 
 from ..invariants import present
 from .compat import BatchProcessorView
+from .delivery.results import ResultRouter
 from .loop import HARD_STOP_ERROR, NOT_RUN_ERROR, ManagerLoop
-from .results import ResultRouter
 from .state import ManagerState
 
 logger = logging.getLogger(__name__)

@@ -19,12 +19,12 @@ from ..engine.engine import Engine
 from ..engine.follower import FollowerEngine
 from ..invariants import present
 from ..requests import Request, RequestStatus
-from .adaptive_threads import AdaptiveThreads
-from .release import CacheRelease
-from .results import ResultRouter
+from .delivery.results import ResultRouter
+from .holds.release import CacheRelease
 from .state import ManagerState
 from .stats import ThroughputWindow
-from .threads import ThreadSettings
+from .torch_threads.adaptive_threads import AdaptiveThreads
+from .torch_threads.threads import ThreadSettings
 
 logger = logging.getLogger(__name__)
 

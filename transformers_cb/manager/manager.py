@@ -20,23 +20,23 @@ from transformers.generation.logits_process import LogitsProcessor
 
 from ..config.continuous_batching import ContinuousBatchingConfig
 from ..config.interop import WorkloadHints, as_cb_config, as_workload_hints
-from ..engine.adapter_registry import UNSET, Unset
 from ..engine.build import build_engine
 from ..engine.engine import Engine
+from ..engine.weights.adapter_registry import UNSET, Unset
 from ..requests import GenerationOutput
-from ..sampling.guided import GuidedDecoding
+from ..sampling.structured.guided import GuidedDecoding
 from ..scheduler.weight_updates import check_update_mode
 from .adapters import ManagerAdapters
-from .adaptive_threads import AdaptiveThreads
-from .channels import async_channel, blocking_channel, shared_channel
 from .compat import BuiltinManagerAttributes, OutputRouterView
+from .delivery.channels import async_channel, blocking_channel, shared_channel
+from .delivery.results import Deliver, ResultRouter
+from .holds.pausing import Pauses
 from .lifecycle import Lifecycle
 from .loop import ManagerLoop
-from .pausing import Pauses
-from .results import Deliver, ResultRouter
 from .state import BackgroundThreadStatus, ManagerState
 from .stats import ManagerStats, ThroughputWindow, snapshot
 from .submissions import SubmissionOptions, Submissions
+from .torch_threads.adaptive_threads import AdaptiveThreads
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class ContinuousBatchingManager(BuiltinManagerAttributes):
         that gives no value for one uses its neutral value (the server's manager: each request brings
         its own values; see `SamplingSetup`). `assistant_model`: a draft model for speculative decoding
         (docs/speculative_decoding.md). `adaptive_threads`: the manager thread's torch threads follow the
-        cores other processes leave idle while it runs (manager/adaptive_threads.py; the server's, on CPU)."""
+        cores other processes leave idle while it runs (manager/torch_threads/adaptive_threads.py; the server's, on CPU)."""
         self.model = model
         hints = as_workload_hints(workload_hints)
         engine = build_engine(

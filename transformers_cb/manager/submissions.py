@@ -13,13 +13,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.adapter_registry import UNSET
 from ..engine.engine import Engine
-from ..engine.submission import make_submission
-from ..engine.validation import per_item
+from ..engine.intake.submission import make_submission
+from ..engine.intake.validation import per_item
+from ..engine.weights.adapter_registry import UNSET
 from ..requests import Request
+from .delivery.results import ResultRouter
 from .loop import ManagerLoop
-from .results import ResultRouter
 from .state import ManagerState
 
 logger = logging.getLogger("transformers_cb.manager")  # one logger for the manager's messages
@@ -39,7 +39,7 @@ class SubmissionOptions:
     max_staleness: int | None = None  # weight versions a request's KV may lag behind (None: any)
     # Per-item kwargs over `per_request` (add_requests' per-input `guided`), one per item.
     item_kwargs: tuple[dict[str, object], ...] = ()
-    # The PEFT adapter (engine/adapter_registry.py; UNSET: the model's active one), or one per item (a tuple).
+    # The PEFT adapter (engine/weights/adapter_registry.py; UNSET: the model's active one), or one per item (a tuple).
     adapter: object = UNSET
 
     @classmethod

@@ -1,6 +1,6 @@
 """A request's media and the store of their encoded rows (docs/multimodal.md).
 
-`RequestMedia` is what a submission's images / videos / audio become (engine/media_inputs.py): the
+`RequestMedia` is what a submission's images / videos / audio become (engine/intake/media_inputs.py): the
 processor's tensors per modality, kept as given until the encoder runs, and the prompt positions of
 each modality's placeholder tokens. The encoder (runner/media/media_runner.py) turns them into one embedding row
 per placeholder, kept in the `MediaStore` under the request's id until the prefill chunk that reads

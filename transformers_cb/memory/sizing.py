@@ -193,7 +193,7 @@ def resolve_sizing(
     """Args: workload: the KV length each known request reaches at most (None: unknown, e.g. a server);
     state_bytes_per_slot: one request's recurrent state in every state layer (0: no state layers);
     extra_kv_bytes_per_token: KV bytes per token of pages held beside each of the model's, out of the same
-    budget (a draft model's, engine/assistant.py: it gets as many pages)."""
+    budget (a draft model's, engine/speculation/assistant.py: it gets as many pages)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
     percent = config.max_memory_percent or (
         CUDA_MEMORY_PERCENT if device.type == "cuda" else CPU_MEMORY_PERCENT

@@ -1,6 +1,6 @@
 """How many CPU threads torch runs a command's model with: `--threads`, else `OMP_NUM_THREADS`, else the cores
 other processes leave idle: read once from the load average for `generate` (a job that starts and ends), and
-measured while it runs for `serve` (it starts with every core; manager/adaptive_threads.py follows the others'
+measured while it runs for `serve` (it starts with every core; manager/torch_threads/adaptive_threads.py follows the others'
 work between steps: a server outlives the load it started under).
 
 torch's default is one thread per core. OpenMP threads spin-wait for each other at every parallel region, so

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..config.continuous_batching import ContinuousBatchingConfig
-from ..engine.draft_setup import speculation_refusal
+from ..engine.speculation.draft_setup import speculation_refusal
 from ..model_check.model_support import state_layout
 from ..requests import RequestStatus
 from .batch_runs import GENERATE_KWARGS, SettingResult, generate_batch_counting_preemptions

@@ -1,5 +1,5 @@
 """The draft model (`assistant_model`) on its own paged cache: the forwards and block-table rows the
-draft model's planner decides (scheduler/shadow_planner.py, `ShadowPlanner`), executed.
+draft model's planner decides (scheduler/speculation/shadow_planner.py, `ShadowPlanner`), executed.
 
 It decides nothing: the planner owns the shadows, their pages and every step's entries; this runs each
 step it is handed (packed over the assistant's `PagedKVCache` and block tables, greedy: the argmax row

@@ -42,7 +42,7 @@ from .states.state_layers import NoStateLayers, StateLayers
 from .verified_step import verified_tokens
 
 if TYPE_CHECKING:
-    from ..sampling.processors import Stage
+    from ..sampling.logits.processors import Stage
     from .step_options import StepOptions
 
 

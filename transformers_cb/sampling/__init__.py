@@ -1,2 +1,2 @@
-"""Sampling: per-request parameters and state, the logits-processor pipeline, per-row operations,
-stop strings and the sampler."""
+"""Sampling: per-request parameters and state, the logits-processor pipeline and per-row operations
+(logits/), guided decoding (structured/), stop strings and the sampler."""

@@ -3,7 +3,7 @@ function that validates the keyword arguments a caller passes per request.
 
 The per-request names are transformers' own (`add_request(..., **logit_processor_kwargs)`):
 `temperature`, `top_k`, `top_p`, `min_p`, `repetition_penalty`, `seed`, `stop_strings`, `do_sample`,
-OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `min_tokens` (sampling/openai.py),
+OpenAI's `presence_penalty`, `frequency_penalty`, `logit_bias` and `min_tokens` (sampling/logits/openai.py),
 plus the output options `return_logprobs`, `top_logprobs` and `prompt_logprobs` and the output
 constraint `guided` (guided.py). See docs/sampling.md.
 """
@@ -18,8 +18,8 @@ from typing import Any
 from transformers import GenerationConfig
 
 from ..config.draft_settings import SPECULATION_KWARGS
-from .guided import GuidedDecoding, as_guided
 from .neutral import NEUTRAL_VALUES
+from .structured.guided import GuidedDecoding, as_guided
 
 # Processors whose value may differ per request (vectorized over the step's rows).
 VECTOR_PARAMS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")

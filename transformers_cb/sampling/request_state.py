@@ -18,7 +18,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..invariants import present
 from ..requests import Request, SamplingState
-from .grammars import GrammarCompiler, GrammarState
+from .logits.processors import RowContext, Stage, build_stages
 from .neutral import NEUTRAL_VALUES
 from .params import (
     VECTOR_PARAMS,
@@ -28,8 +28,8 @@ from .params import (
     derive_seed,
     resolve_request_params,
 )
-from .processors import RowContext, Stage, build_stages
 from .stop_strings import StopStrings, hits_stop_string
+from .structured.grammars import GrammarCompiler, GrammarState
 
 
 @dataclass(eq=False)

@@ -14,11 +14,11 @@ import torch
 
 from ..attention.native.kernel import native_module
 from ..invariants import present
-from . import openai, warpers
-from .grammars import GrammarCompiler
+from .logits import openai, warpers
+from .logits.processors import Stage
 from .params import NEUTRAL
-from .processors import Stage
 from .request_state import RequestSampling, SampledRow, sampling_state
+from .structured.grammars import GrammarCompiler
 
 __all__ = ["Sampler", "Samples"]
 

@@ -6,7 +6,7 @@ step (entries, preemptions, fork copies, swaps, block-table rows to release;
 step_plan.py; whether a waiting request starts: `Admission`, admission.py), the runner executes it, and
 `update()`, the other half, applies the sampled tokens. The queues and every exit from the running list
 (preemption, recompute, `finish()`; a change of the model's weights between two steps, `weights_changed`)
-are the same class's, below `schedule`/`update`. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
+are `RequestQueues`' (queues.py), composed into the scheduler, which hands them on. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
 finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
 plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
 the one place. Policies (`fifo`, `prefill_first`, `decode_first`,
@@ -16,47 +16,47 @@ it prompts take (`prefill_limits`).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 
 from ..invariants import check
 from ..kv.offload import CpuOffload, offload_or_none
 from ..kv.page_manager import PageManager
-from ..requests import FINISH_REASONS, Request, RequestStatus
+from ..requests import Request, RequestStatus
 from ..sampling.sampled_token import SampledToken
 from .admission import Admission
-from .back_off import speculation_of
-from .drafts import append_verified, fit_draft
 from .forks import Forks
 from .media_budget import MediaBudget, block_cut
 from .policies import AdmissionGate, SchedulingPolicy, make_policy
+from .queues import RequestQueues
 from .recompute import RecomputeCounter, drop_kv
 from .rope_switch import RopeSwitches
 from .scheduler_settings import SchedulerSettings
-from .speculation_stats import SpeculationStats
+from .speculation.drafts import append_verified, fit_draft
+from .speculation.speculation_stats import SpeculationStats
 from .step_plan import ScheduledRequest, StepPlan, TakeBack
-from .weight_updates import UpdateMode, aborted_error, in_flight, too_stale
+from .weight_updates import UpdateMode
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the request <-> page bookkeeping.
+    """Decides each step over its queues (`queues`: a `RequestQueues`, the waiting queue, the running list
+    and their exits) and the request <-> page bookkeeping.
 
     Args:
         pages: the device tier's pages, the scheduler's one facade over the KV groups' page
             policies, prefix sharing and (state layers) the per-request state slots
             (kv/page_manager.py): a running request holds one slot, admission needs a free one.
-        max_batch_tokens: query tokens per step.
-        max_requests_per_batch: requests per step.
-        safety_margin: new requests are admitted only while the free fraction of
-            pages is at least this (unless nothing runs).
-        policy: candidate ordering.
+        settings: its resolved settings (`SchedulerSettings`, scheduler_settings.py): the candidate ordering
+            (`scheduler_type`: `policy`), the safety margin (new requests are admitted only while the free
+            fraction of pages is at least this, unless nothing runs) and `speculation_max_batch`
+            (speculating requests draft only in steps where at most this many requests run:
+            `speculates_now`; None: always).
+        max_batch_tokens: query tokens per step (the engine's agreed `Sizing`).
+        max_requests_per_batch: requests per step (the agreed `Sizing`).
         offload: the host tier's planner (CPU offload), given explicitly rather than behind the
             facade (see kv/page_manager.py): preempted requests swap out and back instead of
             recomputing while it has room (pages and state slot together); None: always recompute (the null
             planner, `NoOffload`, stands in: no call site asks whether offload is on).
-        speculation_max_batch: speculating requests draft only in steps where at most this many
-            requests run (`speculates_now`; None: always).
         media: the embedding store's rows (media_budget.py): a request with media starts only while
             its rows fit; None: no request has media.
     """
@@ -64,58 +64,30 @@ class Scheduler:
     def __init__(
         self,
         pages: PageManager,
-        max_batch_tokens: int,
-        max_requests_per_batch: int,
-        safety_margin: float,
-        policy: SchedulingPolicy,
-        offload: CpuOffload | None = None,
-        speculation_max_batch: int | None = None,
-        media: MediaBudget | None = None,
-    ) -> None:
-        self.pages = pages
-        self.media = media
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.offload = offload_or_none(offload)  # the null planner without a host tier
-        self.num_preemptions = 0
-        self.weight_version = 0  # bumped by each change of the model's weights (`weights_changed`)
-        self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
-        # Requests whose KV is recomputed at a LongRoPE switch (`Scheduler.schedule`), once each.
-        self.rope_switches = RopeSwitches(pages.rope)
-        # Requests that stopped running since the last plan (ended, preempted, failed): its `released`.
-        self.ended: list[Request] = []
-        self.speculation_max_batch = speculation_max_batch
-        self.max_batch_tokens = max_batch_tokens
-        self.max_requests_per_batch = max_requests_per_batch
-        self.policy = policy
-        self.admission = Admission(pages, safety_margin, self.recomputed, self.offload, media)
-        self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
-        self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
-        # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
-        self.taken_back: list[TakeBack] = []
-
-    @classmethod
-    def from_settings(
-        cls,
-        pages: PageManager,
         settings: SchedulerSettings,
         max_batch_tokens: int,
         max_requests_per_batch: int,
         offload: CpuOffload | None = None,
         media: MediaBudget | None = None,
-    ) -> Scheduler:
-        """The engine's scheduler from its resolved settings (`SchedulerSettings`, scheduler_settings.py)
-        and the step sizes the engine agreed (`Sizing`)."""
-        return cls(
-            pages,
-            max_batch_tokens=max_batch_tokens,
-            max_requests_per_batch=max_requests_per_batch,
-            safety_margin=settings.safety_margin,
-            policy=make_policy(settings.scheduler_type),
-            offload=offload,
-            speculation_max_batch=settings.speculation_max_batch,
-            media=media,
-        )
+    ) -> None:
+        self.pages = pages
+        self.media = media
+        self.offload = offload_or_none(offload)  # the null planner without a host tier
+        self.weight_version = 0  # bumped by each change of the model's weights (`weights_changed`)
+        self.recomputed = RecomputeCounter()  # tokens run again because preemption dropped their KV
+        # Requests whose KV is recomputed at a LongRoPE switch (`Scheduler.schedule`), once each.
+        self.rope_switches = RopeSwitches(pages.rope)
+        # The waiting queue, the running list, `ended` and every exit from running.
+        self.queues = RequestQueues(pages, self.offload, self.recomputed, self.rope_switches, media)
+        self.speculation_max_batch = settings.speculation_max_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests_per_batch = max_requests_per_batch
+        self.policy: SchedulingPolicy = make_policy(settings.scheduler_type)
+        self.admission = Admission(pages, settings.safety_margin, self.recomputed, self.offload, media)
+        self.forks = Forks(pages)  # siblings' forks, their copies for the next step's plan
+        self.speculation = SpeculationStats()  # all requests' verification steps (speculation_stats.py)
+        # Rejected draft tokens' pages given back by `update`: the next plan's `taken_back`.
+        self.taken_back: list[TakeBack] = []
 
     @property
     def safety_margin(self) -> float:
@@ -125,6 +97,25 @@ class Scheduler:
     @safety_margin.setter
     def safety_margin(self, value: float) -> None:
         self.admission.safety_margin = value
+
+    @property
+    def waiting(self) -> deque[Request]:
+        """The waiting queue (`RequestQueues.waiting`)."""
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """The running list, in admission order (`RequestQueues.running`)."""
+        return self.queues.running
+
+    @property
+    def ended(self) -> list[Request]:
+        """The requests that stopped running since the last plan: its `released` (`RequestQueues.ended`)."""
+        return self.queues.ended
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.queues.num_preemptions
 
     # -- queue -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -201,7 +192,7 @@ class Scheduler:
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
         plan.copies = self.forks.take()
         plan.swaps = self.offload.take_plan()
-        plan.released, self.ended = self.ended, []
+        plan.released = self.queues.take_ended()
         return plan
 
     def _entry(self, request: Request, num_tokens: int, draft: list[int]) -> ScheduledRequest:
@@ -281,7 +272,7 @@ class Scheduler:
             request.set_status(RequestStatus.DECODING)
             return False
         request.finish_reason = reason
-        self.finish(request, RequestStatus.FINISHED)
+        self.queues.finish(request, RequestStatus.FINISHED)
         return True
 
     def _recompute_at_rope_switch(self, plan: StepPlan) -> None:
@@ -292,7 +283,7 @@ class Scheduler:
         for request in self.rope_switches.due(self.running):
             drop_kv(request, self.recomputed)
             request.page_keys.clear()  # keyed with the short factors' (empty) salt: keyed again
-            self._leave_running(request)
+            self.queues.leave_running(request)
             self.waiting.appendleft(request)
             plan.preempted.append(request)
 
@@ -303,7 +294,7 @@ class Scheduler:
         wanted = lambda: self._wanted(request, budget)  # noqa: E731
         admitted = self.admission.admit(request, wanted, gate, bool(self.running), self.weight_version)
         if admitted.never_fits:
-            self._fail_unfittable(request, plan)
+            self.queues.fail_unfittable(request, plan)
             gate.open()  # it blocked nobody: the next waiting request may start
         if not admitted.started:
             return None
@@ -380,156 +371,46 @@ class Scheduler:
         while not self.pages.allocate(request, num_tokens):
             victims = [r for r in self.running[position + 1 :] if id(r) not in scheduled]
             if victims:
-                self.preempt(victims[-1], plan)
+                self.queues.preempt(victims[-1], plan)
             elif scheduled and request.status != RequestStatus.DECODING:
                 return False
             elif len(self.running) > 1:
-                self.preempt(request, plan)
+                self.queues.preempt(request, plan)
                 return False
             else:
-                self._fail_unfittable(request, plan)
+                self.queues.fail_unfittable(request, plan)
                 return False
         return True
 
+    # -- the queues' exits, handed on (queues.py) ------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.queues.has_work()
 
     def live_requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
+        return self.queues.live_requests()
 
-    # -- weight updates ------------------------------------------------------------------------------
     def weights_changed(self, mode: UpdateMode) -> list[Request]:
         """The model's weights changed (call between two steps): a new version, no page from before kept
         for later hits, the requests in flight treated by `mode` (weight_updates.py). Returns the requests
         it ended (`abort`), already finished."""
         self.weight_version += 1
-        version = self.weight_version
-        self.pages.weights_changed(version, self.running)
-        ended: list[Request] = []
-        recomputed: list[Request] = []
-        for request in self._in_flight():
-            if mode == "abort":
-                self.finish(request, RequestStatus.ABORTED, aborted_error(version))
-                ended.append(request)
-            elif (mode == "recompute" or too_stale(request, version)) and self._recompute(request):
-                recomputed.append(request)
-        # Back at the head of the queue, in their order: they were running (or waiting) before the others.
-        for request in reversed(recomputed):
-            self.waiting.appendleft(request)
-        return ended
+        return self.queues.weights_changed(mode, self.weight_version)
 
     def drop_all_kv(self) -> None:
-        """Every request in flight drops its KV (device pages, host pages, state slot) and runs prompt +
-        tokens so far again from its next admission, at the head of the queue in its order; the weight
-        version stays. The manager's `release_cache()`: no request may hold KV in tensors about to be freed."""
-        recomputed = [request for request in self._in_flight() if self._recompute(request)]
-        for request in reversed(recomputed):
-            self.waiting.appendleft(request)
+        """Every request in flight drops its KV and recomputes (`RequestQueues.drop_all_kv`)."""
+        self.queues.drop_all_kv()
 
-    def _in_flight(self) -> list[Request]:
-        """The running requests in order, then the waiting ones that hold KV in the host tier or have tokens."""
-        swapped = self.offload.is_swapped
-        return [*self.running, *(r for r in self.waiting if in_flight(r, swapped(r)))]
-
-    def _recompute(self, request: Request) -> bool:
-        """Drop the request's KV (device pages, host pages, state slot): it runs prompt + tokens so far
-        again from its next admission. Returns whether it was running (it left the running list)."""
-        if self.offload.is_swapped(request):
-            self.offload.discard(request)
-        drop_kv(request, self.recomputed)
-        if request not in self.running:
-            return False
-        self._leave_running(request)  # its rows go with the next plan's `released`, its draft shadow too
-        return True
-
-    # -- leaving the running list, ending ------------------------------------------------------------
     def preempt(self, request: Request, plan: StepPlan) -> None:
-        """Take the pages (and state slot) of `request` away: swapped out to the host tier when there is one
-        with room, else dropped (it recomputes prompt + generated tokens later)."""
-        if not self.offload.try_swap_out(request):
-            drop_kv(request, self.recomputed)
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self._leave_running(request)
-        self.waiting.appendleft(request)
-        plan.preempted.append(request)
-
-    def _leave_running(self, request: Request) -> None:
-        """`request` stops running without ending (preempted, recomputed): its pages and state slot freed, its
-        pages keyed again when it is back (`register`), EVICTED, out of the running list, into `ended`."""
-        self._free_pages(request)
-        request.num_registered_pages = 0
-        request.set_status(RequestStatus.EVICTED)
-        self.running.remove(request)
-        self._stopped(request)
-
-    def _stopped(self, request: Request) -> None:
-        """`request` stopped running: into `ended` (its rows go with the next plan's `released`), and its
-        draft source lets go of what it holds for it (the draft model's shadow)."""
-        self.ended.append(request)
-        if self.media is not None:
-            self.media.release(request)
-        state = speculation_of(request)
-        if state is not None:
-            state.source.stopped(request)
-
-    def _free_pages(self, request: Request) -> None:
-        self.pages.free(request)  # with its state slot and its promises of pages not computed yet
-
-    def _fail_unfittable(self, request: Request, plan: StepPlan) -> None:
-        self.finish(
-            request,
-            RequestStatus.FAILED,
-            error=(
-                f"request {request.request_id!r} needs more KV pages than the cache has "
-                f"({self.pages.describe_need(request.num_tokens)})"
-            ),
-        )
-        plan.failed.append(request)
+        """`request`'s pages taken away, swapped out or dropped (`RequestQueues.preempt`)."""
+        self.queues.preempt(request, plan)
 
     def finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
-        """The single exit of a request (finished, failed, cancelled, from any caller): frees its pages (and
-        its host pages), stamps the time, removes it from the queues, and adds it to `ended` (its block-table
-        rows and shadow go with the next plan's `released`)."""
-        if request.is_finished:
-            return
-        parent = request.fork_parent
-        if parent is not None and request in parent.fork_children:  # not forked yet
-            parent.fork_children.remove(request)
-        if request.fork_children:  # ended before its prompt was computed: the siblings go on alone
-            self.waiting.extend(request.fork_children)
-            request.fork_children = []
-        self._free_pages(request)
-        self.recomputed.forget(request.request_id)
-        self.rope_switches.forget(request.request_id)
-        self.offload.discard(request)
-        request.error = error
-        if status != RequestStatus.FINISHED and request.finish_reason is None:
-            request.finish_reason = FINISH_REASONS.get(status, status.name.lower())
-        request.set_status(status)
-        request.finish_time = time.perf_counter()
-        self._stopped(request)
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        """The single exit of a request, from any caller (`RequestQueues.finish`)."""
+        self.queues.finish(request, status, error)
 
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
-        self.pages.check_integrity(self.live_requests(), self.running, self.offload.device_tables())
-        self.offload.check_integrity({request.request_id for request in self.waiting})
-        for request in self.running:
-            check(
-                request.status in (RequestStatus.PREFILLING, RequestStatus.DECODING),
-                f"running {request.request_id} has status {request.status.name}",
-            )
-        for request in self.waiting:
-            check(not request.holds_pages, f"waiting {request.request_id} holds pages")
-            swapped = self.offload.is_swapped(request)
-            check(
-                swapped == (request.num_computed_tokens > 0),
-                f"waiting {request.request_id}: {request.num_computed_tokens=} but swapped out={swapped}",
-            )
+        self.queues.check_integrity()
 
 
 def record_prompt_logprobs(

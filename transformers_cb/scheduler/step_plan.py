@@ -21,7 +21,7 @@ The runner executes it in this order:
 
 `preempted` and `failed` tell the engine what happened to those requests (the failed ones are
 already finished). Each entry is a `ScheduledRequest`: one request's share of the step (which
-tokens it runs, and for a speculating request the draft tokens it verifies: scheduler/drafts.py).
+tokens it runs, and for a speculating request the draft tokens it verifies: scheduler/speculation/drafts.py).
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class SpeculativeConfig(_Part):
     """vLLM's `speculative_config`, per request: `{"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_max": n}` is prompt lookup with `prompt_lookup_num_tokens=k`, `max_matching_ngram_size=n`
     (`prompt_lookup_min` is accepted and ignored: lookup tries n-gram sizes down to 2, or 1 when
-    `prompt_lookup_max` is 1; scheduler/prompt_lookup.py's `MIN_MATCH_NGRAM`)."""
+    `prompt_lookup_max` is 1; scheduler/speculation/prompt_lookup.py's `MIN_MATCH_NGRAM`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = Field(ge=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sampling.guided import GuidedDecoding
+from ..sampling.structured.guided import GuidedDecoding
 from .protocol import ApiError
 
 VLLM_FIELDS = {

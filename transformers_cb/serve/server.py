@@ -192,7 +192,7 @@ def start_serving_manager(
     unless a request sets it (`per_request_processors=True`, `all_request_stages=True`); logprobs are
     computed per request; `assistant_model`: the draft model every request speculates with (as vLLM's
     `speculative_config` at start; a request turns it off with `num_assistant_tokens=0`);
-    `adaptive_threads`: its thread's torch threads follow the idle cores (manager/adaptive_threads.py).
+    `adaptive_threads`: its thread's torch threads follow the idle cores (manager/torch_threads/adaptive_threads.py).
     Warmed up before it starts."""
     import dataclasses
 
@@ -232,7 +232,7 @@ def build_state(args: argparse.Namespace) -> Any:
     return the app's `ServeState`."""
     import transformers_cb
 
-    from ..manager.adaptive_threads import AdaptiveThreads
+    from ..manager.torch_threads.adaptive_threads import AdaptiveThreads
     from ..models.cpu_threads import adapts, available_cores
     from ..models.loading import load_assistant_for_command, load_for_command, load_processor, resolve_device
     from .app import ServeState

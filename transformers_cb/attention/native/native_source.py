@@ -22,12 +22,12 @@ into float (`kv_row`) elsewhere. The query and the output keep the model's dtype
 from .native_argmax_source import ARGMAX_BINDINGS, ARGMAX_SOURCE
 from .native_decoder_source import DECODER_BINDINGS, DECODER_SOURCE
 from .native_dispatch_source import DISPATCH_SOURCE
-from .native_int8_source import INT8_BINDINGS, INT8_SOURCE
-from .native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
 from .native_layer_source import BINDINGS, LAYER_SOURCE
-from .native_quant_source import QUANT_BINDINGS, QUANT_SOURCE
 from .native_rows_source import ROWS_BINDINGS, ROWS_SOURCE
 from .native_vec_source import VEC_SOURCE
+from .quantized.native_int8_source import INT8_BINDINGS, INT8_SOURCE
+from .quantized.native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
+from .quantized.native_quant_source import QUANT_BINDINGS, QUANT_SOURCE
 
 ATTENTION_SOURCE = r"""
 #include <torch/extension.h>

@@ -3,7 +3,7 @@
 
 A decode step reads every weight once and is bound by memory bandwidth on a CPU: 4-bit blocks (0.56-0.63
 bytes a weight) are read 6-7x faster than float32 ones. The native library's `quant_matmul`
-(attention/native/native_quant_source.py) dequantizes each block in registers and multiplies in float32, for the
+(attention/native/quantized/native_quant_source.py) dequantizes each block in registers and multiplies in float32, for the
 few rows of a decode step; from `DIRECT_MAX_ROWS` rows on (prefill) tiles of the weight are dequantized
 (`quant_dequantize`) and multiplied by torch's product, faster there (docs/quantization.md has the
 measurements). Without the native library (not built yet, or switched off) the blocks are dequantized by

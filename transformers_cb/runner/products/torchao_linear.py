@@ -6,7 +6,7 @@ subclass as weight (`torchao.quantization.Int8Tensor`: int8 `qdata` [N, K], floa
 CPU torchao's product widens the whole int8 weight to x's dtype at each call, then runs torch's `mm` and
 multiplies by the scale. `int8_linears(model, enabled)` (entered by `Engine.session()` beside the packed
 products) gives each such Linear an instance `forward` that runs the native library's `int8_matmul`
-(attention/native/native_int8_source.py) on up to `DIRECT_MAX_ROWS` rows: it reads the int8 rows in place (no
+(attention/native/quantized/native_int8_source.py) on up to `DIRECT_MAX_ROWS` rows: it reads the int8 rows in place (no
 copy, so no pack bytes), sums in float32 and rounds where torchao rounds (the sum in x's dtype, then the
 product with the scale, then the bias), so it differs from torchao's result only by the order of the
 float32 sums. Beyond those rows (prefill), under autograd, in a compiled forward, and for every weight this

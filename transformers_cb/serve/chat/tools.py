@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import NotRequired, TypedDict
 
-from ...sampling.guided import GuidedDecoding
+from ...sampling.structured.guided import GuidedDecoding
 from ..protocol import ApiError, ToolDefinition
 
 MAX_TOOLS = 128  # OpenAI's limit

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig
 
-from ...manager.results import ManagerDeadError
+from ...manager.delivery.results import ManagerDeadError
 from ...requests import RequestStatus
 from ...sampling.neutral import NEUTRAL_VALUES, is_neutral
 from ...sampling.params import VECTOR_PARAMS, derive_seed

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..requests import Request
+from ...requests import Request
 from .back_off import draft_room, speculation_of
 from .draft_source import Drafts
 

@@ -20,15 +20,15 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..config.draft_settings import split_speculation_kwargs
-from ..config.generation_fields import default_max_new_tokens
-from ..kv.page_manager import PageManager
-from ..memory.sizing import ModelShape
-from ..requests import Request
-from ..sampling.request_state import SamplingSetup
-from ..scheduler.media_budget import MediaBudget
-from .adapter_registry import UNSET, AdapterRegistry
-from .draft_setup import EngineSpeculation
+from ...config.draft_settings import split_speculation_kwargs
+from ...config.generation_fields import default_max_new_tokens
+from ...kv.page_manager import PageManager
+from ...memory.sizing import ModelShape
+from ...requests import Request
+from ...sampling.request_state import SamplingSetup
+from ...scheduler.media_budget import MediaBudget
+from ..speculation.draft_setup import EngineSpeculation
+from ..weights.adapter_registry import UNSET, AdapterRegistry
 from .media_inputs import MediaIntake
 from .siblings import add_siblings, num_return_sequences_of
 from .validation import as_eos_token_ids, as_max_new_tokens, as_max_staleness, as_token_ids
@@ -119,7 +119,7 @@ class RequestBuilder:
     pages: PageManager
     media: MediaIntake | None = None
     media_budget: MediaBudget | None = None
-    adapters: AdapterRegistry | None = None  # the model's PEFT adapters (engine/adapter_registry.py)
+    adapters: AdapterRegistry | None = None  # the model's PEFT adapters (engine/weights/adapter_registry.py)
 
     def split_media(self, kwargs: Mapping[str, object] | None) -> tuple[dict[str, object], dict[str, Any]]:
         """(media, the rest) of one submission's per-request keyword arguments, by the model's media names

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .request_state import RequestSampling, SampledRow
+from ..request_state import RequestSampling, SampledRow
 
 
 def apply(

@@ -13,11 +13,11 @@ import logging
 
 from transformers import PreTrainedModel
 
-from ..memory.weight_key import weights_fingerprint
-from ..requests import Request, RequestStatus
-from ..runner.products.packed_model import release_packs
-from ..scheduler.scheduler import Scheduler
-from ..scheduler.weight_updates import UpdateMode
+from ...memory.weight_key import weights_fingerprint
+from ...requests import Request, RequestStatus
+from ...runner.products.packed_model import release_packs
+from ...scheduler.scheduler import Scheduler
+from ...scheduler.weight_updates import UpdateMode
 from .adapter_registry import AdapterRegistry
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class WeightWatch:
 
     def _fail_unmixable(self) -> list[Request]:
         """After a weight change: if adapters can no longer be applied per request (one merged, another
-        method made active: engine/adapter_registry.py), every request in flight that chose its adapter
+        method made active: engine/weights/adapter_registry.py), every request in flight that chose its adapter
         fails with the reason instead of running with that change applied to its rows too (and so do those
         submitted before it and handed over after it: `adapter_refusal`)."""
         self.unmixable = self.adapters.mixing_problem() if self.adapters is not None else None

@@ -13,9 +13,9 @@ from typing import Any
 
 from transformers import GenerationConfig
 
-from ..requests import Request
-from ..sampling.params import derive_seed
-from ..sampling.request_state import SamplingSetup
+from ...requests import Request
+from ...sampling.params import derive_seed
+from ...sampling.request_state import SamplingSetup
 
 
 def num_return_sequences_of(value: int | None, config: GenerationConfig, label: str) -> int:

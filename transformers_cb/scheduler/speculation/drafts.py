@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..requests import Request
-from ..sampling.sampled_token import SampledToken
+from ...requests import Request
+from ...sampling.sampled_token import SampledToken
 from .back_off import record, speculation_of
 from .speculation_stats import SpeculationStats
 

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..invariants import present
+from ...invariants import present
 from .guided import GuidedDecoding
 
 EXTRA_HINT = "pip install 'transformers-cb[structured]'"

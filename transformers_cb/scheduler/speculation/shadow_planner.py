@@ -31,12 +31,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from ..kv.page_manager import PageManager
-from ..requests import Request
+from ...kv.page_manager import PageManager
+from ...requests import Request
+from ..step_plan import ScheduledRequest
 from .assisted import after_verify
 from .back_off import draft_room, follow_schedule, speculation_of
 from .draft_source import Drafts
-from .step_plan import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 

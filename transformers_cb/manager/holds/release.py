@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..engine.cache_release import ReleasedCache, release_cache, release_problem, restore_cache
-from ..engine.engine import Engine
-from .state import ManagerState
+from ...engine.cache_release import ReleasedCache, release_cache, release_problem, restore_cache
+from ...engine.engine import Engine
+from ..state import ManagerState
 
 # How long a caller waits for the loop before it looks again (it is woken on changes).
 WAIT_S = 0.1

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..requests import Request
+from ...requests import Request
 
 # Request id -> the draft tokens proposed for it this step.
 Drafts = dict[str, list[int]]

@@ -1,6 +1,6 @@
 """The engine's draft model (`assistant_model`): what it may be, its settings, and its draft source.
 
-An assistant drafts tokens for the target to verify (scheduler/shadow_planner.py plans its steps,
+An assistant drafts tokens for the target to verify (scheduler/speculation/shadow_planner.py plans its steps,
 runner/drafter.py runs them): it must share the target's
 vocabulary (its token ids are the target's: the same `vocab_size`; transformers' universal assisted
 decoding across tokenizers is not done here), run under continuous batching itself (the same support
@@ -22,22 +22,22 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..config.continuous_batching import ContinuousBatchingConfig
-from ..distributed.sharding import tp_size_of
-from ..kv.layer_groups import KVGroupSpec, kv_groups_from_config
-from ..kv.page_policies import num_pages_for
-from ..memory.cache_settings import layout_of
-from ..memory.kv_cache import CacheLayout
-from ..memory.sizing import ModelShape, Sizing, resolve_group_pages
-from ..model_check.model_support import (
+from ...config.continuous_batching import ContinuousBatchingConfig
+from ...distributed.sharding import tp_size_of
+from ...kv.layer_groups import KVGroupSpec, kv_groups_from_config
+from ...kv.page_policies import num_pages_for
+from ...memory.cache_settings import layout_of
+from ...memory.kv_cache import CacheLayout
+from ...memory.sizing import ModelShape, Sizing, resolve_group_pages
+from ...model_check.model_support import (
     check_model_supported,
     ignores_logits_to_keep,
     observed_layers_of,
     state_layout,
 )
-from ..runner.drafter import Drafter
-from ..scheduler.shadow_planner import ShadowPlanner
-from .kv_wiring import wire_kv
+from ...runner.drafter import Drafter
+from ...scheduler.speculation.shadow_planner import ShadowPlanner
+from ..kv_wiring import wire_kv
 
 # Paged backends the assistant runs under: the torch ones (its steps are small; no flash preparation).
 _TORCH_BACKENDS = {"eager": "paged|eager", "paged|eager": "paged|eager", "paged|sdpa": "paged|sdpa"}

@@ -10,8 +10,8 @@ docs/state_layers.md) refuse: their recurrent state has absorbed the rejected to
 rolled back to the last accepted one.
 
 `EngineSpeculation` holds the engine's answer, every request's defaults (the `GenerationConfig`'s
-prompt lookup, the draft model's settings) and the engine's draft sources (scheduler/drafts.py: prompt
-lookup; the draft model's, scheduler/shadow_planner.py), and gives each request its own settings and
+prompt lookup, the draft model's settings) and the engine's draft sources (scheduler/speculation/drafts.py: prompt
+lookup; the draft model's, scheduler/speculation/shadow_planner.py), and gives each request its own settings and
 source (`attach`).
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig, PreTrainedModel
 
-from ..config.draft_settings import (
+from ...config.draft_settings import (
     DEFAULT_MAX_NGRAM,
     AssistantSettings,
     LookupSettings,
@@ -30,13 +30,13 @@ from ..config.draft_settings import (
     request_assistant,
     request_lookup,
 )
-from ..distributed.sharding import tp_size_of
-from ..invariants import present
-from ..requests import Request
-from ..scheduler.assisted import AssistantSchedule
-from ..scheduler.back_off import SpeculationState
-from ..scheduler.draft_source import DraftSource
-from ..scheduler.prompt_lookup import PROMPT_LOOKUP
+from ...distributed.sharding import tp_size_of
+from ...invariants import present
+from ...requests import Request
+from ...scheduler.speculation.assisted import AssistantSchedule
+from ...scheduler.speculation.back_off import SpeculationState
+from ...scheduler.speculation.draft_source import DraftSource
+from ...scheduler.speculation.prompt_lookup import PROMPT_LOOKUP
 
 
 def speculation_refusal(model: PreTrainedModel, has_state_layers: bool = False) -> str | None:

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..requests import GenerationOutput
+from ...requests import GenerationOutput
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Torch-free user input: `add_request(..., guided=...)` and `generate_batch(..., guided=...)` take a
 `GuidedDecoding`, a dict with one of its field names (`{"json": schema}`, `{"regex": r"..."}`, ...) or a
-pydantic model class (its JSON schema). `sampling/grammars.py` compiles it; docs/structured_outputs.md.
+pydantic model class (its JSON schema). `sampling/structured/grammars.py` compiles it; docs/structured_outputs.md.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..scheduler.weight_updates import UpdateMode
-from .loop import ManagerLoop
-from .state import ManagerState
+from ...scheduler.weight_updates import UpdateMode
+from ..loop import ManagerLoop
+from ..state import ManagerState
 
 
 class Pauses:

@@ -8,7 +8,7 @@
 - `shared`: processors that read only the scores (suppress_tokens, typical_p, epsilon/eta cutoff,
   top_h, remove_invalid_values, renormalize_logits): one transformers processor over all rows;
 - `openai` (with `per_request_processors`): OpenAI's per-request logit_bias, min_tokens, presence and
-  frequency penalties (sampling/openai.py), all rows at once;
+  frequency penalties (sampling/logits/openai.py), all rows at once;
 - `row`: processors that read the sequence (no_repeat_ngram, min length, bad words, sequence bias,
   forced bos/eos, exponential decay, begin_suppress_tokens, the user's own `logits_processor`):
   each request gets its own instance, called with exactly its prompt + generated tokens, as
@@ -28,9 +28,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation import logits_process as lp
 
-from ..invariants import present
-from .neutral import NEUTRAL_VALUES
-from .params import enabled_vector_params
+from ...invariants import present
+from ..neutral import NEUTRAL_VALUES
+from ..params import enabled_vector_params
 
 
 @dataclass(frozen=True)

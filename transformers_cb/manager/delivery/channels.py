@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from ..requests import GenerationOutput
+from ...requests import GenerationOutput
 from .results import ResultRouter
 
 # How often a waiting async iterator re-checks that the manager can still produce (it is woken at once

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import cast
 
-from ..requests import Request
+from ...requests import Request
 from .assisted import AssistantSchedule
 from .draft_source import DraftSource
 from .speculation_stats import SpeculationStats
@@ -54,7 +54,7 @@ class SpeculationState:
 
 def speculation_of(request: Request) -> SpeculationState | None:
     """A request's speculation state as this room made it: `Request` knows it only by the counts it reads
-    (`requests.SpeculationCounts`), and `engine.draft_setup.EngineSpeculation.attach` is its one writer."""
+    (`requests.SpeculationCounts`), and `engine.speculation.draft_setup.EngineSpeculation.attach` is its one writer."""
     return cast(SpeculationState | None, request.speculation)
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..requests import AdapterChoice
-from ..runner.adapter_rows import lora_linear_class
+from ...requests import AdapterChoice
+from ...runner.adapter_rows import lora_linear_class
 
 
 class Unset:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from ..memory.media_store import MODALITIES, RequestMedia, media_digest
+from ...memory.media_store import MODALITIES, RequestMedia, media_digest
 
 # Names that are media whatever the model: refused by name when the model does not take them.
 MEDIA_PREFIXES = ("pixel_values", "image", "video", "audio", "input_features", "vision")
