@@ -21,6 +21,7 @@ from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner import step_options
 from transformers_cb.runner.products import packed_linear as packed_linear_module
+from transformers_cb.runner.products import small_rows
 from transformers_cb.runner.products.packed_linear import (
     NEVER,
     PACKS,
@@ -340,6 +341,11 @@ def test_config_field_default_auto_and_validated() -> None:
 def test_rule_by_dtype_size_and_env(monkeypatch) -> None:
     rule = PackRule()
     assert rule.min_rows(torch.empty(512, 128)) == NEVER  # the tiny model's fp32 layers: MKL wins
+    # from the first row where the native float32 small-row product runs (it beats MKL there), else MKL first
+    native = small_rows.rows_module(torch.float32) is not None
+    assert rule.min_rows(torch.empty(512, 512)) == (1 if native else 16)
+    assert rule.min_rows(torch.empty(32000, 512)) == (1 if native else 4)
+    monkeypatch.setenv(small_rows.ENV_SWITCH, "0")
     assert rule.min_rows(torch.empty(512, 512)) == 16
     assert rule.min_rows(torch.empty(32000, 512)) == 4
     assert rule.min_rows(torch.empty(64, 64, dtype=torch.bfloat16)) == 1

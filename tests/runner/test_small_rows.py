@@ -17,7 +17,13 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner.products import packed_linear as packed_linear_module
 from transformers_cb.runner.products import small_rows
-from transformers_cb.runner.products.packed_linear import PACKS, packed_linear_eager, pointwise, reorder
+from transformers_cb.runner.products.packed_linear import (
+    PACKS,
+    RULE_ENV,
+    packed_linear_eager,
+    pointwise,
+    reorder,
+)
 
 OPS = (
     small_rows.rows_module()
@@ -166,6 +172,7 @@ def test_float32_routes_by_rows(monkeypatch) -> None:
 
 
 def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> None:
+    monkeypatch.setenv(RULE_ENV, "all")  # every float32 weight packed from one row (not the measured rule)
     calls = count_native(monkeypatch)
     model = tiny_llama()
     prompts = prompts_of_lengths([5, 17, 30], seed=4)

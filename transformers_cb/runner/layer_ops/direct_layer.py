@@ -14,7 +14,8 @@ falls back once, with a warning.
 It applies to a layer whose forward, attention, MLP and both norms are replaced by the native layer ops
 (runner/layer_ops/native_layers.py: their forms recognised by code, Llama's attention among them), whose
 modeling file's rotary is the native one, whose projections are plain `nn.Linear`s (packed or not) of plain
-CPU tensors with no hooks anywhere on the way (nor global ones), on an all-native step (attention/paged.py)
+CPU tensors, or a GGUF model's `QuantizedLinear`s on the rows their forward gives `quant_matmul`, with no
+hooks anywhere on the way (nor global ones), on an all-native step (attention/paged.py)
 of a paged backend whose layer has no window, ALiBi, latent, repeated K/V or int8 cache, outside autograd
 and compile. `TRANSFORMERS_CB_DIRECT_LAYERS=0` turns it off.
 """

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ...memory.weight_key import WeightKey, spread_indices
-from .small_rows import rows_product
+from .small_rows import rows_module, rows_product
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ class PackRule:
     In bf16 `F.linear` goes through oneDNN too, without the packed layout: the packed call is faster at
     every size and row count measured (1.1-2.4x). In fp32 MKL's small products win below ~16 rows and
     for weights under 2^18 elements (the tiny model's 128x512 layers ran slower packed); above, packing
-    wins 1.2-2.5x from 16 rows (from 4 rows for a LM head of 2^22 elements or more)."""
+    wins 1.2-2.5x from 16 rows (from 4 rows for a LM head of 2^22 elements or more). Where the native float32
+    small-row product runs (runner/products/small_rows.py: 1.2-1.6x MKL's and oneDNN's at 1-32 rows on these
+    sizes) those weights are packed from the first row: up to 32 rows take it, more oneDNN's packed call."""
 
     every_weight: bool = False  # "all": pack every eligible weight from the first row
 
@@ -73,6 +75,8 @@ class PackRule:
     def min_rows_of(self, dtype: torch.dtype, numel: int) -> int:
         """For a weight of `numel` elements (a fused group's: its members' together)."""
         if self.every_weight or dtype == torch.bfloat16:
+            return 1
+        if numel >= 1 << 18 and rows_module(torch.float32) is not None:
             return 1
         if numel >= 1 << 22:
             return 4

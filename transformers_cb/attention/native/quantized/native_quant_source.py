@@ -15,7 +15,10 @@ reads weights rounded to bfloat16 first (what a bfloat16 model loaded from the G
 is rounded to bfloat16. Parallel over output columns, 16 at a time; rows in tiles of up to 16 (bfloat16 x
 read by `vdpbf16ps`) or 8, so a column's blocks are dequantized once per tile and stay in L1, with up to 4
 columns in flight for few rows (independent chains); the 16 columns' partial sums are lane-summed together.
-No integer (VNNI) dot products: they would quantize x too.
+A bfloat16 x's 4-bit blocks come by table: a block's 16 possible values computed once and looked up by its
+nibbles (`vpermw`), the same bits as dequantizing each weight. Each block prefetches the next columns' block
+(a weight read once per product streams from memory). No integer (VNNI) dot products: they would quantize x
+too.
 
 `quant_dequantize(blocks, qtype, dtype)`: the whole [N, K] weight in float32 or bfloat16 (the prefill path
 of runner/products/quantized_linear.py multiplies tiles of it with torch's product, faster on many rows).
