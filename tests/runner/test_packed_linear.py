@@ -18,6 +18,7 @@ from tests.support.reference import greedy_reference
 from tests.support.threads import TIMEOUT
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.api.generate_batch import CACHED_ENGINE_ATTR
+from transformers_cb.memory.sizing import CPU_MEMORY_PERCENT
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner import step_options
 from transformers_cb.runner.products import packed_linear as packed_linear_module
@@ -32,7 +33,7 @@ from transformers_cb.runner.products.packed_linear import (
     reset_verdicts,
     rule_from_env,
 )
-from transformers_cb.runner.products.packed_model import packed_linears, release_packs
+from transformers_cb.runner.products.packed_model import pack_bytes, packed_linears, release_packs
 from transformers_cb.runner.step_options import resolve_packed_linear
 
 pytestmark = pytest.mark.skipif(
@@ -373,6 +374,34 @@ def test_silent_off_platform_by_default(monkeypatch, caplog) -> None:
         assert not packed_linear_available(torch.float32, "cpu", asked=False)
         assert not packed_linear_available(torch.float32, "cuda", asked=False)
     assert not [r for r in caplog.records if r.name == LOGGER]
+
+
+def test_row_packs_that_do_not_fit_leave_onednn_s_products_alone(monkeypatch, caplog) -> None:
+    if small_rows.rows_module(torch.bfloat16) is None:
+        pytest.skip("no bf16 small-row product here")
+    model = tiny_llama().to(torch.bfloat16)
+    release_packs(model)
+    rule = PackRule()
+    small_rows.allow_row_packs(False)
+    _, plain = pack_bytes(model, rule)
+    small_rows.allow_row_packs(True)
+    _, with_rows = pack_bytes(model, rule)
+    assert with_rows > plain > 0
+    # room (what sizing leaves free, times the packs' share) between the two: oneDNN's copies fit, not both
+    share = (1 - CPU_MEMORY_PERCENT) * step_options.PACK_MEMORY_SHARE
+    monkeypatch.setattr(
+        step_options, "free_memory_bytes", lambda device: int((plain + with_rows) / 2 / share)
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert resolve_packed_linear(model, None, "cpu", None) is True
+        assert small_rows.rows_module(torch.bfloat16) is None  # packs made now get no row pack
+        assert any("small-row" in r.getMessage() for r in caplog.records if r.name == LOGGER)
+        monkeypatch.setattr(step_options, "free_memory_bytes", lambda device: 1 << 40)
+        assert resolve_packed_linear(model, None, "cpu", None) is True
+        assert small_rows.rows_module(torch.bfloat16) is not None  # the next model's check decides anew
+    finally:
+        small_rows.allow_row_packs(True)
 
 
 def test_packs_that_do_not_fit_fall_back_with_one_warning(monkeypatch, caplog) -> None:

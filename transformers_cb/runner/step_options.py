@@ -27,6 +27,7 @@ from .forward.compiling import CompileSettings, resolve_compile_settings
 from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
 from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
 from .products.packed_model import pack_bytes
+from .products.small_rows import allow_row_packs
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +120,23 @@ def resolve_packed_linear(
         return False
     if not packed_linear_available(next(model.parameters()).dtype, device_type, asked=asked is True):
         return False
+    allow_row_packs(True)
     total, missing = pack_bytes(model, rule)
     if total == 0:
         return False
     percent = max_memory_percent or CPU_MEMORY_PERCENT
     room = int(free_memory_bytes(torch.device("cpu")) * (1 - percent) * PACK_MEMORY_SHARE)
+    if missing > room:
+        # the small-row products' own copies first: oneDNN's products alone may still fit
+        allow_row_packs(False)
+        total, missing = pack_bytes(model, rule)
+        if total and missing <= room:
+            warn_once(
+                f"the small-row products' weight copies do not fit beside the cache ({room / 2**20:.0f} MiB "
+                "free for packed copies): oneDNN's packed products alone run"
+            )
+            return True
+        allow_row_packs(True)
     if missing > room:
         warn_once(
             f"the packed weight copies need {missing / 2**20:.0f} MiB and {room / 2**20:.0f} MiB are free "

@@ -200,7 +200,8 @@ def packing_settings(model: nn.Module, rule: PackRule, fuse: bool | None = None)
 
 def pack_bytes(model: nn.Module, rule: PackRule) -> tuple[int, int]:
     """(bytes of the packed copies the rule makes for `model`, of those not built yet): a packed copy is
-    the weight's size (oneDNN's blocked layout pads by a few elements at most)."""
+    the weight's size (oneDNN's blocked layout pads by a few elements at most), twice where the small-row
+    product keeps its own copy (while `small_rows.allow_row_packs` allows row packs)."""
     total = missing = 0
     for size, handle in packing_settings(model, rule).pack_sizes():
         total += size

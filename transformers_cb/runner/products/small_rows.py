@@ -94,12 +94,23 @@ def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torc
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return os.environ.get(ENV_SWITCH, "1") != "0" and _row_packs_fit[0]
+
+
+# False while the packed copies fit in memory only without the row packs (`allow_row_packs`, decided where a
+# run's packing is: runner/step_options.py): oneDNN's products alone, as with the switch off.
+_row_packs_fit = [True]
+
+
+def allow_row_packs(allowed: bool) -> None:
+    """Whether packs made from now on get row packs (the memory check's verdict for this run's model)."""
+    _row_packs_fit[0] = allowed
 
 
 def rows_module(dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
     """The native library if it has the small-row product of `dtype` (bfloat16: built for AVX512-BF16;
-    float32: for AVX-512) and the switch is on (kept once found: it is looked up for every small product)."""
+    float32: for AVX-512), the switch is on and the row packs fit (kept once found: it is looked up for every
+    small product)."""
     if not enabled_by_env() or dtype not in FUNCTIONS:
         return None
     if dtype in _found:
