@@ -19,7 +19,7 @@ the minimum over `--repeats` is printed beside the median.
 
 `step work` times the streaming path without the model: a request's output after each new token
 (`Request.to_output()`, what the manager publishes) turned into the server's event for the client
-(`serve.events.choices.choice_events`), per step at the start and at the end of `--tokens` tokens, with logprobs.
+(`serve.events.choices.ManagerChoices.events`), per step at the start and at the end of `--tokens` tokens, with logprobs.
 See docs/benchmarks.md.
 """
 
@@ -105,7 +105,7 @@ def engine_once(model: object, tokenizer: object, tokens: int) -> tuple[list[flo
 def step_work(tokenizer: object, tokens: int) -> list[float]:
     """Seconds per streamed step (publish the output, turn it into a client event), step by step."""
     from transformers_cb.requests import Request, RequestStatus
-    from transformers_cb.serve.events.choices import ChoiceOptions, Submitted, choice_events
+    from transformers_cb.serve.events.choices import ChoiceOptions, ManagerChoices, Submitted
     from transformers_cb.serve.metrics import ServerMetrics
 
     request = Request("r", list(tokenizer.encode(PROMPT)), max_new_tokens=tokens, streaming=True)
@@ -122,14 +122,14 @@ def step_work(tokenizer: object, tokens: int) -> list[float]:
             yield request.to_output()
             durations.append(time.perf_counter() - start)  # resumed once the event was made
 
-    class Manager:  # what choice_events may call at its end
+    class Manager:  # what the choice's events may call at its end
         def cancel_request(self, request_id: str) -> None: ...
 
     options = ChoiceOptions(sampling={}, max_tokens=tokens, want_logprobs=True, top_logprobs=1)
     choice = Submitted("r", 0, outputs(), time.perf_counter())
 
     async def consume() -> None:
-        async for _ in choice_events(Manager(), choice, tokenizer, options, ServerMetrics()):
+        async for _ in ManagerChoices(Manager()).events(choice, tokenizer, options, ServerMetrics()):  # type: ignore[arg-type]
             pass
 
     asyncio.run(consume())
