@@ -171,17 +171,23 @@ def test_float32_routes_by_rows(monkeypatch) -> None:
         PACKS.drop(handle)
 
 
-def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> None:
-    monkeypatch.setenv(RULE_ENV, "all")  # every float32 weight packed from one row (not the measured rule)
-    calls = count_native(monkeypatch)
-    model = tiny_llama()
-    prompts = prompts_of_lengths([5, 17, 30], seed=4)
+def packed_run(model, seed: int) -> tuple[list[list[int]], dict]:
+    """(prompts, outputs) of a greedy packed run of three prompts, 8 new tokens each."""
+    prompts = prompts_of_lengths([5, 17, 30], seed=seed)
     outputs = model.generate_batch(
         prompts,
         max_new_tokens=8,
         continuous_batching_config=ContinuousBatchingConfig(page_size=16, packed_linear=True),
         progress_bar=False,
     )
+    return prompts, outputs
+
+
+def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> None:
+    monkeypatch.setenv(RULE_ENV, "all")  # every float32 weight packed from one row (not the measured rule)
+    calls = count_native(monkeypatch)
+    model = tiny_llama()
+    prompts, outputs = packed_run(model, seed=4)
     assert calls and max(calls) == -1, "no decode step took the float32 small-row product"
     for i, prompt in enumerate(prompts):
         assert outputs[f"req_{i}"].generated_tokens == greedy_reference(model, prompt, 8)
@@ -190,13 +196,7 @@ def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> 
 def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:
     calls = count_native(monkeypatch)
     model = tiny_llama().to(torch.bfloat16)
-    prompts = prompts_of_lengths([5, 17, 30], seed=3)
-    outputs = model.generate_batch(
-        prompts,
-        max_new_tokens=8,
-        continuous_batching_config=ContinuousBatchingConfig(page_size=16, packed_linear=True),
-        progress_bar=False,
-    )
+    prompts, outputs = packed_run(model, seed=3)
     assert calls and min(calls) == 1, "no decode step took the small-row product"
     for i, prompt in enumerate(prompts):
         tokens = outputs[f"req_{i}"].generated_tokens

@@ -19,6 +19,24 @@ targets AVX512-BF16 (`__AVX512BF16__`); elsewhere the function is absent and the
 """
 
 ROWS_SOURCE = r"""
+namespace {
+// f(std::integral_constant<int, R>) for a tile of `rows` rows (1-8; more: 8): the row count a kernel's tile
+// template takes at compile time.
+template <typename F>
+inline void with_row_count(int rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+}  // namespace
+
 #if defined(__AVX512BF16__)
 namespace {
 
@@ -50,16 +68,7 @@ inline void rows_tile(const uint32_t* x, int64_t x_pairs, const __m512i* w, int6
 template <int CB>
 void rows_tile_of(int rows, const uint32_t* x, int64_t x_pairs, const __m512i* w, int64_t pairs, int64_t stride,
                   float* sums) {
-  switch (rows) {
-    case 1: rows_tile<1, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    case 2: rows_tile<2, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    case 3: rows_tile<3, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    case 4: rows_tile<4, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    case 5: rows_tile<5, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    case 6: rows_tile<6, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    case 7: rows_tile<7, CB>(x, x_pairs, w, pairs, stride, sums); break;
-    default: rows_tile<8, CB>(x, x_pairs, w, pairs, stride, sums); break;
-  }
+  with_row_count(rows, [&](auto rt) { rows_tile<decltype(rt)::value, CB>(x, x_pairs, w, pairs, stride, sums); });
 }
 
 
@@ -231,16 +240,7 @@ inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int6
 template <int CB>
 void f32_rows_tile_of(int rows, const float* x, int64_t x_stride, const float* w, int64_t K, int64_t stride,
                       float* sums) {
-  switch (rows) {
-    case 1: f32_rows_tile<1, CB>(x, x_stride, w, K, stride, sums); break;
-    case 2: f32_rows_tile<2, CB>(x, x_stride, w, K, stride, sums); break;
-    case 3: f32_rows_tile<3, CB>(x, x_stride, w, K, stride, sums); break;
-    case 4: f32_rows_tile<4, CB>(x, x_stride, w, K, stride, sums); break;
-    case 5: f32_rows_tile<5, CB>(x, x_stride, w, K, stride, sums); break;
-    case 6: f32_rows_tile<6, CB>(x, x_stride, w, K, stride, sums); break;
-    case 7: f32_rows_tile<7, CB>(x, x_stride, w, K, stride, sums); break;
-    default: f32_rows_tile<8, CB>(x, x_stride, w, K, stride, sums); break;
-  }
+  with_row_count(rows, [&](auto rt) { f32_rows_tile<decltype(rt)::value, CB>(x, x_stride, w, K, stride, sums); });
 }
 
 constexpr int kF32RowTile = 8;
