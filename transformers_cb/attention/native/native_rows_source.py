@@ -35,6 +35,20 @@ inline void with_row_count(int rows, F&& f) {
     default: f(std::integral_constant<int, 8>{}); break;
   }
 }
+
+// A new [..., N] tensor like x: a product's output.
+inline at::Tensor output_like(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return at::empty(shape, x.options());
+}
+
+// The bias [N] of `dtype` made contiguous, or an undefined tensor for none.
+inline at::Tensor checked_bias(const c10::optional<at::Tensor>& bias, int64_t N, at::ScalarType dtype) {
+  if (!bias.has_value() || !bias->defined()) return at::Tensor();
+  TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == N, "bias: ", dtype, " [N]");
+  return bias->contiguous();
+}
 }  // namespace
 
 #if defined(__AVX512BF16__)
@@ -139,15 +153,9 @@ at::Tensor bf16_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, co
   const int64_t R = K_in == 0 ? 0 : x_in.numel() / K_in;
   at::Tensor x = x_in.reshape({R, K_in}).contiguous();
   if (K_in != 2 * KP) x = at::constant_pad_nd(x, {0, 1});
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, x_in.options());
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b;
-  if (has_bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->dim() == 1 && bias->size(0) == N, "bias: bfloat16 [N]");
-    b = bias->contiguous();
-  }
+  at::Tensor out = output_like(x_in, N);
+  const at::Tensor b = checked_bias(bias, N, at::kBFloat16);
+  const bool has_bias = b.defined();
   if (R == 0 || N == 0) return out;
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
   const __m512i* wp = reinterpret_cast<const __m512i*>(packed.data_ptr<at::BFloat16>());
@@ -260,15 +268,9 @@ at::Tensor f32_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, con
   TORCH_CHECK(N <= NB * 16 && N > (NB - 1) * 16, N, " outputs asked of a pack of ", NB * 16);
   const int64_t R = K == 0 ? 0 : x_in.numel() / K;
   const at::Tensor x = x_in.reshape({R, K}).contiguous();
-  std::vector<int64_t> out_shape(x_in.sizes().begin(), x_in.sizes().end());
-  out_shape.back() = N;
-  at::Tensor out = at::empty(out_shape, x_in.options());
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor b;
-  if (has_bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N, "bias: float32 [N]");
-    b = bias->contiguous();
-  }
+  at::Tensor out = output_like(x_in, N);
+  const at::Tensor b = checked_bias(bias, N, at::kFloat);
+  const bool has_bias = b.defined();
   if (R == 0 || N == 0) return out;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
