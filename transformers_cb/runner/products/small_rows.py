@@ -94,7 +94,7 @@ def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torc
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0" and _row_packs_fit[0]
+    return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
 # False while the packed copies fit in memory only without the row packs (`allow_row_packs`, decided where a
@@ -111,7 +111,7 @@ def rows_module(dtype: torch.dtype = torch.bfloat16) -> ModuleType | None:
     """The native library if it has the small-row product of `dtype` (bfloat16: built for AVX512-BF16;
     float32: for AVX-512), the switch is on and the row packs fit (kept once found: it is looked up for every
     small product)."""
-    if not enabled_by_env() or dtype not in FUNCTIONS:
+    if not enabled_by_env() or not _row_packs_fit[0] or dtype not in FUNCTIONS:
         return None
     if dtype in _found:
         return _found[dtype]
