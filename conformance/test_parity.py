@@ -28,7 +28,7 @@ from tests.support.prompts import prompts_of_lengths, random_prompts
 from tests.support.sharp import SHARP_FACTOR, sharpen
 from transformers_cb import GenerationOutput, RequestStatus
 from transformers_cb.attention.native import kernel as native
-from transformers_cb.conformance_check import next_token_logits
+from transformers_cb.conformance_check import near_tie_tolerance, next_token_logits
 
 MAX_NEW_TOKENS = 12
 PAGE_SIZES = (4, 16, 256)
@@ -180,6 +180,31 @@ def test_greedy_parity_with_eos(family: Family, backend: str, eos_source: str) -
                 assert outputs["req_0"].generated_tokens[-1] == eos
     finally:
         model.generation_config.eos_token_id = saved
+
+
+def test_a_bfloat16_near_tie_is_measured_in_ulps_of_its_logits() -> None:
+    """bfloat16 logits of magnitude ~25 are 0.125 apart when unequal: a gap of two ulps there is a near-tie
+    (the real model's "What is the capital of France?": 25.75 against 25.5 in bfloat16, 0.08 apart in
+    float32), while the same gap between logits of magnitude ~1, where the absolute bound applies, is not."""
+    assert near_tie_tolerance(torch.float32, 25.75) == 1e-4
+    assert near_tie_tolerance(torch.bfloat16, 0.5) == 5e-2
+    assert 0.25 < near_tie_tolerance(torch.bfloat16, 25.75) < 0.5  # 2-4 ulps of 25.75 (one ulp: 0.125)
+    assert 2 * 2.0**-7 < near_tie_tolerance(torch.float16, 25.75) < 4 * 2.0**-6  # 2-4 ulps (one: 2^-6)
+    model = build_tiny_model("llama", seed=5).to(torch.bfloat16)
+    prompt = random_prompts(1, vocab_size(model), 10, 10, seed=5)[0]
+    logits = next_token_logits(model, prompt)
+    top = int(logits.argmax())
+    runner_up = (top + 1) % vocab_size(model)
+    with torch.no_grad():  # the top logit ~30, the runner-up's 1 % below it: 2-3 bf16 ulps
+        model.lm_head.weight.mul_(30.0 / float(logits[top]))
+        model.lm_head.weight[runner_up] = model.lm_head.weight[top] * 0.99
+    logits = next_token_logits(model, prompt)
+    gap = float(logits[top] - logits[runner_up])
+    assert int(logits.argmax()) == top and 5e-2 < gap < near_tie_tolerance(torch.bfloat16, float(logits[top]))
+    mismatch = compare_tokens(model, "req_0", prompt, [top], [runner_up])
+    assert mismatch is not None and mismatch.is_near_tie and mismatch.tolerance > 5e-2, mismatch
+    explicit = compare_tokens(model, "req_0", prompt, [top], [runner_up], tolerance=gap / 2)
+    assert explicit is not None and not explicit.is_near_tie  # an explicit tolerance is taken as given
 
 
 def test_near_ties_are_accepted_only_with_the_right_continuation() -> None:

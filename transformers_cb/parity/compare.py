@@ -16,10 +16,17 @@ from transformers import GenerationConfig, PreTrainedModel
 # Below this logit gap between the reference's token and ours, a different greedy choice is a
 # floating-point near-tie (two summation orders legitimately disagree), not a bug.
 NEAR_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+# ...or below this share of the top logit's magnitude in a reduced-precision model: its logits are rounded
+# to 8 (bfloat16) or 11 (float16) significant bits, so at a bfloat16 logit of 25 two unequal logits are at
+# least 0.125 apart (one ulp) and the absolute tolerance alone would accept exact ties only. 2^-6 is 2-4
+# bfloat16 ulps of the top logit (2-4 float16 ulps with 2^-9).
+NEAR_TIE_RELATIVE = {torch.bfloat16: 2.0**-6, torch.float16: 2.0**-9}
 
 
-def near_tie_tolerance(dtype: torch.dtype) -> float:
-    return NEAR_TIE_TOLERANCE.get(dtype, 1e-4)
+def near_tie_tolerance(dtype: torch.dtype, top_logit: float = 0.0) -> float:
+    """The largest logit gap that counts as a near-tie for a model of `dtype` whose top logit at that
+    position is `top_logit`."""
+    return max(NEAR_TIE_TOLERANCE.get(dtype, 1e-4), NEAR_TIE_RELATIVE.get(dtype, 0.0) * abs(top_logit))
 
 
 # -- references ------------------------------------------------------------------------------------
@@ -132,16 +139,25 @@ def compare_tokens(
     tolerance: float | None = None,
 ) -> Mismatch | None:
     """None when equal; else a `Mismatch` whose margin is measured with a plain forward of the model
-    on `prompt + expected[:index]` (raw logits, before any logits processor)."""
+    on `prompt + expected[:index]` (raw logits, before any logits processor). `tolerance`: the near-tie
+    bound; None: `near_tie_tolerance` of the model's dtype and that position's top logit."""
     index = first_difference(expected, actual)
     if index is None:
         return None
-    if tolerance is None:
-        tolerance = near_tie_tolerance(next(model.parameters()).dtype)
-    mismatch = Mismatch(request_id, list(prompt), list(expected), list(actual), index, tolerance=tolerance)
+    dtype = next(model.parameters()).dtype
+    mismatch = Mismatch(
+        request_id,
+        list(prompt),
+        list(expected),
+        list(actual),
+        index,
+        tolerance=near_tie_tolerance(dtype) if tolerance is None else tolerance,
+    )
     if index < min(len(expected), len(actual)):
         logits = next_token_logits(model, [*prompt, *expected[:index]])
         top2 = logits.topk(2).values
         mismatch.top2_margin = float(top2[0] - top2[1])
         mismatch.margin = float(logits.max() - logits[actual[index]])
+        if tolerance is None:
+            mismatch.tolerance = near_tie_tolerance(dtype, float(top2[0]))
     return mismatch
