@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import textwrap
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,27 @@ def _import_plugin(body: str, order: str) -> str:
     if order == "plugin_first":
         return "import transformers_cb  # noqa\n" + body
     lines = body.split("\n")
-    last_import = max(i for i, line in enumerate(lines[:40]) if line.startswith(("import ", "from ")))
-    lines.insert(last_import + 1, "import transformers_cb  # noqa")
+    lines.insert(_end_of_first_imports(lines) + 1, "import transformers_cb  # noqa")
     return "\n".join(lines)
+
+
+def _end_of_first_imports(lines: list[str]) -> int:
+    """The index of the last line of the script's first run of import statements (blank lines and
+    parenthesized names within it): an import further down, after code has run (a later block's own
+    `from transformers.generation import ...`), is not part of it."""
+    i = next(i for i, line in enumerate(lines) if line.startswith(("import ", "from ")))
+    end = i
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(("import ", "from ")):
+            if "(" in line and ")" not in line:
+                while ")" not in lines[i]:
+                    i += 1
+            end = i
+        elif line.strip():
+            break
+        i += 1
+    return end
 
 
 def _run(script: str, order: str, tmp_path: Path, launcher: tuple[str, ...] = ()) -> dict:
@@ -111,6 +130,33 @@ def _run(script: str, order: str, tmp_path: Path, launcher: tuple[str, ...] = ()
     if launcher:
         return {rank: json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(TP_RANKS)}
     return json.loads(out.read_text())
+
+
+def test_the_plugin_comes_after_the_first_imports_and_before_any_call() -> None:
+    """plugin_after puts `import transformers_cb` after the document's first import lines, before its first
+    `generate_batch`: a later block's own import (the config block's `from transformers.generation import
+    ContinuousBatchingConfig`) does not move it past a call that transformers' built-in would then serve."""
+    script = _import_plugin(
+        "\n".join(
+            [
+                _generate_batch_preamble(defaultdict(lambda: "tiny")),
+                "_save('generate_batch', outputs)",
+                blocks.CONFIG_AND_GENERATE,
+            ]
+        ),
+        "plugin_after",
+    )
+    lines = script.split("\n")
+    plugin = lines.index("import transformers_cb  # noqa")
+    first_call = next(i for i, line in enumerate(lines) if "generate_batch(" in line)
+    assert all(line.startswith(("import ", "from ")) or not line.strip() for line in lines[:plugin]), lines[
+        :plugin
+    ]
+    assert plugin < first_call
+    parenthesized = _import_plugin(
+        "from a import (\n    b,\n    c,\n)\nimport d\n\nx = 1\nimport e", "plugin_after"
+    )
+    assert parenthesized.split("\n")[5] == "import transformers_cb  # noqa", parenthesized
 
 
 # -- the saved models -------------------------------------------------------------------------

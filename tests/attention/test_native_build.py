@@ -2,8 +2,9 @@
 binary once, a machine without a compiler runs and warns once.
 
 Every test runs real processes (so all are `slow`, the tier of fresh interpreters; the venvs one compiles
-the kernel once, and its second compiler copies that binary) against a private kernel folder (`TRANSFORMERS_CB_KERNEL_DIR`): the build,
-the lock and the warnings are per process, and what matters is what a *new* process does.
+nothing: its compilers copy the binary this session already built) against a private kernel folder
+(`TRANSFORMERS_CB_KERNEL_DIR`): the build, the lock and the warnings are per process, and what matters is what a
+*new* process does.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ import pytest
 from tests.support.paths import REPO_ROOT
 from tests.support.processes import run_process
 from tests.support.timeouts import hang_guard
+from transformers_cb.attention.native import kernel as native
 from transformers_cb.attention.native.native_build import (
     KERNEL_DIR_ENV,
     MODULE_NAME,
     KernelFolder,
+    kernel_folder,
     lock_owner,
 )
 
@@ -159,12 +162,13 @@ def _second_venv(path: Path) -> str:
     return str(python)
 
 
-# A second compiler for the cache key (its own path, so its own `compiler` ingredient), that builds without
+# A compiler for the cache key (its own path, so its own `compiler` ingredient), that builds without
 # compiling the kernel again: the compile step compiles an empty file with the build's own arguments (it
 # writes the object and the dependency file ninja reads), the link step copies a library built by the real
 # compiler, and every other call (`--version`, `-v`: the key, torch's checks) is the real g++'s. What the
-# test checks is where a build of another compiler goes and that nobody rebuilds it, not g++ itself; the
-# real compile is the first build's (one compile of the kernel instead of two, ~90 s of a worker).
+# test checks is where each environment's build goes and that nobody rebuilds another's, not g++ itself:
+# the real compile is `make install`'s (`build-kernels`), which this session's other tests load (a compile
+# of the kernel took 90-130 s of a worker here).
 COPYING_COMPILER = """#!{python}
 import shutil, subprocess, sys
 args = sys.argv[1:]
@@ -193,6 +197,12 @@ def _copying_compiler(folder: Path, library: Path) -> tuple[Path, Path]:
     return compiler, log
 
 
+def _session_library() -> Path:
+    """The library this session's tests run on (built by `make install`, or here if it is not yet)."""
+    assert native.ensure_native_module() is not None, "the native kernel cannot be built here"
+    return kernel_folder().library
+
+
 def _stamp(library: Path) -> tuple[int, int]:
     stat = library.stat()
     return stat.st_ino, stat.st_mtime_ns
@@ -203,7 +213,8 @@ def test_environments_build_their_own_kernel_once_and_never_each_others(tmp_path
     changes the binary (another compiler) gets its own folder; after all of it, each library is the one
     first built (same inode, same mtime)."""
     root = tmp_path / "kernels"
-    env = _env(root)
+    compiler, _ = _copying_compiler(tmp_path / "compiler", _session_library())
+    env = _env(root, CXX=str(compiler))
     first = _build_kernels(env)
     assert first.returncode == 0 and "native kernel: built in" in first.stdout, first.stdout + first.stderr
     (folder,) = _folders(root)
@@ -215,27 +226,27 @@ def test_environments_build_their_own_kernel_once_and_never_each_others(tmp_path
     assert second.returncode == 0 and "native kernel: ready" in second.stdout, second.stdout + second.stderr
     assert _folders(root) == [folder] and _stamp(library) == stamp
 
-    compiler, calls = _copying_compiler(tmp_path / "other-compiler", library)
-    other_compiler = _build_kernels(_env(root, CXX=str(compiler)))
+    other, calls = _copying_compiler(tmp_path / "other-compiler", library)
+    other_compiler = _build_kernels(_env(root, CXX=str(other)))
     assert other_compiler.returncode == 0 and "built in" in other_compiler.stdout, other_compiler.stderr
     linked = [line for line in calls.read_text().splitlines() if f"{MODULE_NAME}.so" in line]
     assert linked, f"the build did not run $CXX (calls: {calls.read_text()!r})"
     folders = _folders(root)
     assert len(folders) == 2 and folder in folders
-    (other,) = [f for f in folders if f != folder]
-    other_stamp = _stamp(other / f"{MODULE_NAME}.so")
+    (other_folder,) = [f for f in folders if f != folder]
+    other_stamp = _stamp(other_folder / f"{MODULE_NAME}.so")
     assert (
-        json.loads((other / "build.json").read_text())["compiler"]
+        json.loads((other_folder / "build.json").read_text())["compiler"]
         != json.loads((folder / "build.json").read_text())["compiler"]
     )
 
-    for python, extra in ((sys.executable, {}), (other_venv, {}), (sys.executable, {"CXX": str(compiler)})):
-        again = _build_kernels(_env(root, **extra), python=python)
+    for python, cxx in ((sys.executable, compiler), (other_venv, compiler), (sys.executable, other)):
+        again = _build_kernels(_env(root, CXX=str(cxx)), python=python)
         assert "native kernel: ready" in again.stdout, again.stdout + again.stderr
     served = _serve(env)
     assert served.returncode == 0 and "served FINISHED 4" in served.stdout, served.stderr
     assert "not built yet" not in served.stderr and WARNING not in served.stderr, served.stderr
-    assert _stamp(library) == stamp and _stamp(other / f"{MODULE_NAME}.so") == other_stamp
+    assert _stamp(library) == stamp and _stamp(other_folder / f"{MODULE_NAME}.so") == other_stamp
 
 
 def test_without_a_compiler_install_and_generate_batch_run_and_warn_once(tmp_path: Path) -> None:
