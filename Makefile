@@ -31,8 +31,8 @@ PIP_ARGS ?=
 # keep both cores busy; each worker's torch gets its share of the cores (conftest.py).
 TEST_WORKERS ?= 2
 # How the workers share the tests: one at a time, in the order conftest.py gives (the `slow` tier first), and
-# every test marked `xdist_group(name)` in one worker (the Ray tests), that group handed out first; the
-# grouping is not in effect with pytest 9.2 + pytest-xdist 3.8 (tests/support/ray_jobs.py says why).
+# every test marked `xdist_group(name)` in one worker (the Ray tests), that group handed out first (with
+# pytest 9 through conftest.py's `_name_xdist_groups`, tests/support/ray_jobs.py says why).
 # With TEST_WORKERS=0 pytest-xdist ignores it.
 TEST_DIST ?= --dist loadgroup
 

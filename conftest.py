@@ -42,6 +42,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if config.getvalue("loadgroup"):
+        _name_xdist_groups(items)
+
+
+def _name_xdist_groups(items: list[pytest.Item]) -> None:
+    """`--dist loadgroup` sends every test marked `xdist_group(name)` to one worker by the `@name` that
+    pytest-xdist 3.8 appends to `Item._nodeid`, which pytest 9 no longer reads (a node's id is `Item._id`):
+    append it there too, so the Ray tests share one worker and one cluster (tests/support/ray_jobs.py)."""
+    try:
+        from _pytest.nodeid import coerce_node_id
+    except ImportError:  # pytest 8: xdist's own suffix is in effect
+        return
+    for item in items:
+        names = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
+        if names and "@" not in item.nodeid:
+            item._id = coerce_node_id(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # The shared helpers (the scheduler's fake model, the manager checks, ...) assert like the tests do: have

@@ -22,10 +22,9 @@ requires_ray = pytest.mark.skipif(
 )
 
 # Every test on the Ray cluster belongs in one pytest-xdist worker (`make test` runs `--dist loadgroup`): one
-# cluster per session instead of one per worker, a group the scheduler hands out first. NOT in effect with
-# pytest 9.2 + pytest-xdist 3.8: xdist marks a group by rewriting `Item._nodeid`, which pytest 9 no longer
-# reads (it keeps `Item._id`), so the Ray tests still spread over both workers (two clusters). The mark
-# takes effect with an xdist that handles pytest 9; without xdist (or under another --dist) it changes nothing.
+# cluster per session instead of one per worker, a group the scheduler hands out first. xdist 3.8 marks a group
+# by rewriting `Item._nodeid`, which pytest 9 no longer reads (it keeps `Item._id`): conftest.py's
+# `_name_xdist_groups` writes the group there too. Without xdist (or under another --dist) it changes nothing.
 on_the_ray_cluster = pytest.mark.xdist_group("ray_cluster")
 
 # Two actors of one CPU each fit the 2-CPU test cluster.
