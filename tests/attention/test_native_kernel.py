@@ -215,3 +215,46 @@ def test_sharp_rows_whose_probabilities_are_subnormal_attend_like_the_reference(
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
     subnormal = torch.tensor([1e-39], dtype=torch.float32)
     assert (subnormal * 1.0).item() != 0.0  # this thread still computes subnormals
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (8, 1, 64)])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "sinks"])
+def test_tokens_attended_together_get_the_bits_each_gets_alone(dtype, heads, kv_heads, dim, variant) -> None:
+    """A step of several tokens takes the by-token kernel (every KV head of a token in one pass over its
+    keys); a single token takes the per-head kernel. Same arithmetic in the same order: the same bits, for
+    key counts below, at and past a 16-key block and with a partial last block."""
+    gen = torch.Generator().manual_seed(1)
+    page, pages_per_row = 16, 8
+    kv_lens = [1, 15, 16, 17, 40, 100, 127]
+    rows = len(kv_lens)
+    slots = rows * pages_per_row * page
+    keys = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    query = (torch.randn(rows, heads, dim, generator=gen) * 3).to(dtype)
+    block_table = (
+        torch.randperm(rows * pages_per_row, generator=gen).to(torch.int32).view(rows, pages_per_row)
+    )
+    token_row = torch.arange(rows)
+    token_pos = torch.tensor(kv_lens) - 1
+    window = 24 if variant == "window" else None
+    softcap = 5.0 if variant == "softcap" else None
+    sinks = torch.randn(heads, generator=gen) if variant == "sinks" else None
+
+    def attend(index: slice) -> torch.Tensor:
+        out = torch.empty_like(query[index])
+        native.native_paged_attention(
+            query[index], keys, values, token_row[index], token_pos[index], block_table, page, dim**-0.5,
+            window, softcap, sinks, out,
+        )  # fmt: skip
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = attend(slice(0, rows))
+            alone = torch.cat([attend(slice(t, t + 1)) for t in range(rows)])
+            assert torch.equal(together, alone), (n, (together.float() - alone.float()).abs().max())
+    finally:
+        torch.set_num_threads(threads)
