@@ -35,13 +35,19 @@ _share_cores_between_workers()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make test`), hand out the `slow` tests first: the workers take tests one by one
-    (`--dist loadgroup`) in this order, so the long ones start while both workers are busy and the last
-    minutes are spent on short tests on both workers, not one long test on one. A stable sort: the order
-    within each tier is the collection order. A single process keeps the collection order."""
+    """Under pytest-xdist (`make test`), hand out the grouped tests first (the Ray tests, one worker's few
+    minutes in a row), then the `slow` tests: the workers take tests one by one (`--dist loadgroup`) in this
+    order, so the long ones start while both workers are busy and the last minutes are spent on short tests
+    on both workers, not one long test (or the whole Ray group) on one. A stable sort: the order within each
+    tier is the collection order. A single process keeps the collection order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("xdist_group") is None,
+            item.get_closest_marker("slow") is None,
+        )
+    )
     if config.getvalue("loadgroup"):
         _name_xdist_groups(items)
 

@@ -20,6 +20,9 @@ def ray_cluster() -> Iterator[None]:
     import ray
 
     python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    # Ray starts its workers (the actors) at nice 15: beside the other xdist worker's tests they got a sliver
+    # of the cores (a 20 s test took 60-220 s). The raylet reads its config from RAY_* variables at start.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(
         num_cpus=2,
         include_dashboard=False,
