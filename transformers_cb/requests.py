@@ -23,6 +23,7 @@ A request carries the state its sampling and speculation rooms attach (`Request.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -242,6 +243,23 @@ class Request:
             if runs and runs[-1][0] == len(self.generated_ids):  # an empty run: replaced
                 runs.pop()
             runs.append((len(self.generated_ids), version))
+
+    def add_prompt_logprobs(
+        self,
+        step_scored: Mapping[str, list[float]] | None,
+        step_tops: Mapping[str, list[dict[int, float]]] | None = None,
+    ) -> None:
+        """The prompt-token logprobs (and best alternatives) a step scored for this request, of those it
+        scored by request id, appended to this request's own."""
+        scored = step_scored.get(self.request_id) if step_scored else None
+        if not scored:
+            return
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+        self.prompt_logprobs.extend(scored)
+        tops = step_tops.get(self.request_id) if step_tops else None
+        if tops:
+            self.prompt_top_logprobs = [*(self.prompt_top_logprobs or ()), *tops]
 
     def append_token(
         self, token_id: int, logprob: float | None = None, top_logprobs: dict[int, float] | None = None

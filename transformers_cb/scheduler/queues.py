@@ -118,6 +118,18 @@ class RequestQueues:
         self.waiting.appendleft(request)
         plan.preempted.append(request)
 
+    def recompute_at_rope_switch(self, plan: StepPlan) -> None:
+        """Drop the KV of the running requests the model's `generate()` computes again from scratch at this
+        length (Phi-3's LongRoPE switch, rope_switch.py): they go back to the head of the queue and recompute
+        prompt + generated tokens with the long factors. Not a preemption (no page shortage): not counted as
+        one, and never swapped to the host tier."""
+        for request in self.rope_switches.due(self.running):
+            drop_kv(request, self.recomputed)
+            request.page_keys.clear()  # keyed with the short factors' (empty) salt: keyed again
+            self.leave_running(request)
+            self.waiting.appendleft(request)
+            plan.preempted.append(request)
+
     def leave_running(self, request: Request) -> None:
         """`request` stops running without ending (preempted, recomputed): its pages and state slot freed, its
         pages keyed again when it is back (`register`), EVICTED, out of the running list, into `ended`."""

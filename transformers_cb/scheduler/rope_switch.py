@@ -1,6 +1,6 @@
 """Phi-3's LongRoPE switch on the scheduler's side: which running requests `generate()` recomputes from
 scratch at their length (`RopeRule.must_recompute`, kv/rope_rule.py), once each, and how far a draft may
-reach before that switch (`RopeRule.draft_room`). The scheduler drops their KV (`Scheduler._recompute_at_rope_switch`)."""
+reach before that switch (`RopeRule.draft_room`). The queues drop their KV (`RequestQueues.recompute_at_rope_switch`)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """The step scheduler: which requests run how many tokens in the next forward pass.
 
-The scheduler works on plain data (requests, page ids) and never touches a
-tensor: `schedule()` returns a `StepPlan` holding every decision of the
-step (entries, preemptions, fork copies, swaps, block-table rows to release;
-step_plan.py; whether a waiting request starts: `Admission`, admission.py), the runner executes it, and
-`update()`, the other half, applies the sampled tokens. The queues and every exit from the running list
-(preemption, recompute, `finish()`; a change of the model's weights between two steps, `weights_changed`)
-are `RequestQueues`' (queues.py), composed into the scheduler, which hands them on. Every request that stops running, wherever it stops (preempted or failed in `schedule()`,
-finished in `update()`, ended by `finish()` from any caller), joins one list, `ended`, which the next
-plan carries as `released`: the runner gives its rows back and the draft model its shadow from there,
-the one place. Policies (`fifo`, `prefill_first`, `decode_first`,
-policies.py) change the order in which candidates get the step's token budget, and may bound the share of
-it prompts take (`prefill_limits`).
+The scheduler works on plain data (requests, page ids) and never touches a tensor: `schedule()` returns a
+`StepPlan` holding every decision of the step (entries, preemptions, fork copies, swaps, block-table rows
+to release; step_plan.py; whether a waiting request starts: `Admission`, admission.py), the runner executes
+it, and `update()`, the other half, applies the sampled tokens. The queues and every exit from the running
+list (preemption, recompute, a LongRoPE switch, `finish()`; a change of the model's weights between two
+steps, `weights_changed`) are `RequestQueues`' (queues.py), composed into the scheduler, which hands them
+on. Every request that stops running, wherever it stops, joins one list, `ended`, which the next plan
+carries as `released`: the runner gives its rows back and the draft model its shadow from there, the one
+place. Policies (`fifo`, `prefill_first`, `decode_first`, policies.py) change the order in which candidates
+get the step's token budget, and may bound the share of it prompts take (`prefill_limits`).
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ from .forks import Forks
 from .media_budget import MediaBudget, block_cut
 from .policies import AdmissionGate, SchedulingPolicy, make_policy
 from .queues import RequestQueues
-from .recompute import RecomputeCounter, drop_kv
+from .recompute import RecomputeCounter
 from .rope_switch import RopeSwitches
 from .scheduler_settings import SchedulerSettings
 from .speculation.drafts import append_verified, fit_draft
@@ -153,7 +151,7 @@ class Scheduler:
         prefill_left = limits.budget
         scheduled: dict[int, ScheduledRequest] = {}
         plan = StepPlan(entries=[], taken_back=self._take_back_rows())
-        self._recompute_at_rope_switch(plan)
+        self.queues.recompute_at_rope_switch(plan)
         gate = AdmissionGate()
         speculating = self.speculates_now()
         for request in self.policy.candidates(self.running, self.waiting):
@@ -231,7 +229,7 @@ class Scheduler:
             request.num_computed_tokens = entry.end
             if self.media is not None:
                 self.media.computed(request)
-            record_prompt_logprobs(request, prompt_logprobs, prompt_top_logprobs)
+            request.add_prompt_logprobs(prompt_logprobs, prompt_top_logprobs)
             if self.recomputed.pending:
                 self.recomputed.ran(request.request_id, entry.start, entry.end)
             self.pages.register(request)  # before a sliding group drops pages
@@ -274,18 +272,6 @@ class Scheduler:
         request.finish_reason = reason
         self.queues.finish(request, RequestStatus.FINISHED)
         return True
-
-    def _recompute_at_rope_switch(self, plan: StepPlan) -> None:
-        """Drop the KV of the running requests the model's `generate()` computes again from scratch at this
-        length (Phi-3's LongRoPE switch, rope_switch.py): they go back to the head of the queue and recompute
-        prompt + generated tokens with the long factors. Not a preemption (no page shortage): not counted as
-        one, and never swapped to the host tier."""
-        for request in self.rope_switches.due(self.running):
-            drop_kv(request, self.recomputed)
-            request.page_keys.clear()  # keyed with the short factors' (empty) salt: keyed again
-            self.queues.leave_running(request)
-            self.waiting.appendleft(request)
-            plan.preempted.append(request)
 
     def _admit(self, request: Request, budget: int, gate: AdmissionGate, plan: StepPlan) -> int | None:
         """A waiting request's first tokens if it starts this step (`Admission.admit`: pages allocated; moved
@@ -411,20 +397,3 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raise `InvariantError` if pages, statuses or queues are inconsistent (holds under `python -O`)."""
         self.queues.check_integrity()
-
-
-def record_prompt_logprobs(
-    request: Request,
-    prompt_logprobs: Mapping[str, list[float]] | None,
-    prompt_top_logprobs: Mapping[str, list[dict[int, float]]] | None,
-) -> None:
-    """The prompt-token logprobs (and best alternatives) a step scored for `request`, appended to its own."""
-    scored = prompt_logprobs.get(request.request_id) if prompt_logprobs else None
-    if not scored:
-        return
-    if request.prompt_logprobs is None:
-        request.prompt_logprobs = []
-    request.prompt_logprobs.extend(scored)
-    tops = prompt_top_logprobs.get(request.request_id) if prompt_top_logprobs else None
-    if tops:
-        request.prompt_top_logprobs = [*(request.prompt_top_logprobs or ()), *tops]
