@@ -258,3 +258,91 @@ def test_tokens_attended_together_get_the_bits_each_gets_alone(dtype, heads, kv_
             assert torch.equal(together, alone), (n, (together.float() - alone.float()).abs().max())
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 64), (16, 2, 64)])
+@pytest.mark.parametrize("variant", ["plain", "softcap", "sinks", "alibi", "window"])
+def test_a_prefill_chunk_in_query_tiles_gets_the_bits_each_token_gets_alone(
+    dtype, heads, kv_heads, dim, variant
+) -> None:
+    """A prefill chunk's tokens share each widened K/V block in query tiles of up to 16 (the tile kernel,
+    attention/native/native_vec_source.py); each token keeps the per-token kernel's arithmetic and order, so
+    the chunk gets the same bits as its tokens attended one by one (the prompt the same bits however it is
+    chunked), and both match a float64 reference. Chunks from position 0 and from mid-prompt, a partial
+    last tile, a lone decode between chunks; on one thread and two."""
+    if native.native_module() is None or not native.vector_kernels():
+        pytest.skip("the AVX-512 kernels are not built here")
+    gen = torch.Generator().manual_seed(2)
+    page, pages_per_row = 16, 24
+    chunks = [(0, 0, 37), (1, 100, 50), (2, 7, 1), (3, 300, 16), (4, 15, 18)]  # (row, first position, tokens)
+    rows = len(chunks)
+    keys = torch.randn(rows * pages_per_row * page, kv_heads, dim, generator=gen).to(dtype)
+    values = torch.randn(rows * pages_per_row * page, kv_heads, dim, generator=gen).to(dtype)
+    block_table = (
+        torch.randperm(rows * pages_per_row, generator=gen).to(torch.int32).view(rows, pages_per_row)
+    )
+    token_row = torch.tensor([row for row, _, n in chunks for _ in range(n)])
+    token_pos = torch.tensor([p for _, start, n in chunks for p in range(start, start + n)])
+    query = (torch.randn(len(token_row), heads, dim, generator=gen) * 3).to(dtype)
+    window = 24 if variant == "window" else None
+    softcap = 5.0 if variant == "softcap" else None
+    sinks = torch.randn(heads, generator=gen) if variant == "sinks" else None
+    slopes = torch.rand(heads, generator=gen) * 0.1 if variant == "alibi" else None
+
+    def attend(index: slice) -> torch.Tensor:
+        out = torch.empty_like(query[index])
+        native.native_paged_attention(
+            query[index], keys, values, token_row[index], token_pos[index], block_table, page, dim**-0.5,
+            window, softcap, sinks, out, slopes,
+        )  # fmt: skip
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = attend(slice(0, len(token_row)))
+            alone = torch.cat([attend(slice(t, t + 1)) for t in range(len(token_row))])
+            assert torch.equal(together, alone), (n, (together.float() - alone.float()).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+    expected = _reference_attention(
+        query,
+        keys,
+        values,
+        token_row,
+        token_pos,
+        block_table,
+        page,
+        dim**-0.5,
+        window,
+        softcap,
+        sinks,
+        slopes,
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(together.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def _reference_attention(query, keys, values, token_row, token_pos, block_table, page, scale, window, softcap,
+                         sinks, slopes) -> torch.Tensor:  # fmt: skip
+    """Each token's attention over its row's keys in float64, written out (the kernel's definition)."""
+    heads, group = query.shape[1], query.shape[1] // keys.shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for t, (row, pos) in enumerate(zip(token_row.tolist(), token_pos.tolist(), strict=True)):
+        first = max(0, pos - window + 1) if window else 0
+        positions = torch.arange(first, pos + 1)
+        slots = block_table[row, positions // page].long() * page + positions % page
+        k = keys[slots].double().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = values[slots].double().repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,lhd->hl", query[t].double(), k) * scale
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if slopes is not None:
+            logits = logits + slopes.double()[:, None] * (positions - pos).double()[None, :]
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.double().view(heads, 1)], dim=1)
+        probs = torch.softmax(logits, dim=1)[:, : len(positions)]
+        out[t] = torch.einsum("hl,lhd->hd", probs, v)
+    return out

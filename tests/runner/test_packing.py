@@ -10,7 +10,12 @@ from hypothesis import strategies as st
 
 from tests.support.packed_steps import build_kernel_step
 from transformers_cb.attention.native.kernel import ensure_native_module
-from transformers_cb.runner.call_groups import DECODE_PADDING_BOUND, group_decodes, native_prefill_max_work
+from transformers_cb.runner.call_groups import (
+    DECODE_PADDING_BOUND,
+    group_decodes,
+    native_prefill_max_work,
+    native_takes_every_chunk,
+)
 
 P = 8  # page size of the hand-written step
 
@@ -41,6 +46,19 @@ def test_the_native_bound_is_wider_in_float32() -> None:
     precision keeps SDPA's blocked kernel from 128."""
     assert native_prefill_max_work(torch.float32) == 512 * 512
     assert native_prefill_max_work(torch.bfloat16) == native_prefill_max_work(torch.float16) == 128 * 128
+
+
+def test_every_chunk_joins_the_native_call_where_the_query_tiles_take_the_shape() -> None:
+    """Chunks of any length join the native call where the AVX-512 kernel (and its query tiles) takes every
+    layer's head size and group: float32 anywhere, bfloat16 without AMX (whose SDPA products run on AMX)."""
+    takes = native_takes_every_chunk
+    assert takes(torch.bfloat16, {64}, 4, vector_kernels=True, amx=False)
+    assert takes(torch.float32, {64, 128}, 8, vector_kernels=True, amx=True)
+    assert not takes(torch.bfloat16, {64}, 4, vector_kernels=True, amx=True)
+    assert not takes(torch.float16, {64}, 4, vector_kernels=True, amx=False)  # no vector kernel for fp16
+    assert not takes(torch.float32, {64}, 4, vector_kernels=False, amx=False)  # not built with AVX-512
+    assert not takes(torch.float32, {64, 96}, 4, vector_kernels=True, amx=False)
+    assert not takes(torch.float32, {64}, 9, vector_kernels=True, amx=False)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

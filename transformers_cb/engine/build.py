@@ -29,6 +29,7 @@ from ..kv.offload import CpuOffload
 from ..kv.rope_rule import recomputes_at_switch_of, rope_rule_of
 from ..kv.state_slots import StateSlotPolicy
 from ..memory.host_cache import HostKVCache
+from ..memory.sizing import query_heads_per_kv_head
 from ..memory.state_cache import StateCache
 from ..memory.swap import SwapCopier
 from ..runner.media.media_runner import MediaRunner
@@ -117,6 +118,8 @@ def wire(
     policies, pages, cache, packer = kv.policies, kv.pages, kv.cache, kv.packer
     if settings.step_options.batch_invariant:
         packer.every_chunk_native()
+    else:
+        packer.every_long_chunk_native(query_heads_per_kv_head(model.config))
     # CPU offload: the scheduler plans with the host tier's page ids (`offload`; state slots with as many
     # host slots as device ones: every running request may be swapped out with its slot), the runner
     # copies into its tensors (`swapper`). Each rank's runner replays rank 0's swaps on its own KV shard.

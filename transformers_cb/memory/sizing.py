@@ -59,6 +59,14 @@ def native_positions(config) -> int:
     return getattr(config, "max_position_embeddings", None) or 2**31 - 1
 
 
+def query_heads_per_kv_head(config) -> int:
+    """The query heads that share one KV head in `config`'s attention (1 without grouped queries)."""
+    config = config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return max(1, int(heads) // int(kv_heads))
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The model's sizes the cache and step buffers are sized from.

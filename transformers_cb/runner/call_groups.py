@@ -2,7 +2,8 @@
 
 Decodes of close KV lengths share a padded call (`group_decodes`, within `decode_padding_bound(dtype)` of
 their real work; float32 only); short prefill chunks join the native kernel's one call per layer
-(`native_prefill_max_work(dtype)` (query, key) pairs at most), longer ones keep a call of their own.
+(`native_prefill_max_work(dtype)` (query, key) pairs at most), longer ones keep a call of their own, except
+where the kernel's query tiles take every chunk (`native_takes_every_chunk`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,25 @@ DECODE_PADDING_BOUND = 1.25
 # AVX-512 kernel is 1.4x SDPA up to 512 tokens (issue 46).
 NATIVE_PREFILL_MAX_WORK = 128 * 128
 NATIVE_PREFILL_MAX_WORK_FP32 = 512 * 512
+
+
+# Head sizes and query heads per KV head that the AVX-512 kernel and its query tiles take
+# (attention/native/native_vec_source.py: `vec_for_group`, `tile_for`).
+VECTOR_HEAD_DIMS = (64, 128)
+VECTOR_MAX_GROUP = 8
+
+
+def native_takes_every_chunk(
+    dtype: torch.dtype, head_dims: set[int], group_size: int, vector_kernels: bool, amx: bool
+) -> bool:
+    """Whether prefill chunks of any length join the native call: where the AVX-512 kernel takes every layer's
+    shape, its query tiles (a chunk's tokens share each widened K/V block) beat SDPA at every length measured
+    (2-core AMD EPYC Zen 4, 8 heads on 2 KV heads of 64: 512 tokens 2.0 ms against SDPA's 4.9, 2048 tokens
+    30 ms against 45, bf16 and fp32 alike; docs/benchmarks.md). Not for bfloat16 / float16 on a CPU with AMX,
+    whose SDPA runs its products on AMX tiles, nor for float16 (no vector kernel)."""
+    if not vector_kernels or dtype not in (torch.float32, torch.bfloat16) or (amx and dtype != torch.float32):
+        return False
+    return head_dims <= set(VECTOR_HEAD_DIMS) and 1 <= group_size <= VECTOR_MAX_GROUP
 
 
 def native_prefill_max_work(dtype: torch.dtype) -> int:

@@ -9,7 +9,8 @@ group (full attention, sliding window, chunked attention) and shared by that gro
 
 With the native CPU kernel, short prefill chunks (queries x keys at most `native_prefill_max_work(dtype)`)
 follow the decodes, and all of those tokens are one native call per layer; longer chunks come
-last and keep their own SDPA / eager call (SDPA's blocked kernel wins on long chunks).
+last and keep their own SDPA / eager call, except where the kernel's query tiles take chunks of any length
+(`BatchPacker.every_long_chunk_native`).
 """
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ from ..attention.metadata import (
     first_visible_key,
     visible_keys,
 )
-from ..attention.native.kernel import native_supported
+from ..attention.native.kernel import cpu_has_amx, native_supported, vector_kernels
 from ..invariants import present
 from ..kv.rope_rule import RopeRule
 from ..memory.block_tables import BlockTables
 from ..memory.kv_cache import PagedKVCache
 from ..requests import Request
 from ..scheduler.step_plan import ScheduledRequest, StepPlan
-from .call_groups import decode_padding_bound, group_decodes, native_prefill_max_work
+from .call_groups import (
+    decode_padding_bound,
+    group_decodes,
+    native_prefill_max_work,
+    native_takes_every_chunk,
+)
 from .media.image_blocks import blocks_in, widened_mask
 from .states.state_layers import StateTable
 
@@ -153,6 +159,23 @@ class BatchPacker:
         if not self.native:
             raise ValueError("batch_invariant=True needs the native paged-attention kernel for this cache")
         self.native_prefill_max_work = sys.maxsize
+
+    def every_long_chunk_native(self, group_size: int) -> None:
+        """Prefill chunks of any length join the native call where the kernel's query tiles beat SDPA
+        (`call_groups.native_takes_every_chunk`; `group_size`: query heads per KV head): every K/V group of
+        plain pages (no latent rows, no V of another size, no repeated heads)."""
+        layout = self.cache.layout
+        plain = all(
+            spec.latent is None and spec.value_dim is None and spec.kv_repeat == 1 and spec.index_dim is None
+            for spec in layout.groups
+        )
+        head_dims = {layout.head_shape(g)[1] for g in range(len(layout.groups))}
+        if (
+            self.native
+            and plain
+            and native_takes_every_chunk(layout.dtype, head_dims, group_size, vector_kernels(), cpu_has_amx())
+        ):
+            self.native_prefill_max_work = sys.maxsize
 
     def release_request(self, request) -> None:
         """Give `request`'s rows back in every group (the runner, for each request whose pages were freed)."""

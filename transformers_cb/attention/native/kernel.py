@@ -144,6 +144,19 @@ def native_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and readable and native_module() is not None
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (torch's oneDNN products and SDPA use them in bfloat16 / float16)."""
+    probe = getattr(torch._C._cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if probe is not None else False
+
+
+def vector_kernels() -> bool:
+    """Whether the built library has the AVX-512 attention kernels (`attend_vec` and its query tiles,
+    native_vec_source.py); False without the library."""
+    module = native_module()
+    return module is not None and bool(module.vector_kernels())
+
+
 def native_paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,

@@ -47,6 +47,50 @@ Attend<T> attend_q8_for(int64_t group, int64_t head_dim) {
   return attend_one<T, int8_t>;
 }
 
+// A step holding prefill chunks on the tile kernel: its tokens cut into tiles (runs of one row's consecutive
+// positions, kTileTokens at most; a decode is a tile of one, on `attend`), the (tile, kv head) items handed out
+// longest first to whichever lane is free. False, having done nothing, when no tile holds two tokens.
+template <typename T>
+bool run_tiles(const Step<T>& s, int64_t tokens, int64_t lanes, Attend<T> attend, AttendTile<T> tile) {
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (first token, tokens)
+  bool several = false;
+  for (int64_t t = 0; t < tokens;) {
+    int64_t c = 1;
+    while (t + c < tokens && c < kTileTokens && s.token_row[t + c] == s.token_row[t] &&
+           s.token_pos[t + c] == s.token_pos[t] + c)
+      ++c;
+    tiles.emplace_back(t, c);
+    several = several || c > 1;
+    t += c;
+  }
+  if (!several) return false;
+  std::vector<int64_t> order(tiles.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto cost = [&](int64_t i) { return tiles[i].second * (s.token_pos[tiles[i].first + tiles[i].second - 1] + 1); };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  const int64_t items = static_cast<int64_t>(tiles.size()) * s.kv_heads;
+  std::atomic<int64_t> next{0};
+  auto run_lanes = [&](int64_t, int64_t) {
+    const FlushSubnormals flush;
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) {
+      const auto [t0, count] = tiles[order[i / s.kv_heads]];
+      const int64_t g = i % s.kv_heads;
+      if (count == 1) {
+        attend(s, t0, g, scratch);
+      } else {
+        tile(s, t0, count, g, scratch);
+      }
+    }
+  };
+  if (lanes <= 1) {
+    run_lanes(0, 1);
+  } else {
+    at::parallel_for(0, lanes, 1, run_lanes);
+  }
+  return true;
+}
+
 // `key_scales` / `value_scales` [S, Hkv] float32: an int8 cache's (undefined tensors: a float cache).
 template <typename T>
 void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -77,6 +121,11 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
   work *= s.heads * s.head_dim;
   const int64_t lanes = work < (1 << 18) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   const Attend<T> attend = q8 ? attend_q8_for<T>(s.group, s.head_dim) : attend_for<T>(s.group, s.head_dim);
+  AttendTile<T> tile = nullptr;
+#if defined(__AVX512F__)
+  if (!q8 && s.window == 0) tile = tile_for<T, T>(s.group, s.head_dim);
+#endif
+  if (tile != nullptr && run_tiles(s, tokens, lanes, attend, tile)) return;
   const bool by_token = tokens >= 2 * lanes;
   auto run_lanes = [&](int64_t begin, int64_t end) {
     const FlushSubnormals flush;
@@ -102,6 +151,14 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
 }
 
 }  // namespace
+
+bool vector_kernels() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
 
 // query [T, H, D] (last dim contiguous), key/value cache [S, Hkv, D] contiguous, out [T, H, D] contiguous,
 // all of one dtype: float32, bfloat16 or float16; or int8 caches with their float32 scales [S, Hkv]

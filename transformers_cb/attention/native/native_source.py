@@ -33,6 +33,8 @@ ATTENTION_SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
+#include <numeric>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -313,6 +315,11 @@ void attend_fixed(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
 template <typename T>
 using Attend = void (*)(const Step<T>&, int64_t, int64_t, Scratch&);
 
+// A tile of `count` tokens from token t0 (one row, consecutive positions) and kv head g (native_vec_source.py).
+template <typename T>
+using AttendTile = void (*)(const Step<T>&, int64_t, int64_t, int64_t, Scratch&);
+constexpr int64_t kTileTokens = 16;
+
 """
 
 # The library's one source: the attention kernel, its AVX-512 loops (native_vec_source.py) between the
@@ -334,6 +341,7 @@ SOURCE = (
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
+  m.def("vector_kernels", &vector_kernels, "whether the AVX-512 attention kernels (and their query tiles) are built");
 """
     + BINDINGS
     + ARGMAX_BINDINGS

@@ -218,6 +218,124 @@ void attend_vec(const Step<T>& s, int64_t t, int64_t g, Scratch& scratch) {
   }
 }
 
+// ---- query tiles: a prefill chunk's tokens attended together -----------------------------------------
+// Up to kTileTokens tokens of one row at consecutive positions (a prefill chunk, full attention) share each
+// block of 16 key rows and 16 value rows, widened once for all of them: the K/V bytes a 512-token chunk
+// reads drop by the tile's size (attend_vec reads every key once per token). Each token's arithmetic is
+// attend_vec's, in its order: the 16-lane partial dot products, the lane sums of a full block (the tail's
+// one by one), the same softmax, values accumulated key by key from zero. So a token gets the same bits in a
+// tile as alone, and a prompt the same bits whatever its chunking.
+template <typename T, int D>
+void attend_tile(const Step<T>& s, int64_t t0, int64_t count, int64_t g, Scratch& scratch) {
+  const int64_t G = s.group;
+  const int64_t pos0 = s.token_pos[t0];
+  const int64_t n_last = pos0 + count;  // the keys of the tile's last token: positions 0 .. pos0 + count - 1
+  int64_t offset[kTileTokens + 1];      // token q's scores [G, n_q] start at offset[q]
+  offset[0] = 0;
+  for (int64_t q = 0; q < count; ++q) offset[q + 1] = offset[q] + G * (pos0 + q + 1);
+  scratch.scores.resize(static_cast<size_t>(offset[count]));
+  scratch.query.resize(static_cast<size_t>(count * G * D));
+  scratch.out.assign(static_cast<size_t>(count * G * D), 0.f);
+  scratch.slots.resize(static_cast<size_t>(n_last));
+  float* scores = scratch.scores.data();
+  float* queries = scratch.query.data();
+  float* acc = scratch.out.data();
+  int64_t* slots = scratch.slots.data();
+  const int32_t* pages = s.block_table + s.token_row[t0] * s.table_stride;
+  for_each_key(s.page_size, pages, 0, n_last - 1, [&](int64_t j, int64_t slot) { slots[j] = slot; });
+  for (int64_t q = 0; q < count; ++q) {
+    const T* q_in = s.q + (t0 + q) * s.q_stride_t + g * G * s.q_stride_h;
+    for (int64_t h = 0; h < G; ++h)
+      for (int c = 0; c < D / 16; ++c)
+        _mm512_storeu_ps(queries + (q * G + h) * D + 16 * c, widen16(q_in + h * s.q_stride_h + 16 * c));
+  }
+  const T* k_base = s.k + g * s.kv_head_stride;
+  const T* v_base = s.v + g * s.kv_head_stride;
+  constexpr int64_t kRowBytes = D * static_cast<int64_t>(sizeof(T));
+  alignas(64) float rows[16][D];
+  alignas(64) float part[16][16];
+  // 16 rows from key (or value) `b` on, widened; the next block's rows fetched ahead.
+  const auto widen_block = [&](const T* base, int64_t b, int64_t nb) {
+    for (int64_t j = b + 16; j < std::min(n_last, b + 32); ++j) {
+      const char* row = reinterpret_cast<const char*>(base + slots[j] * s.slot_stride);
+      for (int64_t x = 0; x < kRowBytes; x += 64) __builtin_prefetch(row + x);
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      const T* r = base + slots[b + j] * s.slot_stride;
+      for (int c = 0; c < D / 16; ++c) _mm512_store_ps(rows[j] + 16 * c, widen16(r + 16 * c));
+    }
+  };
+  for (int64_t b = 0; b < n_last; b += 16) {
+    widen_block(k_base, b, std::min<int64_t>(16, n_last - b));
+    for (int64_t q = 0; q < count; ++q) {
+      const int64_t n_q = pos0 + q + 1;
+      if (n_q <= b) continue;
+      const int64_t m = std::min<int64_t>(16, n_q - b);
+      float* sc = scores + offset[q];
+      for (int64_t h = 0; h < G; ++h) {
+        const float* qh = queries + (q * G + h) * D;
+        __m512 qv[D / 16];
+        for (int c = 0; c < D / 16; ++c) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+        for (int64_t j = 0; j < m; ++j) {
+          __m512 a = _mm512_mul_ps(qv[0], _mm512_load_ps(rows[j]));
+          for (int c = 1; c < D / 16; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_load_ps(rows[j] + 16 * c), a);
+          _mm512_store_ps(part[j], a);
+        }
+        if (m == 16) {
+          _mm512_storeu_ps(sc + h * n_q + b, sum_lanes_of_16(part));
+        } else {
+          for (int64_t j = 0; j < m; ++j) sc[h * n_q + b + j] = _mm512_reduce_add_ps(_mm512_load_ps(part[j]));
+        }
+      }
+    }
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    const int64_t n_q = pos0 + q + 1;
+    if (s.softcap > 0.f || s.slopes != nullptr) {
+      softmax_rows(s, scores + offset[q], n_q, g, G, 0, pos0 + q);
+    } else {
+      softmax_rows_vec(s, scores + offset[q], n_q, g, G);
+    }
+  }
+  for (int64_t b = 0; b < n_last; b += 16) {
+    widen_block(v_base, b, std::min<int64_t>(16, n_last - b));
+    for (int64_t q = 0; q < count; ++q) {
+      const int64_t n_q = pos0 + q + 1;
+      if (n_q <= b) continue;
+      const int64_t m = std::min<int64_t>(16, n_q - b);
+      const float* sc = scores + offset[q];
+      for (int64_t h = 0; h < G; ++h) {
+        float* o = acc + (q * G + h) * D;
+        __m512 ov[D / 16];
+        for (int c = 0; c < D / 16; ++c) ov[c] = _mm512_loadu_ps(o + 16 * c);
+        for (int64_t j = 0; j < m; ++j) {
+          const __m512 p = _mm512_set1_ps(sc[h * n_q + b + j]);
+          for (int c = 0; c < D / 16; ++c) ov[c] = _mm512_fmadd_ps(p, _mm512_load_ps(rows[j] + 16 * c), ov[c]);
+        }
+        for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(o + 16 * c, ov[c]);
+      }
+    }
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    T* out = s.out + ((t0 + q) * s.heads + g * G) * D;
+    const float* o = acc + q * G * D;
+    for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
+  }
+}
+
+// The tile kernel for this dtype and head size where the per-token kernel is attend_vec (whose bits it
+// keeps), or nullptr.
+template <typename T, typename KV>
+AttendTile<T> tile_for(int64_t group, int64_t head_dim) {
+  constexpr bool takes = (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && std::is_same_v<KV, T>;
+  if constexpr (takes) {
+    if (group < 1 || group > 8) return nullptr;
+    if (head_dim == 64) return attend_tile<T, 64>;
+    if (head_dim == 128) return attend_tile<T, 128>;
+  }
+  return nullptr;
+}
+
 // The vector kernel for this dtype, group and head size (and cache rows: the model's dtype or int8), or
 // nullptr where it does not apply.
 template <typename T, int D, typename KV = T>
