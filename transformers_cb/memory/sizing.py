@@ -60,10 +60,14 @@ def native_positions(config) -> int:
 
 
 def query_heads_per_kv_head(config) -> int:
-    """The query heads that share one KV head in `config`'s attention (1 without grouped queries)."""
+    """The query heads that share one KV head in `config`'s attention (1 without grouped queries); 0 when
+    the config does not say one number for every layer (per-layer head counts: Gemma 4)."""
     config = config.get_text_config()
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    try:
+        heads = getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None) or 1
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    except (AttributeError, RuntimeError):  # per-layer counts: AmbiguousGlobalPerLayerAttributeError
+        return 0
     return max(1, int(heads) // int(kv_heads))
 
 
