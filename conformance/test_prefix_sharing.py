@@ -24,7 +24,7 @@ from conformance.common import (
     greedy_config,
     tight_num_blocks,
 )
-from tests.support.models import build_tiny_model
+from tests.support.models import build_tiny_model, sharpen_attention, tiny_llama
 from tests.support.requests import page_ids
 from transformers_cb import ContinuousBatchingConfig, RequestStatus
 from transformers_cb.attention.selection import paged_backend
@@ -267,3 +267,47 @@ def test_sharing_off_runs_forks_as_independent_requests(llama, references) -> No
         progress_bar=False,
     )
     assert [o.generated_tokens for o in outputs.values()] == [references.get(prompt)] * 2
+
+
+def system_prompted(page_size: int, seed: int = 1) -> list[list[int]]:
+    """Six prompts after one 50-token system prompt: shorter than a page of `page_size` (64)."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(50)]
+    return [system + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+
+
+@pytest.mark.parametrize("pressure", ["roomy", "chunked", "evicting"])
+def test_a_prefix_shorter_than_a_page_is_copied_and_matches_generate(pressure) -> None:
+    """Partial-page hits (kv/prefix_cache.py): requests after the first copy the first 48 tokens of its
+    page instead of computing them. Attention sharpened (a wrong key or position changes tokens); all at
+    once through `generate_batch` (later ones hit pages the first ones are still filling), and one after
+    another through one engine; sharing on and off give `generate()`'s tokens."""
+    model = sharpen_attention(tiny_llama(seed=4))
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    page_size = 64
+    prompts = system_prompted(page_size)
+    cb_kwargs: dict = {"page_size": page_size, "max_batch_tokens": 40}
+    if pressure == "chunked":
+        cb_kwargs["max_batch_tokens"] = 16
+    elif pressure == "evicting":
+        cb_kwargs["num_blocks"] = tight_num_blocks(prompts, MAX_NEW_TOKENS, page_size) + 1
+    expected = [references.get(p) for p in prompts]
+    for sharing in (False, True):
+        outputs, _ = run(model, prompts, sharing, **cb_kwargs)
+        check_parity(model, prompts, outputs, expected, f"{pressure} sharing={sharing}")
+        got = [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+        assert got == expected, f"{pressure} sharing={sharing}"  # float32: exact
+    engine = build_engine(model, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(**cb_kwargs))
+    with paged_backend(model), torch.inference_mode():
+        requests = []
+        for i, prompt in enumerate(prompts):
+            requests.append(engine.build_request(Submission(prompt, f"req_{i}")))
+            engine.add(requests[-1])
+            engine.step()
+            engine.check_integrity()
+        while engine.has_work():
+            engine.step()
+            engine.check_integrity()
+    assert [list(r.generated_ids) for r in requests] == expected
+    if pressure != "evicting":  # each later request copies the 48 tokens of the first one's page
+        assert engine.scheduler.pages.prefix.stats.hit_tokens >= 5 * 48

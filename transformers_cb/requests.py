@@ -163,6 +163,8 @@ class Request:
     page_keys: list[bytes] = field(default_factory=list, repr=False)
     num_registered_pages: int = 0
     num_promised_pages: int = 0  # pages up to here are being computed: later requests wait for them
+    # (page index, tokens) of the last page whose first tokens have partial keys (kv/prefix_cache.py)
+    partial_keyed: tuple[int, int] = (-1, 0)
     # num_return_sequences: all siblings of this request (fixed), and those not forked yet (the
     # scheduler forks them once this request's prompt is computed).
     siblings: list[Request] = field(default_factory=list, repr=False)

@@ -160,6 +160,10 @@ class PageManager:
         if self.prefix is not None:
             self.prefix.promise(request)
 
+    def take_prefix_copies(self) -> list[PageCopy]:
+        """The copies of this step's partial-page hits, for its plan (prefix_cache.py)."""
+        return self.prefix.take_copies() if self.prefix is not None else []
+
     def waits_for_pages(self, request: Request) -> bool:
         """True when a running request is computing the page after the request's hit."""
         return self.prefix is not None and self.prefix.waits_for_pages(request)

@@ -14,6 +14,12 @@ parent key and tokens, and a hit is verified against them before use.
 - `attach` lets a request that starts from scratch (new, or preempted and back)
   take every page it can reuse with a refcount and skip their prefill; it never
   takes the page holding its last token, so that token is computed and has logits;
+- partial pages: a page's first tokens, in steps of `PARTIAL_STEP`, get *partial* keys too
+  (`partial_key`: a page being filled as its request runs, and every full page), and a request whose
+  next page after its full-page hit starts with such tokens gets a page of its own holding a copy of
+  that page (`PageCopy`, run before the next forward; the source is pinned until the copy has run) and
+  skips those tokens: prompts that share a system prompt shorter than a page (256 tokens by default) share
+  it too. One group of full attention, no media (`PrefixCache.partial`);
 - `fork` makes a sibling (`num_return_sequences`) of a request that just
   computed its prompt: the siblings share the prompt's full pages and get a
   private copy of the page holding the last prompt token, which they recompute.
@@ -42,6 +48,9 @@ from .page_policies import PagePolicy
 from .rope_rule import RopeRule
 
 ROOT_KEY = bytes(16)
+# A partial key covers a page's first tokens in multiples of this many (the native kernel's key block).
+PARTIAL_STEP = 16
+_PARTIAL_TAG = b"partial"
 
 # A page copy: (KV group, source page, destination page), run before the next forward writes anything.
 PageCopy = tuple[int, int, int]
@@ -51,6 +60,11 @@ def page_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     """The content key of a full page holding `tokens`, after the page whose key is `parent`."""
     data = parent + struct.pack(f"<{len(tokens)}q", *tokens)
     return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def partial_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The partial key of a page whose first tokens are `tokens` (fewer than a page), after `parent`."""
+    return page_key(parent + _PARTIAL_TAG, tokens)
 
 
 def root_key(salt: bytes = b"") -> bytes:
@@ -106,6 +120,14 @@ class PrefixCache:
         self._in_flight: dict[bytes, int] = {}  # key -> running requests about to compute that page
         self.weight_version = 0  # the weights the keyed pages were computed with (`weights_changed`)
         self.dropped_keys = 0  # pages that lost their key to a weight update, since creation
+        # Partial pages: one group that keeps every page (sliding groups would need each group's window).
+        self.partial = len(policies) == 1 and not policies[0].trims
+        self._copies: dict[str, PageCopy] = {}  # request id -> its partial hit's copy, for the next plan
+        self._pinned: list[int] = []  # sources of the copies handed out last, unpinned at the next hand-out
+        # Partial pages being computed: parent key -> {request id: the tokens it computes in that page}, and
+        # per request its parent keys and the token count that settles them.
+        self._partial_promises: dict[bytes, dict[str, tuple[int, ...]]] = {}
+        self._promised_parents: dict[str, tuple[list[bytes], int]] = {}
 
     # -- keys ------------------------------------------------------------------------------------
     def _salt(self, request: Request) -> bytes:
@@ -147,18 +169,44 @@ class PrefixCache:
         if not self.current(request):
             return
         num_full = request.num_computed_tokens // self.page_size
-        if num_full <= request.num_registered_pages:
+        partial = self.partial and request.media is None
+        if num_full > request.num_registered_pages:
+            keys = self._keys(request, num_full)
+            for i in range(request.num_registered_pages, num_full):
+                key, parent, tokens = self._content(request, keys, i)
+                if i < request.num_promised_pages:
+                    self._settle(key)
+                for policy in self.policies:
+                    pages = policy.pages(request)
+                    if pages.first_page <= i < pages.end_page:
+                        policy.pool.register(pages.page_ids[i - pages.first_page], key, parent, tokens)
+                if partial:
+                    self._register_partial(request, i, self.page_size - PARTIAL_STEP)
+            request.num_registered_pages = num_full
+        if partial:
+            filled = request.num_computed_tokens - num_full * self.page_size
+            self._register_partial(request, num_full, filled // PARTIAL_STEP * PARTIAL_STEP)
+            promised = self._promised_parents.get(request.request_id)
+            if promised is not None and request.num_computed_tokens >= promised[1]:
+                self._settle_partial(request)
+
+    def _register_partial(self, request: Request, i: int, tokens: int) -> None:
+        """Partial keys for the first `PARTIAL_STEP`, 2 x ... up to `tokens` tokens of the request's page `i`
+        (those keyed before skipped)."""
+        page, done = request.partial_keyed
+        first = done + PARTIAL_STEP if page == i else PARTIAL_STEP
+        if first > tokens:
             return
-        keys = self._keys(request, num_full)
-        for i in range(request.num_registered_pages, num_full):
-            key, parent, tokens = self._content(request, keys, i)
-            if i < request.num_promised_pages:
-                self._settle(key)
-            for policy in self.policies:
-                pages = policy.pages(request)
-                if pages.first_page <= i < pages.end_page:
-                    policy.pool.register(pages.page_ids[i - pages.first_page], key, parent, tokens)
-        request.num_registered_pages = num_full
+        pages = self.policies[0].pages(request)
+        if not pages.first_page <= i < pages.end_page:
+            return
+        page_id = pages.page_ids[i - pages.first_page]
+        parent = self._keys(request, i)[i - 1] if i else root_key(self._salt(request))
+        start = i * self.page_size
+        for n in range(first, tokens + 1, PARTIAL_STEP):
+            content = tuple(request.all_token_ids[start : start + n])
+            self.policies[0].pool.register_partial(page_id, partial_key(parent, content), parent, content)
+        request.partial_keyed = (i, tokens)
 
     # -- pages being computed ---------------------------------------------------------------------
     def promise(self, request: Request) -> None:
@@ -170,20 +218,90 @@ class PrefixCache:
         for key in self._keys(request, num_full)[request.num_registered_pages :]:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
         request.num_promised_pages = num_full
+        if self.partial and request.media is None:
+            self._promise_partial(request)
+
+    def _promise_partial(self, request: Request) -> None:
+        """Record the tokens the request computes in each page from its hit on, so that a request sharing
+        part of one waits for its partial keys (`waits_for_pages`) instead of computing them too."""
+        ps = self.page_size
+        first, end = request.num_computed_tokens // ps, request.num_tokens
+        parents = []
+        for i in range(first, (end - 1) // ps + 1):
+            parent = self._parent(request, i)
+            self._partial_promises.setdefault(parent, {})[request.request_id] = tuple(
+                request.all_token_ids[i * ps : min(end, (i + 1) * ps)]
+            )
+            parents.append(parent)
+        if parents:
+            self._promised_parents[request.request_id] = (parents, end)
+
+    def _settle_partial(self, request: Request) -> None:
+        entry = self._promised_parents.pop(request.request_id, None)
+        for parent in entry[0] if entry is not None else ():
+            promised = self._partial_promises[parent]
+            del promised[request.request_id]
+            if not promised:
+                del self._partial_promises[parent]
+
+    def _parent(self, request: Request, i: int) -> bytes:
+        """The key page `i` of the request chains from."""
+        return self._keys(request, i)[i - 1] if i else root_key(self._salt(request))
 
     def withdraw(self, request: Request) -> None:
-        """The request stops (preempted or ended): its pages not computed yet are no longer coming."""
+        """The request stops (preempted or ended): its pages not computed yet are no longer coming (nor its
+        partial hit's copy, if the plan has not taken it yet)."""
         for key in request.page_keys[request.num_registered_pages : request.num_promised_pages]:
             self._settle(key)
         request.num_promised_pages = 0
+        self._drop_copy(request)
+        self._settle_partial(request)
+        request.partial_keyed = (-1, 0)
+
+    def take_copies(self) -> list[PageCopy]:
+        """The partial hits' copies for the next plan. Their sources stay pinned until the next call (by
+        then the plan carrying them has run); those of the previous call are unpinned now."""
+        pool = self.policies[0].pool
+        for page_id in self._pinned:
+            pool.unpin(page_id)
+        copies = list(self._copies.values())
+        self._copies.clear()
+        self._pinned = [source for _, source, _ in copies]
+        return copies
+
+    def _drop_copy(self, request: Request) -> None:
+        copy = self._copies.pop(request.request_id, None)
+        if copy is not None:
+            self.policies[0].pool.unpin(copy[1])
 
     def waits_for_pages(self, request: Request) -> bool:
         """True when the page after the request's hit is being computed by a running request."""
         next_page = request.num_computed_tokens // self.page_size
+        if self.partial and request.media is None and self._waits_for_partial(request, next_page):
+            return True
         if next_page >= (request.num_tokens - 1) // self.page_size:
             return False
         keys = self._keys(request, next_page + 1)
         return keys[next_page] in self._in_flight
+
+    def _waits_for_partial(self, request: Request, i: int) -> bool:
+        """Whether a running request is computing more of page `i`'s first tokens, as this request has them,
+        than its hit gave it (at least `PARTIAL_STEP` more, never its last token)."""
+        promised = self._partial_promises.get(self._parent(request, i))
+        if not promised:
+            return False
+        start, have = i * self.page_size, request.num_computed_tokens
+        room = min(request.num_tokens - 1, start + self.page_size - 1)
+        mine = request.all_token_ids[start:room]
+        for tokens in promised.values():
+            common = 0
+            for a, b in zip(mine, tokens, strict=False):
+                if a != b:
+                    break
+                common += 1
+            if start + common // PARTIAL_STEP * PARTIAL_STEP > have:
+                return True
+        return False
 
     def check_integrity(self, running: list[Request]) -> None:
         """Pages promised are exactly the running requests' uncomputed full pages; keys match pools."""
@@ -195,6 +313,8 @@ class PrefixCache:
                 raise InvariantError(f"{request.request_id}: keyed pages not computed yet")
         if expected != self._in_flight:
             raise InvariantError("pages in flight disagree with the running requests' promises")
+        if not set(self._promised_parents) <= {request.request_id for request in running}:
+            raise InvariantError("a partial page is promised by a request that does not run")
 
     def _settle(self, key: bytes) -> None:
         remaining = self._in_flight[key] - 1
@@ -216,8 +336,13 @@ class PrefixCache:
         self.stats.lookup_tokens += request.num_tokens
         # The page holding the last token is never taken: that token must run to give logits.
         max_pages = (request.num_tokens - 1) // self.page_size
-        if max_pages == 0:
-            return 0
+        num_pages = self._attach_pages(request, max_pages) if max_pages else 0
+        copied = self._attach_partial(request, num_pages)
+        self.stats.hit_tokens += num_pages * self.page_size + copied
+        return request.num_computed_tokens
+
+    def _attach_pages(self, request: Request, max_pages: int) -> int:
+        """`attach`'s whole cached pages: how many the request took."""
         keys = self._keys(request, max_pages)
         found: list[dict[int, int | None]] = [{} for _ in self.policies]
 
@@ -253,13 +378,46 @@ class PrefixCache:
             pages.first_page, pages.page_ids = first, page_ids
         request.num_computed_tokens = num_tokens
         request.num_registered_pages = num_pages
-        self.stats.hit_tokens += num_tokens
-        return num_tokens
+        return num_pages
+
+    def _attach_partial(self, request: Request, num_pages: int) -> int:
+        """After `num_pages` whole pages: a page of the request's own holding a copy of the longest cached
+        partial page its next tokens start with (never its last token); how many tokens it skips."""
+        if not self.partial or request.media is not None:
+            return 0
+        start = num_pages * self.page_size
+        room = min(request.num_tokens - 1 - start, self.page_size - 1) // PARTIAL_STEP * PARTIAL_STEP
+        if room <= 0:
+            return 0
+        policy = self.policies[0]
+        pool = policy.pool
+        parent = self._keys(request, num_pages)[num_pages - 1] if num_pages else root_key(self._salt(request))
+        source = None
+        for n in range(room, 0, -PARTIAL_STEP):
+            content = tuple(request.all_token_ids[start : start + n])
+            source = pool.lookup_partial(partial_key(parent, content), parent, content)
+            if source is not None:
+                break
+        if source is None:
+            return 0
+        pool.pin(source)  # not taken by the allocation below, nor by any until the copy has run
+        allocated = pool.allocate(1)
+        if not allocated:
+            pool.unpin(source)
+            return 0
+        pages = policy.pages(request)
+        if not num_pages:
+            pages.first_page, pages.page_ids = 0, []
+        pages.page_ids.append(allocated[0])
+        self._copies[request.request_id] = (policy.group, source, allocated[0])
+        request.num_computed_tokens = start + n
+        return n
 
     def detach(self, request: Request) -> None:
         """Undo `attach` for a request that was not admitted after all (its pages stay cached)."""
         self.stats.hit_tokens -= request.num_computed_tokens
         self.stats.lookup_tokens -= request.num_tokens
+        self._drop_copy(request)
         for policy in self.policies:
             policy.free(request)
         request.num_computed_tokens = 0

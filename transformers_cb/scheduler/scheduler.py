@@ -188,7 +188,7 @@ class Scheduler:
                 prefill_left -= num_tokens
         # Entries follow the running list: stable admission order.
         plan.entries = [scheduled[id(r)] for r in self.running if id(r) in scheduled]
-        plan.copies = self.forks.take()
+        plan.copies = self.forks.take() + self.pages.take_prefix_copies()
         plan.swaps = self.offload.take_plan()
         plan.released = self.queues.take_ended()
         return plan
