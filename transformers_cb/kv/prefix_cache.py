@@ -124,10 +124,11 @@ class PrefixCache:
         self.partial = len(policies) == 1 and not policies[0].trims
         self._copies: dict[str, PageCopy] = {}  # request id -> its partial hit's copy, for the next plan
         self._pinned: list[int] = []  # sources of the copies handed out last, unpinned at the next hand-out
-        # Partial pages being computed: parent key -> {request id: the tokens it computes in that page}, and
-        # per request its parent keys and the token count that settles them.
-        self._partial_promises: dict[bytes, dict[str, tuple[int, ...]]] = {}
-        self._promised_parents: dict[str, tuple[list[bytes], int]] = {}
+        # Partial pages being computed: (parent key, the page's first PARTIAL_STEP tokens) -> {request id: the
+        # tokens it computes in that page}, and per request those index keys and the token count that settles
+        # them. A waiting request compares itself only with promises of its own first tokens.
+        self._partial_promises: dict[tuple[bytes, tuple[int, ...]], dict[str, tuple[int, ...]]] = {}
+        self._promised_parents: dict[str, tuple[list[tuple[bytes, tuple[int, ...]]], int]] = {}
 
     # -- keys ------------------------------------------------------------------------------------
     def _salt(self, request: Request) -> bytes:
@@ -228,21 +229,22 @@ class PrefixCache:
         first, end = request.num_computed_tokens // ps, request.num_tokens
         parents = []
         for i in range(first, (end - 1) // ps + 1):
-            parent = self._parent(request, i)
-            self._partial_promises.setdefault(parent, {})[request.request_id] = tuple(
-                request.all_token_ids[i * ps : min(end, (i + 1) * ps)]
-            )
-            parents.append(parent)
+            tokens = tuple(request.all_token_ids[i * ps : min(end, (i + 1) * ps)])
+            if len(tokens) < PARTIAL_STEP:
+                break
+            index = (self._parent(request, i), tokens[:PARTIAL_STEP])
+            self._partial_promises.setdefault(index, {})[request.request_id] = tokens
+            parents.append(index)
         if parents:
             self._promised_parents[request.request_id] = (parents, end)
 
     def _settle_partial(self, request: Request) -> None:
         entry = self._promised_parents.pop(request.request_id, None)
-        for parent in entry[0] if entry is not None else ():
-            promised = self._partial_promises[parent]
+        for index in entry[0] if entry is not None else ():
+            promised = self._partial_promises[index]
             del promised[request.request_id]
             if not promised:
-                del self._partial_promises[parent]
+                del self._partial_promises[index]
 
     def _parent(self, request: Request, i: int) -> bytes:
         """The key page `i` of the request chains from."""
@@ -287,21 +289,14 @@ class PrefixCache:
     def _waits_for_partial(self, request: Request, i: int) -> bool:
         """Whether a running request is computing more of page `i`'s first tokens, as this request has them,
         than its hit gave it (at least `PARTIAL_STEP` more, never its last token)."""
-        promised = self._partial_promises.get(self._parent(request, i))
-        if not promised:
-            return False
         start, have = i * self.page_size, request.num_computed_tokens
-        room = min(request.num_tokens - 1, start + self.page_size - 1)
-        mine = request.all_token_ids[start:room]
-        for tokens in promised.values():
-            common = 0
-            for a, b in zip(mine, tokens, strict=False):
-                if a != b:
-                    break
-                common += 1
-            if start + common // PARTIAL_STEP * PARTIAL_STEP > have:
-                return True
-        return False
+        # the tokens a copy would have to give it: its hit's and PARTIAL_STEP more (never its last token)
+        need = (have - start) // PARTIAL_STEP * PARTIAL_STEP + PARTIAL_STEP
+        if start + need > min(request.num_tokens - 1, start + self.page_size - 1):
+            return False
+        mine = tuple(request.all_token_ids[start : start + need])
+        promised = self._partial_promises.get((self._parent(request, i), mine[:PARTIAL_STEP]))
+        return promised is not None and any(tokens[:need] == mine for tokens in promised.values())
 
     def check_integrity(self, running: list[Request]) -> None:
         """Pages promised are exactly the running requests' uncomputed full pages; keys match pools."""
