@@ -249,15 +249,7 @@ def test_tokens_attended_together_get_the_bits_each_gets_alone(dtype, heads, kv_
         )  # fmt: skip
         return out
 
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            together = attend(slice(0, rows))
-            alone = torch.cat([attend(slice(t, t + 1)) for t in range(rows)])
-            assert torch.equal(together, alone), (n, (together.float() - alone.float()).abs().max())
-    finally:
-        torch.set_num_threads(threads)
+    _together_equals_alone(attend, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -298,15 +290,7 @@ def test_a_prefill_chunk_in_query_tiles_gets_the_bits_each_token_gets_alone(
         )  # fmt: skip
         return out
 
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            together = attend(slice(0, len(token_row)))
-            alone = torch.cat([attend(slice(t, t + 1)) for t in range(len(token_row))])
-            assert torch.equal(together, alone), (n, (together.float() - alone.float()).abs().max())
-    finally:
-        torch.set_num_threads(threads)
+    together = _together_equals_alone(attend, len(token_row))
     expected = _reference_attention(
         query,
         keys,
@@ -346,3 +330,18 @@ def _reference_attention(query, keys, values, token_row, token_pos, block_table,
         probs = torch.softmax(logits, dim=1)[:, : len(positions)]
         out[t] = torch.einsum("hl,lhd->hd", probs, v)
     return out
+
+
+def _together_equals_alone(attend, count: int) -> torch.Tensor:
+    """`attend(slice)` of all `count` tokens in one call, checked bitwise equal to each token's own call, on one
+    thread and on two; returns the one call's output."""
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            together = attend(slice(0, count))
+            alone = torch.cat([attend(slice(t, t + 1)) for t in range(count)])
+            assert torch.equal(together, alone), (n, (together.float() - alone.float()).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+    return together
