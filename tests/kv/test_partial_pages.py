@@ -176,21 +176,3 @@ def test_requests_submitted_together_wait_for_the_first_one_s_partial_page() -> 
     assert plan.copies == [(0, page_ids(first)[0], page_ids(second)[0])]
     drain(scheduler)
     assert not scheduler.pages.prefix._partial_promises
-
-
-def test_a_short_shared_header_is_copied_when_there_but_not_waited_for() -> None:
-    """Waiting a step costs time to first token: a request waits for a partial page only when the copy would
-    spare it at least half of what it has left to compute (a chat template's shared header does not)."""
-    scheduler = scheduler_of(8)
-    header = SYSTEM[:20]  # one partial step in common, out of ~60 tokens
-    first, second = request("a", header + [1] * 40), request("b", header + [2] * 40)
-    scheduler.add(first)
-    scheduler.add(second)
-    plan = step(scheduler)
-    assert sorted(e.request.request_id for e in plan.entries) == ["a", "b"]  # b did not wait
-    assert plan.copies == []
-    third = request("c", header + [3] * 40)
-    scheduler.add(third)
-    plan = step(scheduler)  # a's page is keyed now: c copies the 16 tokens it shares
-    assert ("c", 16) in [(e.request.request_id, e.start) for e in plan.entries]
-    assert len(plan.copies) == 1

@@ -287,16 +287,12 @@ class PrefixCache:
         return keys[next_page] in self._in_flight
 
     def _waits_for_partial(self, request: Request, i: int) -> bool:
-        """Whether a running request is computing enough more of page `i`'s first tokens, as this request has
-        them, than its hit gave it: at least half of what the request has left to compute (a step's wait
-        costs its time to first token; a shared chat header of a few dozen tokens is not worth it), in steps
-        of `PARTIAL_STEP`, never its last token."""
+        """Whether a running request is computing more of page `i`'s first tokens, as this request has them,
+        than its hit gave it (at least `PARTIAL_STEP` more, never its last token)."""
         start, have = i * self.page_size, request.num_computed_tokens
-        room = min(request.num_tokens - 1, start + self.page_size - 1) - start
-        # the fewest tokens from the page's start that a copy must give it for the wait to pay
-        gain = max(PARTIAL_STEP, (request.num_tokens - have + 1) // 2)
-        need = -(-(have - start + gain) // PARTIAL_STEP) * PARTIAL_STEP
-        if need > room:
+        # the tokens a copy would have to give it: its hit's and PARTIAL_STEP more (never its last token)
+        need = (have - start) // PARTIAL_STEP * PARTIAL_STEP + PARTIAL_STEP
+        if start + need > min(request.num_tokens - 1, start + self.page_size - 1):
             return False
         mine = tuple(request.all_token_ids[start : start + need])
         promised = self._partial_promises.get((self._parent(request, i), mine[:PARTIAL_STEP]))
