@@ -68,6 +68,10 @@ TINY_ROWS = 8
 ROWS = 4
 # With AMX tiles (16 rows x 32 columns a tile): as far as measured faster than oneDNN's call.
 AMX_ROWS = 32
+# Without AMX (AVX512-BF16 alone: AMD Zen 4): faster than oneDNN's call at every row count up to 32 on every
+# shape measured (the small model's and SmolLM2's: 1.25-2.5x at 16 rows, 1.2-1.5x at 32; docs/benchmarks.md,
+# "Issue 46, eighth sitting"). `TINY_ROWS` / `ROWS` stay for a width AMX tiles do not take on an AMX CPU.
+NO_AMX_ROWS = 32
 # float32: as far as measured (1.35x oneDNN's packed call at 32 rows).
 F32_ROWS = 32
 # The native function of each dtype's product.
@@ -83,7 +87,9 @@ def row_limit(
         return F32_ROWS  # an LM head too: 1.1-1.35x oneDNN's call at 1-32 rows
     if out_features > MAX_COLUMNS:
         return 0
-    if amx and in_features % 32 == 0:
+    if not amx:
+        return NO_AMX_ROWS
+    if in_features % 32 == 0:
         return AMX_ROWS
     return TINY_ROWS if out_features * in_features <= TINY_WEIGHT else ROWS
 
