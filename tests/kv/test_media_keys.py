@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tests.kv.test_prefix_cache import PS, drain, request, sharing_scheduler
-from transformers_cb.kv.prefix_cache import request_keys
+from transformers_cb.kv.page_keys import request_keys
 from transformers_cb.memory.media_store import RequestMedia, media_digest
 
 IMAGE = 7

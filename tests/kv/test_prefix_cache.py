@@ -8,10 +8,10 @@ from tests.support.requests import page_ids, sampling_entries
 from tests.support.scheduling import scheduler_settings
 from transformers_cb.invariants import InvariantError
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, SLIDING_ATTENTION, KVGroupSpec
+from transformers_cb.kv.page_keys import ROOT_KEY, page_key, request_keys
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy, SlidingWindowPolicy
 from transformers_cb.kv.pool import PagePool
-from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key, request_keys
 from transformers_cb.requests import Request, RequestStatus
 from transformers_cb.sampling.sampled_token import SampledToken
 from transformers_cb.scheduler.scheduler import Scheduler

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 from tests.kv.test_prefix_cache import PS, request, step
 from tests.support.scheduling import scheduler_settings
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.kv.page_keys import ROOT_KEY, request_keys, root_key
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
-from transformers_cb.kv.prefix_cache import ROOT_KEY, request_keys, root_key
 from transformers_cb.kv.rope_rule import DYNAMIC, LONGROPE, RopeRule, rope_rule_of
 from transformers_cb.requests import RequestStatus
 from transformers_cb.scheduler.scheduler import Scheduler

@@ -5,10 +5,10 @@ nothing)."""
 from __future__ import annotations
 
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.kv.page_keys import ROOT_KEY, page_key
 from transformers_cb.kv.page_manager import PageManager
 from transformers_cb.kv.page_policies import FullAttentionPolicy
 from transformers_cb.kv.pool import PagePool
-from transformers_cb.kv.prefix_cache import ROOT_KEY, page_key
 from transformers_cb.requests import Request
 
 

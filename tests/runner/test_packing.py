@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 from tests.support.packed_steps import build_kernel_step
 from transformers_cb.attention.native.kernel import ensure_native_module
+from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
+from transformers_cb.memory.kv_cache import CacheLayout
 from transformers_cb.runner.call_groups import (
     DECODE_PADDING_BOUND,
     group_decodes,
@@ -51,14 +53,25 @@ def test_the_native_bound_is_wider_in_float32() -> None:
 def test_every_chunk_joins_the_native_call_where_the_query_tiles_take_the_shape() -> None:
     """Chunks of any length join the native call where the AVX-512 kernel (and its query tiles) takes every
     layer's head size and group: float32 anywhere, bfloat16 without AMX (whose SDPA products run on AMX)."""
-    takes = native_takes_every_chunk
-    assert takes(torch.bfloat16, {64}, 4, vector_kernels=True, amx=False)
-    assert takes(torch.float32, {64, 128}, 8, vector_kernels=True, amx=True)
-    assert not takes(torch.bfloat16, {64}, 4, vector_kernels=True, amx=True)
-    assert not takes(torch.float16, {64}, 4, vector_kernels=True, amx=False)  # no vector kernel for fp16
-    assert not takes(torch.float32, {64}, 4, vector_kernels=False, amx=False)  # not built with AVX-512
-    assert not takes(torch.float32, {64, 96}, 4, vector_kernels=True, amx=False)
-    assert not takes(torch.float32, {64}, 9, vector_kernels=True, amx=False)
+
+    def takes(dtype, head_dims, group, vector_kernels, amx, **group_spec) -> bool:
+        groups = tuple(
+            KVGroupSpec(FULL_ATTENTION, (i,), head_shape=(2, d), **group_spec)
+            for i, d in enumerate(head_dims)
+        )
+        layout = CacheLayout(len(groups), groups, (8,) * len(groups), 16, 2, 64, dtype, torch.device("cpu"))
+        return native_takes_every_chunk(layout, group, vector_kernels, amx)
+
+    assert takes(torch.bfloat16, [64], 4, vector_kernels=True, amx=False)
+    assert takes(torch.float32, [64, 128], 8, vector_kernels=True, amx=True)
+    assert not takes(torch.bfloat16, [64], 4, vector_kernels=True, amx=True)
+    assert not takes(torch.float16, [64], 4, vector_kernels=True, amx=False)  # no vector kernel for fp16
+    assert not takes(torch.float32, [64], 4, vector_kernels=False, amx=False)  # not built with AVX-512
+    assert not takes(torch.float32, [64, 96], 4, vector_kernels=True, amx=False)
+    assert not takes(torch.float32, [64], 9, vector_kernels=True, amx=False)
+    assert not takes(
+        torch.float32, [64], 4, vector_kernels=True, amx=False, value_dim=32
+    )  # V of another size
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

@@ -26,9 +26,10 @@ from __future__ import annotations
 from ..invariants import InvariantError, check
 from ..requests import Request
 from .layer_groups import KVGroupSpec
+from .page_keys import PageCopy
 from .page_policies import PagePolicy
 from .pool import PagePool
-from .prefix_cache import PageCopy, PrefixCache, PrefixStats
+from .prefix_cache import PrefixCache, PrefixStats
 from .rope_rule import RopeRule
 from .state_slots import StateSlotPolicy
 

@@ -10,7 +10,7 @@ holding it; above 1 the page is shared (prefix sharing, forks) and read-only.
 A page with refcount 0 is in exactly one of two free lists:
 
 - *free*: holds nothing anyone can reuse;
-- *cached*: a full page whose content key (`prefix_cache.page_key`) is
+- *cached*: a full page whose content key (`page_keys.page_key`) is
   registered, kept in least-recently-released order so that a later request
   with the same prefix can take it back (`acquire`) instead of recomputing it;
   or a page with only *partial* keys (its first tokens' content, `register_partial`),
@@ -162,7 +162,7 @@ class PagePool:
 
     def register_partial(self, page_id: int, key: bytes, parent: bytes, tokens: tuple[int, ...]) -> bool:
         """Record that in-use page `page_id` holds, in its first `len(tokens)` rows, the tokens with partial
-        key `key` (`prefix_cache.partial_key`). False when another page holds the key already."""
+        key `key` (`page_keys.partial_key`). False when another page holds the key already."""
         if self._refcounts[page_id] <= 0:
             raise InvariantError(f"registering free page {page_id}")
         if key in self._partial:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..memory.kv_cache import CacheLayout
+
 # A float32 decode group may do at most this much more attention work than its real KV lengths need.
 DECODE_PADDING_BOUND = 1.25
 # Prefill chunks with at most this many (query, key) pairs join the native kernel's single call: the
@@ -27,17 +29,22 @@ VECTOR_HEAD_DIMS = (64, 128)
 VECTOR_MAX_GROUP = 8
 
 
-def native_takes_every_chunk(
-    dtype: torch.dtype, head_dims: set[int], group_size: int, vector_kernels: bool, amx: bool
-) -> bool:
+def native_takes_every_chunk(layout: CacheLayout, group_size: int, vector_kernels: bool, amx: bool) -> bool:
     """Whether prefill chunks of any length join the native call: where the AVX-512 kernel takes every layer's
-    shape, its query tiles (a chunk's tokens share each widened K/V block) beat SDPA at every length measured
-    (2-core AMD EPYC Zen 4, 8 heads on 2 KV heads of 64: 512 tokens 2.0 ms against SDPA's 4.9, 2048 tokens
-    30 ms against 45, bf16 and fp32 alike; docs/benchmarks.md). Not for bfloat16 / float16 on a CPU with AMX,
-    whose SDPA runs its products on AMX tiles, nor for float16 (no vector kernel)."""
+    shape (plain K/V pages: no latent rows, no V of another size, no repeated heads), its query tiles (a chunk's
+    tokens share each widened K/V block) beat SDPA at every length measured (2-core AMD EPYC Zen 4, 8 heads on 2
+    KV heads of 64: 512 tokens 2.0 ms against SDPA's 4.9, 2048 tokens 30 ms against 45, bf16 and fp32 alike;
+    docs/design.md). Not for bfloat16 on a CPU with AMX, whose SDPA runs its products on AMX tiles, nor for
+    float16 (no vector kernel)."""
+    dtype = layout.dtype
     if not vector_kernels or dtype not in (torch.float32, torch.bfloat16) or (amx and dtype != torch.float32):
         return False
-    return head_dims <= set(VECTOR_HEAD_DIMS) and 1 <= group_size <= VECTOR_MAX_GROUP
+    plain = all(
+        spec.latent is None and spec.value_dim is None and spec.kv_repeat == 1 and spec.index_dim is None
+        for spec in layout.groups
+    )
+    head_dims = {layout.head_shape(g)[1] for g in range(len(layout.groups))}
+    return plain and head_dims <= set(VECTOR_HEAD_DIMS) and 1 <= group_size <= VECTOR_MAX_GROUP
 
 
 def native_prefill_max_work(dtype: torch.dtype) -> int:

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 
 from ..attention.backends.fast_path import prepare_flash_step
 from ..invariants import check, present
-from ..kv.prefix_cache import PageCopy
+from ..kv.page_keys import PageCopy
 from ..kv.swap_plan import SwapPlan
 from ..memory.state_cache import swap_states
 from ..memory.swap import SwapCopier

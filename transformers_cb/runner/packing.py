@@ -162,18 +162,9 @@ class BatchPacker:
 
     def every_long_chunk_native(self, group_size: int) -> None:
         """Prefill chunks of any length join the native call where the kernel's query tiles beat SDPA
-        (`call_groups.native_takes_every_chunk`; `group_size`: query heads per KV head): every K/V group of
-        plain pages (no latent rows, no V of another size, no repeated heads)."""
-        layout = self.cache.layout
-        plain = all(
-            spec.latent is None and spec.value_dim is None and spec.kv_repeat == 1 and spec.index_dim is None
-            for spec in layout.groups
-        )
-        head_dims = {layout.head_shape(g)[1] for g in range(len(layout.groups))}
-        if (
-            self.native
-            and plain
-            and native_takes_every_chunk(layout.dtype, head_dims, group_size, vector_kernels(), cpu_has_amx())
+        (`call_groups.native_takes_every_chunk`; `group_size`: query heads per KV head)."""
+        if self.native and native_takes_every_chunk(
+            self.cache.layout, group_size, vector_kernels(), cpu_has_amx()
         ):
             self.native_prefill_max_work = sys.maxsize
 

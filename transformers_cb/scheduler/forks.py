@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from ..kv.page_keys import PageCopy
 from ..kv.page_manager import PageManager
-from ..kv.prefix_cache import PageCopy
 from ..requests import Request, RequestStatus
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..kv.prefix_cache import PageCopy
+from ..kv.page_keys import PageCopy
 from ..kv.swap_plan import SwapPlan
 from ..requests import Request
 
