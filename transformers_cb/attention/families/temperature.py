@@ -24,7 +24,11 @@ def scales(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> to
 
 def tunes_temperature(module: torch.nn.Module) -> bool:
     """Whether `module` scales its queries by a temperature of the position it numbers itself."""
-    return bool(getattr(module, "attn_temperature_tuning", False)) and not getattr(module, "use_rope", True)
+    # read from the instance's (or class's) own attributes: on a module without them, `getattr` goes through
+    # `nn.Module.__getattr__` and an exception, and this runs at every layer of every decode step
+    own = module.__dict__
+    tuning = own.get("attn_temperature_tuning", getattr(type(module), "attn_temperature_tuning", False))
+    return bool(tuning) and not getattr(module, "use_rope", True)
 
 
 def retuned_query(module: torch.nn.Module, query: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    return plain_tensor(tensor) and tensor.device.type == "cpu" and tensor.dtype == dtype
+    return plain_tensor(tensor) and tensor.is_cpu and tensor.dtype == dtype
 
 
 def _global_hooks() -> bool:

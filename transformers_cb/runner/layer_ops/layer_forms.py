@@ -135,7 +135,11 @@ def child(module: nn.Module, name: str) -> nn.Module:
 
 
 def weight_of(module: nn.Module) -> torch.Tensor:
-    weight = getattr(module, "weight")  # noqa: B009 - read at each call: a weight may be reassigned
+    # read at each call (a weight may be reassigned); a parameter's slot first, which is what `module.weight`
+    # finds through `nn.Module.__getattr__`, without that call
+    weight = module._parameters.get("weight")
+    if weight is None:
+        weight = getattr(module, "weight")  # noqa: B009
     if not isinstance(weight, torch.Tensor):
         raise TypeError(f"{type(module).__name__}.weight is not a tensor")
     return weight
@@ -173,8 +177,10 @@ def is_pre_norm_layer(module: nn.Module) -> bool:
 
 
 def has_hooks(module: nn.Module | None) -> bool:
+    # accelerate sets `_hf_hook` as a plain attribute (the instance dict): `getattr` of a missing name would
+    # go through `nn.Module.__getattr__` and an exception, at every layer of every step
     return module is not None and bool(
-        module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None) is not None
+        module._forward_hooks or module._forward_pre_hooks or module.__dict__.get("_hf_hook") is not None
     )
 
 
@@ -190,9 +196,9 @@ def native_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
     last dimension contiguous."""
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
-    if x.device.type != "cpu" or x.dtype not in LAYER_DTYPES or x.dim() == 0 or x.stride(-1) != 1:
+    if not x.is_cpu or x.dtype not in LAYER_DTYPES or x.dim() == 0 or x.stride(-1) != 1:
         return False
     return all(
-        plain_tensor(o) and o.device.type == "cpu" and o.dtype == x.dtype and o.stride(-1) == 1
+        plain_tensor(o) and o.is_cpu and o.dtype == x.dtype and o.stride(-1) == 1
         for o in others
     ) and plain_tensor(x)
