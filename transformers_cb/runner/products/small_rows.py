@@ -60,7 +60,7 @@ class RowPacked(Protocol):
     row_limit: int | None
 
 
-# Outputs above which a weight keeps oneDNN's product at every row count (LM heads).
+# Outputs above which a weight keeps oneDNN's product at every row count on an AMX CPU (LM heads).
 MAX_COLUMNS = 16384
 # Elements up to which a weight takes the native product up to `TINY_ROWS` rows.
 TINY_WEIGHT = 1 << 17
@@ -85,10 +85,10 @@ def row_limit(
     here (`bf16_rows_amx()`), which it does for a width that is a multiple of 32."""
     if dtype == torch.float32:
         return F32_ROWS  # an LM head too: 1.1-1.35x oneDNN's call at 1-32 rows
+    if not amx:
+        return NO_AMX_ROWS  # an LM head too: 1.2-1.8x oneDNN's call at 1-32 rows (49152 x 576, 32000 x 2048)
     if out_features > MAX_COLUMNS:
         return 0
-    if not amx:
-        return NO_AMX_ROWS
     if in_features % 32 == 0:
         return AMX_ROWS
     return TINY_ROWS if out_features * in_features <= TINY_WEIGHT else ROWS
