@@ -199,6 +199,5 @@ def native_call(x: torch.Tensor, *others: torch.Tensor) -> bool:
     if not x.is_cpu or x.dtype not in LAYER_DTYPES or x.dim() == 0 or x.stride(-1) != 1:
         return False
     return all(
-        plain_tensor(o) and o.is_cpu and o.dtype == x.dtype and o.stride(-1) == 1
-        for o in others
+        plain_tensor(o) and o.is_cpu and o.dtype == x.dtype and o.stride(-1) == 1 for o in others
     ) and plain_tensor(x)
