@@ -1,0 +1,157 @@
+"""Scripts run as `python script.py` would run them, forked from a process that has made their first imports.
+
+A test that runs a script in a fresh interpreter pays `import torch, transformers` (about 5 s here) per
+script; the seed documents' tests run about fifty. A `Zygote` makes the imports once (`preload`, which must
+be what every script it serves imports first anyway, so that the import order under test is unchanged) and
+forks a child per script. The child is the script's process: its own `__main__`, `sys.argv`, `sys.path[0]`,
+environment additions, stdout and stderr, and the interpreter's normal exit (atexit handlers, non-daemon
+threads joined), with the script's exit status.
+
+Fork is safe here because the zygote never runs a torch operation, so no thread pool exists yet to fork
+(torch's import starts one idle thread, which `fork` leaves behind and torch's own fork handlers expect).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.processes import TAIL
+from tests.support.timeouts import hang_guard
+
+# Runs in the zygote: read one request a line, fork, report the child's pid, then its exit status. The child
+# leaves the loop and runs the script at the top level, so the interpreter ends it as it ends any script.
+_SERVER = r"""
+import json, os, sys
+exec(sys.argv[1])
+ready = sys.stdout
+ready.write("ready\n"); ready.flush()
+request = None
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        break
+    ready.write(json.dumps({"pid": pid}) + "\n"); ready.flush()
+    _, status = os.waitpid(pid, 0)
+    ready.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n"); ready.flush()
+    request = None
+if request is None:
+    sys.exit(0)
+del ready, line, pid
+devnull = os.open(os.devnull, os.O_RDONLY)
+os.dup2(devnull, 0)
+for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+sys.stdin = open(os.devnull)
+os.environ.update(request["env"])
+os.chdir(request["cwd"])
+sys.argv = [request["script"]]
+sys.path[0] = os.path.dirname(request["script"])
+import runpy
+del request
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class Zygote:
+    """A process that ran `preload` (Python source) under `env` and forks a child per `run`."""
+
+    def __init__(self, preload: str, env: Mapping[str, str], timeout: float = 300) -> None:
+        self.env = dict(env)
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, preload],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self._buffer = b""
+        line = self._read_line(hang_guard(timeout))
+        if line != "ready":
+            self.close()
+            raise RuntimeError(f"the zygote did not start ({line!r}): {self._stderr()}")
+
+    def serves(self, env: Mapping[str, str]) -> bool:
+        """Whether a script under `env` sees what it would in a fresh interpreter here: the zygote's
+        environment, with additions only (read at a script's run, never by the preload)."""
+        return self._process.poll() is None and all(env.get(k) == v for k, v in self.env.items())
+
+    def run(self, script: Path, env: Mapping[str, str], cwd: Path, timeout: float) -> Result:
+        """`python script` under `env` in `cwd`: its exit status and output; killed past the hang guard."""
+        out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
+        extra = {k: v for k, v in env.items() if self.env.get(k) != v}
+        request = {
+            "script": str(script),
+            "env": extra,
+            "cwd": str(cwd),
+            "stdout": str(out),
+            "stderr": str(err),
+        }
+        assert self._process.stdin is not None
+        self._process.stdin.write((json.dumps(request) + "\n").encode())
+        self._process.stdin.flush()
+        limit = hang_guard(timeout)
+        deadline = time.monotonic() + limit
+        pid = json.loads(self._read_line(limit))["pid"]
+        line = self._read_line(max(deadline - time.monotonic(), 0.0))
+        if line is None:
+            os.kill(pid, 9)
+            self._read_line(30)  # the zygote reports the killed child
+            raise AssertionError(
+                f"{script} did not end within {limit:g} s (a hang guard); it printed:\n--- stdout:\n"
+                f"{_tail(out)}\n--- stderr:\n{_tail(err)}"
+            )
+        return Result(json.loads(line)["returncode"], _tail(out, None), _tail(err, None))
+
+    def close(self) -> None:
+        if self._process.poll() is None:
+            assert self._process.stdin is not None
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+
+    def _read_line(self, timeout: float) -> str | None:
+        """The zygote's next line, or None after `timeout` seconds (its own buffer: a pipe's buffered reader
+        could hold a second line that `select` would then wait for)."""
+        stdout = self._process.stdout
+        assert stdout is not None
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            ready, _, _ = select.select([stdout], [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return None
+            chunk = os.read(stdout.fileno(), 65536)
+            if not chunk:
+                raise RuntimeError(f"the zygote exited: {self._stderr()}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def _stderr(self) -> str:
+        if self._process.poll() is None:
+            self._process.kill()
+        assert self._process.stderr is not None
+        return self._process.stderr.read().decode(errors="replace")[-TAIL:]
+
+
+def _tail(path: Path, length: int | None = TAIL) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text if length is None else text[-length:]
