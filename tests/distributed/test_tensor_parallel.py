@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: two ranks over gloo, a tiny Llama with 4 KV heads (2 per rank).
 
-Each scenario runs `tests/support/tp_worker.py` in two fresh processes with the environment torchrun sets
-(not torchrun itself: its agent kills the surviving rank as soon as one dies, which the failure
+Each scenario runs `tests/support/tp_worker.py` in two processes (forked from a zygote per rank that made
+the worker's imports) with the environment torchrun sets (not torchrun itself: its agent kills the surviving rank as soon as one dies, which the failure
 tests need to observe). The documents' torchrun example is in conformance/test_seed_documents.py.
 """
 
@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +26,7 @@ from tests.support.paths import REPO_ROOT, TP_WORKER
 from tests.support.reference import greedy_reference
 from tests.support.timeouts import hang_guard
 from tests.support.tp_worker import FAILURE_TIMEOUT_S, MAX_NEW, PROMPTS, guided_config
+from tests.support.zygote import Zygote
 from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
 from transformers_cb.memory.sizing import ModelShape
 
@@ -60,6 +62,34 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# One zygote per rank (tests/support/zygote.py: the worker's imports made once per test process, each rank a
+# forked child with torchrun's variables added to its environment), so the two ranks run at once.
+_zygotes: dict[int, Zygote] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_zygotes() -> Iterator[None]:
+    yield
+    while _zygotes:
+        _zygotes.popitem()[1].close()
+
+
+def _rank_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def _rank_zygote(rank: int) -> Zygote:
+    zygote = _zygotes.get(rank)
+    if zygote is None or not zygote.serves(_rank_env()):
+        if zygote is not None:
+            zygote.close()
+        zygote = _zygotes[rank] = Zygote("import tests.support.tp_worker", _rank_env())
+    return zygote
+
+
 def run_ranks(
     scenario: str, model_dir: str, out_dir: Path, world_size: int = 2, kill_others: bool = False
 ) -> dict[int, dict]:
@@ -67,47 +97,36 @@ def run_ranks(
 
     With `kill_others` (a SIGSTOPped rank), the other ranks are killed once rank 0 is done."""
     port = _free_port()
-    procs = []
+    ranks = []
     for rank in range(world_size):
         env = {
-            **os.environ,
+            **_rank_env(),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(world_size),
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         }
-        command = [sys.executable, str(TP_WORKER), scenario, model_dir, str(out_dir)]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        script = out_dir / f"rank{rank}_{scenario}.py"
+        script.write_text(TP_WORKER.read_text())
+        args = (scenario, model_dir, str(out_dir))
+        ranks.append(_rank_zygote(rank).start(script, env, Path.cwd(), args, merged=True))
     try:
-        try:
-            logs = procs[0].communicate(timeout=RANK_TIMEOUT_S)[0].decode(errors="replace")
-        except subprocess.TimeoutExpired:
-            for proc in procs:
-                proc.kill()
-            output = "\n".join(
-                f"--- rank {r}:\n{p.communicate()[0].decode(errors='replace')[-4000:]}"
-                for r, p in enumerate(procs)
-            )
+        if ranks[0].wait(RANK_TIMEOUT_S) is None:
+            for child in ranks:
+                child.kill()
+            output = "\n".join(f"--- rank {r}:\n{c.stdout()[-4000:]}" for r, c in enumerate(ranks))
             raise AssertionError(
                 f"rank 0 of {scenario!r} did not finish within {RANK_TIMEOUT_S:g} s:\n{output}"
             ) from None
-        for proc in procs[1:]:
-            if kill_others:
-                proc.kill()
-            try:
-                logs += proc.communicate(timeout=hang_guard(30))[0].decode(errors="replace")
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                logs += proc.communicate()[0].decode(errors="replace")
+        for child in ranks[1:]:
+            if kill_others or child.wait(hang_guard(30)) is None:
+                child.kill()
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        for child in ranks:
+            child.kill()
+    logs = "".join(child.stdout() for child in ranks)
     records = {}
     for rank in range(world_size):
         path = out_dir / f"rank{rank}.json"

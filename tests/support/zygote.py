@@ -13,13 +13,15 @@ Fork is safe here because the zygote never runs a torch operation, so no thread 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,12 +50,15 @@ if request is None:
 del ready, line, pid
 devnull = os.open(os.devnull, os.O_RDONLY)
 os.dup2(devnull, 0)
-for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+output = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+os.dup2(output, 1)
+if request["stderr"] != request["stdout"]:
+    output = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+os.dup2(output, 2)
 sys.stdin = open(os.devnull)
 os.environ.update(request["env"])
 os.chdir(request["cwd"])
-sys.argv = [request["script"]]
+sys.argv = [request["script"], *request["args"]]
 sys.path[0] = os.path.dirname(request["script"])
 import runpy
 del request
@@ -81,6 +86,8 @@ class Zygote:
             stderr=subprocess.PIPE,
         )
         self._buffer = b""
+        self._child: Child | None = None
+        self._children = 0
         line = self._read_line(hang_guard(timeout))
         if line != "ready":
             self.close()
@@ -91,12 +98,18 @@ class Zygote:
         environment, with additions only (read at a script's run, never by the preload)."""
         return self._process.poll() is None and all(env.get(k) == v for k, v in self.env.items())
 
-    def run(self, script: Path, env: Mapping[str, str], cwd: Path, timeout: float) -> Result:
-        """`python script` under `env` in `cwd`: its exit status and output; killed past the hang guard."""
-        out, err = script.with_suffix(".stdout"), script.with_suffix(".stderr")
+    def start(
+        self, script: Path, env: Mapping[str, str], cwd: Path, args: Sequence[str] = (), merged: bool = False
+    ) -> Child:
+        """`python script *args` under `env` in `cwd`, started (one child at a time per zygote); `merged`:
+        stderr into the stdout file, as `stderr=subprocess.STDOUT` would."""
+        assert self._child is None or self._child.returncode is not None, "one child at a time"
+        out = script.with_suffix(f".{self._children}.stdout")
+        err = out if merged else out.with_suffix(".stderr")
         extra = {k: v for k, v in env.items() if self.env.get(k) != v}
         request = {
             "script": str(script),
+            "args": list(args),
             "env": extra,
             "cwd": str(cwd),
             "stdout": str(out),
@@ -105,18 +118,25 @@ class Zygote:
         assert self._process.stdin is not None
         self._process.stdin.write((json.dumps(request) + "\n").encode())
         self._process.stdin.flush()
-        limit = hang_guard(timeout)
-        deadline = time.monotonic() + limit
-        pid = json.loads(self._read_line(limit))["pid"]
-        line = self._read_line(max(deadline - time.monotonic(), 0.0))
+        line = self._read_line(hang_guard(60))
         if line is None:
-            os.kill(pid, 9)
-            self._read_line(30)  # the zygote reports the killed child
+            raise AssertionError(f"the zygote did not fork {script}")
+        self._child = Child(self, json.loads(line)["pid"], out, err)
+        self._children += 1
+        return self._child
+
+    def run(self, script: Path, env: Mapping[str, str], cwd: Path, timeout: float) -> Result:
+        """`python script` under `env` in `cwd`: its exit status and output; killed past the hang guard."""
+        child = self.start(script, env, cwd)
+        limit = hang_guard(timeout)
+        returncode = child.wait(limit)
+        if returncode is None:
+            child.kill()
             raise AssertionError(
                 f"{script} did not end within {limit:g} s (a hang guard); it printed:\n--- stdout:\n"
-                f"{_tail(out)}\n--- stderr:\n{_tail(err)}"
+                f"{child.stdout()[-TAIL:]}\n--- stderr:\n{child.stderr()[-TAIL:]}"
             )
-        return Result(json.loads(line)["returncode"], _tail(out, None), _tail(err, None))
+        return Result(returncode, child.stdout(), child.stderr())
 
     def close(self) -> None:
         if self._process.poll() is None:
@@ -152,6 +172,38 @@ class Zygote:
         return self._process.stderr.read().decode(errors="replace")[-TAIL:]
 
 
-def _tail(path: Path, length: int | None = TAIL) -> str:
-    text = path.read_text(errors="replace") if path.exists() else ""
-    return text if length is None else text[-length:]
+@dataclass
+class Child:
+    """One script's process, forked by `zygote`."""
+
+    zygote: Zygote
+    pid: int
+    out: Path
+    err: Path
+    returncode: int | None = None
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit status, or None if the child still runs after `timeout` seconds."""
+        if self.returncode is None:
+            line = self.zygote._read_line(timeout)
+            if line is not None:
+                self.returncode = json.loads(line)["returncode"]
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a stopped child too), then its exit status reaped."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            if self.wait(hang_guard(30)) is None:
+                raise AssertionError(f"the zygote did not reap its killed child {self.pid}")
+
+    def stdout(self) -> str:
+        return _text(self.out)
+
+    def stderr(self) -> str:
+        return _text(self.err)
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
