@@ -165,9 +165,9 @@ def _quantized(module: QuantizedLinear, dtype: torch.dtype, rows: int) -> bool:
         and rows <= DIRECT_MAX_ROWS[dtype]
         and blocks is not None
         and plain_tensor(blocks)
-        and blocks.device.type == "cpu"
+        and blocks.is_cpu
         and blocks.is_contiguous()
-        and (bias is None or (plain_tensor(bias) and bias.device.type == "cpu"))
+        and (bias is None or (plain_tensor(bias) and bias.is_cpu))
     )
 
 
