@@ -9,12 +9,10 @@ the strict marker turns the test red, and the marker must go.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.models import build_model
 from tests.support.processes import run_process
-from tests.support.zygote import Result, Zygote
+from tests.support.zygote import Result, Zygotes, process_env
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 from . import seed_blocks as blocks
@@ -131,31 +129,14 @@ PRELOADS = {
         ]
     ),
 }
-_zygotes: dict[str, Zygote] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_zygotes() -> Iterator[None]:
-    yield
-    while _zygotes:
-        _zygotes.popitem()[1].close()
+_zygotes = Zygotes()
+_close_zygotes = _zygotes.closed_after_module()
 
 
 def _script_env() -> dict[str, str]:
-    # less pytest's name of the running test, which changes at every test (and would start a zygote each time)
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = process_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
-
-
-def _zygote(order: str) -> Zygote:
-    zygote = _zygotes.get(order)
-    if zygote is None or not zygote.serves(_script_env()):
-        if zygote is not None:
-            zygote.close()
-        zygote = _zygotes[order] = Zygote(PRELOADS[order], _script_env())
-    return zygote
 
 
 def _run(
@@ -176,7 +157,9 @@ def _run(
             timeout=SCRIPT_TIMEOUT_S,
         )
     else:
-        done = _zygote(order).run(path, env, Path.cwd(), SCRIPT_TIMEOUT_S)
+        done = _zygotes.get(order, PRELOADS[order], _script_env()).run(
+            path, env, Path.cwd(), SCRIPT_TIMEOUT_S
+        )
     assert done.returncode == 0, f"the document's code failed ({order}):\n{done.stderr[-4000:]}"
     if launcher:
         return {rank: json.loads(Path(f"{out}.rank{rank}").read_text()) for rank in range(TP_RANKS)}

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +25,7 @@ from tests.support.paths import REPO_ROOT, TP_WORKER
 from tests.support.reference import greedy_reference
 from tests.support.timeouts import hang_guard
 from tests.support.tp_worker import FAILURE_TIMEOUT_S, MAX_NEW, PROMPTS, guided_config
-from tests.support.zygote import Zygote
+from tests.support.zygote import Zygotes, process_env
 from transformers_cb.distributed.sharding import DEVICE_MAP_REASON, kv_heads_per_shard, shard_shape
 from transformers_cb.memory.sizing import ModelShape
 
@@ -64,30 +63,13 @@ def _free_port() -> int:
 
 # One zygote per rank (tests/support/zygote.py: the worker's imports made once per test process, each rank a
 # forked child with torchrun's variables added to its environment), so the two ranks run at once.
-_zygotes: dict[int, Zygote] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_zygotes() -> Iterator[None]:
-    yield
-    while _zygotes:
-        _zygotes.popitem()[1].close()
+_zygotes = Zygotes()
+_close_zygotes = _zygotes.closed_after_module()
 
 
 def _rank_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
-    return env
-
-
-def _rank_zygote(rank: int) -> Zygote:
-    zygote = _zygotes.get(rank)
-    if zygote is None or not zygote.serves(_rank_env()):
-        if zygote is not None:
-            zygote.close()
-        zygote = _zygotes[rank] = Zygote("import tests.support.tp_worker", _rank_env())
-    return zygote
+    pythonpath = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    return process_env(OMP_NUM_THREADS="1", PYTHONPATH=pythonpath)
 
 
 def run_ranks(
@@ -111,7 +93,8 @@ def run_ranks(
         script = out_dir / f"rank{rank}_{scenario}.py"
         script.write_text(TP_WORKER.read_text())
         args = (scenario, model_dir, str(out_dir))
-        ranks.append(_rank_zygote(rank).start(script, env, Path.cwd(), args, merged=True))
+        zygote = _zygotes.get(rank, "import tests.support.tp_worker", _rank_env())
+        ranks.append(zygote.start(script, env, Path.cwd(), args, merged=True))
     try:
         if ranks[0].wait(RANK_TIMEOUT_S) is None:
             for child in ranks:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.zygote import Zygote
+from tests.support.zygote import Zygote, process_env
 
 SCRIPT = """
 import atexit, os, sys, threading, time
@@ -31,8 +30,7 @@ if mode == "hang":
 
 @pytest.fixture()
 def zygote() -> Iterator[Zygote]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
-    zygote = Zygote("import json", env)
+    zygote = Zygote("import json", process_env())
     yield zygote
     zygote.close()
 

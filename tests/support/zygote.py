@@ -21,9 +21,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 from tests.support.processes import TAIL
 from tests.support.timeouts import hang_guard
@@ -170,6 +172,45 @@ class Zygote:
             self._process.kill()
         assert self._process.stderr is not None
         return self._process.stderr.read().decode(errors="replace")[-TAIL:]
+
+
+def process_env(**changes: str) -> dict[str, str]:
+    """This process's environment with `changes`, less pytest's name of the running test (it changes at every
+    test, so a zygote made under it would serve no other)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    env.update(changes)
+    return env
+
+
+class Zygotes:
+    """A test module's zygotes by key, each made on first use (or again where the environment changed);
+    `close` ends them all (a module-scoped fixture's teardown)."""
+
+    def __init__(self) -> None:
+        self._made: dict[object, Zygote] = {}
+
+    def get(self, key: object, preload: str, env: Mapping[str, str]) -> Zygote:
+        zygote = self._made.get(key)
+        if zygote is None or not zygote.serves(env):
+            if zygote is not None:
+                zygote.close()
+            zygote = self._made[key] = Zygote(preload, env)
+        return zygote
+
+    def close(self) -> None:
+        while self._made:
+            self._made.popitem()[1].close()
+
+    def closed_after_module(self) -> Callable[[], Iterator[None]]:
+        """An autouse module-scoped fixture that closes them when the module's tests are done (assign it to a
+        module-level name of the test module)."""
+
+        @pytest.fixture(scope="module", autouse=True)
+        def close_zygotes() -> Iterator[None]:
+            yield
+            self.close()
+
+        return close_zygotes
 
 
 @dataclass
