@@ -124,8 +124,11 @@ PRELOADS = {
             "import torch",
             "from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig",
             "import transformers.modeling_utils",
-            "import transformers.integrations.flash_attention",
-            "import transformers.integrations.finegrained_fp8",
+            # what the plugin imports, where this transformers has it (a preload that fails starts no zygote)
+            "import importlib, contextlib",
+            "for _name in ('transformers.integrations.flash_attention', 'transformers.integrations.finegrained_fp8'):",
+            "    with contextlib.suppress(ImportError):",
+            "        importlib.import_module(_name)",
         ]
     ),
 }
