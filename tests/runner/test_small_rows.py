@@ -6,6 +6,8 @@ tokens like `generate()`'s (tie-aware) and a float32 run's equal to them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -210,3 +212,24 @@ def test_native_loop_takes_strided_rows_and_bias() -> None:
     pack = small_rows.pack_rows(weight)
     strided = OPS.bf16_rows_matmul(wide[:, ::2], pack, bias, 40)
     assert torch.equal(strided, OPS.bf16_rows_matmul(wide[:, ::2].contiguous(), pack, bias.contiguous(), 40))
+
+
+@pytest.mark.parametrize("shape", [(20000, 64), (96, 64), (96, 48)])
+def test_the_memory_check_counts_a_row_pack_exactly_where_one_is_made(shape: tuple[int, int]) -> None:
+    """`has_rows_pack` (what the memory check counts) follows `row_pack_for`'s rule on this CPU, an LM head's
+    width (over `MAX_COLUMNS`, native only without AMX) included."""
+    pack = SimpleNamespace(packed=torch.zeros(shape, dtype=torch.bfloat16), rows_pack=None, row_limit=None)
+    made = small_rows.row_pack_for(pack, torch.bfloat16, 1) is not None
+    assert small_rows.has_rows_pack(*shape) == made
+
+
+def test_on_an_amx_cpu_the_memory_check_counts_no_row_pack_for_an_lm_head(monkeypatch) -> None:
+    """With AMX tiles a bf16 LM head keeps oneDNN's product, so no row pack is made nor counted."""
+    amx_ops = SimpleNamespace(bf16_rows_amx=lambda: True)
+    monkeypatch.setattr(small_rows, "rows_module", lambda dtype=torch.bfloat16: amx_ops)
+    pack = SimpleNamespace(
+        packed=torch.zeros(20000, 64, dtype=torch.bfloat16), rows_pack=None, row_limit=None
+    )
+    assert small_rows.row_pack_for(pack, torch.bfloat16, 1) is None
+    assert not small_rows.has_rows_pack(20000, 64)
+    assert small_rows.has_rows_pack(3072, 576)  # a layer's weight: AMX tiles from the library

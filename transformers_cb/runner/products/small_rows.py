@@ -95,8 +95,15 @@ def row_limit(
 
 
 def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether a weight of this shape and dtype gets a row pack in this process (the memory check counts it)."""
-    return row_limit(out_features, in_features, dtype=dtype) > 0 and rows_module(dtype) is not None
+    """Whether a weight of this shape and dtype gets a row pack in this process (the memory check counts it):
+    `row_pack_for`'s rule, on this CPU."""
+    ops = rows_module(dtype)
+    return ops is not None and row_limit(out_features, in_features, _amx(ops, dtype), dtype) > 0
+
+
+def _amx(ops: ModuleType, dtype: torch.dtype) -> bool:
+    """Whether the library's product of `dtype` runs AMX tiles on this CPU."""
+    return dtype == torch.bfloat16 and bool(ops.bf16_rows_amx())
 
 
 def enabled_by_env() -> bool:
@@ -156,8 +163,9 @@ def row_pack_for(pack: RowPacked, dtype: torch.dtype, rows: int) -> torch.Tensor
     if limit is None:  # decided once per pack: the switch is read when a pack first serves a product
         out_features, in_features = pack.packed.shape
         ops = rows_module(packed_dtype)
-        amx = ops is not None and packed_dtype == torch.bfloat16 and bool(ops.bf16_rows_amx())
-        limit = pack.row_limit = 0 if ops is None else row_limit(out_features, in_features, amx, packed_dtype)
+        limit = pack.row_limit = (
+            0 if ops is None else row_limit(out_features, in_features, _amx(ops, packed_dtype), packed_dtype)
+        )
     if limit == 0 or dtype != packed_dtype or rows == 0 or rows > limit or dtype not in _found:
         return None
     if pack.rows_pack is None:
