@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.models import build_model
 from tests.support.processes import run_process
-from tests.support.zygote import Result, Zygotes, process_env
+from tests.support.zygote import Zygotes, process_env
 from transformers_cb.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 from . import seed_blocks as blocks
@@ -153,7 +153,7 @@ def _run(
     out = tmp_path / f"seed_{order}.json"
     env = {**_script_env(), "CB_SEED_OUT": str(out)}
     if fresh or launcher:
-        done: subprocess.CompletedProcess | Result = run_process(
+        done: subprocess.CompletedProcess[str] = run_process(
             [sys.executable, *launcher, str(path)],
             env=env,
             text=True,

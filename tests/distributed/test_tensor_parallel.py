@@ -90,11 +90,10 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        script = out_dir / f"rank{rank}_{scenario}.py"
-        script.write_text(TP_WORKER.read_text())
         args = (scenario, model_dir, str(out_dir))
+        output = out_dir / f"rank{rank}_{scenario}"
         zygote = _zygotes.get(rank, "import tests.support.tp_worker", _rank_env())
-        ranks.append(zygote.start(script, env, Path.cwd(), args, merged=True))
+        ranks.append(zygote.start(TP_WORKER, env, Path.cwd(), args, merged=True, output=output))
     try:
         if ranks[0].wait(RANK_TIMEOUT_S) is None:
             for child in ranks:

@@ -1,7 +1,7 @@
 """Scripts run as `python script.py` would run them, forked from a process that has made their first imports.
 
 A test that runs a script in a fresh interpreter pays `import torch, transformers` (about 5 s here) per
-script; the seed documents' tests run about fifty. A `Zygote` makes the imports once (`preload`, which must
+script; the seed documents' tests run twenty, each tensor-parallel test two at once. A `Zygote` makes the imports once (`preload`, which must
 be what every script it serves imports first anyway, so that the import order under test is unchanged) and
 forks a child per script. The child is the script's process: its own `__main__`, `sys.argv`, `sys.path[0]`,
 environment additions, stdout and stderr, and the interpreter's normal exit (atexit handlers, non-daemon
@@ -68,13 +68,6 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
 class Zygote:
     """A process that ran `preload` (Python source) under `env` and forks a child per `run`."""
 
@@ -101,12 +94,19 @@ class Zygote:
         return self._process.poll() is None and all(env.get(k) == v for k, v in self.env.items())
 
     def start(
-        self, script: Path, env: Mapping[str, str], cwd: Path, args: Sequence[str] = (), merged: bool = False
+        self,
+        script: Path,
+        env: Mapping[str, str],
+        cwd: Path,
+        args: Sequence[str] = (),
+        merged: bool = False,
+        output: Path | None = None,
     ) -> Child:
-        """`python script *args` under `env` in `cwd`, started (one child at a time per zygote); `merged`:
-        stderr into the stdout file, as `stderr=subprocess.STDOUT` would."""
+        """`python script *args` under `env` in `cwd`, started (one child at a time per zygote); its output in
+        `output`.stdout / .stderr (default: beside the script); `merged`: stderr into the stdout file, as
+        `stderr=subprocess.STDOUT` would."""
         assert self._child is None or self._child.returncode is not None, "one child at a time"
-        out = script.with_suffix(f".{self._children}.stdout")
+        out = (output or script).with_suffix(f".{self._children}.stdout")
         err = out if merged else out.with_suffix(".stderr")
         extra = {k: v for k, v in env.items() if self.env.get(k) != v}
         request = {
@@ -127,7 +127,9 @@ class Zygote:
         self._children += 1
         return self._child
 
-    def run(self, script: Path, env: Mapping[str, str], cwd: Path, timeout: float) -> Result:
+    def run(
+        self, script: Path, env: Mapping[str, str], cwd: Path, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
         """`python script` under `env` in `cwd`: its exit status and output; killed past the hang guard."""
         child = self.start(script, env, cwd)
         limit = hang_guard(timeout)
@@ -138,7 +140,9 @@ class Zygote:
                 f"{script} did not end within {limit:g} s (a hang guard); it printed:\n--- stdout:\n"
                 f"{child.stdout()[-TAIL:]}\n--- stderr:\n{child.stderr()[-TAIL:]}"
             )
-        return Result(returncode, child.stdout(), child.stderr())
+        return subprocess.CompletedProcess(
+            [sys.executable, str(script)], returncode, child.stdout(), child.stderr()
+        )
 
     def close(self) -> None:
         if self._process.poll() is None:
