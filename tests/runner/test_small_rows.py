@@ -41,7 +41,7 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2), (40, 64)])
+@pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2), (40, 64), (20000, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 16, 17, 33])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_native_loop_rounds_float32_sums_once(shape: tuple[int, int], rows: int, with_bias: bool) -> None:
