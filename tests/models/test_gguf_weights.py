@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.tiny_gguf import write_tiny_gguf
+from transformers_cb.attention.native.kernel import native_module
 from transformers_cb.models.gguf_convert import convert_gguf
 from transformers_cb.models.gguf_weights import (
     GGUF_KEY,
@@ -29,7 +30,7 @@ from transformers_cb.models.loading import load_model_and_tokenizer, quantized_s
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner.products.packed_linear import PackRule
 from transformers_cb.runner.products.packed_model import pack_bytes, packing_settings
-from transformers_cb.runner.products.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from transformers_cb.runner.products.quantized_linear import Q4_0, Q4_1, QuantizedEmbedding, QuantizedLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF files")
 QTYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
@@ -77,7 +78,13 @@ def test_greedy_outputs_equal_generate_on_the_dequantized_weights(
 ) -> None:
     reference = load(gguf_path, dtype)
     model = load(gguf_path, dtype)
-    keep_gguf_quantized(model)
+    report = keep_gguf_quantized(model)
+    ops, qtype = native_module(), model.get_submodule("model.layers.0.mlp.up_proj").qtype
+    if dtype == torch.bfloat16 and qtype in (Q4_0, Q4_1) and ops and ops.quant_lanes_available():
+        # the layers' 4-bit Linears over lanes; the head reads the tied embedding's blocks: not repacked
+        assert len(report.lanes) == LAYERS * LINEARS_PER_LAYER and "lm_head" not in report.lanes
+    else:
+        assert report.lanes == []
     prompts = prompts_of_lengths([3, 9, 17, 30, 41, 64], vocab=261, seed=5)
     config = GenerationConfig(
         max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0

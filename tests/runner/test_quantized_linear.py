@@ -121,3 +121,81 @@ def test_the_modules() -> None:
     assert quantized_bytes(tied) == 48 * row_bytes(qtype, 64)  # one tensor shared: counted once
     with pytest.raises(ValueError, match="do not hold 96 inputs"):
         QuantizedLinear(blocks, qtype, 96)
+
+
+# The lane layout (attention/native/quantized/native_lanes_source.py): 16 columns' 4-bit blocks side by side.
+LANE_QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+lanes_built = pytest.mark.skipif(
+    OPS is None or not OPS.quant_lanes_available(), reason="the lane product needs AVX512-BF16"
+)
+
+
+@native
+@pytest.mark.parametrize("qtype", LANE_QTYPES, ids=lambda q: q.name)
+def test_the_lane_layout_holds_the_same_blocks(qtype) -> None:
+    blocks, weight = random_blocks(48, 160, qtype, seed=7)
+    lanes = OPS.quant_lanes_pack(blocks, int(qtype))
+    assert lanes.shape == blocks.shape and not torch.equal(lanes, blocks)
+    kernel_qtype = quantized_linear.LANES + int(qtype)
+    assert torch.equal(OPS.quant_lanes_unpack(lanes, kernel_qtype), blocks)
+    assert torch.equal(quantized_linear._unpack_lanes_torch(lanes, int(qtype)), blocks)
+    assert torch.equal(dequantize_blocks(lanes, kernel_qtype), weight)
+    assert torch.equal(dequantize_blocks(lanes, kernel_qtype, torch.bfloat16), weight.bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of 16 columns"):
+        OPS.quant_lanes_pack(blocks[:40].contiguous(), int(qtype))
+    with pytest.raises(RuntimeError, match="Q4_0 \\(2\\) and Q4_1 \\(3\\) only"):
+        OPS.quant_lanes_pack(blocks, 8)
+
+
+def assert_lanes_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The lane product sums exact weights (not rounded to bfloat16) in float32 and rounds once: within one
+    bfloat16 rounding of the exact sum, and float32's rounding of the biased sums (128 + q) beside it."""
+    want = (x.double() @ weight.double().T).float()
+    scale = (x.abs().double() @ weight.abs().double().T).float()
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + scale * 2**-16 + 1e-6).all(), (
+        (got.float() - want).abs().max()
+    )
+
+
+@lanes_built
+@pytest.mark.parametrize("qtype", LANE_QTYPES, ids=lambda q: q.name)
+def test_the_lane_product(qtype) -> None:
+    kernel_qtype = quantized_linear.LANES + int(qtype)
+    for i, (out_features, in_features) in enumerate([(16, 32), (48, 96), (80, 576), (1536, 64)]):
+        blocks, weight = random_blocks(out_features, in_features, qtype, seed=20 + i)
+        lanes = OPS.quant_lanes_pack(blocks, int(qtype))
+        for rows in ROWS:
+            x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            assert_lanes_close(OPS.quant_matmul(x, lanes, kernel_qtype), x, weight)  # at any rows
+            assert torch.equal(
+                quantized_product(x, lanes, kernel_qtype), OPS.quant_matmul(x, lanes, kernel_qtype)
+            )
+        # float32 rows on a lane layout: the GGUF blocks' product, or the tiles beyond its rows
+        x = torch.randn(3, in_features)
+        assert torch.equal(OPS.quant_matmul(x, lanes, kernel_qtype), OPS.quant_matmul(x, blocks, int(qtype)))
+        x = torch.randn(DIRECT_MAX_ROWS[torch.float32] + 1, in_features)
+        assert torch.equal(quantized_product(x, lanes, kernel_qtype), F.linear(x, weight))
+
+
+@lanes_built
+def test_a_bfloat16_linear_goes_over_lanes_and_only_it() -> None:
+    q4_1, q8_0 = int(gguf.GGMLQuantizationType.Q4_1), int(gguf.GGMLQuantizationType.Q8_0)
+    blocks, weight = random_blocks(48, 64, gguf.GGMLQuantizationType.Q4_1, seed=5)
+    bias = torch.randn(48).bfloat16()
+    linear = QuantizedLinear(blocks, q4_1, 64, bias, torch.bfloat16)
+    x = torch.randn(2, 3, 64).bfloat16()
+    before = linear(x)
+    assert linear.to_lanes() and linear.kernel_qtype == quantized_linear.LANES + q4_1
+    assert "lanes" in repr(linear) and not linear.to_lanes()  # once
+    assert torch.equal(
+        linear(x),
+        (OPS.quant_matmul(x.reshape(6, 64), linear.blocks, linear.kernel_qtype) + bias).reshape(2, 3, 48),
+    )
+    assert (linear(x).float() - before.float()).abs().max() <= before.float().abs().max() * 2**-6
+    many = torch.randn(DIRECT_MAX_ROWS[torch.float32] + 1, 64)  # float32 rows: the tiles, from the lanes
+    assert torch.equal(linear(many), F.linear(many, weight) + bias)
+    assert not QuantizedLinear(blocks, q4_1, 64).to_lanes()  # float32 rows
+    assert not QuantizedLinear(blocks[:40].contiguous(), q4_1, 64, None, torch.bfloat16).to_lanes()
+    blocks8, _ = random_blocks(48, 64, gguf.GGMLQuantizationType.Q8_0, seed=5)
+    assert not QuantizedLinear(blocks8, q8_0, 64, None, torch.bfloat16).to_lanes()

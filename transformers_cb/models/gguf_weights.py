@@ -51,6 +51,8 @@ class KeptQuantized:
     left_float: dict[str, str] = field(default_factory=dict)
     quantized_bytes: int = 0
     float_bytes_dropped: int = 0
+    # the modules repacked over lanes (`QuantizedLinear.to_lanes`: a bfloat16 model's 4-bit Linears)
+    lanes: list[str] = field(default_factory=list)
 
 
 def gguf_file_of(model: nn.Module) -> str | None:
@@ -78,9 +80,12 @@ def gguf_of_folder(folder: str | Path) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def keep_gguf_quantized(model: nn.Module, gguf_file: str | Path | None = None) -> KeptQuantized:
+def keep_gguf_quantized(
+    model: nn.Module, gguf_file: str | Path | None = None, lanes: bool = True
+) -> KeptQuantized:
     """Replace `model`'s Linears (and a tied quantized embedding) by their GGUF blocks from `gguf_file`
-    (default: the file transformers recorded, `gguf_file_of`). Raises `ValueError` when there is no file."""
+    (default: the file transformers recorded, `gguf_file_of`), then, with `lanes`, repack those the lane
+    product serves (`QuantizedLinear.to_lanes`). Raises `ValueError` when there is no file."""
     path = gguf_file if gguf_file is not None else gguf_file_of(model)
     if path is None:
         raise ValueError("keep_gguf_quantized: the model names no GGUF file; pass gguf_file=")
@@ -95,9 +100,27 @@ def keep_gguf_quantized(model: nn.Module, gguf_file: str | Path | None = None) -
                 report.quantized.append(module_name)
             else:
                 report.left_float[module_name] = reason
+    if lanes:
+        report.lanes = _repack_lanes(model)
     report.quantized_bytes = quantized_bytes(model)
     report.float_bytes_dropped = sum(dropped.values())
     return report
+
+
+def _repack_lanes(model: nn.Module) -> list[str]:
+    """Repack over lanes every `QuantizedLinear` whose blocks no other module reads (a tied embedding looks
+    rows up in the GGUF layout); the names of those repacked."""
+    readers: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            readers[module.blocks.data_ptr()] = readers.get(module.blocks.data_ptr(), 0) + 1
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear)
+        and readers[module.blocks.data_ptr()] == 1
+        and module.to_lanes()
+    ]
 
 
 def raw_tensors(path: str) -> tuple[str, list[tuple[str, int, np.ndarray]]]:

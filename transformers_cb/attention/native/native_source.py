@@ -27,6 +27,7 @@ from .native_rows_source import ROWS_BINDINGS, ROWS_SOURCE
 from .native_vec_source import VEC_SOURCE
 from .quantized.native_int8_source import INT8_BINDINGS, INT8_SOURCE
 from .quantized.native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
+from .quantized.native_lanes_source import LANES_BINDINGS, LANES_SOURCE
 from .quantized.native_quant_source import QUANT_BINDINGS, QUANT_SOURCE
 
 ATTENTION_SOURCE = r"""
@@ -324,7 +325,7 @@ constexpr int64_t kTileTokens = 16;
 
 # The library's one source: the attention kernel, its AVX-512 loops (native_vec_source.py) between the
 # portable kernels and the dispatch that picks one (native_dispatch_source.py), the decoder-layer ops (native_layer_source.py), the greedy
-# argmax (native_argmax_source.py), the quantized products (native_quant_source.py), torchao's int8
+# argmax (native_argmax_source.py), the quantized products (native_quant_source.py; over lanes: native_lanes_source.py), torchao's int8
 # weight-only product (native_int8_source.py), the small-row bfloat16 product (native_rows_source.py), the decoder-layer step (native_decoder_source.py), the
 # bindings.
 SOURCE = (
@@ -335,6 +336,7 @@ SOURCE = (
     + LAYER_SOURCE
     + ARGMAX_SOURCE
     + QUANT_SOURCE
+    + LANES_SOURCE
     + INT8_SOURCE
     + ROWS_SOURCE
     + DECODER_SOURCE
@@ -347,6 +349,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     + ARGMAX_BINDINGS
     + KV_QUANT_BINDINGS
     + QUANT_BINDINGS
+    + LANES_BINDINGS
     + INT8_BINDINGS
     + ROWS_BINDINGS
     + DECODER_BINDINGS

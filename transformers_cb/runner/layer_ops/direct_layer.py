@@ -40,7 +40,7 @@ from ...attention.paged import METADATA_KWARG, NATIVE_STEPS_MARK, current_step_m
 from ...patches import in_force
 from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
-from ..products.quantized_linear import DIRECT_MAX_ROWS, QuantizedLinear
+from ..products.quantized_linear import QuantizedLinear, takes_direct
 from ..products.small_rows import row_pack_for
 from .layer_forms import (
     child,
@@ -161,8 +161,7 @@ def _quantized(module: QuantizedLinear, dtype: torch.dtype, rows: int) -> bool:
     return (
         "forward" not in module.__dict__
         and not _hooked(module)
-        and dtype in DIRECT_MAX_ROWS
-        and rows <= DIRECT_MAX_ROWS[dtype]
+        and takes_direct(module.kernel_qtype, dtype, rows)
         and blocks is not None
         and plain_tensor(blocks)
         and blocks.is_cpu
@@ -234,7 +233,7 @@ def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype,
     module, packed = projection
     if isinstance(module, QuantizedLinear):
         blocks = cast(torch.Tensor, module._buffers["blocks"])  # `_quantized` saw the blocks
-        specs.add(3, blocks, module._parameters.get("bias"), module.out_features, module.qtype)
+        specs.add(3, blocks, module._parameters.get("bias"), module.out_features, module.kernel_qtype)
         return
     params = module._parameters  # what `module.weight` reads, without `nn.Module.__getattr__`
     weight, bias = cast(torch.Tensor, params["weight"]), params["bias"]  # `_projections` saw the weight

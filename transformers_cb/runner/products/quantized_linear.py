@@ -9,6 +9,10 @@ few rows of a decode step; from `DIRECT_MAX_ROWS` rows on (prefill) tiles of the
 measurements). Without the native library (not built yet, or switched off) the blocks are dequantized by
 torch ops (`dequantize_blocks`): the same values, slower.
 
+A bfloat16 model's 4-bit Linears are repacked over lanes (`QuantizedLinear.to_lanes`, the native library's
+`quant_lanes_pack`, attention/native/quantized/native_lanes_source.py): 16 columns' blocks side by side, the
+same bytes, read by a product that has no per-block table to build (`LANES + qtype`, the kernel's type).
+
 These modules replace a model's `nn.Linear` / `nn.Embedding` for good (models/gguf_weights.py, at load):
 the float weights are not kept, so `generate()` and every engine step run the same products. They are no
 `nn.Linear` (packing, runner/products/packed_model.py, leaves them alone) and their blocks are buffers, not
@@ -24,6 +28,9 @@ from torch import nn
 from ...attention.native.kernel import native_module
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
+# A lane layout's type is LANES + its GGUF type (Q4_0: 102, Q4_1: 103); 16 columns a lane group.
+LANES = 100
+LANE_COLUMNS = 16
 BLOCK_WEIGHTS = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 QUANT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
@@ -41,13 +48,41 @@ def row_bytes(qtype: int, in_features: int) -> int:
     return in_features // BLOCK_WEIGHTS * BLOCK_BYTES[qtype]
 
 
+def takes_direct(qtype: int, dtype: torch.dtype, rows: int) -> bool:
+    """Whether `rows` rows of `dtype` run the native product over the blocks of kernel type `qtype` (a GGUF
+    type, or a lane layout's), not the dequantized tiles."""
+    if qtype > LANES:  # at any row count as fast as the tiles or faster (docs/quantization.md)
+        return dtype == torch.bfloat16
+    return dtype in DIRECT_MAX_ROWS and rows <= DIRECT_MAX_ROWS[dtype]
+
+
 def dequantize_blocks(blocks: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The `[N, K]` weight of `blocks` `[N, row bytes]` in `dtype`: the native dequantization when the library
-    is loaded, else torch ops computing the same float32 values as `gguf.quants.dequantize`."""
+    """The `[N, K]` weight of `blocks` `[N, row bytes]` (of kernel type `qtype`) in `dtype`: the native
+    dequantization when the library is loaded, else torch ops computing the same float32 values as
+    `gguf.quants.dequantize`."""
     module = native_module()
     if module is not None and blocks.device.type == "cpu" and dtype in COMPUTE_DTYPES:
         return module.quant_dequantize(blocks, qtype, dtype)
+    if qtype > LANES:
+        blocks, qtype = _unpack_lanes_torch(blocks, qtype - LANES), qtype - LANES
     return _dequantize_torch(blocks, qtype).to(dtype)
+
+
+def _unpack_lanes_torch(lanes: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks from their lane layout (native_lanes_source.py's `quant_lanes_unpack`, in torch ops)."""
+    rows, nb = lanes.shape[0], lanes.shape[1] // BLOCK_BYTES[qtype]
+    scale_bytes = 64 if qtype == Q4_1 else 32
+    grouped = lanes.reshape(rows // LANE_COLUMNS, nb, scale_bytes + 256)
+    # scales: [groups, blocks, 16 columns, 2 bytes] -> [rows, blocks, 2 bytes] (m after d for Q4_1)
+    scales = grouped[..., :scale_bytes].reshape(-1, nb, scale_bytes // 32, LANE_COLUMNS, 2)
+    scales = scales.permute(0, 3, 1, 2, 4).reshape(rows, nb, scale_bytes // 16)
+    # nibbles: vector i, column c, half h, 2 bytes: one 16-bit word of 4 nibbles s (weight k = 8i + 2s + h)
+    words = grouped[..., scale_bytes:].reshape(-1, nb, 4, LANE_COLUMNS, 2, 2).to(torch.int32)
+    words = words[..., 0] | (words[..., 1] << 8)
+    q = torch.stack([(words >> (4 * s)) & 15 for s in range(4)], dim=-1)  # [g, b, i, c, h, s]
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(rows, nb, BLOCK_WEIGHTS)  # k = 8i + 2s + h
+    packed = (q[..., : BLOCK_WEIGHTS // 2] | (q[..., BLOCK_WEIGHTS // 2 :] << 4)).to(torch.uint8)
+    return torch.cat([scales, packed], dim=-1).reshape(rows, -1)
 
 
 def _dequantize_torch(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -68,10 +103,12 @@ def _dequantize_torch(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 def quantized_product(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """`x [R, K] @ W.T` for W in `blocks`, in x's dtype, accumulated in float32."""
     module = native_module() if x.device.type == "cpu" else None
-    if module is not None and x.dtype in COMPUTE_DTYPES and x.shape[0] <= DIRECT_MAX_ROWS[x.dtype]:
+    if module is not None and takes_direct(qtype, x.dtype, x.shape[0]):
         return module.quant_matmul(x, blocks, qtype)
     out_features = blocks.shape[0]
     tile = max(1, TILE_ELEMENTS // max(1, x.shape[1]))
+    if qtype > LANES:  # whole lane groups
+        tile = max(LANE_COLUMNS, tile - tile % LANE_COLUMNS)
     if tile >= out_features:
         return F.linear(x, dequantize_blocks(blocks, qtype, x.dtype))
     out = x.new_empty((x.shape[0], out_features))
@@ -82,7 +119,8 @@ def quantized_product(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torc
 
 
 class QuantizedLinear(nn.Module):
-    """`nn.Linear`'s product with the weight in GGUF blocks (`blocks` `[out, row bytes]` uint8, a buffer)."""
+    """`nn.Linear`'s product with the weight in GGUF blocks (`blocks` `[out, row bytes]` uint8, a buffer: the
+    GGUF layout, or its lane layout after `to_lanes`; `kernel_qtype` says which)."""
 
     blocks: torch.Tensor
 
@@ -102,22 +140,45 @@ class QuantizedLinear(nn.Module):
         if blocks.dtype != torch.uint8 or tuple(blocks.shape[1:]) != (row_bytes(qtype, in_features),):
             raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold {in_features} inputs")
         self.qtype = qtype
+        # what the native product is told the blocks are: `qtype`, or LANES + qtype once repacked
+        self.kernel_qtype = qtype
         self.in_features = in_features
         self.out_features = blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    def to_lanes(self) -> bool:
+        """Repack the blocks over lanes where the lane product serves this module (a bfloat16 model's Q4_0 /
+        Q4_1 weight of a multiple of 16 columns, on a CPU whose build has AVX512-BF16); whether it did. The
+        caller makes sure no other module shares the blocks (a tied embedding reads the GGUF layout)."""
+        module = native_module()
+        blocks = self.blocks
+        if (
+            self.kernel_qtype != self.qtype
+            or self.qtype not in (Q4_0, Q4_1)
+            or self.compute_dtype != torch.bfloat16
+            or self.out_features % LANE_COLUMNS
+            or blocks.device.type != "cpu"
+            or module is None
+            or not module.quant_lanes_available()
+        ):
+            return False
+        self.blocks = module.quant_lanes_pack(blocks, self.qtype)
+        self.kernel_qtype = LANES + self.qtype
+        return True
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         flat = input.reshape(-1, self.in_features)
-        out = quantized_product(flat, self.blocks, self.qtype)
+        out = quantized_product(flat, self.blocks, self.kernel_qtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*input.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        lanes = ", lanes" if self.kernel_qtype > LANES else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"quant={QUANT_NAMES[self.qtype]}, bias={self.bias is not None}"
+            f"quant={QUANT_NAMES[self.qtype]}{lanes}, bias={self.bias is not None}"
         )
 
 

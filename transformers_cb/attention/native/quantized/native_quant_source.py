@@ -25,10 +25,14 @@ of runner/products/quantized_linear.py multiplies tiles of it with torch's produ
 """
 
 QUANT_SOURCE = r"""
+at::Tensor lanes_matmul(const at::Tensor& x, const at::Tensor& lanes, int64_t qtype);
+at::Tensor quant_lanes_unpack(const at::Tensor& lanes, int64_t qtype);
+
 namespace {
 
 constexpr int QK = 32;
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kLaneTypes = 100;  // above it: a lane layout of the GGUF type (native_lanes_source.py)
 
 template <int Q> constexpr int block_bytes() { return Q == kQ8_0 ? 34 : Q == kQ4_1 ? 20 : 18; }
 
@@ -360,6 +364,7 @@ int64_t checked_columns(const at::Tensor& blocks, int64_t qtype) {
 
 // y [R, N] = x [R, K] @ W.T, W in GGUF blocks [N, K / 32 * block bytes]; y in x's dtype (float32 / bfloat16).
 at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t qtype) {
+  if (qtype > kLaneTypes) return lanes_matmul(x, blocks, qtype);
   const int64_t K = checked_columns(blocks, qtype);
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [R, ", K, "] expected, got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x: float32 or bfloat16");
@@ -386,6 +391,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& blocks, int64_t q
 
 // The [N, K] weight of `blocks` in float32 or bfloat16 (as gguf.quants.dequantize, then rounded).
 at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t qtype, at::ScalarType dtype) {
+  if (qtype > kLaneTypes) return quant_dequantize(quant_lanes_unpack(blocks, qtype), qtype - kLaneTypes, dtype);
   const int64_t K = checked_columns(blocks, qtype), N = blocks.size(0);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
   at::Tensor out = at::empty({N, K}, blocks.options().dtype(dtype));

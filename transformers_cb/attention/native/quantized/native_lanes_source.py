@@ -1,0 +1,257 @@
+"""C++ source of the 4-bit products over lanes: GGUF Q4_0 / Q4_1 weights repacked so that 16 output columns sit in
+the 16 lanes of a vector (llama.cpp repacks its Q4_0 for x86 and ARM the same way, `Q4_0x8`).
+
+The row-major GGUF blocks (runner/products/quantized_linear.py, native_quant_source.py) put 32 weights of one
+column in a block: a bfloat16 x needs each block's own 16 values computed and looked up (~11 instructions a
+block, a third of them shuffles, which this CPU runs on two of its four vector pipes); the decode products were
+bound by that work, not by reading the 4-bit weights. Over lanes, a block of 32 weights of 16 columns is:
+
+- the 16 columns' fp16 scales d (and Q4_1's fp16 minimums m), 32 (64) bytes: one conversion each for 16 columns;
+- 256 bytes of nibbles as 4 vectors of 32 words: vector i, word 2c + h holds 4 nibbles of column c, nibble s the
+  weight k = 8i + 2s + h. Shifting a vector by 4s and keeping the low nibble gives, in each lane c, the pair of
+  weights (2p, 2p + 1), p = 4i + s, the pair `vdpbf16ps` multiplies by x's pair (x[2p], x[2p + 1]) broadcast.
+
+A nibble q becomes the bfloat16 128 + q by one bitwise instruction (`0x4300 | q`: 128's exponent, q in the
+mantissa's low bits), so the block's 16 products sum 128 + q against x; with sx the block's sum of x,
+`sum(w x) = d * sum((128 + q) x) + (m - 128 d) * sx` (Q4_0: m = -8 d). Two shuffle-free instructions a pair,
+one `vdpbf16ps` per row and pair, two fused multiply-adds a block and row: the product reads memory at its
+rate. Every product of a bfloat16 x by 128 + q is exact in float32; the weights are exactly `d * q + m` (not
+rounded to bfloat16 as the row-major product rounds them), so the sums differ from the bfloat16 reference's
+only in rounding (tie-aware, docs/quantization.md). The bytes are the GGUF blocks' own count: a layer's
+`[N, row bytes]` buffer holds the same bytes, 16 columns' blocks after each other.
+
+`quant_lanes_pack(blocks, qtype)`, `quant_lanes_unpack(lanes, qtype)`: between the two layouts (bit for bit);
+`quant_matmul` / `quant_dequantize` take the lane types `LANES + qtype` (102, 103).
+"""
+
+LANES_SOURCE = r"""
+namespace {
+
+constexpr int kLanes = 100;  // a lane layout's type: kLanes + the GGUF type (Q4_0: 102, Q4_1: 103)
+constexpr int kLaneColumns = 16;
+
+bool is_lanes(int64_t qtype) { return qtype == kLanes + kQ4_0 || qtype == kLanes + kQ4_1; }
+
+// Bytes of one lane block (16 columns x 32 weights): scales first, then the 256 bytes of nibbles.
+inline int lane_scale_bytes(int q) { return q == kQ4_1 ? 64 : 32; }
+inline int lane_block_bytes(int q) { return lane_scale_bytes(q) + 256; }
+
+// The nibble of weight k of lane column c inside a lane block's 256 bytes of nibbles.
+inline int lane_nibble(const uint8_t* nibbles, int c, int k) {
+  const int i = k / 8, s = (k % 8) / 2, h = k % 2;
+  const uint8_t* word = nibbles + i * 64 + (2 * c + h) * 2;
+  const int bits = word[0] | (word[1] << 8);
+  return (bits >> (4 * s)) & 15;
+}
+
+void lanes_pack(int q, const uint8_t* W, int64_t N, int64_t K, int64_t row_bytes, uint8_t* out) {
+  const int64_t nb = K / QK, bb = block_bytes_of(q), lb = lane_block_bytes(q);
+  at::parallel_for(0, N / kLaneColumns, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* o = out + (g * nb + b) * lb;
+        std::memset(o + lane_scale_bytes(q), 0, 256);
+        for (int c = 0; c < kLaneColumns; ++c) {
+          const uint8_t* block = W + (g * kLaneColumns + c) * row_bytes + b * bb;
+          std::memcpy(o + 2 * c, block, 2);                                   // d
+          if (q == kQ4_1) std::memcpy(o + 32 + 2 * c, block + 2, 2);          // m
+          const uint8_t* qs = block + (q == kQ4_1 ? 4 : 2);
+          uint8_t* nibbles = o + lane_scale_bytes(q);
+          for (int k = 0; k < QK; ++k) {
+            const int v = k < QK / 2 ? qs[k] & 15 : qs[k - QK / 2] >> 4;
+            const int i = k / 8, s = (k % 8) / 2, h = k % 2;
+            uint8_t* word = nibbles + i * 64 + (2 * c + h) * 2;
+            const int shift = 4 * s;
+            word[shift / 8] |= static_cast<uint8_t>(v << (shift % 8));
+          }
+        }
+      }
+  });
+}
+
+void lanes_unpack(int q, const uint8_t* L, int64_t N, int64_t K, int64_t row_bytes, uint8_t* out) {
+  const int64_t nb = K / QK, bb = block_bytes_of(q), lb = lane_block_bytes(q);
+  at::parallel_for(0, N / kLaneColumns, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* l = L + (g * nb + b) * lb;
+        for (int c = 0; c < kLaneColumns; ++c) {
+          uint8_t* block = out + (g * kLaneColumns + c) * row_bytes + b * bb;
+          std::memcpy(block, l + 2 * c, 2);
+          if (q == kQ4_1) std::memcpy(block + 2, l + 32 + 2 * c, 2);
+          uint8_t* qs = block + (q == kQ4_1 ? 4 : 2);
+          for (int j = 0; j < QK / 2; ++j)
+            qs[j] = static_cast<uint8_t>(lane_nibble(l + lane_scale_bytes(q), c, j) |
+                                         (lane_nibble(l + lane_scale_bytes(q), c, j + QK / 2) << 4));
+        }
+      }
+  });
+}
+
+#if defined(TCB_QUANT_BF16_DIRECT)
+inline uint32_t pair_at(const c10::BFloat16* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Rows r0 .. r0 + RT - 1 against lane groups g .. g + CG - 1: per block, each group's 4 nibble vectors give 16
+// weight pairs (shift, mask-and-bias) multiplied into each row's block sum; then the block's scales.
+template <int Q, int RT, int CG>
+inline void lane_groups(const c10::BFloat16* x, int64_t K, const float* xsum, const uint8_t* L, int64_t group_bytes,
+                        int64_t g, c10::BFloat16* y, int64_t N, int64_t r0) {
+  constexpr int SB = Q == kQ4_1 ? 64 : 32, LB = SB + 256;
+  const int64_t nb = K / QK;
+  const __m512i low = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  __m512 acc[CG][RT];
+  for (int c = 0; c < CG; ++c)
+    for (int r = 0; r < RT; ++r) acc[c][r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 blk[CG][RT];
+    for (int c = 0; c < CG; ++c)
+      for (int r = 0; r < RT; ++r) blk[c][r] = _mm512_setzero_ps();
+    const c10::BFloat16* xb = x + r0 * K + b * QK;
+    for (int i = 0; i < 4; ++i) {
+      __m512i words[CG];
+      for (int c = 0; c < CG; ++c) {
+        const uint8_t* lane = L + (g + c) * group_bytes + b * LB;
+        __builtin_prefetch(lane + 4 * LB + i * 64);
+        words[c] = _mm512_loadu_si512(lane + SB + i * 64);
+      }
+      for (int s = 0; s < 4; ++s) {
+        const int k = 8 * i + 2 * s;
+        __m512bh xv[RT];
+        for (int r = 0; r < RT; ++r) xv[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(xb + r * K + k)));
+        for (int c = 0; c < CG; ++c) {
+          const __m512i shifted = s == 0 ? words[c] : _mm512_srli_epi16(words[c], 4 * s);
+          const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(shifted, low, bias, 0xEA);  // (a & b) | c
+          for (int r = 0; r < RT; ++r) blk[c][r] = _mm512_dpbf16_ps(blk[c][r], w, xv[r]);
+        }
+      }
+    }
+    for (int c = 0; c < CG; ++c) {
+      const uint8_t* lane = L + (g + c) * group_bytes + b * LB;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane)));
+      const __m512 m = Q == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane + 32)))
+                                  : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+      const __m512 shift = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f), m);  // m - 128 d
+      for (int r = 0; r < RT; ++r) {
+        acc[c][r] = _mm512_fmadd_ps(blk[c][r], d, acc[c][r]);
+        acc[c][r] = _mm512_fmadd_ps(shift, _mm512_set1_ps(xsum[r * nb + b]), acc[c][r]);
+      }
+    }
+  }
+  for (int c = 0; c < CG; ++c)
+    for (int r = 0; r < RT; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (r0 + r) * N + (g + c) * kLaneColumns),
+                          (__m256i)_mm512_cvtneps_pbh(acc[c][r]));  // rounded to nearest even, as .to(bfloat16)
+}
+
+template <int Q, int RT>
+void lane_rows(const c10::BFloat16* x, int64_t K, const float* xsum, const uint8_t* L, int64_t group_bytes,
+               int64_t g0, int64_t g1, c10::BFloat16* y, int64_t N, int64_t r0) {
+  constexpr int CG = RT >= 6 ? 1 : RT >= 3 ? 2 : 4;  // accumulators: 2 * RT * CG, at most 24
+  const float* xs = xsum + r0 * (K / QK);
+  int64_t g = g0;
+  for (; g + CG <= g1; g += CG) lane_groups<Q, RT, CG>(x, K, xs, L, group_bytes, g, y, N, r0);
+  for (; g < g1; ++g) lane_groups<Q, RT, 1>(x, K, xs, L, group_bytes, g, y, N, r0);
+}
+
+template <int Q, int RT>
+void lane_rest(const c10::BFloat16* x, int64_t rest, int64_t K, const float* xsum, const uint8_t* L,
+               int64_t group_bytes, int64_t g0, int64_t g1, c10::BFloat16* y, int64_t N, int64_t r0) {
+  if constexpr (RT > 1) {
+    if (rest == RT - 1) lane_rows<Q, RT - 1>(x, K, xsum, L, group_bytes, g0, g1, y, N, r0);
+    else lane_rest<Q, RT - 1>(x, rest, K, xsum, L, group_bytes, g0, g1, y, N, r0);
+  }
+}
+
+constexpr int kLaneRowTile = 8;
+
+template <int Q>
+void lanes_matmul_typed(const c10::BFloat16* x, int64_t R, int64_t K, const uint8_t* L, c10::BFloat16* y,
+                        int64_t N) {
+  const int64_t nb = K / QK, groups = N / kLaneColumns, group_bytes = nb * (Q == kQ4_1 ? 320 : 288);
+  std::vector<float> xsum(R * nb);  // each block's sum of x, a row at a time
+  at::parallel_for(0, R * nb, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const __m512i pairs = _mm512_loadu_si512(x + (i / nb) * K + (i % nb) * QK);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      xsum[i] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+  });
+  at::parallel_for(0, groups, 4, [&](int64_t begin, int64_t end) {
+    int64_t r = 0;
+    for (; r + kLaneRowTile <= R; r += kLaneRowTile)
+      lane_rows<Q, kLaneRowTile>(x, K, xsum.data(), L, group_bytes, begin, end, y, N, r);
+    if (r < R) lane_rest<Q, kLaneRowTile>(x, R - r, K, xsum.data(), L, group_bytes, begin, end, y, N, r);
+  });
+}
+#endif
+
+int lanes_base(int64_t qtype) {
+  TORCH_CHECK(is_lanes(qtype), "lane layouts: types ", kLanes + kQ4_0, " (Q4_0) and ", kLanes + kQ4_1,
+              " (Q4_1), got ", qtype);
+  return static_cast<int>(qtype - kLanes);
+}
+
+}  // namespace
+
+bool quant_lanes_available() {
+#if defined(TCB_QUANT_BF16_DIRECT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor lanes_convert(const at::Tensor& blocks, int64_t qtype, bool pack) {
+  TORCH_CHECK(qtype == kQ4_0 || qtype == kQ4_1, "lane layouts: Q4_0 (2) and Q4_1 (3) only, got ", qtype);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks: contiguous uint8 [N, row bytes]");
+  const int64_t N = blocks.size(0), rb = blocks.size(1), bb = block_bytes_of(qtype);
+  TORCH_CHECK(N % kLaneColumns == 0, "lane layouts need a multiple of ", kLaneColumns, " columns, got ", N);
+  TORCH_CHECK(rb % bb == 0, "row bytes ", rb, " is not a whole number of blocks of ", bb);
+  at::Tensor out = at::empty_like(blocks);
+  const int q = static_cast<int>(qtype);
+  if (pack) lanes_pack(q, blocks.data_ptr<uint8_t>(), N, rb / bb * QK, rb, out.data_ptr<uint8_t>());
+  else lanes_unpack(q, blocks.data_ptr<uint8_t>(), N, rb / bb * QK, rb, out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor quant_lanes_pack(const at::Tensor& blocks, int64_t qtype) { return lanes_convert(blocks, qtype, true); }
+
+at::Tensor quant_lanes_unpack(const at::Tensor& lanes, int64_t qtype) {
+  return lanes_convert(lanes, lanes_base(qtype), false);
+}
+
+// quant_matmul over a lane layout: the lane product for a bfloat16 x where the CPU has AVX512-BF16, else the
+// weight back in GGUF blocks and quant_matmul's own product.
+at::Tensor lanes_matmul(const at::Tensor& x, const at::Tensor& lanes, int64_t qtype) {
+  const int q = lanes_base(qtype);
+  const int64_t K = lanes.size(1) / block_bytes_of(q) * QK, N = lanes.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x [R, ", K, "] expected, got ", x.sizes());
+#if defined(TCB_QUANT_BF16_DIRECT)
+  if (x.scalar_type() == at::kBFloat16 && lanes.is_contiguous() && N % kLaneColumns == 0) {
+    const at::Tensor xc = x.contiguous();
+    const int64_t R = x.size(0);
+    at::Tensor y = at::empty({R, N}, x.options());
+    if (R > 0 && N > 0) {
+      if (q == kQ4_1) lanes_matmul_typed<kQ4_1>(xc.data_ptr<c10::BFloat16>(), R, K, lanes.data_ptr<uint8_t>(),
+                                                y.data_ptr<c10::BFloat16>(), N);
+      else lanes_matmul_typed<kQ4_0>(xc.data_ptr<c10::BFloat16>(), R, K, lanes.data_ptr<uint8_t>(),
+                                     y.data_ptr<c10::BFloat16>(), N);
+    }
+    return y;
+  }
+#endif
+  return quant_matmul(x, quant_lanes_unpack(lanes, qtype), q);
+}
+"""
+
+LANES_BINDINGS = r"""
+  m.def("quant_lanes_available", &quant_lanes_available, "whether this build has the bfloat16 lane product");
+  m.def("quant_lanes_pack", &quant_lanes_pack, "GGUF Q4_0 / Q4_1 blocks [N, row bytes] in the lane layout");
+  m.def("quant_lanes_unpack", &quant_lanes_unpack, "a lane layout back in GGUF blocks, bit for bit");
+"""
