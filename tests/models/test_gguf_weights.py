@@ -30,7 +30,7 @@ from transformers_cb.models.loading import load_model_and_tokenizer, quantized_s
 from transformers_cb.parity.compare import compare_tokens
 from transformers_cb.runner.products.packed_linear import PackRule
 from transformers_cb.runner.products.packed_model import pack_bytes, packing_settings
-from transformers_cb.runner.products.quantized_linear import Q4_0, Q4_1, QuantizedEmbedding, QuantizedLinear
+from transformers_cb.runner.products.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
 gguf = pytest.importorskip("gguf", reason="the gguf package writes the test's GGUF files")
 QTYPES = [gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
@@ -79,9 +79,9 @@ def test_greedy_outputs_equal_generate_on_the_dequantized_weights(
     reference = load(gguf_path, dtype)
     model = load(gguf_path, dtype)
     report = keep_gguf_quantized(model)
-    ops, qtype = native_module(), model.get_submodule("model.layers.0.mlp.up_proj").qtype
-    if dtype == torch.bfloat16 and qtype in (Q4_0, Q4_1) and ops and ops.quant_lanes_available():
-        # the layers' 4-bit Linears over lanes; the head reads the tied embedding's blocks: not repacked
+    ops = native_module()
+    if dtype == torch.bfloat16 and ops and ops.quant_lanes_available():
+        # the layers' Linears over lanes; the tied embedding and head not (261 rows: no whole lane groups)
         assert len(report.lanes) == LAYERS * LINEARS_PER_LAYER and "lm_head" not in report.lanes
     else:
         assert report.lanes == []
@@ -102,6 +102,42 @@ def test_greedy_outputs_equal_generate_on_the_dequantized_weights(
         near_ties.append(mismatch.margin)
     # Equal except at near-ties, and mostly equal outright (a near-tie only on an unlucky prompt).
     assert agreed >= len(prompts) - 1, near_ties
+
+
+def test_a_tied_embedding_and_head_go_over_lanes_together(tmp_path: Path) -> None:
+    """A vocabulary of whole lane groups (272): the tied embedding and LM head share one repacked tensor, and
+    greedy outputs still equal `generate()` on the dequantized bfloat16 weights except at near-ties."""
+    ops = native_module()
+    if ops is None or not ops.quant_lanes_available():
+        pytest.skip("the lane product needs the native library with AVX512-BF16")
+    path = write_tiny_gguf(
+        tmp_path / "tiny.gguf",
+        seed=4,
+        quant=int(gguf.GGMLQuantizationType.Q8_0),
+        qk_scale=6.0,
+        extra_tokens=11,
+    )
+    reference, model = load(path, torch.bfloat16), load(path, torch.bfloat16)
+    report = keep_gguf_quantized(model)
+    assert {"lm_head", "model.embed_tokens"} <= set(report.lanes)
+    assert len(report.lanes) == LAYERS * LINEARS_PER_LAYER + 2
+    assert model.lm_head.blocks is model.get_submodule("model.embed_tokens").blocks
+    as_blocks = keep_gguf_quantized(load(path, torch.bfloat16), lanes=False)
+    assert as_blocks.lanes == [] and as_blocks.quantized_bytes == report.quantized_bytes  # the same bytes
+    prompts = prompts_of_lengths([3, 9, 17, 30, 41, 64], vocab=272, seed=6)
+    config = GenerationConfig(
+        max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    outputs = model.generate_batch(inputs=prompts, generation_config=config)
+    agreed = 0
+    for i, prompt in enumerate(prompts):
+        expected = greedy_reference(reference, prompt, MAX_NEW_TOKENS)
+        mismatch = compare_tokens(
+            reference, f"req_{i}", prompt, expected, outputs[f"req_{i}"].generated_tokens
+        )
+        assert mismatch is None or mismatch.is_near_tie, mismatch.describe()
+        agreed += mismatch is None
+    assert agreed >= len(prompts) - 1
 
 
 def test_the_loader_keeps_a_folder_s_gguf_and_the_switch_turns_it_off(

@@ -123,8 +123,8 @@ def test_the_modules() -> None:
         QuantizedLinear(blocks, qtype, 96)
 
 
-# The lane layout (attention/native/quantized/native_lanes_source.py): 16 columns' 4-bit blocks side by side.
-LANE_QTYPES = [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1]
+# The lane layout (attention/native/quantized/native_lanes_source.py): 16 columns' blocks side by side.
+LANE_QTYPES = QTYPES
 lanes_built = pytest.mark.skipif(
     OPS is None or not OPS.quant_lanes_available(), reason="the lane product needs AVX512-BF16"
 )
@@ -132,7 +132,7 @@ lanes_built = pytest.mark.skipif(
 
 @native
 @pytest.mark.parametrize("qtype", LANE_QTYPES, ids=lambda q: q.name)
-def test_the_lane_layout_holds_the_same_blocks(qtype) -> None:
+def test_the_lane_layout_holds_the_same_blocks(qtype, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks, weight = random_blocks(48, 160, qtype, seed=7)
     lanes = OPS.quant_lanes_pack(blocks, int(qtype))
     assert lanes.shape == blocks.shape and not torch.equal(lanes, blocks)
@@ -143,8 +143,18 @@ def test_the_lane_layout_holds_the_same_blocks(qtype) -> None:
     assert torch.equal(dequantize_blocks(lanes, kernel_qtype, torch.bfloat16), weight.bfloat16())
     with pytest.raises(RuntimeError, match="multiple of 16 columns"):
         OPS.quant_lanes_pack(blocks[:40].contiguous(), int(qtype))
-    with pytest.raises(RuntimeError, match="Q4_0 \\(2\\) and Q4_1 \\(3\\) only"):
-        OPS.quant_lanes_pack(blocks, 8)
+    with pytest.raises(RuntimeError, match="Q4_0 \\(2\\), Q4_1 \\(3\\) and Q8_0 \\(8\\) only"):
+        OPS.quant_lanes_pack(blocks, 12)
+    ids = torch.tensor([[0, 47, 16], [5, 5, 31]])
+    for dtype in (torch.float32, torch.bfloat16):  # an embedding's lookup: natively and by torch ops
+        want = F.embedding(ids, weight.to(dtype))
+        assert torch.equal(OPS.quant_lanes_rows(lanes, kernel_qtype, ids, dtype), want)
+        assert torch.equal(quantized_linear.lanes_rows(lanes, kernel_qtype, ids, dtype), want)
+    with pytest.raises(RuntimeError, match="out of range"):
+        OPS.quant_lanes_rows(lanes, kernel_qtype, torch.tensor([48]), torch.float32)
+    monkeypatch.setattr(quantized_linear, "native_module", lambda: None)  # torch ops: the same values
+    assert torch.equal(quantized_linear.lanes_rows(lanes, kernel_qtype, ids, torch.bfloat16), want)
+    assert torch.equal(dequantize_blocks(lanes, kernel_qtype), weight)
 
 
 def assert_lanes_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -197,5 +207,14 @@ def test_a_bfloat16_linear_goes_over_lanes_and_only_it() -> None:
     assert torch.equal(linear(many), F.linear(many, weight) + bias)
     assert not QuantizedLinear(blocks, q4_1, 64).to_lanes()  # float32 rows
     assert not QuantizedLinear(blocks[:40].contiguous(), q4_1, 64, None, torch.bfloat16).to_lanes()
-    blocks8, _ = random_blocks(48, 64, gguf.GGMLQuantizationType.Q8_0, seed=5)
-    assert not QuantizedLinear(blocks8, q8_0, 64, None, torch.bfloat16).to_lanes()
+    blocks8, weight8 = random_blocks(48, 64, gguf.GGMLQuantizationType.Q8_0, seed=5)
+    head = QuantizedLinear(blocks8, q8_0, 64, None, torch.bfloat16)
+    embedding = QuantizedEmbedding(blocks8, q8_0, 64, torch.bfloat16)
+    ids = torch.tensor([[3, 0, 47]])
+    # a tied embedding and head: repacked once for both, or not at all
+    assert not quantized_linear.repack_over_lanes(
+        [head, QuantizedEmbedding(blocks8, q8_0, 64, torch.float32)]
+    )
+    assert quantized_linear.repack_over_lanes([head, embedding]) and head.blocks is embedding.blocks
+    assert torch.equal(embedding(ids), F.embedding(ids, weight8.bfloat16())) and "lanes" in repr(embedding)
+    assert_lanes_close(head(x.reshape(6, 64)), x.reshape(6, 64), weight8)

@@ -35,13 +35,17 @@ def _byte_alphabet() -> list[str]:
     return [spelling[b] for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, quant: int | None = None, qk_scale: float = 1.0) -> Path:
+def write_tiny_gguf(
+    path: Path, seed: int = 0, quant: int | None = None, qk_scale: float = 1.0, extra_tokens: int = 0
+) -> Path:
     """The tiny Llama's GGUF; `quant` (a `gguf.GGMLQuantizationType`): its matrices (the tied embedding
-    too) stored in blocks of that type; `qk_scale`: q/k weights scaled up so attention is sharp."""
+    too) stored in blocks of that type; `qk_scale`: q/k weights scaled up so attention is sharp;
+    `extra_tokens`: added to its 261 (272: a vocabulary of whole lane groups of 16)."""
     import gguf
 
     rng = np.random.default_rng(seed)
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_alphabet(), "he", "Ġt"]
+    tokens += [f"<|extra_{i}|>" for i in range(extra_tokens)]
     hidden, heads, kv_heads, ffn, layers = 32, 4, 2, 64, 2
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny test llama")

@@ -34,6 +34,7 @@ from ..runner.products.quantized_linear import (
     QuantizedLinear,
     dequantize_blocks,
     quantized_bytes,
+    repack_over_lanes,
     row_bytes,
 )
 
@@ -51,7 +52,7 @@ class KeptQuantized:
     left_float: dict[str, str] = field(default_factory=dict)
     quantized_bytes: int = 0
     float_bytes_dropped: int = 0
-    # the modules repacked over lanes (`QuantizedLinear.to_lanes`: a bfloat16 model's 4-bit Linears)
+    # the modules repacked over lanes (`repack_over_lanes`: a bfloat16 model's, a tied embedding with its head)
     lanes: list[str] = field(default_factory=list)
 
 
@@ -85,7 +86,7 @@ def keep_gguf_quantized(
 ) -> KeptQuantized:
     """Replace `model`'s Linears (and a tied quantized embedding) by their GGUF blocks from `gguf_file`
     (default: the file transformers recorded, `gguf_file_of`), then, with `lanes`, repack those the lane
-    product serves (`QuantizedLinear.to_lanes`). Raises `ValueError` when there is no file."""
+    product serves (`repack_over_lanes`). Raises `ValueError` when there is no file."""
     path = gguf_file if gguf_file is not None else gguf_file_of(model)
     if path is None:
         raise ValueError("keep_gguf_quantized: the model names no GGUF file; pass gguf_file=")
@@ -108,19 +109,17 @@ def keep_gguf_quantized(
 
 
 def _repack_lanes(model: nn.Module) -> list[str]:
-    """Repack over lanes every `QuantizedLinear` whose blocks no other module reads (a tied embedding looks
-    rows up in the GGUF layout); the names of those repacked."""
-    readers: dict[int, int] = {}
-    for module in model.modules():
+    """Repack over lanes the blocks of every quantized module the lane product serves, a tensor shared by a
+    tied embedding and LM head once for both (`repack_over_lanes`); the names of the modules repacked."""
+    readers: dict[int, list[tuple[str, QuantizedLinear | QuantizedEmbedding]]] = {}
+    for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear | QuantizedEmbedding):
-            readers[module.blocks.data_ptr()] = readers.get(module.blocks.data_ptr(), 0) + 1
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, QuantizedLinear)
-        and readers[module.blocks.data_ptr()] == 1
-        and module.to_lanes()
-    ]
+            readers.setdefault(module.blocks.data_ptr(), []).append((name, module))
+    repacked: list[str] = []
+    for shared in readers.values():
+        if repack_over_lanes([module for _, module in shared]):
+            repacked.extend(name for name, _ in shared)
+    return repacked
 
 
 def raw_tensors(path: str) -> tuple[str, list[tuple[str, int, np.ndarray]]]:

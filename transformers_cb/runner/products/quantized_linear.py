@@ -9,7 +9,7 @@ few rows of a decode step; from `DIRECT_MAX_ROWS` rows on (prefill) tiles of the
 measurements). Without the native library (not built yet, or switched off) the blocks are dequantized by
 torch ops (`dequantize_blocks`): the same values, slower.
 
-A bfloat16 model's 4-bit Linears are repacked over lanes (`QuantizedLinear.to_lanes`, the native library's
+A bfloat16 model's Linears (and a tied embedding with its LM head) are repacked over lanes (`QuantizedLinear.to_lanes`, the native library's
 `quant_lanes_pack`, attention/native/quantized/native_lanes_source.py): 16 columns' blocks side by side, the
 same bytes, read by a product that has no per-block table to build (`LANES + qtype`, the kernel's type).
 
@@ -68,23 +68,6 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: int, dtype: torch.dtype = tor
     return _dequantize_torch(blocks, qtype).to(dtype)
 
 
-def _unpack_lanes_torch(lanes: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks from their lane layout (native_lanes_source.py's `quant_lanes_unpack`, in torch ops)."""
-    rows, nb = lanes.shape[0], lanes.shape[1] // BLOCK_BYTES[qtype]
-    scale_bytes = 64 if qtype == Q4_1 else 32
-    grouped = lanes.reshape(rows // LANE_COLUMNS, nb, scale_bytes + 256)
-    # scales: [groups, blocks, 16 columns, 2 bytes] -> [rows, blocks, 2 bytes] (m after d for Q4_1)
-    scales = grouped[..., :scale_bytes].reshape(-1, nb, scale_bytes // 32, LANE_COLUMNS, 2)
-    scales = scales.permute(0, 3, 1, 2, 4).reshape(rows, nb, scale_bytes // 16)
-    # nibbles: vector i, column c, half h, 2 bytes: one 16-bit word of 4 nibbles s (weight k = 8i + 2s + h)
-    words = grouped[..., scale_bytes:].reshape(-1, nb, 4, LANE_COLUMNS, 2, 2).to(torch.int32)
-    words = words[..., 0] | (words[..., 1] << 8)
-    q = torch.stack([(words >> (4 * s)) & 15 for s in range(4)], dim=-1)  # [g, b, i, c, h, s]
-    q = q.permute(0, 3, 1, 2, 5, 4).reshape(rows, nb, BLOCK_WEIGHTS)  # k = 8i + 2s + h
-    packed = (q[..., : BLOCK_WEIGHTS // 2] | (q[..., BLOCK_WEIGHTS // 2 :] << 4)).to(torch.uint8)
-    return torch.cat([scales, packed], dim=-1).reshape(rows, -1)
-
-
 def _dequantize_torch(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     rows = blocks.shape[0]
     per_block = blocks.reshape(rows, -1, BLOCK_BYTES[qtype])
@@ -98,6 +81,68 @@ def _dequantize_torch(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         m = per_block[..., 2:4].contiguous().view(torch.float16).float()
         return (d * nibbles + m).reshape(rows, -1)
     return (d * (nibbles - 8)).reshape(rows, -1)
+
+
+def _unpack_lanes_torch(lanes: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks of `qtype` from their lane layout (native_lanes_source.py's `quant_lanes_unpack`, in torch
+    ops)."""
+    rows, nb = lanes.shape[0], lanes.shape[1] // BLOCK_BYTES[qtype]
+    scale_bytes = 64 if qtype == Q4_1 else 32
+    grouped = lanes.reshape(rows // LANE_COLUMNS, nb, -1)
+    # scales: [groups, blocks, 16 columns, 2 bytes] -> [rows, blocks, 2 bytes] (m after d for Q4_1)
+    scales = grouped[..., :scale_bytes].reshape(-1, nb, scale_bytes // 32, LANE_COLUMNS, 2)
+    scales = scales.permute(0, 3, 1, 2, 4).reshape(rows, nb, scale_bytes // 16)
+    if qtype == Q8_0:  # vector v, column c, half h, byte t: q ^ 0x80 of weight k = 4v + 2t + h
+        values = grouped[..., scale_bytes:].reshape(-1, nb, 8, LANE_COLUMNS, 2, 2) ^ 0x80
+        q8 = values.permute(0, 3, 1, 2, 5, 4).reshape(rows, nb, BLOCK_WEIGHTS)
+        return torch.cat([scales, q8], dim=-1).reshape(rows, -1)
+    # vector i, column c, half h, 2 bytes: one 16-bit word of 4 nibbles s (weight k = 8i + 2s + h)
+    words = grouped[..., scale_bytes:].reshape(-1, nb, 4, LANE_COLUMNS, 2, 2).to(torch.int32)
+    words = words[..., 0] | (words[..., 1] << 8)
+    q = torch.stack([(words >> (4 * s)) & 15 for s in range(4)], dim=-1)  # [g, b, i, c, h, s]
+    q = q.permute(0, 3, 1, 2, 5, 4).reshape(rows, nb, BLOCK_WEIGHTS)  # k = 8i + 2s + h
+    packed = (q[..., : BLOCK_WEIGHTS // 2] | (q[..., BLOCK_WEIGHTS // 2 :] << 4)).to(torch.uint8)
+    return torch.cat([scales, packed], dim=-1).reshape(rows, -1)
+
+
+def lanes_rows(lanes: torch.Tensor, qtype: int, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of the weight held over lanes (kernel type `qtype`), dequantized to `dtype` `[*ids, K]`:
+    an embedding's lookup in the blocks its tied LM head reads."""
+    module = native_module()
+    if module is not None and lanes.device.type == "cpu" and dtype in COMPUTE_DTYPES:
+        return module.quant_lanes_rows(lanes, qtype, ids, dtype)
+    flat, width = ids.reshape(-1), lanes.shape[1]
+    groups = lanes.reshape(-1, LANE_COLUMNS * width).index_select(0, flat // LANE_COLUMNS)
+    blocks = _unpack_lanes_torch(groups.reshape(-1, width), qtype - LANES)
+    picked = blocks[torch.arange(flat.numel()) * LANE_COLUMNS + flat % LANE_COLUMNS]
+    return _dequantize_torch(picked, qtype - LANES).to(dtype).reshape(*ids.shape, -1)
+
+
+def can_go_over_lanes(module: QuantizedLinear | QuantizedEmbedding) -> bool:
+    """Whether the lane product serves `module`: a bfloat16 model's blocks of a multiple of 16 columns (rows
+    of an embedding), not repacked yet, on a CPU whose build of the native library has AVX512-BF16."""
+    ops = native_module()
+    return (
+        module.kernel_qtype == module.qtype
+        and module.compute_dtype == torch.bfloat16
+        and module.blocks.shape[0] % LANE_COLUMNS == 0
+        and module.blocks.device.type == "cpu"
+        and ops is not None
+        and ops.quant_lanes_available()
+    )
+
+
+def repack_over_lanes(readers: list[QuantizedLinear | QuantizedEmbedding]) -> bool:
+    """Repack the blocks `readers` (every module reading them: a tied embedding and LM head) share over lanes,
+    once for all of them; whether it did (only where each can read lanes)."""
+    ops = native_module()
+    if ops is None or not readers or not all(can_go_over_lanes(module) for module in readers):
+        return False
+    lanes = ops.quant_lanes_pack(readers[0].blocks, readers[0].qtype)
+    for module in readers:
+        module.blocks = lanes
+        module.kernel_qtype = LANES + module.qtype
+    return True
 
 
 def quantized_product(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -148,24 +193,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def to_lanes(self) -> bool:
-        """Repack the blocks over lanes where the lane product serves this module (a bfloat16 model's Q4_0 /
-        Q4_1 weight of a multiple of 16 columns, on a CPU whose build has AVX512-BF16); whether it did. The
-        caller makes sure no other module shares the blocks (a tied embedding reads the GGUF layout)."""
-        module = native_module()
-        blocks = self.blocks
-        if (
-            self.kernel_qtype != self.qtype
-            or self.qtype not in (Q4_0, Q4_1)
-            or self.compute_dtype != torch.bfloat16
-            or self.out_features % LANE_COLUMNS
-            or blocks.device.type != "cpu"
-            or module is None
-            or not module.quant_lanes_available()
-        ):
-            return False
-        self.blocks = module.quant_lanes_pack(blocks, self.qtype)
-        self.kernel_qtype = LANES + self.qtype
-        return True
+        """Repack the blocks over lanes where the lane product serves this module (`can_go_over_lanes`);
+        whether it did. For blocks no other module reads (`repack_over_lanes` repacks shared ones)."""
+        return repack_over_lanes([self])
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         flat = input.reshape(-1, self.in_features)
@@ -202,6 +232,7 @@ class QuantizedEmbedding(nn.Module):
                 f"blocks {tuple(blocks.shape)} {blocks.dtype} do not hold {embedding_dim} values"
             )
         self.qtype = qtype
+        self.kernel_qtype = qtype  # LANES + qtype once repacked with its tied head (`repack_over_lanes`)
         self.num_embeddings = blocks.shape[0]
         self.embedding_dim = embedding_dim
         self.compute_dtype = compute_dtype
@@ -209,12 +240,15 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.kernel_qtype > LANES:
+            return lanes_rows(self.blocks, self.kernel_qtype, input, self.compute_dtype)
         rows = self.blocks.index_select(0, input.reshape(-1))
         values = dequantize_blocks(rows, self.qtype, self.compute_dtype)
         return values.reshape(*input.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, quant={QUANT_NAMES[self.qtype]}"
+        lanes = ", lanes" if self.kernel_qtype > LANES else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, quant={QUANT_NAMES[self.qtype]}{lanes}"
 
 
 def quantized_bytes(model: nn.Module) -> int:
