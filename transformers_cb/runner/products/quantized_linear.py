@@ -9,9 +9,10 @@ few rows of a decode step; from `DIRECT_MAX_ROWS` rows on (prefill) tiles of the
 measurements). Without the native library (not built yet, or switched off) the blocks are dequantized by
 torch ops (`dequantize_blocks`): the same values, slower.
 
-A bfloat16 model's Linears (and a tied embedding with its LM head) are repacked over lanes (`QuantizedLinear.to_lanes`, the native library's
-`quant_lanes_pack`, attention/native/quantized/native_lanes_source.py): 16 columns' blocks side by side, the
-same bytes, read by a product that has no per-block table to build (`LANES + qtype`, the kernel's type).
+A bfloat16 model's Linears (and a tied embedding with its LM head) are repacked over lanes
+(`repack_over_lanes`, the native library's `quant_lanes_pack`, attention/native/quantized/native_lanes_source.py):
+16 columns' blocks side by side, the same bytes, read by a product that has no per-block table to build
+(`LANES + qtype`, the kernel's type).
 
 These modules replace a model's `nn.Linear` / `nn.Embedding` for good (models/gguf_weights.py, at load):
 the float weights are not kept, so `generate()` and every engine step run the same products. They are no
@@ -28,7 +29,7 @@ from torch import nn
 from ...attention.native.kernel import native_module
 
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids (gguf.GGMLQuantizationType)
-# A lane layout's type is LANES + its GGUF type (Q4_0: 102, Q4_1: 103); 16 columns a lane group.
+# A lane layout's type is LANES + its GGUF type (Q4_0: 102, Q4_1: 103, Q8_0: 108); 16 columns a lane group.
 LANES = 100
 LANE_COLUMNS = 16
 BLOCK_WEIGHTS = 32

@@ -1,27 +1,31 @@
-"""C++ source of the 4-bit products over lanes: GGUF Q4_0 / Q4_1 weights repacked so that 16 output columns sit in
+"""C++ source of the products over lanes: GGUF Q4_0 / Q4_1 / Q8_0 weights repacked so that 16 output columns sit in
 the 16 lanes of a vector (llama.cpp repacks its Q4_0 for x86 and ARM the same way, `Q4_0x8`).
 
 The row-major GGUF blocks (runner/products/quantized_linear.py, native_quant_source.py) put 32 weights of one
-column in a block: a bfloat16 x needs each block's own 16 values computed and looked up (~11 instructions a
-block, a third of them shuffles, which this CPU runs on two of its four vector pipes); the decode products were
-bound by that work, not by reading the 4-bit weights. Over lanes, a block of 32 weights of 16 columns is:
+column in a block: a bfloat16 x needs each block's own values computed (a 4-bit block's 16 by table, ~11
+instructions a block, a third of them shuffles, which this CPU runs on two of its four vector pipes); the decode
+products were bound by that work, not by reading the weights. Over lanes, a block of 32 weights of 16 columns is:
 
-- the 16 columns' fp16 scales d (and Q4_1's fp16 minimums m), 32 (64) bytes: one conversion each for 16 columns;
-- 256 bytes of nibbles as 4 vectors of 32 words: vector i, word 2c + h holds 4 nibbles of column c, nibble s the
-  weight k = 8i + 2s + h. Shifting a vector by 4s and keeping the low nibble gives, in each lane c, the pair of
-  weights (2p, 2p + 1), p = 4i + s, the pair `vdpbf16ps` multiplies by x's pair (x[2p], x[2p + 1]) broadcast.
+- the 16 columns' fp16 scales d (and Q4_1's fp16 minimums m), 32 (64) bytes: one conversion for 16 columns;
+- the values as vectors of 32 16-bit words, word 2c + h of column c holding four 4-bit fields. 4-bit types: 4
+  vectors, field s of vector i the nibble of weight k = 8i + 2s + h; Q8_0: 8 vectors, byte t of the word holding
+  `q ^ 0x80` of weight k = 4v + 2t + h (its low nibble field 2t, its high nibble field 2t + 1). Shifting a
+  vector by 4s and keeping the low nibble gives, in each lane c, a pair of weights (k, k + 1) that `vdpbf16ps`
+  multiplies by x's pair (x[k], x[k + 1]) broadcast (Q8_0's high nibbles by 16 x, exact in bfloat16).
 
-A nibble q becomes the bfloat16 128 + q by one bitwise instruction (`0x4300 | q`: 128's exponent, q in the
-mantissa's low bits), so the block's 16 products sum 128 + q against x; with sx the block's sum of x,
-`sum(w x) = d * sum((128 + q) x) + (m - 128 d) * sx` (Q4_0: m = -8 d). Two shuffle-free instructions a pair,
-one `vdpbf16ps` per row and pair, two fused multiply-adds a block and row: the product reads memory at its
-rate. Every product of a bfloat16 x by 128 + q is exact in float32; the weights are exactly `d * q + m` (not
-rounded to bfloat16 as the row-major product rounds them), so the sums differ from the bfloat16 reference's
-only in rounding (tie-aware, docs/quantization.md). The bytes are the GGUF blocks' own count: a layer's
-`[N, row bytes]` buffer holds the same bytes, 16 columns' blocks after each other.
+A field f becomes the bfloat16 128 + f by one bitwise instruction (`0x4300 | f`: 128's exponent, f in the
+mantissa's low bits), so a block's sums run over 128 + f; with sx the block's sum of x,
+`sum(w x) = d * block sum + shift * sx`, shift = m - 128 d (Q4_1), -136 d (Q4_0: m = -8 d), -2304 d (Q8_0:
+q = 16 hi + lo - 128). Two shuffle-free instructions a pair, one `vdpbf16ps` per row and pair, two fused
+multiply-adds a block and row: the product reads memory at its rate. Every product of a bfloat16 x by 128 + f
+is exact in float32; the weights are exactly `d * q + m` (not rounded to bfloat16 as the row-major product
+rounds them), so the sums differ from the bfloat16 reference's only in rounding (tie-aware,
+docs/quantization.md). The bytes are the GGUF blocks' own count: a layer's `[N, row bytes]` buffer holds the
+same bytes, 16 columns' blocks after each other.
 
-`quant_lanes_pack(blocks, qtype)`, `quant_lanes_unpack(lanes, qtype)`: between the two layouts (bit for bit);
-`quant_matmul` / `quant_dequantize` take the lane types `LANES + qtype` (102, 103).
+`quant_lanes_pack(blocks, qtype)`, `quant_lanes_unpack(lanes, lane type)`: between the two layouts (bit for
+bit); `quant_lanes_rows(lanes, lane type, ids, dtype)`: rows dequantized (a tied embedding's lookup);
+`quant_matmul` / `quant_dequantize` take the lane types `100 + qtype` (102, 103, 108).
 """
 
 LANES_SOURCE = r"""
