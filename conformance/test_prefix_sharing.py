@@ -311,3 +311,31 @@ def test_a_prefix_shorter_than_a_page_is_copied_and_matches_generate(pressure) -
     assert [list(r.generated_ids) for r in requests] == expected
     if pressure != "evicting":  # each later request copies the 48 tokens of the first one's page
         assert engine.scheduler.pages.prefix.stats.hit_tokens >= 5 * 48
+
+
+def test_an_idle_engine_holds_no_page_for_a_copy(llama, references) -> None:
+    """A partial-page hit's copy keeps its source page pinned until the plan holding the copy has run. A request
+    that ends in the step of its copy (one new token) left the source pinned until some next step: an idle
+    engine held a page (`num_used_pages` 1 after every request ended; found by the property test above)."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, VOCAB) for _ in range(20)]
+    prompts = [
+        prefix + [rng.randrange(3, VOCAB) for _ in range(4)],
+        prefix + [rng.randrange(3, VOCAB) for _ in range(3)],
+    ]
+    engine = build_engine(
+        llama, greedy_config(MAX_NEW_TOKENS), ContinuousBatchingConfig(page_size=32, max_batch_tokens=64)
+    )
+    pool = engine.scheduler.pages.pools[0]
+    with paged_backend(llama), torch.inference_mode():
+        for i, (prompt, max_new) in enumerate(zip(prompts, (2, 1), strict=True)):
+            request = engine.build_request(Submission(prompt, f"req_{i}", max_new_tokens=max_new))
+            engine.add(request)
+            while engine.has_work():
+                engine.step()
+                engine.check_integrity()
+            assert request.generated_ids == references.get(prompt, max_new)
+            assert pool.num_used_pages == 0, f"request {i}: a page is still held"
+    assert (
+        engine.scheduler.pages.prefix.stats.hit_tokens > 0
+    )  # the second request did copy the first's tokens

@@ -278,6 +278,13 @@ class Engine:
         """Schedule and run one forward pass. A failure fails only the requests of this step (under
         tensor parallelism it raises `TensorParallelError`: the ranks cannot be known to agree)."""
         batch = self.scheduler.schedule(self._drafts())
+        try:
+            return self._run(batch)
+        finally:
+            self.scheduler.plan_ran()
+
+    def _run(self, batch: StepPlan) -> StepResult:
+        """`step`'s second half: run the plan and apply its result."""
         self.publisher.step_planned(batch)
         result = StepResult(finished=list(batch.failed))
         if not batch.entries:

@@ -74,7 +74,7 @@ class PrefixCache:
         # Partial pages: one group that keeps every page (sliding groups would need each group's window).
         self.partial = len(policies) == 1 and not policies[0].trims
         self._copies: dict[str, PageCopy] = {}  # request id -> its partial hit's copy, for the next plan
-        self._pinned: list[int] = []  # sources of the copies handed out last, unpinned at the next hand-out
+        self._pinned: list[int] = []  # sources of the copies handed out last, unpinned once their plan ran
         # Partial pages being computed: (parent key, the page's first PARTIAL_STEP tokens) -> {request id: the
         # tokens it computes in that page}, and per request those index keys and the token count that settles
         # them. A waiting request compares itself only with promises of its own first tokens.
@@ -212,15 +212,21 @@ class PrefixCache:
         request.partial_keyed = (-1, 0)
 
     def take_copies(self) -> list[PageCopy]:
-        """The partial hits' copies for the next plan. Their sources stay pinned until the next call (by
-        then the plan carrying them has run); those of the previous call are unpinned now."""
-        pool = self.policies[0].pool
-        for page_id in self._pinned:
-            pool.unpin(page_id)
+        """The partial hits' copies for the next plan. Their sources stay pinned until that plan has run
+        (`copies_ran`, at the end of its step; here too, for a plan that was not followed by one)."""
+        self.copies_ran()
         copies = list(self._copies.values())
         self._copies.clear()
         self._pinned = [source for _, source, _ in copies]
         return copies
+
+    def copies_ran(self) -> None:
+        """The plan carrying the copies handed out last has run: their sources are unpinned (the engine goes
+        idle with no page held for a copy: a step's last copy used to stay pinned until the next step)."""
+        pool = self.policies[0].pool
+        for page_id in self._pinned:
+            pool.unpin(page_id)
+        self._pinned = []
 
     def _drop_copy(self, request: Request) -> None:
         copy = self._copies.pop(request.request_id, None)

@@ -193,6 +193,11 @@ class Scheduler:
         plan.released = self.queues.take_ended()
         return plan
 
+    def plan_ran(self) -> None:
+        """The last plan has run (or failed): what it held for its copies is let go (`Engine.step`, at the end
+        of every step, whichever way it ends)."""
+        self.pages.prefix_copies_ran()
+
     def _entry(self, request: Request, num_tokens: int, draft: list[int]) -> ScheduledRequest:
         """`request`'s entry in the plan: `num_tokens` from its computed ones, what fits of `draft`."""
         request.set_status(
