@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,16 @@ def _write_side_rows(args: argparse.Namespace, workload: str, rows: list[dict]) 
     print(f"\nwrote {args.json}")
 
 
+@dataclass
+class WorkloadRuns:
+    """One workload's runs on one model: the best run per engine, those beside a busy core, the crashes."""
+
+    workload: Any
+    results: dict[str, Any] = field(default_factory=dict)
+    busy_results: dict[str, Any] = field(default_factory=dict)
+    crashes: dict[str, str] = field(default_factory=dict)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     threads = args.threads or os.cpu_count() or 1
@@ -250,8 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in common.WORKLOAD_NAMES:
             raise SystemExit(f"unknown workload {name!r}; choose from {common.WORKLOAD_NAMES}")
 
-    # vLLM's engines run last (their idle workers are paused between runs, but start-up and a running
-    # worker would load the other engines' runs).
+    # The peers (vLLM, llama.cpp) run last, each started only for its own runs (the phases below).
     def is_peer(name: str) -> bool:
         return name.startswith("vllm") or name == "llama.cpp"
 
@@ -352,24 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
         warm = common.make_warmup_workload(model.config.vocab_size)
         startups: dict[str, float] = {}
-        for name, engine in list(engines.items()):
-            t0 = time.perf_counter()
-            try:
-                engine.warmup(model, warm)
-                if hasattr(engine, "pause"):
-                    engine.pause()  # a vLLM worker polls while idle: stopped until its own runs
-                startups[name] = getattr(engine, "startup_s", None) or time.perf_counter() - t0
-                startup = getattr(engine, "startup_s", None)
-                startup_str = "" if startup is None else f" (startup {startup:.1f}s)"
-                log(f"   warmup {name}: {time.perf_counter() - t0:.2f}s{startup_str}")
-            except Exception:
-                log(f"   warmup {name} FAILED, engine dropped for this model:\n{traceback.format_exc()}")
-                rows.append({"model": model_name, "engine": name, "errors": "warmup failed"})
-                del engines[name]
-            common.restore_attn_implementation(model)
-        if isinstance(engines.get("ours"), common.OursEngine):
-            log(f"   ours: per-request max_new_tokens supported = {engines['ours'].per_request_mnt}")
-
+        runs: dict[str, WorkloadRuns] = {}
         for wl_name in args.workloads:
             if tokenizer is not None:
                 workload = real_prompts.make_workload(wl_name, tokenizer, scale=args.scale, seed=args.seed)
@@ -378,51 +371,91 @@ def main(argv: list[str] | None = None) -> int:
                     wl_name, model.config.vocab_size, scale=args.scale, seed=args.seed
                 )
             workloads_meta[wl_name] = workload.summary()
-            results: dict[str, common.RunResult] = {}
-            busy_results: dict[str, common.RunResult] = {}
-            crashes: dict[str, str] = {}
-            for rep in range(args.repeats):
-                for name, engine in engines.items():
-                    if name in crashes:
-                        continue
-                    if args.wait_quiet > 0:
-                        waited, before = common.wait_for_quiet_cpu(args.quiet_load, args.wait_quiet)
-                        if waited > 1:
+            runs[wl_name] = WorkloadRuns(workload)
+        # Phases: every engine of ours, then each peer (vLLM, llama.cpp) alone, started for its phase and
+        # closed after it: nothing of a peer is resident while ours run (a stopped vLLM worker bound to the
+        # cores slowed ours by up to ~25 % on the small model, docs/benchmarks.md "Issue 46, tenth sitting").
+        phases = [[name for name in engines if not is_peer(name)]] + [[n] for n in engines if is_peer(n)]
+        for phase in phases:
+            for name in phase:
+                engine = engines[name]
+                t0 = time.perf_counter()
+                try:
+                    engine.warmup(model, warm)
+                    if hasattr(engine, "pause"):
+                        engine.pause()  # a vLLM worker polls while idle: stopped until its own runs
+                    startups[name] = getattr(engine, "startup_s", None) or time.perf_counter() - t0
+                    startup = getattr(engine, "startup_s", None)
+                    startup_str = "" if startup is None else f" (startup {startup:.1f}s)"
+                    log(f"   warmup {name}: {time.perf_counter() - t0:.2f}s{startup_str}")
+                except Exception:
+                    log(f"   warmup {name} FAILED, engine dropped for this model:\n{traceback.format_exc()}")
+                    rows.append({"model": model_name, "engine": name, "errors": "warmup failed"})
+                    del engines[name]
+                common.restore_attn_implementation(model)
+            if isinstance(engines.get("ours"), common.OursEngine) and "ours" in phase:
+                log(f"   ours: per-request max_new_tokens supported = {engines['ours'].per_request_mnt}")
+            for wl_name, runs_of in runs.items():
+                workload, results, busy_results, crashes = (
+                    runs_of.workload,
+                    runs_of.results,
+                    runs_of.busy_results,
+                    runs_of.crashes,
+                )
+                for rep in range(args.repeats):
+                    for name in phase:
+                        engine = engines.get(name)
+                        if engine is None or name in crashes:
+                            continue
+                        if args.wait_quiet > 0:
+                            waited, before = common.wait_for_quiet_cpu(args.quiet_load, args.wait_quiet)
+                            if waited > 1:
+                                log(
+                                    f"   waited {waited:.0f}s for a quieter machine (other load {before:.2f} cores)"
+                                )
+                        if hasattr(engine, "resume"):
+                            engine.resume()  # its processes exist and run before their CPU time is read
+                        helpers = engine.helper_pids() if hasattr(engine, "helper_pids") else []
+                        snap = common.cpu_snapshot(helpers)
+                        try:
+                            res = engine.run(model, workload)
+                        except Exception:
+                            crashes[name] = traceback.format_exc(limit=8)
+                            log(f"   {model_name}/{wl_name}/{name} CRASHED:\n{crashes[name]}")
+                            continue
+                        finally:
+                            common.restore_attn_implementation(model)
+                            if hasattr(engine, "pause"):
+                                engine.pause()
+                        load = common.other_load(snap, common.cpu_snapshot(helpers))
+                        res.other_load = load
+                        load_str = "" if load is None else f" (other processes: {load:.2f} cores)"
+                        log(f"   {model_name}/{wl_name}/{name} run {rep + 1}: {res.wall_s:.2f}s{load_str}")
+                        if name not in results or res.wall_s < results[name].wall_s:
+                            if name in results:  # keep the first run's outputs for the comparisons
+                                res.outputs = results[name].outputs
+                            results[name] = res
+                        if args.busy_core:
+                            with common.busy_core():
+                                busy = engine.run(model, workload)
+                            common.restore_attn_implementation(model)
                             log(
-                                f"   waited {waited:.0f}s for a quieter machine (other load {before:.2f} cores)"
+                                f"   {model_name}/{wl_name}/{name} run {rep + 1} beside a busy core: {busy.wall_s:.2f}s"
                             )
-                    if hasattr(engine, "resume"):
-                        engine.resume()  # its processes exist and run before their CPU time is read
-                    helpers = engine.helper_pids() if hasattr(engine, "helper_pids") else []
-                    snap = common.cpu_snapshot(helpers)
-                    try:
-                        res = engine.run(model, workload)
-                    except Exception:
-                        crashes[name] = traceback.format_exc(limit=8)
-                        log(f"   {model_name}/{wl_name}/{name} CRASHED:\n{crashes[name]}")
-                        continue
-                    finally:
-                        common.restore_attn_implementation(model)
-                        if hasattr(engine, "pause"):
-                            engine.pause()
-                    load = common.other_load(snap, common.cpu_snapshot(helpers))
-                    res.other_load = load
-                    load_str = "" if load is None else f" (other processes: {load:.2f} cores)"
-                    log(f"   {model_name}/{wl_name}/{name} run {rep + 1}: {res.wall_s:.2f}s{load_str}")
-                    if name not in results or res.wall_s < results[name].wall_s:
-                        if name in results:  # keep the first run's outputs for the comparisons
-                            res.outputs = results[name].outputs
-                        results[name] = res
-                    if args.busy_core:
-                        with common.busy_core():
-                            busy = engine.run(model, workload)
-                        common.restore_attn_implementation(model)
-                        log(
-                            f"   {model_name}/{wl_name}/{name} run {rep + 1} beside a busy core: {busy.wall_s:.2f}s"
-                        )
-                        if name not in busy_results or busy.wall_s < busy_results[name].wall_s:
-                            busy_results[name] = busy
+                            if name not in busy_results or busy.wall_s < busy_results[name].wall_s:
+                                busy_results[name] = busy
+            for name in phase:  # a peer leaves with its phase
+                engine = engines.get(name)
+                if is_peer(name) and engine is not None and hasattr(engine, "close"):
+                    engine.close()
 
+        for wl_name, runs_of in runs.items():
+            workload, results, busy_results, crashes = (
+                runs_of.workload,
+                runs_of.results,
+                runs_of.busy_results,
+                runs_of.crashes,
+            )
             ref_idx = common.reference_indices(len(workload.requests), args.ref_requests)
             refs = common.reference_outputs(model, workload, ref_idx)
             ref_list: list[list[int] | None] = [refs.get(i) for i in range(len(workload.requests))]
