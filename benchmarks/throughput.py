@@ -198,6 +198,9 @@ class WorkloadRuns:
     busy_results: dict[str, Any] = field(default_factory=dict)
     crashes: dict[str, str] = field(default_factory=dict)
 
+    def parts(self) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, str]]:
+        return self.workload, self.results, self.busy_results, self.crashes
+
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -396,12 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(engines.get("ours"), common.OursEngine) and "ours" in phase:
                 log(f"   ours: per-request max_new_tokens supported = {engines['ours'].per_request_mnt}")
             for wl_name, runs_of in runs.items():
-                workload, results, busy_results, crashes = (
-                    runs_of.workload,
-                    runs_of.results,
-                    runs_of.busy_results,
-                    runs_of.crashes,
-                )
+                workload, results, busy_results, crashes = runs_of.parts()
                 for rep in range(args.repeats):
                     for name in phase:
                         engine = engines.get(name)
@@ -450,12 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                     engine.close()
 
         for wl_name, runs_of in runs.items():
-            workload, results, busy_results, crashes = (
-                runs_of.workload,
-                runs_of.results,
-                runs_of.busy_results,
-                runs_of.crashes,
-            )
+            workload, results, busy_results, crashes = runs_of.parts()
             ref_idx = common.reference_indices(len(workload.requests), args.ref_requests)
             refs = common.reference_outputs(model, workload, ref_idx)
             ref_list: list[list[int] | None] = [refs.get(i) for i in range(len(workload.requests))]
