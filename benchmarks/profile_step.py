@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-profiler", action="store_true", help="only the phase timings")
     p.add_argument(
+        "--quantized",
+        action="store_true",
+        help="a real model with its GGUF kept quantized (docs/quantization.md; over lanes in bfloat16)",
+    )
+    p.add_argument(
         "--save-model",
         type=Path,
         default=None,
@@ -68,6 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         model, _tokenizer = real_prompts.build_model(args.model, dtype=dtype)
     else:
         model = common.build_model(args.model, dtype=dtype)
+    if args.quantized:
+        from transformers_cb.models.fetch import fetch_gguf
+        from transformers_cb.models.gguf_weights import keep_gguf_quantized
+        from transformers_cb.models.registry_model import registry_model
+
+        known = registry_model(args.model)
+        if known is None:
+            raise SystemExit(f"--quantized: {args.model} is not a registry model with a GGUF")
+        report = keep_gguf_quantized(model, fetch_gguf(known, progress=False))
+        print(f"kept quantized: {len(report.quantized)} modules, {len(report.lanes)} over lanes")
     if args.save_model is not None:
         model.save_pretrained(args.save_model)
         print(f"saved {args.model} ({args.dtype}) to {args.save_model}")
