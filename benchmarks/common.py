@@ -788,6 +788,21 @@ class OursPlainEngine(OursEngine):
         return dataclasses.replace(cfg, packed_linear=False), settings, ignored
 
 
+def model_gguf(model: torch.nn.Module) -> Path | None:
+    """The GGUF a real model's folder keeps (`model.benchmark_folder`; a registry model's fetched into it if
+    missing), or None (a random model, or a folder without one)."""
+    from transformers_cb.models.fetch import fetch_gguf
+    from transformers_cb.models.gguf_weights import gguf_of_folder
+    from transformers_cb.models.registry_model import REGISTRY
+
+    folder = getattr(model, "benchmark_folder", None)
+    if folder is None:
+        return None
+    found = gguf_of_folder(folder)
+    known = [m for m in REGISTRY.values() if Path(folder).name == m.folder_name]
+    return found if found is not None or not known else fetch_gguf(known[0], progress=False)
+
+
 class OursQuantizedEngine(OursEngine):
     """`OursEngine` on a copy of the model whose GGUF weights are kept in their blocks
     (`transformers_cb/models/gguf_weights.py`, docs/quantization.md): the real model's Q4_1 Linears and Q8_0
@@ -803,28 +818,15 @@ class OursQuantizedEngine(OursEngine):
 
     def unsupported(self, model: torch.nn.Module) -> str | None:
         return (
-            None if self._gguf(model) is not None else "the model's folder keeps no GGUF (real models only)"
+            None if model_gguf(model) is not None else "the model's folder keeps no GGUF (real models only)"
         )
-
-    @staticmethod
-    def _gguf(model: torch.nn.Module) -> Path | None:
-        from transformers_cb.models.fetch import fetch_gguf
-        from transformers_cb.models.gguf_weights import gguf_of_folder
-        from transformers_cb.models.registry_model import REGISTRY
-
-        folder = getattr(model, "benchmark_folder", None)
-        if folder is None:
-            return None
-        found = gguf_of_folder(folder)
-        known = [m for m in REGISTRY.values() if Path(folder).name == m.folder_name]
-        return found if found is not None or not known else fetch_gguf(known[0], progress=False)
 
     def quantized(self, model: torch.nn.Module) -> torch.nn.Module:
         from transformers_cb.models.gguf_weights import keep_gguf_quantized
 
         if id(model) not in self._copies:
             kept = copy.deepcopy(model)
-            keep_gguf_quantized(kept, self._gguf(model))
+            keep_gguf_quantized(kept, model_gguf(model))
             self._copies[id(model)] = kept
         return self._copies[id(model)]
 

@@ -74,14 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = common.build_model(args.model, dtype=dtype)
     if args.quantized:
-        from transformers_cb.models.fetch import fetch_gguf
         from transformers_cb.models.gguf_weights import keep_gguf_quantized
-        from transformers_cb.models.registry_model import registry_model
 
-        known = registry_model(args.model)
-        if known is None:
-            raise SystemExit(f"--quantized: {args.model} is not a registry model with a GGUF")
-        report = keep_gguf_quantized(model, fetch_gguf(known, progress=False))
+        gguf = common.model_gguf(model)
+        if gguf is None:
+            raise SystemExit(f"--quantized: {args.model} keeps no GGUF (real models only)")
+        report = keep_gguf_quantized(model, gguf)
         print(f"kept quantized: {len(report.quantized)} modules, {len(report.lanes)} over lanes")
     if args.save_model is not None:
         model.save_pretrained(args.save_model)
