@@ -196,8 +196,10 @@ def test_a_bfloat16_linear_goes_over_lanes_and_only_it() -> None:
     linear = QuantizedLinear(blocks, q4_1, 64, bias, torch.bfloat16)
     x = torch.randn(2, 3, 64).bfloat16()
     before = linear(x)
-    assert linear.to_lanes() and linear.kernel_qtype == quantized_linear.LANES + q4_1
-    assert "lanes" in repr(linear) and not linear.to_lanes()  # once
+    assert (
+        quantized_linear.repack_over_lanes([linear]) and linear.kernel_qtype == quantized_linear.LANES + q4_1
+    )
+    assert "lanes" in repr(linear) and not quantized_linear.repack_over_lanes([linear])  # once
     assert torch.equal(
         linear(x),
         (OPS.quant_matmul(x.reshape(6, 64), linear.blocks, linear.kernel_qtype) + bias).reshape(2, 3, 48),
@@ -205,8 +207,10 @@ def test_a_bfloat16_linear_goes_over_lanes_and_only_it() -> None:
     assert (linear(x).float() - before.float()).abs().max() <= before.float().abs().max() * 2**-6
     many = torch.randn(DIRECT_MAX_ROWS[torch.float32] + 1, 64)  # float32 rows: the tiles, from the lanes
     assert torch.equal(linear(many), F.linear(many, weight) + bias)
-    assert not QuantizedLinear(blocks, q4_1, 64).to_lanes()  # float32 rows
-    assert not QuantizedLinear(blocks[:40].contiguous(), q4_1, 64, None, torch.bfloat16).to_lanes()
+    assert not quantized_linear.repack_over_lanes([QuantizedLinear(blocks, q4_1, 64)])  # float32 rows
+    assert not quantized_linear.repack_over_lanes(
+        [QuantizedLinear(blocks[:40].contiguous(), q4_1, 64, None, torch.bfloat16)]
+    )
     blocks8, weight8 = random_blocks(48, 64, gguf.GGMLQuantizationType.Q8_0, seed=5)
     head = QuantizedLinear(blocks8, q8_0, 64, None, torch.bfloat16)
     embedding = QuantizedEmbedding(blocks8, q8_0, 64, torch.bfloat16)

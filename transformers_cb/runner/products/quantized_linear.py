@@ -166,7 +166,7 @@ def quantized_product(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torc
 
 class QuantizedLinear(nn.Module):
     """`nn.Linear`'s product with the weight in GGUF blocks (`blocks` `[out, row bytes]` uint8, a buffer: the
-    GGUF layout, or its lane layout after `to_lanes`; `kernel_qtype` says which)."""
+    GGUF layout, or its lane layout after `repack_over_lanes`; `kernel_qtype` says which)."""
 
     blocks: torch.Tensor
 
@@ -192,11 +192,6 @@ class QuantizedLinear(nn.Module):
         self.out_features = blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-
-    def to_lanes(self) -> bool:
-        """Repack the blocks over lanes where the lane product serves this module (`can_go_over_lanes`);
-        whether it did. For blocks no other module reads (`repack_over_lanes` repacks shared ones)."""
-        return repack_over_lanes([self])
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         flat = input.reshape(-1, self.in_features)

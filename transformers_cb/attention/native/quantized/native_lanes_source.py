@@ -43,23 +43,20 @@ inline int lane_scale_bytes(int q) { return q == kQ4_1 ? 64 : 32; }
 inline int lane_value_bytes(int q) { return q == kQ8_0 ? 512 : 256; }
 inline int lane_block_bytes(int q) { return lane_scale_bytes(q) + lane_value_bytes(q); }
 
-// Where weight k of lane column c sits among a lane block's values: a 16-bit word (of vector v, word 2c + h)
-// and the 4-bit field s in it. 4-bit: v = k / 8, s = (k % 8) / 2 (a nibble); 8-bit: v = k / 4, the byte
-// t = (k % 4) / 2 holding q ^ 0x80 in fields 2t (low nibble) and 2t + 1 (high).
-inline uint8_t* lane_word(uint8_t* values, int q, int c, int k) {
-  const int v = q == kQ8_0 ? k / 4 : k / 8;
-  return values + v * 64 + (2 * c + k % 2) * 2;
-}
+// Where weight k of lane column c sits among a lane block's values: the byte offset of its 16-bit word (of vector
+// v, word 2c + h) and the 4-bit field s in it. 4-bit: v = k / 8, s = (k % 8) / 2 (a nibble); 8-bit: v = k / 4, the
+// byte t = (k % 4) / 2 holding q ^ 0x80 in fields 2t (low nibble) and 2t + 1 (high).
+inline int lane_word(int q, int c, int k) { return (q == kQ8_0 ? k / 4 : k / 8) * 64 + (2 * c + k % 2) * 2; }
 
 inline int lane_value(const uint8_t* values, int q, int c, int k) {
-  const uint8_t* word = lane_word(const_cast<uint8_t*>(values), q, c, k);
+  const uint8_t* word = values + lane_word(q, c, k);
   if (q == kQ8_0) return static_cast<int>(static_cast<int8_t>(word[(k % 4) / 2] ^ 0x80));
   const int bits = word[0] | (word[1] << 8);
   return (bits >> (4 * ((k % 8) / 2))) & 15;
 }
 
 inline void set_lane_value(uint8_t* values, int q, int c, int k, int value) {
-  uint8_t* word = lane_word(values, q, c, k);
+  uint8_t* word = values + lane_word(q, c, k);
   if (q == kQ8_0) {
     word[(k % 4) / 2] = static_cast<uint8_t>(value) ^ 0x80;
     return;
