@@ -163,12 +163,12 @@ class PageManager:
 
     def take_prefix_copies(self) -> list[PageCopy]:
         """The copies of this step's partial-page hits, for its plan (prefix_cache.py)."""
-        return self.prefix.take_copies() if self.prefix is not None else []
+        return self.prefix.copies.take() if self.prefix is not None else []
 
     def prefix_copies_ran(self) -> None:
         """The plan holding the last `take_prefix_copies` has run: their source pages are no longer pinned."""
         if self.prefix is not None:
-            self.prefix.copies_ran()
+            self.prefix.copies.ran()
 
     def waits_for_pages(self, request: Request) -> bool:
         """True when a running request is computing the page after the request's hit."""

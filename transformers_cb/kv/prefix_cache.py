@@ -43,6 +43,7 @@ from ..invariants import InvariantError
 from ..requests import Request
 from .page_keys import PARTIAL_STEP, PageCopy, partial_key, request_keys, root_key
 from .page_policies import PagePolicy
+from .partial_copies import PartialCopies
 from .rope_rule import RopeRule
 
 
@@ -73,8 +74,7 @@ class PrefixCache:
         self.dropped_keys = 0  # pages that lost their key to a weight update, since creation
         # Partial pages: one group that keeps every page (sliding groups would need each group's window).
         self.partial = len(policies) == 1 and not policies[0].trims
-        self._copies: dict[str, PageCopy] = {}  # request id -> its partial hit's copy, for the next plan
-        self._pinned: list[int] = []  # sources of the copies handed out last, unpinned once their plan ran
+        self.copies = PartialCopies(policies[0].pool)  # partial hits' copies, their sources pinned until run
         # Partial pages being computed: (parent key, the page's first PARTIAL_STEP tokens) -> {request id: the
         # tokens it computes in that page}, and per request those index keys and the token count that settles
         # them. A waiting request compares itself only with promises of its own first tokens.
@@ -207,31 +207,9 @@ class PrefixCache:
         for key in request.page_keys[request.num_registered_pages : request.num_promised_pages]:
             self._settle(key)
         request.num_promised_pages = 0
-        self._drop_copy(request)
+        self.copies.drop(request.request_id)
         self._settle_partial(request)
         request.partial_keyed = (-1, 0)
-
-    def take_copies(self) -> list[PageCopy]:
-        """The partial hits' copies for the next plan. Their sources stay pinned until that plan has run
-        (`copies_ran`, at the end of its step; here too, for a plan that was not followed by one)."""
-        self.copies_ran()
-        copies = list(self._copies.values())
-        self._copies.clear()
-        self._pinned = [source for _, source, _ in copies]
-        return copies
-
-    def copies_ran(self) -> None:
-        """The plan carrying the copies handed out last has run: their sources are unpinned (the engine goes
-        idle with no page held for a copy: a step's last copy used to stay pinned until the next step)."""
-        pool = self.policies[0].pool
-        for page_id in self._pinned:
-            pool.unpin(page_id)
-        self._pinned = []
-
-    def _drop_copy(self, request: Request) -> None:
-        copy = self._copies.pop(request.request_id, None)
-        if copy is not None:
-            self.policies[0].pool.unpin(copy[1])
 
     def waits_for_pages(self, request: Request) -> bool:
         """True when the page after the request's hit is being computed by a running request."""
@@ -361,7 +339,7 @@ class PrefixCache:
         if not num_pages:
             pages.first_page, pages.page_ids = 0, []
         pages.page_ids.append(allocated[0])
-        self._copies[request.request_id] = (policy.group, source, allocated[0])
+        self.copies.add(request.request_id, (policy.group, source, allocated[0]))
         request.num_computed_tokens = start + n
         return n
 
@@ -369,7 +347,7 @@ class PrefixCache:
         """Undo `attach` for a request that was not admitted after all (its pages stay cached)."""
         self.stats.hit_tokens -= request.num_computed_tokens
         self.stats.lookup_tokens -= request.num_tokens
-        self._drop_copy(request)
+        self.copies.drop(request.request_id)
         for policy in self.policies:
             policy.free(request)
         request.num_computed_tokens = 0

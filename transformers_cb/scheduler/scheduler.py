@@ -194,8 +194,7 @@ class Scheduler:
         return plan
 
     def plan_ran(self) -> None:
-        """The last plan has run (or failed): what it held for its copies is let go (`Engine.step`, at the end
-        of every step, whichever way it ends)."""
+        """The last plan has run or failed (`Engine.step`, however it ends): its copies' sources let go."""
         self.pages.prefix_copies_ran()
 
     def _entry(self, request: Request, num_tokens: int, draft: list[int]) -> ScheduledRequest:
