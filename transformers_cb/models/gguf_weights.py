@@ -102,13 +102,13 @@ def keep_gguf_quantized(
             else:
                 report.left_float[module_name] = reason
     if lanes:
-        report.lanes = _repack_lanes(model)
+        report.lanes = repack_lanes(model)
     report.quantized_bytes = quantized_bytes(model)
     report.float_bytes_dropped = sum(dropped.values())
     return report
 
 
-def _repack_lanes(model: nn.Module) -> list[str]:
+def repack_lanes(model: nn.Module) -> list[str]:
     """Repack over lanes the blocks of every quantized module the lane product serves, a tensor shared by a
     tied embedding and LM head once for both (`repack_over_lanes`); the names of the modules repacked."""
     readers: dict[int, list[tuple[str, QuantizedLinear | QuantizedEmbedding]]] = {}
