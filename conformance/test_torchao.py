@@ -27,6 +27,7 @@ from tests.support.sharp import sharpen
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ENV_SWITCH, ensure_native_module
 from transformers_cb.runner.products import torchao_linear
+from transformers_cb.runner.products.quantized_linear import DIRECT_MAX_ROWS
 
 quantization = pytest.importorskip(
     "torchao.quantization", reason="torchao is not installed (pip install 'transformers-cb[torchao]')"
@@ -156,11 +157,32 @@ def test_a_checkpoint_loaded_with_torchao_config(dtype, tmp_path) -> None:
     assert rows, "int8_matmul never ran"
 
 
+@contextmanager
+def block_products() -> Iterator[list[int]]:
+    """Counts the products the Intx Linears ran over their GGUF blocks (rows of each)."""
+    rows: list[int] = []
+    original = torchao_linear.quantized_product
+
+    def counting(x, blocks, qtype):
+        rows.append(x.shape[0])
+        return original(x, blocks, qtype)
+
+    torchao_linear.quantized_product = counting
+    try:
+        yield rows
+    finally:
+        torchao_linear.quantized_product = original
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_int4_weight_only_runs_torchaos_own_product(dtype) -> None:
+def test_int4_weight_only_equals_its_own_generate(dtype) -> None:
     """int4 weight-only on the CPU (torchao 0.18's `Int4WeightOnlyConfig` layouts need CUDA or mslk):
-    `IntxWeightOnlyConfig(weight_dtype=torch.int4)`, per group of 32, one int8 per value; torchao
-    dequantizes it at each product and runs `F.linear`, in the engine as in `generate()`."""
+    `IntxWeightOnlyConfig(weight_dtype=torch.int4)`, per group of 32, one int8 per value, which torchao
+    dequantizes at each product before `F.linear`. In bfloat16 its scales are float16 values, so the engine
+    writes GGUF Q4_0 blocks of the same weights and runs the decode rows on their native product; in
+    float32 (float32 scales) torchao's own product runs, in the engine as in `generate()`."""
+    if ensure_native_module(timeout=900) is None:
+        pytest.skip("the native library cannot be built here")
     model = tiny_llama()
     sharpen(model)
     model.generation_config.eos_token_id = None
@@ -170,7 +192,7 @@ def test_int4_weight_only_runs_torchaos_own_product(dtype) -> None:
     assert type(model.lm_head.weight).__name__ == "IntxUnpackedToInt8Tensor"
     references = ReferenceCache(model, MAX_NEW_TOKENS)
     num_blocks = tight_num_blocks(PROMPTS, MAX_NEW_TOKENS, 4)
-    with native_products() as rows:
+    with native_products() as int8_rows, block_products() as block_rows:
         outputs, preempted = run_batch(
             model,
             PROMPTS,
@@ -180,4 +202,9 @@ def test_int4_weight_only_runs_torchaos_own_product(dtype) -> None:
             num_blocks=num_blocks,
         )
     check_parity(model, PROMPTS, outputs, [references.get(p) for p in PROMPTS], f"torchao int4, {dtype}")
-    assert preempted and not rows
+    assert preempted and not int8_rows
+    if dtype == torch.bfloat16:
+        assert block_rows, "the blocks' product never ran"
+        assert max(block_rows) <= DIRECT_MAX_ROWS[torch.bfloat16]  # torchao's own product beyond
+    else:
+        assert not block_rows  # float32 scales are not float16 values: torchao's product

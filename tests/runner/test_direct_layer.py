@@ -116,6 +116,19 @@ def test_quantized_layers_take_the_direct_step_bit_for_bit(
     assert taken > 0, "no quantized layer took the direct step"
 
 
+def test_torchao_int4_layers_take_the_direct_step_bit_for_bit(monkeypatch) -> None:
+    """A bfloat16 model quantized with torchao's `IntxWeightOnlyConfig` (int4): its Linears' GGUF blocks
+    (runner/products/torchao_linear.py) are read by the native layer as by the run's forwards."""
+    quantization = pytest.importorskip("torchao.quantization", reason="torchao is not installed")
+    model = sharpen_attention(tiny_llama(seed=3)).to(torch.bfloat16)
+    config = quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=quantization.PerGroup(32))
+    quantization.quantize_(
+        model, config, filter_fn=lambda m, name: isinstance(m, torch.nn.Linear) and "layers" in name
+    )
+    taken = assert_same_steps(model, monkeypatch)
+    assert taken > 0, "no int4 layer took the direct step"
+
+
 def test_float32_direct_run_equals_generate(monkeypatch) -> None:
     model = sharpen_attention(tiny_llama(seed=5))
     tokens, _, taken = run(model, monkeypatch, True)

@@ -17,14 +17,19 @@ from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner.products import torchao_linear
 from transformers_cb.runner.products.packed_linear import PackRule
 from transformers_cb.runner.products.packed_model import pack_bytes
+from transformers_cb.runner.products.quantized_linear import dequantize_blocks
 from transformers_cb.runner.products.torchao_linear import (
     DIRECT_MAX_ROWS,
-    int8_linears,
     int8_product,
+    intx_block_bytes,
+    intx_missing_bytes,
+    intx_reason,
     is_native_int8,
     native_reason,
+    prepare_intx_blocks,
     tensor_bytes,
     torchao_bytes,
+    torchao_linears,
 )
 
 quantization = pytest.importorskip(
@@ -139,7 +144,7 @@ def test_the_run_scoped_forwards(dtype, monkeypatch) -> None:
     many = torch.randint(3, 300, (1, DIRECT_MAX_ROWS[dtype] + 1))
     with torch.inference_mode():
         want_few, want_many = model(few).logits, model(many).logits
-        with int8_linears(model, enabled=True) as count:
+        with torchao_linears(model, enabled=True) as count:
             assert count == len(linears) == 2 * 7 + 1
             assert all("forward" in m.__dict__ for m in linears)
             got_few = model(few).logits
@@ -151,7 +156,7 @@ def test_the_run_scoped_forwards(dtype, monkeypatch) -> None:
     assert torch.equal(got_many, want_many)
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(got_few, want_few, rtol=tolerance, atol=tolerance)
-    with int8_linears(model, enabled=False) as count:
+    with torchao_linears(model, enabled=False) as count:
         assert count == 0
 
 
@@ -188,3 +193,83 @@ def test_packing_and_its_memory_check_count_no_copy_for_int8_linears(monkeypatch
         filter_fn=lambda m, name: isinstance(m, nn.Linear) and ".mlp." not in name,
     )
     assert pack_bytes(model, PackRule(every_weight=True)) == (0, 0)
+
+
+def intx_linear(
+    in_features: int, out_features: int, dtype: torch.dtype, group: int = 32, seed: int = 0, **config
+) -> nn.Linear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(in_features, out_features).to(dtype)
+    settings = {"weight_dtype": torch.int4, "granularity": quantization.PerGroup(group), **config}
+    quantization.quantize_(linear, quantization.IntxWeightOnlyConfig(**settings))
+    return linear
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_intx_blocks_hold_torchaos_dequantized_weight(group: int) -> None:
+    linear = intx_linear(128, 48, torch.bfloat16, group)
+    assert intx_reason(linear.weight) is None
+    model = nn.Sequential(linear)
+    assert intx_missing_bytes(model) == 48 * 128 // 32 * 18
+    assert prepare_intx_blocks(model) == 1
+    assert intx_missing_bytes(model) == 0 and intx_block_bytes(model) == 48 * 128 // 32 * 18
+    entry = torchao_linear._intx_blocks[linear]
+    want = linear.weight.dequantize().float()  # torchao's own dequantization
+    assert torch.equal(dequantize_blocks(entry.blocks, entry.qtype, torch.bfloat16).float(), want)
+
+
+def test_intx_weights_that_are_not_blocks_keep_torchaos_product() -> None:
+    float32 = nn.Sequential(intx_linear(64, 16, torch.float32))  # float32 scales
+    asymmetric = nn.Sequential(
+        intx_linear(64, 16, torch.bfloat16, mapping_type=quantization.MappingType.ASYMMETRIC)
+    )
+    for model, reason in ((float32, "float16 values"), (asymmetric, "asymmetric")):
+        assert prepare_intx_blocks(model) == 0
+        assert reason in torchao_linear._intx_blocks[model[0]]
+        with torchao_linears(model, enabled=True) as count:
+            assert count == 0
+    assert intx_reason(int8_linear(64, 16, torch.bfloat16).weight) is not None  # an Int8Tensor: not Intx
+
+
+@needs_native
+def test_intx_linears_run_the_blocks_product_on_few_rows_and_see_a_replaced_weight(monkeypatch) -> None:
+    linear = intx_linear(128, 32, torch.bfloat16)
+    model = nn.Sequential(linear)
+    prepare_intx_blocks(model)
+    calls: list[int] = []
+    original = torchao_linear.quantized_product
+
+    def counting(x, blocks, qtype):
+        calls.append(x.shape[0])
+        return original(x, blocks, qtype)
+
+    monkeypatch.setattr(torchao_linear, "quantized_product", counting)
+    few = torch.randn(2, 3, 128).to(torch.bfloat16)
+    many = torch.randn(1, 40, 128).to(torch.bfloat16)
+    with torch.inference_mode():
+        want_few, want_many = linear(few), linear(many)
+        with torchao_linears(model, enabled=True) as count:
+            assert count == 1
+            got_few, got_many = linear(few), linear(many)
+            assert calls == [6]  # the 40 rows ran torchao's own product
+            linear.weight = intx_linear(128, 32, torch.bfloat16, seed=1).weight  # replaced: blocks stale
+            calls.clear()
+            replaced = linear(few)
+            assert not calls and torch.equal(replaced, F.linear(few, linear.weight, linear.bias))
+    assert torch.equal(got_many, want_many)
+    torch.testing.assert_close(got_few, want_few, rtol=2e-2, atol=2e-2)  # the order of the sums
+    assert intx_missing_bytes(model) == 32 * 128 // 32 * 18  # the replaced weight's, until prepared again
+
+
+def test_intx_blocks_are_written_only_where_they_fit_beside_the_cache(monkeypatch) -> None:
+    from transformers_cb.runner import step_options
+
+    warnings: list[str] = []
+    model = nn.Sequential(intx_linear(128, 32, torch.bfloat16))
+    monkeypatch.setattr(step_options, "free_memory_bytes", lambda device: 1000)  # room for no block
+    monkeypatch.setattr(step_options, "warn_once", warnings.append)
+    assert step_options.prepare_torchao_linears(model, None)
+    assert intx_missing_bytes(model) == 32 * 128 // 32 * 18 and "torchao's own product" in warnings[-1]
+    monkeypatch.setattr(step_options, "free_memory_bytes", lambda device: 1 << 30)
+    assert step_options.prepare_torchao_linears(model, None)
+    assert intx_missing_bytes(model) == 0

@@ -29,7 +29,7 @@ from ..requests import Request, RequestStatus
 from ..runner.layer_ops.native_layers import native_layers
 from ..runner.products.batch_invariant import batch_invariant_modules
 from ..runner.products.packed_model import model_pack_bytes, packed_linears
-from ..runner.products.torchao_linear import int8_linears
+from ..runner.products.torchao_linear import torchao_linears
 from ..scheduler.speculation.draft_source import Drafts
 from ..scheduler.speculation.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
@@ -249,7 +249,7 @@ class Engine:
         with (
             paged_backend(self.model, self.settings.step_options.attn_implementation),
             packed_linears(self.model, self.settings.step_options.packed_linear),
-            int8_linears(self.model, self.settings.step_options.int8_linears),
+            torchao_linears(self.model, self.settings.step_options.torchao_linears),
             native_layers(self.model, self.settings.step_options.native_layers),
             self.assistant_session(),
             self.runner.session(),

@@ -31,20 +31,13 @@ import torch
 from torch import nn
 
 from ..attention.native.kernel import native_module
-from ..runner.products.quantized_linear import (
-    BLOCK_WEIGHTS,
-    COMPUTE_DTYPES,
-    Q4_0,
-    Q8_0,
-    QuantizedLinear,
-    quantized_bytes,
-)
+from ..runner.products.gguf_blocks import QTYPE_OF_BITS, blocks_from_values
+from ..runner.products.quantized_linear import BLOCK_WEIGHTS, COMPUTE_DTYPES, QuantizedLinear, quantized_bytes
 from .gguf_weights import repack_lanes
 
 logger = logging.getLogger(__name__)
 
 KEEP_ENV = "TRANSFORMERS_CB_KEEP_COMPRESSED"
-QTYPE_OF_BITS = {4: Q4_0, 8: Q8_0}
 
 
 @dataclass
@@ -130,24 +123,13 @@ def compressed_blocks(module: Any) -> tuple[torch.Tensor, int] | str:
         return reason
     bits = module.quantization_scheme.weights.num_bits
     rows, columns = _shape(module)
-    blocks_per_row = columns // BLOCK_WEIGHTS
-    scale = module.weight_scale.detach().reshape(-1)
-    if scale.numel() == 1:
-        per_block = scale.expand(rows * blocks_per_row).reshape(rows, blocks_per_row)
-    else:  # one scale a group of whole blocks
-        groups = scale.reshape(rows, -1)
-        per_block = groups.repeat_interleave(blocks_per_row // groups.shape[1], dim=1)
-    d = per_block.to(torch.float16)
-    if not torch.equal(d.to(scale.dtype), per_block) or not bool(torch.isfinite(d).all()):
-        return "its scales are not float16 values (blocks store float16 scales)"
-    words = module.weight_packed.detach().contiguous().view(torch.uint8).reshape(rows, blocks_per_row, -1)
-    if bits == 4:  # byte j of a block's 16: values 2j, 2j + 1; Q4_0's byte j: values j, j + 16
-        nibbles = torch.stack((words & 15, words >> 4), dim=-1).reshape(rows, blocks_per_row, BLOCK_WEIGHTS)
-        values = nibbles[..., : BLOCK_WEIGHTS // 2] | (nibbles[..., BLOCK_WEIGHTS // 2 :] << 4)
-    else:  # q + 128 -> q as an int8's byte
-        values = words ^ 0x80
-    scales = d.contiguous().view(torch.uint8).reshape(rows, blocks_per_row, 2)
-    return torch.cat((scales, values), dim=-1).reshape(rows, -1).contiguous(), QTYPE_OF_BITS[bits]
+    words = module.weight_packed.detach().contiguous().view(torch.uint8)  # value i at bit i * bits
+    if bits == 4:
+        stored = torch.stack((words & 15, words >> 4), dim=-1).reshape(rows, columns)
+    else:
+        stored = words.reshape(rows, columns)
+    values = stored.to(torch.int16) - (1 << (bits - 1))  # stored as q + 2^(bits - 1)
+    return blocks_from_values(values, module.weight_scale.detach(), bits)
 
 
 def keep_compressed(model: nn.Module, lanes: bool = False) -> KeptCompressed:

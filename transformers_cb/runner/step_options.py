@@ -28,6 +28,7 @@ from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
 from .products.packed_linear import packed_linear_available, rule_from_env, warn_once
 from .products.packed_model import pack_bytes
 from .products.small_rows import allow_row_packs
+from .products.torchao_linear import intx_missing_bytes, prepare_intx_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,11 @@ class StepOptions:
     # The native decoder-layer ops (`runner/layer_ops/native_layers.py`): a CPU model, not turned off by
     # `TRANSFORMERS_CB_NATIVE_LAYERS=0` (the library itself may still be missing: then nothing is replaced).
     native_layers: bool = False
-    # torchao int8 weight-only Linears on the native `int8_matmul` (`runner/products/torchao_linear.py`): a CPU model,
-    # packed products not turned off (`packed_linear=False`, `TRANSFORMERS_CB_PACKED_LINEAR=0`), not
-    # batch-invariant (beyond a few rows torchao's own product runs, whose kernel depends on the row count).
-    int8_linears: bool = False
+    # torchao weight-only Linears on native products (`runner/products/torchao_linear.py`: int8 on
+    # `int8_matmul`, Intx on GGUF blocks written at resolution): a CPU model, packed products not turned off
+    # (`packed_linear=False`, `TRANSFORMERS_CB_PACKED_LINEAR=0`), not batch-invariant (beyond a few rows
+    # torchao's own product runs, whose kernel depends on the row count).
+    torchao_linears: bool = False
     # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and
     # activations in fixed shapes (runner/products/batch_invariant.py); packed products and native layer ops off.
     batch_invariant: bool = False
@@ -146,6 +148,24 @@ def resolve_packed_linear(
     return True
 
 
+def prepare_torchao_linears(model: PreTrainedModel, max_memory_percent: float | None) -> bool:
+    """Write the GGUF blocks of the model's torchao Intx Linears (before the KV cache is sized, which then
+    sees them) where they fit in the room packed copies may take (otherwise one warning: torchao's product
+    runs them); True (the int8 Linears need no copy)."""
+    missing = intx_missing_bytes(model)
+    if missing:
+        percent = max_memory_percent or CPU_MEMORY_PERCENT
+        room = int(free_memory_bytes(torch.device("cpu")) * (1 - percent) * PACK_MEMORY_SHARE)
+        if missing > room:
+            warn_once(
+                f"the int4 weights' blocks need {missing / 2**20:.0f} MiB and {room / 2**20:.0f} MiB are free "
+                "beside the cache: torchao's own product runs them"
+            )
+            return True
+    prepare_intx_blocks(model)
+    return True
+
+
 # How long an engine built with `batch_invariant=True` waits for the native kernel's build when this
 # environment has none yet (at start, never on a request's path; `transformers-cb build-kernels` builds it
 # ahead).
@@ -220,10 +240,11 @@ def resolve_step_options(
         packed_linear=not invariant
         and resolve_packed_linear(model, config.packed_linear, device_type, config.max_memory_percent),
         native_layers=not invariant and device_type == "cpu" and native_layers_enabled(),
-        int8_linears=not invariant
+        torchao_linears=not invariant
         and device_type == "cpu"
         and config.packed_linear is not False
-        and rule_from_env() is not None,
+        and rule_from_env() is not None
+        and prepare_torchao_linears(model, config.max_memory_percent),
         batch_invariant=invariant,
     )
 

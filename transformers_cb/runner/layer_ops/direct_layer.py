@@ -42,6 +42,7 @@ from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
 from ..products.quantized_linear import QuantizedLinear, takes_direct
 from ..products.small_rows import row_pack_for
+from ..products.torchao_linear import IntxBlocks, intx_blocks_for
 from .layer_forms import (
     child,
     has_hooks,
@@ -150,8 +151,9 @@ def _global_hooks() -> bool:
     )
 
 
-# A projection as this call will run it: (module, its packed product or None for a plain or quantized Linear).
-Projection = tuple[nn.Linear | QuantizedLinear, PackedProduct | None]
+# A projection as this call will run it: (module, its packed product, or the GGUF blocks a torchao Intx
+# Linear's run forward reads, or None for a plain or quantized Linear).
+Projection = tuple[nn.Linear | QuantizedLinear, PackedProduct | IntxBlocks | None]
 
 
 def _quantized(module: QuantizedLinear, dtype: torch.dtype, rows: int) -> bool:
@@ -185,6 +187,10 @@ def _projections(
             continue
         if type(module) is not nn.Linear or _hooked(module):
             return None
+        blocks = intx_blocks_for(module, dtype, rows)
+        if blocks is not None:
+            found.append((module, blocks))
+            continue
         weight, bias = module._parameters["weight"], module._parameters["bias"]
         # plain CPU tensors only: a DTensor or another subclass keeps its own dispatch (the modules' path)
         if weight is None or not _plain(weight, dtype) or (bias is not None and not _plain(bias, dtype)):
@@ -235,6 +241,9 @@ def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype,
         blocks = cast(torch.Tensor, module._buffers["blocks"])  # `_quantized` saw the blocks
         specs.add(3, blocks, module._parameters.get("bias"), module.out_features, module.kernel_qtype)
         return
+    if isinstance(packed, IntxBlocks):
+        specs.add(3, packed.blocks, module._parameters["bias"], module.out_features, packed.qtype)
+        return
     params = module._parameters  # what `module.weight` reads, without `nn.Module.__getattr__`
     weight, bias = cast(torch.Tensor, params["weight"]), params["bias"]  # `_projections` saw the weight
     if packed is None or rows < packed.min_rows or weight.is_inference():
@@ -251,10 +260,10 @@ def _add_products(
     the first member's forward computes, handing the others their columns), else each its own. Returns
     (how many products, the split)."""
     first = projections[0][1]
-    group = None if first is None else first.group
+    group = first.group if isinstance(first, PackedProduct) else None
     if (
         group is not None
-        and first is not None
+        and isinstance(first, PackedProduct)
         and not group.unfused
         and rows >= first.min_rows
         and len(group.members) == len(projections)

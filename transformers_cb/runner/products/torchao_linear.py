@@ -1,4 +1,4 @@
-"""torchao int8 weight-only Linears on the native `int8_matmul`, for the run only; real bytes of quantized weights.
+"""torchao weight-only Linears on native products for the run (int8 on `int8_matmul`, Intx as GGUF blocks); real bytes of quantized weights.
 
 A model quantized by torchao (`quantize_(model, Int8WeightOnlyConfig())`, or transformers'
 `TorchAoConfig(Int8WeightOnlyConfig())` at `from_pretrained`) keeps its `nn.Linear` modules with a tensor
@@ -12,6 +12,15 @@ product with the scale, then the bias), so it differs from torchao's result only
 float32 sums. Beyond those rows (prefill), under autograd, in a compiled forward, and for every weight this
 module does not take (`native_reason`), torchao's own product runs (`F.linear` on the subclass).
 
+torchao's int4 weight-only on the CPU is `IntxWeightOnlyConfig` (`IntxUnpackedToInt8Tensor`: one int8 a
+value, a scale and zero point per group), whose product dequantizes the whole weight in x's dtype at each
+call and runs `F.linear`. A symmetric one (zero points 0) with groups of whole blocks and float16-valued
+scales (a bfloat16 model's) is GGUF blocks (runner/products/gguf_blocks.py): `prepare_intx_blocks` writes
+them once per weight, when the engine's settings are resolved (before the KV cache is sized, so it sees
+their memory; `intx_missing_bytes` is checked against the room as packed copies are), and the run's forward
+reads them with the native product on few rows (`quantized_product`, whose bfloat16 product rounds each
+weight to bfloat16 as torchao's dequantization does); torchao's own product beyond.
+
 The reference of such a model is `generate()` on the same torchao model (docs/quantization.md). torchao
 itself is never imported here: a weight is recognized by its class's name and module.
 """
@@ -19,8 +28,10 @@ itself is never imported here: a weight is recognized by its class's name and mo
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeGuard
 
@@ -31,8 +42,10 @@ from torch import nn
 from ...attention.native.kernel import native_module
 from ...memory.weight_key import quantized_parts
 from ...patches import in_force, patched
+from .gguf_blocks import blocks_from_values
+from .quantized_linear import quantized_product, takes_direct
 
-PATCH_KIND = "torchao_int8_linears"  # its counted patches (patches.py)
+PATCH_KIND = "torchao_linears"  # its counted patches (patches.py)
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
 # Up to this many rows the native product runs; beyond, torchao's (its `mm` on the widened weight). The
 # bounds of the GGUF blocks' product (runner/products/quantized_linear.py, measured there): not measured for int8
@@ -121,17 +134,168 @@ def _native_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]
     return forward
 
 
+INTX_BITS = {getattr(torch, f"int{bits}", None): bits for bits in range(1, 9)}
+
+
+def intx_reason(weight: torch.Tensor) -> str | None:
+    """Why `weight` cannot be GGUF blocks (before its values are looked at), or None: a torchao
+    `IntxUnpackedToInt8Tensor` on the CPU, weight-only, of at most 8 bits, float32 or bfloat16, one scale a
+    row or a group of whole blocks."""
+    if not is_torchao_tensor(weight) or type(weight).__name__ != "IntxUnpackedToInt8Tensor":
+        return "not a torchao IntxUnpackedToInt8Tensor"
+    if getattr(weight, "activation_quantization", None) is not None:
+        return "activations are quantized (not weight-only)"
+    qdata = getattr(weight, "qdata", None)
+    if not isinstance(qdata, torch.Tensor) or qdata.dtype != torch.int8 or qdata.dim() != 2 or qdata.is_cuda:
+        return "qdata is not a 2-D int8 CPU tensor"
+    if weight.dtype not in COMPUTE_DTYPES:
+        return f"its dtype is {weight.dtype} (float32 and bfloat16 only)"
+    if INTX_BITS.get(getattr(weight, "target_dtype", None)) is None:
+        return f"target dtype {getattr(weight, 'target_dtype', None)}"
+    if list(getattr(weight, "block_size", ()))[:1] != [1]:
+        return f"block size {getattr(weight, 'block_size', None)} (one row a block only)"
+    return None
+
+
+@dataclass
+class IntxBlocks:
+    """The GGUF blocks of a torchao Intx weight, and what they were written from (replaced or rewritten
+    since: stale)."""
+
+    weight: torch.Tensor
+    version: int
+    blocks: torch.Tensor
+    qtype: int
+
+    def fresh(self, weight: torch.Tensor) -> bool:
+        return weight is self.weight and weight.qdata._version == self.version  # type: ignore[attr-defined]
+
+
+# module -> its blocks, for the model's life (a later run reuses them), or why it has none
+_intx_blocks: weakref.WeakKeyDictionary[nn.Module, IntxBlocks | str] = weakref.WeakKeyDictionary()
+
+
+def intx_linears(model: nn.Module) -> list[nn.Linear]:
+    """The plain Linears of `model` whose weight `intx_reason` takes."""
+    return [m for m in model.modules() if _is_plain_linear(m) and intx_reason(m.weight) is None]
+
+
+def _is_plain_linear(module: nn.Module) -> TypeGuard[nn.Linear]:
+    if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
+        return False
+    return "forward" not in module.__dict__ or in_force(PATCH_KIND, module, "forward")
+
+
+def intx_missing_bytes(model: nn.Module) -> int:
+    """Bytes the blocks of `model`'s Intx Linears not written yet (or stale) will take: 18 (Q4_0) or 34
+    (Q8_0) bytes a block of 32 weights."""
+    missing = 0
+    for module in intx_linears(model):
+        entry = _intx_blocks.get(module)
+        if isinstance(entry, IntxBlocks) and entry.fresh(module.weight):
+            continue
+        bits = INTX_BITS[module.weight.target_dtype]  # type: ignore[attr-defined]
+        missing += module.weight.shape[0] * module.weight.shape[1] // 32 * (18 if bits <= 4 else 34)
+    return missing
+
+
+def prepare_intx_blocks(model: nn.Module) -> int:
+    """Write the GGUF blocks of `model`'s Intx Linears that have none (or stale ones); how many Linears have
+    blocks now. Those whose values are not blocks' (asymmetric, scales not float16 values) keep torchao's
+    product."""
+    ready = 0
+    with _lock:
+        for module in intx_linears(model):
+            weight = module.weight
+            entry = _intx_blocks.get(module)
+            if not (isinstance(entry, IntxBlocks) and entry.fresh(weight)):
+                entry = _blocks_of(weight)
+                _intx_blocks[module] = entry
+            ready += isinstance(entry, IntxBlocks)
+    return ready
+
+
+def _blocks_of(weight: torch.Tensor) -> IntxBlocks | str:
+    qdata: torch.Tensor = weight.qdata  # type: ignore[attr-defined]
+    zero_point = getattr(weight, "zero_point", None)
+    if isinstance(zero_point, torch.Tensor) and bool((zero_point != 0).any()):
+        return "asymmetric (zero points)"
+    bits = INTX_BITS[weight.target_dtype]  # type: ignore[attr-defined]
+    converted = blocks_from_values(qdata, weight.scale.detach(), 4 if bits <= 4 else 8)  # type: ignore[attr-defined]
+    if isinstance(converted, str):
+        return converted
+    blocks, qtype = converted
+    return IntxBlocks(weight, qdata._version, blocks, qtype)
+
+
+def intx_blocks_for(module: nn.Linear, dtype: torch.dtype, rows: int) -> IntxBlocks | None:
+    """The blocks `module`'s run forward reads for `rows` rows of `dtype` (the native decoder layer runs the
+    same product on them), or None where that forward is not in force or would run torchao's product."""
+    entry = _intx_blocks.get(module)
+    if not isinstance(entry, IntxBlocks) or not in_force(PATCH_KIND, module, "forward"):
+        return None
+    weight = module._parameters["weight"]
+    if (
+        weight is None
+        or not entry.fresh(weight)
+        or weight.dtype != dtype
+        or not takes_direct(entry.qtype, dtype, rows)
+    ):
+        return None
+    return entry
+
+
+def _intx_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        weight, bias = module.weight, module.bias
+        entry = _intx_blocks.get(module)
+        rows = input.numel() // module.in_features
+        if (
+            not isinstance(entry, IntxBlocks)
+            or not entry.fresh(weight)
+            or torch.is_grad_enabled()
+            or torch.compiler.is_compiling()
+            or input.dtype != weight.dtype
+            or input.device.type != "cpu"
+            or not takes_direct(entry.qtype, input.dtype, rows)
+            or native_module() is None
+        ):
+            return F.linear(input, weight, bias)
+        output = quantized_product(input.reshape(rows, module.in_features), entry.blocks, entry.qtype)
+        if bias is not None:
+            output += bias
+        return output.reshape(*input.shape[:-1], module.out_features)
+
+    return forward
+
+
 @contextmanager
-def int8_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
-    """Inside (with `enabled`): the torchao int8 weight-only Linears of `model` run `int8_matmul` on few rows.
-    Yields how many Linears."""
+def torchao_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
+    """Inside (with `enabled`): the torchao int8 weight-only Linears of `model` run `int8_matmul` on few rows,
+    the Intx ones with blocks (`prepare_intx_blocks`) the GGUF blocks' native product. Yields how many
+    Linears."""
     if not enabled:
         yield 0
         return
     with _lock:
         forwards = [(m, "forward", partial(_native_forward, m)) for m in model.modules() if is_native_int8(m)]
+        forwards += [
+            (m, "forward", partial(_intx_forward, m))
+            for m in intx_linears(model)
+            if isinstance(_intx_blocks.get(m), IntxBlocks)
+        ]
     with patched(PATCH_KIND, forwards) as count:
         yield count
+
+
+def intx_block_bytes(model: nn.Module) -> int:
+    """Bytes of the GGUF blocks written for `model`'s Intx Linears (fresh ones)."""
+    total = 0
+    for module in intx_linears(model):
+        entry = _intx_blocks.get(module)
+        if isinstance(entry, IntxBlocks) and entry.fresh(module.weight):
+            total += entry.blocks.numel()
+    return total
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
