@@ -5,7 +5,7 @@ Linear) is quantized with compressed-tensors' `W8A16` or `W4A16` preset (the wei
 from each group's range, as a calibration of weights alone would; rounded to bfloat16 values, as a
 checkpoint saved in bfloat16 holds them, or left float32), compressed, saved to a local folder and loaded
 by transformers (`from_pretrained`: its compressed-tensors quantizer), its decompression hook pending.
-The engine keeps the Linears whose values fit GGUF blocks compressed (models/compressed_weights.py:
+The engine keeps the Linears whose values fit GGUF blocks compressed (engine/weights/compressed_weights.py:
 float16-valued scales) and runs compressed-tensors' decompression for the rest
 (engine/weights/pending_decompression.py); the reference is `generate()` on a second copy, decompressed by
 compressed-tensors' own hook at its first forward. Judged tie-aware, float32 and bfloat16

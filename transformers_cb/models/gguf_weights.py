@@ -34,7 +34,7 @@ from ..runner.products.quantized_linear import (
     QuantizedLinear,
     dequantize_blocks,
     quantized_bytes,
-    repack_over_lanes,
+    repack_lanes,
     row_bytes,
 )
 
@@ -106,20 +106,6 @@ def keep_gguf_quantized(
     report.quantized_bytes = quantized_bytes(model)
     report.float_bytes_dropped = sum(dropped.values())
     return report
-
-
-def repack_lanes(model: nn.Module) -> list[str]:
-    """Repack over lanes the blocks of every quantized module the lane product serves, a tensor shared by a
-    tied embedding and LM head once for both (`repack_over_lanes`); the names of the modules repacked."""
-    readers: dict[int, list[tuple[str, QuantizedLinear | QuantizedEmbedding]]] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
-            readers.setdefault(module.blocks.data_ptr(), []).append((name, module))
-    repacked: list[str] = []
-    for shared in readers.values():
-        if repack_over_lanes([module for _, module in shared]):
-            repacked.extend(name for name, _ in shared)
-    return repacked
 
 
 def raw_tensors(path: str) -> tuple[str, list[tuple[str, int, np.ndarray]]]:

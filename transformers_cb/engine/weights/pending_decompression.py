@@ -9,7 +9,7 @@ them), so that hook never fired and the probe failed on a Linear without a `weig
 runs the pending hook itself, once, as the model's first forward would: the model then holds exactly the
 float weights `generate()` on it runs, which are its reference (docs/quantization.md). Before that, the
 Linears whose values are GGUF blocks' (symmetric int4 / int8 with float16 scales) are kept compressed
-(models/compressed_weights.py: `QuantizedLinear`s over those blocks), and the hook decompresses the rest.
+(engine/weights/compressed_weights.py: `QuantizedLinear`s over those blocks), and the hook decompresses the rest.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import torch
 from torch import nn
 
-from ...models.compressed_weights import keep_pending_compressed
+from .compressed_weights import keep_pending_compressed
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ A symmetric int4 value `q` (in [-8, 7]) with its scale `s` is exactly a Q4_0 blo
 with `nibble = q + 8`, `d = s`; a symmetric int8 one is a Q8_0 block's `d * q`. A block holds 32 weights of a
 row and stores `d` in float16, so `blocks_from_values` takes values whose groups are whole blocks and scales
 that are float16 values (a bfloat16 model's are, away from float16's range limits), and says why not
-otherwise. Used for compressed-tensors checkpoints (models/compressed_weights.py) and torchao's
+otherwise. Used for compressed-tensors checkpoints (engine/weights/compressed_weights.py) and torchao's
 `IntxWeightOnlyConfig` weights (runner/products/torchao_linear.py).
 """
 

@@ -146,6 +146,20 @@ def repack_over_lanes(readers: list[QuantizedLinear | QuantizedEmbedding]) -> bo
     return True
 
 
+def repack_lanes(model: nn.Module) -> list[str]:
+    """Repack over lanes the blocks of every quantized module the lane product serves, a tensor shared by a
+    tied embedding and LM head once for both (`repack_over_lanes`); the names of the modules repacked."""
+    readers: dict[int, list[tuple[str, QuantizedLinear | QuantizedEmbedding]]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear | QuantizedEmbedding):
+            readers.setdefault(module.blocks.data_ptr(), []).append((name, module))
+    repacked: list[str] = []
+    for shared in readers.values():
+        if repack_over_lanes([module for _, module in shared]):
+            repacked.extend(name for name, _ in shared)
+    return repacked
+
+
 def quantized_product(x: torch.Tensor, blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     """`x [R, K] @ W.T` for W in `blocks`, in x's dtype, accumulated in float32."""
     module = native_module() if x.device.type == "cpu" else None

@@ -1,4 +1,4 @@
-"""models/compressed_weights.py: compressed-tensors' packed int4 / int8 Linears rewritten into GGUF blocks.
+"""engine/weights/compressed_weights.py: compressed-tensors' packed int4 / int8 Linears rewritten into GGUF blocks.
 
 Each Linear is compressed by compressed-tensors' own `PackedQuantizationCompressor` and its decompression
 (the hook's) is the reference: the blocks must hold exactly its float32 weight. Skipped where
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformers_cb.models import compressed_weights
-from transformers_cb.models.compressed_weights import (
+from transformers_cb.engine.weights import compressed_weights
+from transformers_cb.engine.weights.compressed_weights import (
     KEEP_ENV,
     compressed_blocks,
     keep_compressed,

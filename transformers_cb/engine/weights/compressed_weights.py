@@ -30,10 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..attention.native.kernel import native_module
-from ..runner.products.gguf_blocks import QTYPE_OF_BITS, blocks_from_values
-from ..runner.products.quantized_linear import BLOCK_WEIGHTS, COMPUTE_DTYPES, QuantizedLinear, quantized_bytes
-from .gguf_weights import repack_lanes
+from ...attention.native.kernel import native_module
+from ...runner.products.gguf_blocks import QTYPE_OF_BITS, blocks_from_values
+from ...runner.products.quantized_linear import (
+    BLOCK_WEIGHTS,
+    COMPUTE_DTYPES,
+    QuantizedLinear,
+    quantized_bytes,
+    repack_lanes,
+)
 
 logger = logging.getLogger(__name__)
 
