@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from tests.support.models import sharpen_attention, tiny_llama, tiny_qwen2
 from tests.support.prompts import prompts_of_lengths
@@ -178,3 +179,47 @@ def test_a_failing_native_call_falls_back_once(monkeypatch, caplog) -> None:
     assert got == want and taken == 0
     assert len(calls) == 1  # tried once, then the modules' forwards for the rest of the process
     assert sum("decoder-layer step failed" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("packed", ["all", "off"])
+def test_a_layer_plan_is_made_again_when_what_it_read_changes(monkeypatch, packed: str) -> None:
+    """`LayerPlan`: a layer's products decided once per row count and dtype, reused while nothing it read
+    changed: a weight written in place or replaced, a pack released, a hook on a projection (no plan: the
+    modules' forwards), a norm's weight replaced."""
+    from transformers_cb.engine.build import build_engine
+    from transformers_cb.runner.products.packed_model import release_packs
+
+    monkeypatch.setenv(RULE_ENV, packed)
+    model = sharpen_attention(tiny_llama(seed=3)).to(torch.bfloat16)
+    engine = build_engine(model, GenerationConfig(max_new_tokens=4, do_sample=False), None)
+    layer = model.model.layers[0]
+    with engine.session():
+        parts = direct_layer.layer_parts(layer, native_layers.KIND)
+        assert parts is not None
+        dtype = torch.bfloat16
+        first = direct_layer._plan(parts, dtype, 1)
+        assert first is not None
+        plan = first[0]
+        assert direct_layer._plan(parts, dtype, 1)[0] is plan  # reused
+        assert direct_layer._plan(parts, dtype, 3)[0] is not plan  # another row count: its own
+        q_proj = layer.self_attn.q_proj
+        with torch.no_grad():
+            q_proj.weight.mul_(1.5)  # in place: a new version
+        again = direct_layer._plan(parts, dtype, 1)[0]
+        assert again is not plan
+        assert direct_layer._plan(parts, dtype, 1)[0] is again
+        q_proj.weight = torch.nn.Parameter(q_proj.weight.detach().clone(), requires_grad=False)
+        replaced = direct_layer._plan(parts, dtype, 1)[0]
+        assert replaced is not again and any(held is q_proj.weight for _, _, held in replaced.slots)
+        release_packs(model)  # packs dropped (a weight written through `.data`): the plan reads them again
+        released = direct_layer._plan(parts, dtype, 1)[0]
+        assert (released is not replaced) == (packed == "all")
+        layer.post_attention_layernorm.weight = torch.nn.Parameter(
+            layer.post_attention_layernorm.weight.detach().clone(), requires_grad=False
+        )
+        renormed = direct_layer._plan(parts, dtype, 1)[0]
+        assert renormed is not released and renormed.post_weight is layer.post_attention_layernorm.weight
+        handle = layer.mlp.down_proj.register_forward_hook(lambda module, args, output: output)
+        assert direct_layer._plan(parts, dtype, 1) is None  # the modules' forwards run the hook
+        handle.remove()
+        assert direct_layer._plan(parts, dtype, 1) is not None

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, cast
 
@@ -38,6 +39,7 @@ from ...attention.families.temperature import tunes_temperature
 from ...attention.metadata import AttentionMetadata
 from ...attention.paged import METADATA_KWARG, NATIVE_STEPS_MARK, current_step_metadata
 from ...patches import in_force
+from ..products.fused_products import FusedGroup
 from ..products.packed_linear import PACKS, Pack
 from ..products.packed_model import PackedProduct, packed_product_of
 from ..products.quantized_linear import QuantizedLinear, takes_direct
@@ -51,7 +53,6 @@ from .layer_forms import (
     plain_tensor,
     references,
     same_function,
-    weight_of,
 )
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class LayerParts:
     head_dim: int
     layer_idx: int
     scaling: float
+    # (rows, dtype) -> what `direct_step` decided for such a call, and what it read to decide (`LayerPlan`):
+    # made again where any of it changed. One per run: the parts are read at a run's first call.
+    plans: dict[tuple[int, torch.dtype], LayerPlan] = field(default_factory=dict, compare=False, hash=False)
 
 
 def layer_parts(layer: nn.Module, kind: str) -> LayerParts | None:
@@ -209,28 +213,38 @@ class ProductSpecs:
     row pack, 3 `QuantizedLinear`'s native product on its blocks), that tensor, its bias, its width and its
     GGUF type (0 but for kind 3)."""
 
-    kinds: list[int]
-    tensors: list[torch.Tensor]
-    biases: list[torch.Tensor | None]
-    outs: list[int]
-    qtypes: list[int]
+    kinds: list[int] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    biases: list[torch.Tensor | None] = field(default_factory=list)
+    outs: list[int] = field(default_factory=list)
+    qtypes: list[int] = field(default_factory=list)
+    # per product, the pack (and its handle in `PACKS`) its tensor comes from, or None
+    packs: list[tuple[int, Pack] | None] = field(default_factory=list)
 
     def add(
-        self, kind: int, tensor: torch.Tensor, bias: torch.Tensor | None, out_features: int, qtype: int = 0
+        self,
+        kind: int,
+        tensor: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_features: int,
+        qtype: int = 0,
+        pack: tuple[int, Pack] | None = None,
     ) -> None:
         self.kinds.append(kind)
         self.tensors.append(tensor)
         self.biases.append(bias)
         self.outs.append(out_features)
         self.qtypes.append(qtype)
+        self.packs.append(pack)
 
-    def add_pack(self, pack: Pack, bias: torch.Tensor | None, dtype: torch.dtype, rows: int) -> None:
+    def add_pack(
+        self, handle: int, pack: Pack, bias: torch.Tensor | None, dtype: torch.dtype, rows: int
+    ) -> None:
         """oneDNN's product on `pack`, or the small-row product where `packed_linear.product` takes it."""
         rows_pack = row_pack_for(pack, dtype, rows)
         out_features = pack.packed.shape[0]
-        self.add(
-            1 if rows_pack is None else 2, pack.packed if rows_pack is None else rows_pack, bias, out_features
-        )
+        tensor = pack.packed if rows_pack is None else rows_pack
+        self.add(1 if rows_pack is None else 2, tensor, bias, out_features, pack=(handle, pack))
 
 
 def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype, rows: int) -> None:
@@ -249,7 +263,7 @@ def _add_single(specs: ProductSpecs, projection: Projection, dtype: torch.dtype,
     if packed is None or rows < packed.min_rows or weight.is_inference():
         specs.add(0, weight, bias, module.out_features)
     else:
-        specs.add_pack(PACKS.current(packed.handle, weight), bias, dtype, rows)
+        specs.add_pack(packed.handle, PACKS.current(packed.handle, weight), bias, dtype, rows)
 
 
 def _add_products(
@@ -270,7 +284,7 @@ def _add_products(
         and all(m is p[0] for m, p in zip(group.members, projections, strict=True))
     ):
         pack = group.pack()
-        specs.add_pack(pack, pack.bias, dtype, rows)
+        specs.add_pack(group.handle, pack, pack.bias, dtype, rows)
         return 1, list(group.out_features)
     for projection in projections:
         _add_single(specs, projection, dtype, rows)
@@ -286,6 +300,178 @@ def _step_metadata(kwargs: dict[str, Any]) -> AttentionMetadata | None:
     if metadata is None:
         metadata = current_step_metadata()
     return metadata if isinstance(metadata, AttentionMetadata) else None
+
+
+@dataclass
+class LayerPlan:
+    """What `direct_step` decided for one layer at one row count and dtype (the native call's weights and
+    products), and everything it read to decide that, so that a later call checks those reads (a few
+    identity and version compares) instead of deciding again (~50-100 us of Python a layer):
+
+    - `slots`: (mapping, key, what it held): the projections in their owners, their instance forwards (the
+      run's packed or torchao forward, whose product and row bound are fixed), their weights, biases and
+      blocks, the norms' weights; `tensors`: (tensor, version, address) of those tensors (a write in place
+      bumps the version; `.data =` moves the address);
+    - `hooked`: modules that must still have no hooks; `groups`: fused groups that must not be unfused;
+      `qtypes`: quantized Linears' kernel types (a repack over lanes changes it with its blocks);
+      `intx`: torchao Intx Linears and the blocks their run forward reads (`intx_blocks_for`);
+    - `packs`: per product, the pack (weakly held: a released pack is not kept alive) and its handle, whose
+      tensor is read from the pack at each call (`PACKS` must still hold that very pack).
+
+    What a step decides (its metadata: an all-native step, the layer's group, the cache) is checked at each
+    call, as before."""
+
+    slots: tuple[tuple[dict[str, Any], str, object], ...]
+    tensors: tuple[tuple[torch.Tensor, int, int], ...]
+    hooked: tuple[nn.Module, ...]
+    groups: tuple[FusedGroup, ...]
+    qtypes: tuple[tuple[QuantizedLinear, int], ...]
+    intx: tuple[tuple[nn.Linear, IntxBlocks], ...]
+    packs: tuple[tuple[int, weakref.ref[Pack], int] | None, ...]
+    specs: ProductSpecs
+    input_weight: torch.Tensor
+    post_weight: torch.Tensor
+    qkv_count: int
+    qkv_split: list[int]
+    gate_up_count: int
+    gate_up_split: list[int]
+
+    def current_tensors(self, dtype: torch.dtype, rows: int) -> list[torch.Tensor] | None:
+        """The products' tensors for this call, or None where anything the plan read has changed."""
+        for mapping, key, held in self.slots:
+            if mapping.get(key) is not held:
+                return None
+        for tensor, version, address in self.tensors:
+            if _version(tensor) != version or tensor.data_ptr() != address:
+                return None
+        if any(_hooked(module) for module in self.hooked) or any(group.unfused for group in self.groups):
+            return None
+        if any(module.kernel_qtype != qtype for module, qtype in self.qtypes):
+            return None
+        if any(intx_blocks_for(module, dtype, rows) is not blocks for module, blocks in self.intx):
+            return None
+        tensors = list(self.specs.tensors)
+        for index, source in enumerate(self.packs):
+            if source is None:
+                continue
+            handle, reference, kind = source
+            pack = reference()
+            if pack is None or not PACKS.holds(handle, pack):
+                return None
+            current = pack.packed if kind == 1 else pack.rows_pack
+            if current is None:
+                return None
+            tensors[index] = current
+        return tensors
+
+
+MAX_PLANS = 8  # per layer: the row counts a run's steps keep coming back to (decode rows, chunk sizes)
+
+
+def _version(tensor: torch.Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written in place)
+        return -1
+
+
+def _make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan | None:
+    """What the modules' forwards would compute for `tokens` rows of `dtype`, as the native call's arguments
+    (with what was read to decide it), or None where a part would leave the native paths."""
+    attention, mlp = parts.attention, parts.mlp
+    interface = nn_module_interface(attention)
+    if not getattr(interface, NATIVE_STEPS_MARK, False):
+        return None
+    attention_projections = _projections(attention, PROJECTIONS, dtype, tokens)
+    mlp_projections = _projections(mlp, MLP_PROJECTIONS, dtype, tokens)
+    input_weight = parts.input_norm._parameters.get("weight")
+    post_weight = parts.post_norm._parameters.get("weight")
+    if (
+        attention_projections is None
+        or mlp_projections is None
+        or input_weight is None
+        or post_weight is None
+        or mlp_projections[0][0].out_features != mlp_projections[1][0].out_features
+        or not _plain(input_weight, dtype)
+        or not _plain(post_weight, dtype)
+        or not input_weight.is_contiguous()
+        or not post_weight.is_contiguous()
+    ):
+        return None
+    specs = ProductSpecs()
+    qkv_count, qkv_split = _add_products(specs, attention_projections[:3], dtype, tokens)
+    _add_products(specs, attention_projections[3:], dtype, tokens)
+    gate_up_count, gate_up_split = _add_products(specs, mlp_projections[:2], dtype, tokens)
+    _add_products(specs, mlp_projections[2:], dtype, tokens)
+    slots: list[tuple[dict[str, Any], str, object]] = [
+        (parts.input_norm._parameters, "weight", input_weight),
+        (parts.post_norm._parameters, "weight", post_weight),
+    ]
+    tensors: list[torch.Tensor] = [input_weight, post_weight]
+    qtypes: list[tuple[QuantizedLinear, int]] = []
+    intx: list[tuple[nn.Linear, IntxBlocks]] = []
+    groups: list[FusedGroup] = []
+    for owner, names, projections in (
+        (attention, PROJECTIONS, attention_projections),
+        (mlp, MLP_PROJECTIONS, mlp_projections),
+    ):
+        for name, (module, product) in zip(names, projections, strict=True):
+            slots.append((owner._modules, name, module))
+            slots.append((module.__dict__, "forward", module.__dict__.get("forward")))
+            held = module._buffers if isinstance(module, QuantizedLinear) else module._parameters
+            for key in ("blocks", "weight", "bias"):
+                if key in held:
+                    slots.append((held, key, held[key]))
+                    if held[key] is not None:
+                        tensors.append(cast(torch.Tensor, held[key]))
+            if isinstance(module, QuantizedLinear):
+                bias = module._parameters.get("bias")
+                slots.append((module._parameters, "bias", bias))
+                if bias is not None:
+                    tensors.append(bias)
+                qtypes.append((module, module.kernel_qtype))
+            elif isinstance(product, IntxBlocks):
+                intx.append((module, product))
+            elif isinstance(product, PackedProduct) and product.group is not None:
+                groups.append(product.group)
+    plain = [t for t in tensors if plain_tensor(t)]  # a torchao weight's parts are checked by `intx`
+    packs = tuple(
+        None if source is None else (source[0], weakref.ref(source[1]), kind)
+        for source, kind in zip(specs.packs, specs.kinds, strict=True)
+    )
+    return LayerPlan(
+        slots=tuple(slots),
+        tensors=tuple((t, _version(t), t.data_ptr()) for t in plain),
+        hooked=tuple(module for module, _ in attention_projections + mlp_projections),  # the rest: each call
+        groups=tuple({id(group): group for group in groups}.values()),
+        qtypes=tuple(qtypes),
+        intx=tuple(intx),
+        packs=packs,
+        specs=specs,
+        input_weight=input_weight,
+        post_weight=post_weight,
+        qkv_count=qkv_count,
+        qkv_split=qkv_split,
+        gate_up_count=gate_up_count,
+        gate_up_split=gate_up_split,
+    )
+
+
+def _plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> tuple[LayerPlan, list[torch.Tensor]] | None:
+    """The layer's plan for this call (reused where nothing it read changed) and its products' tensors."""
+    plan = parts.plans.get((tokens, dtype))
+    tensors = None if plan is None else plan.current_tensors(dtype, tokens)
+    if plan is None or tensors is None:
+        if plan is not None:
+            parts.plans.clear()  # what one plan read changed: the others may hold stale weights too
+        plan = _make_plan(parts, dtype, tokens)
+        if plan is None:
+            return None
+        if len(parts.plans) >= MAX_PLANS:
+            parts.plans.pop(next(iter(parts.plans)))
+        parts.plans[(tokens, dtype)] = plan
+        tensors = plan.specs.tensors
+    return plan, tensors
 
 
 def direct_step(
@@ -321,13 +507,11 @@ def direct_step(
     cache = metadata.cache
     group_metadata = metadata.group_of(layer_idx)
     spec = metadata.kv_group_of(layer_idx)
-    interface = nn_module_interface(attention)
     if (
         group_metadata.sliding_window is not None
         or group_metadata.latent is not None
         or spec.kv_repeat != 1
         or cache.key_dim(cache.layer_group[layer_idx]) is not None
-        or not getattr(interface, NATIVE_STEPS_MARK, False)
         or metadata.token_row is None
         or metadata.token_pos is None
     ):
@@ -335,27 +519,13 @@ def direct_step(
     dtype = hidden_states.dtype
     cos, sin = position_embeddings
     tokens, head_dim = hidden_states.shape[1], parts.head_dim
-    attention_projections = _projections(attention, PROJECTIONS, dtype, tokens)
-    mlp_projections = _projections(mlp, MLP_PROJECTIONS, dtype, tokens)
-    input_weight, post_weight = weight_of(parts.input_norm), weight_of(parts.post_norm)
     if (
-        attention_projections is None
-        or mlp_projections is None
-        or mlp_projections[0][0].out_features != mlp_projections[1][0].out_features
-        or not _plain(input_weight, dtype)
-        or not _plain(post_weight, dtype)
-        or not _plain(cos, dtype)
+        not _plain(cos, dtype)
         or not _plain(sin, dtype)
-        or input_weight.dtype != dtype
-        or post_weight.dtype != dtype
-        or not input_weight.is_contiguous()
-        or not post_weight.is_contiguous()
         or cos.dim() != 3
         or cos.shape != sin.shape
         or cos.shape[0] != 1
         or cos.shape[1:] != (tokens, head_dim)
-        or cos.dtype != dtype
-        or sin.dtype != dtype
         or cos.stride(-1) != 1
         or sin.stride(-1) != 1
     ):
@@ -363,32 +533,31 @@ def direct_step(
     storage, layer = cache.storage_of(layer_idx)
     if cache.scales_of(layer_idx) is not None or storage.dtype != dtype:
         return None  # an int8 cache (or pages of another dtype): the modules' path writes and reads them
-    rows = tokens
-    specs = ProductSpecs([], [], [], [], [])
-    qkv_count, qkv_split = _add_products(specs, attention_projections[:3], dtype, rows)
-    _add_products(specs, attention_projections[3:], dtype, rows)
-    gate_up_count, gate_up_split = _add_products(specs, mlp_projections[:2], dtype, rows)
-    _add_products(specs, mlp_projections[2:], dtype, rows)
+    planned = _plan(parts, dtype, tokens)
+    if planned is None:
+        return None
+    plan, tensors = planned
+    specs = plan.specs
     # LlamaDecoderLayer's forward with native_layers' ops, LlamaAttention's with the native rotary and the
     # all-native step's attention, LlamaMLP's with SiLU·mul: one call
     try:
         out: torch.Tensor = ops.decoder_layer(
             hidden_states,
-            input_weight,
+            plan.input_weight,
             parts.input_eps,
             parts.input_gemma,
-            post_weight,
+            plan.post_weight,
             parts.post_eps,
             parts.post_gemma,
             specs.kinds,
-            specs.tensors,
+            tensors,
             specs.biases,
             specs.outs,
             specs.qtypes,
-            qkv_count,
-            qkv_split,
-            gate_up_count,
-            gate_up_split,
+            plan.qkv_count,
+            plan.qkv_split,
+            plan.gate_up_count,
+            plan.gate_up_split,
             cos,
             sin,
             parts.head_dim,

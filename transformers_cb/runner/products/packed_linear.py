@@ -173,6 +173,10 @@ class PackRegistry:
         with self._lock:
             self._packs.pop(handle, None)
 
+    def holds(self, handle: int, pack: Pack) -> bool:
+        """Whether `pack` is still the handle's (not rebuilt, released or dropped since)."""
+        return self._packs.get(handle) is pack
+
     def invalidate(self, handle: int) -> None:
         """Free the handle's pack; the next product rebuilds it."""
         with self._lock:
