@@ -223,3 +223,30 @@ def test_a_layer_plan_is_made_again_when_what_it_read_changes(monkeypatch, packe
         assert direct_layer._plan(parts, dtype, 1) is None  # the modules' forwards run the hook
         handle.remove()
         assert direct_layer._plan(parts, dtype, 1) is not None
+
+
+def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:
+    """A plan reads its products' packs at each call: it holds none (a released pack's memory is freed)."""
+    import gc
+    import weakref
+
+    from transformers_cb.engine.build import build_engine
+    from transformers_cb.runner.products.packed_model import release_packs
+
+    monkeypatch.setenv(RULE_ENV, "all")
+    model = sharpen_attention(tiny_llama(seed=3)).to(torch.bfloat16)
+    engine = build_engine(model, GenerationConfig(max_new_tokens=4, do_sample=False), None)
+    with engine.session():
+        parts = direct_layer.layer_parts(model.model.layers[0], native_layers.KIND)
+        planned = direct_layer._plan(parts, torch.bfloat16, 1)
+        assert planned is not None and any(source is not None for source in planned[0].packs)
+        packed = [
+            weakref.ref(t)
+            for t, kind in zip(planned[1], planned[0].specs.kinds, strict=True)
+            if kind in (1, 2)
+        ]
+        assert packed
+        del planned
+        release_packs(model)
+        gc.collect()
+        assert all(reference() is None for reference in packed)

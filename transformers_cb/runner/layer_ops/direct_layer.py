@@ -366,6 +366,8 @@ class LayerPlan:
 
 
 MAX_PLANS = 8  # per layer: the row counts a run's steps keep coming back to (decode rows, chunk sizes)
+# A plan's product tensor that is read from its pack at each call (`LayerPlan.packs`).
+_FROM_PACK = torch.empty(0)
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -439,6 +441,10 @@ def _make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan 
         None if source is None else (source[0], weakref.ref(source[1]), kind)
         for source, kind in zip(specs.packs, specs.kinds, strict=True)
     )
+    for index, source in enumerate(specs.packs):  # read from the pack at each call: the plan keeps none alive
+        if source is not None:
+            specs.tensors[index] = _FROM_PACK
+            specs.packs[index] = None
     return LayerPlan(
         slots=tuple(slots),
         tensors=tuple((t, _version(t), t.data_ptr()) for t in plain),
@@ -467,10 +473,12 @@ def _plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> tuple[LayerPlan
         plan = _make_plan(parts, dtype, tokens)
         if plan is None:
             return None
+        tensors = plan.current_tensors(dtype, tokens)
+        if tensors is None:  # a pack released while the plan was made
+            return None
         if len(parts.plans) >= MAX_PLANS:
             parts.plans.pop(next(iter(parts.plans)))
         parts.plans[(tokens, dtype)] = plan
-        tensors = plan.specs.tensors
     return plan, tensors
 
 
