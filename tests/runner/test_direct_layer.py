@@ -223,6 +223,15 @@ def test_a_layer_plan_is_made_again_when_what_it_read_changes(monkeypatch, packe
         assert direct_layer._plan(parts, dtype, 1) is None  # the modules' forwards run the hook
         handle.remove()
         assert direct_layer._plan(parts, dtype, 1) is not None
+        for module in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            handle = module.register_forward_pre_hook(lambda module, args: None)
+            assert direct_layer._plan(parts, dtype, 1) is None, type(module).__name__
+            handle.remove()
+            assert direct_layer._plan(parts, dtype, 1) is not None
+        layer.mlp.up_proj._hf_hook = object()  # accelerate's, an attribute
+        assert direct_layer._plan(parts, dtype, 1) is None
+        del layer.mlp.up_proj._hf_hook
+        assert direct_layer._plan(parts, dtype, 1) is not None
 
 
 def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:

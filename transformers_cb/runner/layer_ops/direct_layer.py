@@ -312,7 +312,8 @@ class LayerPlan:
       run's packed or torchao forward, whose product and row bound are fixed), their weights, biases and
       blocks, the norms' weights; `tensors`: (tensor, version, address) of those tensors (a write in place
       bumps the version; `.data =` moves the address);
-    - `hooked`: modules that must still have no hooks; `groups`: fused groups that must not be unfused;
+    - `hooks`: the hook registries of the layer's modules and projections, which must stay empty (and
+      accelerate's `_hf_hook` absent, in `slots`); `groups`: fused groups that must not be unfused;
       `qtypes`: quantized Linears' kernel types (a repack over lanes changes it with its blocks);
       `intx`: torchao Intx Linears and the blocks their run forward reads (`intx_blocks_for`);
     - `packs`: per product, the pack (weakly held: a released pack is not kept alive) and its handle, whose
@@ -323,7 +324,9 @@ class LayerPlan:
 
     slots: tuple[tuple[dict[str, Any], str, object], ...]
     tensors: tuple[tuple[torch.Tensor, int, int], ...]
-    hooked: tuple[nn.Module, ...]
+    # the hook registries of the layer's modules and projections (each must stay empty; accelerate's
+    # `_hf_hook` is watched through `slots`)
+    hooks: tuple[dict[Any, Any], ...]
     groups: tuple[FusedGroup, ...]
     qtypes: tuple[tuple[QuantizedLinear, int], ...]
     intx: tuple[tuple[nn.Linear, IntxBlocks], ...]
@@ -341,10 +344,10 @@ class LayerPlan:
         for mapping, key, held in self.slots:
             if mapping.get(key) is not held:
                 return None
-        for tensor, version, address in self.tensors:
-            if _version(tensor) != version or tensor.data_ptr() != address:
+        for tensor, version, address in self.tensors:  # inference tensors are not among them (no version)
+            if tensor._version != version or tensor.data_ptr() != address:
                 return None
-        if any(_hooked(module) for module in self.hooked) or any(group.unfused for group in self.groups):
+        if any(self.hooks) or any(group.unfused for group in self.groups):
             return None
         if any(module.kernel_qtype != qtype for module, qtype in self.qtypes):
             return None
@@ -368,13 +371,6 @@ class LayerPlan:
 MAX_PLANS = 8  # per layer: the row counts a run's steps keep coming back to (decode rows, chunk sizes)
 # A plan's product tensor that is read from its pack at each call (`LayerPlan.packs`).
 _FROM_PACK = torch.empty(0)
-
-
-def _version(tensor: torch.Tensor) -> int:
-    try:
-        return tensor._version
-    except RuntimeError:  # an inference tensor keeps no version counter (and cannot be written in place)
-        return -1
 
 
 def _make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan | None:
@@ -436,7 +432,15 @@ def _make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan 
                 intx.append((module, product))
             elif isinstance(product, PackedProduct) and product.group is not None:
                 groups.append(product.group)
-    plain = [t for t in tensors if plain_tensor(t)]  # a torchao weight's parts are checked by `intx`
+    # a torchao weight's parts are checked by `intx`; an inference tensor cannot be written in place (no
+    # version), only replaced (its slot)
+    plain = [t for t in tensors if plain_tensor(t) and not t.is_inference()]
+    watched: tuple[nn.Module, ...] = (attention, mlp, parts.input_norm, parts.post_norm, parts.act_fn)
+    watched += tuple(projection for projection, _ in attention_projections + mlp_projections)
+    if any(_hooked(part) for part in watched):
+        return None
+    for part in watched:
+        slots.append((part.__dict__, "_hf_hook", part.__dict__.get("_hf_hook")))
     packs = tuple(
         None if source is None else (source[0], weakref.ref(source[1]), kind)
         for source, kind in zip(specs.packs, specs.kinds, strict=True)
@@ -447,8 +451,17 @@ def _make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan 
             specs.packs[index] = None
     return LayerPlan(
         slots=tuple(slots),
-        tensors=tuple((t, _version(t), t.data_ptr()) for t in plain),
-        hooked=tuple(module for module, _ in attention_projections + mlp_projections),  # the rest: each call
+        tensors=tuple((t, t._version, t.data_ptr()) for t in plain),
+        hooks=tuple(
+            registry
+            for module in watched
+            for registry in (
+                module._forward_hooks,
+                module._forward_pre_hooks,
+                module._backward_hooks,
+                module._backward_pre_hooks,
+            )
+        ),
         groups=tuple({id(group): group for group in groups}.values()),
         qtypes=tuple(qtypes),
         intx=tuple(intx),
@@ -491,7 +504,7 @@ def direct_step(
 ) -> torch.Tensor | None:
     """The layer's output on `hidden_states` `[1, T, hidden]` (its residual stream), or None where any part
     of this call would leave the native paths (the caller then runs the modules' forwards)."""
-    attention, mlp = parts.attention, parts.mlp
+    attention = parts.attention
     metadata = _step_metadata(kwargs)
     if (
         _failed
@@ -503,12 +516,7 @@ def direct_step(
         or not hidden_states.is_contiguous()
         or attention.training
         or tunes_temperature(attention)
-        or _global_hooks()
-        or _hooked(attention)
-        or _hooked(mlp)
-        or _hooked(parts.input_norm)
-        or _hooked(parts.post_norm)
-        or _hooked(parts.act_fn)
+        or _global_hooks()  # the layer's own modules' hooks: its plan watches them
     ):
         return None
     layer_idx = parts.layer_idx
