@@ -117,3 +117,22 @@ def test_a_compressed_checkpoint_equals_generate_on_it_decompressed(
     check_parity(reference, PROMPTS, outputs, [references.get(p) for p in PROMPTS], context)
     assert reference.model.layers[0].mlp.up_proj.weight.dtype == dtype
     assert preempted, "nothing was preempted"
+
+
+def test_a_checkpoint_decompressed_by_generate_first_runs_unwrapped(tmp_path) -> None:
+    """`generate()` before `generate_batch`: compressed-tensors' own hook decompresses the model (everything
+    float, every module wrapped by its offloading); the engine then undoes the wrappers that move nothing, so
+    its native paths take every module, and the outputs stay `generate()`'s."""
+    from transformers import AutoModelForCausalLM
+
+    write_checkpoint(tmp_path, "W4A16", bf16_scales=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, device_map="cpu").eval()
+    model.generation_config.eos_token_id = None
+    references = ReferenceCache(model, MAX_NEW_TOKENS)
+    expected = [references.get(p) for p in PROMPTS]  # its first forward decompresses it
+    assert not model._forward_pre_hooks
+    assert [name for name, module in model.named_modules() if "forward" in module.__dict__]  # wrapped
+    outputs, _ = run_batch(model, PROMPTS, greedy_config(MAX_NEW_TOKENS), page_size=4, max_batch_tokens=16)
+    wrapped = [name for name, module in model.named_modules() if "forward" in module.__dict__]
+    assert wrapped == [], wrapped
+    check_parity(model, PROMPTS, outputs, expected, "compressed-tensors W4A16 after generate()")

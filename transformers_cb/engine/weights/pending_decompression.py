@@ -28,23 +28,25 @@ HOOK_ATTRIBUTE = "ct_decompress_hook"  # compressed-tensors' `ModelCompressor.ad
 
 def decompress_pending(model: nn.Module) -> bool:
     """Run `model`'s pending compressed-tensors decompression hook (what its first forward would run);
-    whether there was one."""
+    whether there was one. Then, hook or not (a `generate()` before the engine's first look fired it), undo
+    the wrappers compressed-tensors leaves that move nothing (`undo_cpu_dispatch`,
+    `unwrap_weight_only_forwards`)."""
     hook_id = getattr(getattr(model, HOOK_ATTRIBUTE, None), "id", None)  # a RemovableHandle's
     hook = model._forward_pre_hooks.get(hook_id) if isinstance(hook_id, int) else None
-    if hook is None:
-        return False
-    keep_pending_compressed(model)  # what can run compressed leaves the hook's reach first
-    logger.info("compressed-tensors checkpoint: decompressing the rest now, as its first forward would")
-    hook(model, ())
+    if hook is not None:
+        keep_pending_compressed(model)  # what can run compressed leaves the hook's reach first
+        logger.info("compressed-tensors checkpoint: decompressing the rest now, as its first forward would")
+        hook(model, ())
     undone = undo_cpu_dispatch(model)
     unwrapped = unwrap_weight_only_forwards(model)
-    logger.info(
-        "compressed-tensors checkpoint: its CPU-to-CPU offloading of %d modules and the quantized forwards of "
-        "%d weight-only Linears undone",
-        undone,
-        unwrapped,
-    )
-    return True
+    if undone or unwrapped:
+        logger.info(
+            "compressed-tensors checkpoint: its CPU-to-CPU offloading of %d modules and the quantized forwards "
+            "of %d weight-only Linears undone",
+            undone,
+            unwrapped,
+        )
+    return hook is not None
 
 
 def undo_cpu_dispatch(model: nn.Module) -> int:
