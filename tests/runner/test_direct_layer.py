@@ -20,7 +20,7 @@ from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner import model_runner
-from transformers_cb.runner.layer_ops import direct_layer, native_layers
+from transformers_cb.runner.layer_ops import direct_layer, layer_plan, native_layers
 from transformers_cb.runner.products.packed_linear import RULE_ENV
 
 pytestmark = pytest.mark.skipif(
@@ -194,44 +194,44 @@ def test_a_layer_plan_is_made_again_when_what_it_read_changes(monkeypatch, packe
     engine = build_engine(model, GenerationConfig(max_new_tokens=4, do_sample=False), None)
     layer = model.model.layers[0]
     with engine.session():
-        parts = direct_layer.layer_parts(layer, native_layers.KIND)
+        parts = layer_plan.layer_parts(layer, native_layers.KIND)
         assert parts is not None
         dtype = torch.bfloat16
-        first = direct_layer._plan(parts, dtype, 1)
+        first = layer_plan.plan_for(parts, dtype, 1)
         assert first is not None
         plan = first[0]
-        assert direct_layer._plan(parts, dtype, 1)[0] is plan  # reused
-        assert direct_layer._plan(parts, dtype, 3)[0] is not plan  # another row count: its own
+        assert layer_plan.plan_for(parts, dtype, 1)[0] is plan  # reused
+        assert layer_plan.plan_for(parts, dtype, 3)[0] is not plan  # another row count: its own
         q_proj = layer.self_attn.q_proj
         with torch.no_grad():
             q_proj.weight.mul_(1.5)  # in place: a new version
-        again = direct_layer._plan(parts, dtype, 1)[0]
+        again = layer_plan.plan_for(parts, dtype, 1)[0]
         assert again is not plan
-        assert direct_layer._plan(parts, dtype, 1)[0] is again
+        assert layer_plan.plan_for(parts, dtype, 1)[0] is again
         q_proj.weight = torch.nn.Parameter(q_proj.weight.detach().clone(), requires_grad=False)
-        replaced = direct_layer._plan(parts, dtype, 1)[0]
+        replaced = layer_plan.plan_for(parts, dtype, 1)[0]
         assert replaced is not again and any(held is q_proj.weight for _, _, held in replaced.slots)
         release_packs(model)  # packs dropped (a weight written through `.data`): the plan reads them again
-        released = direct_layer._plan(parts, dtype, 1)[0]
+        released = layer_plan.plan_for(parts, dtype, 1)[0]
         assert (released is not replaced) == (packed == "all")
         layer.post_attention_layernorm.weight = torch.nn.Parameter(
             layer.post_attention_layernorm.weight.detach().clone(), requires_grad=False
         )
-        renormed = direct_layer._plan(parts, dtype, 1)[0]
+        renormed = layer_plan.plan_for(parts, dtype, 1)[0]
         assert renormed is not released and renormed.post_weight is layer.post_attention_layernorm.weight
         handle = layer.mlp.down_proj.register_forward_hook(lambda module, args, output: output)
-        assert direct_layer._plan(parts, dtype, 1) is None  # the modules' forwards run the hook
+        assert layer_plan.plan_for(parts, dtype, 1) is None  # the modules' forwards run the hook
         handle.remove()
-        assert direct_layer._plan(parts, dtype, 1) is not None
+        assert layer_plan.plan_for(parts, dtype, 1) is not None
         for module in (layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
             handle = module.register_forward_pre_hook(lambda module, args: None)
-            assert direct_layer._plan(parts, dtype, 1) is None, type(module).__name__
+            assert layer_plan.plan_for(parts, dtype, 1) is None, type(module).__name__
             handle.remove()
-            assert direct_layer._plan(parts, dtype, 1) is not None
+            assert layer_plan.plan_for(parts, dtype, 1) is not None
         layer.mlp.up_proj._hf_hook = object()  # accelerate's, an attribute
-        assert direct_layer._plan(parts, dtype, 1) is None
+        assert layer_plan.plan_for(parts, dtype, 1) is None
         del layer.mlp.up_proj._hf_hook
-        assert direct_layer._plan(parts, dtype, 1) is not None
+        assert layer_plan.plan_for(parts, dtype, 1) is not None
 
 
 def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:
@@ -246,8 +246,8 @@ def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:
     model = sharpen_attention(tiny_llama(seed=3)).to(torch.bfloat16)
     engine = build_engine(model, GenerationConfig(max_new_tokens=4, do_sample=False), None)
     with engine.session():
-        parts = direct_layer.layer_parts(model.model.layers[0], native_layers.KIND)
-        planned = direct_layer._plan(parts, torch.bfloat16, 1)
+        parts = layer_plan.layer_parts(model.model.layers[0], native_layers.KIND)
+        planned = layer_plan.plan_for(parts, torch.bfloat16, 1)
         assert planned is not None and any(source is not None for source in planned[0].packs)
         packed = [
             weakref.ref(t)

@@ -45,7 +45,7 @@ from torch import nn
 from ...attention.native.kernel import native_module
 from ...patches import in_force, patched
 from ...patches import restore_all as restore_kind
-from .direct_layer import LayerParts, direct_step, layer_parts
+from .direct_layer import direct_step
 from .layer_checks import VERDICTS, norm_agrees, rotary_agrees, silu_agrees
 from .layer_forms import (
     LAYER_DTYPES,
@@ -63,6 +63,7 @@ from .layer_forms import (
     same_function,
     weight_of,
 )
+from .layer_plan import LayerParts, layer_parts
 
 ENV_SWITCH = "TRANSFORMERS_CB_NATIVE_LAYERS"
 DIRECT_SWITCH = "TRANSFORMERS_CB_DIRECT_LAYERS"
