@@ -26,6 +26,7 @@ from .admission import Admission
 from .forks import Forks
 from .media_budget import MediaBudget, block_cut
 from .policies import AdmissionGate, SchedulingPolicy, make_policy
+from .preemption import allocate_or_preempt
 from .queues import RequestQueues
 from .recompute import RecomputeCounter
 from .rope_switch import RopeSwitches
@@ -331,7 +332,7 @@ class Scheduler:
         if num_tokens > 0:
             self._allocate(request, num_tokens)
             return num_tokens
-        if self._allocate_or_preempt(request, wanted, scheduled, plan):
+        if allocate_or_preempt(self.pages, self.queues, request, wanted, scheduled, plan):
             return wanted
         return None
 
@@ -339,38 +340,6 @@ class Scheduler:
         """Allocate pages that `num_fitting_tokens` said fit; failing here is a bug, never skipped."""
         allocated = self.pages.allocate(request, num_tokens)
         check(allocated, f"{request.request_id}: {num_tokens} tokens were counted as fitting but did not")
-
-    def _allocate_or_preempt(
-        self,
-        request: Request,
-        num_tokens: int,
-        scheduled: dict[int, ScheduledRequest],
-        plan: StepPlan,
-    ) -> bool:
-        """Allocate for a running request, preempting the newest unscheduled ones newer than it as needed.
-
-        Returns False if `request` runs nothing this step: preempted, failed, or (a prompt) waiting with
-        its pages while others run. Only newer requests are victims, whatever order the policy hands out
-        the budget in: under `decode_first` the decodes go first, and a newer decode taking an older
-        prompt's pages would, while requests keep arriving, restart that prompt again and again. A prompt
-        that finds nobody newer to preempt keeps its pages and waits for a later step while others run
-        (they finish and free pages; `_reserves` keeps new arrivals from taking them); a decode preempts
-        itself, so that the older ones keep going.
-        """
-        position = self.running.index(request)
-        while not self.pages.allocate(request, num_tokens):
-            victims = [r for r in self.running[position + 1 :] if id(r) not in scheduled]
-            if victims:
-                self.queues.preempt(victims[-1], plan)
-            elif scheduled and request.status != RequestStatus.DECODING:
-                return False
-            elif len(self.running) > 1:
-                self.queues.preempt(request, plan)
-                return False
-            else:
-                self.queues.fail_unfittable(request, plan)
-                return False
-        return True
 
     # -- the queues' exits, handed on (queues.py) ------------------------------------------------------
     def has_work(self) -> bool:
