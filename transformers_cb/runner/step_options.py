@@ -109,6 +109,12 @@ def _resolve_graphs(device_options: DeviceOptions, kernel: FlashKernel | None) -
 PACK_MEMORY_SHARE = 0.8
 
 
+def pack_room(max_memory_percent: float | None) -> int:
+    """Bytes the weights' copies (packed products, torchao Intx blocks) may take beside the cache."""
+    percent = max_memory_percent or CPU_MEMORY_PERCENT
+    return int(free_memory_bytes(torch.device("cpu")) * (1 - percent) * PACK_MEMORY_SHARE)
+
+
 def resolve_packed_linear(
     model: PreTrainedModel, asked: bool | None, device_type: str, max_memory_percent: float | None
 ) -> bool:
@@ -126,8 +132,7 @@ def resolve_packed_linear(
     total, missing = pack_bytes(model, rule)
     if total == 0:
         return False
-    percent = max_memory_percent or CPU_MEMORY_PERCENT
-    room = int(free_memory_bytes(torch.device("cpu")) * (1 - percent) * PACK_MEMORY_SHARE)
+    room = pack_room(max_memory_percent)
     if missing > room:
         # the small-row products' own copies first: oneDNN's products alone may still fit
         allow_row_packs(False)
@@ -148,22 +153,18 @@ def resolve_packed_linear(
     return True
 
 
-def prepare_torchao_linears(model: PreTrainedModel, max_memory_percent: float | None) -> bool:
+def prepare_torchao_linears(model: PreTrainedModel, max_memory_percent: float | None) -> None:
     """Write the GGUF blocks of the model's torchao Intx Linears (before the KV cache is sized, which then
-    sees them) where they fit in the room packed copies may take (otherwise one warning: torchao's product
-    runs them); True (the int8 Linears need no copy)."""
+    sees them) where they fit in the room weights' copies may take (otherwise one warning: torchao's product
+    runs them). The int8 Linears need no copy."""
     missing = intx_missing_bytes(model)
-    if missing:
-        percent = max_memory_percent or CPU_MEMORY_PERCENT
-        room = int(free_memory_bytes(torch.device("cpu")) * (1 - percent) * PACK_MEMORY_SHARE)
-        if missing > room:
-            warn_once(
-                f"the int4 weights' blocks need {missing / 2**20:.0f} MiB and {room / 2**20:.0f} MiB are free "
-                "beside the cache: torchao's own product runs them"
-            )
-            return True
+    if missing and missing > (room := pack_room(max_memory_percent)):
+        warn_once(
+            f"the int4 weights' blocks need {missing / 2**20:.0f} MiB and {room / 2**20:.0f} MiB are free "
+            "beside the cache: torchao's own product runs them"
+        )
+        return
     prepare_intx_blocks(model)
-    return True
 
 
 # How long an engine built with `batch_invariant=True` waits for the native kernel's build when this
@@ -217,6 +218,14 @@ def resolve_step_options(
     invariant = config.batch_invariant
     if invariant:
         check_batch_invariant(device_type, kernel, compile_settings)
+    torchao = (
+        not invariant
+        and device_type == "cpu"
+        and config.packed_linear is not False
+        and rule_from_env() is not None
+    )
+    if torchao:
+        prepare_torchao_linears(model, config.max_memory_percent)
     return StepOptions(
         attn_implementation=name,
         kernel=kernel,
@@ -240,11 +249,7 @@ def resolve_step_options(
         packed_linear=not invariant
         and resolve_packed_linear(model, config.packed_linear, device_type, config.max_memory_percent),
         native_layers=not invariant and device_type == "cpu" and native_layers_enabled(),
-        torchao_linears=not invariant
-        and device_type == "cpu"
-        and config.packed_linear is not False
-        and rule_from_env() is not None
-        and prepare_torchao_linears(model, config.max_memory_percent),
+        torchao_linears=torchao,
         batch_invariant=invariant,
     )
 
