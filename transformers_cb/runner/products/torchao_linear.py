@@ -42,8 +42,8 @@ from torch import nn
 from ...attention.native.kernel import native_module
 from ...memory.weight_key import quantized_parts
 from ...patches import in_force, patched
-from .gguf_blocks import blocks_from_values
-from .quantized_linear import quantized_product, takes_direct
+from .gguf_blocks import QTYPE_OF_BITS, blocks_from_values
+from .quantized_linear import quantized_product, row_bytes, takes_direct
 
 PATCH_KIND = "torchao_linears"  # its counted patches (patches.py)
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16)
@@ -90,14 +90,16 @@ def native_reason(weight: torch.Tensor) -> str | None:
     return None
 
 
-def is_native_int8(module: nn.Module) -> TypeGuard[nn.Linear]:
-    """A plain `nn.Linear` (not a subclass, no accelerate hook, no forward of its own set by someone else)
-    whose weight `int8_matmul` can run."""
+def is_plain_linear(module: nn.Module) -> TypeGuard[nn.Linear]:
+    """A plain `nn.Linear`: not a subclass, no accelerate hook, no forward of its own set by someone else."""
     if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
         return False
-    if "forward" in module.__dict__ and not in_force(PATCH_KIND, module, "forward"):
-        return False
-    return native_reason(module.weight) is None
+    return "forward" not in module.__dict__ or in_force(PATCH_KIND, module, "forward")
+
+
+def is_native_int8(module: nn.Module) -> TypeGuard[nn.Linear]:
+    """A plain `nn.Linear` whose weight `int8_matmul` can run."""
+    return is_plain_linear(module) and native_reason(module.weight) is None
 
 
 def int8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -177,25 +179,25 @@ _intx_blocks: weakref.WeakKeyDictionary[nn.Module, IntxBlocks | str] = weakref.W
 
 def intx_linears(model: nn.Module) -> list[nn.Linear]:
     """The plain Linears of `model` whose weight `intx_reason` takes."""
-    return [m for m in model.modules() if _is_plain_linear(m) and intx_reason(m.weight) is None]
+    return [m for m in model.modules() if is_plain_linear(m) and intx_reason(m.weight) is None]
 
 
-def _is_plain_linear(module: nn.Module) -> TypeGuard[nn.Linear]:
-    if type(module) is not nn.Linear or hasattr(module, "_hf_hook"):
-        return False
-    return "forward" not in module.__dict__ or in_force(PATCH_KIND, module, "forward")
+def _fresh_blocks(module: nn.Linear) -> IntxBlocks | None:
+    """`module`'s blocks, where written from its weight as it is now."""
+    entry = _intx_blocks.get(module)
+    weight = module._parameters["weight"]
+    return entry if isinstance(entry, IntxBlocks) and weight is not None and entry.fresh(weight) else None
 
 
 def intx_missing_bytes(model: nn.Module) -> int:
-    """Bytes the blocks of `model`'s Intx Linears not written yet (or stale) will take: 18 (Q4_0) or 34
-    (Q8_0) bytes a block of 32 weights."""
+    """Bytes the blocks of `model`'s Intx Linears not written yet (or stale) will take (an upper bound: a
+    weight whose values turn out not to be blocks' takes none)."""
     missing = 0
     for module in intx_linears(model):
-        entry = _intx_blocks.get(module)
-        if isinstance(entry, IntxBlocks) and entry.fresh(module.weight):
-            continue
-        bits = INTX_BITS[module.weight.target_dtype]  # type: ignore[attr-defined]
-        missing += module.weight.shape[0] * module.weight.shape[1] // 32 * (18 if bits <= 4 else 34)
+        if _fresh_blocks(module) is None:
+            out_features, in_features = module.weight.shape
+            qtype = QTYPE_OF_BITS[4 if INTX_BITS[module.weight.target_dtype] <= 4 else 8]  # type: ignore[attr-defined]
+            missing += out_features * row_bytes(qtype, in_features)
     return missing
 
 
@@ -206,11 +208,8 @@ def prepare_intx_blocks(model: nn.Module) -> int:
     ready = 0
     with _lock:
         for module in intx_linears(model):
-            weight = module.weight
-            entry = _intx_blocks.get(module)
-            if not (isinstance(entry, IntxBlocks) and entry.fresh(weight)):
-                entry = _blocks_of(weight)
-                _intx_blocks[module] = entry
+            entry = _fresh_blocks(module) or _blocks_of(module.weight)
+            _intx_blocks[module] = entry
             ready += isinstance(entry, IntxBlocks)
     return ready
 
@@ -231,14 +230,11 @@ def _blocks_of(weight: torch.Tensor) -> IntxBlocks | str:
 def intx_blocks_for(module: nn.Linear, dtype: torch.dtype, rows: int) -> IntxBlocks | None:
     """The blocks `module`'s run forward reads for `rows` rows of `dtype` (the native decoder layer runs the
     same product on them), or None where that forward is not in force or would run torchao's product."""
-    entry = _intx_blocks.get(module)
-    if not isinstance(entry, IntxBlocks) or not in_force(PATCH_KIND, module, "forward"):
-        return None
-    weight = module._parameters["weight"]
+    entry = _fresh_blocks(module)
     if (
-        weight is None
-        or not entry.fresh(weight)
-        or weight.dtype != dtype
+        entry is None
+        or not in_force(PATCH_KIND, module, "forward")
+        or entry.weight.dtype != dtype
         or not takes_direct(entry.qtype, dtype, rows)
     ):
         return None
@@ -247,20 +243,17 @@ def intx_blocks_for(module: nn.Linear, dtype: torch.dtype, rows: int) -> IntxBlo
 
 def _intx_forward(module: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(input: torch.Tensor) -> torch.Tensor:
-        weight, bias = module.weight, module.bias
-        entry = _intx_blocks.get(module)
+        bias = module.bias
         rows = input.numel() // module.in_features
+        entry = intx_blocks_for(module, input.dtype, rows)
         if (
-            not isinstance(entry, IntxBlocks)
-            or not entry.fresh(weight)
+            entry is None
             or torch.is_grad_enabled()
             or torch.compiler.is_compiling()
-            or input.dtype != weight.dtype
             or input.device.type != "cpu"
-            or not takes_direct(entry.qtype, input.dtype, rows)
             or native_module() is None
         ):
-            return F.linear(input, weight, bias)
+            return F.linear(input, module.weight, bias)
         output = quantized_product(input.reshape(rows, module.in_features), entry.blocks, entry.qtype)
         if bias is not None:
             output += bias
@@ -290,12 +283,7 @@ def torchao_linears(model: nn.Module, enabled: bool) -> Iterator[int]:
 
 def intx_block_bytes(model: nn.Module) -> int:
     """Bytes of the GGUF blocks written for `model`'s Intx Linears (fresh ones)."""
-    total = 0
-    for module in intx_linears(model):
-        entry = _intx_blocks.get(module)
-        if isinstance(entry, IntxBlocks) and entry.fresh(module.weight):
-            total += entry.blocks.numel()
-    return total
+    return sum(entry.blocks.numel() for m in intx_linears(model) if (entry := _fresh_blocks(m)) is not None)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
