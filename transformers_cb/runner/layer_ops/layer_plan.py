@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -219,17 +219,12 @@ def make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan |
         for name, (module, product) in zip(names, projections, strict=True):
             slots.append((owner._modules, name, module))
             slots.append((module.__dict__, "forward", module.__dict__.get("forward")))
-            held = module._buffers if isinstance(module, QuantizedLinear) else module._parameters
-            for key in ("blocks", "weight", "bias"):
-                if key in held:
-                    slots.append((held, key, held[key]))
-                    if held[key] is not None:
-                        tensors.append(cast(torch.Tensor, held[key]))
+            for held in (module._parameters, module._buffers):  # weight, bias; a QuantizedLinear's blocks
+                for key, tensor in held.items():
+                    slots.append((held, key, tensor))
+                    if tensor is not None:
+                        tensors.append(tensor)
             if isinstance(module, QuantizedLinear):
-                bias = module._parameters.get("bias")
-                slots.append((module._parameters, "bias", bias))
-                if bias is not None:
-                    tensors.append(bias)
                 qtypes.append((module, module.kernel_qtype))
             elif isinstance(product, IntxBlocks):
                 intx.append((module, product))
