@@ -218,7 +218,6 @@ def _replace(
             blocks, qtype, columns, cast(torch.Tensor | None, module.bias), weight.dtype
         )
     replacement.train(module.training)
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+    model.set_submodule(name, replacement)
     dropped[weight.data_ptr()] = weight.numel() * weight.element_size()
     return None

@@ -153,8 +153,7 @@ def keep_compressed(model: nn.Module, lanes: bool = False) -> KeptCompressed:
         bias: Any = module.bias
         replacement = QuantizedLinear(blocks, qtype, _shape(module)[1], bias, module.weight_scale.dtype)
         replacement.train(module.training)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, replacement)
+        model.set_submodule(name, replacement)
         report.kept.append(name)
     if lanes and report.kept:
         report.lanes = repack_lanes(model)
