@@ -259,3 +259,44 @@ def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:
         release_packs(model)
         gc.collect()
         assert all(reference() is None for reference in packed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_tiles_give_the_untiled_logits_bit_for_bit(monkeypatch, dtype: torch.dtype) -> None:
+    """A step of many tokens runs the native layer in row tiles (layer_plan.ROW_TILE_BYTES; here a few
+    rows' worth, so that a 160-token step takes 4 tiles): each tile attends to the keys the ones before it
+    wrote, and every row gets the untiled call's bits."""
+    monkeypatch.setenv(RULE_ENV, "all")  # every product oneDNN's: the layers that are tiled
+    model = sharpen_attention(tiny_llama(seed=3)).to(dtype)
+    prompts = prompts_of_lengths([70, 50, 40], seed=12)
+    config = ContinuousBatchingConfig(page_size=16, max_batch_tokens=256)
+    tiles: list[tuple[int, int]] = []  # (rows, rows a tile) of each plan made
+    real_make = layer_plan.make_plan
+
+    def recording_make(parts, dtype, tokens):
+        plan = real_make(parts, dtype, tokens)
+        if plan is not None:
+            tiles.append((tokens, plan.tile_rows))
+        return plan
+
+    monkeypatch.setattr(layer_plan, "make_plan", recording_make)
+    width = 2 * model.config.intermediate_size * dtype.itemsize
+    monkeypatch.setattr(layer_plan, "ROW_TILE_BYTES", 40 * width)
+    tokens, logits, taken = run(model, monkeypatch, True, config=config, prompts=prompts)
+    assert taken > 0 and (160, 40) in tiles, f"no step was tiled: {tiles}"
+    monkeypatch.setattr(layer_plan, "ROW_TILE_BYTES", 1 << 40)
+    tiles.clear()
+    tokens_whole, logits_whole, _ = run(model, monkeypatch, True, config=config, prompts=prompts)
+    assert all(tile == rows for rows, tile in tiles)
+    assert tokens == tokens_whole
+    for step, (a, b) in enumerate(zip(logits, logits_whole, strict=True)):
+        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
+
+
+def test_row_tiles_split_evenly() -> None:
+    width, size = 3072, 4
+    rows = layer_plan.ROW_TILE_BYTES // (width * size)  # the most rows a tile holds
+    assert layer_plan.row_tile(rows, width, size) == rows
+    assert layer_plan.row_tile(rows + 1, width, size) == -(-(rows + 1) // 2)
+    assert layer_plan.row_tile(8192, width, size) == 2048
+    assert layer_plan.row_tile(8192, width, 2) == 4096

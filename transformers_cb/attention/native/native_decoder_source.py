@@ -7,7 +7,8 @@ product, the residual add with the second RMSNorm, the gate/up products, SiLU·m
 last residual add. Each step is the call the Python path makes (the library's own `rms_norm`, `rotary`,
 `add_rms_norm`, `silu_mul`, `paged_attention`, `bf16_rows_matmul`; torch's `linear`, `add`; the K/V rows written by `write_slots`;
 oneDNN's `mkldnn::_linear_pointwise` through the dispatcher): the same bits, in one call instead of ~40
-from Python (a few microseconds each on these machines).
+from Python (a few microseconds each on these machines). With `tile_rows` under the call's tokens it runs
+the layer on tiles of that many rows, one after another (layer_plan.py `row_tile`, docs/design.md "Row tiles").
 
 A product is given as (kind, tensor, bias, width, GGUF type): kind 0 `linear(x, weight, bias)`, 1 oneDNN's
 product on its packed weight, 2 the small-row product on its row pack (bfloat16 or float32, native_rows_source.py;
@@ -98,7 +99,7 @@ void write_slots(const at::Tensor& cache, const at::Tensor& slots, const at::Ten
   }
 }
 
-at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weight, double input_eps, bool input_gemma,
+at::Tensor decoder_layer_rows(const at::Tensor& hidden, const at::Tensor& input_weight, double input_eps, bool input_gemma,
                          const at::Tensor& post_weight, double post_eps, bool post_gemma,
                          const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& tensors,
                          const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& outs,
@@ -106,7 +107,8 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
                          const std::vector<int64_t>& gate_up_split, const at::Tensor& cos, const at::Tensor& sin,
                          int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
                          const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
-                         int64_t page_size, double scale, int64_t window) {
+                         int64_t page_size, double scale, int64_t window,
+                              const c10::optional<at::Tensor>& into) {
   const int64_t count = qkv_count + 1 + gate_up_count + 1;
   TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
                   static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count &&
@@ -150,7 +152,48 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
   at::Tensor activated = at::empty(gate_up[0].sizes(), hidden.options());
   silu_mul(gate_up[0], gate_up[1], activated);
   const int64_t d = count - 1;
-  return summed + layer_product(kinds[d], activated, tensors[d], biases[d], outs[d], qtypes[d]);
+  const at::Tensor down = layer_product(kinds[d], activated, tensors[d], biases[d], outs[d], qtypes[d]);
+  if (!into.has_value()) return summed + down;
+  at::Tensor out = *into;
+  at::add_out(out, summed, down);
+  return out;
+}
+
+// The layer on `hidden`'s tokens in tiles of `tile_rows` (0: one call), each tile the whole layer in token
+// order: a tile's tokens attend to the keys the tiles before it wrote. Every op is per token (the products
+// per row, the attention per query token), so the tiles give the untiled call's bits; they keep a step of
+// thousands of tokens' intermediates (the gate/up product's output) in cache (layer_plan.py, ROW_TILE_BYTES).
+at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weight, double input_eps, bool input_gemma,
+                         const at::Tensor& post_weight, double post_eps, bool post_gemma,
+                         const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& tensors,
+                         const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& outs,
+                         const std::vector<int64_t>& qtypes, int64_t qkv_count, const std::vector<int64_t>& qkv_split, int64_t gate_up_count,
+                         const std::vector<int64_t>& gate_up_split, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
+                         const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
+                         int64_t page_size, double scale, int64_t window, int64_t tile_rows) {
+  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.is_contiguous(), "hidden: contiguous [1, T, E]");
+  const int64_t tokens = hidden.size(1);
+  if (tile_rows <= 0 || tile_rows >= tokens) {
+    return decoder_layer_rows(hidden, input_weight, input_eps, input_gemma, post_weight, post_eps, post_gemma, kinds,
+                              tensors, biases, outs, qtypes, qkv_count, qkv_split, gate_up_count, gate_up_split, cos,
+                              sin, head_dim, storage, layer, slot_mapping, token_row, token_pos, block_table, page_size,
+                              scale, window, c10::nullopt);
+  }
+  TORCH_CHECK(slot_mapping.numel() == tokens && token_row.numel() == tokens && token_pos.numel() == tokens &&
+                  cos.dim() == 3 && cos.size(1) == tokens && sin.size(1) == tokens,
+              "one slot, row, position, cos and sin per token");
+  at::Tensor out = at::empty(hidden.sizes(), hidden.options());
+  for (int64_t first = 0; first < tokens; first += tile_rows) {
+    const int64_t rows = std::min(tile_rows, tokens - first);
+    decoder_layer_rows(hidden.narrow(1, first, rows), input_weight, input_eps, input_gemma, post_weight, post_eps,
+                       post_gemma, kinds, tensors, biases, outs, qtypes, qkv_count, qkv_split, gate_up_count,
+                       gate_up_split, cos.narrow(1, first, rows), sin.narrow(1, first, rows), head_dim, storage, layer,
+                       slot_mapping.narrow(0, first, rows), token_row.narrow(0, first, rows),
+                       token_pos.narrow(0, first, rows), block_table, page_size, scale, window,
+                       out.narrow(1, first, rows));
+  }
+  return out;
 }
 """
 

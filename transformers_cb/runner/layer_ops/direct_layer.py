@@ -161,6 +161,7 @@ def direct_step(
             cache.page_size,
             parts.scaling,
             group_metadata.kernel_window,
+            plan.tile_rows,
         )
     except RuntimeError as error:
         # An optional part that fails (a torch whose oneDNN op has another signature, say) falls back, once:

@@ -141,6 +141,7 @@ class LayerPlan:
     qkv_split: list[int]
     gate_up_count: int
     gate_up_split: list[int]
+    tile_rows: int  # the native call's row tiles (`row_tile`)
 
     def current_tensors(self, dtype: torch.dtype, rows: int) -> list[torch.Tensor] | None:
         """The products' tensors for this call, or None where anything the plan read has changed."""
@@ -169,6 +170,20 @@ class LayerPlan:
                 return None
             tensors[index] = current
         return tensors
+
+
+# A step's tokens run the native layer in tiles whose gate/up product output takes at most this many bytes
+# (about the L3 of the 2-core machines measured; docs/design.md, "Row tiles"): a prefill step of 8,192 tokens
+# otherwise writes and reads its intermediates from memory (the small model's MLP, 8,192 rows: float32 158 ->
+# 177-184 GFLOP/s in tiles of 2,048 rows, bfloat16 334 -> 375-380 in tiles of 4,096).
+ROW_TILE_BYTES = 24 << 20
+
+
+def row_tile(tokens: int, gate_up_width: int, element_size: int) -> int:
+    """The rows of each tile for a call of `tokens` rows (`tokens`: one call), split evenly so that no tile is
+    a handful of rows."""
+    tiles = -(-tokens * gate_up_width * element_size // ROW_TILE_BYTES)
+    return tokens if tiles <= 1 else -(-tokens // tiles)
 
 
 MAX_PLANS = 8  # per layer: the row counts a run's steps keep coming back to (decode rows, chunk sizes)
@@ -202,7 +217,9 @@ def make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan |
     specs = ProductSpecs()
     qkv_count, qkv_split = add_products(specs, attention_projections[:3], dtype, tokens)
     add_products(specs, attention_projections[3:], dtype, tokens)
+    gate_up_first = len(specs.outs)
     gate_up_count, gate_up_split = add_products(specs, mlp_projections[:2], dtype, tokens)
+    gate_up_width = sum(specs.outs[gate_up_first : gate_up_first + gate_up_count])
     add_products(specs, mlp_projections[2:], dtype, tokens)
     slots: list[tuple[dict[str, Any], str, object]] = [
         (parts.input_norm._parameters, "weight", input_weight),
@@ -273,6 +290,9 @@ def make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan |
         qkv_split=qkv_split,
         gate_up_count=gate_up_count,
         gate_up_split=gate_up_split,
+        # oneDNN's products give each row the same bits in a tile as in the whole (measured; `F.linear`'s
+        # MKL products are not known to): only an all-oneDNN layer is tiled
+        tile_rows=row_tile(tokens, gate_up_width, dtype.itemsize) if set(specs.kinds) == {1} else tokens,
     )
 
 
