@@ -99,66 +99,6 @@ void write_slots(const at::Tensor& cache, const at::Tensor& slots, const at::Ten
   }
 }
 
-at::Tensor decoder_layer_rows(const at::Tensor& hidden, const at::Tensor& input_weight, double input_eps, bool input_gemma,
-                         const at::Tensor& post_weight, double post_eps, bool post_gemma,
-                         const std::vector<int64_t>& kinds, const std::vector<at::Tensor>& tensors,
-                         const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& outs,
-                         const std::vector<int64_t>& qtypes, int64_t qkv_count, const std::vector<int64_t>& qkv_split, int64_t gate_up_count,
-                         const std::vector<int64_t>& gate_up_split, const at::Tensor& cos, const at::Tensor& sin,
-                         int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
-                         const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
-                         int64_t page_size, double scale, int64_t window,
-                              const c10::optional<at::Tensor>& into) {
-  const int64_t count = qkv_count + 1 + gate_up_count + 1;
-  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
-                  static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count &&
-                  static_cast<int64_t>(qtypes.size()) == count,
-              "one kind, tensor, bias, width and GGUF type per product");
-  TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.is_contiguous(), "hidden: contiguous [1, T, E]");
-  const int64_t tokens = hidden.size(1);
-  at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
-  rms_norm(hidden, input_weight, input_eps, input_gemma, normed);
-
-  const auto qkv = layer_products(normed, kinds, tensors, biases, outs, qtypes, 0, qkv_count, qkv_split);
-  TORCH_CHECK(qkv.size() == 3, "q, k and v");
-  const at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
-  const at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
-  const at::Tensor v = qkv[2].view({1, tokens, -1, head_dim});
-  at::Tensor q_rot = at::empty(q.sizes(), hidden.options());
-  at::Tensor k_rot = at::empty(k.sizes(), hidden.options());
-  at::Tensor q_rot_t = q_rot.transpose(1, 2), k_rot_t = k_rot.transpose(1, 2);
-  rotary(q.transpose(1, 2), cos, sin, q_rot_t);
-  rotary(k.transpose(1, 2), cos, sin, k_rot_t);
-
-  const int64_t kv_heads = storage.size(-2), dim = storage.size(-1);
-  at::Tensor key_cache = storage.select(0, 0).select(0, layer).view({-1, kv_heads, dim});
-  at::Tensor value_cache = storage.select(0, storage.size(0) - 1).select(0, layer).view({-1, kv_heads, dim});
-  write_slots(key_cache, slot_mapping, k_rot[0]);
-  write_slots(value_cache, slot_mapping, v[0]);
-  const at::Tensor query = q_rot[0];
-  at::Tensor attended = at::empty(query.sizes(), hidden.options());
-  paged_attention(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window, 0.0,
-                  c10::nullopt, c10::nullopt, attended, c10::nullopt, c10::nullopt);
-  const int64_t o = qkv_count;
-  const at::Tensor attn_output =
-      layer_product(kinds[o], attended.view({1, tokens, -1}), tensors[o], biases[o], outs[o], qtypes[o]);
-
-  at::Tensor summed = at::empty(hidden.sizes(), hidden.options());
-  at::Tensor post = at::empty(hidden.sizes(), hidden.options());
-  add_rms_norm(hidden, attn_output, post_weight, post_eps, post_gemma, summed, post);
-
-  const auto gate_up = layer_products(post, kinds, tensors, biases, outs, qtypes, o + 1, gate_up_count, gate_up_split);
-  TORCH_CHECK(gate_up.size() == 2 && gate_up[0].sizes() == gate_up[1].sizes(), "gate and up of one shape");
-  at::Tensor activated = at::empty(gate_up[0].sizes(), hidden.options());
-  silu_mul(gate_up[0], gate_up[1], activated);
-  const int64_t d = count - 1;
-  const at::Tensor down = layer_product(kinds[d], activated, tensors[d], biases[d], outs[d], qtypes[d]);
-  if (!into.has_value()) return summed + down;
-  at::Tensor out = *into;
-  at::add_out(out, summed, down);
-  return out;
-}
-
 // The layer on `hidden`'s tokens in tiles of `tile_rows` (0: one call), each tile the whole layer in token
 // order: a tile's tokens attend to the keys the tiles before it wrote. Every op is per token (the products
 // per row, the attention per query token), so the tiles give the untiled call's bits; they keep a step of
@@ -172,13 +112,63 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
                          int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
                          const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
                          int64_t page_size, double scale, int64_t window, int64_t tile_rows) {
+  // The layer on one span of the call's tokens (all of them, or a tile): its per-token inputs, shadowing the
+  // call's.
+  const auto span = [&](const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                        const at::Tensor& slot_mapping, const at::Tensor& token_row, const at::Tensor& token_pos,
+                        const c10::optional<at::Tensor>& into) -> at::Tensor {
+    const int64_t count = qkv_count + 1 + gate_up_count + 1;
+    TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
+                    static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count &&
+                    static_cast<int64_t>(qtypes.size()) == count,
+                "one kind, tensor, bias, width and GGUF type per product");
+    const int64_t tokens = hidden.size(1);
+    at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
+    rms_norm(hidden, input_weight, input_eps, input_gemma, normed);
+
+    const auto qkv = layer_products(normed, kinds, tensors, biases, outs, qtypes, 0, qkv_count, qkv_split);
+    TORCH_CHECK(qkv.size() == 3, "q, k and v");
+    const at::Tensor q = qkv[0].view({1, tokens, -1, head_dim});
+    const at::Tensor k = qkv[1].view({1, tokens, -1, head_dim});
+    const at::Tensor v = qkv[2].view({1, tokens, -1, head_dim});
+    at::Tensor q_rot = at::empty(q.sizes(), hidden.options());
+    at::Tensor k_rot = at::empty(k.sizes(), hidden.options());
+    at::Tensor q_rot_t = q_rot.transpose(1, 2), k_rot_t = k_rot.transpose(1, 2);
+    rotary(q.transpose(1, 2), cos, sin, q_rot_t);
+    rotary(k.transpose(1, 2), cos, sin, k_rot_t);
+
+    const int64_t kv_heads = storage.size(-2), dim = storage.size(-1);
+    at::Tensor key_cache = storage.select(0, 0).select(0, layer).view({-1, kv_heads, dim});
+    at::Tensor value_cache = storage.select(0, storage.size(0) - 1).select(0, layer).view({-1, kv_heads, dim});
+    write_slots(key_cache, slot_mapping, k_rot[0]);
+    write_slots(value_cache, slot_mapping, v[0]);
+    const at::Tensor query = q_rot[0];
+    at::Tensor attended = at::empty(query.sizes(), hidden.options());
+    paged_attention(query, key_cache, value_cache, token_row, token_pos, block_table, page_size, scale, window, 0.0,
+                    c10::nullopt, c10::nullopt, attended, c10::nullopt, c10::nullopt);
+    const int64_t o = qkv_count;
+    const at::Tensor attn_output =
+        layer_product(kinds[o], attended.view({1, tokens, -1}), tensors[o], biases[o], outs[o], qtypes[o]);
+
+    at::Tensor summed = at::empty(hidden.sizes(), hidden.options());
+    at::Tensor post = at::empty(hidden.sizes(), hidden.options());
+    add_rms_norm(hidden, attn_output, post_weight, post_eps, post_gemma, summed, post);
+
+    const auto gate_up = layer_products(post, kinds, tensors, biases, outs, qtypes, o + 1, gate_up_count, gate_up_split);
+    TORCH_CHECK(gate_up.size() == 2 && gate_up[0].sizes() == gate_up[1].sizes(), "gate and up of one shape");
+    at::Tensor activated = at::empty(gate_up[0].sizes(), hidden.options());
+    silu_mul(gate_up[0], gate_up[1], activated);
+    const int64_t d = count - 1;
+    const at::Tensor down = layer_product(kinds[d], activated, tensors[d], biases[d], outs[d], qtypes[d]);
+    if (!into.has_value()) return summed + down;
+    at::Tensor out = *into;
+    at::add_out(out, summed, down);
+    return out;
+  };
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.is_contiguous(), "hidden: contiguous [1, T, E]");
   const int64_t tokens = hidden.size(1);
   if (tile_rows <= 0 || tile_rows >= tokens) {
-    return decoder_layer_rows(hidden, input_weight, input_eps, input_gemma, post_weight, post_eps, post_gemma, kinds,
-                              tensors, biases, outs, qtypes, qkv_count, qkv_split, gate_up_count, gate_up_split, cos,
-                              sin, head_dim, storage, layer, slot_mapping, token_row, token_pos, block_table, page_size,
-                              scale, window, c10::nullopt);
+    return span(hidden, cos, sin, slot_mapping, token_row, token_pos, c10::nullopt);
   }
   TORCH_CHECK(slot_mapping.numel() == tokens && token_row.numel() == tokens && token_pos.numel() == tokens &&
                   cos.dim() == 3 && cos.size(1) == tokens && sin.size(1) == tokens,
@@ -186,12 +176,9 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
   at::Tensor out = at::empty(hidden.sizes(), hidden.options());
   for (int64_t first = 0; first < tokens; first += tile_rows) {
     const int64_t rows = std::min(tile_rows, tokens - first);
-    decoder_layer_rows(hidden.narrow(1, first, rows), input_weight, input_eps, input_gemma, post_weight, post_eps,
-                       post_gemma, kinds, tensors, biases, outs, qtypes, qkv_count, qkv_split, gate_up_count,
-                       gate_up_split, cos.narrow(1, first, rows), sin.narrow(1, first, rows), head_dim, storage, layer,
-                       slot_mapping.narrow(0, first, rows), token_row.narrow(0, first, rows),
-                       token_pos.narrow(0, first, rows), block_table, page_size, scale, window,
-                       out.narrow(1, first, rows));
+    span(hidden.narrow(1, first, rows), cos.narrow(1, first, rows), sin.narrow(1, first, rows),
+         slot_mapping.narrow(0, first, rows), token_row.narrow(0, first, rows), token_pos.narrow(0, first, rows),
+         out.narrow(1, first, rows));
   }
   return out;
 }
