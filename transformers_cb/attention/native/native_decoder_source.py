@@ -112,16 +112,12 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
                          int64_t head_dim, const at::Tensor& storage, int64_t layer, const at::Tensor& slot_mapping,
                          const at::Tensor& token_row, const at::Tensor& token_pos, const at::Tensor& block_table,
                          int64_t page_size, double scale, int64_t window, int64_t tile_rows) {
+  const int64_t count = qkv_count + 1 + gate_up_count + 1;
   // The layer on one span of the call's tokens (all of them, or a tile): its per-token inputs, shadowing the
   // call's.
   const auto span = [&](const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
                         const at::Tensor& slot_mapping, const at::Tensor& token_row, const at::Tensor& token_pos,
                         const c10::optional<at::Tensor>& into) -> at::Tensor {
-    const int64_t count = qkv_count + 1 + gate_up_count + 1;
-    TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
-                    static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count &&
-                    static_cast<int64_t>(qtypes.size()) == count,
-                "one kind, tensor, bias, width and GGUF type per product");
     const int64_t tokens = hidden.size(1);
     at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
     rms_norm(hidden, input_weight, input_eps, input_gemma, normed);
@@ -165,6 +161,10 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const at::Tensor& input_weigh
     at::add_out(out, summed, down);
     return out;
   };
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == count && static_cast<int64_t>(tensors.size()) == count &&
+                  static_cast<int64_t>(biases.size()) == count && static_cast<int64_t>(outs.size()) == count &&
+                  static_cast<int64_t>(qtypes.size()) == count,
+              "one kind, tensor, bias, width and GGUF type per product");
   TORCH_CHECK(hidden.dim() == 3 && hidden.size(0) == 1 && hidden.is_contiguous(), "hidden: contiguous [1, T, E]");
   const int64_t tokens = hidden.size(1);
   if (tile_rows <= 0 || tile_rows >= tokens) {

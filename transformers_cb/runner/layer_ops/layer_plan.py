@@ -217,9 +217,7 @@ def make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan |
     specs = ProductSpecs()
     qkv_count, qkv_split = add_products(specs, attention_projections[:3], dtype, tokens)
     add_products(specs, attention_projections[3:], dtype, tokens)
-    gate_up_first = len(specs.outs)
     gate_up_count, gate_up_split = add_products(specs, mlp_projections[:2], dtype, tokens)
-    gate_up_width = sum(specs.outs[gate_up_first : gate_up_first + gate_up_count])
     add_products(specs, mlp_projections[2:], dtype, tokens)
     slots: list[tuple[dict[str, Any], str, object]] = [
         (parts.input_norm._parameters, "weight", input_weight),
@@ -292,7 +290,11 @@ def make_plan(parts: LayerParts, dtype: torch.dtype, tokens: int) -> LayerPlan |
         gate_up_split=gate_up_split,
         # oneDNN's products give each row the same bits in a tile as in the whole (measured; `F.linear`'s
         # MKL products are not known to): only an all-oneDNN layer is tiled
-        tile_rows=row_tile(tokens, gate_up_width, dtype.itemsize) if set(specs.kinds) == {1} else tokens,
+        tile_rows=(
+            row_tile(tokens, 2 * mlp_projections[0][0].out_features, dtype.itemsize)  # gate and up: one width
+            if set(specs.kinds) == {1}
+            else tokens
+        ),
     )
 
 
