@@ -230,3 +230,28 @@ def test_a_persistent_engine_hits_no_prefix_page_computed_with_older_weights() -
         assert third == second and engine.snapshot().prefix.hit_tokens > 0
     finally:
         model.destroy_cached_continuous_batching_manager()
+
+
+@pytest.mark.parametrize("captures", [False, True])
+def test_generate_batch_warms_up_only_where_a_warmup_captures_something(
+    model, prompts, monkeypatch, captures: bool
+) -> None:
+    """transformers' `warmup=` pre-captures CUDA graphs (or compiles); an eager CPU run has nothing to
+    capture, and a throw-away request there only costs time (~20 ms a call on the small benchmark model)."""
+    from transformers_cb.engine.engine import Engine
+
+    warmups: list[Engine] = []
+    original = Engine.warmup
+
+    def recording(self: Engine, *args, **kwargs) -> bool:
+        warmups.append(self)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "warmup", recording)
+    monkeypatch.setattr(Engine, "warmup_captures", property(lambda self: captures))
+    out = model.generate_batch(prompts, GREEDY, progress_bar=False)
+    assert [o.generated_tokens for o in out.values()] == [greedy_reference(model, p, 6) for p in prompts]
+    assert len(warmups) == int(captures)
+    monkeypatch.undo()
+    engine = build_engine(model, GREEDY, ContinuousBatchingConfig())
+    assert not engine.warmup_captures  # a CPU model, eager: nothing to capture

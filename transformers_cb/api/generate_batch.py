@@ -79,8 +79,9 @@ def generate_batch(
         persistent_manager: keep the engine (its cache and block tables) on the model, so the next
             call with the same configs reuses it instead of allocating and warming up again.
             `model.destroy_cached_continuous_batching_manager()` releases it.
-        warmup: run a throw-away prefill and decode step first, so the first requests do not pay
-            for first-call costs.
+        warmup: where the run captures CUDA graphs or compiles its forwards, run a throw-away prefill
+            and decode step first to do it (transformers' meaning: pre-capture); otherwise nothing to do
+            (a warm-up would only move first-call costs earlier, paid once either way).
         adapter: the PEFT adapter to run on, by name, for all inputs or a list with one per input; None:
             the base model (no adapter); not given: the model's active adapter(s) (docs/adapters.md).
         max_new_tokens (kwarg): an int for all requests, or a list with one value per input.
@@ -170,7 +171,7 @@ def generate_batch(
         for i, ids in enumerate(inputs)
     ]
     with engine.session():
-        if warmup and not engine.warmed_up:
+        if warmup and engine.warmup_captures and not engine.warmed_up:
             engine.warmup()
         for request in engine.admission_order(requests):
             engine.add(request)

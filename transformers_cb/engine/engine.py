@@ -170,6 +170,15 @@ class Engine:
             self.publisher.run_ended()  # tensor-parallel followers wait in their warmup for its end
         return ran
 
+    @property
+    def warmup_captures(self) -> bool:
+        """Whether a warm-up makes something the steps then reuse: CUDA graphs captured, forwards compiled.
+        Otherwise it only moves first-call costs earlier, which a batch run pays once either way
+        (`generate_batch` warms up only then, as transformers' `warmup=` means: pre-capture)."""
+        options = self.settings.step_options
+        compiling = options.compile_settings
+        return any(options.cuda_graphs) or compiling.varlen is not None or compiling.decode is not None
+
     def _warmup(self, num_prompt_tokens: int) -> bool:
         if self.has_work():
             return False

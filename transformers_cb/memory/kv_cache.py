@@ -24,6 +24,7 @@ from ..invariants import check
 from ..kv.layer_groups import FULL_ATTENTION, KVGroupSpec, layer_to_group
 from .kv_quant import SCALE_BYTES, SCALE_DTYPE, quantize
 from .released_tensors import TensorSpec, release_in_place, restore_in_place
+from .zeroed import zeroed
 
 
 @dataclass(frozen=True)
@@ -180,22 +181,25 @@ class PagedKVCache:
         # One tensor per group, `[2 (K, V; 1 for a latent group or one whose V is not K's size), layers of the group, pages (+ 1 scratch page), page_size, kv heads,
         # head_dim]` (the group's row shape: `CacheLayout.row_shape`), so that moving pages between tiers (kv/offload.py, swap.py) is one copy per group; each layer's K
         # and V are views `[num_slots, num_kv_heads, head_dim]` of it. Zero-filled so that padded gathers never
-        # read NaN/inf. The scratch page (CUDA graphs' padded rows) sits after every pool page.
+        # read NaN/inf (on CPU paid per page touched: memory/zeroed.py). The scratch page (CUDA graphs' padded
+        # rows) sits after every pool page.
         self.group_tensors = [
-            torch.zeros(
-                spec.kv_streams,
-                len(spec.layer_indices),
-                n + int(scratch_page),
-                page_size,
-                *self.layout.row_shape(g),
-                dtype=dtype,
-                device=device,
+            zeroed(
+                (
+                    spec.kv_streams,
+                    len(spec.layer_indices),
+                    n + int(scratch_page),
+                    page_size,
+                    *self.layout.row_shape(g),
+                ),
+                dtype,
+                device,
             )
             for g, (spec, n) in enumerate(zip(self.groups, pages_per_group, strict=True))
         ]
         # An int8 cache: one float32 scale per (stream, layer, slot, KV head), zero-filled (a zero page reads 0).
         self.scale_tensors = [
-            torch.zeros(*t.shape[:-1], dtype=SCALE_DTYPE, device=device)
+            zeroed(t.shape[:-1], SCALE_DTYPE, device)
             for t in (self.group_tensors if self.layout.quantized else [])
         ]
         self.key_scales: list[torch.Tensor] = [torch.empty(0)] * num_layers

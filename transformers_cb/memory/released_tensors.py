@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .zeroed import zeroed
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -43,5 +45,11 @@ def release_in_place(tensors: list[torch.Tensor]) -> list[TensorSpec]:
 def restore_in_place(tensors: list[torch.Tensor], specs: list[TensorSpec], zero: bool) -> None:
     """Allocate `specs` again into `tensors` (zero-filled with `zero`: the device cache's padded gathers
     must never read NaN; the host tier is only read where a swap-out wrote it)."""
+    tensors[:] = [_allocate(s, zero) for s in specs]
+
+
+def _allocate(spec: TensorSpec, zero: bool) -> torch.Tensor:
+    if zero and not spec.pinned:
+        return zeroed(spec.shape, spec.dtype, spec.device)
     make = torch.zeros if zero else torch.empty
-    tensors[:] = [make(s.shape, dtype=s.dtype, device=s.device, pin_memory=s.pinned) for s in specs]
+    return make(spec.shape, dtype=spec.dtype, device=spec.device, pin_memory=spec.pinned)

@@ -35,6 +35,10 @@ def as_token_ids(value: object, label: str, vocab_size: int) -> list[int]:
         raise ValueError(f"{label}: expected a list of token ids, got {type(value).__name__}")
     if len(value) == 0:
         raise ValueError(f"{label}: empty prompt (at least one token id is needed)")
+    # The common case checked at C speed (a 19,000-token batch: ~15 ms token by token); anything else,
+    # and every error, takes the loop below, which names the first bad token.
+    if type(value) is list and set(map(type, value)) == {int} and min(value) >= 0 and max(value) < vocab_size:
+        return list(value)
     ids = []
     for position, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):
