@@ -21,6 +21,7 @@ from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner import model_runner
 from transformers_cb.runner.layer_ops import direct_layer, layer_plan, native_layers
+from transformers_cb.runner.layer_ops.direct_model import DirectModel
 from transformers_cb.runner.products.packed_linear import RULE_ENV
 
 pytestmark = pytest.mark.skipif(
@@ -38,10 +39,17 @@ def run(
     config: ContinuousBatchingConfig | None = None,
     prompts: list[list[int]] = PROMPTS,
 ) -> tuple[list[list[int]], list[torch.Tensor], int]:
-    """(tokens, every step's logits, how many layer calls took the direct step) of one greedy run."""
+    """(tokens, every step's logits, how many layer calls took the direct step) of one greedy run, each step
+    through the model's forward (the direct model step, runner/layer_ops/direct_model.py, off:
+    tests/runner/test_direct_model.py compares it with this)."""
     logits: list[torch.Tensor] = []
     taken = [0]
-    real_call, real_direct = model_runner.call_model, native_layers.direct_step
+    real_call, real_direct, real_model_step = (
+        model_runner.call_model,
+        native_layers.direct_step,
+        DirectModel.logits,
+    )
+    monkeypatch.setattr(DirectModel, "logits", lambda self, *args: None)
 
     def recording_call(*args, **kwargs) -> torch.Tensor:
         out = real_call(*args, **kwargs)
@@ -67,6 +75,7 @@ def run(
     finally:
         monkeypatch.setattr(model_runner, "call_model", real_call)
         monkeypatch.setattr(native_layers, "direct_step", real_direct)
+        monkeypatch.setattr(DirectModel, "logits", real_model_step)
     return [outputs[f"req_{i}"].generated_tokens for i in range(len(prompts))], logits, taken[0]
 
 

@@ -190,7 +190,8 @@ def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> 
     calls = count_native(monkeypatch)
     model = tiny_llama()
     prompts, outputs = packed_run(model, seed=4)
-    assert calls and max(calls) == -1, "no decode step took the float32 small-row product"
+    # rows of the three requests' decode steps and LM heads (1-3; the prompts are 5-30 tokens)
+    assert any(-3 <= rows <= -1 for rows in calls), "no decode step took the float32 small-row product"
     for i, prompt in enumerate(prompts):
         assert outputs[f"req_{i}"].generated_tokens == greedy_reference(model, prompt, 8)
 
@@ -199,7 +200,7 @@ def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:
     calls = count_native(monkeypatch)
     model = tiny_llama().to(torch.bfloat16)
     prompts, outputs = packed_run(model, seed=3)
-    assert calls and min(calls) == 1, "no decode step took the small-row product"
+    assert any(1 <= rows <= 3 for rows in calls), "no decode step took the small-row product"
     for i, prompt in enumerate(prompts):
         tokens = outputs[f"req_{i}"].generated_tokens
         mismatch = compare_tokens(model, f"req_{i}", prompt, greedy_reference(model, prompt, 8), tokens)

@@ -35,6 +35,7 @@ from .adapter_rows import AdapterRows, adapter_step, step_adapters
 from .forward.compiling import DECODE, VARLEN, PathForwards
 from .forward.cuda_graphs import make_graph_steps
 from .forward.model_call import call_model
+from .layer_ops.direct_model import DirectModel
 from .media.media_runner import MediaRunner, NoMedia
 from .packing import MIN_COMPILED_TABLE_COLUMNS, BatchPacker, PackedStep
 from .request_rotary import NoRotary, RequestRotary
@@ -102,13 +103,20 @@ class ModelRunner:
         # The head sees the kept rows only: its adapter groups are theirs (runner/adapter_rows.py).
         self._head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         self.adapter_rows = AdapterRows()
+        # A Llama-form model's eager steps through its modules, without its forwards (runner/layer_ops/direct_model.py).
+        self.direct_model = DirectModel(model)
 
     @contextmanager
     def session(self) -> Iterator[None]:
         """The runner's part of the run session (`Engine.session`): the state layers' split forwards and
         the per-request rotary forwards (runner/request_rotary.py), installed once for the run (nothing
         without either)."""
-        with self.states.session(), self.rotary.session(), self.adapter_rows.session():
+        with (
+            self.states.session(),
+            self.rotary.session(),
+            self.adapter_rows.session(),
+            self.direct_model.session(),
+        ):
             yield
 
     # -- the sampler: replaced only through these two ---------------------------------------------
@@ -263,15 +271,25 @@ class ModelRunner:
             if self.graphs.covers(graph_path):
                 return self.graphs.run(step, graph_path)[:num_sampled], None
         traceable = step.metadata.all_native or self.options.is_flash
+        forward = self.forwards(path, step.input_ids.shape[1], traceable)
         with self.states.step(step.states), self.rotary.step():
-            logits = call_model(
-                self.forwards(path, step.input_ids.shape[1], traceable),
-                step.input_ids,
-                step.position_ids,
-                self._no_mask,
-                keep,
-                step.metadata,
-                self.options.select_logit_rows,
+            direct = (
+                self.direct_model.logits(step.input_ids, step.position_ids, keep, step.metadata)
+                if forward is self.forwards.eager and not self.options.select_logit_rows
+                else None
+            )
+            logits = (
+                direct
+                if direct is not None
+                else call_model(
+                    forward,
+                    step.input_ids,
+                    step.position_ids,
+                    self._no_mask,
+                    keep,
+                    step.metadata,
+                    self.options.select_logit_rows,
+                )
             )  # [S (+ P), vocab]
         if not step.prompt_indices:
             return logits[:num_sampled], None

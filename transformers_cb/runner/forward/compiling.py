@@ -142,6 +142,11 @@ class PathForwards:
         return self._settings
 
     @property
+    def eager(self) -> Callable:
+        """The model's own forward, as every step runs it that is not compiled."""
+        return self._forward
+
+    @property
     def compiled_paths(self) -> list[str]:
         """The paths whose compiled forward has run (compiled on first use)."""
         return list(self._compiled)

@@ -47,13 +47,29 @@ def unwrapped(function: object) -> list[object]:
     return chain
 
 
-def same_function(a: object, b: object) -> bool:
-    """Whether `a` and `b` compile the same source, wrappers and wrapped alike."""
+def same_function(a: object, b: object, docstrings: bool = True) -> bool:
+    """Whether `a` and `b` compile the same source, wrappers and wrapped alike; with `docstrings=False`, their
+    docstrings aside (a causal LM's forward carries its own family's usage example)."""
     chain_a, chain_b = unwrapped(a), unwrapped(b)
     return len(chain_a) == len(chain_b) and all(
-        isinstance(x, FunctionType) and isinstance(y, FunctionType) and same_code(x.__code__, y.__code__)
+        isinstance(x, FunctionType)
+        and isinstance(y, FunctionType)
+        and same_code(_code_of(x, docstrings), _code_of(y, docstrings))
         for x, y in zip(chain_a, chain_b, strict=True)
     )
+
+
+def _code_of(function: FunctionType, docstring: bool) -> CodeType:
+    code = function.__code__
+    # a function's docstring is its code's first constant (Python 3.11-3.13), never read by its bytecode
+    if (
+        not docstring
+        and code.co_consts
+        and isinstance(code.co_consts[0], str)
+        and code.co_consts[0] == function.__doc__
+    ):
+        return code.replace(co_consts=code.co_consts[1:])
+    return code
 
 
 @dataclass(frozen=True)
@@ -68,6 +84,8 @@ class References:
     llama_attention: Forward
     llama_rotary: Forward
     llama_rotate_half: Forward
+    llama_model: Forward
+    llama_causal_lm: Forward
 
 
 _references: list[References] = []
@@ -88,6 +106,8 @@ def references() -> References:
                 llama_attention=modeling_llama.LlamaAttention.forward,
                 llama_rotary=modeling_llama.apply_rotary_pos_emb,
                 llama_rotate_half=modeling_llama.rotate_half,
+                llama_model=modeling_llama.LlamaModel.forward,
+                llama_causal_lm=modeling_llama.LlamaForCausalLM.forward,
             )
         )
     return _references[0]
