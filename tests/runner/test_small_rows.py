@@ -42,7 +42,7 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2), (40, 64), (20000, 64)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 16, 17, 33])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 16, 17, 33, 47, 64])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_native_loop_rounds_float32_sums_once(shape: tuple[int, int], rows: int, with_bias: bool) -> None:
     out_features, in_features = shape
@@ -75,8 +75,9 @@ def test_native_loop_refuses_what_it_cannot_read() -> None:
 
 
 def test_row_rule() -> None:
-    assert small_rows.row_limit(3072, 576, dtype=torch.float32) == small_rows.F32_ROWS
-    assert small_rows.row_limit(49152, 576, dtype=torch.float32) == small_rows.F32_ROWS  # LM heads too
+    assert small_rows.row_limit(3072, 576, dtype=torch.float32) == small_rows.NO_AMX_F32_ROWS
+    assert small_rows.row_limit(49152, 576, dtype=torch.float32) == small_rows.NO_AMX_F32_ROWS  # LM heads too
+    assert small_rows.row_limit(49152, 576, amx=True, dtype=torch.float32) == small_rows.F32_ROWS
     assert small_rows.row_limit(3072, 576) == small_rows.row_limit(320, 192) == small_rows.NO_AMX_ROWS
     assert small_rows.row_limit(49152, 576) == small_rows.NO_AMX_ROWS  # without AMX an LM head too
     assert small_rows.row_limit(3072, 576, amx=True) == small_rows.AMX_ROWS
@@ -140,7 +141,7 @@ def test_a_packed_product_routes_by_rows_and_switch(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 32])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 32, 47, 64])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_float32_loop_is_float32_sums(shape: tuple[int, int], rows: int, with_bias: bool) -> None:
     out_features, in_features = shape
@@ -161,11 +162,12 @@ def test_float32_routes_by_rows(monkeypatch) -> None:
     handle = PACKS.new_handle()
     try:
         weight = torch.randn(64, 32)
-        for rows in (1, small_rows.F32_ROWS, small_rows.F32_ROWS + 1):
+        limit = small_rows.row_limit(64, 32, bool(OPS.bf16_rows_amx()), torch.float32)
+        for rows in (1, limit, limit + 1):
             x = torch.randn(1, rows, 32)
             got = packed_linear_eager(x, weight, None, handle)
             assert torch.allclose(got, F.linear(x, weight), rtol=1e-4, atol=1e-4)
-        assert calls == [-1, -small_rows.F32_ROWS]  # more rows: oneDNN's product
+        assert calls == [-1, -limit]  # more rows: oneDNN's product
         pack = PACKS._packs[handle]
         assert pack is not None and pack.rows_pack is not None and pack.rows_pack.dtype == torch.float32
         assert PACKS.packed_bytes([handle]) == pack.nbytes >= 2 * weight.numel() * 4  # both copies counted

@@ -28,7 +28,7 @@ are judged tie-aware as before.
 
 float32 (`f32_rows_matmul`, any AVX-512 CPU): a row pack `[NB, K, 16]` (16 columns a block, k-major), each
 column's sum one chain of fused multiply-adds over k in order, the bias added after; up to `F32_ROWS` rows
-for every weight, LM heads included. Over 16 cold weights, one thread: 1.2-1.6x faster than oneDNN's packed
+on an AMX CPU, `NO_AMX_F32_ROWS` otherwise, for every weight, LM heads included. Over 16 cold weights, one thread: 1.2-1.6x faster than oneDNN's packed
 call and MKL's `F.linear` at 1-32 rows on the small model's and SmolLM2's shapes, 1.1-1.35x on their LM heads
 (docs/design.md, "Small-row products"). Its sums run in another order than oneDNN's (as oneDNN's do against MKL's): float32 greedy
 outputs stay equal to `generate()` up to a near-tie, as the packed products' already do. The memory check
@@ -68,12 +68,16 @@ TINY_ROWS = 8
 ROWS = 4
 # With AMX tiles (16 rows x 32 columns a tile): as far as measured faster than oneDNN's call.
 AMX_ROWS = 32
-# Without AMX (AVX512-BF16 alone: AMD Zen 4): faster than oneDNN's call at every row count up to 32 on every
-# shape measured (the small model's and SmolLM2's: 1.25-2.5x at 16 rows, 1.2-1.5x at 32; docs/benchmarks.md,
-# "Issue 46, eighth sitting"). `TINY_ROWS` / `ROWS` stay for a width AMX tiles do not take on an AMX CPU.
-NO_AMX_ROWS = 32
-# float32: as far as measured (1.35x oneDNN's packed call at 32 rows).
+# Without AMX (AVX512-BF16 alone: AMD Zen 4): faster than oneDNN's call at every row count up to 64 on every
+# shape measured (the small model's and SmolLM2's, LM heads included: 1.25-2.5x at 16 rows, 1.2-1.5x at 32,
+# 1.01-1.47x at 48 and 64; docs/benchmarks.md, "Issue 46, eighth sitting" and "thirteenth sitting"); from 96
+# rows a gate/up weight of 3,072 columns is not. `TINY_ROWS` / `ROWS` stay for a width AMX tiles do not take
+# on an AMX CPU.
+NO_AMX_ROWS = 64
+# float32, on an AMX CPU as far as measured there (1.35x oneDNN's packed call at 32 rows); without AMX (Zen 4)
+# 1.02-1.52x oneDNN's call at 33-64 rows on every shape measured (the same sitting).
 F32_ROWS = 32
+NO_AMX_F32_ROWS = 64
 # The native function of each dtype's product.
 FUNCTIONS = {torch.bfloat16: "bf16_rows_matmul", torch.float32: "f32_rows_matmul"}
 
@@ -82,9 +86,9 @@ def row_limit(
     out_features: int, in_features: int, amx: bool = False, dtype: torch.dtype = torch.bfloat16
 ) -> int:
     """The most rows a product of this weight runs natively (0: never); `amx`: the library runs AMX tiles
-    here (`bf16_rows_amx()`), which it does for a width that is a multiple of 32."""
+    on this CPU (`bf16_rows_amx()`), which it does for a bf16 width that is a multiple of 32."""
     if dtype == torch.float32:
-        return F32_ROWS  # an LM head too: 1.1-1.35x oneDNN's call at 1-32 rows
+        return F32_ROWS if amx else NO_AMX_F32_ROWS  # an LM head too: 1.1-1.35x oneDNN's call at 1-32 rows
     if not amx:
         return NO_AMX_ROWS  # an LM head too: 1.2-1.8x oneDNN's call at 1-32 rows (49152 x 576, 32000 x 2048)
     if out_features > MAX_COLUMNS:
@@ -102,8 +106,10 @@ def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torc
 
 
 def _amx(ops: ModuleType, dtype: torch.dtype) -> bool:
-    """Whether the library's product of `dtype` runs AMX tiles on this CPU."""
-    return dtype == torch.bfloat16 and bool(ops.bf16_rows_amx())
+    """Whether the library runs AMX tiles on this CPU (its bf16 product's; the float32 product's row limit was
+    measured per kind of CPU too)."""
+    amx = getattr(ops, "bf16_rows_amx", None)
+    return amx is not None and bool(amx())
 
 
 def enabled_by_env() -> bool:
