@@ -17,6 +17,7 @@ from transformers import GenerationConfig
 from tests.support.models import sharpen_attention, tiny_llama, tiny_qwen2
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
+from tests.support.step_logits import assert_same_logits, assert_same_runs
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner import model_runner
@@ -80,14 +81,7 @@ def run(
 
 
 def assert_same_steps(model, monkeypatch, **kwargs) -> int:
-    tokens, logits, taken = run(model, monkeypatch, True, **kwargs)
-    tokens_off, logits_off, taken_off = run(model, monkeypatch, False, **kwargs)
-    assert taken_off == 0
-    assert tokens == tokens_off
-    assert len(logits) == len(logits_off)
-    for step, (a, b) in enumerate(zip(logits, logits_off, strict=True)):
-        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
-    return taken
+    return assert_same_runs(run(model, monkeypatch, True, **kwargs), run(model, monkeypatch, False, **kwargs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -298,8 +292,7 @@ def test_row_tiles_give_the_untiled_logits_bit_for_bit(monkeypatch, dtype: torch
     tokens_whole, logits_whole, _ = run(model, monkeypatch, True, config=config, prompts=prompts)
     assert all(tile == rows for rows, tile in tiles)
     assert tokens == tokens_whole
-    for step, (a, b) in enumerate(zip(logits, logits_whole, strict=True)):
-        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
+    assert_same_logits(logits, logits_whole)
 
 
 def test_row_tiles_split_evenly() -> None:

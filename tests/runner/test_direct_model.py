@@ -12,6 +12,7 @@ import torch
 from tests.support.models import sharpen_attention, tiny_llama, tiny_qwen2
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
+from tests.support.step_logits import assert_same_logits, assert_same_runs
 from transformers_cb import ContinuousBatchingConfig
 from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.runner import model_runner
@@ -64,14 +65,7 @@ def run(
 
 
 def assert_same_steps(model, monkeypatch) -> int:
-    tokens, logits, taken = run(model, monkeypatch, True)
-    tokens_off, logits_off, taken_off = run(model, monkeypatch, False)
-    assert taken_off == 0
-    assert tokens == tokens_off
-    assert len(logits) == len(logits_off)
-    for step, (a, b) in enumerate(zip(logits, logits_off, strict=True)):
-        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
-    return taken
+    return assert_same_runs(run(model, monkeypatch, True), run(model, monkeypatch, False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -93,32 +87,22 @@ def test_float32_direct_model_run_equals_generate(monkeypatch) -> None:
         assert got == greedy_reference(model, prompt, MAX_NEW)
 
 
-def test_the_models_own_hooks_run_on_neither_path(monkeypatch) -> None:
-    """The runner calls the model's forward (not the module): its own hooks never ran, nor do they now."""
-    model = sharpen_attention(tiny_llama(seed=1))
-    want, _, _ = run(model, monkeypatch, False)
-    seen: list[int] = []
-    handle = model.register_forward_hook(lambda *_: seen.append(1))
-    try:
-        got, _, taken = run(model, monkeypatch, True)
-    finally:
-        handle.remove()
-    assert not seen and taken > 0 and got == want
-
-
-@pytest.mark.parametrize("where", ["inner", "layer"])
+@pytest.mark.parametrize("where", ["model", "inner", "layer"])
 def test_a_hook_on_what_the_step_skips_sends_it_through_the_forward(monkeypatch, where: str) -> None:
+    """A hook on the inner model or a layer runs: the step goes through the forward. The model's own hooks
+    never ran (the runner calls its forward, not the module): the step stays direct."""
     model = sharpen_attention(tiny_llama(seed=1))
     want, _, _ = run(model, monkeypatch, False)
-    module = {"inner": model.model, "layer": model.model.layers[1]}[where]
+    module = {"model": model, "inner": model.model, "layer": model.model.layers[1]}[where]
     seen: list[int] = []
     handle = module.register_forward_hook(lambda *_: seen.append(1))
     try:
         got, _, taken = run(model, monkeypatch, True)
     finally:
         handle.remove()
-    assert seen and taken == 0 and got == want
-    _, _, taken = run(model, monkeypatch, True)  # the hook removed: direct again
+    assert got == want
+    assert (bool(seen), taken == 0) == ((False, False) if where == "model" else (True, True))
+    _, _, taken = run(model, monkeypatch, True)  # the hook removed: direct
     assert taken > 0
 
 
@@ -137,8 +121,7 @@ def test_a_layer_leaving_the_native_call_mid_step_sends_the_step_through_the_for
     monkeypatch.setattr(direct_model, "direct_step", declining)
     got, logits, taken = run(model, monkeypatch, True)
     assert got == want and 0 < taken < len(logits)
-    for step, (a, b) in enumerate(zip(logits, logits_off, strict=True)):
-        assert torch.equal(a, b), f"step {step}: logits differ by {(a - b).abs().max()}"
+    assert_same_logits(logits, logits_off)
 
 
 def test_other_families_and_the_switch_keep_the_forward(monkeypatch) -> None:
