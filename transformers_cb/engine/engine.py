@@ -19,7 +19,6 @@ import itertools
 import logging
 from collections.abc import Container, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,13 +27,13 @@ from ..attention.selection import paged_backend
 from ..requests import Request, RequestStatus
 from ..runner.layer_ops.native_layers import native_layers
 from ..runner.products.batch_invariant import batch_invariant_modules
-from ..runner.products.packed_model import model_pack_bytes, packed_linears
+from ..runner.products.packed_model import packed_linears
 from ..runner.products.torchao_linear import torchao_linears
 from ..scheduler.speculation.draft_source import Drafts
 from ..scheduler.speculation.speculation_stats import SpeculationStats
 from ..scheduler.weight_updates import UpdateMode
 from .parts import EngineParts, StepResult
-from .snapshot import EngineCounters, EngineSnapshot
+from .snapshot import EngineCounters, EngineSnapshot, snapshot_of
 from .weights.adapter_registry import AdapterRegistry
 from .weights.weight_watch import WeightWatch
 
@@ -56,6 +55,7 @@ class Engine:
 
     def __init__(self, settings: EngineSettings, parts: EngineParts) -> None:
         self.settings = settings
+        self.parts = parts  # as built (`snapshot_of` reads them); each held by name below too
         self.model = parts.model
         self.pages = parts.pages
         self.scheduler = parts.scheduler
@@ -356,41 +356,7 @@ class Engine:
     # -- observability ----------------------------------------------------------------
     def snapshot(self) -> EngineSnapshot:
         """Every count `manager.stats()` reports from the engine, in one object (copies, not views)."""
-        scheduler, pages, offload = self.scheduler, self.pages, self.offload
-        slots = pages.slots
-        media, budget = self.runner.media, scheduler.media
-        return EngineSnapshot(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            preemptions=scheduler.num_preemptions,
-            pages_in_use=self.num_used_pages,
-            pages_total=self.num_total_pages,
-            pages_in_use_by_group=pages.pages_in_use(),
-            prefix=replace(pages.prefix_stats),
-            prefix_cache_pages=pages.num_cached_pages,
-            prefix_cache_evictions=pages.num_evictions,
-            recomputed_tokens=scheduler.recomputed.total,
-            swapped_out=offload.num_swapped_out if offload is not None else 0,
-            swap_out_pages=offload.swap_out_pages if offload is not None else 0,
-            swap_in_pages=offload.swap_in_pages if offload is not None else 0,
-            compiled_graphs=self.runner.forwards.graphs_compiled,
-            state_slots_in_use=slots.num_in_use if slots is not None else 0,
-            state_slots_total=slots.num_slots if slots is not None else 0,
-            state_bytes_per_slot=self.settings.states.bytes_per_slot
-            if self.settings.states is not None
-            else 0,
-            kv_bytes_per_token=self.settings.cache.layout.bytes_per_token(),
-            weight_version=self.weight_version,
-            packed_weight_bytes=model_pack_bytes(self.model)
-            if self.settings.step_options.packed_linear
-            else 0,
-            media_items_encoded=media.items_encoded,
-            media_encode_seconds=media.encode_seconds,
-            media_store_rows=budget.used if budget is not None else 0,
-            media_store_capacity=budget.capacity if budget is not None else 0,
-            speculation=replace(scheduler.speculation),
-            counters=replace(self.counters),
-        )
+        return snapshot_of(self.settings, self.parts, self.counters)
 
     def check_integrity(self) -> None:
         """Pages, queues and block-table rows are consistent (raises `InvariantError`)."""
