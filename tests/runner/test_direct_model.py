@@ -111,14 +111,14 @@ def test_a_layer_leaving_the_native_call_mid_step_sends_the_step_through_the_for
     same values, and every step's logits are the forward's."""
     model = sharpen_attention(tiny_llama(seed=3))
     want, logits_off, _ = run(model, monkeypatch, False)
-    real = direct_model.direct_step
+    real = direct_model.layer_step
     calls = [0]
 
     def declining(parts, *args):
         calls[0] += 1
         return None if parts.layer_idx == 1 and calls[0] % 3 == 0 else real(parts, *args)
 
-    monkeypatch.setattr(direct_model, "direct_step", declining)
+    monkeypatch.setattr(direct_model, "layer_step", declining)
     got, logits, taken = run(model, monkeypatch, True)
     assert got == want and 0 < taken < len(logits)
     assert_same_logits(logits, logits_off)

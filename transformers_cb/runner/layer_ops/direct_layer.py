@@ -23,6 +23,7 @@ and compile. `TRANSFORMERS_CB_DIRECT_LAYERS=0` turns it off.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -70,6 +71,43 @@ def _step_metadata(kwargs: dict[str, Any]) -> AttentionMetadata | None:
     return metadata if isinstance(metadata, AttentionMetadata) else None
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one step reads alike, checked once for the step (`step_inputs`)."""
+
+    metadata: AttentionMetadata
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def step_inputs(
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    kwargs: dict[str, Any],
+) -> StepInputs | None:
+    """The step's metadata and cos/sin where the step may take the native layer call (an all-native step,
+    cos/sin of the hidden states' dtype, one row each per token, no global hook), else None."""
+    metadata = _step_metadata(kwargs)
+    if _failed or metadata is None or not metadata.all_native or position_embeddings is None:
+        return None
+    if metadata.token_row is None or metadata.token_pos is None or _global_hooks():
+        return None
+    dtype, cos, sin = hidden_states.dtype, *position_embeddings
+    if (
+        not plain_cpu(cos, dtype)
+        or not plain_cpu(sin, dtype)
+        or cos.dim() != 3
+        or cos.shape != sin.shape
+        or cos.shape[0] != 1
+        or hidden_states.dim() != 3
+        or cos.shape[1] != hidden_states.shape[1]
+        or cos.stride(-1) != 1
+        or sin.stride(-1) != 1
+    ):
+        return None
+    return StepInputs(metadata, cos, sin)
+
+
 def direct_step(
     parts: LayerParts,
     ops: ModuleType,
@@ -79,46 +117,39 @@ def direct_step(
 ) -> torch.Tensor | None:
     """The layer's output on `hidden_states` `[1, T, hidden]` (its residual stream), or None where any part
     of this call would leave the native paths (the caller then runs the modules' forwards)."""
+    inputs = step_inputs(hidden_states, position_embeddings, kwargs)
+    return None if inputs is None else layer_step(parts, ops, hidden_states, inputs)
+
+
+def layer_step(
+    parts: LayerParts, ops: ModuleType, hidden_states: torch.Tensor, inputs: StepInputs
+) -> torch.Tensor | None:
+    """`direct_step` with the step's inputs checked already (a direct model step checks them once for all
+    its layers: runner/layer_ops/direct_model.py)."""
     attention = parts.attention
-    metadata = _step_metadata(kwargs)
     if (
-        _failed
-        or metadata is None
-        or not metadata.all_native
-        or position_embeddings is None
+        _failed  # a native call of an earlier layer of this step failed
         or hidden_states.dim() != 3
         or hidden_states.shape[0] != 1
         or not hidden_states.is_contiguous()
         or attention.training
         or tunes_temperature(attention)
-        or _global_hooks()  # the layer's own modules' hooks: its plan watches them
     ):
         return None
+    metadata, cos, sin = inputs.metadata, inputs.cos, inputs.sin
     layer_idx = parts.layer_idx
     cache = metadata.cache
     group_metadata = metadata.group_of(layer_idx)
     spec = metadata.kv_group_of(layer_idx)
+    dtype = hidden_states.dtype
+    tokens, head_dim = hidden_states.shape[1], parts.head_dim
     if (
         group_metadata.sliding_window is not None
         or group_metadata.latent is not None
         or spec.kv_repeat != 1
         or cache.key_dim(cache.layer_group[layer_idx]) is not None
-        or metadata.token_row is None
-        or metadata.token_pos is None
-    ):
-        return None
-    dtype = hidden_states.dtype
-    cos, sin = position_embeddings
-    tokens, head_dim = hidden_states.shape[1], parts.head_dim
-    if (
-        not plain_cpu(cos, dtype)
-        or not plain_cpu(sin, dtype)
-        or cos.dim() != 3
-        or cos.shape != sin.shape
-        or cos.shape[0] != 1
         or cos.shape[1:] != (tokens, head_dim)
-        or cos.stride(-1) != 1
-        or sin.stride(-1) != 1
+        or cos.dtype != dtype
     ):
         return None
     storage, layer = cache.storage_of(layer_idx)

@@ -1,6 +1,6 @@
 """A Llama-form causal LM's step as its modules' calls, without the model's two forwards around them: the
-embedding, the rotary embedding, each decoder layer on `direct_step`, the final norm, the kept rows and the
-LM head.
+embedding, the rotary embedding, each decoder layer on `direct_step` (its checks of the step once for all
+layers: `step_inputs`, then `layer_step` per layer), the final norm, the kept rows and the LM head.
 
 `LlamaForCausalLM.forward` and `LlamaModel.forward` with their decorators (config defaults, output capture,
 return types) and the decoder layers' module calls cost ~1 ms of Python a step on the small benchmark model,
@@ -33,7 +33,7 @@ from ...attention.metadata import AttentionMetadata
 from ...attention.native.kernel import native_module
 from ...attention.paged import METADATA_KWARG, step_metadata
 from ...patches import in_force
-from .direct_layer import direct_step
+from .direct_layer import layer_step, step_inputs
 from .layer_forms import has_hooks, references, same_function
 from .layer_plan import LayerParts, layer_parts
 from .native_layers import KIND, enabled_direct
@@ -125,14 +125,15 @@ def direct_model_logits(
     ops = native_module()
     if ops is None or torch.is_grad_enabled() or torch.compiler.is_compiling() or not _unchanged(parts):
         return None
-    kwargs = {METADATA_KWARG: metadata}
-    with step_metadata(
-        metadata
-    ):  # what the embedding and rotary modules' run patches read (per-request rotary)
+    # the step's metadata set: the embedding and rotary modules' run patches read it (per-request rotary)
+    with step_metadata(metadata):
         hidden = parts.embed(input_ids)
         position_embeddings = parts.rotary(hidden, position_ids=position_ids)
+        inputs = step_inputs(hidden, position_embeddings, {METADATA_KWARG: metadata})  # once for every layer
+        if inputs is None:
+            return None
         for layer in parts.layers:
-            out = direct_step(layer.parts, ops, hidden, position_embeddings, kwargs)
+            out = layer_step(layer.parts, ops, hidden, inputs)
             if out is None:
                 return None
             hidden = out
