@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import logging
 import pickle
+import threading
 
 import pytest
 
@@ -44,10 +45,17 @@ def test_get_result_by_id_takes_that_request_and_keeps_the_others_in_place(manag
 def test_get_result_timeout_returns_none(manager):
     manager.start()
     assert manager.get_result(timeout=0.1) is None
+    # The request's forward waits on `release`: on a fast machine 400 tokens of the tiny model
+    # took less than the two 0.1 s waits below (CI failed so), and no wait may rest on speed.
+    release = threading.Event()
+    runner = manager.engine.runner
+    original = runner._forward
+    runner._forward = lambda step: (release.wait(TIMEOUT), original(step))[1]
     rid = manager.add_request(PROMPTS[0], max_new_tokens=400)
     assert manager.get_result(timeout=0.1) is None
     assert manager.get_result(request_id=rid, timeout=0.1) is None
     manager.cancel_request(rid)
+    release.set()
     assert manager.get_result(timeout=TIMEOUT).status == RequestStatus.CANCELLED
 
 
