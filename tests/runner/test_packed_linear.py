@@ -13,6 +13,7 @@ from torch import nn
 
 import transformers_cb
 from tests.support.models import tiny_llama
+from tests.support.platform import BF16_PACKS_REFUSED
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.threads import TIMEOUT
@@ -323,7 +324,7 @@ def test_fallback_warns_once_and_runs_plain(cause: str, monkeypatch, caplog) -> 
 
 def test_available_here_and_refused_off_cpu_or_other_dtypes(caplog) -> None:
     assert packed_linear_available(torch.float32, "cpu")
-    assert packed_linear_available(torch.bfloat16, "cpu")
+    assert packed_linear_available(torch.bfloat16, "cpu") is not BF16_PACKS_REFUSED
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         assert not packed_linear_available(torch.float16, "cpu")
         assert not packed_linear_available(torch.float32, "cuda")
@@ -363,9 +364,31 @@ def test_auto_packs_only_what_pays(monkeypatch) -> None:
     with packed_linears(model, True) as swapped:
         assert swapped == 0
     bf16 = tiny_llama().to(torch.bfloat16)
-    assert resolve_packed_linear(bf16, None, "cpu", None) is True
-    with packed_linears(bf16, True) as swapped:
-        assert swapped == sum(isinstance(m, nn.Linear) for m in bf16.modules())
+    assert resolve_packed_linear(bf16, None, "cpu", None) is not BF16_PACKS_REFUSED
+    if not BF16_PACKS_REFUSED:
+        with packed_linears(bf16, True) as swapped:
+            assert swapped == sum(isinstance(m, nn.Linear) for m in bf16.modules())
+
+
+def test_a_cpu_onednn_refuses_bf16_on_is_silently_plain_unless_asked(monkeypatch, caplog) -> None:
+    """bf16 on an AVX2-only CPU: oneDNN's reorder refuses it; by default that is a platform without packed
+    products (no warning), and only `packed_linear=True` warns."""
+    refusal = "self-test raised RuntimeError: mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl and avx512dq"
+    monkeypatch.setattr(packed_linear_module, "self_test", lambda dtype: refusal)
+    reset_verdicts()
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert not packed_linear_available(torch.bfloat16, "cpu", asked=False)
+            assert not [r for r in caplog.records if r.name == LOGGER]
+            assert not packed_linear_available(torch.bfloat16, "cpu", asked=True)
+        assert [r for r in caplog.records if r.name == LOGGER and "needs the cpu support" in r.getMessage()]
+        monkeypatch.setattr(packed_linear_module, "self_test", lambda dtype: "self-test: 5 rows differ")
+        reset_verdicts()
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            assert not packed_linear_available(torch.bfloat16, "cpu", asked=False)
+        assert [r for r in caplog.records if "rows differ" in r.getMessage()], "a wrong result always warns"
+    finally:
+        reset_verdicts()
 
 
 def test_silent_off_platform_by_default(monkeypatch, caplog) -> None:

@@ -9,8 +9,8 @@ eager ops, rounding where transformers' modules round, so that greedy outputs st
   partial sums in a cascade, their lanes last), so the norm is bitwise equal to the module (x86 CPUs);
 - `add_rms_norm`: the residual add (rounded to the dtype, as `residual + x` is) and the next norm in one pass;
 - `silu_mul`: `silu(gate) * up` with SiLU rounded to the dtype before the product, SiLU computed as torch's
-  kernel computes it (`x / (1 + exp(-x))`, torch's own vectorized exp, `Sleef_expf16_u10`, looked up in
-  the loaded libtorch_cpu: bitwise equal where it is found, within an ulp otherwise);
+  kernel computes it (`x / (1 + exp(-x))`, torch's own vectorized exp, `Sleef_expf16_u10` on AVX-512 and
+  `Sleef_expf8_u10` on AVX2, looked up in the loaded libtorch_cpu: bitwise equal where it is found, within an ulp otherwise);
 - `rotary`: `q * cos + rotate_half(q) * sin` for q and k, each product and the sum rounded to the dtype
   (no fused multiply-add: these ops are compiled with `fp-contract=off`), bitwise equal.
 
@@ -20,7 +20,7 @@ dimension is contiguous; float32 and bfloat16 only (the Python side falls back t
 
 LAYER_SOURCE = r"""
 #include <dlfcn.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -181,34 +181,49 @@ void add_rms_norm_typed(const at::Tensor& residual, const at::Tensor& x, const a
   });
 }
 
-// torch's vectorized exp (Sleef_expf16_u10 in libtorch_cpu), found at run time: a torch build without it
-// leaves the scalar `std::exp` (within an ulp of it).
+// torch's vectorized exp as its SiLU kernel calls it on this CPU (AVX-512: `Sleef_expf16_u10`, AVX2:
+// `Sleef_expf8_u10`, both in libtorch_cpu), found at run time: a torch build without it leaves the scalar
+// `std::exp` (within an ulp of it).
 #if defined(__AVX512F__)
-using SleefExp = __m512 (*)(__m512);
+using VecF = __m512;
+constexpr int64_t kVecLanes = 16;
+constexpr const char* kSleefExpName = "Sleef_expf16_u10";
+inline VecF vec_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void vec_store(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF vec_silu(VecF v, VecF e) { return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)); }
+inline VecF vec_neg(VecF v) { return _mm512_xor_ps(_mm512_set1_ps(-0.f), v); }
+#elif defined(__AVX2__)
+using VecF = __m256;
+constexpr int64_t kVecLanes = 8;
+constexpr const char* kSleefExpName = "Sleef_expf8_u10";
+inline VecF vec_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void vec_store(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF vec_silu(VecF v, VecF e) { return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), e)); }
+inline VecF vec_neg(VecF v) { return _mm256_xor_ps(_mm256_set1_ps(-0.f), v); }
+#endif
+#if defined(__AVX512F__) || defined(__AVX2__)
+using SleefExp = VecF (*)(VecF);
 SleefExp sleef_exp() {
   static const SleefExp fn = []() -> SleefExp {
     void* handle = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
-    void* symbol = dlsym(handle != nullptr ? handle : RTLD_DEFAULT, "Sleef_expf16_u10");
+    void* symbol = dlsym(handle != nullptr ? handle : RTLD_DEFAULT, kSleefExpName);
     return reinterpret_cast<SleefExp>(symbol);
   }();
   return fn;
 }
 #endif
 
-// silu(x) into `out` for n floats the way torch's kernel does: `x / (1 + exp(-x))`, 32 at a time with the
-// vector exp, the rest with std::exp (torch's scalar lambda).
+// silu(x) into `out` for n floats the way torch's kernel does: `x / (1 + exp(-x))`, two vectors at a time
+// with the vector exp (torch's vectorized loop), the rest with std::exp (torch's scalar lambda).
 inline void silu_floats(const float* x, float* out, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   const SleefExp vexp = sleef_exp();
   if (vexp != nullptr) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    const __m512 sign = _mm512_set1_ps(-0.f);
-    for (; i + 32 <= n; i += 32) {
-      for (int half = 0; half < 2; ++half) {
-        const __m512 v = _mm512_loadu_ps(x + i + half * 16);
-        const __m512 e = vexp(_mm512_xor_ps(sign, v));
-        _mm512_storeu_ps(out + i + half * 16, _mm512_div_ps(v, _mm512_add_ps(one, e)));
+    for (; i + 2 * kVecLanes <= n; i += 2 * kVecLanes) {
+      for (int64_t half = 0; half < 2; ++half) {
+        const VecF v = vec_load(x + i + half * kVecLanes);
+        vec_store(out + i + half * kVecLanes, vec_silu(v, vexp(vec_neg(v))));
       }
     }
   }

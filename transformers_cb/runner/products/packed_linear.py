@@ -327,6 +327,12 @@ def self_test(dtype: torch.dtype) -> str | None:
     return None
 
 
+def cpu_lacks_support(reason: str | None) -> bool:
+    """Whether a self-test's failure is oneDNN refusing this CPU (e.g. "bf16 path needs the cpu support
+    avx_ne_convert or avx512bw, avx512vl and avx512dq"), not a wrong result."""
+    return reason is not None and "needs the cpu support" in reason
+
+
 _verdicts: dict[torch.dtype, str | None] = {}
 _warned = False
 _verdict_lock = threading.Lock()
@@ -343,7 +349,9 @@ def packed_linear_available(dtype: torch.dtype, device_type: str, asked: bool = 
             if dtype not in _verdicts:
                 _verdicts[dtype] = self_test(dtype)
             reason = _verdicts[dtype]
-            asked = True  # the platform has them: a failed self-test is worth a warning either way
+            # A self-test that failed is worth a warning either way, unless oneDNN said the CPU lacks the
+            # instructions (bf16 on an AVX2-only CPU): a platform without them, like the ones above.
+            asked = asked or not cpu_lacks_support(reason)
         if reason is not None and asked:
             warn_once(f"plain products run instead of packed oneDNN ones: {reason}")
         return reason is None
