@@ -32,8 +32,17 @@ OPS = (
     if packed_linear_module.unsupported_reason(torch.bfloat16, "cpu") is None
     else None
 )
-pytestmark = pytest.mark.skipif(
+F32_OPS = (
+    small_rows.rows_module(torch.float32)
+    if packed_linear_module.unsupported_reason(torch.float32, "cpu") is None
+    else None
+)
+needs_bf16_rows = pytest.mark.skipif(
     OPS is None, reason="the small-row product needs the native library built for AVX512-BF16 and oneDNN"
+)
+needs_f32_rows = pytest.mark.skipif(
+    F32_OPS is None,
+    reason="the float32 small-row product needs the native library built for AVX-512 or AVX2 + FMA, and oneDNN",
 )
 
 
@@ -41,6 +50,7 @@ def randn(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
 
+@needs_bf16_rows
 @pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2), (40, 64), (20000, 64)])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 11, 16, 17, 33, 47, 64])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -61,6 +71,7 @@ def test_native_loop_rounds_float32_sums_once(shape: tuple[int, int], rows: int,
     assert (got != onednn).float().mean() < 0.05  # only the order of the float32 sums differs
 
 
+@needs_bf16_rows
 def test_native_loop_refuses_what_it_cannot_read() -> None:
     weight = randn(20, 8, seed=0)
     pack = small_rows.pack_rows(weight)
@@ -78,6 +89,7 @@ def test_row_rule() -> None:
     assert small_rows.row_limit(3072, 576, dtype=torch.float32) == small_rows.NO_AMX_F32_ROWS
     assert small_rows.row_limit(49152, 576, dtype=torch.float32) == small_rows.NO_AMX_F32_ROWS  # LM heads too
     assert small_rows.row_limit(49152, 576, amx=True, dtype=torch.float32) == small_rows.F32_ROWS
+    assert small_rows.row_limit(3072, 576, dtype=torch.float32, lanes=8) == small_rows.AVX2_F32_ROWS
     assert small_rows.row_limit(3072, 576) == small_rows.row_limit(320, 192) == small_rows.NO_AMX_ROWS
     assert small_rows.row_limit(49152, 576) == small_rows.NO_AMX_ROWS  # without AMX an LM head too
     assert small_rows.row_limit(3072, 576, amx=True) == small_rows.AMX_ROWS
@@ -89,7 +101,7 @@ def test_row_rule() -> None:
 def count_native(monkeypatch) -> list[int]:
     """The row counts of the native product's calls from now on."""
     calls: list[int] = []
-    ops = small_rows.rows_module()
+    ops, f32_ops = small_rows.rows_module(), small_rows.rows_module(torch.float32)
 
     class Counting:
         def bf16_rows_matmul(self, x, packed, bias, out_features) -> torch.Tensor:
@@ -98,15 +110,22 @@ def count_native(monkeypatch) -> list[int]:
 
         def f32_rows_matmul(self, x, packed, bias, out_features) -> torch.Tensor:
             calls.append(-(x.numel() // x.shape[-1]))  # float32 calls counted negative
-            return ops.f32_rows_matmul(x, packed, bias, out_features)
+            return f32_ops.f32_rows_matmul(x, packed, bias, out_features)
 
         def bf16_rows_amx(self) -> bool:
-            return ops.bf16_rows_amx()
+            return ops is not None and ops.bf16_rows_amx()
 
-    monkeypatch.setattr(small_rows, "_found", {torch.bfloat16: Counting(), torch.float32: Counting()})
+        def f32_rows_lanes(self) -> int:
+            return small_rows._lanes(f32_ops)
+
+    found = {
+        dtype: Counting() for dtype, native in ((torch.bfloat16, ops), (torch.float32, f32_ops)) if native
+    }
+    monkeypatch.setattr(small_rows, "_found", found)
     return calls
 
 
+@needs_bf16_rows
 def test_a_packed_product_routes_by_rows_and_switch(monkeypatch) -> None:
     calls = count_native(monkeypatch)
     weight, bias = randn(960, 576, seed=4), randn(960, seed=5)
@@ -140,6 +159,7 @@ def test_a_packed_product_routes_by_rows_and_switch(monkeypatch) -> None:
         PACKS.drop(handle)
 
 
+@needs_f32_rows
 @pytest.mark.parametrize("shape", [(960, 576), (100, 71), (7, 33), (48, 40), (33, 2)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 32, 47, 64])
 @pytest.mark.parametrize("with_bias", [True, False])
@@ -149,7 +169,7 @@ def test_float32_loop_is_float32_sums(shape: tuple[int, int], rows: int, with_bi
     weight = torch.randn(out_features, in_features, generator=generator)
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     x = torch.randn(rows, in_features, generator=generator)
-    got = OPS.f32_rows_matmul(x, small_rows.pack_rows_f32(weight), bias, out_features)
+    got = F32_OPS.f32_rows_matmul(x, small_rows.pack_rows_f32(weight), bias, out_features)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     # a chain of float32 fused multiply-adds: each step rounds once (2^-24 of the running magnitude)
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
@@ -157,12 +177,15 @@ def test_float32_loop_is_float32_sums(shape: tuple[int, int], rows: int, with_bi
     assert ((got.double() - exact).abs() <= magnitude * (in_features + 1) * 2**-24).all()
 
 
+@needs_f32_rows
 def test_float32_routes_by_rows(monkeypatch) -> None:
     calls = count_native(monkeypatch)
     handle = PACKS.new_handle()
     try:
         weight = torch.randn(64, 32)
-        limit = small_rows.row_limit(64, 32, bool(OPS.bf16_rows_amx()), torch.float32)
+        limit = small_rows.row_limit(
+            64, 32, small_rows._amx(F32_OPS, torch.float32), torch.float32, small_rows._lanes(F32_OPS)
+        )
         for rows in (1, limit, limit + 1):
             x = torch.randn(1, rows, 32)
             got = packed_linear_eager(x, weight, None, handle)
@@ -187,6 +210,7 @@ def packed_run(model, seed: int) -> tuple[list[list[int]], dict]:
     return prompts, outputs
 
 
+@needs_f32_rows
 def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> None:
     monkeypatch.setenv(RULE_ENV, "all")  # every float32 weight packed from one row (not the measured rule)
     calls = count_native(monkeypatch)
@@ -198,6 +222,7 @@ def test_float32_run_equals_generate_with_the_small_row_product(monkeypatch) -> 
         assert outputs[f"req_{i}"].generated_tokens == greedy_reference(model, prompt, 8)
 
 
+@needs_bf16_rows
 def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:
     calls = count_native(monkeypatch)
     model = tiny_llama().to(torch.bfloat16)
@@ -209,6 +234,7 @@ def test_bf16_run_like_generate_with_the_small_row_product(monkeypatch) -> None:
         assert mismatch is None or mismatch.is_near_tie, mismatch.describe()
 
 
+@needs_bf16_rows
 def test_native_loop_takes_strided_rows_and_bias() -> None:
     weight, wide = randn(40, 64, seed=1), randn(3, 128, seed=2)
     bias = randn(80, seed=3)[::2]  # a strided bias, as a column slice of another tensor would be
@@ -217,6 +243,7 @@ def test_native_loop_takes_strided_rows_and_bias() -> None:
     assert torch.equal(strided, OPS.bf16_rows_matmul(wide[:, ::2].contiguous(), pack, bias.contiguous(), 40))
 
 
+@needs_bf16_rows
 @pytest.mark.parametrize("shape", [(20000, 64), (96, 64), (96, 48)])
 def test_the_memory_check_counts_a_row_pack_exactly_where_one_is_made(shape: tuple[int, int]) -> None:
     """`has_rows_pack` (what the memory check counts) follows `row_pack_for`'s rule on this CPU, an LM head's
@@ -226,6 +253,7 @@ def test_the_memory_check_counts_a_row_pack_exactly_where_one_is_made(shape: tup
     assert small_rows.has_rows_pack(*shape) == made
 
 
+@needs_bf16_rows
 def test_on_an_amx_cpu_the_memory_check_counts_no_row_pack_for_an_lm_head(monkeypatch) -> None:
     """With AMX tiles a bf16 LM head keeps oneDNN's product, so no row pack is made nor counted."""
     amx_ops = SimpleNamespace(bf16_rows_amx=lambda: True)

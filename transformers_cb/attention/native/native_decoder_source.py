@@ -44,7 +44,7 @@ at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& te
   if (kind == 0) return at::linear(x, tensor, bias);
   if (kind == 1) return onednn_product(x, tensor, bias);
   if (kind == 3) return quantized_layer_product(x, tensor, bias, out_features, qtype);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   if (tensor.scalar_type() == at::kFloat) return f32_rows_matmul(x, tensor, bias, out_features);
 #endif
 #if defined(__AVX512BF16__)

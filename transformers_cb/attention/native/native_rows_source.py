@@ -218,9 +218,10 @@ bool bf16_rows_amx() {
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 namespace {
 
+#if defined(__AVX512F__)
 // Rows [0, RT) of x (float32, `x_stride` a row) times CB column blocks of the float32 row pack ([K, 16] a block):
 // each column's sum is one chain of fused multiply-adds over k in order, into `sums` [RT][CB][16].
 template <int RT, int CB>
@@ -245,13 +246,67 @@ inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int6
     for (int c = 0; c < CB; ++c) _mm512_storeu_ps(sums + (r * CB + c) * 16, acc[r][c]);
 }
 
+// Row `r`'s `cols` (<= 16) sums of a block plus the bias, stored.
+inline void f32_store_block(const float* sums, const float* bias, float* y, int64_t cols) {
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
+  __m512 v = _mm512_load_ps(sums);
+  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
+  _mm512_mask_storeu_ps(y, mask, v);
+}
+
+constexpr int64_t kF32Lanes = 16;
+constexpr int kF32RowTile = 8;
+constexpr int kF32Blocks = 2;  // column blocks a tile: 8 rows x 2 blocks = 16 of the 32 zmm registers
+#else
+// AVX2 + FMA (e.g. AMD Zen 3): the same tile with a block's 16 columns as two 8-lane halves, each column's sum
+// the same chain of fused multiply-adds over k in order (so the same bits as the AVX-512 tile).
+template <int RT, int CB>
+inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int64_t K, int64_t block_stride,
+                          float* sums) {
+  __m256 acc[RT][CB][2];
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[CB][2];
+    for (int c = 0; c < CB; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (CB + c) * block_stride + k * 16), _MM_HINT_T1);
+      wv[c][0] = _mm256_loadu_ps(w + c * block_stride + k * 16);
+      wv[c][1] = _mm256_loadu_ps(w + c * block_stride + k * 16 + 8);
+    }
+    for (int r = 0; r < RT; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * x_stride + k);
+      for (int c = 0; c < CB; ++c) {
+        acc[r][c][0] = _mm256_fmadd_ps(a, wv[c][0], acc[r][c][0]);
+        acc[r][c][1] = _mm256_fmadd_ps(a, wv[c][1], acc[r][c][1]);
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < CB; ++c) {
+      _mm256_storeu_ps(sums + (r * CB + c) * 16, acc[r][c][0]);
+      _mm256_storeu_ps(sums + (r * CB + c) * 16 + 8, acc[r][c][1]);
+    }
+}
+
+inline void f32_store_block(const float* sums, const float* bias, float* y, int64_t cols) {
+  for (int64_t i = 0; i < cols; ++i) y[i] = bias != nullptr ? sums[i] + bias[i] : sums[i];
+}
+
+constexpr int64_t kF32Lanes = 8;
+constexpr int kF32RowTile = 6;
+constexpr int kF32Blocks = 1;  // 6 rows x 2 halves = 12 accumulators, 2 weights and a broadcast: 15 of 16 ymm
+#endif
+
 template <int CB>
 void f32_rows_tile_of(int rows, const float* x, int64_t x_stride, const float* w, int64_t K, int64_t stride,
                       float* sums) {
-  with_row_count(rows, [&](auto rt) { f32_rows_tile<decltype(rt)::value, CB>(x, x_stride, w, K, stride, sums); });
+  with_row_count(rows, [&](auto rt) {
+    if constexpr (decltype(rt)::value <= kF32RowTile) {
+      f32_rows_tile<decltype(rt)::value, CB>(x, x_stride, w, K, stride, sums);
+    }
+  });
 }
 
-constexpr int kF32RowTile = 8;
 constexpr int64_t kF32RowsGrainProducts = 1 << 16;
 
 }  // namespace
@@ -276,17 +331,17 @@ at::Tensor f32_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, con
   const float* wp = packed.data_ptr<float>();
   const float* bp = has_bias ? b.data_ptr<float>() : nullptr;
   float* yp = out.data_ptr<float>();
-  const int64_t block_pairs = (NB + 1) / 2;
-  const int64_t grain = std::max<int64_t>(1, kF32RowsGrainProducts / std::max<int64_t>(K * 32 * R, 1));
-  at::parallel_for(0, block_pairs, grain, [&](int64_t b0, int64_t b1) {
-    alignas(64) float sums[kF32RowTile * 2 * 16];
-    for (int64_t bpair = b0; bpair < b1; ++bpair) {
-      const int64_t nb = bpair * 2;
-      const int blocks = nb + 1 < NB ? 2 : 1;
+  const int64_t groups = (NB + kF32Blocks - 1) / kF32Blocks;
+  const int64_t grain = std::max<int64_t>(1, kF32RowsGrainProducts / std::max<int64_t>(K * 16 * kF32Blocks * R, 1));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    alignas(64) float sums[kF32RowTile * kF32Blocks * 16];
+    for (int64_t group = g0; group < g1; ++group) {
+      const int64_t nb = group * kF32Blocks;
+      const int blocks = static_cast<int>(std::min<int64_t>(kF32Blocks, NB - nb));
       for (int64_t r0 = 0; r0 < R; r0 += kF32RowTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kF32RowTile, R - r0));
-        if (blocks == 2) {
-          f32_rows_tile_of<2>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
+        if (blocks == kF32Blocks) {
+          f32_rows_tile_of<kF32Blocks>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
         } else {
           f32_rows_tile_of<1>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
         }
@@ -295,10 +350,8 @@ at::Tensor f32_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, con
             const int64_t n0 = (nb + c) * 16;
             const int64_t cols = std::min<int64_t>(16, N - n0);
             if (cols <= 0) continue;
-            const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-            __m512 v = _mm512_load_ps(sums + (r * blocks + c) * 16);
-            if (bp != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bp + n0));
-            _mm512_mask_storeu_ps(yp + (r0 + r) * N + n0, mask, v);
+            f32_store_block(sums + (r * blocks + c) * 16, bp != nullptr ? bp + n0 : nullptr, yp + (r0 + r) * N + n0,
+                            cols);
           }
         }
       }
@@ -306,6 +359,9 @@ at::Tensor f32_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, con
   });
   return out;
 }
+
+// The float32 product's vector width: its row limit was measured per width (runner/products/small_rows.py).
+int64_t f32_rows_lanes() { return kF32Lanes; }
 #endif
 """
 
@@ -314,7 +370,8 @@ ROWS_BINDINGS = r"""
   m.def("bf16_rows_matmul", &bf16_rows_matmul, "out = x @ W.T + bias for a few bfloat16 rows, W in its row pack");
   m.def("bf16_rows_amx", &bf16_rows_amx, "whether the small-row product runs AMX tiles (K a multiple of 32)");
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   m.def("f32_rows_matmul", &f32_rows_matmul, "out = x @ W.T + bias for a few float32 rows, W in its float32 row pack");
+  m.def("f32_rows_lanes", &f32_rows_lanes, "the float32 small-row product's vector width: 16 (AVX-512) or 8 (AVX2)");
 #endif
 """

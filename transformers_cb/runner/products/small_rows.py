@@ -78,16 +78,27 @@ NO_AMX_ROWS = 64
 # 1.02-1.52x oneDNN's call at 33-64 rows on every shape measured (the same sitting).
 F32_ROWS = 32
 NO_AMX_F32_ROWS = 64
+# float32 on an AVX2-only CPU (8 lanes, 16 registers: AMD Zen 3), 2 threads, cold weights of the small model
+# and SmolLM2, LM heads included: 1.0-2.9x oneDNN's packed call at 1-8 rows, 0.6-1.06x at 16 and slower beyond
+# (docs/design.md, "Small-row products").
+AVX2_F32_ROWS = 8
 # The native function of each dtype's product.
 FUNCTIONS = {torch.bfloat16: "bf16_rows_matmul", torch.float32: "f32_rows_matmul"}
 
 
 def row_limit(
-    out_features: int, in_features: int, amx: bool = False, dtype: torch.dtype = torch.bfloat16
+    out_features: int,
+    in_features: int,
+    amx: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    lanes: int = 16,
 ) -> int:
     """The most rows a product of this weight runs natively (0: never); `amx`: the library runs AMX tiles
-    on this CPU (`bf16_rows_amx()`), which it does for a bf16 width that is a multiple of 32."""
+    on this CPU (`bf16_rows_amx()`), which it does for a bf16 width that is a multiple of 32; `lanes`: the
+    float32 product's vector width (`f32_rows_lanes()`: 16 with AVX-512, 8 with AVX2 alone)."""
     if dtype == torch.float32:
+        if lanes < 16:
+            return AVX2_F32_ROWS
         return F32_ROWS if amx else NO_AMX_F32_ROWS  # an LM head too: 1.1-1.35x oneDNN's call at 1-32 rows
     if not amx:
         return NO_AMX_ROWS  # an LM head too: 1.2-1.8x oneDNN's call at 1-32 rows (49152 x 576, 32000 x 2048)
@@ -102,7 +113,7 @@ def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torc
     """Whether a weight of this shape and dtype gets a row pack in this process (the memory check counts it):
     `row_pack_for`'s rule, on this CPU."""
     ops = rows_module(dtype)
-    return ops is not None and row_limit(out_features, in_features, _amx(ops, dtype), dtype) > 0
+    return ops is not None and row_limit(out_features, in_features, _amx(ops, dtype), dtype, _lanes(ops)) > 0
 
 
 def _amx(ops: ModuleType, dtype: torch.dtype) -> bool:
@@ -110,6 +121,12 @@ def _amx(ops: ModuleType, dtype: torch.dtype) -> bool:
     measured per kind of CPU too)."""
     amx = getattr(ops, "bf16_rows_amx", None)
     return amx is not None and bool(amx())
+
+
+def _lanes(ops: ModuleType) -> int:
+    """The float32 product's vector width in this library build (16 where it was built for AVX-512)."""
+    lanes = getattr(ops, "f32_rows_lanes", None)
+    return 16 if lanes is None else int(lanes())
 
 
 def enabled_by_env() -> bool:
@@ -170,7 +187,9 @@ def row_pack_for(pack: RowPacked, dtype: torch.dtype, rows: int) -> torch.Tensor
         out_features, in_features = pack.packed.shape
         ops = rows_module(packed_dtype)
         limit = pack.row_limit = (
-            0 if ops is None else row_limit(out_features, in_features, _amx(ops, packed_dtype), packed_dtype)
+            0
+            if ops is None
+            else row_limit(out_features, in_features, _amx(ops, packed_dtype), packed_dtype, _lanes(ops))
         )
     if limit == 0 or dtype != packed_dtype or rows == 0 or rows > limit or dtype not in _found:
         return None
