@@ -29,10 +29,12 @@ from transformers_cb.runner.products.packed_linear import (
     PACKS,
     RULE_ENV,
     PackRule,
+    cpu_lacks_support,
     packed_linear,
     packed_linear_available,
     reset_verdicts,
     rule_from_env,
+    self_test,
 )
 from transformers_cb.runner.products.packed_model import pack_bytes, packed_linears, release_packs
 from transformers_cb.runner.step_options import resolve_packed_linear
@@ -368,6 +370,20 @@ def test_auto_packs_only_what_pays(monkeypatch) -> None:
     if not BF16_PACKS_REFUSED:
         with packed_linears(bf16, True) as swapped:
             assert swapped == sum(isinstance(m, nn.Linear) for m in bf16.modules())
+
+
+def test_the_self_test_packs_even_when_called_in_inference_mode(monkeypatch) -> None:
+    """The verdict's first asker may be in inference mode (a benchmark, a server): its tensors would be
+    inference tensors, which `packed_linear` sends to `F.linear`, so a CPU whose oneDNN refuses the dtype
+    passed the self-test and every step failed later (AVX2, bf16)."""
+
+    def refusing(weight: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(packed_linear_module, "reorder", refusing)
+    with torch.inference_mode():
+        verdict = self_test(torch.float32)
+    assert verdict is not None and cpu_lacks_support(verdict)
 
 
 def test_a_cpu_onednn_refuses_bf16_on_is_silently_plain_unless_asked(monkeypatch, caplog) -> None:
