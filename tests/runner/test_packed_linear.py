@@ -457,3 +457,77 @@ def test_packs_that_do_not_fit_fall_back_with_one_warning(monkeypatch, caplog) -
     assert PACKS.builds == before
     assert_like_generate(model, first)
     assert resolve_packed_linear(model, False, "cpu", None) is False
+
+
+# -- bf16 where oneDNN refuses it: weights packed in float32 ------------------------------------------------
+
+
+def test_a_bf16_weight_is_packed_in_float32_where_onednn_refuses_bf16(monkeypatch) -> None:
+    """An AVX2-only CPU: oneDNN has no bf16 path and torch's own bf16 product is a generic loop, so a bf16
+    weight is packed in float32 and its products widen the rows, sum in float32 and round once to bf16 (as
+    oneDNN's bf16 product rounds): oneDNN's float32 product and, for a few rows, the float32 small-row one."""
+    monkeypatch.setattr(packed_linear_module, "_onednn_refuses_bf16", lambda: True)
+    calls: list[torch.dtype] = []
+    f32_ops = small_rows.rows_module(torch.float32)
+    if f32_ops is not None:
+
+        class Counting:
+            def f32_rows_matmul(self, x, packed, bias, out_features) -> torch.Tensor:
+                calls.append(x.dtype)
+                return f32_ops.f32_rows_matmul(x, packed, bias, out_features)
+
+            def f32_rows_lanes(self) -> int:
+                return small_rows._lanes(f32_ops)
+
+        monkeypatch.setitem(small_rows._found, torch.float32, Counting())
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(96, generator=generator).to(torch.bfloat16)
+    assert packed_linear_module.pack_dtype(torch.bfloat16) == torch.float32
+    handle = PACKS.new_handle()
+    try:
+        for rows in (1, 3, 40):
+            x = torch.randn(1, rows, 64, generator=generator).to(torch.bfloat16)
+            got = packed_linear(x, weight, bias, handle)
+            assert got.dtype == torch.bfloat16 and got.shape == (1, rows, 96)
+            exact = x.double() @ weight.double().T + bias.double()
+            magnitude = x.double().abs() @ weight.double().abs().T + bias.double().abs()
+            # float32 sums (off by their own rounding) rounded once to bf16 (half a step: 2^-9 relative)
+            assert ((got.double() - exact).abs() <= exact.abs() * 2**-8 + magnitude * 65 * 2**-23).all()
+        pack = PACKS._packs[handle]
+        assert pack is not None and pack.packed.dtype == torch.float32
+        if f32_ops is not None:
+            assert calls and all(dtype == torch.float32 for dtype in calls), (
+                "few rows: the float32 row product"
+            )
+        assert pack_bytes_of_bf16(weight) == weight.numel() * 4 * (2 if pack.rows_pack is not None else 1)
+    finally:
+        PACKS.drop(handle)
+
+
+def pack_bytes_of_bf16(weight: torch.Tensor) -> int:
+    from transformers_cb.runner.products.packed_model import _pack_size
+
+    return _pack_size(weight, weight.shape[0])
+
+
+def test_a_bf16_run_on_float32_packs_is_like_generate(monkeypatch) -> None:
+    """The widened bf16 products through a whole run (the direct layer step's products included): greedy
+    tokens equal `generate()`'s but at near-ties, as bf16 runs are judged."""
+    monkeypatch.setattr(packed_linear_module, "_onednn_refuses_bf16", lambda: True)
+    monkeypatch.setenv(RULE_ENV, "all")
+    model = tiny_llama().to(torch.bfloat16)
+    prompts = prompts_of_lengths([5, 17, 30], seed=6)
+    outputs = model.generate_batch(
+        prompts,
+        max_new_tokens=8,
+        continuous_batching_config=ContinuousBatchingConfig(page_size=16, packed_linear=True),
+        progress_bar=False,
+    )
+    assert any(pack is not None and pack.packed.dtype == torch.float32 for pack in PACKS._packs.values()), (
+        "no bf16 weight was packed in float32"
+    )
+    for i, prompt in enumerate(prompts):
+        tokens = outputs[f"req_{i}"].generated_tokens
+        mismatch = compare_tokens(model, f"req_{i}", prompt, greedy_reference(model, prompt, 8), tokens)
+        assert mismatch is None or mismatch.is_near_tie, mismatch.describe()

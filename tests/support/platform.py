@@ -1,5 +1,6 @@
-"""What this CPU offers the tests: oneDNN's bf16 packed products need AVX512-BW/VL/DQ or AVX-NE-CONVERT, which an
-AVX2-only CPU (e.g. AMD Zen 3) lacks; there bf16 products run plain and the tests of bf16 packs skip."""
+"""What this CPU offers the tests: oneDNN's bf16 products need AVX512-BW/VL/DQ or AVX-NE-CONVERT, which an
+AVX2-only CPU (e.g. AMD Zen 3) lacks; there a bf16 weight is packed in float32 (`packed_linear.pack_dtype`), so
+bf16 packs are refused only where even that fails its self-test, and the tests of bf16 packs then skip."""
 
 from __future__ import annotations
 

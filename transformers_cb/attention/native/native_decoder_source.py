@@ -42,6 +42,13 @@ at::Tensor quantized_layer_product(const at::Tensor& x, const at::Tensor& blocks
 at::Tensor layer_product(int64_t kind, const at::Tensor& x, const at::Tensor& tensor,
                          const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t qtype) {
   if (kind == 0) return at::linear(x, tensor, bias);
+  if ((kind == 1 || kind == 2) && tensor.scalar_type() == at::kFloat && x.scalar_type() == at::kBFloat16) {
+    // a bf16 weight packed in float32 (where oneDNN refuses bf16: packed_linear.pack_dtype): the float32
+    // product on the widened rows, rounded once to bf16
+    c10::optional<at::Tensor> wide_bias;
+    if (bias.has_value()) wide_bias = bias->to(at::kFloat);
+    return layer_product(kind, x.to(at::kFloat), tensor, wide_bias, out_features, qtype).to(at::kBFloat16);
+  }
   if (kind == 1) return onednn_product(x, tensor, bias);
   if (kind == 3) return quantized_layer_product(x, tensor, bias, out_features, qtype);
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))

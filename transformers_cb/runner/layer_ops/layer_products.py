@@ -121,7 +121,8 @@ class ProductSpecs:
         self, handle: int, pack: Pack, bias: torch.Tensor | None, dtype: torch.dtype, rows: int
     ) -> None:
         """oneDNN's product on `pack`, or the small-row product where `packed_linear.product` takes it."""
-        rows_pack = row_pack_for(pack, dtype, rows)
+        # a bf16 weight packed in float32 (packed_linear.pack_dtype) runs the float32 products, widened
+        rows_pack = row_pack_for(pack, pack.packed.dtype, rows)
         out_features = pack.packed.shape[0]
         tensor = pack.packed if rows_pack is None else rows_pack
         self.add(1 if rows_pack is None else 2, tensor, bias, out_features, pack=(handle, pack))

@@ -21,6 +21,7 @@ trained adapter that way). Within a run (a manager's session) callers that write
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -247,13 +248,42 @@ class PackRegistry:
         return pack
 
 
+@functools.cache
+def _onednn_refuses_bf16() -> bool:
+    """Whether this CPU's oneDNN refuses bf16 weights ("bf16 path needs the cpu support avx_ne_convert or
+    avx512bw, avx512vl and avx512dq": an AVX2-only CPU such as AMD Zen 3)."""
+    if unsupported_reason(torch.float32, "cpu") is not None:
+        return False
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), BATCH_SIZE_HINT)
+    except RuntimeError as error:
+        return cpu_lacks_support(str(error))
+    return False
+
+
+def pack_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a weight of `dtype` is packed in: float32 for bf16 where oneDNN refuses bf16 (its products
+    then widen the rows, sum in float32 and round once to bf16, as oneDNN's bf16 product rounds; torch's own
+    bf16 product on such a CPU is a generic loop ~7x slower than the float32 one)."""
+    return torch.float32 if dtype == torch.bfloat16 and _onednn_refuses_bf16() else dtype
+
+
+def widened(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `x`'s product on `packed` runs widened (a bf16 row on a float32 pack of a bf16 weight)."""
+    return x.dtype == torch.bfloat16 and packed.dtype == torch.float32
+
+
 def reorder(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in oneDNN's blocked layout (one pack serves every row count)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_SIZE_HINT)
+    """`weight` in oneDNN's blocked layout (one pack serves every row count), in `pack_dtype`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(pack_dtype(weight.dtype)), BATCH_SIZE_HINT)
 
 
 def pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` on a packed `W` (oneDNN's product)."""
+    if widened(x, packed):
+        wide_bias = None if bias is None else bias.float()
+        return pointwise(x.float(), packed, wide_bias).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 

@@ -38,6 +38,7 @@ from .packed_linear import (
     PACKS,
     PackRule,
     fusion_from_env,
+    pack_dtype,
     packed_linear,
     packed_linear_eager,
     rule_from_env,
@@ -172,8 +173,9 @@ class PackingSettings:
 
 def _pack_size(weight: torch.Tensor, out_features: int) -> int:
     """Bytes of `weight`'s packs, in a product of `out_features` outputs."""
-    copies = 2 if has_rows_pack(out_features, weight.shape[-1], weight.dtype) else 1
-    return weight.numel() * weight.element_size() * copies
+    dtype = pack_dtype(weight.dtype)  # float32 for a bf16 weight where oneDNN refuses bf16
+    copies = 2 if has_rows_pack(out_features, weight.shape[-1], dtype) else 1
+    return weight.numel() * dtype.itemsize * copies
 
 
 def packing_settings(model: nn.Module, rule: PackRule, fuse: bool | None = None) -> PackingSettings:

@@ -204,8 +204,13 @@ def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) ->
     oneDNN's product runs instead (more rows than the weight's limit, no native product, another dtype)."""
     in_features = x.shape[-1] if x.dim() else 0
     rows = x.numel() // in_features if in_features else 0
-    rows_pack = row_pack_for(pack, x.dtype, rows)
+    # a bf16 weight packed in float32 (packed_linear.pack_dtype): the float32 product on widened rows
+    wide = x.dtype == torch.bfloat16 and pack.packed.dtype == torch.float32
+    dtype = torch.float32 if wide else x.dtype
+    rows_pack = row_pack_for(pack, dtype, rows)
     if rows_pack is None:
         return None
-    out: torch.Tensor = getattr(_found[x.dtype], FUNCTIONS[x.dtype])(x, rows_pack, bias, pack.packed.shape[0])
-    return out
+    if wide:
+        x, bias = x.float(), None if bias is None else bias.float()
+    out: torch.Tensor = getattr(_found[dtype], FUNCTIONS[dtype])(x, rows_pack, bias, pack.packed.shape[0])
+    return out.to(torch.bfloat16) if wide else out
