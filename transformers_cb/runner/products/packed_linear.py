@@ -256,7 +256,9 @@ def _onednn_refuses_bf16() -> bool:
         return False
     try:
         with torch.inference_mode(False), torch.no_grad():
-            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), BATCH_SIZE_HINT)
+            torch.ops.mkldnn._reorder_linear_weight(
+                torch.zeros(16, 16, dtype=torch.bfloat16), BATCH_SIZE_HINT
+            )
     except RuntimeError as error:
         return cpu_lacks_support(str(error))
     return False
