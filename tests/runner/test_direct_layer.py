@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from tests.support.cpu_features import BF16_PACKS_REFUSED, needs_bf16_packs
 from tests.support.models import sharpen_attention, tiny_llama, tiny_qwen2
-from tests.support.platform import BF16_PACKS_REFUSED, needs_bf16_packs
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.step_logits import assert_same_logits, assert_same_runs

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.support.cpu_features import needs_bf16_packs
 from tests.support.models import tiny_llama
-from tests.support.platform import needs_bf16_packs
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from transformers_cb import ContinuousBatchingConfig

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import transformers_cb
+from tests.support.cpu_features import BF16_PACKS_REFUSED
 from tests.support.models import tiny_llama
-from tests.support.platform import BF16_PACKS_REFUSED
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
 from tests.support.threads import TIMEOUT
