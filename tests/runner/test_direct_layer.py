@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.support.cpu_features import BF16_PACKS_REFUSED, needs_bf16_packs
 from tests.support.models import sharpen_attention, tiny_llama, tiny_qwen2
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
@@ -32,8 +31,6 @@ pytestmark = pytest.mark.skipif(
 
 PROMPTS = prompts_of_lengths([5, 40, 23, 9], seed=11)
 MAX_NEW = 10
-# The plan tests' dtype: bf16 where oneDNN packs it, float32 on a CPU whose oneDNN has no bf16 path (AVX2 only)
-PLAN_DTYPE = torch.float32 if BF16_PACKS_REFUSED else torch.bfloat16
 
 
 def run(
@@ -196,13 +193,13 @@ def test_a_layer_plan_is_made_again_when_what_it_read_changes(monkeypatch, packe
     from transformers_cb.runner.products.packed_model import release_packs
 
     monkeypatch.setenv(RULE_ENV, packed)
-    dtype = PLAN_DTYPE
-    model = sharpen_attention(tiny_llama(seed=3)).to(dtype)
+    model = sharpen_attention(tiny_llama(seed=3)).to(torch.bfloat16)
     engine = build_engine(model, GenerationConfig(max_new_tokens=4, do_sample=False), None)
     layer = model.model.layers[0]
     with engine.session():
         parts = layer_plan.layer_parts(layer, native_layers.KIND)
         assert parts is not None
+        dtype = torch.bfloat16
         first = layer_plan.plan_for(parts, dtype, 1)
         assert first is not None
         plan = first[0]
@@ -249,11 +246,11 @@ def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:
     from transformers_cb.runner.products.packed_model import release_packs
 
     monkeypatch.setenv(RULE_ENV, "all")
-    model = sharpen_attention(tiny_llama(seed=3)).to(PLAN_DTYPE)
+    model = sharpen_attention(tiny_llama(seed=3)).to(torch.bfloat16)
     engine = build_engine(model, GenerationConfig(max_new_tokens=4, do_sample=False), None)
     with engine.session():
         parts = layer_plan.layer_parts(model.model.layers[0], native_layers.KIND)
-        planned = layer_plan.plan_for(parts, PLAN_DTYPE, 1)
+        planned = layer_plan.plan_for(parts, torch.bfloat16, 1)
         assert planned is not None and any(source is not None for source in planned[0].packs)
         packed = [
             weakref.ref(t)
@@ -267,13 +264,7 @@ def test_a_layer_plan_keeps_no_released_pack_alive(monkeypatch) -> None:
         assert all(reference() is None for reference in packed)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        torch.float32,
-        pytest.param(torch.bfloat16, marks=needs_bf16_packs),
-    ],
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_tiles_give_the_untiled_logits_bit_for_bit(monkeypatch, dtype: torch.dtype) -> None:
     """A step of many tokens runs the native layer in row tiles (layer_plan.ROW_TILE_BYTES; here a few
     rows' worth, so that a 160-token step takes 4 tiles): each tile attends to the keys the ones before it

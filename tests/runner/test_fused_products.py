@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.cpu_features import needs_bf16_packs
 from tests.support.models import tiny_llama
 from tests.support.prompts import prompts_of_lengths
 from tests.support.reference import greedy_reference
@@ -54,7 +53,7 @@ def test_groups_of_a_llama_layer() -> None:
         PACKS.drop(group.handle)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_packs)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_equals_unfused_and_runs_fewer_products(dtype, monkeypatch) -> None:
     model = tiny_llama().to(dtype)
     ids = torch.randint(3, model.config.vocab_size, (1, 23), generator=torch.Generator().manual_seed(0))

@@ -271,11 +271,6 @@ def pack_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.bfloat16 and _onednn_refuses_bf16() else dtype
 
 
-def widened(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `x`'s product on `packed` runs widened (a bf16 row on a float32 pack of a bf16 weight)."""
-    return x.dtype == torch.bfloat16 and packed.dtype == torch.float32
-
-
 def reorder(weight: torch.Tensor) -> torch.Tensor:
     """`weight` in oneDNN's blocked layout (one pack serves every row count), in `pack_dtype`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(pack_dtype(weight.dtype)), BATCH_SIZE_HINT)
@@ -283,15 +278,16 @@ def reorder(weight: torch.Tensor) -> torch.Tensor:
 
 def pointwise(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` on a packed `W` (oneDNN's product)."""
-    if widened(x, packed):
-        wide_bias = None if bias is None else bias.float()
-        return pointwise(x.float(), packed, wide_bias).to(x.dtype)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 def product(x: torch.Tensor, pack: Pack, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` on `pack`: a few bfloat16 rows through the native small-row product where it
-    applies (runner/products/small_rows.py), else oneDNN's."""
+    """`x @ W.T + bias` on `pack`: a few rows through the native small-row product where it applies
+    (runner/products/small_rows.py), else oneDNN's. A bf16 weight packed in float32 (`pack_dtype`) takes
+    the float32 product on the widened rows, rounded once to bf16."""
+    if x.dtype == torch.bfloat16 and pack.packed.dtype == torch.float32:
+        wide_bias = None if bias is None else bias.float()
+        return product(x.float(), pack, wide_bias).to(torch.bfloat16)
     out = rows_product(x, pack, bias)
     return pointwise(x, pack.packed, bias) if out is None else out
 
@@ -365,10 +361,10 @@ def _self_test(dtype: torch.dtype) -> str | None:
     return None
 
 
-def cpu_lacks_support(reason: str | None) -> bool:
-    """Whether a self-test's failure is oneDNN refusing this CPU (e.g. "bf16 path needs the cpu support
-    avx_ne_convert or avx512bw, avx512vl and avx512dq"), not a wrong result."""
-    return reason is not None and "needs the cpu support" in reason
+def cpu_lacks_support(error: str) -> bool:
+    """Whether oneDNN's error says this CPU lacks the instructions for a dtype (e.g. "bf16 path needs the cpu
+    support avx_ne_convert or avx512bw, avx512vl and avx512dq")."""
+    return "needs the cpu support" in error
 
 
 _verdicts: dict[torch.dtype, str | None] = {}
@@ -387,9 +383,7 @@ def packed_linear_available(dtype: torch.dtype, device_type: str, asked: bool = 
             if dtype not in _verdicts:
                 _verdicts[dtype] = self_test(dtype)
             reason = _verdicts[dtype]
-            # A self-test that failed is worth a warning either way, unless oneDNN said the CPU lacks the
-            # instructions (bf16 on an AVX2-only CPU): a platform without them, like the ones above.
-            asked = asked or not cpu_lacks_support(reason)
+            asked = True  # the platform has them: a failed self-test is worth a warning either way
         if reason is not None and asked:
             warn_once(f"plain products run instead of packed oneDNN ones: {reason}")
         return reason is None

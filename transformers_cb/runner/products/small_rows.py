@@ -80,7 +80,7 @@ F32_ROWS = 32
 NO_AMX_F32_ROWS = 64
 # float32 on an AVX2-only CPU (8 lanes, 16 registers: AMD Zen 3), 2 threads, cold weights of the small model
 # and SmolLM2, LM heads included: 1.0-2.9x oneDNN's packed call at 1-8 rows, 0.6-1.06x at 16 and slower beyond
-# (docs/design.md, "Small-row products").
+# (docs/design.md, "AVX2-only CPUs: AMD Zen 3").
 AVX2_F32_ROWS = 8
 # The native function of each dtype's product.
 FUNCTIONS = {torch.bfloat16: "bf16_rows_matmul", torch.float32: "f32_rows_matmul"}
@@ -113,7 +113,12 @@ def has_rows_pack(out_features: int, in_features: int, dtype: torch.dtype = torc
     """Whether a weight of this shape and dtype gets a row pack in this process (the memory check counts it):
     `row_pack_for`'s rule, on this CPU."""
     ops = rows_module(dtype)
-    return ops is not None and row_limit(out_features, in_features, _amx(ops, dtype), dtype, _lanes(ops)) > 0
+    return ops is not None and _row_limit_here(ops, out_features, in_features, dtype) > 0
+
+
+def _row_limit_here(ops: ModuleType, out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """`row_limit` on this CPU, as the library `ops` was built for it."""
+    return row_limit(out_features, in_features, _amx(ops, dtype), dtype, _lanes(ops))
 
 
 def _amx(ops: ModuleType, dtype: torch.dtype) -> bool:
@@ -187,9 +192,7 @@ def row_pack_for(pack: RowPacked, dtype: torch.dtype, rows: int) -> torch.Tensor
         out_features, in_features = pack.packed.shape
         ops = rows_module(packed_dtype)
         limit = pack.row_limit = (
-            0
-            if ops is None
-            else row_limit(out_features, in_features, _amx(ops, packed_dtype), packed_dtype, _lanes(ops))
+            0 if ops is None else _row_limit_here(ops, out_features, in_features, packed_dtype)
         )
     if limit == 0 or dtype != packed_dtype or rows == 0 or rows > limit or dtype not in _found:
         return None
@@ -204,13 +207,8 @@ def rows_product(x: torch.Tensor, pack: RowPacked, bias: torch.Tensor | None) ->
     oneDNN's product runs instead (more rows than the weight's limit, no native product, another dtype)."""
     in_features = x.shape[-1] if x.dim() else 0
     rows = x.numel() // in_features if in_features else 0
-    # a bf16 weight packed in float32 (packed_linear.pack_dtype): the float32 product on widened rows
-    wide = x.dtype == torch.bfloat16 and pack.packed.dtype == torch.float32
-    dtype = torch.float32 if wide else x.dtype
-    rows_pack = row_pack_for(pack, dtype, rows)
+    rows_pack = row_pack_for(pack, x.dtype, rows)
     if rows_pack is None:
         return None
-    if wide:
-        x, bias = x.float(), None if bias is None else bias.float()
-    out: torch.Tensor = getattr(_found[dtype], FUNCTIONS[dtype])(x, rows_pack, bias, pack.packed.shape[0])
-    return out.to(torch.bfloat16) if wide else out
+    out: torch.Tensor = getattr(_found[x.dtype], FUNCTIONS[x.dtype])(x, rows_pack, bias, pack.packed.shape[0])
+    return out
