@@ -177,6 +177,28 @@ def test_float32_loop_is_float32_sums(shape: tuple[int, int], rows: int, with_bi
     assert ((got.double() - exact).abs() <= magnitude * (in_features + 1) * 2**-24).all()
 
 
+def fma_chain(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as one float32 fused multiply-add per k, in order: float64 holds each product exactly, and
+    its sum rounds to float32 as a fused multiply-add does (a float64 sum that lands on a float32 halfway point,
+    which would round twice, is rare enough not to occur in these sizes)."""
+    sums = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for k in range(x.shape[1]):
+        sums = (x[:, k, None].double() * weight[None, :, k].double() + sums.double()).float()
+    return sums
+
+
+@needs_f32_rows
+@pytest.mark.parametrize("in_features", [300, 576])
+@pytest.mark.parametrize("rows", [1, 7, 16, 33])
+def test_float32_loop_is_one_fused_chain_per_column(in_features: int, rows: int) -> None:
+    # K runs in stretches on AVX2 and rows in tiles of varying size: neither may change a column's bits
+    generator = torch.Generator().manual_seed(in_features + rows)
+    weight = torch.randn(40, in_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    got = F32_OPS.f32_rows_matmul(x, small_rows.pack_rows_f32(weight), None, 40)
+    assert torch.equal(got, fma_chain(x, weight))
+
+
 @needs_f32_rows
 def test_float32_routes_by_rows(monkeypatch) -> None:
     calls = count_native(monkeypatch)

@@ -224,12 +224,12 @@ namespace {
 #if defined(__AVX512F__)
 // Rows [0, RT) of x (float32, `x_stride` a row) times CB column blocks of the float32 row pack ([K, 16] a block):
 // each column's sum is one chain of fused multiply-adds over k in order, into `sums` [RT][CB][16].
-template <int RT, int CB>
+template <int RT, int CB, bool LEAD>
 inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int64_t K, int64_t block_stride,
-                          float* sums) {
+                          float* sums, bool first) {
   __m512 acc[RT][CB];
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CB; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (r * CB + c) * 16);
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[CB];
     for (int c = 0; c < CB; ++c) {
@@ -249,7 +249,7 @@ inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int6
 // Row `r`'s `cols` (<= 16) sums of a block plus the bias, stored.
 inline void f32_store_block(const float* sums, const float* bias, float* y, int64_t cols) {
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-  __m512 v = _mm512_load_ps(sums);
+  __m512 v = _mm512_loadu_ps(sums);
   if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias));
   _mm512_mask_storeu_ps(y, mask, v);
 }
@@ -257,19 +257,25 @@ inline void f32_store_block(const float* sums, const float* bias, float* y, int6
 constexpr int64_t kF32Lanes = 16;
 constexpr int kF32RowTile = 8;
 constexpr int kF32Blocks = 2;  // column blocks a tile: 8 rows x 2 blocks = 16 of the 32 zmm registers
+// K in one pass: as measured on Zen 4 (the chunked pass below was measured on AVX2 only).
+constexpr int64_t kF32KChunk = int64_t{1} << 40;
 #else
 // AVX2 + FMA (e.g. AMD Zen 3): the same tile with a block's 16 columns as two 8-lane halves, each column's sum
-// the same chain of fused multiply-adds over k in order (so the same bits as the AVX-512 tile).
-template <int RT, int CB>
+// the same chain of fused multiply-adds over k in order (so the same bits as the AVX-512 tile). `first`: the
+// sums start at zero (else they go on from `sums`); `LEAD`: the first row tile over this stretch of K, which
+// asks for the block's lines ahead (the later tiles find them in L1).
+template <int RT, int CB, bool LEAD>
 inline void f32_rows_tile(const float* x, int64_t x_stride, const float* w, int64_t K, int64_t block_stride,
-                          float* sums) {
+                          float* sums, bool first) {
   __m256 acc[RT][CB][2];
   for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < CB; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+    for (int c = 0; c < CB; ++c)
+      for (int h = 0; h < 2; ++h)
+        acc[r][c][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + (r * CB + c) * 16 + h * 8);
   for (int64_t k = 0; k < K; ++k) {
     __m256 wv[CB][2];
     for (int c = 0; c < CB; ++c) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (CB + c) * block_stride + k * 16), _MM_HINT_T1);
+      if constexpr (LEAD) _mm_prefetch(reinterpret_cast<const char*>(w + c * block_stride + (k + 32) * 16), _MM_HINT_T0);
       wv[c][0] = _mm256_loadu_ps(w + c * block_stride + k * 16);
       wv[c][1] = _mm256_loadu_ps(w + c * block_stride + k * 16 + 8);
     }
@@ -295,16 +301,41 @@ inline void f32_store_block(const float* sums, const float* bias, float* y, int6
 constexpr int64_t kF32Lanes = 8;
 constexpr int kF32RowTile = 6;
 constexpr int kF32Blocks = 1;  // 6 rows x 2 halves = 12 accumulators, 2 weights and a broadcast: 15 of 16 ymm
+// K in stretches of 128 (8 KB of a block's weights, 8 KB of 16 rows' x): every row tile reads a stretch from L1
+// while the first one streams it from memory, where one pass over K per tile read it from L2 or memory again
+// (1.3-2x faster from 9 rows on the small model's shapes; docs/design.md, "AVX2-only CPUs").
+constexpr int64_t kF32KChunk = 128;
 #endif
 
 template <int CB>
 void f32_rows_tile_of(int rows, const float* x, int64_t x_stride, const float* w, int64_t K, int64_t stride,
-                      float* sums) {
+                      float* sums, bool first, bool lead) {
   with_row_count(rows, [&](auto rt) {
     if constexpr (decltype(rt)::value <= kF32RowTile) {
-      f32_rows_tile<decltype(rt)::value, CB>(x, x_stride, w, K, stride, sums);
+      if (lead) {
+        f32_rows_tile<decltype(rt)::value, CB, true>(x, x_stride, w, K, stride, sums, first);
+      } else {
+        f32_rows_tile<decltype(rt)::value, CB, false>(x, x_stride, w, K, stride, sums, first);
+      }
     }
   });
+}
+
+// R rows [0, R) times the column blocks [nb, nb + CB): sums [R][CB][16], over K in stretches of `kF32KChunk`,
+// the rows in tiles of near-equal size (at most `kF32RowTile`: 16 rows on AVX2 are 6 + 5 + 5, not 6 + 6 + 4).
+template <int CB>
+void f32_rows_group(int64_t R, const float* x, const float* w, int64_t K, float* sums) {
+  const int64_t tiles = (R + kF32RowTile - 1) / kF32RowTile;
+  for (int64_t k0 = 0; k0 < K; k0 += kF32KChunk) {
+    const int64_t kc = std::min<int64_t>(kF32KChunk, K - k0);
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t rows = (R - r0 + (tiles - t) - 1) / (tiles - t);
+      f32_rows_tile_of<CB>(static_cast<int>(rows), x + r0 * K + k0, K, w + k0 * 16, kc, K * 16, sums + r0 * CB * 16,
+                           k0 == 0, t == 0);
+      r0 += rows;
+    }
+  }
 }
 
 constexpr int64_t kF32RowsGrainProducts = 1 << 16;
@@ -334,25 +365,22 @@ at::Tensor f32_rows_matmul(const at::Tensor& x_in, const at::Tensor& packed, con
   const int64_t groups = (NB + kF32Blocks - 1) / kF32Blocks;
   const int64_t grain = std::max<int64_t>(1, kF32RowsGrainProducts / std::max<int64_t>(K * 16 * kF32Blocks * R, 1));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    alignas(64) float sums[kF32RowTile * kF32Blocks * 16];
+    std::vector<float> sums(R * kF32Blocks * 16);
     for (int64_t group = g0; group < g1; ++group) {
       const int64_t nb = group * kF32Blocks;
       const int blocks = static_cast<int>(std::min<int64_t>(kF32Blocks, NB - nb));
-      for (int64_t r0 = 0; r0 < R; r0 += kF32RowTile) {
-        const int rows = static_cast<int>(std::min<int64_t>(kF32RowTile, R - r0));
-        if (blocks == kF32Blocks) {
-          f32_rows_tile_of<kF32Blocks>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
-        } else {
-          f32_rows_tile_of<1>(rows, xp + r0 * K, K, wp + nb * K * 16, K, K * 16, sums);
-        }
-        for (int r = 0; r < rows; ++r) {
-          for (int c = 0; c < blocks; ++c) {
-            const int64_t n0 = (nb + c) * 16;
-            const int64_t cols = std::min<int64_t>(16, N - n0);
-            if (cols <= 0) continue;
-            f32_store_block(sums + (r * blocks + c) * 16, bp != nullptr ? bp + n0 : nullptr, yp + (r0 + r) * N + n0,
-                            cols);
-          }
+      if (blocks == kF32Blocks) {
+        f32_rows_group<kF32Blocks>(R, xp, wp + nb * K * 16, K, sums.data());
+      } else {
+        f32_rows_group<1>(R, xp, wp + nb * K * 16, K, sums.data());
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        for (int c = 0; c < blocks; ++c) {
+          const int64_t n0 = (nb + c) * 16;
+          const int64_t cols = std::min<int64_t>(16, N - n0);
+          if (cols <= 0) continue;
+          f32_store_block(sums.data() + (r * blocks + c) * 16, bp != nullptr ? bp + n0 : nullptr, yp + r * N + n0,
+                          cols);
         }
       }
     }
