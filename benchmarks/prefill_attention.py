@@ -24,7 +24,7 @@ from transformers_cb.attention.native.kernel import (
 
 # (query heads, KV heads, head size): the small benchmark model, SmolLM2-135M, an 8B-class layer.
 SHAPES = ((8, 2, 64), (9, 3, 64), (32, 8, 128))
-TOKENS = (128, 512, 2048)
+TOKENS = (128, 512, 1024, 2048)
 PAGE = 16
 
 

@@ -3,6 +3,9 @@ grouped (every decode once, in order, within the padding bound, never reading an
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,8 +16,11 @@ from transformers_cb.attention.native.kernel import ensure_native_module
 from transformers_cb.kv.layer_groups import FULL_ATTENTION, KVGroupSpec
 from transformers_cb.memory.kv_cache import CacheLayout
 from transformers_cb.runner.call_groups import (
+    AVX2_CHUNK_MAX_WORK,
+    AVX2_WIDE_HEAD_CHUNK_MAX_WORK,
     DECODE_PADDING_BOUND,
     group_decodes,
+    native_chunk_max_work,
     native_prefill_max_work,
     native_takes_every_chunk,
 )
@@ -51,7 +57,7 @@ def test_the_native_bound_is_wider_in_float32() -> None:
 
 
 def test_every_chunk_joins_the_native_call_where_the_query_tiles_take_the_shape() -> None:
-    """Chunks of any length join the native call where the AVX-512 kernel (and its query tiles) takes every
+    """Chunks of any length join the native call where the vector kernel (and its query tiles) takes every
     layer's head size and group: float32 anywhere, bfloat16 without AMX (whose SDPA products run on AMX)."""
 
     def takes(dtype, head_dims, group, vector_kernels, amx, **group_spec) -> bool:
@@ -66,12 +72,45 @@ def test_every_chunk_joins_the_native_call_where_the_query_tiles_take_the_shape(
     assert takes(torch.float32, [64, 128], 8, vector_kernels=True, amx=True)
     assert not takes(torch.bfloat16, [64], 4, vector_kernels=True, amx=True)
     assert not takes(torch.float16, [64], 4, vector_kernels=True, amx=False)  # no vector kernel for fp16
-    assert not takes(torch.float32, [64], 4, vector_kernels=False, amx=False)  # not built with AVX-512
+    assert not takes(torch.float32, [64], 4, vector_kernels=False, amx=False)  # no vector kernel built
     assert not takes(torch.float32, [64, 96], 4, vector_kernels=True, amx=False)
     assert not takes(torch.float32, [64], 9, vector_kernels=True, amx=False)
     assert not takes(
         torch.float32, [64], 4, vector_kernels=True, amx=False, value_dim=32
     )  # V of another size
+
+
+def test_long_chunks_join_the_native_call_up_to_the_bound_measured_for_the_kernels_width() -> None:
+    """AVX-512 tiles take every chunk; AVX2's (8 lanes) up to 1024 x 1024 (query, key) pairs for heads of 64,
+    512 x 512 where a layer's heads are wider (SDPA won past those)."""
+
+    def layout(*head_dims: int) -> CacheLayout:
+        groups = tuple(KVGroupSpec(FULL_ATTENTION, (i,), head_shape=(2, d)) for i, d in enumerate(head_dims))
+        return CacheLayout(
+            len(groups), groups, (8,) * len(groups), 16, 2, 64, torch.float32, torch.device("cpu")
+        )
+
+    assert native_chunk_max_work(layout(64, 128), 16) == sys.maxsize
+    assert native_chunk_max_work(layout(64), 8) == AVX2_CHUNK_MAX_WORK == 1024 * 1024
+    assert native_chunk_max_work(layout(64, 128), 8) == AVX2_WIDE_HEAD_CHUNK_MAX_WORK == 512 * 512
+
+
+def test_the_packer_keeps_every_chunk_native_in_batch_invariant_mode_on_any_width(monkeypatch) -> None:
+    """`every_long_chunk_native` only raises the bound: after `every_chunk_native` (batch-invariant mode) an AVX2
+    library's bound must not bring SDPA back for long chunks."""
+    from transformers_cb.runner import packing
+
+    packer = SimpleNamespace(
+        native=True, cache=SimpleNamespace(layout=None), native_prefill_max_work=sys.maxsize
+    )
+    monkeypatch.setattr(packing, "native_takes_every_chunk", lambda *a: True)
+    monkeypatch.setattr(packing, "vector_lanes", lambda: 8)
+    monkeypatch.setattr(packing, "native_chunk_max_work", lambda layout, lanes: AVX2_CHUNK_MAX_WORK)
+    packing.BatchPacker.every_long_chunk_native(packer, 4)
+    assert packer.native_prefill_max_work == sys.maxsize
+    packer.native_prefill_max_work = 512 * 512
+    packing.BatchPacker.every_long_chunk_native(packer, 4)
+    assert packer.native_prefill_max_work == AVX2_CHUNK_MAX_WORK
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

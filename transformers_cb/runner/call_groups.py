@@ -8,6 +8,8 @@ where the kernel's query tiles take every chunk (`native_takes_every_chunk`).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..memory.kv_cache import CacheLayout
@@ -30,9 +32,10 @@ VECTOR_MAX_GROUP = 8
 
 
 def native_takes_every_chunk(layout: CacheLayout, group_size: int, vector_kernels: bool, amx: bool) -> bool:
-    """Whether prefill chunks of any length join the native call: where the AVX-512 kernel takes every layer's
-    shape (plain K/V pages: no latent rows, no V of another size, no repeated heads), its query tiles (a chunk's
-    tokens share each widened K/V block) beat SDPA at every length measured (2-core AMD EPYC Zen 4, 8 heads on 2
+    """Whether prefill chunks of any length (on AVX2: up to `native_chunk_max_work`) join the native call: where
+    the vector kernel takes every layer's shape (plain K/V pages: no latent rows, no V of another size, no
+    repeated heads), its query tiles (a chunk's tokens share each widened K/V block) beat SDPA at every length
+    measured with AVX-512 (2-core AMD EPYC Zen 4, 8 heads on 2
     KV heads of 64: 512 tokens 2.0 ms against SDPA's 4.9, 2048 tokens 30 ms against 45, bf16 and fp32 alike;
     docs/design.md). Not for bfloat16 on a CPU with AMX, whose SDPA runs its products on AMX tiles, nor for
     float16 (no vector kernel)."""
@@ -45,6 +48,23 @@ def native_takes_every_chunk(layout: CacheLayout, group_size: int, vector_kernel
     )
     head_dims = {layout.head_shape(g)[1] for g in range(len(layout.groups))}
     return plain and head_dims <= set(VECTOR_HEAD_DIMS) and 1 <= group_size <= VECTOR_MAX_GROUP
+
+
+# On an AVX2-only CPU (the 8-lane kernels, AMD Zen 3, 2 threads) the query tiles beat SDPA up to 1024 tokens
+# for heads of 64 (1.13-1.94x) but not at 2048 (0.99-1.16x), and for heads of 128 up to 512 tokens only
+# (1.20-1.68x; 0.88-0.94x at 1024): longer chunks keep SDPA there (docs/design.md, "AVX2-only CPUs").
+AVX2_CHUNK_MAX_WORK = 1024 * 1024
+AVX2_WIDE_HEAD_CHUNK_MAX_WORK = 512 * 512
+
+
+def native_chunk_max_work(layout: CacheLayout, lanes: int) -> int:
+    """The (query, key) pairs up to which any prefill chunk joins the native call where the kernel's query tiles
+    take every chunk (`native_takes_every_chunk`), by the vector kernels' width (`vector_lanes()`): every
+    chunk with AVX-512, the measured bounds with AVX2."""
+    if lanes >= 16:
+        return sys.maxsize
+    wide = any(layout.head_shape(g)[1] > 64 for g in range(len(layout.groups)))
+    return AVX2_WIDE_HEAD_CHUNK_MAX_WORK if wide else AVX2_CHUNK_MAX_WORK
 
 
 def native_prefill_max_work(dtype: torch.dtype) -> int:

@@ -151,10 +151,17 @@ def cpu_has_amx() -> bool:
 
 
 def vector_kernels() -> bool:
-    """Whether the built library has the AVX-512 attention kernels (`attend_vec` and its query tiles,
-    native_vec_source.py); False without the library."""
+    """Whether the built library has the vector attention kernels (`attend_vec` and its query tiles: AVX-512,
+    native_vec_source.py, or AVX2 + FMA, native_vec8_source.py); False without the library."""
     module = native_module()
     return module is not None and bool(module.vector_kernels())
+
+
+def vector_lanes() -> int:
+    """The vector attention kernels' width in the built library: 16 (AVX-512), 8 (AVX2 + FMA), 0 (none, or no
+    library)."""
+    module = native_module()
+    return 0 if module is None else int(module.vector_lanes())
 
 
 def native_paged_attention(

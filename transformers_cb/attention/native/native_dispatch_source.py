@@ -8,7 +8,7 @@ library binds (its dtype and layout checks, an int8 cache's scales).
 DISPATCH_SOURCE = r"""
 template <typename T, int D>
 Attend<T> fixed_for_group(int64_t group) {
-#if defined(__AVX512F__)
+#if defined(TCB_VECTOR_KERNELS)
   if (const Attend<T> vec = vec_for_group<T, D>(group)) return vec;
 #endif
   switch (group) {
@@ -24,8 +24,8 @@ Attend<T> fixed_for_group(int64_t group) {
   }
 }
 
-// The kernel of this step's shape: a fixed one for head sizes 64 / 128 and groups up to 8 (the AVX-512
-// vector kernel where the CPU has it).
+// The kernel of this step's shape: a fixed one for head sizes 64 / 128 and groups up to 8 (the vector
+// kernel where the library has one: AVX-512, or AVX2 + FMA).
 template <typename T>
 Attend<T> attend_for(int64_t group, int64_t head_dim) {
   if (head_dim == 64) return fixed_for_group<T, 64>(group);
@@ -36,7 +36,7 @@ Attend<T> attend_for(int64_t group, int64_t head_dim) {
 // The kernel of an int8 cache's step: the vector kernel's int8 instance where it applies, else attend_one's.
 template <typename T>
 Attend<T> attend_q8_for(int64_t group, int64_t head_dim) {
-#if defined(__AVX512F__)
+#if defined(TCB_VECTOR_KERNELS)
   if (head_dim == 64) {
     if (const Attend<T> vec = vec_for_group<T, 64, int8_t>(group)) return vec;
   }
@@ -124,7 +124,7 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
   const int64_t lanes = work < (1 << 16) ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   const Attend<T> attend = q8 ? attend_q8_for<T>(s.group, s.head_dim) : attend_for<T>(s.group, s.head_dim);
   AttendTile<T> tile = nullptr;
-#if defined(__AVX512F__)
+#if defined(TCB_VECTOR_KERNELS)
   if (!q8 && s.window == 0) tile = tile_for<T, T>(s.group, s.head_dim);
 #endif
   if (tile != nullptr && run_tiles(s, tokens, lanes, attend, tile)) return;
@@ -155,10 +155,21 @@ void run_step(const at::Tensor& query, const at::Tensor& key_cache, const at::Te
 }  // namespace
 
 bool vector_kernels() {
-#if defined(__AVX512F__)
+#if defined(TCB_VECTOR_KERNELS)
   return true;
 #else
   return false;
+#endif
+}
+
+// The vector kernels' width: 16 (AVX-512), 8 (AVX2 + FMA) or 0 (none built).
+int64_t vector_lanes() {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(TCB_VECTOR_KERNELS)
+  return 8;
+#else
+  return 0;
 #endif
 }
 

@@ -10,8 +10,9 @@ chunk of `-window` tokens) when `window < 0`.
 
 On AVX-512 CPUs (float32, bfloat16) head sizes 64 and 128 with up to 8 query heads per KV head run
 `attend_vec`: scores 16 keys at a time with their lane sums done together, a vectorized softmax, values
-accumulated in registers, every row widened to float32 as it is read.
-Elsewhere `attend_fixed` / `attend_one` (portable C++ the compiler vectorizes).
+accumulated in registers, every row widened to float32 as it is read; on CPUs with AVX2 and FMA alone the
+same kernel 8 lanes wide (native_vec8_source.py). Elsewhere `attend_fixed` / `attend_one` (portable C++
+the compiler vectorizes).
 
 An int8 cache (`kv_cache_dtype="int8"`, memory/kv_quant.py) is read in place by the same kernels
 instantiated for int8 rows (`KV = int8_t`): `attend_vec` widens 16 int8 values at a time and applies each
@@ -24,6 +25,7 @@ from .native_decoder_source import DECODER_BINDINGS, DECODER_SOURCE
 from .native_dispatch_source import DISPATCH_SOURCE
 from .native_layer_source import BINDINGS, LAYER_SOURCE
 from .native_rows_source import ROWS_BINDINGS, ROWS_SOURCE
+from .native_vec8_source import VEC8_SOURCE
 from .native_vec_source import VEC_SOURCE
 from .quantized.native_int8_source import INT8_BINDINGS, INT8_SOURCE
 from .quantized.native_kv_quant_source import KV_QUANT_BINDINGS, KV_QUANT_SOURCE
@@ -42,7 +44,7 @@ ATTENTION_SOURCE = r"""
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__SSE__)
@@ -331,6 +333,7 @@ constexpr int64_t kTileTokens = 16;
 SOURCE = (
     ATTENTION_SOURCE
     + VEC_SOURCE
+    + VEC8_SOURCE
     + DISPATCH_SOURCE
     + KV_QUANT_SOURCE
     + LAYER_SOURCE
@@ -343,7 +346,8 @@ SOURCE = (
     + """
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention of query tokens over the paged KV cache");
-  m.def("vector_kernels", &vector_kernels, "whether the AVX-512 attention kernels (and their query tiles) are built");
+  m.def("vector_kernels", &vector_kernels, "whether the vector attention kernels (AVX-512 or AVX2; and their query tiles) are built");
+  m.def("vector_lanes", &vector_lanes, "the vector attention kernels' width: 16 (AVX-512), 8 (AVX2) or 0");
 """
     + BINDINGS
     + ARGMAX_BINDINGS

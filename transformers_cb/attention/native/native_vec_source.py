@@ -10,6 +10,7 @@ each key's 16-lane partial dot product by the key row's scale, each value row's 
 """
 
 VEC_SOURCE = r"""#if defined(__AVX512F__)
+#define TCB_VECTOR_KERNELS 1
 // ---- the AVX-512 kernel (float32, bfloat16): no horizontal sum per key -------------------------------
 // Scores are computed 16 keys at a time: each (head, key) dot product is left as a 16-lane vector, and the
 // 16 vectors of a block are summed across lanes together (a transpose-and-add tree: ~3 instructions a
