@@ -87,10 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     run(prompts(args.rows, args.kv), 4)  # warm
     # Decode steps alone: the requests added to the engine, stepped through their prefill, then timed.
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=4 * args.steps + 8, temperature=0.0, ignore_eos=True, detokenize=False)
+    warm_steps = args.rows * args.kv // 256 + 4  # every prefill chunk, and a few decode steps
+    # tokens enough for the warm-up's decode steps too: the timed and profiled steps must all decode every row
+    params = SamplingParams(
+        max_tokens=warm_steps + 4 * args.steps + 8, temperature=0.0, ignore_eos=True, detokenize=False
+    )
     for i, prompt in enumerate(prompts(args.rows, args.kv)):
         engine.add_request(f"d{i}", prompt, params)
-    for _ in range(args.rows * args.kv // 256 + 4):  # every prefill chunk, and a few decode steps
+    for _ in range(warm_steps):
         engine.step()
     t0 = time.perf_counter()
     for _ in range(args.steps):

@@ -80,9 +80,9 @@ F32_ROWS = 32
 NO_AMX_F32_ROWS = 64
 # float32 on an AVX2-only CPU (8 lanes, 16 registers: AMD Zen 3), 2 threads, cold weights of the small model
 # and SmolLM2, LM heads included, K in stretches of 128: 1.05-2.5x oneDNN's packed call at 1-16 rows, 1.0-1.7x
-# at 24 and 32 (SmolLM2's 49152-column LM head 0.97 at 32), 0.96-1.5x at 48 (docs/design.md, "AVX2-only CPUs:
-# AMD Zen 3").
-AVX2_F32_ROWS = 32
+# at 24 and 32, 1.02-1.37x at 48 and 64 on all but SmolLM2's 960 x 576 (0.89-0.99); a 64-row decode step of the
+# small model 79 -> 67 ms (docs/design.md, "AVX2-only CPUs: AMD Zen 3").
+AVX2_F32_ROWS = 64
 # The native function of each dtype's product.
 FUNCTIONS = {torch.bfloat16: "bf16_rows_matmul", torch.float32: "f32_rows_matmul"}
 
