@@ -1,11 +1,49 @@
 """C++ source of the native paged-attention kernel's dispatch and entry point, spliced by native_source.py after
-the portable kernels and the AVX-512 ones (native_vec_source.py): which kernel a step's shape and cache take
-(`attend_for`: head sizes 64 / 128 and groups up to 8 on the fixed or vector kernels, `attend_q8_for`: an int8
-cache's instances), the step's lanes over the threads (`run_step`), and `paged_attention`, the function the
-library binds (its dtype and layout checks, an int8 cache's scales).
+the portable kernels and the vector ones (native_vec_source.py, native_vec8_source.py): which kernel a step's
+shape and cache take (`vec_for_group` / `tile_for`: the vector kernels of either width; `attend_for`: head sizes
+64 / 128 and groups up to 8 on the fixed or vector kernels, `attend_q8_for`: an int8 cache's instances), the
+step's lanes over the threads (`run_step`), and `paged_attention`, the function the library binds (its dtype and
+layout checks, an int8 cache's scales).
 """
 
 DISPATCH_SOURCE = r"""
+#if defined(TCB_VECTOR_KERNELS)
+// (the vector kernels of either width: native_vec_source.py, native_vec8_source.py)
+// The tile kernel for this dtype and head size where the per-token kernel is attend_vec (whose bits it
+// keeps), or nullptr.
+template <typename T, typename KV>
+AttendTile<T> tile_for(int64_t group, int64_t head_dim) {
+  constexpr bool takes = (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && std::is_same_v<KV, T>;
+  if constexpr (takes) {
+    if (group < 1 || group > 8) return nullptr;
+    if (head_dim == 64) return attend_tile<T, 64>;
+    if (head_dim == 128) return attend_tile<T, 128>;
+  }
+  return nullptr;
+}
+
+// The vector kernel for this dtype, group and head size (and cache rows: the model's dtype or int8), or
+// nullptr where it does not apply.
+template <typename T, int D, typename KV = T>
+Attend<T> vec_for_group(int64_t group) {
+  constexpr bool takes = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+  if constexpr (takes) {
+    switch (group) {
+      case 1: return attend_vec<T, 1, D, KV>;
+      case 2: return attend_vec<T, 2, D, KV>;
+      case 3: return attend_vec<T, 3, D, KV>;
+      case 4: return attend_vec<T, 4, D, KV>;
+      case 5: return attend_vec<T, 5, D, KV>;
+      case 6: return attend_vec<T, 6, D, KV>;
+      case 7: return attend_vec<T, 7, D, KV>;
+      case 8: return attend_vec<T, 8, D, KV>;
+      default: return nullptr;
+    }
+  }
+  return nullptr;
+}
+#endif
+
 template <typename T, int D>
 Attend<T> fixed_for_group(int64_t group) {
 #if defined(TCB_VECTOR_KERNELS)

@@ -302,39 +302,5 @@ void attend_tile(const Step<T>& s, int64_t t0, int64_t count, int64_t g, Scratch
     for (int64_t i = 0; i < G * D; ++i) out[i] = static_cast<T>(o[i]);
   }
 }
-
-// The tile kernel for this dtype and head size where the per-token kernel is attend_vec (whose bits it
-// keeps), or nullptr.
-template <typename T, typename KV>
-AttendTile<T> tile_for(int64_t group, int64_t head_dim) {
-  constexpr bool takes = (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) && std::is_same_v<KV, T>;
-  if constexpr (takes) {
-    if (group < 1 || group > 8) return nullptr;
-    if (head_dim == 64) return attend_tile<T, 64>;
-    if (head_dim == 128) return attend_tile<T, 128>;
-  }
-  return nullptr;
-}
-
-// The vector kernel for this dtype, group and head size (and cache rows: the model's dtype or int8), or
-// nullptr where it does not apply.
-template <typename T, int D, typename KV = T>
-Attend<T> vec_for_group(int64_t group) {
-  constexpr bool takes = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-  if constexpr (takes) {
-    switch (group) {
-      case 1: return attend_vec<T, 1, D, KV>;
-      case 2: return attend_vec<T, 2, D, KV>;
-      case 3: return attend_vec<T, 3, D, KV>;
-      case 4: return attend_vec<T, 4, D, KV>;
-      case 5: return attend_vec<T, 5, D, KV>;
-      case 6: return attend_vec<T, 6, D, KV>;
-      case 7: return attend_vec<T, 7, D, KV>;
-      case 8: return attend_vec<T, 8, D, KV>;
-      default: return nullptr;
-    }
-  }
-  return nullptr;
-}
 #endif
 """
