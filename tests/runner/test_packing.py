@@ -90,9 +90,11 @@ def test_long_chunks_join_the_native_call_up_to_the_bound_measured_for_the_kerne
             len(groups), groups, (8,) * len(groups), 16, 2, 64, torch.float32, torch.device("cpu")
         )
 
-    assert native_chunk_max_work(layout(64, 128), 16) == sys.maxsize
-    assert native_chunk_max_work(layout(64), 8) == AVX2_CHUNK_MAX_WORK == 1024 * 1024
-    assert native_chunk_max_work(layout(64, 128), 8) == AVX2_WIDE_HEAD_CHUNK_MAX_WORK == 512 * 512
+    assert native_chunk_max_work(layout(64, 128), 4, 16, False) == sys.maxsize
+    assert native_chunk_max_work(layout(64), 4, 8, False) == AVX2_CHUNK_MAX_WORK == 1024 * 1024
+    assert native_chunk_max_work(layout(64, 128), 4, 8, False) == AVX2_WIDE_HEAD_CHUNK_MAX_WORK == 512 * 512
+    assert native_chunk_max_work(layout(64), 4, 0, False) == 0  # no vector kernel built
+    assert native_chunk_max_work(layout(64), 9, 8, False) == 0  # a group the tiles do not take
 
 
 def test_the_packer_keeps_every_chunk_native_in_batch_invariant_mode_on_any_width(monkeypatch) -> None:
@@ -103,9 +105,10 @@ def test_the_packer_keeps_every_chunk_native_in_batch_invariant_mode_on_any_widt
     packer = SimpleNamespace(
         native=True, cache=SimpleNamespace(layout=None), native_prefill_max_work=sys.maxsize
     )
-    monkeypatch.setattr(packing, "native_takes_every_chunk", lambda *a: True)
     monkeypatch.setattr(packing, "vector_lanes", lambda: 8)
-    monkeypatch.setattr(packing, "native_chunk_max_work", lambda layout, lanes: AVX2_CHUNK_MAX_WORK)
+    monkeypatch.setattr(
+        packing, "native_chunk_max_work", lambda layout, group, lanes, amx: AVX2_CHUNK_MAX_WORK
+    )
     packing.BatchPacker.every_long_chunk_native(packer, 4)
     assert packer.native_prefill_max_work == sys.maxsize
     packer.native_prefill_max_work = 512 * 512

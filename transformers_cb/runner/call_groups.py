@@ -57,10 +57,12 @@ AVX2_CHUNK_MAX_WORK = 1024 * 1024
 AVX2_WIDE_HEAD_CHUNK_MAX_WORK = 512 * 512
 
 
-def native_chunk_max_work(layout: CacheLayout, lanes: int) -> int:
-    """The (query, key) pairs up to which any prefill chunk joins the native call where the kernel's query tiles
-    take every chunk (`native_takes_every_chunk`), by the vector kernels' width (`vector_lanes()`): every
-    chunk with AVX-512, the measured bounds with AVX2."""
+def native_chunk_max_work(layout: CacheLayout, group_size: int, lanes: int, amx: bool) -> int:
+    """The (query, key) pairs up to which any prefill chunk joins the native call by the vector kernels' width
+    (`vector_lanes()`): every chunk with AVX-512, the measured bounds with AVX2, 0 where the query tiles do not
+    take the model's shape (`native_takes_every_chunk`)."""
+    if not native_takes_every_chunk(layout, group_size, lanes > 0, amx):
+        return 0
     if lanes >= 16:
         return sys.maxsize
     wide = any(layout.head_shape(g)[1] > 64 for g in range(len(layout.groups)))

@@ -29,7 +29,7 @@ from ..attention.metadata import (
     first_visible_key,
     visible_keys,
 )
-from ..attention.native.kernel import cpu_has_amx, native_supported, vector_kernels, vector_lanes
+from ..attention.native.kernel import cpu_has_amx, native_supported, vector_lanes
 from ..invariants import present
 from ..kv.rope_rule import RopeRule
 from ..memory.block_tables import BlockTables
@@ -41,7 +41,6 @@ from .call_groups import (
     group_decodes,
     native_chunk_max_work,
     native_prefill_max_work,
-    native_takes_every_chunk,
 )
 from .media.image_blocks import blocks_in, widened_mask
 from .states.state_layers import StateTable
@@ -162,13 +161,10 @@ class BatchPacker:
         self.native_prefill_max_work = sys.maxsize
 
     def every_long_chunk_native(self, group_size: int) -> None:
-        """Prefill chunks of any length (on AVX2 up to `call_groups.native_chunk_max_work`) join the native call
-        where the kernel's query tiles beat SDPA (`call_groups.native_takes_every_chunk`; `group_size`: query
-        heads per KV head)."""
-        if self.native and native_takes_every_chunk(
-            self.cache.layout, group_size, vector_kernels(), cpu_has_amx()
-        ):
-            bound = native_chunk_max_work(self.cache.layout, vector_lanes())
+        """Prefill chunks up to `call_groups.native_chunk_max_work` (any length with AVX-512) join the native call
+        where the kernel's query tiles beat SDPA (`group_size`: query heads per KV head); only ever raised."""
+        if self.native:
+            bound = native_chunk_max_work(self.cache.layout, group_size, vector_lanes(), cpu_has_amx())
             self.native_prefill_max_work = max(self.native_prefill_max_work, bound)
 
     def release_request(self, request) -> None:
