@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.selection import paged_backend
+from ..memory.kept_heap import kept_heap
 from ..requests import Request, RequestStatus
 from ..runner.layer_ops.native_layers import native_layers
 from ..runner.products.batch_invariant import batch_invariant_modules
@@ -253,7 +254,8 @@ class Engine:
         warm-up): its paged attention backend, its packed products, torchao's int8 Linears on the native
         product, its native layer ops, the draft model's backend, the state layers' split forwards
         (runner/states/state_layers.py), batch-invariant mode's fixed-shape products and activations
-        (runner/products/batch_invariant.py), inference mode; all restored on exit. Every caller that steps the
+        (runner/products/batch_invariant.py), the host heap kept between steps on CPU (memory/kept_heap.py),
+        inference mode; all restored on exit. Every caller that steps the
         engine enters it, and only it."""
         with (
             paged_backend(self.model, self.settings.step_options.attn_implementation),
@@ -263,6 +265,7 @@ class Engine:
             self.assistant_session(),
             self.runner.session(),
             batch_invariant_modules(self.model, self.settings.step_options.batch_invariant),
+            kept_heap(self.settings.step_options.keep_heap),
             torch.inference_mode(),
         ):
             yield

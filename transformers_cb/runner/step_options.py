@@ -22,6 +22,7 @@ from ..attention.native.kernel import ENV_SWITCH as NATIVE_SWITCH
 from ..attention.native.kernel import ensure_native_module
 from ..attention.selection import FLASH_DEVICES, paged_implementation_for
 from ..config.continuous_batching import ContinuousBatchingConfig, DeviceOptions
+from ..memory.kept_heap import enabled_by_env as kept_heap_enabled
 from ..memory.sizing import CPU_MEMORY_PERCENT, free_memory_bytes
 from .forward.compiling import CompileSettings, resolve_compile_settings
 from .layer_ops.native_layers import enabled_by_env as native_layers_enabled
@@ -63,6 +64,9 @@ class StepOptions:
     # `ContinuousBatchingConfig.batch_invariant`: every attention token on the native kernel, products and
     # activations in fixed shapes (runner/products/batch_invariant.py); packed products and native layer ops off.
     batch_invariant: bool = False
+    # The host heap kept between steps (memory/kept_heap.py): a CPU model, not turned off by
+    # `TRANSFORMERS_CB_KEEP_HEAP=0`.
+    keep_heap: bool = False
 
     @property
     def is_flash(self) -> bool:
@@ -251,6 +255,7 @@ def resolve_step_options(
         native_layers=not invariant and device_type == "cpu" and native_layers_enabled(),
         torchao_linears=torchao,
         batch_invariant=invariant,
+        keep_heap=device_type == "cpu" and kept_heap_enabled(),
     )
 
 
