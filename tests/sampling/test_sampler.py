@@ -41,7 +41,7 @@ def test_native_best_rows_is_torch_max_indices(dtype: torch.dtype) -> None:
     # -inf rows, signed zeros, rows narrower than a vector, and rows that are slices of wider ones.
     module = native.ensure_native_module()
     generator = torch.Generator().manual_seed(0)
-    for width in (1, 7, 15, 16, 17, 31, 32, 33, 47, 64, 100, 4099, 32000):
+    for width in (1, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 47, 64, 100, 4099, 32000):
         wide = torch.randint(-3, 3, (12, width + 5), generator=generator).to(dtype)
         scores = wide[:, 2 : width + 2]  # row stride width + 5
         scores[1] = float("-inf")
