@@ -4,7 +4,7 @@
 .indices` gives it on CPU: the first of equal values (-0.0 equals 0.0), and a row holding a NaN gives its
 first NaN. torch reduces a bf16 row with its index at ~1 ns an element on these CPUs (16 x 32000 bf16 rows:
 ~480 us, 2 threads, every greedy step); here one vector pass finds the row's largest value and a second
-finds its first index (~20x faster), 16 lanes wide with AVX-512 and 8 with AVX2 (a scalar loop before: ~2 ms
+finds its first index (~20x faster), 16 lanes wide with AVX-512 and 8 with AVX2 + FMA (the AVX2 kernels' build; a scalar loop before: ~2 ms
 a step for 64 float32 rows of 32000 on AMD Zen 3). float32 and bfloat16 rows, the last dimension contiguous.
 """
 
@@ -30,17 +30,6 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-#elif defined(__AVX2__)
-inline __m256 load8_score(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8_score(const c10::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-inline float max_lane_of_8(__m256 v) {
-  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
 #endif
 
 template <typename T>
@@ -59,17 +48,17 @@ int64_t best_index(const T* x, int64_t n) {
   }
   if (nan) return first_nan(x, 0, i);
   best = _mm512_reduce_max_ps(_mm512_max_ps(top0, top1));
-#elif defined(__AVX2__)
+#elif defined(TCB_VECTOR_KERNELS)  // the AVX2 kernels' build: their widen8 and max_of_8 (native_vec8_source.py)
   __m256 top0 = _mm256_set1_ps(best), top1 = top0;
   __m256 nan = _mm256_setzero_ps();
   for (; i + 16 <= n; i += 16) {
-    const __m256 a = load8_score(x + i), b = load8_score(x + i + 8);
+    const __m256 a = widen8(x + i), b = widen8(x + i + 8);
     nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
     top0 = _mm256_max_ps(top0, a);
     top1 = _mm256_max_ps(top1, b);
   }
   if (_mm256_movemask_ps(nan)) return first_nan(x, 0, i);
-  best = max_lane_of_8(_mm256_max_ps(top0, top1));
+  best = max_of_8(_mm256_max_ps(top0, top1));
 #endif
   for (int64_t j = i; j < n; ++j) {
     const float v = widen_score(x[j]);
@@ -83,10 +72,10 @@ int64_t best_index(const T* x, int64_t n) {
     const __mmask16 hit = _mm512_cmp_ps_mask(load16(x + k), wanted, _CMP_EQ_OQ);
     if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
   }
-#elif defined(__AVX2__)
+#elif defined(TCB_VECTOR_KERNELS)
   const __m256 wanted = _mm256_set1_ps(best);
   for (; k + 8 <= n; k += 8) {
-    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8_score(x + k), wanted, _CMP_EQ_OQ));
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(widen8(x + k), wanted, _CMP_EQ_OQ));
     if (hit) return k + __builtin_ctz(static_cast<unsigned>(hit));
   }
 #endif
